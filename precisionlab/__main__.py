@@ -1,0 +1,3 @@
+from precisionlab.cli import main
+
+raise SystemExit(main())

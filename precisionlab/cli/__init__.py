@@ -1,0 +1,71 @@
+"""The ``precisionlab`` command: one module per subcommand under ``precisionlab.cli``.
+
+Each subcommand module defines ``HELP`` (one line), ``add_arguments(parser)`` and
+``run(args) -> int``. Bad input raises :class:`UsageError` (or ``ValueError``/``TypeError``
+from the library), which ``main`` prints as one line on stderr with exit status 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+from precisionlab.cli._common import Parser, UsageError
+
+__all__ = ["main", "UsageError"]
+
+# Subcommand name -> module under precisionlab.cli. Modules that are absent are skipped.
+COMMANDS: dict[str, str] = {
+    "bits": "bits_cmd",
+    "formats": "formats_cmd",
+    "values": "values_cmd",
+    "env": "env_cmd",
+    "survey": "survey_cmd",
+    "memory": "memory_cmd",
+    "run": "run_cmd",
+    "report": "report_cmd",
+    "compare": "compare_cmd",
+    "bench": "bench_cmd",
+}
+
+
+def _build_parser() -> tuple[Parser, dict]:
+    parser = Parser(prog="precisionlab", description="A JAX lab for numerical precision.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    modules = {}
+    for name, module_name in COMMANDS.items():
+        try:
+            module = importlib.import_module(f"precisionlab.cli.{module_name}")
+        except ModuleNotFoundError as err:
+            if err.name == f"precisionlab.cli.{module_name}":
+                continue
+            raise
+        command = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(command)
+        modules[name] = module
+    return parser, modules
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``precisionlab`` console script; returns the exit status."""
+    parser, modules = _build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(modules[args.command].run(args) or 0)
+    except (UsageError, ValueError, TypeError) as err:
+        message = str(err).splitlines()[0] if str(err) else type(err).__name__
+        sys.stderr.write(f"precisionlab {args.command}: error: {message}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write(f"precisionlab {args.command}: interrupted\n")
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
