@@ -13,21 +13,20 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Iterator
 from enum import StrEnum
-from functools import cached_property
-from typing import Iterator
 
 import numpy as np
 
 __all__ = [
-    "Specials",
-    "FloatFormat",
-    "IntFormat",
-    "Format",
-    "get_format",
-    "format_names",
-    "FORMATS",
     "ALIASES",
+    "FORMATS",
+    "FloatFormat",
+    "Format",
+    "IntFormat",
+    "Specials",
+    "format_names",
+    "get_format",
 ]
 
 
@@ -94,8 +93,11 @@ class FloatFormat:
             object.__setattr__(self, "bias", 2 ** (self.exponent_bits - 1) - 1)
         if self.specials is Specials.FNUZ and not self.signed:
             raise ValueError("fnuz formats place NaN at the negative-zero code: they need a sign")
-        if self.specials is Specials.IEEE and self.exponent_bits < 2:
-            raise ValueError("IEEE-style specials need at least 2 exponent bits")
+        if self.specials is Specials.IEEE and (self.exponent_bits < 2 or self.mantissa_bits < 1):
+            raise ValueError(
+                "IEEE-style inf/NaN need at least 2 exponent bits and 1 mantissa bit "
+                f"(got e{self.exponent_bits}m{self.mantissa_bits}); use specials='fn' or 'none'"
+            )
         if not self.subnormals and self.specials is Specials.FNUZ:
             raise ValueError("fnuz formats without subnormals have no zero code to reuse for NaN")
         if self.max_code_magnitude < 1:

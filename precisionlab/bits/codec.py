@@ -1,0 +1,516 @@
+"""Vectorized, jittable codecs built from integer and bit operations only.
+
+Every conversion goes through one core, :func:`_pack`: a value given as sign, an unsigned
+integer significand ``m`` and a power-of-two exponent ``e2`` (value = m * 2**e2) is rounded
+to a target format and packed into its code. Encoding parses the input float's bit pattern
+into that form; decoding parses a code of the format and packs it into float32 (or
+float64). No float arithmetic or float comparison runs on the codec path: XLA on CPU flushes
+float32 subnormals in both, and ``lax.reduce_precision`` only knows IEEE-style formats.
+
+The conventions where formats leave a choice are those of :mod:`precisionlab.bits.reference`.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from precisionlab.bits.rounding import Rounding, parse_rounding
+from precisionlab.formats import FORMATS, FloatFormat, Format, IntFormat, Specials, get_format
+
+__all__ = [
+    "Class",
+    "classify",
+    "decode",
+    "encode",
+    "fields",
+    "round_to_format",
+]
+
+_F32 = FORMATS["float32"]
+_F64 = FORMATS["float64"]
+_SOURCE_FORMATS = {
+    jnp.dtype(jnp.float32): _F32,
+    jnp.dtype(jnp.float16): FORMATS["float16"],
+    jnp.dtype(jnp.bfloat16): FORMATS["bfloat16"],
+    jnp.dtype(jnp.float64): _F64,
+}
+
+
+class Class(IntEnum):
+    """Class of a code, as returned by :func:`classify`."""
+
+    ZERO = 0
+    SUBNORMAL = 1
+    NORMAL = 2
+    INF = 3
+    NAN = 4
+
+
+class _Parsed(NamedTuple):
+    """A decoded value: (-1)**neg * m * 2**e2, or a special. Arrays of one shape."""
+
+    neg: jax.Array  # bool
+    m: jax.Array  # unsigned work dtype; 0 for zeros
+    e2: jax.Array  # int32
+    nan: jax.Array  # bool
+    inf: jax.Array  # bool
+    payload: jax.Array  # NaN payload bits aligned to the top of the source mantissa, work dtype
+    payload_bits: int  # width of the payload field
+
+
+def _uint(bits: int) -> jnp.dtype:
+    return jnp.dtype({8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}[bits])
+
+
+def _work_dtype(*formats: Format) -> jnp.dtype:
+    """uint32 unless a significand of a format needs more (then uint64, which needs x64)."""
+    need = 0
+    for fmt in formats:
+        if isinstance(fmt, FloatFormat):
+            need = max(need, fmt.mantissa_bits + 3)
+        else:
+            need = max(need, fmt.bits + 1)
+    if need <= 31:
+        return jnp.dtype(jnp.uint32)
+    if not jax.config.jax_enable_x64:
+        raise ValueError(
+            "formats with more than 28 mantissa bits (float64) need 64-bit integers: "
+            "enable them with jax.config.update('jax_enable_x64', True)"
+        )
+    return jnp.dtype(jnp.uint64)
+
+
+def _shr(x: jax.Array, n: jax.Array) -> jax.Array:
+    """Logical right shift that gives 0 for shift counts >= the bit width."""
+    width = jnp.iinfo(x.dtype).bits
+    n_c = jnp.clip(n, 0, width - 1).astype(x.dtype)
+    return jnp.where(n >= width, jnp.zeros_like(x), lax.shift_right_logical(x, n_c))
+
+
+def _shl(x: jax.Array, n: jax.Array) -> jax.Array:
+    """Left shift that gives 0 for shift counts >= the bit width."""
+    width = jnp.iinfo(x.dtype).bits
+    n_c = jnp.clip(n, 0, width - 1).astype(x.dtype)
+    return jnp.where(n >= width, jnp.zeros_like(x), lax.shift_left(x, n_c))
+
+
+def _const(value: int, dtype) -> jax.Array:
+    return jnp.asarray(np.array(value, dtype=dtype))
+
+
+# --- parsing codes ------------------------------------------------------------------------
+def _parse(codes: jax.Array, fmt: Format, work: jnp.dtype) -> _Parsed:
+    """Split codes of ``fmt`` into sign, significand and exponent (integer ops only)."""
+    c = codes.astype(work)
+    if isinstance(fmt, IntFormat):
+        if fmt.signed:
+            neg = (c >> _const(fmt.bits - 1, work)) & _const(1, work) == _const(1, work)
+            mag = jnp.where(neg, (_const((1 << fmt.bits), work) - c), c)
+        else:
+            neg = jnp.zeros(c.shape, bool)
+            mag = c
+        false = jnp.zeros(c.shape, bool)
+        return _Parsed(neg, mag, jnp.zeros(c.shape, jnp.int32), false, false, jnp.zeros_like(c), 0)
+
+    m_bits = fmt.mantissa_bits
+    zero = jnp.zeros_like(c)
+    neg = (c & _const(fmt.sign_mask, work)) != zero if fmt.signed else jnp.zeros(c.shape, bool)
+    mag = c & _const(fmt.magnitude_mask, work)
+    exp_field = (mag >> _const(m_bits, work)).astype(jnp.int32)
+    mant = mag & _const(fmt.mantissa_mask, work)
+    top = fmt.exponent_field_max
+    if fmt.specials is Specials.IEEE:
+        special = exp_field == top
+        nan = special & (mant != zero)
+        inf = special & (mant == zero)
+    elif fmt.specials is Specials.FN:
+        nan = mag == _const((top << m_bits) | fmt.mantissa_mask, work)
+        inf = jnp.zeros(c.shape, bool)
+    elif fmt.specials is Specials.FNUZ:
+        nan = c == _const(fmt.sign_mask, work)
+        inf = jnp.zeros(c.shape, bool)
+    else:
+        nan = inf = jnp.zeros(c.shape, bool)
+    implicit = _const(1 << m_bits, work)
+    if fmt.subnormals:
+        is_sub = exp_field == 0
+        m = jnp.where(is_sub, mant, mant | implicit)
+        e2 = jnp.where(is_sub, fmt.emin, exp_field - fmt.bias) - m_bits
+    else:
+        m = mant | implicit
+        e2 = exp_field - fmt.bias - m_bits
+    return _Parsed(neg, m, e2.astype(jnp.int32), nan, inf, mant, m_bits)
+
+
+def _parse_floats(x: jax.Array, work: jnp.dtype) -> _Parsed:
+    src = _SOURCE_FORMATS[jnp.dtype(x.dtype)]
+    return _parse(lax.bitcast_convert_type(x, _uint(src.bits)), src, work)
+
+
+# --- rounding and packing -----------------------------------------------------------------
+def _round_up(
+    q: jax.Array,
+    r: jax.Array,
+    shift: jax.Array,
+    neg: jax.Array,
+    mode: Rounding,
+    rand: jax.Array | None,
+    random_bits: int,
+) -> jax.Array:
+    """Whether the truncated significand ``q`` with remainder ``r`` (of ``shift`` bits) goes up."""
+    one = jnp.ones_like(q)
+    inexact = r != 0
+    width = jnp.iinfo(q.dtype).bits
+    # Significands never use the top bit, so clamping keeps r < half for tiny values.
+    half = _shl(one, jnp.minimum(shift - 1, width - 1))  # 0 when shift <= 0, then r == 0
+    if mode is Rounding.NEAREST_EVEN:
+        return (r > half) | ((r == half) & inexact & ((q & one) == one))
+    if mode is Rounding.NEAREST_AWAY:
+        return inexact & (r >= half)
+    if mode is Rounding.TOWARD_ZERO or mode is Rounding.TO_ODD:
+        return jnp.zeros(q.shape, bool)
+    if mode is Rounding.UP:
+        return inexact & ~neg
+    if mode is Rounding.DOWN:
+        return inexact & neg
+    # Stochastic: up with probability r / 2**shift, the fraction truncated to random_bits.
+    frac = jnp.where(shift <= width, _shl(r, width - shift), _shr(r, shift - width))
+    frac32 = (frac >> (width - 32)).astype(jnp.uint32) if width > 32 else frac
+    drop = 32 - random_bits
+    return (rand >> drop) < (frac32 >> drop)
+
+
+def _pack_int(p: _Parsed, fmt: IntFormat, mode: Rounding, rand, random_bits: int) -> jax.Array:
+    work = p.m.dtype
+    width = jnp.iinfo(work).bits
+    nonzero = p.m != 0
+    top = (width - 1) - lax.clz(p.m).astype(jnp.int32)
+    # Anything at or above 2**bits saturates; clamp so the shifts below stay in range.
+    too_big = nonzero & (p.e2 + top >= fmt.bits)
+    shift = jnp.maximum(-p.e2, 0)
+    shift_c = jnp.minimum(shift, width - 1)
+    q = _shr(p.m, shift_c)
+    r = p.m & (_shl(jnp.ones_like(p.m), shift_c) - 1)
+    r = jnp.where(shift > shift_c, p.m, r)  # the whole significand is below the quantum
+    q = jnp.where(p.e2 > 0, _shl(p.m, p.e2), q)
+    up = _round_up(q, r, shift, p.neg, mode, rand, random_bits)
+    q = q + up.astype(work)
+    if mode is Rounding.TO_ODD:
+        q = q | (r != 0).astype(work)
+    max_pos = _const(fmt.max, work)
+    max_neg = _const(-fmt.min, work)
+    q = jnp.where(too_big | p.inf, jnp.where(p.neg, max_neg, max_pos), q)
+    q = jnp.where(p.neg, jnp.minimum(q, max_neg), jnp.minimum(q, max_pos))
+    q = jnp.where(p.nan, jnp.zeros_like(q), q)
+    mask = _const((1 << fmt.bits) - 1, work)
+    code = jnp.where(p.neg, (~q + _const(1, work)) & mask, q)
+    return code.astype(fmt.code_dtype)
+
+
+def _pack_float(
+    p: _Parsed,
+    fmt: FloatFormat,
+    mode: Rounding,
+    saturate: bool,
+    subnormals: bool,
+    rand: jax.Array | None,
+    random_bits: int,
+) -> jax.Array:
+    """Round (-1)**neg * m * 2**e2 into ``fmt`` and return its codes."""
+    work = p.m.dtype
+    width = jnp.iinfo(work).bits
+    m_bits = fmt.mantissa_bits
+    one = jnp.ones_like(p.m)
+    nonzero = p.m != 0
+
+    # Exponent of the leading bit; clamped to the format's range (beyond it is overflow).
+    lead = (width - 1) - lax.clz(p.m).astype(jnp.int32)
+    exp = p.e2 + lead
+    beyond = nonzero & (exp > fmt.emax + 1)
+    exp_c = jnp.clip(exp, fmt.emin, fmt.emax + 1)
+    shift = exp_c - m_bits - p.e2  # bits of m below the target's last significand bit
+    # Beyond m's width + 2 every remainder is below half: clamping keeps the shifts in range.
+    cap = jnp.minimum(shift, width - 2)
+    q = jnp.where(shift > 0, _shr(p.m, cap), _shl(p.m, -shift))
+    r = jnp.where(shift > 0, p.m & (_shl(one, cap) - 1), jnp.zeros_like(p.m))
+    r = jnp.where(shift > cap, p.m, r)
+    up = _round_up(q, r, shift, p.neg, mode, rand, random_bits)
+    q = q + up.astype(work)
+    if mode is Rounding.TO_ODD:
+        q = q | (r != 0).astype(work)
+
+    # Code of the magnitude; a carry out of the significand moves to the next binade.
+    base = (exp_c - fmt.emin + (1 if fmt.subnormals else 0)).astype(work)
+    mag = (base << _const(m_bits, work)) + q - _const(1 << m_bits, work)
+    mag = jnp.where(nonzero, mag, jnp.zeros_like(mag))
+    max_mag = _const(fmt.max_code_magnitude, work)
+    below = nonzero & (exp < fmt.emin) if not fmt.subnormals else jnp.zeros(p.m.shape, bool)
+    overflow = (beyond | (mag > max_mag)) & ~below
+    inf_mag = _const(fmt.exponent_field_max << m_bits, work)
+    nan_mag = _const(_nan_magnitude(fmt), work)
+    false = jnp.zeros(p.m.shape, bool)
+
+    # Overflow: +-max when saturating, for formats without specials, and for modes that
+    # round toward zero for this sign; otherwise inf, or NaN where there is no inf.
+    to_nan = false
+    if saturate or fmt.specials is Specials.NONE:
+        mag = jnp.where(overflow, max_mag, mag)
+    else:
+        to_special = overflow & ~_toward_zero(mode, p.neg)
+        mag = jnp.where(overflow, max_mag, mag)
+        if fmt.has_inf:
+            mag = jnp.where(to_special, inf_mag, mag)
+        else:
+            to_nan = to_special
+
+    if fmt.subnormals and not subnormals:
+        mag = jnp.where(mag < _const(1 << m_bits, work), jnp.zeros_like(mag), mag)
+    if not fmt.subnormals:  # no zero: values below the smallest become the smallest
+        mag = jnp.where(below, jnp.zeros_like(mag), mag)
+
+    # Specials of the input.
+    if saturate or fmt.specials is Specials.NONE:
+        mag = jnp.where(p.inf, max_mag, mag)
+    elif fmt.has_inf:
+        mag = jnp.where(p.inf, inf_mag, mag)
+    else:
+        to_nan = to_nan | p.inf
+    sign = jnp.where(p.neg, _const(fmt.sign_mask, work), jnp.zeros_like(p.m))
+    if fmt.has_nan:
+        to_nan = to_nan | p.nan
+    else:  # documented choice: NaN into a format without NaN is +0
+        mag = jnp.where(p.nan, jnp.zeros_like(mag), mag)
+        sign = jnp.where(p.nan, jnp.zeros_like(sign), sign)
+
+    code = sign | mag
+    if fmt.specials is Specials.IEEE:
+        code = jnp.where(p.nan, sign | nan_mag | _align_payload(p, fmt), code)
+    elif fmt.specials is Specials.FN:
+        code = jnp.where(to_nan, sign | nan_mag, code)
+    elif fmt.specials is Specials.FNUZ:
+        code = jnp.where(mag == 0, jnp.zeros_like(code), code)  # no negative zero
+        code = jnp.where(to_nan, _const(fmt.sign_mask, work), code)
+    if not fmt.signed:
+        invalid = p.neg & ~p.nan & (nonzero | p.inf | (not fmt.has_zero))
+        low = jnp.zeros_like(code)
+        code = jnp.where(invalid, low if saturate or not fmt.has_nan else nan_mag, code)
+    if not fmt.has_zero:
+        zero_in = ~nonzero & ~p.nan & ~p.inf
+        code = jnp.where(zero_in, jnp.zeros_like(code) if saturate else nan_mag, code)
+    return code.astype(fmt.code_dtype)
+
+
+def _nan_magnitude(fmt: FloatFormat) -> int:
+    if fmt.specials is Specials.IEEE:
+        return (fmt.exponent_field_max << fmt.mantissa_bits) | (1 << (fmt.mantissa_bits - 1))
+    if fmt.specials is Specials.FN:
+        return (fmt.exponent_field_max << fmt.mantissa_bits) | fmt.mantissa_mask
+    return 0  # fnuz NaN is the sign-only code, set separately; none has no NaN
+
+
+def _align_payload(p: _Parsed, fmt: FloatFormat) -> jax.Array:
+    """Keep the top bits of a NaN's payload (as IEEE conversions do)."""
+    diff = p.payload_bits - fmt.mantissa_bits
+    if diff >= 0:
+        dtype = p.payload.dtype
+        return (p.payload >> _const(diff, dtype)) & _const(fmt.mantissa_mask, dtype)
+    return p.payload << _const(-diff, p.payload.dtype)
+
+
+def _toward_zero(mode: Rounding, neg: jax.Array) -> jax.Array | bool:
+    if mode in (Rounding.TOWARD_ZERO, Rounding.TO_ODD):
+        return jnp.ones(neg.shape, bool)
+    if mode is Rounding.UP:
+        return neg
+    if mode is Rounding.DOWN:
+        return ~neg
+    return jnp.zeros(neg.shape, bool)
+
+
+def _pack(p: _Parsed, fmt: Format, mode: Rounding, saturate, subnormals, rand, random_bits):
+    if isinstance(fmt, IntFormat):
+        return _pack_int(p, fmt, mode, rand, random_bits)
+    return _pack_float(p, fmt, mode, saturate, subnormals, rand, random_bits)
+
+
+# --- public API -----------------------------------------------------------------------------
+def _check_input(x) -> jax.Array:
+    if isinstance(x, bool):
+        raise TypeError("encode takes floating-point values, got a bool")
+    if isinstance(x, int | float):
+        x = jnp.asarray(x, dtype=jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
+    x = jnp.asarray(x)
+    if jnp.dtype(x.dtype) not in _SOURCE_FORMATS:
+        raise TypeError(
+            f"encode takes float32, float16, bfloat16 or (with jax_enable_x64) float64 "
+            f"arrays, got {x.dtype}; cast explicitly first"
+        )
+    return x
+
+
+@partial(jax.jit, static_argnames=("fmt", "mode", "saturate", "subnormals", "random_bits"))
+def _encode(x, key, *, fmt, mode, saturate, subnormals, random_bits):
+    src = _SOURCE_FORMATS[jnp.dtype(x.dtype)]
+    work = _work_dtype(src, fmt)
+    p = _parse_floats(x, work)
+    rand = jax.random.bits(key, x.shape, jnp.uint32) if mode is Rounding.STOCHASTIC else None
+    return _pack(p, fmt, mode, saturate, subnormals, rand, random_bits)
+
+
+def encode(
+    x,
+    fmt: Format | str,
+    *,
+    rounding: str | Rounding = "nearest_even",
+    saturate: bool = False,
+    subnormals: bool = True,
+    key: jax.Array | None = None,
+    random_bits: int | None = None,
+) -> jax.Array:
+    """Bit patterns of ``x`` stored in ``fmt``.
+
+    Args:
+      x: float32, float16 or bfloat16 array (upcast exactly), or float64 with
+        ``jax_enable_x64`` (encoded from its own bits, no double rounding). Python scalars
+        become float32 (float64 under x64) first.
+      fmt: a format or its name; static.
+      rounding: one of :data:`~precisionlab.bits.rounding.ROUNDING_MODES`; static.
+      saturate: map out-of-range values and +-inf to +-max; NaN stays NaN where it exists.
+      subnormals: if False, results that would be subnormal become zero of the same sign.
+      key: PRNG key, required by ``rounding="stochastic"``.
+      random_bits: random bits per element for stochastic rounding (1..32, default 32); the
+        fractional distance is truncated to this many bits, as hardware does.
+
+    Returns:
+      Codes with ``x``'s shape, dtype ``fmt.code_dtype`` (uint8, uint16 or uint32). Integer
+      formats hold two's-complement codes (int4 -1 is 0xF) of the rounded, saturated value.
+    """
+    fmt = get_format(fmt)
+    mode = parse_rounding(rounding)
+    x = _check_input(x)
+    if mode is Rounding.STOCHASTIC:
+        if key is None:
+            raise ValueError("rounding='stochastic' needs a PRNG key: pass key=jax.random.key(0)")
+        bits = 32 if random_bits is None else random_bits
+        if not isinstance(bits, int) or not 1 <= bits <= 32:
+            raise ValueError(f"random_bits must be an int from 1 to 32, got {random_bits!r}")
+    else:
+        if key is not None:
+            raise ValueError(f"key is only used by rounding='stochastic', not {mode.value!r}")
+        bits = 32
+    return _encode(
+        x,
+        key,
+        fmt=fmt,
+        mode=mode,
+        saturate=bool(saturate),
+        subnormals=bool(subnormals),
+        random_bits=bits,
+    )
+
+
+@partial(jax.jit, static_argnames=("fmt", "dtype"))
+def _decode(codes, *, fmt, dtype):
+    out = _SOURCE_FORMATS[jnp.dtype(dtype)]
+    work = _work_dtype(fmt, out)
+    p = _parse(codes, fmt, work)
+    bits = _pack(p, out, Rounding.NEAREST_EVEN, False, True, None, 32)
+    return lax.bitcast_convert_type(bits, jnp.dtype(dtype))
+
+
+def _check_codes(codes, fmt: Format) -> jax.Array:
+    codes = jnp.asarray(codes)
+    if not jnp.issubdtype(codes.dtype, jnp.integer):
+        raise TypeError(f"codes must be an integer array, got {codes.dtype}")
+    return codes
+
+
+def decode(codes, fmt: Format | str, *, dtype=jnp.float32) -> jax.Array:
+    """Values of the codes of ``fmt``.
+
+    Args:
+      codes: integer array of codes (only the low ``fmt.bits`` bits are read).
+      fmt: a format or its name; static.
+      dtype: float32 (default), float64 (needs ``jax_enable_x64``; exact for every format),
+        float16 or bfloat16. Values that the dtype cannot hold are rounded to nearest even.
+
+    Returns:
+      An array of ``dtype`` with the codes' shape; integer formats give their integer value.
+    """
+    fmt = get_format(fmt)
+    dtype = jnp.dtype(dtype)
+    if dtype not in _SOURCE_FORMATS:
+        raise ValueError(f"decode produces float32, float64, float16 or bfloat16, not {dtype}")
+    if dtype == jnp.float64 and not jax.config.jax_enable_x64:
+        raise ValueError("decode to float64 needs jax.config.update('jax_enable_x64', True)")
+    codes = _check_codes(codes, fmt)
+    mask = (1 << fmt.bits) - 1
+    codes = codes.astype(fmt.code_dtype) & np.array(mask, dtype=fmt.code_dtype)
+    return _decode(codes, fmt=fmt, dtype=dtype)
+
+
+def round_to_format(x, fmt: Format | str, **kwargs) -> jax.Array:
+    """The value ``x`` takes when stored in ``fmt``: ``decode(encode(x, fmt, ...), fmt)``.
+
+    Returns float32 (float64 for float64 input); accepts the keyword arguments of
+    :func:`encode`.
+    """
+    x = _check_input(x)
+    out = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+    return decode(encode(x, fmt, **kwargs), fmt, dtype=out)
+
+
+def fields(codes, fmt: Format | str) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(sign, biased_exponent, mantissa)`` fields of float codes, each in the code dtype.
+
+    Integer formats give ``(sign, 0, magnitude bits)`` of the two's-complement code.
+    """
+    fmt = get_format(fmt)
+    return _fields(_check_codes(codes, fmt), fmt=fmt)
+
+
+@partial(jax.jit, static_argnames="fmt")
+def _fields(codes, *, fmt):
+    codes = codes.astype(fmt.code_dtype)
+    if isinstance(fmt, IntFormat):
+        sign = (codes >> (fmt.bits - 1)) & 1 if fmt.signed else jnp.zeros_like(codes)
+        low = codes & np.array((1 << (fmt.bits - int(fmt.signed))) - 1, fmt.code_dtype)
+        return sign, jnp.zeros_like(codes), low
+    m = fmt.mantissa_bits
+    sign = (codes >> (fmt.bits - 1)) & 1 if fmt.signed else jnp.zeros_like(codes)
+    exponent = (codes >> m) & np.array(fmt.exponent_field_max, fmt.code_dtype)
+    mantissa = codes & np.array(fmt.mantissa_mask, fmt.code_dtype)
+    return sign, exponent, mantissa
+
+
+def classify(codes, fmt: Format | str) -> jax.Array:
+    """Class of each code as int8 :class:`Class` values (ZERO, SUBNORMAL, NORMAL, INF, NAN).
+
+    Integer codes are ZERO or NORMAL.
+    """
+    fmt = get_format(fmt)
+    return _classify(_check_codes(codes, fmt), fmt=fmt)
+
+
+@partial(jax.jit, static_argnames="fmt")
+def _classify(codes, *, fmt):
+    codes = codes.astype(fmt.code_dtype)
+    if isinstance(fmt, IntFormat):
+        mask = np.array((1 << fmt.bits) - 1, fmt.code_dtype)
+        return jnp.where(codes & mask == 0, Class.ZERO, Class.NORMAL).astype(jnp.int8)
+    work = _work_dtype(fmt)
+    p = _parse(codes, fmt, work)
+    exp_field = (codes >> fmt.mantissa_bits) & np.array(fmt.exponent_field_max, fmt.code_dtype)
+    cls = jnp.full(codes.shape, Class.NORMAL, jnp.int8)
+    if fmt.subnormals:
+        cls = jnp.where(exp_field == 0, jnp.int8(Class.SUBNORMAL), cls)
+        cls = jnp.where(p.m == 0, jnp.int8(Class.ZERO), cls)
+    cls = jnp.where(p.inf, jnp.int8(Class.INF), cls)
+    return jnp.where(p.nan, jnp.int8(Class.NAN), cls)
