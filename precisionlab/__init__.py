@@ -1,7 +1,35 @@
-"""precisionlab: exact, measured answers about number formats, quantization and mixed precision."""
+"""precisionlab: exact, measured answers about number formats, quantization and mixed precision.
 
+The curated top-level API; the submodules (``formats``, ``bits``, ``quant``, ``metrics``,
+``mixed``, ``train``, ``memory``, ``experiments``) hold the rest.
+"""
+
+from precisionlab.bits import (
+    ROUNDING_MODES,
+    Class,
+    Rounding,
+    classify,
+    decode,
+    encode,
+    fields,
+    round_to_format,
+)
 from precisionlab.formats import FloatFormat, IntFormat, Specials, format_names, get_format
 
 __version__ = "0.1.0"
 
-__all__ = ["FloatFormat", "IntFormat", "Specials", "format_names", "get_format"]
+__all__ = [
+    "ROUNDING_MODES",
+    "Class",
+    "FloatFormat",
+    "IntFormat",
+    "Rounding",
+    "Specials",
+    "classify",
+    "decode",
+    "encode",
+    "fields",
+    "format_names",
+    "get_format",
+    "round_to_format",
+]
