@@ -1,0 +1,385 @@
+"""The ``memory`` experiment kind: sweeps of estimated and measured memory, with plots.
+
+A ``[memory]`` table (all keys optional)::
+
+    [memory]
+    preset = "gpt3-175b"                 # model of the estimated sweeps
+    policies = ["f32", "p=f32,c=bf16", "p=f32,c=f16", "bf16"]   # bytes/param per policy
+    optimizer = "adam"
+    batch = 1
+    seq = 0                              # 0: the model's context length
+    checkpoint_intervals = []            # K of the memory-vs-K sweep; [] = 1..n_layers
+    measure = true                       # also measure a real jitted step vs K with XLA
+    measure_layers = 16                  # its residual stack: layers, width, batch
+    measure_d_model = 64
+    measure_batch = 256
+    measure_microbatches = [1, 2, 4]     # gradient accumulation sweep of the measured step
+    plots = true
+
+Measured rows carry XLA's temporaries, FLOPs (``cost_analysis``) and the median step time on
+this machine, so the price of checkpointing (recompute) sits beside what it saves.
+
+``run`` writes ``rows.jsonl`` (one JSON object per result, appended and flushed as produced),
+``memory.json`` (the summary, written atomically) and PNG plots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from precisionlab.memory.estimate import (
+    OPTIMIZERS,
+    TrainSetup,
+    best_checkpoint_interval,
+    estimate,
+    estimate_step,
+)
+from precisionlab.memory.presets import get_preset
+from precisionlab.mixed import get_policy
+
+__all__ = ["DEFAULTS", "KIND", "run", "validate"]
+
+KIND = "memory"
+
+DEFAULTS: dict[str, Any] = {
+    "preset": "gpt3-175b",
+    "policies": ["f32", "p=f32,c=bf16", "p=f32,c=f16", "bf16"],
+    "optimizer": "adam",
+    "batch": 1,
+    "seq": 0,
+    "checkpoint_intervals": [],
+    "measure": True,
+    "measure_layers": 16,
+    "measure_d_model": 64,
+    "measure_batch": 256,
+    "measure_microbatches": [1, 2, 4],
+    "plots": True,
+}
+_TYPES: dict[str, type] = {
+    "preset": str,
+    "policies": list,
+    "optimizer": str,
+    "batch": int,
+    "seq": int,
+    "checkpoint_intervals": list,
+    "measure": bool,
+    "measure_layers": int,
+    "measure_d_model": int,
+    "measure_batch": int,
+    "measure_microbatches": list,
+    "plots": bool,
+}
+
+
+def _type_ok(value: Any, kind: type) -> bool:
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def validate(section: dict, where: str) -> dict:
+    """The ``[memory]`` table with defaults filled in.
+
+    Raises:
+      ValueError: naming ``where`` and the key for an unknown key, a wrong type, an unknown
+        preset, policy or optimizer, or a bad number.
+    """
+    if not isinstance(section, dict):
+        raise ValueError(f"{where}: expected a table, got {type(section).__name__}")
+    unknown = sorted(set(section) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(
+            f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(DEFAULTS)}"
+        )
+    out = {key: section.get(key, value) for key, value in DEFAULTS.items()}
+    for key, kind in _TYPES.items():
+        if not _type_ok(out[key], kind):
+            raise ValueError(
+                f"{where}.{key}: expected {kind.__name__}, got {type(out[key]).__name__} "
+                f"{out[key]!r}"
+            )
+    try:
+        model = get_preset(out["preset"])
+    except ValueError as err:
+        raise ValueError(f"{where}.preset: {err}") from None
+    if not out["policies"]:
+        raise ValueError(f"{where}.policies: give at least one policy")
+    for i, spec in enumerate(out["policies"]):
+        if not isinstance(spec, str):
+            raise ValueError(f"{where}.policies[{i}]: expected a policy string, got {spec!r}")
+        try:
+            get_policy(spec)
+        except ValueError as err:
+            raise ValueError(f"{where}.policies[{i}]: {err}") from None
+    if out["optimizer"] not in OPTIMIZERS:
+        raise ValueError(
+            f"{where}.optimizer: unknown optimizer {out['optimizer']!r}; "
+            f"allowed: {', '.join(OPTIMIZERS)}"
+        )
+    for key in ("batch", "measure_layers", "measure_d_model", "measure_batch"):
+        if out[key] < 1:
+            raise ValueError(f"{where}.{key}: must be >= 1, got {out[key]}")
+    if out["seq"] < 0:
+        raise ValueError(f"{where}.seq: must be >= 0 (0: the model's), got {out['seq']}")
+    for i, k in enumerate(out["checkpoint_intervals"]):
+        if not _type_ok(k, int) or not 1 <= k <= model.n_layers:
+            raise ValueError(
+                f"{where}.checkpoint_intervals[{i}]: expected an int in 1..{model.n_layers}, "
+                f"got {k!r}"
+            )
+    for i, m in enumerate(out["measure_microbatches"]):
+        if not _type_ok(m, int) or m < 1 or out["measure_batch"] % m:
+            raise ValueError(
+                f"{where}.measure_microbatches[{i}]: expected an int >= 1 dividing "
+                f"measure_batch={out['measure_batch']}, got {m!r}"
+            )
+    out["measure_microbatches"] = list(out["measure_microbatches"])
+    out["policies"] = list(out["policies"])
+    out["checkpoint_intervals"] = list(out["checkpoint_intervals"])
+    return out
+
+
+def _write_json(path: Path, data: Any) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+class _Rows:
+    """Append-and-flush JSONL writer."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = path.open("a", encoding="utf-8")
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def run(section: dict, out_dir: Path, *, quiet: bool = False) -> dict:
+    """Run the sweeps of a validated ``[memory]`` table; returns the JSON-able summary."""
+    cfg = validate(section, "memory")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = get_preset(cfg["preset"])
+    seq = cfg["seq"] or None
+    rows = _Rows(out_dir / "rows.jsonl")
+    say = (lambda *_: None) if quiet else print
+    try:
+        policies = []
+        for spec in cfg["policies"]:
+            setup = TrainSetup(policy=spec, optimizer=cfg["optimizer"], batch=cfg["batch"], seq=seq)
+            b = estimate(model, setup)
+            row = {"sweep": "policy", "policy": spec, **b.to_dict()}
+            rows.write(row)
+            policies.append(row)
+            say(f"{spec:<16} {b.bytes_per_param:6.2f} bytes/param  total {b.total / 1e9:10.2f} GB")
+        base = TrainSetup(
+            policy=cfg["policies"][0], optimizer=cfg["optimizer"], batch=cfg["batch"], seq=seq
+        )
+        ks = cfg["checkpoint_intervals"] or list(range(1, model.n_layers + 1))
+        sweep = []
+        for k in ks:
+            b = estimate(model, dataclasses.replace(base, checkpoint_every=k))
+            row = {"sweep": "checkpoint", "policy": cfg["policies"][0], "k": k, **b.to_dict()}
+            rows.write(row)
+            sweep.append(row)
+        plain = estimate(model, base)
+        best_boundary = best_checkpoint_interval(model, base, full=False)
+        best_full = best_checkpoint_interval(model, base, full=True)
+        say(
+            f"{model.name}: least activation memory at K={best_full} (transformer block count), "
+            f"K={best_boundary} (boundary only; sqrt(N) = {math.sqrt(model.n_layers):.1f})"
+        )
+        measured = _measure_sweep(cfg, rows, say) if cfg["measure"] else []
+    finally:
+        rows.close()
+    checkpointed = [r for r in measured if r["k"] is not None]
+    files = ["rows.jsonl", "memory.json"]
+    if cfg["plots"]:
+        files += _plots(model, cfg["optimizer"], policies, sweep, plain, measured, out_dir)
+    summary = {
+        "kind": KIND,
+        "preset": model.name,
+        "bytes_per_param": {row["policy"]: row["bytes_per_param"] for row in policies},
+        "total_bytes": {row["policy"]: row["total"] for row in policies},
+        "best_k_boundary": best_boundary,
+        "best_k_full": best_full,
+        "sqrt_n_layers": math.sqrt(model.n_layers),
+        "measured": [
+            {
+                k: r[k]
+                for k in ("k", "microbatches", "estimated_temp", "measured_temp", "flops", "step_s")
+            }
+            for r in measured
+        ],
+        "measured_best_k": min(checkpointed, key=lambda r: r["measured_temp"])["k"]
+        if checkpointed
+        else None,
+        "files": files,
+    }
+    _write_json(out_dir / "memory.json", summary)
+    return summary
+
+
+def _measure_sweep(cfg: dict, rows: _Rows, say: Any) -> list[dict[str, Any]]:
+    from precisionlab.memory.measure import measure, time_step
+    from precisionlab.memory.steps import stack_step
+
+    n = cfg["measure_layers"]
+    runs = [(k, 1) for k in [None] + [k for k in range(1, n + 1) if n % k == 0]]
+    runs += [(None, m) for m in cfg["measure_microbatches"] if m > 1]
+    out = []
+    for k, m in runs:
+        built = stack_step(
+            n_layers=n,
+            d_model=cfg["measure_d_model"],
+            batch=cfg["measure_batch"],
+            checkpoint_every=k,
+            microbatches=m,
+        )
+        got = measure(built.step, *built.args, run=False)
+        est = estimate_step(
+            built.params, built.batch, activation_bytes=built.activation_bytes, microbatches=m
+        )
+        row = {
+            "sweep": "measured_checkpoint" if m == 1 else "measured_microbatches",
+            "k": k,
+            "microbatches": m,
+            "description": built.description,
+            "estimated_temp": est.temporaries,
+            "measured_temp": got.temporaries,
+            "estimated_arguments": est.arguments,
+            "measured_arguments": got.arguments,
+            "flops": got.flops,
+            "step_s": time_step(built.step, *built.args, repeats=3),
+            "backend": got.backend,
+        }
+        rows.write(row)
+        out.append(row)
+        say(
+            f"measured K={k or '-':>3} M={m}: temporaries {got.temporaries / 2**20:7.2f} MiB "
+            f"(estimate {est.temporaries / 2**20:7.2f} MiB), {got.flops or 0:.3g} FLOPs, "
+            f"{row['step_s'] * 1e3:.2f} ms/step"
+        )
+    return out
+
+
+def _plots(
+    model: Any,
+    optimizer: str,
+    policies: list[dict[str, Any]],
+    sweep: list[dict[str, Any]],
+    plain: Any,
+    measured: list[dict[str, Any]],
+    out_dir: Path,
+) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    # Bytes per parameter per policy, stacked by kind of state.
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    parts = [
+        ("weights", "weights"),
+        ("master_weights", "master weights"),
+        ("gradients", "gradients"),
+        ("optimizer_state", "optimizer state"),
+    ]
+    names = [row["policy"] for row in policies]
+    bottom = [0.0] * len(policies)
+    for key, label in parts:
+        values = [row[key] / row["n_params"] for row in policies]
+        ax.bar(names, values, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    for i, total in enumerate(bottom):
+        ax.text(i, total, f"{total:g}", ha="center", va="bottom")
+    ax.set_ylabel("bytes per parameter")
+    ax.set_xlabel("precision policy")
+    ax.set_title(f"{model.name}: model-state bytes per parameter ({optimizer})")
+    ax.set_ylim(0, max(bottom) * 1.15)
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "bytes_per_param.png", dpi=120)
+    plt.close(fig)
+    files.append("bytes_per_param.png")
+
+    # Activation memory vs checkpoint interval K.
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ks = [row["k"] for row in sweep]
+    ax.plot(
+        ks,
+        [row["activations_full"] / 1e9 for row in sweep],
+        "o-",
+        ms=3,
+        label="transformer-block count",
+    )
+    ax.plot(
+        ks,
+        [row["activations_boundary"] / 1e9 for row in sweep],
+        "s-",
+        ms=3,
+        label="boundary-only count",
+    )
+    ax.axhline(
+        plain.activations_full / 1e9, color="gray", ls=":", label="no checkpointing (block count)"
+    )
+    ax.axvline(math.sqrt(model.n_layers), color="k", ls="--", lw=0.8, label="K = sqrt(N)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(f"checkpoint every K layers (N = {model.n_layers})")
+    ax.set_ylabel("activation memory (GB = 1e9 bytes)")
+    ax.set_title(f"{model.name}: activation memory vs checkpoint interval")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "checkpoint_interval.png", dpi=120)
+    plt.close(fig)
+    files.append("checkpoint_interval.png")
+
+    if any(r["k"] is not None for r in measured):
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        ck = [r for r in measured if r["k"] is not None]
+        base = next((r for r in measured if r["k"] is None and r["microbatches"] == 1), None)
+        ax.plot(
+            [r["k"] for r in ck],
+            [r["measured_temp"] / 2**20 for r in ck],
+            "o-",
+            label=f"XLA temp_size ({ck[0]['backend']})",
+        )
+        ax.plot(
+            [r["k"] for r in ck], [r["estimated_temp"] / 2**20 for r in ck], "s--", label="estimate"
+        )
+        if base is not None:
+            ax.axhline(
+                base["measured_temp"] / 2**20, color="gray", ls=":", label="XLA, no checkpointing"
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([r["k"] for r in ck], [str(r["k"]) for r in ck])
+        ax.set_xlabel("checkpoint every K layers")
+        ax.set_ylabel("temporaries (MiB = 2^20 bytes)")
+        ax.set_title(ck[0]["description"].split(",")[0] + ": measured vs estimated")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / "measured_checkpoint.png", dpi=120)
+        plt.close(fig)
+        files.append("measured_checkpoint.png")
+    return files
