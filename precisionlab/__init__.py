@@ -15,6 +15,7 @@ from precisionlab.bits import (
     round_to_format,
 )
 from precisionlab.formats import FloatFormat, IntFormat, Specials, format_names, get_format
+from precisionlab.quant import QArray, dequantize, fake_quant, quantize
 
 __version__ = "0.1.0"
 
@@ -23,13 +24,17 @@ __all__ = [
     "Class",
     "FloatFormat",
     "IntFormat",
+    "QArray",
     "Rounding",
     "Specials",
     "classify",
     "decode",
+    "dequantize",
     "encode",
+    "fake_quant",
     "fields",
     "format_names",
     "get_format",
+    "quantize",
     "round_to_format",
 ]

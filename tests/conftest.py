@@ -4,7 +4,7 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import hypothesis  # noqa: E402
+import hypothesis
 
 hypothesis.settings.register_profile("ci", max_examples=200, deadline=None, derandomize=True)
 hypothesis.settings.register_profile("dev", max_examples=100, deadline=None)

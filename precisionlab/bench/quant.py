@@ -1,0 +1,105 @@
+"""``precisionlab bench quant``: fake_quant throughput against a plain XLA astype round trip.
+
+Each case times, on the same float32 input, ``fake_quant`` (scales, rounding through the
+bit-level codec, dequantization) and ``x.astype(narrow).astype(float32)`` to the same width,
+both jitted, and prints their ratio. The astype round trip does no scaling and no
+saturation, so it is a floor, not an equivalent: the target is a ratio within 2x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from precisionlab.bench._timing import time_interleaved
+from precisionlab.quant import fake_quant
+
+HELP = "fake_quant throughput vs an XLA astype round trip to the same width (ratio)"
+
+#: name -> (fake_quant arguments, astype dtype of the same width)
+CASES: dict[str, tuple[dict, object]] = {
+    "int8 per-channel": ({"fmt": "int8", "axis": 0}, jnp.int8),
+    "int4 per-group-128": ({"fmt": "int4", "block_size": 128}, jnp.int4),
+    "e4m3fn per-tensor": ({"fmt": "e4m3fn"}, jnp.float8_e4m3fn),
+    "mxfp8_e4m3": ({"fmt": "mxfp8_e4m3"}, jnp.float8_e4m3fn),
+    "mxfp4": ({"fmt": "mxfp4"}, jnp.float4_e2m1fn),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rows", type=int, default=1024, help="input rows (default 1024)")
+    parser.add_argument("--cols", type=int, default=4096, help="input columns (default 4096)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per case (best)")
+    parser.add_argument("--cases", help=f"comma-separated subset of: {', '.join(CASES)}")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def _astype_round_trip(dtype):
+    @jax.jit
+    def f(x):
+        return x.astype(dtype).astype(jnp.float32)
+
+    return f
+
+
+def measure(rows: int, cols: int, repeats: int, cases: list[str]) -> list[dict]:
+    """Best-of-``repeats`` times of each case and its astype peer on one (rows, cols) input."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32))
+    n = rows * cols
+    results = []
+    for name in cases:
+        kwargs, dtype = CASES[name]
+        fq = jax.jit(partial(fake_quant, **kwargs))
+        peer = _astype_round_trip(dtype)
+        fns = {"fq": partial(fq, x), "peer": partial(peer, x)}
+        t = time_interleaved(fns, repeats=repeats)
+        t_fq, t_peer = t["fq"], t["peer"]
+        results.append(
+            {
+                "case": name,
+                "elements": n,
+                "fake_quant_ms": t_fq.best * 1e3,
+                "astype_ms": t_peer.best * 1e3,
+                "ratio": t_fq.best / t_peer.best,
+                "fake_quant_melem_s": t_fq.rate(n) / 1e6,
+                "astype_melem_s": t_peer.rate(n) / 1e6,
+            }
+        )
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    from precisionlab.cli._common import UsageError, split_list
+
+    cases = list(CASES) if args.cases is None else split_list(args.cases)
+    bad = [c for c in cases if c not in CASES]
+    if bad:
+        raise UsageError(f"unknown case {bad[0]!r}; allowed: {', '.join(CASES)}")
+    for k in ("rows", "cols", "repeats"):
+        if getattr(args, k) < 1:
+            raise UsageError(f"--{k} must be >= 1, got {getattr(args, k)}")
+    results = measure(args.rows, args.cols, args.repeats, cases)
+    if args.json:
+        print(json.dumps(results, indent=1))
+        return 0
+    device = jax.devices()[0]
+    print(
+        f"fake_quant vs astype round trip on a {args.rows}x{args.cols} float32 input "
+        f"({device.platform}, {platform.processor() or platform.machine()}, "
+        f"best of {args.repeats}, alternating)"
+    )
+    head = f"{'case':<20} {'fake_quant ms':>13} {'astype ms':>10} {'ratio':>6} {'Melem/s':>8}"
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        print(
+            f"{r['case']:<20} {r['fake_quant_ms']:>13.2f} {r['astype_ms']:>10.2f} "
+            f"{r['ratio']:>5.2f}x {r['fake_quant_melem_s']:>8.1f}"
+        )
+    return 0

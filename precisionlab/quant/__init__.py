@@ -1,0 +1,36 @@
+"""Quantization: tensors to codes plus scales and back, MX block formats, fake_quant.
+
+- :func:`quantize` / :func:`dequantize`: per-tensor, per-channel or per-block scales;
+  symmetric or asymmetric ints, scaled floats, and the OCP MX formats.
+- :func:`fake_quant`: both in one jittable op with a straight-through gradient.
+- :class:`QArray`: the quantized pytree (codes, scales, zero points, static metadata).
+- :func:`pack` / :func:`unpack`: two 4-bit codes per byte.
+
+Every element conversion goes through the codecs of :mod:`precisionlab.bits`.
+"""
+
+from precisionlab.quant._spec import SCALE_METHODS, SCHEMES
+from precisionlab.quant.fake_quant import STE_MODES, fake_quant
+from precisionlab.quant.mx import MX_BLOCK_SIZE, MX_FORMATS, SCALE_RULES, MXFormat, get_mx_format
+from precisionlab.quant.pack import pack, unpack
+from precisionlab.quant.qarray import SCALE_FORMATS, QArray
+from precisionlab.quant.quantize import dequantize, element_scales, quantize
+
+__all__ = [
+    "MX_BLOCK_SIZE",
+    "MX_FORMATS",
+    "SCALE_FORMATS",
+    "SCALE_METHODS",
+    "SCALE_RULES",
+    "SCHEMES",
+    "STE_MODES",
+    "MXFormat",
+    "QArray",
+    "dequantize",
+    "element_scales",
+    "fake_quant",
+    "get_mx_format",
+    "pack",
+    "quantize",
+    "unpack",
+]

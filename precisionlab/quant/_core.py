@@ -1,0 +1,307 @@
+"""The arithmetic shared by quantize, dequantize and fake_quant, on grouped views.
+
+A grouped view of ``x`` is ``x`` itself (tensor and channel granularity; statistics reduce
+over the other axes with keepdims) or, for blocks, ``x`` with ``axis`` moved last, padded to
+whole blocks and reshaped to ``(..., n_blocks, block_size)``. Scales live in keepdims shape
+on that view, so every step is elementwise broadcasting, and nothing loops over elements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from precisionlab.bits import encode, round_to_format
+from precisionlab.formats import FORMATS, FloatFormat, IntFormat
+from precisionlab.quant import pow2
+from precisionlab.quant._spec import MSE_GRID, MSE_MIN_RATIO, QuantSpec
+
+_SCALE16 = {"float16": FORMATS["float16"], "bfloat16": FORMATS["bfloat16"]}
+_EMIN_SCALE, _EMAX_SCALE = -127, 127  # the E8M0 range, used for every power-of-two scale
+
+
+# --- layout --------------------------------------------------------------------------------
+def to_groups(x: jax.Array, spec: QuantSpec, fill: float = 0.0) -> tuple[jax.Array, tuple]:
+    """Grouped view of ``x`` and the axes that statistics reduce over."""
+    if spec.granularity == "block":
+        xm = jnp.moveaxis(x, spec.axis, -1)
+        n, b = xm.shape[-1], spec.block_size
+        nb = max(-(-n // b), 1)
+        pad = nb * b - n
+        if pad:
+            xm = jnp.pad(xm, [(0, 0)] * (xm.ndim - 1) + [(0, pad)], constant_values=fill)
+        xg = xm.reshape(*xm.shape[:-1], nb, b)
+        return xg, (xg.ndim - 1,)
+    if spec.granularity == "channel":
+        return x, tuple(i for i in range(x.ndim) if i != spec.axis)
+    return x, tuple(range(x.ndim))
+
+
+def from_groups(vg: jax.Array, spec: QuantSpec, shape: tuple[int, ...]) -> jax.Array:
+    """Inverse of :func:`to_groups` (drops the padding)."""
+    if spec.granularity != "block":
+        return vg
+    n = shape[spec.axis]
+    vm = vg.reshape(*vg.shape[:-2], -1)[..., :n]
+    return jnp.moveaxis(vm, -1, spec.axis)
+
+
+def store_groups(s: jax.Array, spec: QuantSpec) -> jax.Array:
+    """keepdims per-group array -> stored shape: (), (C,), or x.shape with nb along axis."""
+    if spec.granularity == "block":
+        return jnp.moveaxis(s[..., 0], -1, spec.axis)
+    if spec.granularity == "channel":
+        return s.reshape(s.shape[spec.axis])
+    return s.reshape(())
+
+
+def load_groups(s: jax.Array, spec: QuantSpec) -> jax.Array:
+    """Stored per-group array -> keepdims shape on the grouped view."""
+    if spec.granularity == "block":
+        return jnp.moveaxis(s, spec.axis, -1)[..., None]
+    if spec.granularity == "channel":
+        shape = [1] * spec.ndim
+        shape[spec.axis] = s.shape[0]
+        return s.reshape(shape)
+    return s.reshape((1,) * spec.ndim)
+
+
+# --- scales --------------------------------------------------------------------------------
+class Scale(NamedTuple):
+    """One group's scale on the grouped view (keepdims shapes).
+
+    ``s`` (float32) for float scales; ``e`` (int32 exponent, scale = 2**e) for power-of-two
+    scales; ``bad`` marks groups whose scale is NaN (a non-finite input in an MX block);
+    ``zp`` the float32 integral zero point (asymmetric) or None; ``s_codes`` the stored codes
+    of float16/bfloat16 scales.
+    """
+
+    s: jax.Array | None
+    e: jax.Array | None
+    bad: jax.Array | None
+    zp: jax.Array | None
+    s_codes: jax.Array | None
+
+
+def _pow2_exponent(c: jax.Array, target: float, emax_target: int, rule: str) -> jax.Array:
+    """Exponent of the power-of-two scale mapping clip value ``c`` near ``target``.
+
+    floor: floor(log2 c) - emax_target (OCP MX rule; elements above target saturate).
+    ceil:  ceil(log2(c / target)) (never saturates).
+    """
+    if rule == "floor":
+        e = pow2.floor_log2(c) - emax_target
+    else:
+        e = pow2.ceil_log2_ratio(c, target)
+    zero = pow2.floor_log2(c) == pow2.ZERO_LOG2
+    e = jnp.where(zero, _EMIN_SCALE, e)
+    return jnp.clip(e, _EMIN_SCALE, _EMAX_SCALE).astype(jnp.int32)
+
+
+def _div_const(a: jax.Array, c: float) -> jax.Array:
+    """``a * float32(1 / c)``: the scale rule is stated with reciprocals because XLA itself
+    rewrites ``x / broadcast(c)`` as ``x * (1 / c)`` (not correctly rounded); spelling it
+    out makes the result the same on every backend and easy to reproduce in numpy."""
+    return a * jnp.float32(np.float32(1.0) / np.float32(c))
+
+
+def _float_scale(s: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array | None]:
+    # An all-zero group gets scale 1; a group holding inf or NaN keeps its NaN/inf scale,
+    # so its values come back NaN instead of silently wrong.
+    s = jnp.where(s == 0, jnp.float32(1.0), s).astype(jnp.float32)
+    if spec.scale_format in _SCALE16:
+        # Rounded up, so the clip value still maps inside the element range.
+        codes = encode(s, _SCALE16[spec.scale_format], rounding="up", saturate=True)
+        s = round_to_format(s, _SCALE16[spec.scale_format], rounding="up", saturate=True)
+        return s, codes
+    return s, None
+
+
+def scale_from_clip(spec: QuantSpec, c=None, lo=None, hi=None) -> Scale:
+    """Scale (and zero point) that maps clip value ``c`` (symmetric) or the range
+    ``[lo, hi]`` with ``lo <= 0 <= hi`` (asymmetric) onto the element range."""
+    if spec.scale == "none":
+        ones = jnp.ones((1,) * spec.ndim, jnp.float32)
+        if spec.pow2:
+            return Scale(None, jnp.zeros(ones.shape, jnp.int32), None, None, None)
+        s, codes = _float_scale(ones, spec)
+        return Scale(s, None, None, None, codes)
+    if spec.scheme == "symmetric":
+        bad = ~jnp.isfinite(c) if spec.mx is not None else None
+        if spec.pow2:
+            e = _pow2_exponent(c, spec.clip_target, spec.emax_target, spec.scale_rule)
+            return Scale(None, e, bad, None, None)
+        s, codes = _float_scale(_div_const(c, spec.clip_target), spec)
+        return Scale(s, None, None, None, codes)
+    qrange = spec.qmax - spec.qmin
+    span = (hi - lo).astype(jnp.float32)
+    if spec.pow2:
+        e = _pow2_exponent(span, qrange, int(np.floor(np.log2(qrange))), spec.scale_rule)
+        shifted = pow2.ldexp(lo, -e)
+        s, codes = None, None
+    else:
+        s, codes = _float_scale(_div_const(span, qrange), spec)
+        e, shifted = None, lo * (jnp.float32(1.0) / s)
+    zp = jnp.clip(jnp.round(jnp.float32(spec.qmin) - shifted), spec.qmin, spec.qmax)
+    return Scale(s, e, None, zp.astype(jnp.float32), codes)
+
+
+# Power-of-two scaling by float multiplication is exact while the factor is a normal float32
+# and nothing that matters is subnormal: with every exponent in this range, a subnormal input
+# scales to below 2**-26 and rounds to zero in every element format (XLA on CPU flushes it to
+# zero: the same result), and every nonzero element value (>= 2**-17) times the scale is a
+# normal float32. Otherwise the exact integer ldexp runs (once per call, via lax.cond).
+_FAST_E_MIN, _FAST_E_MAX = -100, 126
+
+
+def _pow2_scale(v: jax.Array, k: jax.Array, e: jax.Array) -> jax.Array:
+    """``v * 2**k`` exactly, where ``k`` is ``+-e`` plus a small shift."""
+    safe = jnp.all((e >= _FAST_E_MIN) & (e <= _FAST_E_MAX))
+    return jax.lax.cond(
+        safe,
+        lambda v, k: v * pow2.pow2(k),
+        pow2.ldexp,
+        v,
+        k,
+    )
+
+
+def apply_scale(xg: jax.Array, sc: Scale, spec: QuantSpec) -> jax.Array:
+    """x * (1 / scale) in element units (times 2**frac_bits for MXINT8), float32."""
+    if sc.e is not None:
+        return _pow2_scale(xg, spec.frac_bits - sc.e, sc.e)
+    return xg * (jnp.float32(1.0) / sc.s)  # see _div_const
+
+
+def unapply_scale(v: jax.Array, sc: Scale, spec: QuantSpec) -> jax.Array:
+    """Element values (zero point removed) times the scale, float32."""
+    if sc.e is not None:
+        out = _pow2_scale(v, sc.e - spec.frac_bits, sc.e)
+    else:
+        out = v * sc.s
+    if sc.bad is not None:
+        out = jnp.where(sc.bad, jnp.float32(jnp.nan), out)
+    return out
+
+
+# --- elements ------------------------------------------------------------------------------
+def _wide_int(spec: QuantSpec) -> IntFormat:
+    # Rounds y before the zero point is added: wide enough never to clip a useful value.
+    return IntFormat(name=f"int{spec.fmt.bits + 2}", bits=spec.fmt.bits + 2)
+
+
+def _rounding_kwargs(spec: QuantSpec, key) -> dict:
+    if spec.rounding == "stochastic":
+        return {"rounding": "stochastic", "key": key}
+    return {"rounding": spec.rounding}
+
+
+def round_elements(y: jax.Array, sc: Scale, spec: QuantSpec, key, *, codes: bool) -> jax.Array:
+    """Round scaled values to the element format.
+
+    Returns codes of the element format (``codes=True``; asymmetric codes include the zero
+    point) or float32 element values with the zero point already removed.
+    """
+    kw = _rounding_kwargs(spec, key)
+    fmt = spec.fmt
+    if isinstance(fmt, FloatFormat):
+        conv = encode if codes else round_to_format
+        # A plain cast (scale "none") overflows as the format does (inf, NaN or saturation);
+        # scaled quantization saturates to +-max, as every production recipe does.
+        return conv(y, fmt, saturate=spec.scale != "none", **kw)
+    if spec.scheme == "symmetric":
+        yc = jnp.clip(y, spec.qmin, spec.qmax)
+        return encode(yc, fmt, **kw) if codes else round_to_format(yc, fmt, **kw)
+    r = round_to_format(y, _wide_int(spec), **kw)
+    q = jnp.clip(r + sc.zp, spec.qmin, spec.qmax)
+    return encode(q, fmt) if codes else q - sc.zp
+
+
+def inside_mask(y: jax.Array, sc: Scale, spec: QuantSpec) -> jax.Array:
+    """True where round-to-nearest of ``y`` lands inside the element range (not clipped):
+    within half a step beyond the extreme codes, so the element at amax counts as inside."""
+    if isinstance(spec.fmt, FloatFormat):
+        fmt = spec.fmt
+        half_top = np.ldexp(1.0, fmt.emax - fmt.mantissa_bits - 1)
+        return jnp.abs(y) <= jnp.float32(fmt.max + half_top)
+    z = y if sc.zp is None else y + sc.zp
+    return (z >= spec.qmin - 0.5) & (z <= spec.qmax + 0.5)
+
+
+# --- clip values ---------------------------------------------------------------------------
+def _amax(xg, axes):
+    return jnp.max(jnp.abs(xg), axis=axes, keepdims=True)
+
+
+def _search_mse(xg, axes, spec: QuantSpec) -> Scale:
+    """Try clipping ratios 1.0 .. MSE_MIN_RATIO; keep, per group, the least squared error."""
+    ratios = jnp.asarray(np.geomspace(1.0, MSE_MIN_RATIO, MSE_GRID), jnp.float32)
+    near = dataclasses.replace(spec, rounding="nearest_even")
+    if spec.scheme == "symmetric":
+        base = (_amax(xg, axes),)
+    else:
+        base = (
+            jnp.minimum(jnp.min(xg, axis=axes, keepdims=True), 0.0),
+            jnp.maximum(jnp.max(xg, axis=axes, keepdims=True), 0.0),
+        )
+
+    def scale_for(r):
+        clip = tuple(b * r for b in base)
+        if spec.scheme == "symmetric":
+            return scale_from_clip(near, c=clip[0])
+        return scale_from_clip(near, lo=clip[0], hi=clip[1])
+
+    def err_for(r):
+        sc = scale_for(r)
+        y = apply_scale(xg, sc, near)
+        xh = unapply_scale(round_elements(y, sc, near, None, codes=False), sc, near)
+        return jnp.sum(jnp.square(xg - xh), axis=axes, keepdims=True)
+
+    def step(carry, r):
+        best_err, best_r = carry
+        err = err_for(r)
+        better = err < best_err
+        return (jnp.where(better, err, best_err), jnp.where(better, r, best_r)), None
+
+    init_err = err_for(ratios[0])
+    init = (init_err, jnp.ones_like(init_err))
+    (_, best_r), _ = jax.lax.scan(step, init, ratios[1:])
+    return _rescale(spec, base, best_r)
+
+
+def _rescale(spec: QuantSpec, base, r) -> Scale:
+    clip = tuple(b * r for b in base)
+    if spec.scheme == "symmetric":
+        return scale_from_clip(spec, c=clip[0])
+    return scale_from_clip(spec, lo=clip[0], hi=clip[1])
+
+
+def choose_scale(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, Scale]:
+    """Grouped float32 view of ``x`` and its scales per ``spec.scale``."""
+    x = jnp.asarray(x).astype(jnp.float32)
+    if spec.scale == "percentile":
+        xg_nan, axes = to_groups(x, spec, fill=np.nan)
+        xg = jnp.nan_to_num(xg_nan, nan=0.0) if spec.granularity == "block" else xg_nan
+        p = spec.percentile
+        if spec.scheme == "symmetric":
+            c = jnp.nanpercentile(jnp.abs(xg_nan), p, axis=axes, keepdims=True)
+            return xg, scale_from_clip(spec, c=c.astype(jnp.float32))
+        lo = jnp.nanpercentile(xg_nan, 100.0 - p, axis=axes, keepdims=True)
+        hi = jnp.nanpercentile(xg_nan, p, axis=axes, keepdims=True)
+        lo = jnp.minimum(lo, 0.0).astype(jnp.float32)
+        hi = jnp.maximum(hi, 0.0).astype(jnp.float32)
+        return xg, scale_from_clip(spec, lo=lo, hi=hi)
+    xg, axes = to_groups(x, spec)
+    if spec.scale == "mse":
+        return xg, _search_mse(xg, axes, spec)
+    if spec.scale == "none":
+        return xg, scale_from_clip(spec)
+    if spec.scheme == "symmetric":
+        return xg, scale_from_clip(spec, c=_amax(xg, axes))
+    lo = jnp.minimum(jnp.min(xg, axis=axes, keepdims=True), 0.0)
+    hi = jnp.maximum(jnp.max(xg, axis=axes, keepdims=True), 0.0)
+    return xg, scale_from_clip(spec, lo=lo, hi=hi)

@@ -1,0 +1,82 @@
+"""fake_quant: quantize then dequantize in one jittable op, with a straight-through gradient."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import jax
+import jax.numpy as jnp
+
+from precisionlab.quant import _core
+from precisionlab.quant._spec import QuantSpec, resolve
+from precisionlab.quant.quantize import _check_key, check_input
+
+__all__ = ["STE_MODES", "fake_quant"]
+
+#: "clipped": gradient 1 where the value was representable (including the element at amax),
+#: 0 where it was clipped to the format's range. "identity": gradient 1 everywhere.
+STE_MODES = ("clipped", "identity")
+
+
+def _forward(x: jax.Array, key, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:
+    """x_hat (x's dtype) and the float32 mask of elements inside the representable range."""
+    xg, sc = _core.choose_scale(jax.lax.stop_gradient(x), spec)
+    y = _core.apply_scale(xg, sc, spec)
+    values = _core.round_elements(y, sc, spec, key, codes=False)
+    x_hat = _core.from_groups(_core.unapply_scale(values, sc, spec), spec, x.shape)
+    mask = _core.from_groups(_core.inside_mask(y, sc, spec), spec, x.shape)
+    return x_hat.astype(x.dtype), mask
+
+
+@lru_cache(maxsize=256)
+def _make(spec: QuantSpec, ste: str):
+    @jax.custom_vjp
+    def fq(x, key):
+        return _forward(x, key, spec)[0]
+
+    def fwd(x, key):
+        x_hat, mask = _forward(x, key, spec)
+        return x_hat, mask
+
+    def bwd(mask, g):
+        if ste == "identity":
+            return g, None
+        return jnp.where(mask, g, jnp.zeros_like(g)), None
+
+    fq.defvjp(fwd, bwd)
+    return jax.jit(fq)
+
+
+def fake_quant(
+    x: jax.Array,
+    fmt,
+    *,
+    axis: int | None = None,
+    block_size: int | None = None,
+    scheme: str | None = None,
+    scale: str | None = None,
+    scale_format: str | None = None,
+    scale_rule: str | None = None,
+    rounding: str = "nearest_even",
+    key: jax.Array | None = None,
+    full_range: bool = False,
+    ste: str = "clipped",
+) -> jax.Array:
+    """``dequantize(quantize(x, fmt, ...))`` in one op, same shape and dtype as ``x``.
+
+    Takes the arguments of :func:`~precisionlab.quant.quantize`. The gradient is the
+    straight-through estimator: ``ste="clipped"`` passes the incoming gradient where the
+    scaled value rounds inside the element range (so the element at amax gets 1, unlike
+    ``jnp.clip``'s 0.5 at its bound) and 0 where it was clipped; ``ste="identity"`` passes
+    it everywhere. Scales are computed from ``x`` but carry no gradient.
+    """
+    x = check_input(x)
+    if ste not in STE_MODES:
+        raise ValueError(f"unknown ste {ste!r}; allowed: {', '.join(STE_MODES)}")
+    spec = resolve(
+        x.ndim, fmt, axis=axis, block_size=block_size, scheme=scheme, scale=scale,
+        scale_format=scale_format, scale_rule=scale_rule, rounding=rounding,
+        full_range=full_range,
+    )  # fmt: skip
+    _check_key(spec, key)
+    return _make(spec, ste)(x, key)
