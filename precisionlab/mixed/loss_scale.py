@@ -1,0 +1,384 @@
+"""Loss scaling as pytrees, updated inside ``jit`` without a host round trip.
+
+Three scales share one interface: ``.loss_scale`` (the current scale, an array), ``.scale(tree)``,
+``.unscale(tree)`` and ``.adjust(grads_finite) -> new instance``.
+
+:class:`DynamicLossScale` follows PyTorch's ``GradScaler`` rule exactly (``_amp_update_scale_``):
+a step with any non-finite gradient is skipped, the scale is multiplied by ``backoff_factor`` and
+the growth counter reset; otherwise the counter grows, and when it reaches ``growth_interval`` the
+scale is multiplied by ``growth_factor`` (kept only if the product is finite in the scale's dtype)
+and the counter reset. ``min_scale`` / ``max_scale``, when given, clamp the scale (jmp's floor of 1
+is ``min_scale=1.0``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "LOSS_SCALE_KINDS",
+    "DynamicLossScale",
+    "LossScale",
+    "NoLossScale",
+    "StaticLossScale",
+    "all_finite",
+    "leaf_finite",
+    "nonfinite_leaf_names",
+    "parse_loss_scale",
+    "select_tree",
+]
+
+T = TypeVar("T")
+LOSS_SCALE_KINDS: tuple[str, ...] = ("none", "static", "dynamic")
+
+
+def _scale_dtype(dtype: Any) -> np.dtype:
+    dtype = np.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"loss scale dtype must be floating, got {dtype.name}")
+    return dtype
+
+
+def _work_dtype(x: jax.Array, scale: jax.Array) -> np.dtype:
+    # Multiply in the wider of the two dtypes so a float16 scale on float32 grads loses nothing.
+    return jnp.promote_types(jnp.promote_types(x.dtype, scale.dtype), np.float32)
+
+
+def _scale_leaf(x: Any, scale: jax.Array) -> Any:
+    if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)):
+        return x
+    wide = _work_dtype(x, scale)
+    return (x.astype(wide) * scale.astype(wide)).astype(x.dtype)
+
+
+def _unscale_leaf(x: Any, scale: jax.Array) -> Any:
+    if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)):
+        return x
+    wide = _work_dtype(x, scale)
+    return (x.astype(wide) / scale.astype(wide)).astype(x.dtype)
+
+
+class LossScale:
+    """Interface shared by the loss scales (a base class for isinstance checks only)."""
+
+    loss_scale: jax.Array
+
+    def scale(self, tree: T) -> T:
+        """Multiply every floating leaf by the scale (in at least float32; dtype preserved)."""
+        return jax.tree_util.tree_map(lambda x: _scale_leaf(x, self.loss_scale), tree)
+
+    def unscale(self, tree: T) -> T:
+        """Divide every floating leaf by the scale (in at least float32; dtype preserved)."""
+        return jax.tree_util.tree_map(lambda x: _unscale_leaf(x, self.loss_scale), tree)
+
+    def adjust(self, grads_finite: jax.Array) -> LossScale:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+@jax.tree_util.register_pytree_node_class
+class NoLossScale(LossScale):
+    """No scaling: ``scale`` and ``unscale`` return the tree unchanged; ``loss_scale`` is 1."""
+
+    def __init__(self, dtype: Any = jnp.float32):
+        self.dtype = _scale_dtype(dtype)
+
+    @property
+    def loss_scale(self) -> jax.Array:  # type: ignore[override]
+        return jnp.ones((), self.dtype)
+
+    def scale(self, tree: T) -> T:
+        return tree
+
+    def unscale(self, tree: T) -> T:
+        return tree
+
+    def adjust(self, grads_finite: jax.Array) -> NoLossScale:
+        del grads_finite
+        return self
+
+    def tree_flatten(self):
+        return (), (self.dtype,)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        del children
+        return cls(aux[0])
+
+    def __repr__(self) -> str:
+        return f"NoLossScale(dtype={self.dtype.name})"
+
+
+@jax.tree_util.register_pytree_node_class
+class StaticLossScale(LossScale):
+    """A fixed scale ``s`` (an array of ``dtype``; must be finite and > 0 in that dtype)."""
+
+    def __init__(self, loss_scale: Any, dtype: Any = jnp.float32):
+        dtype = _scale_dtype(dtype)
+        if not isinstance(loss_scale, jax.Array | jax.core.Tracer):
+            value = float(np.asarray(loss_scale))
+            with np.errstate(over="ignore"):
+                cast = float(np.asarray(value, dtype))
+            if not (math.isfinite(cast) and cast > 0):
+                raise ValueError(
+                    f"static loss scale must be finite and > 0 in {dtype.name}, got {loss_scale!r}"
+                )
+        self.loss_scale = jnp.asarray(loss_scale, dtype)
+
+    def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
+        del grads_finite
+        return self
+
+    def tree_flatten(self):
+        return (self.loss_scale,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        del aux
+        obj = object.__new__(cls)
+        obj.loss_scale = children[0]
+        return obj
+
+    def __repr__(self) -> str:
+        return f"StaticLossScale({self.loss_scale!r})"
+
+
+@jax.tree_util.register_pytree_node_class
+class DynamicLossScale(LossScale):
+    """PyTorch GradScaler's dynamic loss scale, as a pytree.
+
+    Args:
+      init_scale: initial scale; must be finite in ``dtype``.
+      growth_factor: factor (> 1) applied after ``growth_interval`` consecutive finite steps.
+      backoff_factor: factor (in (0, 1)) applied on a step with a non-finite gradient.
+      growth_interval: consecutive finite steps before growing (>= 1).
+      min_scale, max_scale: optional clamps of the scale (None: unclamped, as in PyTorch).
+      dtype: dtype of the scale array (float32 by default; float16 works).
+
+    Data fields (traced): ``loss_scale`` (scalar of ``dtype``), ``counter`` (int32 scalar: finite
+    steps since the last change). Config fields are static (part of the treedef).
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+        dtype: Any = jnp.float32,
+    ):
+        dtype = _scale_dtype(dtype)
+        if not float(growth_factor) > 1.0:
+            raise ValueError(f"growth_factor must be > 1, got {growth_factor!r}")
+        if not 0.0 < float(backoff_factor) < 1.0:
+            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
+        if not isinstance(growth_interval, int | np.integer) or int(growth_interval) < 1:
+            raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
+        for name, value in (("min_scale", min_scale), ("max_scale", max_scale)):
+            if value is not None and not (math.isfinite(float(value)) and float(value) > 0):
+                raise ValueError(f"{name} must be finite and > 0 or None, got {value!r}")
+        if min_scale is not None and max_scale is not None and float(min_scale) > float(max_scale):
+            raise ValueError(f"min_scale {min_scale!r} > max_scale {max_scale!r}")
+        with np.errstate(over="ignore"):
+            init = float(np.asarray(init_scale, dtype))
+        if not (math.isfinite(init) and init > 0):
+            raise ValueError(
+                f"init_scale must be finite and > 0 in {dtype.name}, got {init_scale!r}"
+                + (" (float16 holds at most 65504)" if dtype == np.float16 else "")
+            )
+        self.loss_scale = jnp.asarray(init_scale, dtype)
+        self.counter = jnp.zeros((), jnp.int32)
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self.min_scale = None if min_scale is None else float(min_scale)
+        self.max_scale = None if max_scale is None else float(max_scale)
+        if self.min_scale is not None or self.max_scale is not None:
+            self.loss_scale = self._clamp(self.loss_scale)
+
+    def _config(self) -> tuple:
+        return (
+            self.growth_factor,
+            self.backoff_factor,
+            self.growth_interval,
+            self.min_scale,
+            self.max_scale,
+        )
+
+    def _clamp(self, s: jax.Array) -> jax.Array:
+        # Clamp in float32 so a bound beyond the scale dtype's range (2**20 in float16) is inert.
+        wide = jnp.promote_types(s.dtype, jnp.float32)
+        x = s.astype(wide)
+        if self.min_scale is not None:
+            x = jnp.maximum(x, jnp.asarray(self.min_scale, wide))
+        if self.max_scale is not None:
+            x = jnp.minimum(x, jnp.asarray(self.max_scale, wide))
+        return x.astype(s.dtype)
+
+    def adjust(self, grads_finite: jax.Array) -> DynamicLossScale:
+        """The next scale after a step whose gradients were (not) all finite. Jittable."""
+        s = self.loss_scale
+        grads_finite = jnp.asarray(grads_finite, bool)
+        grown = s * jnp.asarray(self.growth_factor, s.dtype)
+        backed = s * jnp.asarray(self.backoff_factor, s.dtype)
+        counter = self.counter + 1
+        at_interval = counter >= self.growth_interval
+        new_scale = jnp.where(
+            grads_finite,
+            jnp.where(at_interval & jnp.isfinite(grown), grown, s),
+            backed,
+        )
+        new_counter = jnp.where(grads_finite & ~at_interval, counter, 0).astype(jnp.int32)
+        out = object.__new__(DynamicLossScale)
+        out.loss_scale = self._clamp(new_scale)
+        out.counter = new_counter
+        (
+            out.growth_factor,
+            out.backoff_factor,
+            out.growth_interval,
+            out.min_scale,
+            out.max_scale,
+        ) = self._config()
+        return out
+
+    def tree_flatten(self):
+        return (self.loss_scale, self.counter), self._config()
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        obj = object.__new__(cls)
+        obj.loss_scale, obj.counter = children
+        (
+            obj.growth_factor,
+            obj.backoff_factor,
+            obj.growth_interval,
+            obj.min_scale,
+            obj.max_scale,
+        ) = aux
+        return obj
+
+    def __repr__(self) -> str:
+        return (
+            f"DynamicLossScale(loss_scale={self.loss_scale!r}, counter={self.counter!r}, "
+            f"growth_factor={self.growth_factor}, backoff_factor={self.backoff_factor}, "
+            f"growth_interval={self.growth_interval}, min_scale={self.min_scale}, "
+            f"max_scale={self.max_scale})"
+        )
+
+
+def leaf_finite(tree: Any) -> list[jax.Array]:
+    """One boolean scalar per floating leaf (in ``tree_leaves`` order): all elements finite."""
+    return [
+        jnp.all(jnp.isfinite(x))
+        for x in jax.tree_util.tree_leaves(tree)
+        if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
+    ]
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """Boolean scalar: every element of every floating leaf is finite (True for no leaves)."""
+    flags = leaf_finite(tree)
+    if not flags:
+        return jnp.asarray(True)
+    return jnp.stack(flags).all()
+
+
+def nonfinite_leaf_names(tree: Any, flags: Any) -> list[str]:
+    """Host-side: key paths (``"['w1']"``-style strings) of the floating leaves whose flag is
+    False; ``flags`` is the (fetched) output of :func:`leaf_finite` on ``tree``."""
+    paths = [
+        jax.tree_util.keystr(path)
+        for path, x in jax.tree_util.tree_leaves_with_path(tree)
+        if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
+    ]
+    return [p for p, ok in zip(paths, np.asarray(flags).reshape(-1), strict=True) if not ok]
+
+
+def select_tree(pred: jax.Array, on_true: T, on_false: T) -> T:
+    """Leafwise ``jnp.where(pred, on_true, on_false)`` for a boolean scalar ``pred``."""
+    pred = jnp.asarray(pred)
+    if pred.shape != () or pred.dtype != bool:
+        raise ValueError(f"pred must be a boolean scalar, got {pred.dtype}{list(pred.shape)}")
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def parse_loss_scale(spec: str | LossScale, **kwargs: Any) -> LossScale:
+    """Build a loss scale from a spec string.
+
+    ``"none"`` -> NoLossScale; ``"static:S"`` (or ``"static"`` with ``scale=S``) ->
+    StaticLossScale(S); ``"dynamic"`` -> DynamicLossScale(**kwargs) (``init_scale``,
+    ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``min_scale``, ``max_scale``,
+    ``dtype``). ``S`` may be written ``65536``, ``2**16`` or ``2^16``.
+    """
+    if isinstance(spec, LossScale):
+        if kwargs:
+            raise ValueError("keyword arguments need a spec string, not a LossScale instance")
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"loss-scale spec must be a string, got {type(spec).__name__}")
+    kind, _, arg = spec.strip().lower().partition(":")
+    kind = kind.strip()
+    dtype = kwargs.pop("dtype", jnp.float32)
+    if isinstance(dtype, str):
+        from precisionlab.mixed.policy import parse_dtype
+
+        dtype = parse_dtype(dtype)
+    if kind == "none":
+        if arg or kwargs:
+            raise ValueError(f"loss scale 'none' takes no arguments, got {spec!r} {kwargs}")
+        return NoLossScale(dtype)
+    if kind == "static":
+        if arg and "scale" in kwargs:
+            raise ValueError(f"static scale given twice: {spec!r} and scale={kwargs['scale']!r}")
+        unknown = set(kwargs) - {"scale"}
+        if unknown:
+            raise ValueError(f"unknown static loss-scale options {sorted(unknown)}; allowed: scale")
+        value = arg.strip() if arg else kwargs.get("scale")
+        if value is None or value == "":
+            raise ValueError("static loss scale needs a value: 'static:S', e.g. 'static:1024'")
+        return StaticLossScale(_parse_number(value), dtype)
+    if kind == "dynamic":
+        if arg:
+            raise ValueError(f"dynamic loss scale takes keyword options, not {spec!r}")
+        allowed = {
+            "init_scale",
+            "growth_factor",
+            "backoff_factor",
+            "growth_interval",
+            "min_scale",
+            "max_scale",
+        }
+        unknown = set(kwargs) - allowed
+        if unknown:
+            raise ValueError(
+                f"unknown dynamic loss-scale options {sorted(unknown)}; allowed: "
+                f"{', '.join(sorted(allowed))}"
+            )
+        kw = {
+            k: (_parse_number(v) if k != "growth_interval" and v is not None else v)
+            for k, v in kwargs.items()
+        }
+        return DynamicLossScale(dtype=dtype, **kw)
+    raise ValueError(f"unknown loss-scale spec {spec!r}; allowed: 'none', 'static:S', 'dynamic'")
+
+
+def _parse_number(value: Any) -> float:
+    if isinstance(value, int | float | np.number):
+        return float(value)
+    text = str(value).strip().replace("^", "**")
+    if "**" in text:
+        base, _, exp = text.partition("**")
+        try:
+            return float(base) ** float(exp)
+        except ValueError:
+            pass
+    try:
+        return float(text)
+    except ValueError as err:
+        raise ValueError(f"bad loss-scale number {value!r}; expected e.g. 1024 or 2**16") from err

@@ -1,0 +1,232 @@
+"""Mixed-precision policies: the dtype of params, of compute and of outputs.
+
+A :class:`Policy` is parsed from jmp's syntax (``"params=float32,compute=bfloat16,output=float32"``
+or ``"p=f32,c=bf16,o=f32"``; a bare dtype name sets all three). It also names the numerically
+sensitive ops that stay in float32 whatever the compute dtype (``Policy.fp32_ops``); the helpers in
+:mod:`precisionlab.mixed.ops` honour that list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "DEFAULT_FP32_OPS",
+    "DTYPE_NAMES",
+    "FP32_OPS",
+    "Policy",
+    "cast_floating",
+    "dtype_name",
+    "get_policy",
+    "parse_dtype",
+]
+
+T = TypeVar("T")
+
+# Ops that a policy may keep in float32 (names used by precisionlab.mixed.ops).
+FP32_OPS: tuple[str, ...] = (
+    "softmax",
+    "layer_norm",
+    "cross_entropy",
+    "reduce",
+    "matmul_accumulate",
+)
+# Kept in float32 by default: the mixed-precision practice of Micikevicius et al. 2018.
+DEFAULT_FP32_OPS: frozenset[str] = frozenset(
+    {"softmax", "layer_norm", "cross_entropy", "reduce", "matmul_accumulate"}
+)
+
+# Canonical name -> accepted spellings. "half" is jmp's device-dependent alias: rejected here,
+# because a lab must say which 16-bit format it means.
+DTYPE_NAMES: dict[str, tuple[str, ...]] = {
+    "float32": ("float32", "f32", "fp32", "full", "single"),
+    "bfloat16": ("bfloat16", "bf16"),
+    "float16": ("float16", "f16", "fp16"),
+    "float64": ("float64", "f64", "fp64", "double"),
+    "float8_e4m3fn": ("float8_e4m3fn", "e4m3", "fp8_e4m3", "f8e4m3"),
+    "float8_e5m2": ("float8_e5m2", "e5m2", "fp8_e5m2", "f8e5m2"),
+}
+_F32 = np.dtype("float32")
+_ALIAS = {alias: name for name, aliases in DTYPE_NAMES.items() for alias in aliases}
+
+
+def parse_dtype(value: str | np.dtype | type) -> np.dtype:
+    """Return the numpy dtype named by ``value`` (``"bf16"``, ``"float16"``, ``jnp.float32``...).
+
+    Raises ValueError for unknown names (listing the accepted ones) and for jmp's ``"half"``.
+    """
+    if not isinstance(value, str):
+        try:
+            dtype = np.dtype(value)
+        except TypeError as err:
+            raise TypeError(f"expected a dtype or dtype name, got {value!r}") from err
+        if dtype_name(dtype) not in DTYPE_NAMES:
+            raise ValueError(f"unsupported dtype {dtype.name!r}; allowed: {', '.join(DTYPE_NAMES)}")
+        return dtype
+    key = value.strip().lower()
+    if key == "half":
+        raise ValueError(
+            "dtype 'half' is ambiguous (jmp maps it to bfloat16 on TPU and float16 elsewhere); "
+            "say 'float16' or 'bfloat16'"
+        )
+    if key not in _ALIAS:
+        raise ValueError(f"unknown dtype {value!r}; allowed: {', '.join(sorted(_ALIAS))}")
+    return np.dtype(getattr(jnp, _ALIAS[key]))
+
+
+def dtype_name(dtype: Any) -> str:
+    """Canonical name of a dtype (``"bfloat16"``, ``"float32"``, ...)."""
+    return np.dtype(dtype).name
+
+
+def _is_floating(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def cast_floating(tree: T, dtype: Any) -> T:
+    """Cast the floating leaves of ``tree`` to ``dtype``; other leaves are returned as they are."""
+    dtype = np.dtype(dtype)
+
+    def cast(x: Any) -> Any:
+        if _is_floating(x) and x.dtype != dtype:
+            return jnp.asarray(x).astype(dtype)
+        return x
+
+    return jax.tree_util.tree_map(cast, tree)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Policy:
+    """Dtypes of a mixed-precision computation.
+
+    Attributes:
+      param_dtype: dtype the params are stored in (the master copy).
+      compute_dtype: dtype of the forward and backward computation.
+      output_dtype: dtype of the model's outputs (e.g. logits handed to the loss).
+      fp32_ops: names of ops computed in float32 whatever ``compute_dtype`` is; a subset of
+        :data:`FP32_OPS`. Their results are cast back to ``compute_dtype``.
+
+    Hashable, so it can be a static argument of ``jax.jit``.
+    """
+
+    param_dtype: np.dtype = _F32
+    compute_dtype: np.dtype = _F32
+    output_dtype: np.dtype = _F32
+    fp32_ops: frozenset[str] = DEFAULT_FP32_OPS
+
+    def __post_init__(self) -> None:
+        for field in ("param_dtype", "compute_dtype", "output_dtype"):
+            object.__setattr__(self, field, parse_dtype(getattr(self, field)))
+        ops = frozenset(self.fp32_ops)
+        unknown = sorted(ops - set(FP32_OPS))
+        if unknown:
+            raise ValueError(f"unknown fp32_ops {unknown}; allowed: {', '.join(FP32_OPS)}")
+        object.__setattr__(self, "fp32_ops", ops)
+
+    @classmethod
+    def parse(cls, spec: str, *, fp32_ops: Iterable[str] | None = None) -> Policy:
+        """Parse jmp's policy syntax; see :func:`get_policy`."""
+        return get_policy(spec, fp32_ops=fp32_ops)
+
+    def cast_to_param(self, tree: T) -> T:
+        """Cast floating leaves to ``param_dtype``."""
+        return cast_floating(tree, self.param_dtype)
+
+    def cast_to_compute(self, tree: T) -> T:
+        """Cast floating leaves to ``compute_dtype``."""
+        return cast_floating(tree, self.compute_dtype)
+
+    def cast_to_output(self, tree: T) -> T:
+        """Cast floating leaves to ``output_dtype``."""
+        return cast_floating(tree, self.output_dtype)
+
+    def keeps_fp32(self, op: str) -> bool:
+        """Whether ``op`` (one of :data:`FP32_OPS`) is computed in float32 under this policy."""
+        if op not in FP32_OPS:
+            raise ValueError(f"unknown op {op!r}; allowed: {', '.join(FP32_OPS)}")
+        return op in self.fp32_ops
+
+    def op_dtype(self, op: str) -> np.dtype:
+        """The dtype ``op`` computes in: float32 if kept in float32, else ``compute_dtype``."""
+        if self.keeps_fp32(op):
+            return jnp.promote_types(self.compute_dtype, np.float32)
+        return self.compute_dtype
+
+    def with_fp32_ops(self, ops: Iterable[str]) -> Policy:
+        return dataclasses.replace(self, fp32_ops=frozenset(ops))
+
+    def with_output_dtype(self, dtype: Any) -> Policy:
+        return dataclasses.replace(self, output_dtype=parse_dtype(dtype))
+
+    @property
+    def is_mixed(self) -> bool:
+        """True when compute differs from float32."""
+        return self.compute_dtype != np.dtype("float32")
+
+    def __str__(self) -> str:
+        short = {
+            "float32": "f32",
+            "bfloat16": "bf16",
+            "float16": "f16",
+            "float64": "f64",
+            "float8_e4m3fn": "e4m3",
+            "float8_e5m2": "e5m2",
+        }
+        p, c, o = (
+            short[dtype_name(d)] for d in (self.param_dtype, self.compute_dtype, self.output_dtype)
+        )
+        return f"p={p},c={c},o={o}"
+
+
+def get_policy(spec: str | Policy, *, fp32_ops: Iterable[str] | None = None) -> Policy:
+    """Parse a policy string in jmp's syntax.
+
+    ``"params=float32,compute=bfloat16,output=float32"``, ``"p=f32,c=bf16,o=f32"``, ``"c=f16"``
+    (params float32; output follows compute) or a bare dtype (``"bf16"``: all three). As in jmp,
+    compute defaults to the param dtype and output to the compute dtype.
+
+    Args:
+      spec: the policy string, or a Policy (returned, with ``fp32_ops`` replaced if given).
+      fp32_ops: ops kept in float32; default :data:`DEFAULT_FP32_OPS`.
+    """
+    ops = DEFAULT_FP32_OPS if fp32_ops is None else frozenset(fp32_ops)
+    if isinstance(spec, Policy):
+        return spec if fp32_ops is None else spec.with_fp32_ops(ops)
+    if not isinstance(spec, str):
+        raise TypeError(f"policy must be a string or Policy, got {type(spec).__name__}")
+    text = spec.strip()
+    if not text:
+        raise ValueError("empty policy string; expected e.g. 'p=f32,c=bf16,o=f32'")
+    if "=" not in text:
+        dtype = parse_dtype(text)
+        return Policy(param_dtype=dtype, compute_dtype=dtype, output_dtype=dtype, fp32_ops=ops)
+    keys = {
+        "p": "param",
+        "params": "param",
+        "c": "compute",
+        "compute": "compute",
+        "o": "output",
+        "output": "output",
+    }
+    found: dict[str, np.dtype] = {}
+    for part in text.split(","):
+        part = part.strip()
+        if part.count("=") != 1:
+            raise ValueError(f"bad policy part {part!r} in {spec!r}; expected key=dtype")
+        key, value = (s.strip() for s in part.split("="))
+        if key.lower() not in keys:
+            raise ValueError(f"unknown policy key {key!r} in {spec!r}; allowed: {', '.join(keys)}")
+        name = keys[key.lower()]
+        if name in found:
+            raise ValueError(f"policy key {key!r} given twice in {spec!r}")
+        found[name] = parse_dtype(value)
+    param = found.get("param", np.dtype("float32"))
+    compute = found.get("compute", param)
+    output = found.get("output", compute)
+    return Policy(param_dtype=param, compute_dtype=compute, output_dtype=output, fp32_ops=ops)

@@ -1,0 +1,247 @@
+"""The precision of every stored tensor: params, gradients, optimizer state, and update rounding.
+
+- :class:`Storage` names the dtypes: ``params`` (None: the policy's param dtype), ``grads``,
+  ``opt_state`` (float32, bfloat16, float16, or float8_e4m3fn / float8_e5m2 stored with a
+  per-tensor float32 scale) and ``update``: how an update is applied to params stored below
+  float32 (``"nearest"``; ``"stochastic"`` rounding through ``precisionlab.bits``; ``"kahan"``:
+  compensated summation with the compensation stored in the param dtype).
+- :func:`store_opt_state` wraps any optax ``GradientTransformation`` so that its state is kept in
+  ``opt_state`` dtype between steps and computed in float32 inside a step.
+- :func:`apply_updates` adds float32 updates to stored params with the chosen rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from precisionlab.mixed.policy import parse_dtype
+
+__all__ = [
+    "OPT_STATE_DTYPES",
+    "UPDATE_MODES",
+    "ScaledArray",
+    "Storage",
+    "StorageState",
+    "apply_updates",
+    "compress",
+    "decompress",
+    "init_storage_state",
+    "round_to_storage",
+    "store_opt_state",
+]
+
+UPDATE_MODES: tuple[str, ...] = ("nearest", "stochastic", "kahan")
+OPT_STATE_DTYPES: tuple[str, ...] = (
+    "float32",
+    "bfloat16",
+    "float16",
+    "float8_e4m3fn",
+    "float8_e5m2",
+)
+_FP8 = ("float8_e4m3fn", "float8_e5m2")
+_F32 = np.dtype("float32")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Storage:
+    """Storage dtypes of the training state (hashable: a static argument of ``jit``).
+
+    Attributes:
+      params: dtype params are stored in; None means the policy's ``param_dtype``.
+      grads: dtype gradients are rounded to before the optimizer sees them.
+      opt_state: dtype of the optimizer state's floating leaves (see :data:`OPT_STATE_DTYPES`).
+      update: ``"nearest" | "stochastic" | "kahan"`` (matters only for params below float32).
+    """
+
+    params: str | None = None
+    grads: str = "float32"
+    opt_state: str = "float32"
+    update: str = "nearest"
+
+    def __post_init__(self) -> None:
+        if self.params is not None:
+            object.__setattr__(self, "params", parse_dtype(self.params).name)
+        object.__setattr__(self, "grads", parse_dtype(self.grads).name)
+        opt = parse_dtype(self.opt_state).name
+        if opt not in OPT_STATE_DTYPES:
+            raise ValueError(
+                f"opt_state dtype {self.opt_state!r} not supported; allowed: "
+                f"{', '.join(OPT_STATE_DTYPES)}"
+            )
+        object.__setattr__(self, "opt_state", opt)
+        if self.update not in UPDATE_MODES:
+            raise ValueError(
+                f"unknown update rounding {self.update!r}; allowed: {', '.join(UPDATE_MODES)}"
+            )
+
+    def param_dtype(self, policy_param_dtype: Any) -> np.dtype:
+        """The storage dtype of params given the policy's param dtype."""
+        return parse_dtype(self.params) if self.params is not None else np.dtype(policy_param_dtype)
+
+
+class ScaledArray(NamedTuple):
+    """A tensor stored as ``values * scale`` (values in fp8, scale a float32 scalar)."""
+
+    values: jax.Array
+    scale: jax.Array
+
+
+class StorageState(NamedTuple):
+    """Per-param state of the update rule: Kahan compensation (param dtype) or None."""
+
+    compensation: Any
+
+
+def _is_float(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def compress(tree: Any, dtype: Any) -> Any:
+    """Store the floating leaves of ``tree`` in ``dtype`` (fp8: as :class:`ScaledArray` with a
+    per-tensor scale mapping the largest magnitude to the format's max)."""
+    dt = parse_dtype(dtype)
+    if dt.name in _FP8:
+        fmax = float(jnp.finfo(dt).max)
+
+        def to_fp8(x: Any) -> Any:
+            if not _is_float(x) or x.ndim == 0:
+                return x
+            xf = x.astype(jnp.float32)
+            amax = jnp.max(jnp.abs(xf))
+            scale = jnp.where((amax > 0) & jnp.isfinite(amax), amax / fmax, 1.0).astype(jnp.float32)
+            return ScaledArray((xf / scale).astype(dt), scale)
+
+        return jax.tree_util.tree_map(to_fp8, tree)
+    return jax.tree_util.tree_map(lambda x: x.astype(dt) if _is_float(x) else x, tree)
+
+
+def decompress(tree: Any, dtype: Any = jnp.float32) -> Any:
+    """Inverse of :func:`compress`: floating leaves (and ScaledArrays) back to ``dtype``."""
+
+    def back(x: Any) -> Any:
+        if isinstance(x, ScaledArray):
+            return (x.values.astype(jnp.float32) * x.scale).astype(dtype)
+        return x.astype(dtype) if _is_float(x) else x
+
+    return jax.tree_util.tree_map(back, tree, is_leaf=lambda x: isinstance(x, ScaledArray))
+
+
+def store_opt_state(
+    optimizer: optax.GradientTransformation, dtype: Any
+) -> optax.GradientTransformation:
+    """Wrap ``optimizer`` so its state is stored in ``dtype`` between steps.
+
+    Inside ``update`` the state is decompressed to float32, the wrapped optimizer runs in float32
+    on float32 gradients and params, and the new state is compressed again. Scalars (step counts,
+    per-tensor statistics) stay as they are. float32 returns ``optimizer`` unchanged.
+    """
+    dt = parse_dtype(dtype)
+    if dt == _F32:
+        return optimizer
+
+    def init(params: Any) -> Any:
+        return compress(optimizer.init(decompress(params)), dt)
+
+    def update(updates: Any, state: Any, params: Any = None, **extra: Any):
+        updates32 = decompress(updates)
+        params32 = None if params is None else decompress(params)
+        new_updates, new_state = optimizer.update(updates32, decompress(state), params32, **extra)
+        return new_updates, compress(new_state, dt)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def init_storage_state(params: Any, update: str) -> StorageState:
+    """Initial :class:`StorageState` for ``update`` mode (zeros compensation for Kahan)."""
+    if update not in UPDATE_MODES:
+        raise ValueError(f"unknown update rounding {update!r}; allowed: {', '.join(UPDATE_MODES)}")
+    if update == "kahan":
+        return StorageState(
+            jax.tree_util.tree_map(lambda p: jnp.zeros_like(p) if _is_float(p) else None, params)
+        )
+    return StorageState(None)
+
+
+def round_to_storage(
+    x: jax.Array, dtype: Any, *, rounding: str = "nearest", key: jax.Array | None = None
+) -> jax.Array:
+    """Round float32 ``x`` to ``dtype`` by nearest-even or stochastic rounding; returns ``dtype``.
+
+    Stochastic rounding uses ``precisionlab.bits.encode(..., rounding="stochastic", key=key)``: the
+    result is one of the two neighbours of ``x`` in ``dtype``, the upper one with probability
+    proportional to the distance from the lower one (unbiased).
+    """
+    dt = np.dtype(dtype)
+    if dt.itemsize >= 4 or rounding == "nearest":
+        return x.astype(dt)
+    if rounding != "stochastic":
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    if key is None:
+        raise ValueError("stochastic rounding needs a PRNG key")
+    from precisionlab import bits
+
+    return bits.round_to_format(
+        x.astype(jnp.float32), dt.name, rounding="stochastic", key=key
+    ).astype(dt)
+
+
+def apply_updates(
+    params: Any,
+    updates: Any,
+    state: StorageState,
+    *,
+    update: str = "nearest",
+    key: jax.Array | None = None,
+) -> tuple[Any, StorageState]:
+    """Apply float32 ``updates`` to ``params`` (any storage dtype) with the chosen rounding.
+
+    - nearest: ``round_nearest(p + u)`` (p + u computed in float32, rounded once).
+    - stochastic: ``round_stochastic(p + u)``; one key per leaf from ``key``.
+    - kahan: ``y = u - c; t = round(p + y); c = round((t - p) - y); p = t`` with float32
+      arithmetic and ``c`` stored in the param dtype (Zamirai et al. 2020).
+    Params at float32 or wider are updated as ``p + u`` whatever the mode.
+    Returns the new params (same dtypes) and storage state.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    ups = treedef.flatten_up_to(updates)
+    if update == "kahan":
+        comps = treedef.flatten_up_to(state.compensation)
+    else:
+        comps = [None] * len(leaves)
+    if update == "stochastic":
+        if key is None:
+            raise ValueError("stochastic update rounding needs a PRNG key")
+        keys = list(jax.random.split(key, max(len(leaves), 1)))
+    new_p, new_c = [], []
+    for i, (p, u, c) in enumerate(zip(leaves, ups, comps, strict=True)):
+        if not _is_float(p):
+            new_p.append(p)
+            new_c.append(c)
+            continue
+        dt = p.dtype
+        wide = jnp.promote_types(dt, _F32)
+        pf, uf = p.astype(wide), u.astype(wide)
+        if np.dtype(dt).itemsize >= 4:
+            new_p.append((pf + uf).astype(dt))
+            new_c.append(c)
+        elif update == "nearest":
+            new_p.append((pf + uf).astype(dt))
+            new_c.append(c)
+        elif update == "stochastic":
+            new_p.append(round_to_storage(pf + uf, dt, rounding="stochastic", key=keys[i]))
+            new_c.append(c)
+        elif update == "kahan":
+            y = uf - c.astype(wide)
+            t = (pf + y).astype(dt)
+            new_c.append(((t.astype(wide) - pf) - y).astype(dt))
+            new_p.append(t)
+        else:
+            raise ValueError(f"unknown update rounding {update!r}; allowed: {UPDATE_MODES}")
+    new_state = StorageState(treedef.unflatten(new_c) if update == "kahan" else state.compensation)
+    return treedef.unflatten(new_p), new_state

@@ -1,0 +1,112 @@
+"""Training loop, built-in models and data for mixed-precision experiments.
+
+API summary (stable; the experiment runner and memory accounting code against it)
+---------------------------------------------------------------------------------
+High level (one call per run)::
+
+    from precisionlab.train import TrainConfig, train
+    cfg = TrainConfig(model="mlp", data="teacher", optimizer="adam", lr=1e-3,
+                      policy="p=f32,c=f16,o=f32", loss_scale="dynamic", steps=500, seed=0,
+                      batch_size=128, eval_interval=100, eval_batches=8)
+    result = train(cfg, callback=print, checkpoint_dir="run/ckpt", resume=True)
+    result.eval_metric, result.skipped_steps, result.diverged, result.summary()
+
+- ``TrainConfig`` (frozen dataclass of plain values, ``TrainConfig.from_dict(table, where)``
+  raises ValueError naming ``where.key`` for unknown keys / bad values; ``.to_dict()``).
+- ``train(config, *, callback=None, checkpoint_dir=None, resume=False, quiet=False)
+  -> TrainResult``. ``callback(metrics: dict)`` is called once per step with plain Python
+  values: ``step`` (1-based count of steps done), ``loss``, ``grad_norm`` (global norm of the
+  unscaled gradient, float32), ``loss_scale`` (scale used in this step), ``skipped`` (bool),
+  ``skip_reason`` ("", "nonfinite_loss" (the forward overflowed) or "nonfinite_grads" (the
+  backward did)), ``nonfinite_leaves`` (list of key paths, only with
+  ``report_leaves``), ``underflow_fraction`` (fraction of the compute-dtype gradient elements that
+  are zero, subnormal or non-finite), ``lr``, ``metric`` (train accuracy of the batch),
+  ``diverged`` (bool, sticky), ``step_time_s``; at eval steps also ``eval_loss``,
+  ``eval_metric``; at histogram steps ``grad_hist`` / ``act_hist`` (dicts: ``edges`` (log2 bin
+  edges), ``counts``, ``zeros``, ``nonfinite``; the gradient histogram is of the SCALED
+  gradient as the compute dtype holds it, i.e. what the format must represent); at shadow steps
+  ``shadow_cosine`` and ``shadow_underflow_lost`` (fraction of elements nonzero in the fp32
+  gradient and zero in the compute-dtype gradient).
+  ``resume=True`` continues from the newest checkpoint in ``checkpoint_dir`` (bitwise the same as
+  an uninterrupted run; starts fresh if there is none).
+- ``TrainResult``: state, steps_done, final_loss, eval_loss, eval_metric, evals, skipped_steps,
+  diverged, divergence_step, min_loss_scale, max_loss_scale, mean_underflow_fraction,
+  wall_time_s, metrics; ``.summary()`` is JSON-able.
+
+Valid names (for config validation): ``MODELS``, ``DATASETS``, ``OPTIMIZERS``, ``SCHEDULES``,
+``UPDATE_ROUNDINGS``, ``DIVERGENCE_ACTIONS``, ``precisionlab.mixed.LOSS_SCALE_KINDS``.
+
+Builders:
+
+- ``make_data(name, **kw) -> Dataset``: ``.batch(step, batch_size, seed=, split="train")``
+  is a pure function of its arguments (numpy arrays); ``.model_kwargs()`` gives the sizes a model
+  needs; ``.chance`` the chance-level metric. Batches: classification ``{"x": f32[B, D],
+  "y": i32[B]}``, language ``{"tokens": i32[B, T + 1]}``.
+- ``make_model(name, **kw) -> Model`` with ``.init(key) -> params`` (float32 pytree),
+  ``.apply(params, inputs, policy=None, capture=False)`` (logits, plus a dict of activations with
+  ``capture``), ``.loss_fn(policy) -> loss_fn(params, batch) -> (loss, aux)`` where aux holds
+  ``metric`` (and ``activations`` when built with ``capture=True``),
+  ``.activation_shapes(batch_size, policy=None) -> dict[str, jax.ShapeDtypeStruct]`` (the
+  activations the backward pass keeps, per block), ``.param_shapes()`` (params as
+  ShapeDtypeStructs, nothing drawn), ``.param_count(params)``. ``init`` draws on the host with
+  numpy (deterministic in the key, no compilation).
+- ``make_optimizer(name, lr, *, schedule="constant", steps=None, warmup_steps=0,
+  weight_decay=0.0, grad_clip=None, **kw) -> optax.GradientTransformation``.
+- ``precisionlab.mixed.parse_loss_scale(spec, **kw)``, ``precisionlab.mixed.get_policy(spec)``,
+  ``precisionlab.mixed.Storage(params=None, grads="float32", opt_state="float32",
+  update="nearest")``.
+
+Low level (any user model):
+
+- ``make_train_step(loss_fn, params, optimizer, *, policy=..., loss_scale=..., storage=...,
+  microbatches=1, seed=0, skip_nonfinite=None, skip="cond", data_parallel=False,
+  allreduce_dtype=None, report_leaves=False) -> (step_fn, state)``: ``step_fn(state, batch) ->
+  (state, metrics)`` is a pure, UN-jitted function (wrap it in ``jax.jit``, e.g.
+  ``jax.jit(step_fn, donate_argnums=0)``; ``jax.jit(step_fn).lower(state, batch).compile()
+  .memory_analysis()`` for memory accounting); ``state`` is a ``TrainState`` NamedTuple (step,
+  params, opt_state, loss_scale, storage_state, rng). ``loss_fn(params, batch)`` receives params
+  already cast to the compute dtype and returns a scalar loss or ``(loss, aux)``.
+- ``train_loop(loss_fn, params, optimizer, batches, *, steps, ...) -> TrainResult`` runs the
+  jitted step over an iterable of batches with the same metrics, callback, checkpoints and
+  divergence detection as ``train``.
+- ``save_checkpoint(dir, state, *, step, extra)`` / ``load_checkpoint(dir, template)`` /
+  ``latest_checkpoint(dir)``: atomic, bitwise.
+- Meters: ``underflow_fraction(tree, dtype)``, ``log2_histogram(tree)``,
+  ``shadow_stats(grads, grads_fp32)``.
+"""
+
+from precisionlab.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from precisionlab.train.config import DIVERGENCE_ACTIONS, UPDATE_ROUNDINGS, TrainConfig, TrainResult
+from precisionlab.train.data import DATASETS, Dataset, make_data
+from precisionlab.train.loop import evaluate, train, train_loop
+from precisionlab.train.meters import log2_histogram, shadow_stats, underflow_fraction
+from precisionlab.train.models import MODELS, Model, make_model
+from precisionlab.train.optim import OPTIMIZERS, SCHEDULES, make_optimizer
+from precisionlab.train.step import TrainState, make_train_step
+
+__all__ = [
+    "DATASETS",
+    "DIVERGENCE_ACTIONS",
+    "MODELS",
+    "OPTIMIZERS",
+    "SCHEDULES",
+    "UPDATE_ROUNDINGS",
+    "Dataset",
+    "Model",
+    "TrainConfig",
+    "TrainResult",
+    "TrainState",
+    "evaluate",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "log2_histogram",
+    "make_data",
+    "make_model",
+    "make_optimizer",
+    "make_train_step",
+    "save_checkpoint",
+    "shadow_stats",
+    "train",
+    "train_loop",
+    "underflow_fraction",
+]

@@ -1,0 +1,417 @@
+"""Built-in models in plain JAX with an explicit dtype flow that honours a Policy.
+
+Params are float32 pytrees of dicts and lists (cast by the train step to the storage and compute
+dtypes). Every op goes through :mod:`precisionlab.mixed.ops`, so the compute dtype's rounding and
+overflow are forced at op boundaries and the policy's float32 list is honoured.
+
+- ``mlp``: classifier ``x -> [dense -> (LayerNorm) -> * act_scale -> relu|gelu|tanh] * depth ->
+  dense``. Shapes: x f32[B, in_dim] -> logits [B, num_classes].
+- ``transformer``: decoder-only LM; token + learned position embedding, ``depth`` pre-LayerNorm
+  blocks (causal softmax attention with ``heads`` heads, GELU MLP of ``mlp_ratio * d_model``),
+  final LayerNorm, unembedding. Shapes: tokens i32[B, T] -> logits [B, T, vocab_size].
+
+Knobs for precision experiments: ``init_scale`` (multiplies every initial weight's std),
+``use_layernorm`` (False removes the normalisation: activations can grow), ``act_scale``
+(multiplies pre-activations), ``loss_multiplier`` (multiplies the loss: the tiny per-element
+gradients of averages over many tokens or examples; Adam's fp32 trajectory barely changes while
+fp16 gradients underflow), ``remat`` (``jax.checkpoint`` around each block).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from precisionlab.mixed import ops
+from precisionlab.mixed.numerics import enforce as _enforce
+from precisionlab.mixed.policy import Policy, get_policy
+
+__all__ = ["MLP", "MODELS", "Model", "Transformer", "make_model"]
+
+MODELS: tuple[str, ...] = ("mlp", "transformer")
+_ACTIVATIONS = ("relu", "gelu", "tanh")
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def _check_pos(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{name} must be a number > 0, got {value!r}")
+
+
+class _Gen:
+    """Host-side initialiser: a numpy SeedSequence derived from a JAX key (no compilation)."""
+
+    def __init__(self, seq: np.random.SeedSequence, shapes_only: bool = False):
+        self.seq, self.shapes_only = seq, shapes_only
+
+    @classmethod
+    def from_key(cls, key: jax.Array, shapes_only: bool = False) -> _Gen:
+        if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+            key = jax.random.key_data(key)
+        words = [int(w) for w in np.asarray(key, np.uint32).reshape(-1)]
+        return cls(np.random.SeedSequence(words), shapes_only)
+
+    def split(self, n: int) -> list[_Gen]:
+        return [_Gen(child, self.shapes_only) for child in self.seq.spawn(n)]
+
+
+def _normal(gen: _Gen, shape: tuple[int, ...], std: float) -> Any:
+    if gen.shapes_only:
+        return jax.ShapeDtypeStruct(shape, jnp.float32)
+    draw = np.random.default_rng(gen.seq).standard_normal(shape, dtype=np.float32)
+    return jnp.asarray(draw * np.float32(std), jnp.float32)
+
+
+class Model:
+    """Interface of the built-in models.
+
+    ``init(key) -> params`` (float32 pytree); ``apply(params, inputs, policy=None, *,
+    capture=False, enforce=True)`` -> logits in the policy's output dtype (and with ``capture`` a
+    dict name -> activation in the compute dtype); ``loss_fn(policy=None, *, capture=False,
+    enforce=True)`` -> ``loss_fn(params, batch) -> (loss, aux)`` with aux ``{"metric": accuracy}``
+    (+ ``"activations"`` with capture); ``activation_shapes(batch_size, policy=None)``.
+    """
+
+    name: str = ""
+    remat: bool = False
+    loss_multiplier: float = 1.0
+
+    def init(self, key: jax.Array) -> Any:
+        """Float32 params, a deterministic function of ``key`` (drawn on the host with numpy,
+        so no compilation is needed)."""
+        return self._init(_Gen.from_key(key))
+
+    def param_shapes(self) -> Any:
+        """The params pytree as ``jax.ShapeDtypeStruct`` leaves (no random draws)."""
+        params = self._init(_Gen(np.random.SeedSequence(0), shapes_only=True))
+        return jax.tree_util.tree_map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
+
+    def _init(self, gen: _Gen) -> Any:
+        raise NotImplementedError
+
+    def apply(
+        self,
+        params: Any,
+        inputs: jax.Array,
+        policy: Policy | None = None,
+        *,
+        capture: bool = False,
+        enforce: bool = True,
+    ) -> Any:
+        raise NotImplementedError
+
+    def _inputs_labels(self, batch: dict[str, Any]) -> tuple[jax.Array, jax.Array]:
+        raise NotImplementedError
+
+    def loss_fn(
+        self, policy: Policy | str | None = None, *, capture: bool = False, enforce: bool = True
+    ):
+        """``loss_fn(params, batch) -> (loss, aux)``; params may already be in compute dtype."""
+        pol = get_policy(policy) if policy is not None else Policy()
+
+        def loss_fn(params: Any, batch: dict[str, Any]) -> tuple[jax.Array, dict[str, Any]]:
+            inputs, labels = self._inputs_labels(batch)
+            out = self.apply(params, inputs, pol, capture=capture, enforce=enforce)
+            logits, acts = out if capture else (out, None)
+            loss = ops.cross_entropy(logits, labels, policy=pol, enforce=enforce)
+            if self.loss_multiplier != 1.0:
+                loss = loss * jnp.asarray(self.loss_multiplier, loss.dtype)
+            aux: dict[str, Any] = {"metric": ops.accuracy(logits, labels)}
+            if capture:
+                aux["activations"] = acts
+            return loss, aux
+
+        return loss_fn
+
+    def example_batch(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
+        raise NotImplementedError
+
+    def activation_shapes(
+        self, batch_size: int, policy: Policy | str | None = None
+    ) -> dict[str, jax.ShapeDtypeStruct]:
+        """Shapes and dtypes of the per-block activations (no computation: ``jax.eval_shape``)."""
+        pol = get_policy(policy) if policy is not None else Policy()
+        params = jax.tree_util.tree_map(
+            lambda p: jax.ShapeDtypeStruct(p.shape, pol.compute_dtype), self.param_shapes()
+        )
+        _, acts = jax.eval_shape(
+            lambda p, b: self.apply(p, self._inputs_labels(b)[0], pol, capture=True),
+            params,
+            self.example_batch(batch_size),
+        )
+        return dict(acts)
+
+    @staticmethod
+    def param_count(params: Any) -> int:
+        return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(params)))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MLP(Model):
+    """MLP classifier (see module docstring)."""
+
+    in_dim: int = 32
+    num_classes: int = 10
+    width: int = 256
+    depth: int = 2
+    activation: str = "relu"
+    init_scale: float = 1.0
+    act_scale: float = 1.0
+    use_layernorm: bool = False
+    remat: bool = False
+    loss_multiplier: float = 1.0
+
+    name = "mlp"
+
+    def __post_init__(self) -> None:
+        for n in ("in_dim", "width"):
+            _check_int(n, getattr(self, n), 1)
+        _check_int("num_classes", self.num_classes, 2)
+        _check_int("depth", self.depth, 1)
+        _check_pos("init_scale", self.init_scale)
+        _check_pos("act_scale", self.act_scale)
+        _check_pos("loss_multiplier", self.loss_multiplier)
+        if self.activation not in _ACTIVATIONS:
+            raise ValueError(
+                f"unknown activation {self.activation!r}; allowed: {', '.join(_ACTIVATIONS)}"
+            )
+
+    def _init(self, gen: _Gen) -> dict[str, Any]:
+        keys = gen.split(self.depth + 1)
+        gain = math.sqrt(2.0) if self.activation == "relu" else 1.0
+        hidden = []
+        fan_in = self.in_dim
+        for i in range(self.depth):
+            layer = {
+                "w": _normal(
+                    keys[i], (fan_in, self.width), self.init_scale * gain / math.sqrt(fan_in)
+                ),
+                "b": jnp.zeros((self.width,), jnp.float32),
+            }
+            if self.use_layernorm:
+                layer["ln_scale"] = jnp.ones((self.width,), jnp.float32)
+                layer["ln_bias"] = jnp.zeros((self.width,), jnp.float32)
+            hidden.append(layer)
+            fan_in = self.width
+        out = {
+            "w": _normal(keys[-1], (fan_in, self.num_classes), self.init_scale / math.sqrt(fan_in)),
+            "b": jnp.zeros((self.num_classes,), jnp.float32),
+        }
+        return {"hidden": hidden, "out": out}
+
+    def _act(self, h: jax.Array, pol: Policy, enforce: bool) -> jax.Array:
+        if self.activation == "relu":
+            return ops.relu(h, policy=pol, enforce=enforce)
+        if self.activation == "gelu":
+            return ops.gelu(h, policy=pol, enforce=enforce)
+        return ops.boundary(jnp.tanh(h), pol, enforce=enforce)
+
+    def apply(self, params, inputs, policy=None, *, capture=False, enforce=True):
+        pol = policy or Policy()
+        acts: dict[str, jax.Array] = {}
+        h = ops.boundary(inputs, pol, enforce=enforce)
+
+        def block(layer, h):
+            z = ops.dense(h, layer["w"], layer["b"], policy=pol, enforce=enforce)
+            if self.use_layernorm:
+                z = ops.layer_norm(
+                    z, layer["ln_scale"], layer["ln_bias"], policy=pol, enforce=enforce
+                )
+            if self.act_scale != 1.0:
+                z = ops.boundary(z * jnp.asarray(self.act_scale, z.dtype), pol, enforce=enforce)
+            return z, self._act(z, pol, enforce)
+
+        run = jax.checkpoint(block) if self.remat else block
+        for i, layer in enumerate(params["hidden"]):
+            z, h = run(layer, h)
+            acts[f"layer{i}/pre"] = z
+            acts[f"layer{i}/out"] = h
+        logits = ops.dense(h, params["out"]["w"], params["out"]["b"], policy=pol, enforce=enforce)
+        acts["logits"] = logits
+        logits = pol.cast_to_output(logits)
+        return (logits, acts) if capture else logits
+
+    def _inputs_labels(self, batch):
+        return batch["x"], batch["y"]
+
+    def example_batch(self, batch_size):
+        return {
+            "x": jax.ShapeDtypeStruct((batch_size, self.in_dim), jnp.float32),
+            "y": jax.ShapeDtypeStruct((batch_size,), jnp.int32),
+        }
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Transformer(Model):
+    """Decoder-only transformer LM (see module docstring)."""
+
+    vocab_size: int = 32
+    seq_len: int = 64
+    d_model: int = 64
+    depth: int = 2
+    heads: int = 4
+    mlp_ratio: int = 4
+    init_scale: float = 1.0
+    act_scale: float = 1.0
+    use_layernorm: bool = True
+    remat: bool = False
+    loss_multiplier: float = 1.0
+
+    name = "transformer"
+
+    def __post_init__(self) -> None:
+        for n in ("vocab_size", "seq_len", "d_model", "depth", "heads", "mlp_ratio"):
+            _check_int(n, getattr(self, n), 1)
+        if self.d_model % self.heads:
+            raise ValueError(f"d_model {self.d_model} must be divisible by heads {self.heads}")
+        _check_pos("init_scale", self.init_scale)
+        _check_pos("act_scale", self.act_scale)
+        _check_pos("loss_multiplier", self.loss_multiplier)
+
+    def _init(self, gen: _Gen) -> dict[str, Any]:
+        d, f = self.d_model, self.d_model * self.mlp_ratio
+        s = self.init_scale
+        keys = gen.split(3 + 4 * self.depth)
+        blocks = []
+        for i in range(self.depth):
+            k = keys[3 + 4 * i : 7 + 4 * i]
+            # Output projections scaled by 1/sqrt(2 * depth) (GPT-2) to keep the residual tame.
+            out_std = s / math.sqrt(d) / math.sqrt(2 * self.depth)
+            blk = {
+                "qkv": _normal(k[0], (d, 3 * d), s / math.sqrt(d)),
+                "proj": _normal(k[1], (d, d), out_std),
+                "fc1": _normal(k[2], (d, f), s / math.sqrt(d)),
+                "fc1_b": jnp.zeros((f,), jnp.float32),
+                "fc2": _normal(k[3], (f, d), s / math.sqrt(f) / math.sqrt(2 * self.depth)),
+                "fc2_b": jnp.zeros((d,), jnp.float32),
+            }
+            if self.use_layernorm:
+                for n in ("ln1", "ln2"):
+                    blk[f"{n}_scale"] = jnp.ones((d,), jnp.float32)
+                    blk[f"{n}_bias"] = jnp.zeros((d,), jnp.float32)
+            blocks.append(blk)
+        params = {
+            "embed": _normal(keys[0], (self.vocab_size, d), s * 0.5),
+            "pos": _normal(keys[1], (self.seq_len, d), s * 0.1),
+            "blocks": blocks,
+            "unembed": _normal(keys[2], (d, self.vocab_size), s / math.sqrt(d)),
+        }
+        if self.use_layernorm:
+            params["ln_f_scale"] = jnp.ones((d,), jnp.float32)
+            params["ln_f_bias"] = jnp.zeros((d,), jnp.float32)
+        return params
+
+    def _norm(self, x, p, name, pol, enforce):
+        if not self.use_layernorm:
+            return x
+        return ops.layer_norm(x, p[f"{name}_scale"], p[f"{name}_bias"], policy=pol, enforce=enforce)
+
+    def apply(self, params, inputs, policy=None, *, capture=False, enforce=True):
+        pol = policy or Policy()
+        b, t = inputs.shape
+        d, nh = self.d_model, self.heads
+        dh = d // nh
+        cd = pol.compute_dtype
+        acts: dict[str, jax.Array] = {}
+        emb = jnp.asarray(params["embed"]).astype(cd)
+        x = emb[inputs] + jnp.asarray(params["pos"]).astype(cd)[:t]
+        x = ops.boundary(x, pol, enforce=enforce)
+        causal = jnp.tril(jnp.ones((t, t), bool))
+
+        def block(blk, x):
+            a = {}
+            h = self._norm(x, blk, "ln1", pol, enforce)
+            qkv = ops.matmul(h, blk["qkv"], policy=pol, enforce=enforce)
+            q, k, v = jnp.split(qkv.reshape(b, t, 3, nh, dh), 3, axis=2)
+            q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # [B, T, H, Dh]
+            scale = jnp.asarray(self.act_scale / math.sqrt(dh), cd)
+            logits_BHTT = ops.boundary(
+                jnp.einsum(
+                    "bqhd,bkhd->bhqk",
+                    q,
+                    k,
+                    preferred_element_type=pol.op_dtype("matmul_accumulate"),
+                ).astype(cd)
+                * scale,
+                pol,
+                enforce=enforce,
+            )
+            probs = ops.softmax(logits_BHTT, axis=-1, policy=pol, where=causal, enforce=enforce)
+            probs = jnp.where(causal, probs, jnp.zeros((), cd))
+            att = ops.boundary(
+                jnp.einsum(
+                    "bhqk,bkhd->bqhd",
+                    probs,
+                    v,
+                    preferred_element_type=pol.op_dtype("matmul_accumulate"),
+                ),
+                pol,
+                enforce=enforce,
+            ).reshape(b, t, d)
+            x = ops.boundary(
+                x + ops.matmul(att, blk["proj"], policy=pol, enforce=enforce), pol, enforce=enforce
+            )
+            h = self._norm(x, blk, "ln2", pol, enforce)
+            u = ops.dense(h, blk["fc1"], blk["fc1_b"], policy=pol, enforce=enforce)
+            u = ops.gelu(u, policy=pol, enforce=enforce)
+            x = ops.boundary(
+                x + ops.dense(u, blk["fc2"], blk["fc2_b"], policy=pol, enforce=enforce),
+                pol,
+                enforce=enforce,
+            )
+            a["attn_logits"] = logits_BHTT
+            a["mlp_hidden"] = u
+            a["resid"] = x
+            return x, a
+
+        run = jax.checkpoint(block) if self.remat else block
+        for i, blk in enumerate(params["blocks"]):
+            acts[f"block{i}/input"] = x
+            x, a = run(blk, x)
+            for n, v in a.items():
+                acts[f"block{i}/{n}"] = v
+        if self.use_layernorm:
+            x = ops.layer_norm(
+                x, params["ln_f_scale"], params["ln_f_bias"], policy=pol, enforce=enforce
+            )
+        logits = ops.matmul(x, params["unembed"], policy=pol, enforce=enforce)
+        acts["logits"] = logits
+        logits = pol.cast_to_output(logits)
+        return (logits, acts) if capture else logits
+
+    def _inputs_labels(self, batch):
+        tokens = batch["tokens"]
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def example_batch(self, batch_size):
+        return {"tokens": jax.ShapeDtypeStruct((batch_size, self.seq_len + 1), jnp.int32)}
+
+
+_BUILDERS = {"mlp": MLP, "transformer": Transformer}
+
+
+def make_model(name: str, **kwargs: Any) -> Model:
+    """Build a model by name (see :data:`MODELS`); unknown options raise ValueError."""
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown model {name!r}; allowed: {', '.join(MODELS)}")
+    cls = _BUILDERS[name]
+    allowed = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(kwargs) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"unknown option(s) {', '.join(unknown)} for model {name!r}; allowed: "
+            f"{', '.join(allowed)}"
+        )
+    return cls(**kwargs)
+
+
+del _enforce

@@ -1,0 +1,118 @@
+"""Built-in models and datasets: shapes, dtype flow, causality, determinism, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from precisionlab.mixed import get_policy
+from precisionlab.train import DATASETS, MODELS, make_data, make_model
+
+
+def test_names():
+    assert set(MODELS) == {"mlp", "transformer"} and set(DATASETS) == {"teacher", "markov"}
+
+
+@pytest.mark.parametrize("name", DATASETS)
+def test_data_deterministic(name):
+    d = make_data(name)
+    a, b = d.batch(5, 16, seed=3), d.batch(5, 16, seed=3)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+    c = d.batch(6, 16, seed=3)
+    assert any(not np.array_equal(a[k], c[k]) for k in a)
+    e = d.batch(5, 16, seed=3, split="eval")
+    assert any(not np.array_equal(a[k], e[k]) for k in a)
+    it = d.batches(16, seed=3, start=5)
+    np.testing.assert_array_equal(next(it)[next(iter(a))], a[next(iter(a))])
+
+
+def test_teacher_labels_balanced_and_markov_structured():
+    d = make_data("teacher", num_classes=4)
+    y = d.batch(0, 4000)["y"]
+    freq = np.bincount(y, minlength=4) / y.size
+    assert freq.min() > 0.1  # every class present
+    m = make_data("markov", vocab_size=16, branching=2)
+    tok = m.batch(0, 64)["tokens"]
+    assert tok.shape == (64, m.seq_len + 1) and tok.min() >= 0 and tok.max() < 16
+    # Order-2 structure: each (a, b) context is followed by at most `branching` tokens.
+    succ = {}
+    for row in tok:
+        for a, b, c in zip(row[:-2], row[1:-1], row[2:], strict=True):
+            succ.setdefault((a, b), set()).add(c)
+    assert max(len(s) for s in succ.values()) <= 2
+    assert m.bayes_accuracy() > 4 * m.chance
+
+
+@pytest.mark.parametrize(
+    ("name", "policy"),
+    [("mlp", "p=f32,c=bf16,o=f32"), ("mlp", "p=f16,c=f16,o=f16"), ("transformer", "c=f16")],
+)
+def test_model_dtype_flow(name, policy):
+    data = make_data(
+        "teacher" if name == "mlp" else "markov", **({} if name == "mlp" else {"seq_len": 8})
+    )
+    model = make_model(
+        name,
+        **data.model_kwargs(),
+        **({"width": 16} if name == "mlp" else {"d_model": 16, "heads": 2}),
+    )
+    pol = get_policy(policy)
+    params = model.init(jax.random.PRNGKey(0))
+    assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(params))
+    batch = data.batch(0, 4)
+    inputs = batch["x"] if name == "mlp" else batch["tokens"][:, :-1]
+    logits, acts = jax.jit(lambda p, x: model.apply(p, x, pol, capture=True))(
+        pol.cast_to_compute(params), inputs
+    )
+    assert logits.dtype == pol.output_dtype
+    assert all(a.dtype == pol.compute_dtype for a in acts.values())
+    shapes = model.activation_shapes(4, pol)
+    assert set(shapes) == set(acts)
+    for k, s in shapes.items():
+        assert s.shape == acts[k].shape and s.dtype == acts[k].dtype
+    loss, aux = jax.jit(model.loss_fn(pol))(params, batch)
+    assert np.isfinite(float(loss)) and 0.0 <= float(aux["metric"]) <= 1.0
+
+
+def test_transformer_is_causal():
+    model = make_model("transformer", vocab_size=11, seq_len=6, d_model=16, heads=2)
+    params = model.init(jax.random.PRNGKey(1))
+    a = jnp.asarray([[1, 2, 3, 4, 5, 6]])
+    b = a.at[0, 4].set(9)
+    apply = jax.jit(model.apply)
+    la, lb = apply(params, a), apply(params, b)
+    np.testing.assert_array_equal(la[:, :4], lb[:, :4])
+    assert not np.allclose(la[:, 4:], lb[:, 4:])
+
+
+@pytest.mark.slow
+def test_remat_same_gradients():
+    kw = {"vocab_size": 11, "seq_len": 6, "d_model": 16, "heads": 2}
+    m, r = make_model("transformer", **kw), make_model("transformer", remat=True, **kw)
+    params = m.init(jax.random.PRNGKey(2))
+    batch = {"tokens": jnp.asarray(np.random.default_rng(0).integers(0, 11, (3, 7)))}
+    g1 = jax.jit(jax.grad(lambda p: m.loss_fn()(p, batch)[0]))(params)
+    g2 = jax.jit(jax.grad(lambda p: r.loss_fn()(p, batch)[0]))(params)
+    for x, y in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g2), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: make_model("cnn"), "unknown model 'cnn'"),
+        (lambda: make_model("mlp", widht=3), "unknown option"),
+        (lambda: make_model("mlp", depth=0), "depth"),
+        (lambda: make_model("mlp", activation="swish"), "unknown activation"),
+        (lambda: make_model("transformer", d_model=10, heads=3), "divisible"),
+        (lambda: make_model("transformer", init_scale=-1.0), "init_scale"),
+        (lambda: make_data("mnist"), "unknown dataset 'mnist'"),
+        (lambda: make_data("markov", branching=100), "branching"),
+        (lambda: make_data("teacher", label_noise=2.0), "label_noise"),
+        (lambda: make_data("teacher").batch(0, 2, split="test"), "unknown split"),
+    ],
+)
+def test_errors(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
