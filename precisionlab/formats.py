@@ -209,9 +209,19 @@ class FloatFormat:
         return math.log2(self.max) - math.log2(self.smallest_positive)
 
     @property
+    def num_nan(self) -> int:
+        """Count of codes that decode to NaN (every payload counted)."""
+        signs = 2 if self.signed else 1
+        if self.specials is Specials.IEEE:
+            return signs * self.mantissa_mask
+        if self.specials is Specials.FN:
+            return signs
+        return 1 if self.specials is Specials.FNUZ else 0
+
+    @property
     def num_finite(self) -> int:
         """Count of codes that decode to a finite value (both zeros counted separately)."""
-        return (1 << self.bits) - len(self.nan_codes) - len(self.inf_codes)
+        return (1 << self.bits) - self.num_nan - len(self.inf_codes)
 
     # --- special codes ------------------------------------------------------------------
     @property

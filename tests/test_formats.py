@@ -38,6 +38,7 @@ def test_counts_and_special_codes_by_enumeration(fmt):
     assert fmt.inf_codes == inf
     assert fmt.zero_codes == zero
     assert fmt.num_finite == sum(math.isfinite(v) for v in values)
+    assert fmt.num_nan == len(nan)
     finite = [abs(v) for v in values if math.isfinite(v) and v != 0]
     assert fmt.max == max(finite)
     assert fmt.smallest_positive == min(finite)
@@ -117,3 +118,11 @@ def test_unknown_names_and_bad_definitions_raise_clearly():
         IntFormat(name="x", bits=1)
     with pytest.raises(ValueError, match="does not fit"):
         get_format("e4m3").value_of(256)
+
+
+def test_counts_of_wide_formats():
+    # float32: every code but those with the all-ones exponent (2 * 2**23) is finite.
+    assert get_format("float32").num_finite == 2**32 - 2 * 2**23
+    assert get_format("float32").num_nan == 2 * (2**23 - 1)
+    assert get_format("float64").num_finite == 2**64 - 2 * 2**52
+    assert get_format("tf32").num_finite == 2**19 - 2 * 2**10
