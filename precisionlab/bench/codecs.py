@@ -1,0 +1,537 @@
+"""``precisionlab bench codecs``: throughput of precisionlab's jitted encode/decode against
+ml_dtypes ``astype`` (numpy ``rint`` + ``clip`` for integers) and gfloat, in one run.
+
+All engines see the same float32 inputs: magnitudes log-uniform over 2^-30 .. 2^20 with
+random signs, so the narrow formats' subnormal, normal and overflow paths all run. Each
+engine processes the input in chunks (default 2^22 elements): a fresh multi-megabyte output
+buffer per call costs page faults on CPU, and chunk-sized buffers are recycled by the
+allocators. gfloat, a pure-numpy reference that is orders of magnitude slower, runs on a
+smaller slice (``--gfloat-size``); rates are per element, so the ratio is still meaningful.
+
+Rates are reported as elements/s, as ratios to the peers, and as a fraction of this
+machine's copy bandwidth (bytes read + written per element, against the faster of a numpy
+memcpy and a jitted XLA copy, both into preallocated buffers). The engines and the copies
+run interleaved, one call each per round, best of ``--repeats`` rounds, so
+ratios compare runs under the same load. Every precisionlab result is also checked
+code-for-code against the peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from precisionlab.bench._timing import copy_kernel, time_call, time_interleaved, xla_copy_kernel
+from precisionlab.bits import decode, encode
+from precisionlab.cli._common import UsageError, split_list
+from precisionlab.cli._render import table
+from precisionlab.formats import FloatFormat, Format, IntFormat, get_format
+
+HELP = "encode/decode throughput vs ml_dtypes and gfloat, as ratios and % of copy bandwidth"
+
+DEFAULT_FORMATS = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn", "int8")
+LOW, HIGH = -30, 20  # input magnitudes span 2**LOW .. 2**HIGH
+
+# gfloat's format objects for our formats (gfloat's int8 is the scaled MX type: no peer).
+_GFLOAT_NAMES = {
+    "bfloat16": "format_info_bfloat16",
+    "float16": "format_info_binary16",
+    "float8_e4m3fn": "format_info_ocp_e4m3",
+    "float8_e5m2": "format_info_ocp_e5m2",
+    "float6_e2m3fn": "format_info_ocp_e2m3",
+    "float6_e3m2fn": "format_info_ocp_e3m2",
+    "float4_e2m1fn": "format_info_ocp_e2m1",
+}
+
+
+def _size(text: str) -> int:
+    """``16777216``, ``2^24``, ``2**24`` or ``16M`` (binary multiples K, M, G) -> int >= 1."""
+    s = text.strip().lower().replace("_", "")
+    match = re.fullmatch(r"2(?:\^|\*\*)(\d+)", s)
+    try:
+        if match:
+            value = 1 << int(match.group(1))
+        elif s and s[-1] in "kmg":
+            value = int(s[:-1]) << {"k": 10, "m": 20, "g": 30}[s[-1]]
+        else:
+            value = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a size: {text!r} (e.g. 16777216, 2^24, 16M)"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"size must be >= 1, got {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"need an integer >= 1, got {text!r}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--size", type=_size, default=1 << 24, help="elements (default 2^24)")
+    parser.add_argument("--repeats", type=_positive, default=5, help="timed runs, best kept")
+    parser.add_argument(
+        "--formats",
+        default=",".join(DEFAULT_FORMATS),
+        help="comma-separated formats (default: bf16, fp16, e4m3fn, e5m2, e2m1, int8)",
+    )
+    parser.add_argument(
+        "--chunk", type=_size, default=1 << 22, help="elements per call (default 2^22)"
+    )
+    parser.add_argument(
+        "--gfloat-size",
+        type=_size,
+        default=1 << 16,
+        help="elements for gfloat, which is slow (default 2^16; capped at --size)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument(
+        "--markdown", action="store_true", help="print the table as markdown (for the README)"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="also write rows to OUT.jsonl as they are measured and the full JSON to OUT",
+    )
+
+
+def make_inputs(size: int, seed: int = 0) -> np.ndarray:
+    """float32[size]: magnitudes log-uniform over [2**LOW, 2**HIGH], random signs."""
+    rng = np.random.default_rng(seed)
+    magnitude = np.exp2(rng.uniform(LOW, HIGH, size))
+    sign = np.where(rng.random(size) < 0.5, -1.0, 1.0)
+    return (sign * magnitude).astype(np.float32)
+
+
+# --- engines --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Engine:
+    """A codec bound to its inputs: ``encode()`` converts the float32 input chunks and
+    returns the code chunks, ``decode()`` converts the code chunks back to float32.
+
+    Output buffers are allocated once and rewritten by every call (precisionlab through
+    buffer donation, numpy peers through ``out=``/``np.copyto``), so the timings measure
+    conversion, not page faults on fresh output pages. Returned chunks are the engine's own
+    buffers: copy them before the next call.
+    """
+
+    name: str
+    encode: Callable[[], list]
+    decode: Callable[[], list]
+
+
+def precisionlab_engine(fmt: Format, xs: list[jax.Array], codes: list[jax.Array]) -> Engine:
+    """precisionlab's jitted encode/decode over device chunks ``xs`` (float32) and
+    ``codes``, writing into donated output buffers of the same shapes."""
+    # The donated argument is never read: it only hands its buffer over to the output.
+    # keep_unused, or jit prunes it and the output gets a fresh buffer (page faults).
+    enc = jax.jit(lambda x, out: encode(x, fmt), donate_argnums=1, keep_unused=True)
+    dec = jax.jit(
+        lambda c, out: decode(c, fmt, dtype=jnp.float32), donate_argnums=1, keep_unused=True
+    )
+    enc_out = [jnp.zeros(x.shape, fmt.code_dtype) for x in xs]
+    dec_out = [jnp.zeros(c.shape, jnp.float32) for c in codes]
+
+    def run_encode() -> list:
+        for i, x in enumerate(xs):
+            enc_out[i] = enc(x, enc_out[i])
+        return list(enc_out)
+
+    def run_decode() -> list:
+        for i, c in enumerate(codes):
+            dec_out[i] = dec(c, dec_out[i])
+        return list(dec_out)
+
+    return Engine("precisionlab", run_encode, run_decode)
+
+
+def _ml_dtype(fmt: Format) -> np.dtype | None:
+    if isinstance(fmt, IntFormat):
+        return None
+    if fmt.name in ("float32", "float16"):
+        return np.dtype(fmt.name)
+    dtype = getattr(ml_dtypes, fmt.name, None)
+    return None if dtype is None else np.dtype(dtype)
+
+
+def peer_engine(fmt: Format, xs: list[np.ndarray], codes: list[np.ndarray]) -> Engine | None:
+    """ml_dtypes' cast (the loop behind ``astype``) for floats; numpy ``rint`` + ``clip``
+    for 8-bit ints, since ml_dtypes' integer casts truncate and wrap around instead of
+    rounding and saturating. ``codes`` are unsigned codes of ``fmt``."""
+    if isinstance(fmt, IntFormat):
+        if fmt.bits != 8:
+            return None
+        store = np.dtype(np.int8 if fmt.signed else np.uint8)
+        tmp = [np.empty_like(x) for x in xs]
+        enc_out = [np.empty(x.shape, store) for x in xs]
+        dec_out = [np.empty(c.shape, np.float32) for c in codes]
+
+        def int_encode() -> list:
+            for x, t, out in zip(xs, tmp, enc_out, strict=True):
+                np.rint(x, out=t)
+                np.clip(t, fmt.min, fmt.max, out=t)
+                np.copyto(out, t, casting="unsafe")
+            return enc_out
+
+        def int_decode() -> list:
+            for c, out in zip(codes, dec_out, strict=True):
+                np.copyto(out, c.view(store), casting="unsafe")
+            return dec_out
+
+        return Engine("numpy", int_encode, int_decode)
+    dtype = _ml_dtype(fmt)
+    if dtype is None:
+        return None
+    enc_out = [np.empty(x.shape, dtype) for x in xs]
+    dec_out = [np.empty(c.shape, np.float32) for c in codes]
+
+    def cast_encode() -> list:
+        with np.errstate(over="ignore"):  # overflow to inf/NaN is the format's convention
+            for x, out in zip(xs, enc_out, strict=True):
+                np.copyto(out, x, casting="unsafe")
+        return enc_out
+
+    def cast_decode() -> list:
+        for c, out in zip(codes, dec_out, strict=True):
+            np.copyto(out, c.view(dtype), casting="unsafe")
+        return dec_out
+
+    # numpy's own float16 has no ml_dtypes counterpart: the peer there is numpy's cast.
+    name = "numpy" if fmt.name in ("float16", "float32") else "ml_dtypes"
+    return Engine(name, cast_encode, cast_decode)
+
+
+def gfloat_engine(fmt: Format, x: np.ndarray, codes: np.ndarray) -> Engine | None:
+    """gfloat's numpy codec (round_ndarray + encode_ndarray, decode_ndarray), if installed
+    and it knows the format (its int8 is the scaled MX type, not a plain integer)."""
+    try:
+        import gfloat
+        import gfloat.formats
+    except ImportError:
+        return None
+    attr = _GFLOAT_NAMES.get(fmt.name)
+    if attr is None:
+        return None
+    fi = getattr(gfloat.formats, attr)
+    # gfloat raises on overflow for formats without inf/NaN unless asked to saturate, which
+    # is what those formats do anyway.
+    sat = isinstance(fmt, FloatFormat) and not fmt.has_inf and not fmt.has_nan
+    return Engine(
+        "gfloat",
+        lambda: [gfloat.encode_ndarray(fi, gfloat.round_ndarray(fi, x, sat=sat))],
+        lambda: [gfloat.decode_ndarray(fi, codes).astype(np.float32)],
+    )
+
+
+def _as_codes(fmt: Format, chunks: list) -> np.ndarray:
+    """Concatenated output of an encoder as unsigned codes of ``fmt`` (uint64)."""
+    out = np.concatenate([np.asarray(c) for c in chunks])
+    if out.dtype.kind in "fV" or out.dtype.itemsize * 8 == fmt.bits:
+        out = out.view(np.dtype(f"uint{out.dtype.itemsize * 8}"))
+    mask = (1 << fmt.bits) - 1
+    return out.astype(np.uint64) & np.uint64(mask)
+
+
+def _as_values(chunks: list) -> np.ndarray:
+    return np.concatenate([np.asarray(c) for c in chunks]).astype(np.float32)
+
+
+def _split(x: np.ndarray, chunk: int) -> list[np.ndarray]:
+    return [x[i : i + chunk] for i in range(0, x.size, chunk)]
+
+
+def _mismatches(ours: np.ndarray, theirs: np.ndarray) -> int:
+    """Elements that differ (bit patterns for floats, NaN matching any NaN)."""
+    if ours.dtype.kind == "f":
+        same = (ours.view(np.uint32) == theirs.view(np.uint32)) | (
+            np.isnan(ours) & np.isnan(theirs)
+        )
+        return int(np.count_nonzero(~same))
+    return int(np.count_nonzero(ours != theirs))
+
+
+# --- measuring --------------------------------------------------------------------------------
+@dataclass
+class Row:
+    """One measured (format, op): rates in elements/s; None where an engine is missing."""
+
+    format: str
+    op: str  # "encode" or "decode"
+    precisionlab: float
+    peer_name: str | None
+    peer: float | None
+    ratio_peer: float | None
+    gfloat: float | None
+    ratio_gfloat: float | None
+    bytes_per_element: int
+    copy_fraction: float
+    mismatches: int | None  # codes (encode) or values (decode) that differ from the peer
+
+
+def _code_bytes(fmt: Format) -> int:
+    return np.dtype(fmt.code_dtype).itemsize
+
+
+def bench_format(
+    fmt: Format,
+    x: np.ndarray,
+    *,
+    chunk: int,
+    repeats: int,
+    gfloat_size: int,
+) -> tuple[list[Row], float]:
+    """Time encode and decode of ``fmt`` on ``x`` (float32) for every engine.
+
+    precisionlab, its peer and two plain copies run interleaved, one call each per round, so
+    the ratios and the copy-bandwidth fraction compare runs under the same machine load. Returns
+    the rows and the copy bandwidth (bytes/s, read + written) measured alongside.
+    """
+    n = x.size
+    host_x = _split(x, chunk)
+    dev_x = [jax.device_put(c) for c in host_x]
+    # Codes to decode: precisionlab's own, checked against the peer's below.
+    first = precisionlab_engine(fmt, dev_x, [])
+    codes = _as_codes(fmt, first.encode()).astype(fmt.code_dtype)
+    host_codes = _split(codes, chunk)
+    ours = precisionlab_engine(fmt, dev_x, [jax.device_put(c) for c in host_codes])
+    peer = peer_engine(fmt, host_x, host_codes)
+    copy, moved = copy_kernel()
+    xla_copy, xla_moved = xla_copy_kernel()
+    fns = {"encode": ours.encode, "decode": ours.decode, "copy": copy, "xla_copy": xla_copy}
+    enc_mismatch = dec_mismatch = None
+    if peer is not None:
+        enc_mismatch = _mismatches(codes, _as_codes(fmt, peer.encode()).astype(codes.dtype))
+        dec_mismatch = _mismatches(_as_values(ours.decode()), _as_values(peer.decode()))
+        fns |= {"peer_encode": peer.encode, "peer_decode": peer.decode}
+    t = time_interleaved(fns, repeats=repeats)
+    bandwidth = max(t["copy"].rate(moved), t["xla_copy"].rate(xla_moved))
+
+    m = min(gfloat_size, n)
+    gf = gfloat_engine(fmt, x[:m], codes[:m])
+    gf_enc = gf_dec = None
+    if gf is not None:
+        g_reps = min(repeats, 3)
+        gf_enc = time_call(gf.encode, repeats=g_reps).rate(m)
+        gf_dec = time_call(gf.decode, repeats=g_reps).rate(m)
+
+    bpe = 4 + _code_bytes(fmt)  # float32 in + code out, or code in + float32 out
+    rows = []
+    for op, gf_rate, mism in (("encode", gf_enc, enc_mismatch), ("decode", gf_dec, dec_mismatch)):
+        ours_rate = t[op].rate(n)
+        peer_rate = None if peer is None else t[f"peer_{op}"].rate(n)
+        rows.append(
+            Row(
+                format=fmt.name,
+                op=op,
+                precisionlab=ours_rate,
+                peer_name=None if peer is None else peer.name,
+                peer=peer_rate,
+                ratio_peer=None if peer_rate is None else ours_rate / peer_rate,
+                gfloat=gf_rate,
+                ratio_gfloat=None if gf_rate is None else ours_rate / gf_rate,
+                bytes_per_element=bpe,
+                copy_fraction=ours_rate * bpe / bandwidth,
+                mismatches=mism,
+            )
+        )
+    return rows, bandwidth
+
+
+def machine() -> dict:
+    """Where the numbers were measured."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+        "jax": jax.__version__,
+        "ml_dtypes": ml_dtypes.__version__,
+        "python": platform.python_version(),
+        # Other processes share the cores: the 1-minute load average says how busy they were.
+        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+
+
+def _write_json_atomic(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(payload, f, indent=2)
+    os.chmod(tmp, 0o644)  # mkstemp makes it private; results are for sharing
+    os.replace(tmp, path)
+
+
+def _m(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate / 1e6:,.0f}"
+
+
+def _x(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:,.1f}x"
+
+
+def render(rows: list[Row], markdown: bool = False) -> str:
+    """The results table, aligned plain text or a markdown table."""
+    body = [
+        [
+            r.format,
+            r.op,
+            _m(r.precisionlab),
+            r.peer_name or "-",
+            _m(r.peer),
+            _x(r.ratio_peer),
+            _m(r.gfloat),
+            _x(r.ratio_gfloat),
+            f"{100 * r.copy_fraction:.0f}%",
+            "-" if r.mismatches is None else str(r.mismatches),
+        ]
+        for r in rows
+    ]
+    headers = ["format", "op", "precisionlab M/s", "peer", "peer M/s", "vs peer"]
+    headers += ["gfloat M/s", "vs gfloat", "of copy bw", "mismatches"]
+    if markdown:
+        lines = ["| " + " | ".join(headers) + " |", "|---|---|--:|---|--:|--:|--:|--:|--:|--:|"]
+        return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in body])
+    return table(body, headers, align="llrlrrrrrr")
+
+
+# The issue's targets on CPU: (description, rows it applies to, measured value, threshold).
+_NARROW = ("float8_e4m3fn", "float8_e5m2", "float4_e2m1fn")
+
+
+def targets(rows: list[Row]) -> list[dict]:
+    """Each target of the issue with the worst measured value among the rows it covers and
+    whether it is met (rows without the peer are left out)."""
+    specs = [
+        ("bf16/fp16 >= 2x peer", 2.0, "ratio_peer", ("bfloat16", "float16")),
+        ("fp8/fp4 >= 10x ml_dtypes", 10.0, "ratio_peer", _NARROW),
+        ("all >= 100x gfloat", 100.0, "ratio_gfloat", None),
+        ("all >= 70% of copy bandwidth", 0.7, "copy_fraction", None),
+    ]
+    out = []
+    for name, threshold, field, formats in specs:
+        values = [
+            (getattr(r, field), f"{r.format} {r.op}")
+            for r in rows
+            if (formats is None or r.format in formats) and getattr(r, field) is not None
+        ]
+        if not values:
+            continue
+        worst, where = min(values)
+        met = sum(v >= threshold for v, _ in values)
+        out.append(
+            {"target": name, "met": met, "of": len(values), "worst": worst, "worst_at": where}
+        )
+    return out
+
+
+def _render_targets(found: list[dict]) -> str:
+    lines = []
+    for t in found:
+        worst = t["worst"]
+        shown = f"{100 * worst:.0f}%" if "bandwidth" in t["target"] else f"{worst:,.1f}x"
+        lines.append(
+            f"  {t['target']:<30} met by {t['met']} of {t['of']}; worst {shown} ({t['worst_at']})"
+        )
+    return "targets (issue 2):\n" + "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    formats = [get_format(name) for name in split_list(args.formats)]
+    if not formats:
+        raise UsageError("--formats needs at least one format")
+    wide = [f.name for f in formats if isinstance(f, FloatFormat) and f.mantissa_bits > 23]
+    if wide:
+        raise UsageError(f"the benchmark encodes float32 inputs; {', '.join(wide)} is wider")
+    x = make_inputs(args.size)
+    info = machine()
+    if not args.json:
+        print(
+            f"{args.size:,} float32 inputs, |x| in 2^{LOW}..2^{HIGH}, chunks of {args.chunk:,}, "
+            f"best of {args.repeats}; gfloat on the first {min(args.gfloat_size, args.size):,}"
+        )
+        load = info["load_average_1min"]
+        print(
+            f"machine: {info['cpu']}, {info['cores']} cores, jax {info['jax']} on "
+            f"{info['backend']}" + ("" if load is None else f", load average {load:.1f}")
+        )
+    jsonl = None
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        jsonl = open(args.out.with_suffix(".jsonl"), "a")
+    rows: list[Row] = []
+    bandwidths: dict[str, float] = {}
+    try:
+        for fmt in formats:
+            new, bandwidths[fmt.name] = bench_format(
+                fmt, x, chunk=args.chunk, repeats=args.repeats, gfloat_size=args.gfloat_size
+            )
+            rows += new
+            if jsonl is not None:
+                for row in new:
+                    jsonl.write(json.dumps(asdict(row)) + "\n")
+                jsonl.flush()
+            if not args.json:
+                print(f"  measured {fmt.name}", file=sys.stderr, flush=True)
+    finally:
+        if jsonl is not None:
+            jsonl.close()
+    payload = {
+        "benchmark": "codecs",
+        "size": args.size,
+        "chunk": args.chunk,
+        "repeats": args.repeats,
+        "gfloat_size": min(args.gfloat_size, args.size),
+        "input": f"float32, |x| log-uniform in [2^{LOW}, 2^{HIGH}], random signs",
+        "copy_bandwidth_bytes_per_s": max(bandwidths.values()),
+        "copy_bandwidth_per_format": bandwidths,
+        "machine": info,
+        "rows": [asdict(r) for r in rows],
+        "targets": targets(rows),
+    }
+    if args.out is not None:
+        _write_json_atomic(args.out, payload)
+    if args.json:
+        print(json.dumps(payload, indent=2))
+        return 0
+    low, high = min(bandwidths.values()), max(bandwidths.values())
+    print(
+        f"copy bandwidth (read + write), measured alongside each format: {low / 1e9:.1f} to "
+        f"{high / 1e9:.1f} GB/s"
+    )
+    print(render(rows, markdown=args.markdown))
+    print(_render_targets(payload["targets"]))
+    print(
+        "M/s: million elements per second (best of the repeats); vs peer / vs gfloat: "
+        "precisionlab's rate over theirs;\nof copy bw: precisionlab's bytes read + written per "
+        "second over a plain copy's\n(numpy or XLA, the faster, timed alongside); mismatches: "
+        "codes (encode) or values (decode) differing from the peer."
+    )
+    return 0

@@ -1,0 +1,94 @@
+"""Smoke test of `precisionlab bench codecs` on tiny sizes: output structure, ratio columns,
+agreement with the peers. Never asserts timings."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+from precisionlab.bench import _timing
+from precisionlab.bench.codecs import DEFAULT_FORMATS, HIGH, LOW, make_inputs
+from precisionlab.cli import main
+from precisionlab.formats import get_format
+
+HAVE_GFLOAT = importlib.util.find_spec("gfloat") is not None
+TINY = ["--size", "4096", "--chunk", "1024", "--repeats", "1", "--gfloat-size", "256"]
+
+
+def test_bench_json_structure_and_agreement(capsys, tmp_path):
+    out = tmp_path / "codecs.json"
+    assert main(["bench", "codecs", *TINY, "--json", "--out", str(out)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result == json.loads(out.read_text())
+    streamed = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
+    assert streamed == result["rows"]
+    assert result["size"] == 4096 and result["gfloat_size"] == 256
+    assert result["copy_bandwidth_bytes_per_s"] > 0
+    names = [get_format(f).name for f in DEFAULT_FORMATS]
+    assert [(r["format"], r["op"]) for r in result["rows"]] == [
+        (name, op) for name in names for op in ("encode", "decode")
+    ]
+    expected = {"bf16/fp16 >= 2x peer": 4, "fp8/fp4 >= 10x ml_dtypes": 6}
+    expected |= {"all >= 100x gfloat": 10} if HAVE_GFLOAT else {}
+    expected |= {"all >= 70% of copy bandwidth": 12}
+    assert {t["target"]: t["of"] for t in result["targets"]} == expected
+    for row in result["rows"]:
+        assert row["precisionlab"] > 0 and row["peer"] > 0
+        assert row["ratio_peer"] == pytest.approx(row["precisionlab"] / row["peer"])
+        assert 0 < row["copy_fraction"]
+        assert row["mismatches"] == 0  # precisionlab agrees with ml_dtypes / numpy rint+clip
+        if row["format"] == "int8":
+            assert row["peer_name"] == "numpy" and row["gfloat"] is None
+        else:
+            assert row["peer_name"] == ("numpy" if row["format"] == "float16" else "ml_dtypes")
+            if HAVE_GFLOAT:  # an optional peer (the `bench` extra)
+                assert row["ratio_gfloat"] == pytest.approx(row["precisionlab"] / row["gfloat"])
+            else:
+                assert row["gfloat"] is None
+
+
+def test_bench_text_table(capsys):
+    assert main(["bench", "codecs", *TINY, "--formats", "bf16,e2m1"]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("format"))
+    for column in ("precisionlab M/s", "peer M/s", "vs peer", "vs gfloat", "of copy bw"):
+        assert column in header
+    assert "copy bandwidth" in out and "targets (issue 2):" in out
+    assert sum(line.startswith(("bfloat16", "float4_e2m1fn")) for line in out.splitlines()) == 4
+    assert main(["bench", "codecs", *TINY, "--formats", "int8", "--markdown"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith("| int8 | ") for line in lines) == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"), [(["--formats", "nope"], "unknown format"), (["--size", "0"], "size")]
+)
+def test_bench_bad_input_exit_2(capsys, argv, needle):
+    try:
+        status = main(["bench", "codecs", *argv])
+    except SystemExit as exc:  # argparse type errors exit from the parser
+        status = exc.code
+    assert status == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_inputs_span_the_stated_range():
+    x = make_inputs(1 << 14)
+    assert x.dtype == np.float32
+    mag = np.abs(x)
+    assert mag.min() >= 2.0**LOW and mag.max() <= 2.0**HIGH
+    assert (x < 0).any() and (x > 0).any()
+    assert (mag < 2.0**-14).any() and (mag > 65504).any()  # fp16 subnormal and overflow
+
+
+def test_timing_helpers():
+    calls = []
+    timing = _timing.time_call(lambda: calls.append(1), repeats=3, warmup=2)
+    assert len(calls) == 5 and timing.repeats == 3
+    assert 0 <= timing.best <= timing.median
+    assert _timing.copy_bandwidth(1 << 16, repeats=1) > 0
+    with pytest.raises(ValueError, match="repeats"):
+        _timing.time_call(lambda: None, repeats=0)
