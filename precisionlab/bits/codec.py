@@ -261,12 +261,36 @@ def _pack_float(
     base = (exp_c - fmt.emin + (1 if fmt.subnormals else 0)).astype(work)
     mag = (base << _const(m_bits, work)) + q - _const(1 << m_bits, work)
     mag = jnp.where(nonzero, mag, jnp.zeros_like(mag))
+    below = nonzero & (exp < fmt.emin) if not fmt.subnormals else None
+    overflow = beyond | (mag > _const(fmt.max_code_magnitude, work))
+    return _finish(mag, overflow, below, nonzero, p, fmt, mode, saturate, subnormals)
+
+
+def _finish(
+    mag: jax.Array,
+    overflow: jax.Array,
+    below: jax.Array | None,
+    nonzero: jax.Array,
+    p: _Parsed,
+    fmt: FloatFormat,
+    mode: Rounding,
+    saturate: bool,
+    subnormals: bool,
+) -> jax.Array:
+    """Apply overflow, flushing and the input's specials to a rounded magnitude code.
+
+    ``mag`` is the rounded magnitude code (valid where not ``overflow``); ``below`` marks
+    values under the smallest value of a format without zero; ``p`` supplies the sign and
+    the input's NaN/inf flags and payload. Shared by the general and the fast paths.
+    """
+    work = mag.dtype
+    m_bits = fmt.mantissa_bits
     max_mag = _const(fmt.max_code_magnitude, work)
-    below = nonzero & (exp < fmt.emin) if not fmt.subnormals else jnp.zeros(p.m.shape, bool)
-    overflow = (beyond | (mag > max_mag)) & ~below
+    if below is not None:
+        overflow = overflow & ~below
     inf_mag = _const(fmt.exponent_field_max << m_bits, work)
     nan_mag = _const(_nan_magnitude(fmt), work)
-    false = jnp.zeros(p.m.shape, bool)
+    false = jnp.zeros(mag.shape, bool)
 
     # Overflow: +-max when saturating, for formats without specials, and for modes that
     # round toward zero for this sign; otherwise inf, or NaN where there is no inf.
@@ -293,7 +317,7 @@ def _pack_float(
         mag = jnp.where(p.inf, inf_mag, mag)
     else:
         to_nan = to_nan | p.inf
-    sign = jnp.where(p.neg, _const(fmt.sign_mask, work), jnp.zeros_like(p.m))
+    sign = jnp.where(p.neg, _const(fmt.sign_mask, work), jnp.zeros_like(mag))
     if fmt.has_nan:
         to_nan = to_nan | p.nan
     else:  # documented choice: NaN into a format without NaN is +0
@@ -371,6 +395,8 @@ def _encode(x, key, *, fmt, mode, saturate, subnormals, random_bits):
     src = _SOURCE_FORMATS[jnp.dtype(x.dtype)]
     if _same_exponent_field(src, fmt) and mode is not Rounding.STOCHASTIC:
         return _encode_same_exponent(x, src, fmt, mode, saturate, subnormals)
+    if _narrow_from_float32(src, fmt) and mode is not Rounding.STOCHASTIC:
+        return _encode_narrow(x, fmt, mode, saturate, subnormals)
     work = _work_dtype(src, fmt)
     p = _parse_floats(x, work)
     rand = jax.random.bits(key, x.shape, jnp.uint32) if mode is Rounding.STOCHASTIC else None
@@ -440,6 +466,125 @@ def _encode_same_exponent(x, src: FloatFormat, fmt: FloatFormat, mode, saturate,
     return code.astype(fmt.code_dtype)
 
 
+def _narrow_from_float32(src: FloatFormat, fmt: Format) -> bool:
+    """Whether the float32 fast path applies: a signed format with subnormals whose range
+    lies inside float32's normal range (float16, the FP8, FP6 and FP4 formats)."""
+    return (
+        src is _F32
+        and isinstance(fmt, FloatFormat)
+        and fmt.signed
+        and fmt.subnormals
+        and fmt.mantissa_bits <= 22
+        and fmt.emin > _F32.emin
+        and fmt.emax <= _F32.emax
+    )
+
+
+def _encode_narrow(x, fmt: FloatFormat, mode, saturate, subnormals):
+    """Fast path float32 -> narrower float: the input's exponent is read off its bits.
+
+    A result in fmt's normal range is float32's magnitude re-biased: one shift by
+    ``23 - m`` with rounding, then a subtraction of the bias difference (a carry moves into
+    the next binade). A result in fmt's subnormal range shifts the significand by one more
+    bit per binade below fmt's smallest normal. Both share one rounding step and the tail of
+    the general path (:func:`_finish`), so the conventions are the same by construction.
+    """
+    work = jnp.dtype(jnp.uint32)
+    m = fmt.mantissa_bits
+    u = lax.bitcast_convert_type(x, work)
+    a = u & _const(0x7FFFFFFF, work)
+    neg = (u >> _const(31, work)) != 0
+    exp_field = a >> _const(23, work)
+    normal_floor = _const((127 + fmt.emin) << 23, work)  # bits of fmt's smallest normal
+    is_sub = a < normal_floor
+    significand = jnp.where(
+        exp_field == 0, a, (a & _const(0x7FFFFF, work)) | _const(0x800000, work)
+    )
+    # Bits below fmt's last significand bit: 23 - m for normal results, more below them.
+    sub_shift = jnp.minimum(
+        _const(150 + fmt.emin - m, work) - jnp.maximum(exp_field, _const(1, work)),
+        _const(31, work),
+    )
+    value = jnp.where(is_sub, significand, a)
+    shift = jnp.where(is_sub, sub_shift, _const(23 - m, work))
+    q = value >> shift
+    r = value & ((_const(1, work) << shift) - _const(1, work))
+    half = _const(1, work) << (shift - _const(1, work))
+    one = _const(1, work)
+    if mode is Rounding.NEAREST_EVEN:
+        up = (r > half) | ((r == half) & ((q & one) == one))
+    elif mode is Rounding.NEAREST_AWAY:
+        up = r >= half
+    elif mode is Rounding.UP:
+        up = (r != 0) & ~neg
+    elif mode is Rounding.DOWN:
+        up = (r != 0) & neg
+    else:
+        up = None
+    if up is not None:
+        q = q + up.astype(work)
+    if mode is Rounding.TO_ODD:
+        q = q | (r != 0).astype(work)
+    rebias = _const((127 - fmt.bias) << m, work)
+    mag = jnp.where(is_sub, q, q - rebias)
+    inf_bits = _const(0x7F800000, work)
+    p = _Parsed(
+        neg=neg,
+        m=a,
+        e2=None,
+        nan=a > inf_bits,
+        inf=a == inf_bits,
+        payload=a & _const(0x7FFFFF, work),
+        payload_bits=23,
+    )
+    overflow = ~is_sub & (mag > _const(fmt.max_code_magnitude, work))
+    return _finish(mag, overflow, None, a != 0, p, fmt, mode, saturate, subnormals)
+
+
+def _decode_to_float32_fast(codes, fmt: FloatFormat) -> jax.Array:
+    """Fast decode into float32 for formats whose nonzero finite values are float32 normals.
+
+    Normal codes are re-biased (one shift and one add); subnormal codes are small integers
+    (converted to float32 exactly, then their exponent field lowered); same-exponent formats
+    (bfloat16, tf32) are one shift.
+    """
+    work = jnp.dtype(jnp.uint32)
+    c = codes.astype(work)
+    m = fmt.mantissa_bits
+    if fmt.exponent_bits == 8 and fmt.bias == 127 and fmt.specials is Specials.IEEE:
+        return lax.bitcast_convert_type(c << _const(32 - fmt.bits, work), jnp.float32)
+    mag = c & _const(fmt.magnitude_mask, work)
+    sign = (c & _const(fmt.sign_mask, work)) << _const(32 - fmt.bits, work)
+    bits = (mag << _const(23 - m, work)) + _const((127 - fmt.bias) << 23, work)
+    if fmt.subnormals:
+        mant = mag & _const(fmt.mantissa_mask, work)
+        exact = lax.bitcast_convert_type(mant.astype(jnp.int32).astype(jnp.float32), work)
+        sub_bits = exact - _const((m - fmt.emin) << 23, work)
+        is_sub = mag < _const(1 << m, work)
+        bits = jnp.where(is_sub, jnp.where(mag == 0, jnp.zeros_like(bits), sub_bits), bits)
+    quiet_nan = _const(0x7FC00000, work)
+    if fmt.specials is Specials.IEEE:
+        top = _const(fmt.exponent_field_max << m, work)
+        payload = (mag & _const(fmt.mantissa_mask, work)) << _const(23 - m, work)
+        bits = jnp.where(mag >= top, _const(0x7F800000, work) | payload, bits)
+    elif fmt.specials is Specials.FN:
+        bits = jnp.where(mag == _const(fmt.magnitude_mask, work), quiet_nan, bits)
+    elif fmt.specials is Specials.FNUZ:
+        bits = jnp.where(c == _const(fmt.sign_mask, work), quiet_nan, bits)
+    return lax.bitcast_convert_type(bits | sign, jnp.float32)
+
+
+def _fast_decode_applies(fmt: Format, dtype) -> bool:
+    if jnp.dtype(dtype) != jnp.float32 or not isinstance(fmt, FloatFormat):
+        return False
+    if fmt.mantissa_bits > 23 or fmt.emax > _F32.emax:
+        return False
+    if fmt.exponent_bits == 8 and fmt.bias == 127 and fmt.specials is Specials.IEEE:
+        return fmt.signed  # bfloat16, tf32: a shift
+    smallest = fmt.emin - fmt.mantissa_bits if fmt.subnormals else fmt.emin
+    return smallest >= _F32.emin and (fmt.subnormals or fmt.specials is not Specials.FNUZ)
+
+
 def encode(
     x,
     fmt: Format | str,
@@ -494,6 +639,8 @@ def encode(
 
 @partial(jax.jit, static_argnames=("fmt", "dtype"))
 def _decode(codes, *, fmt, dtype):
+    if _fast_decode_applies(fmt, dtype):
+        return _decode_to_float32_fast(codes, fmt)
     out = _SOURCE_FORMATS[jnp.dtype(dtype)]
     work = _work_dtype(fmt, out)
     p = _parse(codes, fmt, work)
