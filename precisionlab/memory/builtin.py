@@ -159,7 +159,7 @@ def measure_train_table(table: dict[str, Any], where: str = "train") -> dict[str
     """
     from precisionlab.mixed import parse_loss_scale
     from precisionlab.train import TrainConfig, make_train_step
-    from precisionlab.train.loop import build
+    from precisionlab.train import build
 
     cfg = TrainConfig.from_dict(dict(table), where)
     parts = build(cfg)

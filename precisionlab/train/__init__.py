@@ -78,7 +78,7 @@ Low level (any user model):
 from precisionlab.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from precisionlab.train.config import DIVERGENCE_ACTIONS, UPDATE_ROUNDINGS, TrainConfig, TrainResult
 from precisionlab.train.data import DATASETS, Dataset, make_data
-from precisionlab.train.loop import evaluate, train, train_loop
+from precisionlab.train.loop import build, evaluate, make_eval_fn, train, train_loop
 from precisionlab.train.meters import log2_histogram, shadow_stats, underflow_fraction
 from precisionlab.train.models import MODELS, Model, make_model
 from precisionlab.train.optim import OPTIMIZERS, SCHEDULES, make_optimizer
@@ -96,7 +96,9 @@ __all__ = [
     "TrainConfig",
     "TrainResult",
     "TrainState",
+    "build",
     "evaluate",
+    "make_eval_fn",
     "latest_checkpoint",
     "load_checkpoint",
     "log2_histogram",

@@ -1,0 +1,270 @@
+"""Reports of a run directory: a terminal table and ``report.md`` with the plots of
+:mod:`precisionlab.experiments.plots` (for ``train`` runs), or the files a kind wrote (others).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from precisionlab.experiments import store
+
+__all__ = ["TABLE", "load_run", "markdown_table", "summary_rows", "text_table", "write_report"]
+
+#: (header, summary key, formatter) of the summary table.
+TABLE: tuple[tuple[str, str, str], ...] = (
+    ("variant", "name", "s"),
+    ("status", "status", "s"),
+    ("final_loss", "final_loss", "g4"),
+    ("eval_loss", "eval_loss", "g4"),
+    ("eval_acc", "eval_metric", "pct"),
+    ("skipped", "skipped_steps", "d"),
+    ("diverged@", "divergence_step", "div"),
+    ("underflow", "mean_underflow_fraction", "pct"),
+    ("scale_min", "min_loss_scale", "pow2"),
+    ("scale_max", "max_loss_scale", "pow2"),
+    ("time_s", "wall_time_s", "f1"),
+)
+
+
+def _fmt(value: Any, how: str, row: dict[str, Any]) -> str:
+    if how == "div":
+        return "-" if not row.get("diverged") else str(value if value is not None else "yes")
+    if value is None:
+        return "-"
+    if how == "s":
+        return str(value)
+    if how == "d":
+        return str(int(value))
+    value = float(value)
+    if not math.isfinite(value):
+        return str(value)
+    if how == "g4":
+        return f"{value:.4g}"
+    if how == "f1":
+        return f"{value:.1f}"
+    if how == "pct":
+        return f"{100 * value:.1f}%"
+    if how == "pow2":
+        if value > 0 and float(math.log2(value)).is_integer():
+            return f"2^{int(math.log2(value))}"
+        return f"{value:.3g}"
+    raise ValueError(f"unknown format {how!r}")
+
+
+def load_run(run_dir: str | Path) -> dict[str, Any]:
+    """Everything a report needs from a run directory (summary, environment, per-unit rows)."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.json").exists():
+        raise ValueError(f"{run_dir}: not a run directory (no config.json)")
+    if not (run_dir / "summary.json").exists():
+        raise ValueError(f"{run_dir}: no summary.json yet (the run has not finished a variant)")
+    data = {
+        "dir": run_dir,
+        "config": store.read_json(run_dir / "config.json"),
+        "summary": store.read_json(run_dir / "summary.json"),
+        "environment": _maybe(run_dir / "environment.json"),
+        "run": _maybe(run_dir / "run.json"),
+        "units": [],
+    }
+    if data["summary"].get("kind") == "train":
+        for unit in data["summary"]["variants"]:
+            unit_dir = run_dir / "variants" / unit["id"]
+            data["units"].append(
+                {
+                    "summary": unit,
+                    "metrics": store.read_jsonl(unit_dir / "metrics.jsonl"),
+                    "hist": store.read_jsonl(unit_dir / "hist.jsonl"),
+                }
+            )
+    return data
+
+
+def _maybe(path: Path) -> Any:
+    return store.read_json(path) if path.exists() else {}
+
+
+def summary_rows(summary: dict[str, Any]) -> list[list[str]]:
+    """The summary table's rows (strings); groups of several seeds add a ``mean +- std`` row."""
+    rows = []
+    for unit in summary.get("variants", []):
+        rows.append([_fmt(unit.get(key), how, unit) for _, key, how in TABLE])
+    for g in summary.get("groups", []):
+        row = [f"{g['group']} (mean+-std, n={g['n']})", f"{g['diverged']} diverged"]
+        for _, key, how in TABLE[2:]:
+            mean, std = g.get(f"{key}_mean"), g.get(f"{key}_std")
+            if mean is None:
+                row.append("-")
+            elif std is None:
+                row.append(_fmt(mean, how if how != "d" else "g4", {}))
+            else:
+                h = "g4" if how in ("d", "div", "pow2") else how
+                row.append(f"{_fmt(mean, h, {})}+-{_fmt(std, h, {})}")
+        rows.append(row)
+    return rows
+
+
+def text_table(rows: Sequence[Sequence[str]], headers: Sequence[str]) -> str:
+    """Aligned plain text: first column left, the others right-aligned."""
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        out = [str(cells[0]).ljust(widths[0])]
+        out += [str(c).rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True)]
+        return "  ".join(out).rstrip()
+
+    return "\n".join([line(headers), "  ".join("-" * w for w in widths), *map(line, rows)])
+
+
+def markdown_table(rows: Sequence[Sequence[str]], headers: Sequence[str]) -> str:
+    out = [
+        "| " + " | ".join(headers) + " |",
+        "|" + "|".join(["---"] + ["--:"] * (len(headers) - 1)) + "|",
+    ]
+    out += ["| " + " | ".join(str(c).replace("|", "\\|") for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def headers() -> list[str]:
+    return [h for h, _, _ in TABLE]
+
+
+def write_report(run_dir: str | Path, *, plots: bool = True) -> tuple[Path, str]:
+    """Write ``report.md`` (and plots) for ``run_dir``; returns its path and the text table."""
+    data = load_run(run_dir)
+    run_dir = Path(run_dir)
+    summary = data["summary"]
+    if summary.get("kind") != "train":
+        return _write_other_report(data)
+    rows = summary_rows(summary)
+    table = text_table(rows, headers())
+    resolved = data["config"].get("resolved", {})
+    lines = [f"# {summary.get('name', run_dir.name)}", ""]
+    if summary.get("description"):
+        lines += [summary["description"], ""]
+    status = data["run"].get("status", "?")
+    lines += [f"Run directory `{run_dir}` (status: {status}).", ""]
+    lines += ["## Results", "", markdown_table(rows, headers()), ""]
+    lines += [
+        f"final_loss: mean finite training loss over the last {summary.get('final_loss_window')} "
+        "steps; eval_acc: accuracy on held-out batches at the end; underflow: "
+        "mean % of gradient elements zero/subnormal/non-finite in the compute dtype; "
+        "scale_min/max: extremes of the loss scale.",
+        "",
+    ]
+    failed = [u for u in summary["variants"] if u.get("status") == "failed"]
+    for u in failed:
+        lines += [
+            f"- **{u['name']} failed**: {u.get('error')} (see `variants/{u['id']}/error.log`)"
+        ]
+    if failed:
+        lines.append("")
+    if plots and resolved.get("report", {}).get("plots", True):
+        from precisionlab.experiments.plots import write_plots
+
+        written = write_plots(data, run_dir / "plots")
+        if written:
+            lines += ["## Plots", ""]
+        for caption, path in written:
+            lines += [f"![{caption}]({path.relative_to(run_dir).as_posix()})", "", caption, ""]
+    lines += ["## Setup", ""]
+    if resolved:
+        base = resolved.get("train", {})
+        keys = (
+            "model",
+            "model_kwargs",
+            "data",
+            "data_kwargs",
+            "optimizer",
+            "lr",
+            "steps",
+            "batch_size",
+            "seed",
+        )
+        lines += [f"- base `{k}` = `{base.get(k)}`" for k in keys if k in base]
+        notes = resolved.get("setting_descriptions", {})
+        for name, over in resolved.get("settings", {}).items():
+            note = f"{notes[name]}; " if notes.get(name) else ""
+            lines.append(f"- setting `{name}`: {note}`{over}`")
+        for v in resolved.get("variants", []):
+            over = {k: val for k, val in v.items() if k not in ("name", "description")}
+            lines.append(f"- variant `{v['name']}`: `{over}`")
+        lines.append("")
+    env = data["environment"]
+    if env:
+        lines += ["## Environment", ""]
+        keys = (
+            "python",
+            "jax",
+            "jaxlib",
+            "ml_dtypes",
+            "backend",
+            "device_kind",
+            "device_count",
+            "cpu_count",
+            "platform",
+        )
+        lines += [f"- {k}: {env.get(k)}" for k in keys if k in env]
+        lines.append("")
+    path = run_dir / "report.md"
+    _write_text(path, "\n".join(lines))
+    return path, table
+
+
+def _write_other_report(data: dict[str, Any]) -> tuple[Path, str]:
+    run_dir = data["dir"]
+    summary = data["summary"]
+    lines = [f"# {summary.get('name', run_dir.name)} ({summary.get('kind')})", ""]
+    lines += [
+        f"Status: {summary.get('status')}"
+        + (f": {summary['error']}" if summary.get("error") else ""),
+        "",
+    ]
+    result = summary.get("result") or {}
+    table_rows = [[str(k), _short(v)] for k, v in result.items() if not isinstance(v, dict | list)]
+    table = (
+        text_table(table_rows, ["key", "value"])
+        if table_rows
+        else f"status: {summary.get('status')}"
+    )
+    if table_rows:
+        lines += [markdown_table(table_rows, ["key", "value"]), ""]
+    # A kind's plain-text tables (e.g. survey/summary.txt) are the most useful terminal output.
+    texts = sorted(run_dir.rglob("*.txt"))
+    for txt in texts:
+        body = txt.read_text(encoding="utf-8").rstrip()
+        lines += [f"## {txt.relative_to(run_dir).as_posix()}", "", "```", body, "```", ""]
+    if texts:
+        table = "\n\n".join(t.read_text(encoding="utf-8").rstrip() for t in texts)
+    pngs = sorted(run_dir.rglob("*.png"))
+    for png in pngs:
+        lines += [f"![{png.stem}]({png.relative_to(run_dir).as_posix()})", ""]
+    others = sorted(
+        p
+        for p in run_dir.rglob("*")
+        if p.is_file() and p.suffix in (".jsonl", ".json", ".csv", ".md") and p.name != "report.md"
+    )
+    if others:
+        lines += (
+            ["## Files", ""] + [f"- `{p.relative_to(run_dir).as_posix()}`" for p in others] + [""]
+        )
+    path = run_dir / "report.md"
+    _write_text(path, "\n".join(lines))
+    return path, table
+
+
+def _short(value: Any) -> str:
+    text = str(value)
+    return text if len(text) < 80 else text[:77] + "..."
+
+
+def _write_text(path: Path, text: str) -> None:
+    import os
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text if text.endswith("\n") else text + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,266 @@
+"""Run an experiment into a run directory; resume a killed one.
+
+Units (variant x setting x seed) run one after another in this process. Each is isolated: an
+exception is caught, its traceback written to the unit's ``error.log`` and its status set to
+``failed``, and the run goes on; a diverging unit is a result, not an error. ``summary.json``
+is rewritten atomically after every unit, so it is valid at any moment.
+
+Ctrl-C (``KeyboardInterrupt``) marks the run ``interrupted`` and re-raises: the unit that was
+running keeps status ``running`` and its checkpoints, and ``resume(run_dir)`` skips finished
+units and continues unfinished ones from their last checkpoint.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from precisionlab.experiments import kinds, store
+from precisionlab.experiments.config import (
+    Experiment,
+    Unit,
+    experiment_from_document,
+    load_experiment,
+)
+from precisionlab.experiments.summary import summarize_run, summarize_unit
+
+__all__ = ["DONE", "resume", "run_experiment", "run_file"]
+
+#: Unit statuses that resume does not redo.
+DONE = ("finished", "failed")
+
+Printer = Callable[[str], None]
+
+
+def _printer(quiet: bool) -> Printer:
+    if quiet:
+        return lambda _msg: None
+    return lambda msg: print(msg, file=sys.stderr, flush=True)
+
+
+def run_file(
+    path: str | Path,
+    *,
+    out: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    quiet: bool = False,
+) -> Path:
+    """Validate ``path`` (with ``--set`` overrides), then run it; returns the run directory.
+
+    ``out`` is the run directory to create (it must not hold a run already); by default a new
+    ``runs/<name>-<timestamp>`` under the current directory.
+    """
+    experiment = load_experiment(path, overrides)
+    if out is None:
+        run_dir = store.new_run_dir(Path("runs"), experiment.name)
+    else:
+        run_dir = Path(out)
+        if (run_dir / "config.json").exists():
+            raise ValueError(
+                f"{run_dir} already holds a run; continue it with --resume {run_dir} "
+                "or choose another --out"
+            )
+        run_dir.mkdir(parents=True, exist_ok=True)
+    _write_config(run_dir, experiment, overrides)
+    return run_experiment(experiment, run_dir, quiet=quiet)
+
+
+def _write_config(run_dir: Path, experiment: Experiment, overrides: Sequence[str]) -> None:
+    store.write_json(
+        run_dir / "config.json",
+        {
+            "source": experiment.source,
+            "overrides": list(overrides),
+            "document": experiment.document,
+            "resolved": experiment.resolved,
+        },
+    )
+
+
+def resume(run_dir: str | Path, *, quiet: bool = False) -> Path:
+    """Continue the run in ``run_dir``: finished units are kept, the others continue from their
+    last checkpoint (or start over when they have none)."""
+    run_dir = Path(run_dir)
+    config_path = run_dir / "config.json"
+    if not config_path.exists():
+        raise ValueError(f"{run_dir}: not a run directory (no config.json)")
+    saved = store.read_json(config_path)
+    experiment = experiment_from_document(
+        saved["document"], saved.get("source", str(config_path)), default_name=run_dir.name
+    )
+    return run_experiment(experiment, run_dir, quiet=quiet, resuming=True)
+
+
+def run_experiment(
+    experiment: Experiment,
+    run_dir: Path,
+    *,
+    quiet: bool = False,
+    resuming: bool = False,
+) -> Path:
+    """Run (or continue) ``experiment`` in ``run_dir``; returns ``run_dir``."""
+    say = _printer(quiet)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not (run_dir / "config.json").exists():
+        _write_config(run_dir, experiment, ())
+    run_json = run_dir / "run.json"
+    run_info = store.read_json(run_json) if run_json.exists() else {"created": _now()}
+    run_info.update({"status": "running", "updated": _now(), "kind": experiment.kind})
+    run_info["resumed"] = run_info.get("resumed", 0) + int(resuming)
+    store.write_json(run_json, run_info)
+    env_path = run_dir / "environment.json"
+    env = store.environment()
+    if env_path.exists() and resuming:
+        previous = store.read_json(env_path)
+        previous.setdefault("resumed_with", []).append(env)
+        env = previous
+    store.write_json(env_path, env)
+    try:
+        if experiment.kind == "train":
+            _run_train(experiment, run_dir, say=say, quiet=quiet)
+        else:
+            _run_other(experiment, run_dir, say=say, quiet=quiet)
+    except KeyboardInterrupt:
+        if experiment.kind == "train":
+            summarize_run(run_dir, experiment)
+        run_info.update({"status": "interrupted", "updated": _now()})
+        store.write_json(run_json, run_info)
+        say(f"interrupted: continue with `precisionlab run --resume {run_dir}`")
+        raise
+    run_info.update({"status": "finished", "updated": _now()})
+    store.write_json(run_json, run_info)
+    return run_dir
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+# --- kinds other than train ------------------------------------------------------------
+
+
+def _run_other(experiment: Experiment, run_dir: Path, *, say: Printer, quiet: bool) -> None:
+    kind = experiment.kind
+    summary_path = run_dir / "summary.json"
+    if summary_path.exists() and store.read_json(summary_path).get("status") == "finished":
+        say(f"{kind}: already finished")
+        return
+    module = kinds.load(kind)
+    out_dir = run_dir / kind
+    out_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    try:
+        result = module.run(experiment.resolved[kind], out_dir, quiet=quiet)
+        status, error = "finished", None
+    except KeyboardInterrupt:
+        raise
+    except Exception as err:
+        (run_dir / "error.log").write_text(traceback.format_exc(), encoding="utf-8")
+        status, error, result = "failed", f"{type(err).__name__}: {err}", None
+        say(f"{kind}: failed: {error} (traceback in {run_dir / 'error.log'})")
+    store.write_json(
+        summary_path,
+        {
+            "kind": kind,
+            "name": experiment.name,
+            "status": status,
+            "error": error,
+            "wall_time_s": time.perf_counter() - start,
+            "result": result,
+        },
+    )
+
+
+# --- the train kind --------------------------------------------------------------------
+
+
+def _run_train(experiment: Experiment, run_dir: Path, *, say: Printer, quiet: bool) -> None:
+    module = kinds.load("train")
+    units = experiment.units
+    for i, unit in enumerate(units):
+        unit_dir = run_dir / "variants" / unit.id
+        status_path = unit_dir / "status.json"
+        status = store.read_json(status_path) if status_path.exists() else {}
+        if status.get("status") in DONE:
+            say(f"[{i + 1}/{len(units)}] {unit.name}: {status['status']} earlier, kept")
+            continue
+        say(f"[{i + 1}/{len(units)}] {unit.name}")
+        _run_unit(module, unit, unit_dir, status, say=say, quiet=quiet)
+        summarize_run(run_dir, experiment)
+    summarize_run(run_dir, experiment)
+
+
+def _run_unit(
+    module: Any, unit: Unit, unit_dir: Path, status: dict, *, say: Printer, quiet: bool
+) -> None:
+    unit_dir.mkdir(parents=True, exist_ok=True)
+    status_path = unit_dir / "status.json"
+    resuming = bool(status)
+    status.update({"status": "running", "name": unit.name, "started": _now()})
+    status.setdefault("wall_time_s", 0.0)
+    store.write_json(status_path, status)
+    metrics_path = unit_dir / "metrics.jsonl"
+    hist_path = unit_dir / "hist.jsonl"
+    if not resuming:
+        metrics_path.unlink(missing_ok=True)
+        hist_path.unlink(missing_ok=True)
+    writer: store.JsonlWriter | None = None
+    hist_writer: store.JsonlWriter | None = None
+    board = store.tensorboard_writer(unit_dir / "tb")
+
+    def on_step(row: dict[str, Any]) -> None:
+        nonlocal writer, hist_writer
+        if writer is None:
+            # A resumed unit restarts at its last checkpoint: drop rows recorded after it.
+            step = int(row.get("step", 0))
+            for path in (metrics_path, hist_path):
+                rows = store.read_jsonl(path)
+                if rows and int(rows[-1].get("step", -1)) >= step:
+                    store.truncate_jsonl(path, [r for r in rows if r["step"] < step])
+            writer = store.JsonlWriter(metrics_path)
+            hist_writer = store.JsonlWriter(hist_path)
+        writer.write(row)
+        if board is not None:
+            for key, value in row.items():
+                if isinstance(value, int | float) and key != "step":
+                    board.add_scalar(key, float(value), int(row.get("step", 0)))
+
+    def on_hist(row: dict[str, Any]) -> None:
+        assert hist_writer is not None, "histograms come after their step's metrics"
+        hist_writer.write(row)
+
+    start = time.perf_counter()
+    try:
+        result = module.run_unit(
+            unit.params,
+            unit_dir,
+            on_step=on_step,
+            on_hist=on_hist,
+            resume=resuming,
+            quiet=quiet,
+            label=unit.name,
+        )
+        status.update({"status": "finished", "result": result, "error": None})
+    except KeyboardInterrupt:
+        status["wall_time_s"] += time.perf_counter() - start
+        store.write_json(status_path, status)
+        raise
+    except Exception as err:
+        (unit_dir / "error.log").write_text(traceback.format_exc(), encoding="utf-8")
+        status.update({"status": "failed", "error": f"{type(err).__name__}: {err}"})
+        say(f"  failed: {status['error']} (traceback in {unit_dir / 'error.log'})")
+    finally:
+        for w in (writer, hist_writer):
+            if w is not None:
+                w.close()
+        if board is not None:
+            board.close()
+    status["wall_time_s"] += time.perf_counter() - start
+    status["ended"] = _now()
+    status["summary"] = summarize_unit(unit, unit_dir, status)
+    store.write_json(status_path, status)
