@@ -397,6 +397,9 @@ def _encode(x, key, *, fmt, mode, saturate, subnormals, random_bits):
         return _encode_same_exponent(x, src, fmt, mode, saturate, subnormals)
     if _narrow_from_float32(src, fmt) and mode is not Rounding.STOCHASTIC:
         return _encode_narrow(x, fmt, mode, saturate, subnormals)
+    if src is _F32 and isinstance(fmt, IntFormat) and fmt.bits <= 16:
+        if mode is not Rounding.STOCHASTIC:
+            return _encode_small_int(x, fmt, mode)
     work = _work_dtype(src, fmt)
     p = _parse_floats(x, work)
     rand = jax.random.bits(key, x.shape, jnp.uint32) if mode is Rounding.STOCHASTIC else None
@@ -539,6 +542,50 @@ def _encode_narrow(x, fmt: FloatFormat, mode, saturate, subnormals):
     )
     overflow = ~is_sub & (mag > _const(fmt.max_code_magnitude, work))
     return _finish(mag, overflow, None, a != 0, p, fmt, mode, saturate, subnormals)
+
+
+def _encode_small_int(x, fmt: IntFormat, mode: Rounding) -> jax.Array:
+    """Fast path float32 -> integers of at most 16 bits: round the significand at the
+    binary point (its position read off the exponent field), saturate, two's complement.
+
+    Magnitudes of 2**23 and more are integers beyond every such format's range, so they
+    saturate without rounding; NaN gives 0, as on the general path.
+    """
+    work = jnp.dtype(jnp.uint32)
+    u = lax.bitcast_convert_type(x, work)
+    a = u & _const(0x7FFFFFFF, work)
+    neg = (u >> _const(31, work)) != 0
+    exp_field = a >> _const(23, work)
+    significand = jnp.where(
+        exp_field == 0, a, (a & _const(0x7FFFFF, work)) | _const(0x800000, work)
+    )
+    # value = significand * 2**(exp_field - 150): bits below the binary point.
+    shift = jnp.clip(
+        _const(150, work) - jnp.maximum(exp_field, _const(1, work)),
+        _const(1, work),
+        _const(31, work),
+    )
+    q = significand >> shift
+    r = significand & ((_const(1, work) << shift) - _const(1, work))
+    half = _const(1, work) << (shift - _const(1, work))
+    one = _const(1, work)
+    if mode is Rounding.NEAREST_EVEN:
+        q = q + ((r > half) | ((r == half) & ((q & one) == one))).astype(work)
+    elif mode is Rounding.NEAREST_AWAY:
+        q = q + (r >= half).astype(work)
+    elif mode is Rounding.UP:
+        q = q + ((r != 0) & ~neg).astype(work)
+    elif mode is Rounding.DOWN:
+        q = q + ((r != 0) & neg).astype(work)
+    elif mode is Rounding.TO_ODD:
+        q = q | (r != 0).astype(work)
+    limit = jnp.where(neg, _const(-fmt.min, work), _const(fmt.max, work))
+    big = a >= _const(150 << 23, work)  # |x| >= 2**23, inf included
+    q = jnp.where(big, limit, jnp.minimum(q, limit))
+    q = jnp.where(a > _const(0x7F800000, work), jnp.zeros_like(q), q)  # NaN -> 0
+    mask = _const((1 << fmt.bits) - 1, work)
+    code = jnp.where(neg, (~q + one) & mask, q)
+    return code.astype(fmt.code_dtype)
 
 
 def _decode_to_float32_fast(codes, fmt: FloatFormat) -> jax.Array:
