@@ -2,18 +2,20 @@
 
 Each subcommand module defines ``HELP`` (one line), ``add_arguments(parser)`` and
 ``run(args) -> int``. Bad input raises :class:`UsageError` (or ``ValueError``/``TypeError``
-from the library), which ``main`` prints as one line on stderr with exit status 2.
+from the library), which ``main`` prints as one line on stderr with exit status 2; set
+``PRECISIONLAB_DEBUG=1`` to see the traceback instead.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
 from precisionlab.cli._common import Parser, UsageError
 
-__all__ = ["main", "UsageError"]
+__all__ = ["UsageError", "main"]
 
 # Subcommand name -> module under precisionlab.cli. Modules that are absent are skipped.
 COMMANDS: dict[str, str] = {
@@ -57,6 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(modules[args.command].run(args) or 0)
     except (UsageError, ValueError, TypeError) as err:
+        if os.environ.get("PRECISIONLAB_DEBUG"):  # show the traceback of a suspected bug
+            raise
         message = str(err).splitlines()[0] if str(err) else type(err).__name__
         sys.stderr.write(f"precisionlab {args.command}: error: {message}\n")
         return 2

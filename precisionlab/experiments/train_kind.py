@@ -247,8 +247,7 @@ def _train_weighted(
 
     from precisionlab.mixed.loss_scale import parse_loss_scale
     from precisionlab.mixed.policy import Policy
-    from precisionlab.train import train_loop
-    from precisionlab.train import build, make_eval_fn
+    from precisionlab.train import build, make_eval_fn, train_loop
 
     parts = build(config)
     model, policy, data = parts["model"], parts["policy"], parts["data"]

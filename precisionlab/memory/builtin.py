@@ -158,8 +158,7 @@ def measure_train_table(table: dict[str, Any], where: str = "train") -> dict[str
     working copies of params and optimizer moments stored below float32.
     """
     from precisionlab.mixed import parse_loss_scale
-    from precisionlab.train import TrainConfig, make_train_step
-    from precisionlab.train import build
+    from precisionlab.train import TrainConfig, build, make_train_step
 
     cfg = TrainConfig.from_dict(dict(table), where)
     parts = build(cfg)
