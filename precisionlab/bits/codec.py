@@ -406,6 +406,23 @@ def _encode(x, key, *, fmt, mode, saturate, subnormals, random_bits):
     return _pack(p, fmt, mode, saturate, subnormals, rand, random_bits)
 
 
+def _apply_rounding(q, r, half, neg, mode: Rounding) -> jax.Array:
+    """Round the truncated significand ``q`` given its remainder ``r`` and the remainder of
+    one half quantum ``half`` (deterministic modes; same dtype throughout)."""
+    one = jnp.ones_like(q)
+    if mode is Rounding.NEAREST_EVEN:
+        return q + ((r > half) | ((r == half) & ((q & one) == one))).astype(q.dtype)
+    if mode is Rounding.NEAREST_AWAY:
+        return q + (r >= half).astype(q.dtype)
+    if mode is Rounding.UP:
+        return q + ((r != 0) & ~neg).astype(q.dtype)
+    if mode is Rounding.DOWN:
+        return q + ((r != 0) & neg).astype(q.dtype)
+    if mode is Rounding.TO_ODD:
+        return q | (r != 0).astype(q.dtype)
+    return q  # toward_zero
+
+
 def _same_exponent_field(src: FloatFormat, fmt: Format) -> bool:
     """Whether fmt is src with a shorter mantissa (float32 -> bfloat16, tf32)."""
     return (
@@ -435,22 +452,7 @@ def _encode_same_exponent(x, src: FloatFormat, fmt: FloatFormat, mode, saturate,
     neg = (u >> _const(src.bits - 1, work)) != 0
     q = mag >> _const(drop, work)
     r = mag & _const((1 << drop) - 1, work)
-    half = _const(1 << (drop - 1), work)
-    one = _const(1, work)
-    if mode is Rounding.NEAREST_EVEN:
-        up = (r > half) | ((r == half) & ((q & one) == one))
-    elif mode is Rounding.NEAREST_AWAY:
-        up = r >= half
-    elif mode is Rounding.UP:
-        up = (r != 0) & ~neg
-    elif mode is Rounding.DOWN:
-        up = (r != 0) & neg
-    else:
-        up = None
-    if up is not None:
-        q = q + up.astype(work)
-    if mode is Rounding.TO_ODD:
-        q = q | (r != 0).astype(work)
+    q = _apply_rounding(q, r, _const(1 << (drop - 1), work), neg, mode)
     inf_mag = _const(fmt.exponent_field_max << fmt.mantissa_bits, work)
     max_mag = _const(fmt.max_code_magnitude, work)
     src_inf = _const(src.exponent_field_max << src.mantissa_bits, work)
@@ -513,21 +515,7 @@ def _encode_narrow(x, fmt: FloatFormat, mode, saturate, subnormals):
     q = value >> shift
     r = value & ((_const(1, work) << shift) - _const(1, work))
     half = _const(1, work) << (shift - _const(1, work))
-    one = _const(1, work)
-    if mode is Rounding.NEAREST_EVEN:
-        up = (r > half) | ((r == half) & ((q & one) == one))
-    elif mode is Rounding.NEAREST_AWAY:
-        up = r >= half
-    elif mode is Rounding.UP:
-        up = (r != 0) & ~neg
-    elif mode is Rounding.DOWN:
-        up = (r != 0) & neg
-    else:
-        up = None
-    if up is not None:
-        q = q + up.astype(work)
-    if mode is Rounding.TO_ODD:
-        q = q | (r != 0).astype(work)
+    q = _apply_rounding(q, r, half, neg, mode)
     rebias = _const((127 - fmt.bias) << m, work)
     mag = jnp.where(is_sub, q, q - rebias)
     inf_bits = _const(0x7F800000, work)
@@ -568,17 +556,8 @@ def _encode_small_int(x, fmt: IntFormat, mode: Rounding) -> jax.Array:
     q = significand >> shift
     r = significand & ((_const(1, work) << shift) - _const(1, work))
     half = _const(1, work) << (shift - _const(1, work))
+    q = _apply_rounding(q, r, half, neg, mode)
     one = _const(1, work)
-    if mode is Rounding.NEAREST_EVEN:
-        q = q + ((r > half) | ((r == half) & ((q & one) == one))).astype(work)
-    elif mode is Rounding.NEAREST_AWAY:
-        q = q + (r >= half).astype(work)
-    elif mode is Rounding.UP:
-        q = q + ((r != 0) & ~neg).astype(work)
-    elif mode is Rounding.DOWN:
-        q = q + ((r != 0) & neg).astype(work)
-    elif mode is Rounding.TO_ODD:
-        q = q | (r != 0).astype(work)
     limit = jnp.where(neg, _const(-fmt.min, work), _const(fmt.max, work))
     big = a >= _const(150 << 23, work)  # |x| >= 2**23, inf included
     q = jnp.where(big, limit, jnp.minimum(q, limit))
