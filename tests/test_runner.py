@@ -136,6 +136,19 @@ def test_jsonl_reader_ignores_a_torn_last_line(tmp_path):
     assert rows == [{"step": 1, "loss": "nan"}, {"step": 2, "loss": 1.0}]
 
 
+def test_resume_drops_a_torn_line_and_later_rows_before_appending(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": i, "loss": 1.0 / i} for i in range(1, 6)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 6, "lo')
+    store.resume_jsonl(path, 4)  # the unit restarts from its checkpoint at step 4
+    with store.JsonlWriter(path) as writer:
+        writer.write({"step": 4, "loss": 0.5})
+    assert store.read_jsonl(path) == [*rows[:3], {"step": 4, "loss": 0.5}]
+    assert path.read_text().endswith("\n")
+    store.resume_jsonl(tmp_path / "absent.jsonl", 1)  # nothing to prepare
+    assert not (tmp_path / "absent.jsonl").exists()
+
+
 def test_write_json_is_atomic_and_strict(tmp_path):
     path = tmp_path / "s.json"
     store.write_json(path, {"a": float("inf"), "b": [1, 2]})

@@ -216,12 +216,11 @@ def _run_unit(
     def on_step(row: dict[str, Any]) -> None:
         nonlocal writer, hist_writer
         if writer is None:
-            # A resumed unit restarts at its last checkpoint: drop rows recorded after it.
+            # A resumed unit restarts at its last checkpoint: drop rows recorded after it,
+            # and a line torn by a kill, before appending.
             step = int(row.get("step", 0))
             for path in (metrics_path, hist_path):
-                rows = store.read_jsonl(path)
-                if rows and int(rows[-1].get("step", -1)) >= step:
-                    store.truncate_jsonl(path, [r for r in rows if r["step"] < step])
+                store.resume_jsonl(path, step)
             writer = store.JsonlWriter(metrics_path)
             hist_writer = store.JsonlWriter(hist_path)
         writer.write(row)

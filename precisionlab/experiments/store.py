@@ -137,10 +137,24 @@ def truncate_jsonl(path: Path, keep: Iterable[dict[str, Any]]) -> None:
     checkpoint older than its last recorded step)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        for row in keep:
-            f.write(json.dumps(row, allow_nan=False) + "\n")
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for row in keep:
+                f.write(json.dumps(row, allow_nan=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def resume_jsonl(path: Path, step: int) -> None:
+    """Prepare a resumed unit's JSONL file: keep the whole rows recorded before ``step`` and
+    drop the rest, including a line torn by a kill, so appending continues a valid file."""
+    path = Path(path)
+    if path.exists():
+        truncate_jsonl(path, [r for r in read_jsonl(path) if int(r.get("step", -1)) < step])
 
 
 def tensorboard_writer(log_dir: Path) -> Any | None:
