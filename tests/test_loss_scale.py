@@ -181,3 +181,8 @@ def test_static_float16_inf_rejected():
     with pytest.raises(ValueError):
         StaticLossScale(2.0**16, jnp.float16)
     assert math.isfinite(float(StaticLossScale(2.0**15, jnp.float16).loss_scale))
+
+
+def test_a_loss_scale_beyond_float_range_is_a_clear_error():
+    with pytest.raises(ValueError, match="too large"):
+        parse_loss_scale("static:2**2000")

@@ -101,6 +101,17 @@ def test_failures_and_divergence_do_not_stop_the_run(tmp_path, fake_trainer):
         assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
 
 
+@pytest.mark.parametrize("flags", [[], ["--no-report"]])
+def test_cli_exit_status_says_variants_failed(tmp_path, fake_trainer, capsys, flags):
+    from precisionlab.cli import main
+
+    path = tmp_path / "fake.toml"
+    path.write_text(FAKE)
+    status = main(["run", str(path), "--out", str(tmp_path / "run"), "--quiet", *flags])
+    assert status == 1  # the "boom" variant failed, with or without the report
+    assert "1 variant(s) failed" in capsys.readouterr().err
+
+
 def test_out_dir_holding_a_run_is_refused(tmp_path, fake_trainer):
     path = tmp_path / "fake.toml"
     path.write_text(FAKE)

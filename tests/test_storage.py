@@ -133,3 +133,15 @@ def test_fp8_state_with_scale(dtype, rel):
 def test_storage_errors(kw, match):
     with pytest.raises(ValueError, match=match):
         Storage(**kw)
+
+
+def test_low_precision_state_keeps_scalar_hyperparameters_exact():
+    """inject_hyperparams keeps the learning rate in the state: it must not be rounded."""
+    opt = store_opt_state(optax.inject_hyperparams(optax.adam)(learning_rate=3e-4), "bfloat16")
+    params = {"w": jnp.ones((4, 4), jnp.float32)}
+    state = opt.init(params)
+    lr = [x for x in jax.tree_util.tree_leaves(state) if jnp.ndim(x) == 0 and x.dtype.kind == "f"]
+    assert lr and all(x.dtype == jnp.float32 for x in lr)
+    assert any(float(x) == np.float32(3e-4) for x in lr)
+    moments = [x for x in jax.tree_util.tree_leaves(state) if jnp.ndim(x) == 2]
+    assert moments and all(x.dtype == jnp.bfloat16 for x in moments)

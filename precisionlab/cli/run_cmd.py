@@ -41,13 +41,13 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         raise UsageError("give an experiment file (CONFIG) or --resume DIR")
+    failed = _failed(run_dir)
     if args.no_report:
         print(run_dir)
-        return 0
-    path, table = report.write_report(run_dir)
-    print(table)
-    print(f"\nrun directory: {run_dir}\nreport: {path}")
-    failed = _failed(run_dir)
+    else:
+        path, table = report.write_report(run_dir)
+        print(table)
+        print(f"\nrun directory: {run_dir}\nreport: {path}")
     if failed:
         sys.stderr.write(f"{failed} variant(s) failed: see their error.log\n")
         return 1

@@ -376,6 +376,8 @@ def _parse_number(value: Any) -> float:
         base, _, exp = text.partition("**")
         try:
             return float(base) ** float(exp)
+        except OverflowError as err:
+            raise ValueError(f"loss-scale number {value!r} is too large for float32") from err
         except ValueError:
             pass
     try:

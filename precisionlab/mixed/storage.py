@@ -118,7 +118,10 @@ def compress(tree: Any, dtype: Any) -> Any:
             return ScaledArray((xf / scale).astype(dt), scale)
 
         return jax.tree_util.tree_map(to_fp8, tree)
-    return jax.tree_util.tree_map(lambda x: x.astype(dt) if _is_float(x) else x, tree)
+    # Scalars (step counts, learning rates of inject_hyperparams) stay as they are.
+    return jax.tree_util.tree_map(
+        lambda x: x.astype(dt) if _is_float(x) and jnp.ndim(x) > 0 else x, tree
+    )
 
 
 def decompress(tree: Any, dtype: Any = jnp.float32) -> Any:
