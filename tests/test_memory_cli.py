@@ -87,6 +87,7 @@ def test_list_presets(capsys):
         (["--preset", "gpt3-xl", "--budget", "80"], "malformed size '80'"),
         (["--preset", "gpt3-xl", "--budget", "80 GB/s"], "malformed size"),
         (["--preset", "gpt3-xl", "--budget", "12 XB"], "unknown unit 'XB'"),
+        (["--preset", "gpt3-xl", "--budget", "1e400GB"], "beyond 1 ZiB"),
         (["--preset", "gpt3-xl", "--policy", "p=f32,c=f12"], "f12"),
         (["--preset", "gpt3-xl", "--optimizer", "adagrad"], "adagrad"),
         (["--preset", "gpt3-xl", "--checkpoint-every", "25"], "1..24"),

@@ -7,8 +7,6 @@ import pytest
 
 from precisionlab.mixed import FP32_OPS, Policy, get_policy, parse_dtype
 
-jmp = pytest.importorskip("jmp")
-
 SPECS = [
     "params=float32,compute=bfloat16,output=float32",
     "p=f32,c=bf16,o=f32",
@@ -25,6 +23,7 @@ SPECS = [
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_parse_matches_jmp(spec):
+    jmp = pytest.importorskip("jmp")  # in the dev extra; only this test needs it
     ours, theirs = get_policy(spec), jmp.get_policy(spec)
     assert ours.param_dtype == np.dtype(theirs.param_dtype)
     assert ours.compute_dtype == np.dtype(theirs.compute_dtype)
@@ -89,3 +88,9 @@ def test_fp32_ops_and_static_jit_argument():
     assert f(jnp.ones(2), p).dtype == jnp.bfloat16
     assert hash(p) == hash(get_policy("p=f32,c=bf16,o=f32"))
     assert isinstance(Policy.parse("c=f16"), Policy)
+
+
+@pytest.mark.parametrize("value", [None, True])
+def test_a_missing_dtype_is_an_error_not_float64(value):
+    with pytest.raises(TypeError, match="expected a dtype"):
+        parse_dtype(value)

@@ -130,6 +130,13 @@ def test_compare_side_by_side(run_dir, tmp_path):
     assert headers[0] == "variant" and len(headers) == 1 + 2 * len(compare.COLUMNS)
     assert len(rows) == 10 and rows[0][0] == "one/fp32 s0"
     assert rows[0][1:5] == rows[0][5:9]  # the same run twice reads the same
+    # ... and each cell is that variant's summary value, in its column.
+    units = {u["name"]: u for u in store.read_json(run_dir / "summary.json")["variants"]}
+    for row in rows:
+        unit = units[row[0]]
+        for cell, (_, key, how) in zip(row[1:5], compare.COLUMNS, strict=True):
+            assert cell == report._fmt(unit.get(key), how, unit), (row[0], key)
+    assert rows[0][1] == f"{units[rows[0][0]]['final_loss']:.4g}"
     _, _, md = compare.compare_runs([run_dir], markdown=True)
     assert md.startswith("| variant |")
     with pytest.raises(ValueError, match=r"no summary\.json"):

@@ -82,6 +82,26 @@ def test_resume_is_bitwise_identical(tmp_path):
     assert latest_checkpoint(tmp_path / "b").name == "step_00000007"
 
 
+def test_loss_weight_records_the_plain_loss_and_fp32_adam_ignores_it():
+    # A power-of-two weight is exact in float32: the weighted run's first loss is the plain
+    # loss bit for bit, its gradients are the plain ones times the weight, and Adam with a
+    # negligible eps takes (almost) the same steps.
+    base = dict(SMALL, steps=10, lr=3e-3, optimizer_kwargs={"eps": 1e-15}, eval_interval=5)
+    plain = train(TrainConfig(**base))
+    seen: list[float] = []
+    weighted = train(
+        TrainConfig(loss_weight=2.0**-16, **base), callback=lambda m: seen.append(m["loss"])
+    )
+    assert seen == [m["loss"] for m in weighted.metrics]
+    assert weighted.final_loss == seen[-1]
+    assert seen[0] == plain.metrics[0]["loss"]
+    assert weighted.metrics[0]["grad_norm"] == pytest.approx(
+        plain.metrics[0]["grad_norm"] * 2.0**-16, rel=1e-6
+    )
+    assert seen == pytest.approx([m["loss"] for m in plain.metrics], rel=1e-3)
+    assert weighted.eval_loss == pytest.approx(plain.eval_loss, rel=1e-3)
+
+
 def test_divergence_stops_run():
     # float16 compute with inputs of 1e5: the first layer's activations overflow to inf.
     cfg = TrainConfig(steps=20, policy="c=f16", data_kwargs={"input_scale": 1e5}, **SMALL)
@@ -181,6 +201,8 @@ def test_checkpoint_atomic_and_mismatch(tmp_path):
         ({"steps": 0}, "steps"),
         ({"divergence_action": "halt"}, "divergence_action"),
         ({"opt_state_dtype": "int8"}, "unknown dtype"),
+        ({"loss_weight": 0.0}, "loss_weight must be a finite number > 0"),
+        ({"loss_weight": float("inf")}, "loss_weight must be a finite number > 0"),
     ],
 )
 def test_config_errors(table, match):

@@ -175,13 +175,18 @@ def _estimate(args: argparse.Namespace, model: Any) -> int:
         if result is not None:
             doc["budget"] = result.to_dict()
         print(json.dumps(doc, indent=2))
-        return 0 if result is None or result.fits or result.setup is not None else 1
+        return _budget_status(result)
     lines = [*_describe(model, setup), "", *_table(breakdown, setup)]
     if result is not None:
         lines.append("")
         lines.extend(_fit_lines(result, args.budget))
     sys.stdout.write("\n".join(lines) + "\n")
-    return 0
+    return _budget_status(result)
+
+
+def _budget_status(result: Any) -> int:
+    """Exit status: 1 when a budget was given and no change searched makes the run fit."""
+    return 0 if result is None or result.fits or result.setup is not None else 1
 
 
 def _fit_lines(result: Any, budget_text: str) -> list[str]:

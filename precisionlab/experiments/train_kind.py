@@ -45,6 +45,12 @@ def _check_loss_scale(text: str) -> str:
     return text
 
 
+def _check_loss_weight(value: float) -> float:
+    from precisionlab.train.config import check_loss_weight
+
+    return check_loss_weight(value)
+
+
 def _check_dtype(text: str) -> str:
     from precisionlab.mixed.policy import parse_dtype
 
@@ -76,6 +82,7 @@ _CHECKS = {
     "params_dtype": _check_dtype,
     "grads_dtype": _check_dtype,
     "allreduce_dtype": _check_dtype,
+    "loss_weight": _check_loss_weight,
 }
 
 
@@ -107,26 +114,13 @@ def schema() -> dict[str, Field]:
             item=item,
             nullable="None" in str(f.type),
         )
-    out["loss_weight"] = Field(
-        float,
-        1.0,
-        check=_check_weight,
-        doc="multiplies the training loss before differentiation (recorded loss is divided back)",
-    )
     return out
-
-
-def _check_weight(value: float) -> float:
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"loss_weight must be a finite number > 0, got {value!r}")
-    return value
 
 
 def validate(table: dict[str, Any], where: str) -> dict[str, Any]:
     """A ``[train]`` table checked against the schema and by ``TrainConfig`` itself; returns the
     table with every default filled in (JSON-able)."""
     resolved = validate_table(table, schema(), where)
-    weight = resolved.pop("loss_weight")
     from precisionlab.train.config import TrainConfig
 
     try:
@@ -137,7 +131,7 @@ def validate(table: dict[str, Any], where: str) -> dict[str, Any]:
             message = f"{where}: {message}"
         raise ConfigError(message) from None
     _check_builders(config, where)
-    return {**config.to_dict(), "loss_weight": weight}
+    return config.to_dict()
 
 
 def _check_builders(config: Any, where: str) -> None:
@@ -200,96 +194,20 @@ def run_unit(
     from precisionlab.train import TrainConfig, train
 
     table = dict(params)
-    weight = float(table.pop("loss_weight", 1.0))
     if quiet:
         table["progress"] = False
     config = TrainConfig.from_dict(table, label)
 
     def callback(metrics: dict[str, Any]) -> None:
-        row = metric_row(metrics)
-        if weight != 1.0 and isinstance(row.get("loss"), float):
-            row["loss"] = row["loss"] / weight  # record the task's loss, not the weighted one
-        on_step(row)  # first: the runner starts (or trims, on resume) its files here
+        on_step(metric_row(metrics))  # first: the runner starts (or trims, on resume) its files
         hists = {k: metrics[k] for k in _HIST_KEYS if k in metrics}
         if hists:
             on_hist({"step": metrics.get("step"), **hists})
 
     checkpoints = Path(unit_dir) / "checkpoints" if config.checkpoint_interval else None
-    if weight == 1.0:
-        result = train(
-            config, callback=callback, checkpoint_dir=checkpoints, resume=resume, quiet=quiet
-        )
-    else:
-        result = _train_weighted(config, weight, callback, checkpoints, resume, quiet)
-    out = {k: _scalar(v) if not isinstance(v, list) else v for k, v in result.summary().items()}
-    if weight != 1.0 and isinstance(out.get("final_loss"), float):
-        out["final_loss"] /= weight
-    out["loss_weight"] = weight
-    return out
-
-
-def _train_weighted(
-    config: Any,
-    weight: float,
-    callback: Callable[[dict[str, Any]], None],
-    checkpoints: Path | None,
-    resume: bool,
-    quiet: bool,
-) -> Any:
-    """:func:`precisionlab.train.train` with the training loss multiplied by ``weight`` before
-    differentiation (evaluation uses the plain loss).
-
-    A loss averaged over N times more tokens has N times smaller gradients: this puts a small
-    model's gradients where a large model's are (below float16's range). Adam is invariant to
-    the weight up to its ``eps``.
-    """
-    import jax.numpy as jnp
-
-    from precisionlab.mixed.loss_scale import parse_loss_scale
-    from precisionlab.mixed.policy import Policy
-    from precisionlab.train import build, make_eval_fn, train_loop
-
-    parts = build(config)
-    model, policy, data = parts["model"], parts["policy"], parts["data"]
-    w = jnp.float32(weight)
-
-    def weighted(loss_fn: Callable) -> Callable:
-        def f(params: Any, batch: Any) -> Any:
-            loss, aux = loss_fn(params, batch)
-            return loss.astype(jnp.float32) * w, aux
-
-        return f
-
-    eval_fn = make_eval_fn(parts["loss_fn"], policy, parts["eval_batches"])
-    probe = model.loss_fn(policy, capture=True, enforce=config.enforce_numerics)
-    shadow = model.loss_fn(Policy(), enforce=False) if config.shadow else None
-    return train_loop(
-        weighted(parts["loss_fn"]),
-        parts["params"],
-        parts["optimizer"],
-        lambda start: data.batches(config.batch_size, seed=config.seed, start=start),
-        steps=config.steps,
-        policy=policy,
-        loss_scale=parse_loss_scale(config.loss_scale, **config.loss_scale_kwargs),
-        storage=parts["storage"],
-        microbatches=config.microbatches,
-        seed=config.seed,
-        data_parallel=config.data_parallel,
-        allreduce_dtype=config.allreduce_dtype,
-        report_leaves=config.report_leaves,
-        callback=callback,
-        eval_fn=eval_fn,
-        eval_interval=config.eval_interval,
-        checkpoint_dir=checkpoints,
-        checkpoint_interval=config.checkpoint_interval,
-        resume=resume,
-        divergence_k=config.divergence_k,
-        divergence_action=config.divergence_action,
-        hist_interval=config.hist_interval,
-        probe_loss_fn=weighted(probe),
-        shadow_loss_fn=weighted(shadow) if shadow is not None else None,
-        shadow_interval=config.shadow_interval,
-        lr_schedule=parts["schedule"],
-        progress=False if quiet else config.progress,
-        desc=f"{config.model} {policy}",
+    result = train(
+        config, callback=callback, checkpoint_dir=checkpoints, resume=resume, quiet=quiet
     )
+    out = {k: _scalar(v) if not isinstance(v, list) else v for k, v in result.summary().items()}
+    out["loss_weight"] = config.loss_weight  # the recorded losses are the plain (unweighted) loss
+    return out

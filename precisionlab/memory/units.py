@@ -49,6 +49,8 @@ def parse_size(text: str) -> int:
         raise ValueError(f"size {text!r} is not a whole number of bytes")
     if value <= 0:
         raise ValueError(f"size {text!r} must be positive")
+    if value > 2**70:
+        raise ValueError(f"size {text!r} is beyond 1 ZiB (2^70 bytes); give a real memory size")
     return int(value)
 
 

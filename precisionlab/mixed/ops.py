@@ -8,7 +8,9 @@ where a GPU would.
 
 Op names in ``Policy.fp32_ops``: ``softmax``, ``layer_norm``, ``cross_entropy``, ``reduce``
 (large sums and means), ``matmul_accumulate`` (matmuls accumulate in float32 and round once, as
-tensor cores do; without it the product is computed in the compute dtype).
+tensor cores do; without it the product is only *requested* in the compute dtype, and the backend
+picks the accumulator: XLA on CPU still accumulates in float32 and rounds once, so on CPU both
+settings give the same bits. Low-precision accumulation is not emulated).
 """
 
 from __future__ import annotations
@@ -158,8 +160,12 @@ def reduce_mean(
 def matmul(
     a: jax.Array, b: jax.Array, *, policy: Policy | None = None, enforce: bool = True
 ) -> jax.Array:
-    """``a @ b`` of compute-dtype operands; accumulated in float32 if ``matmul_accumulate`` is in
-    the policy's float32 list (rounded once to the compute dtype), else in the compute dtype."""
+    """``a @ b`` of compute-dtype operands, rounded once to the compute dtype.
+
+    With ``matmul_accumulate`` in the policy's float32 list the accumulator is float32;
+    without it the product is requested in the compute dtype (``preferred_element_type``) and
+    the backend picks the accumulator (float32 on XLA's CPU backend: not emulated there).
+    """
     p = _policy(policy)
     a = jnp.asarray(a).astype(p.compute_dtype)
     b = jnp.asarray(b).astype(p.compute_dtype)

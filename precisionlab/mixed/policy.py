@@ -61,6 +61,9 @@ def parse_dtype(value: str | np.dtype | type) -> np.dtype:
 
     Raises ValueError for unknown names (listing the accepted ones) and for jmp's ``"half"``.
     """
+    if value is None or isinstance(value, bool):
+        # np.dtype(None) is float64: never what a caller who forgot a dtype meant.
+        raise TypeError(f"expected a dtype or dtype name, got {value!r}")
     if not isinstance(value, str):
         try:
             dtype = np.dtype(value)

@@ -7,12 +7,15 @@ High level (one call per run)::
     from precisionlab.train import TrainConfig, train
     cfg = TrainConfig(model="mlp", data="teacher", optimizer="adam", lr=1e-3,
                       policy="p=f32,c=f16,o=f32", loss_scale="dynamic", steps=500, seed=0,
-                      batch_size=128, eval_interval=100, eval_batches=8)
+                      batch_size=128, eval_interval=100, eval_batches=8, loss_weight=1.0)
     result = train(cfg, callback=print, checkpoint_dir="run/ckpt", resume=True)
     result.eval_metric, result.skipped_steps, result.diverged, result.summary()
 
 - ``TrainConfig`` (frozen dataclass of plain values, ``TrainConfig.from_dict(table, where)``
   raises ValueError naming ``where.key`` for unknown keys / bad values; ``.to_dict()``).
+  ``loss_weight`` (default 1.0, finite and > 0) multiplies the training loss before
+  differentiation, as a loss averaged over 1/loss_weight times more tokens would; recorded
+  losses (per-step ``loss``, ``final_loss``) stay the plain loss; evaluation uses the plain loss.
 - ``train(config, *, callback=None, checkpoint_dir=None, resume=False, quiet=False)
   -> TrainResult``. ``callback(metrics: dict)`` is called once per step with plain Python
   values: ``step`` (1-based count of steps done), ``loss``, ``grad_norm`` (global norm of the
@@ -66,9 +69,10 @@ Low level (any user model):
   .memory_analysis()`` for memory accounting); ``state`` is a ``TrainState`` NamedTuple (step,
   params, opt_state, loss_scale, storage_state, rng). ``loss_fn(params, batch)`` receives params
   already cast to the compute dtype and returns a scalar loss or ``(loss, aux)``.
-- ``train_loop(loss_fn, params, optimizer, batches, *, steps, ...) -> TrainResult`` runs the
-  jitted step over an iterable of batches with the same metrics, callback, checkpoints and
-  divergence detection as ``train``.
+- ``train_loop(loss_fn, params, optimizer, batches, *, steps, ..., loss_weight=1.0)
+  -> TrainResult`` runs the jitted step over an iterable of batches with the same metrics,
+  callback, checkpoints and divergence detection as ``train`` (``loss_weight`` weights
+  ``loss_fn`` and the probe/shadow loss functions, and the recorded loss is divided back).
 - ``save_checkpoint(dir, state, *, step, extra)`` / ``load_checkpoint(dir, template)`` /
   ``latest_checkpoint(dir)``: atomic, bitwise.
 - Meters: ``underflow_fraction(tree, dtype)``, ``log2_histogram(tree)``,

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
-__all__ = ["DIVERGENCE_ACTIONS", "UPDATE_ROUNDINGS", "TrainConfig", "TrainResult"]
+__all__ = [
+    "DIVERGENCE_ACTIONS",
+    "UPDATE_ROUNDINGS",
+    "TrainConfig",
+    "TrainResult",
+    "check_loss_weight",
+]
 
 UPDATE_ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic", "kahan")
 DIVERGENCE_ACTIONS: tuple[str, ...] = ("stop", "continue")
@@ -47,6 +54,12 @@ class TrainConfig:
       all local devices), allreduce_dtype (dtype of the gradient all-reduce, None = grads_dtype),
       remat (jax.checkpoint each model block), report_leaves (name the non-finite gradient
       leaves of skipped steps), progress (tqdm bar; None = only on a tty).
+    Loss:
+      loss_weight: multiplies the training loss before differentiation, as a loss averaged over
+        1/loss_weight times more tokens would (this puts a small model's gradients where a large
+        model's are, e.g. below float16's range; Adam is invariant to it up to its ``eps``);
+        recorded losses (per-step ``loss``, ``final_loss``) stay the plain loss; evaluation uses
+        the plain loss. 1.0 = off (bitwise the unweighted run).
     """
 
     model: str = "mlp"
@@ -86,11 +99,13 @@ class TrainConfig:
     remat: bool = False
     report_leaves: bool = False
     progress: bool | None = None
+    loss_weight: float = 1.0
 
     def __post_init__(self) -> None:
         from precisionlab.train.validate import validate_config
 
         validate_config(self)
+        check_loss_weight(self.loss_weight)
 
     @classmethod
     def from_dict(cls, table: dict[str, Any], where: str = "train") -> TrainConfig:
@@ -117,6 +132,20 @@ class TrainConfig:
         return out
 
 
+def check_loss_weight(value: Any) -> float:
+    """``value`` if it is a valid ``TrainConfig.loss_weight`` (a finite number > 0), else
+    ValueError."""
+    ok = (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
+    if not ok:
+        raise ValueError(f"loss_weight must be a finite number > 0, got {value!r}")
+    return value
+
+
 @dataclasses.dataclass(kw_only=True)
 class TrainResult:
     """What :func:`precisionlab.train.train` returns.
@@ -124,7 +153,8 @@ class TrainResult:
     Attributes:
       state: the final ``TrainState`` (params in storage dtype, optimizer state, loss scale...).
       steps_done: number of steps run (< config.steps if stopped on divergence).
-      final_loss: training loss of the last step (float; may be nan/inf).
+      final_loss: training loss of the last step (float; may be nan/inf; the plain loss, not
+        multiplied by ``loss_weight``).
       eval_loss, eval_metric: last evaluation (metric: accuracy for both built-in models).
       evals: every evaluation, as dicts {step, eval_loss, eval_metric}.
       skipped_steps: count of steps skipped on non-finite gradients.

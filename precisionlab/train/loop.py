@@ -21,7 +21,12 @@ from precisionlab.mixed.loss_scale import LossScale, nonfinite_leaf_names
 from precisionlab.mixed.policy import Policy, cast_floating, get_policy
 from precisionlab.mixed.storage import Storage
 from precisionlab.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from precisionlab.train.config import DIVERGENCE_ACTIONS, TrainConfig, TrainResult
+from precisionlab.train.config import (
+    DIVERGENCE_ACTIONS,
+    TrainConfig,
+    TrainResult,
+    check_loss_weight,
+)
 from precisionlab.train.data import make_data
 from precisionlab.train.meters import hist_edges
 from precisionlab.train.models import make_model
@@ -103,6 +108,18 @@ def _progress(enabled: bool | None, total: int, initial: int, desc: str | None):
     return tqdm(total=total, initial=initial, desc=desc, leave=False, dynamic_ncols=True)
 
 
+def _weighted(loss_fn: Callable, weight: float) -> Callable:
+    """``loss_fn`` with its (float32) loss multiplied by ``weight``."""
+    f = normalize_loss_fn(loss_fn)
+    w = jnp.float32(weight)
+
+    def weighted(params: Any, batch: Any) -> Any:
+        loss, aux = f(params, batch)
+        return loss.astype(jnp.float32) * w, aux
+
+    return weighted
+
+
 def train_loop(
     loss_fn: Callable,
     params: Any,
@@ -135,6 +152,7 @@ def train_loop(
     lr_schedule: Callable[[int], Any] | None = None,
     progress: bool | None = None,
     desc: str | None = None,
+    loss_weight: float = 1.0,
 ) -> TrainResult:
     """Train ``loss_fn`` for ``steps`` steps; see :func:`make_train_step` for the step options.
 
@@ -153,6 +171,11 @@ def train_loop(
         the fp32 shadow comparison (also every ``shadow_interval`` steps if > 0).
       lr_schedule: step -> learning rate, reported as ``lr`` in the metrics.
       progress: tqdm bar with loss and scale (None: only when stderr is a terminal).
+      loss_weight: ``loss_fn``, ``probe_loss_fn`` and ``shadow_loss_fn`` have their loss
+        multiplied by it (in float32) before differentiation, as a loss averaged over
+        1/loss_weight times more tokens would; the recorded ``loss`` (callback, metrics,
+        ``final_loss``, divergence detection) is divided back, i.e. the plain loss. ``eval_fn``
+        is not weighted. 1.0: off.
     """
     if divergence_action not in DIVERGENCE_ACTIONS:
         raise ValueError(
@@ -161,6 +184,13 @@ def train_loop(
         )
     if checkpoint_interval and checkpoint_dir is None:
         raise ValueError("checkpoint_interval needs a checkpoint_dir")
+    check_loss_weight(loss_weight)
+    if loss_weight != 1:
+        loss_fn = _weighted(loss_fn, loss_weight)
+        if probe_loss_fn is not None:
+            probe_loss_fn = _weighted(probe_loss_fn, loss_weight)
+        if shadow_loss_fn is not None:
+            shadow_loss_fn = _weighted(shadow_loss_fn, loss_weight)
     step_fn, state = make_train_step(
         loss_fn,
         params,
@@ -246,6 +276,8 @@ def train_loop(
             # A non-finite loss means the forward pass overflowed; otherwise the backward did.
             reason = "nonfinite_loss" if not math.isfinite(rec["loss"]) else "nonfinite_grads"
             rec["skip_reason"] = reason if rec["skipped"] else ""
+            if loss_weight != 1:
+                rec["loss"] /= loss_weight  # the plain loss, not the weighted one
             if report_leaves:
                 rec["nonfinite_leaves"] = (
                     nonfinite_leaf_names(params, flags) if rec["skipped"] else []
@@ -412,6 +444,7 @@ def train(
         lr_schedule=parts["schedule"],
         progress=False if quiet else config.progress,
         desc=f"{config.model} {policy}",
+        loss_weight=config.loss_weight,
     )
 
 
