@@ -222,14 +222,14 @@ def _measure(args: argparse.Namespace) -> int:
 
     from precisionlab.train import TrainConfig
 
-    # The runner validated the tables; its own keys (e.g. loss_weight) do not change memory.
+    # The runner validated the tables; keys it adds beyond TrainConfig's are dropped here.
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     seen: set[str] = set()
     reports = []
     for unit in experiment.units:
         table = {k: v for k, v in unit.params.items() if k in fields}
         # Variants that differ only in what does not change memory are measured once.
-        same = {k: v for k, v in table.items() if k not in ("steps", "seed", "lr")}
+        same = {k: v for k, v in table.items() if k not in ("steps", "seed", "lr", "loss_weight")}
         key = json.dumps(same, sort_keys=True, default=str)
         if key in seen:
             continue
