@@ -102,6 +102,12 @@ class FloatFormat:
             raise ValueError("fnuz formats without subnormals have no zero code to reuse for NaN")
         if self.max_code_magnitude < 1:
             raise ValueError(f"format {self.name!r} has no positive finite value")
+        # Values are exact Python floats (float64): the format must fit inside float64.
+        if self.emax > 1023 or self.emin - (self.mantissa_bits if self.subnormals else 0) < -1074:
+            raise ValueError(
+                f"format {self.name!r} (bias {self.bias}) spans 2^{self.emin} .. 2^{self.emax}, "
+                "beyond float64's range; choose a bias that keeps it within 2^-1074 .. 2^1023"
+            )
 
     # --- layout -----------------------------------------------------------------------
     @property
@@ -159,8 +165,11 @@ class FloatFormat:
 
     @property
     def min(self) -> float:
-        """Most negative finite value (the smallest positive value for unsigned formats)."""
-        return -self.max if self.signed else self.smallest_positive
+        """Smallest finite value: -max, or for unsigned formats 0 (or the smallest positive
+        value where there is no zero, as in E8M0)."""
+        if self.signed:
+            return -self.max
+        return 0.0 if self.has_zero else self.smallest_positive
 
     @property
     def smallest_normal(self) -> float:
@@ -248,7 +257,7 @@ class FloatFormat:
         if not self.has_inf:
             return ()
         top = self.exponent_field_max << self.mantissa_bits
-        return (top, self.sign_mask | top)
+        return (top, self.sign_mask | top) if self.signed else (top,)
 
     @property
     def zero_codes(self) -> tuple[int, ...]:

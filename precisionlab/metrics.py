@@ -127,14 +127,24 @@ def _report(x, x_hat, scale, fmt):
     finite_x = jnp.isfinite(x)
     both = finite_x & jnp.isfinite(x_hat)
     n_both = jnp.maximum(jnp.sum(both), 1).astype(f32)
-    err = jnp.where(both, x_hat - x, 0.0)
-    aerr = jnp.abs(err)
-    x0 = jnp.where(both, x, 0.0)
-    nz = both & (x != 0)
-    rel = jnp.where(nz, aerr / jnp.where(nz, jnp.abs(x), 1.0), 0.0)
+    # Zero tests on the bit patterns: XLA on CPU flushes float32 subnormals in comparisons.
+    nonzero_x = _nonzero(x)
+    zero_hat = ~_nonzero(x_hat)
+    # Rescale both by 2**-k (exactly, on the bit patterns) so that the largest |x| is ~1:
+    # squares and differences then stay in float32's normal range for huge tensors and for
+    # subnormal ones. Relative statistics need no scaling back; absolute ones are scaled back.
+    k = jnp.max(jnp.where(both & nonzero_x, pow2.floor_log2(x), jnp.int32(-(2**30))))
+    k = jnp.where(k < -(2**29), 0, k).astype(jnp.int32)
+    xs, x_hats = pow2.ldexp(x, -k), pow2.ldexp(x_hat, -k)
+    err_s = jnp.where(both, x_hats - xs, 0.0)
+    aerr_s = jnp.abs(err_s)
+    aerr = pow2.ldexp(aerr_s, k)  # absolute errors at the input's scale, exactly
+    x0 = jnp.where(both, xs, 0.0)
+    nz = both & nonzero_x & (jnp.abs(xs) > 0)  # elements > 2**-126 of the largest
+    rel = jnp.where(nz, aerr_s / jnp.where(nz, jnp.abs(xs), 1.0), 0.0)
     n_nz = jnp.sum(nz).astype(f32)
     sig = jnp.sum(jnp.square(x0))
-    noise = jnp.sum(jnp.square(err))
+    noise = jnp.sum(jnp.square(err_s))
     sqnr = jnp.where(noise > 0, 10.0 * jnp.log10(sig / jnp.where(noise > 0, noise, 1.0)), jnp.inf)
     n = f32(x.size)
     nan = jnp.float32(jnp.nan)
@@ -161,20 +171,26 @@ def _report(x, x_hat, scale, fmt):
         else:
             frac_sub = jnp.float32(0.0)
     return dict(
-        max_abs_error=jnp.max(aerr),
-        mean_abs_error=jnp.sum(aerr) / n_both,
-        rmse=jnp.sqrt(noise / n_both),
+        max_abs_error=pow2.ldexp(jnp.max(aerr_s), k),
+        mean_abs_error=pow2.ldexp(jnp.sum(aerr_s) / n_both, k),
+        rmse=pow2.ldexp(jnp.sqrt(noise / n_both), k),
         mean_rel_error=jnp.where(n_nz > 0, jnp.sum(rel) / jnp.maximum(n_nz, 1.0), nan),
         max_rel_error=jnp.where(n_nz > 0, jnp.max(rel), nan),
         sqnr_db=sqnr,
-        bias=jnp.sum(err) / n_both,
+        bias=pow2.ldexp(jnp.sum(err_s) / n_both, k),
         mean_ulp_error=mean_ulp,
         max_ulp_error=max_ulp,
         frac_overflow=jnp.sum(finite_x & ~jnp.isfinite(x_hat)) / n,
         frac_saturated=frac_sat,
-        frac_underflow=jnp.sum((x != 0) & (x_hat == 0)) / n,
+        frac_underflow=jnp.sum(nonzero_x & zero_hat) / n,
         frac_subnormal=frac_sub,
     )
+
+
+def _nonzero(a: jax.Array) -> jax.Array:
+    """``a != 0`` for float32 ``a``, read off the bits (exact for subnormals; NaN counts)."""
+    bits = jax.lax.bitcast_convert_type(a, jnp.uint32)
+    return (bits & jnp.uint32(0x7FFFFFFF)) != 0
 
 
 def error_report(x, x_hat, fmt=None, *, scale=None) -> ErrorReport:
@@ -197,6 +213,10 @@ def error_report(x, x_hat, fmt=None, *, scale=None) -> ErrorReport:
     for name, a in (("x", x), ("x_hat", x_hat)):
         if not jnp.issubdtype(a.dtype, jnp.floating):
             raise TypeError(f"{name} must be a float array, got {a.dtype}")
+    if isinstance(fmt, str) and fmt.strip().lower().startswith("mx"):
+        from precisionlab.quant.mx import get_mx_format
+
+        fmt = get_mx_format(fmt)
     fmt_obj = None if fmt is None else get_format(getattr(fmt, "element", fmt))
     if fmt_obj is not None and isinstance(fmt_obj, FloatFormat) and fmt_obj.bits > 32:
         fmt_obj = None

@@ -68,6 +68,7 @@ def test_defaults_come_from_the_trainer(tmp_path):
         ("", "train.loss_scale=huge", ["train.loss_scale", "huge", "dynamic"]),
         ("", "train.update_rounding=up", ["train.update_rounding", "stochastic", "kahan"]),
         ("", "train.model_kwargs.widht=3", ["train.model_kwargs", "widht", "width"]),
+        ("", "train.optimizer_kwargs.bogus=1", ["train.optimizer_kwargs", "bogus"]),
         ("", "train.loss_weight=-1", ["train.loss_weight", "> 0"]),
         ("", "kind=nope", ["kind", "'nope'", "train", "survey", "memory"]),
         ("", "colour=1", ["exp.toml", "'colour'", "allowed keys"]),

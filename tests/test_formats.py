@@ -126,3 +126,16 @@ def test_counts_of_wide_formats():
     assert get_format("float32").num_nan == 2 * (2**23 - 1)
     assert get_format("float64").num_finite == 2**64 - 2 * 2**52
     assert get_format("tf32").num_finite == 2**19 - 2 * 2**10
+
+
+def test_unsigned_ieee_format_counts_one_inf():
+    u = FloatFormat(name="u", exponent_bits=5, mantissa_bits=2, signed=False)
+    values = [u.value_of(c) for c in range(1 << u.bits)]
+    assert u.inf_codes == (124,) and u.num_finite == sum(math.isfinite(v) for v in values)
+    assert u.min == 0.0 and get_format("e8m0").min == 2.0**-127
+
+
+@pytest.mark.parametrize("spec", ["e3m2b-2000", "e11m52b1100", "e5m2b-1100"])
+def test_formats_beyond_float64_are_refused(spec):
+    with pytest.raises(ValueError, match="beyond float64"):
+        get_format(spec)

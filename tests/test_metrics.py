@@ -102,3 +102,37 @@ def test_errors():
         error_report(np.ones(3, np.int32), np.ones(3, np.int32))
     with pytest.raises(ValueError, match="unknown format"):
         error_report(np.ones(3, F32), np.ones(3, F32), "fp7")
+
+
+@pytest.mark.parametrize("magnitude", [1.0, 1e20, 1e-18, 1e-38])
+def test_statistics_hold_at_every_magnitude(magnitude):
+    """Squares and differences of huge or subnormal tensors must neither overflow nor flush
+    (float32 sums of x**2 overflow above ~1e19; XLA on CPU flushes subnormals)."""
+    from precisionlab.bits import round_to_format
+
+    x = (np.random.default_rng(0).normal(size=4096) * magnitude).astype(np.float32)
+    x_hat = np.asarray(round_to_format(x, "bf16"))
+    r = error_report(x, x_hat, "bf16")
+    e = x_hat.astype(np.float64) - x.astype(np.float64)
+    ref_sqnr = 10 * np.log10((x.astype(np.float64) ** 2).sum() / (e**2).sum())
+    assert float(r.sqnr_db) == pytest.approx(ref_sqnr, abs=1e-3)
+    assert float(r.rmse) == pytest.approx(np.sqrt((e**2).mean()), rel=1e-5)
+    assert float(r.max_abs_error) == np.abs(e).max()
+
+
+def test_subnormal_inputs_that_vanish_count_as_underflow():
+    x = np.full(8, 1e-40, np.float32)
+    r = error_report(x, np.zeros(8, np.float32))
+    assert float(r.frac_underflow) == 1.0 and float(r.sqnr_db) == 0.0
+    assert float(r.max_abs_error) == float(np.float32(1e-40))
+
+
+def test_mx_format_names_are_accepted():
+    import jax.numpy as jnp
+
+    from precisionlab.quant import dequantize, element_scales, quantize
+
+    x = jnp.linspace(-3, 3, 64, dtype=jnp.float32)
+    q = quantize(x, "mxfp4")
+    r = error_report(x, dequantize(q), "mxfp4", scale=element_scales(q))
+    assert np.isfinite(float(r.mean_ulp_error))

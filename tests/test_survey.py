@@ -107,6 +107,7 @@ def test_cli_config(tmp_path, capsys):
         (["--input", "nothere.npy"], "no such file"),
         (["--config", "nothere.toml"], "no such file"),
         (["--plot", "out.svg"], "PNG"),
+        (["--plot", "/missing/dir/x.png"], "directory does not exist"),
     ],
 )
 def test_cli_errors_are_one_line_exit_2(argv, message, capsys):

@@ -64,6 +64,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = str(err).splitlines()[0] if str(err) else type(err).__name__
         sys.stderr.write(f"precisionlab {args.command}: error: {message}\n")
         return 2
+    except OSError as err:  # a file or directory named on the command line
+        if os.environ.get("PRECISIONLAB_DEBUG"):
+            raise
+        where = f"{err.filename}: " if getattr(err, "filename", None) else ""
+        sys.stderr.write(f"precisionlab {args.command}: error: {where}{err.strerror or err}\n")
+        return 2
     except KeyboardInterrupt:
         sys.stderr.write(f"precisionlab {args.command}: interrupted\n")
         return 130

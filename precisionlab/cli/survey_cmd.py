@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import pathlib
 import tomllib
 
@@ -92,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
         cfg = _from_flags(args)
     if args.plot is not None and not args.plot.endswith(".png"):
         raise UsageError(f"--plot writes a PNG: give a path ending in .png, got {args.plot!r}")
+    if args.plot is not None and not os.path.isdir(os.path.dirname(args.plot) or "."):
+        raise UsageError(f"--plot {args.plot!r}: its directory does not exist")
     hists: dict = {}
     rows = survey.execute(cfg, hists=hists if args.plot else None)
     if args.json:

@@ -135,13 +135,19 @@ def validate(table: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _check_builders(config: Any, where: str) -> None:
-    """Build the model and data descriptions (cheap: no params are created) so that a bad
-    ``model_kwargs`` / ``data_kwargs`` key fails now, not when its variant starts."""
-    from precisionlab.train import make_data, make_model
+    """Build the model and data descriptions and the optimizer (cheap: no params are created)
+    so that a bad ``model_kwargs`` / ``data_kwargs`` / ``optimizer_kwargs`` key fails now, not
+    when its variant starts."""
+    from precisionlab.train import make_data, make_model, make_optimizer
+
+    def optimizer(name: str, **kwargs: Any) -> Any:
+        return make_optimizer(name, config.lr, schedule=config.schedule, steps=config.steps,
+                              warmup_steps=config.warmup_steps, **kwargs)  # fmt: skip
 
     for key, build, name, kwargs in (
         ("data_kwargs", make_data, config.data, config.data_kwargs),
         ("model_kwargs", make_model, config.model, config.model_kwargs),
+        ("optimizer_kwargs", optimizer, config.optimizer, config.optimizer_kwargs),
     ):
         try:
             build(name, **kwargs)
@@ -210,4 +216,5 @@ def run_unit(
     )
     out = {k: _scalar(v) if not isinstance(v, list) else v for k, v in result.summary().items()}
     out["loss_weight"] = config.loss_weight  # the recorded losses are the plain (unweighted) loss
+    out["eval_metric_name"] = "accuracy"  # both built-in models report (token) accuracy
     return out
