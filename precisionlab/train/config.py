@@ -51,7 +51,7 @@ class TrainConfig:
       None = only non-finite), divergence_action ("stop" | "continue"), hist_interval (0 = off:
       histograms of log2|grad| and log2|activation| every N steps), shadow (fp32 shadow pass at
       hist steps, or every ``shadow_interval`` steps if > 0), data_parallel (shard the batch over
-      all local devices), allreduce_dtype (dtype of the gradient all-reduce, None = grads_dtype),
+      all local devices), allreduce_dtype (dtype of the gradient all-reduce, None = float32),
       remat (jax.checkpoint each model block), report_leaves (name the non-finite gradient
       leaves of skipped steps), progress (tqdm bar; None = only on a tty).
     Loss:
