@@ -29,6 +29,7 @@ COMMANDS: dict[str, str] = {
     "report": "report_cmd",
     "compare": "compare_cmd",
     "bench": "bench_cmd",
+    "conformance": "conformance_cmd",
 }
 
 

@@ -153,9 +153,7 @@ def _dedupe(xs: np.ndarray) -> np.ndarray:
     return bits.view(xs.dtype)
 
 
-def edge_inputs(
-    fmt: Format | str, source: str, *, seed: int = 0, random: int = 4096
-) -> np.ndarray:
+def edge_inputs(fmt: Format | str, source: str, *, seed: int = 0, random: int = 4096) -> np.ndarray:
     """Edge-case inputs (an array of the source dtype, unique by bit pattern) for converting
     ``source`` values into ``fmt``; ``random`` random bit patterns of the source are added."""
     fmt = _float_format(fmt)

@@ -69,8 +69,7 @@ SPECS: dict[str, Spec] = {
     ),
     "ieee-4.3-sign": Spec(
         f"{IEEE} §4.3",
-        "Inexact numeric floating-point results always have the same sign as the unrounded "
-        "result.",
+        "Inexact numeric floating-point results always have the same sign as the unrounded result.",
         "quote",
     ),
     "ieee-7.4": Spec(

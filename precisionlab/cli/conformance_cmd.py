@@ -1,0 +1,72 @@
+"""``precisionlab conformance``: which libraries and backends convert numbers correctly,
+measured against the exact reference."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from precisionlab.cli._common import UsageError, split_list
+
+HELP = "check ml_dtypes, XLA, numpy, gfloat, torch conversions against the exact reference"
+
+_EPILOG = """\
+Each library that is installed converts edge-case inputs (every value and midpoint of the
+format, +-1 ulp around them, range ends, specials, random bits; for formats of 8 bits or fewer
+every float16 and bfloat16 value) from each source type into each format it supports, with
+each rounding mode it claims. Disagreements with the exact reference are classified as
+V (spec violation), C (documented convention) or U (undefined case) with three examples each.
+report.md, conformance.json and environment.json go to --out (default runs/conformance-TIME).
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from precisionlab.conformance import DEFAULT_LIBS, DEFAULT_SOURCES, SOURCES
+
+    parser.epilog = _EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--libs", help=f"comma-separated (default {','.join(DEFAULT_LIBS)})")
+    parser.add_argument("--formats", help="comma-separated target formats (default: all floats)")
+    parser.add_argument(
+        "--sources",
+        help=f"source types among {','.join(SOURCES)} (default {','.join(DEFAULT_SOURCES)})",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (0)")
+    parser.add_argument("--json", action="store_true", help="print the full result as JSON")
+    parser.add_argument("--out", metavar="DIR", help="directory for report.md and the JSON")
+
+
+def _list(text: str | None, flag: str) -> list[str] | None:
+    if text is None:
+        return None
+    items = split_list(text)
+    if not items:
+        raise UsageError(f"{flag} needs at least one name, got {text!r}")
+    return items
+
+
+def run(args: argparse.Namespace) -> int:
+    from precisionlab.conformance import matrix_tables, run_conformance, to_json, write_report
+    from precisionlab.experiments import store
+
+    libs = _list(args.libs, "--libs")
+    formats = _list(args.formats, "--formats")
+    sources = _list(args.sources, "--sources")
+    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UsageError(f"--out {args.out!r} exists and is not a directory")
+    result = run_conformance(libs, formats, sources, seed=args.seed)
+    out_dir = Path(args.out) if args.out else store.new_run_dir(Path("runs"), "conformance")
+    path = write_report(result, out_dir)
+    if args.json:
+        data = store.to_jsonable(to_json(result))
+        data["report"] = str(path)
+        print(json.dumps(data, indent=1, allow_nan=False))
+        return 0
+    for title, table in matrix_tables(result):
+        print(f"{title}\n{table}\n")
+    for lib, why in result.skipped.items():
+        print(f"skipped {lib}: {why}")
+    total = sum(c.mismatches for c in result.cells)
+    print(f"{len(result.cells)} conversions, {total} disagreements; report: {path}")
+    return 0
