@@ -2,6 +2,8 @@
 oracles: the scalar reference in Python fractions (``bits.reference.encode_scalar``) and a
 brute-force search over the enumerated values of each small format."""
 
+import itertools
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -109,9 +111,8 @@ def test_matches_enumeration_on_every_16bit_value_in_range(fmt, mode):
     xs = xs[inside]
     got = encode_exact(xs, fmt, mode)
     want = _enumeration_oracle(xs, fmt, mode)
-    # fnuz formats: results that round to zero are +0 whatever the sign.
-    got_v, want_v = decode_codes(got, fmt), decode_codes(want, fmt)
-    assert (got == want).all(), (xs[~same][:3], got[~same][:3], want[~same][:3])
+    same = got == want
+    assert same.all(), (xs[~same][:3], got[~same][:3], want[~same][:3])
 
 
 def test_e8m0_matches_enumeration_on_every_16bit_value():
@@ -135,7 +136,7 @@ def test_is_midpoint_matches_fractions():
 
     fmt = FORMATS["float8_e4m3fn"]
     values = sorted({Fraction(v) for _, v in fmt.finite_values()})
-    mids = [float((a + b) / 2) for a, b in zip(values, values[1:], strict=False)]
+    mids = [float((a + b) / 2) for a, b in itertools.pairwise(values)]
     xs = np.array(mids + [float(v) for v in values] + [mids[5] * (1 + 2**-40)])
     got = is_midpoint(xs, fmt)
     assert got[: len(mids)].all() and not got[len(mids) :].any()

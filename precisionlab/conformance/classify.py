@@ -177,7 +177,8 @@ def classify(
     assign(src_subnormal & (lib == zero_code), "subnormal-input-as-zero")
     assign(finite & lib_nan & ~ref_nan, "nan-for-number")
     subnormal_ref = (ref_val != 0) & (np.abs(ref_val) < fmt.smallest_normal)
-    assign(finite & (lib_val == 0) & subnormal_ref & (lib >= 0), "flush-to-zero")
+    # Next to the tie at half the smallest subnormal a zero is "rounded as the tie" instead.
+    assign(finite & (lib_val == 0) & subnormal_ref & (lib >= 0) & ~near_tie, "flush-to-zero")
     assign(near_tie, "near-tie")
     assign(finite & (lib_val == 0) & (lib < 0), "zero-not-in-format")
     assign(
