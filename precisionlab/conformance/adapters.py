@@ -236,7 +236,7 @@ class GfloatScalar(Gfloat):
     """gfloat's scalar ``round_float`` (pure Python + numpy), on a sample: it is slow."""
 
     name = "gfloat.round_float"
-    max_inputs = 3000
+    max_inputs = 1000
 
     def convert(self, x, fmt, claim):
         gfloat, fi, rnd, sat = self._args(fmt, claim)

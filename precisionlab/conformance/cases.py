@@ -98,11 +98,14 @@ def _midpoints(fmt: FloatFormat, values: np.ndarray) -> np.ndarray:
         step = np.ldexp(step, -fmt.mantissa_bits)
         mids = np.concatenate([mids, values + step / 2, values - step / 2])
     extra = np.array(extra)
-    # Double-rounding probes: float64 values 2^-30 (relative) off a midpoint, which float32
-    # rounding moves onto it (a float32 source cannot hold them; they are dropped there).
-    probes = np.concatenate([mids * (1 + 2.0**-30), mids * (1 - 2.0**-30)])
-    out = np.concatenate([mids, extra, -extra, probes])
+    out = np.concatenate([mids, extra, -extra])
     return out[np.isfinite(out)]
+
+
+def _probes(mids: np.ndarray) -> np.ndarray:
+    """Double-rounding probes: float64 values 2^-30 (relative) off each midpoint, which
+    float32 rounding moves onto it (a float32 source cannot hold them; they are dropped)."""
+    return np.concatenate([mids * (1 + 2.0**-30), mids * (1 - 2.0**-30)])
 
 
 def _in_source(x64: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -159,7 +162,9 @@ def edge_inputs(fmt: Format | str, source: str, *, seed: int = 0, random: int = 
     fmt = _float_format(fmt)
     dtype = SOURCES[parse_source(source)]
     values = _target_values(fmt, seed)
-    xs = _neighbours(_in_source(np.concatenate([values, _midpoints(fmt, values)]), dtype))
+    mids = _midpoints(fmt, values)
+    xs = _neighbours(_in_source(np.concatenate([values, mids]), dtype))
+    xs = np.concatenate([xs, _in_source(_probes(mids), dtype)])
     if fmt.bits <= 8:
         xs = np.concatenate([xs, _in_source(_exhaustive_16(), dtype)])
     with np.errstate(invalid="ignore"):

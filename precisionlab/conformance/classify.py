@@ -67,7 +67,9 @@ RULES: dict[str, Rule] = {
         "<mode>",
     ),
     "nan-for-number": Rule("violation", "a number converted to NaN", "<mode>"),
-    "flush-to-zero": Rule("violation", "subnormal result flushed to zero", "<mode>"),
+    "flush-to-zero": Rule(
+        "violation", "subnormal (or smallest normal) result flushed to zero", "<mode>"
+    ),
     "zero-not-in-format": Rule(
         "violation", "returned zero, which the format cannot hold", "mx-e8m0"
     ),
@@ -176,7 +178,8 @@ def classify(
     zero_code = encode_exact(np.where(xneg, -0.0, 0.0), fmt, mode, saturate=saturate)
     assign(src_subnormal & (lib == zero_code), "subnormal-input-as-zero")
     assign(finite & lib_nan & ~ref_nan, "nan-for-number")
-    subnormal_ref = (ref_val != 0) & (np.abs(ref_val) < fmt.smallest_normal)
+    # The smallest normal counts: a flush-to-zero unit also zeroes inputs that round up to it.
+    subnormal_ref = (ref_val != 0) & (np.abs(ref_val) <= fmt.smallest_normal)
     # Next to the tie at half the smallest subnormal a zero is "rounded as the tie" instead.
     assign(finite & (lib_val == 0) & subnormal_ref & (lib >= 0) & ~near_tie, "flush-to-zero")
     assign(near_tie, "near-tie")

@@ -158,8 +158,9 @@ def _check_arbiter(x64, idx, ref, fmt: FloatFormat, claim: Claim) -> int:
 
 def _pick(x64, idx) -> list[int]:
     """Up to three example indices, the pinned known cases first, then spread out."""
-    known = [i for i in idx if abs(x64[i]) in cases.KNOWN]
-    spread = [idx[j] for j in sorted({0, len(idx) // 2, len(idx) - 1})] if len(idx) else []
+    idx = np.asarray(idx)
+    known = idx[np.isin(np.abs(x64[idx]), cases.KNOWN)].tolist()
+    spread = [int(idx[j]) for j in sorted({0, len(idx) // 2, len(idx) - 1})] if len(idx) else []
     return [int(i) for i in dict.fromkeys(known + spread)][:EXAMPLES]
 
 
