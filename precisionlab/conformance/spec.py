@@ -86,17 +86,12 @@ SPECS: dict[str, Spec] = {
         "paraphrase",
     ),
     "ocp8-sat": Spec(
-        f"{OFP8}, conversion from wider formats",
-        "conversions into E4M3/E5M2 come in two modes: saturating, where values beyond the "
-        "largest normal (and infinities) become the largest normal of the same sign, and "
-        "non-saturating, where they become Inf (E5M2) or NaN (E4M3, which has no Inf); both "
-        "are allowed, so the choice is the library's convention",
-        "paraphrase",
-    ),
-    "ocp8-nan": Spec(
-        f"{OFP8}, Table 1 (encodings)",
-        "E4M3 has no infinities and one NaN encoding per sign (S.1111.111); E5M2 encodes Inf "
-        "and NaN as IEEE 754 does; a NaN input converts to a NaN",
+        f"{OFP8}, Table 3 (conversion from wider formats)",
+        "conversions into E4M3/E5M2 are defined for round-to-nearest-even, in two modes: "
+        "saturating, where values beyond the largest normal and infinities become the largest "
+        "normal of the same sign, and non-saturating, where they become Inf (E5M2) or NaN "
+        "(E4M3, which has no Inf); both are allowed, so the choice is the library's "
+        "convention (as read by ml_dtypes issue #147, gfloat PR #1, riscv-isa-sim issue #2284)",
         "paraphrase",
     ),
     "mx-fp6-fp4": Spec(
