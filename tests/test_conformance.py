@@ -125,6 +125,12 @@ def test_finds_the_ties_away_error_of_gfloats_scalar_rounder():
     assert all(f.category == "undefined" for f in vectorized.findings)  # NaN only
 
 
+def test_precisionlab_codec_agrees_with_the_reference_in_every_mode():
+    result = run_conformance(["precisionlab"], ["float8_e4m3fn"], ["float32"])
+    assert len(result.cells) == 6  # every deterministic mode
+    assert all(c.mismatches == 0 for c in result.cells)
+
+
 @pytest.fixture
 def without_optional_libraries(monkeypatch):
     """Pretend gfloat and torch are not installed."""

@@ -26,7 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.epilog = _EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--libs", help=f"comma-separated (default {','.join(DEFAULT_LIBS)})")
+    parser.add_argument(
+        "--libs",
+        help=f"comma-separated (default {','.join(DEFAULT_LIBS)}); also precisionlab, this "
+        "package's own codec in every mode (compiles one program per cell: slow)",
+    )
     parser.add_argument("--formats", help="comma-separated target formats (default: all floats)")
     parser.add_argument(
         "--sources",

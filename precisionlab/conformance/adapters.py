@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from precisionlab.bits.rounding import Rounding
-from precisionlab.conformance.exact import values_to_codes
+from precisionlab.conformance.exact import MODES, values_to_codes
 from precisionlab.formats import FloatFormat, Specials
 
 __all__ = ["LIBRARIES", "Adapter", "Claim", "Output", "adapters_for"]
@@ -295,6 +295,25 @@ class Torch(Adapter):
         return Output(raw.astype(np.int64) & ((1 << fmt.bits) - 1))
 
 
+class Precisionlab(Adapter):
+    """precisionlab's own JAX codec (``bits.encode``): every deterministic mode (opt-in: it
+    compiles one program per format, source and mode)."""
+
+    lib = name = dist = "precisionlab"
+
+    def claims(self, fmt):
+        return tuple(Claim(mode) for mode in MODES)
+
+    def convert(self, x, fmt, claim):
+        import jax
+
+        from precisionlab.bits import encode
+
+        with jax.enable_x64(x.dtype == np.float64):
+            codes = np.asarray(encode(x, fmt, rounding=claim.mode))
+        return Output(codes.astype(np.int64))
+
+
 def _xla_adapters() -> list[Adapter]:
     jax = _import("jax")
     out = []
@@ -322,6 +341,7 @@ LIBRARIES: dict[str, Callable[[], list[Adapter]]] = {
     "numpy": lambda: [Numpy()],
     "gfloat": lambda: [Gfloat(), GfloatScalar()],
     "torch": _torch_adapters,
+    "precisionlab": lambda: [Precisionlab()],
 }
 
 
