@@ -23,7 +23,7 @@ import functools
 import ml_dtypes
 import numpy as np
 
-from precisionlab.conformance.exact import _float_format, decode_codes
+from precisionlab.conformance.exact import as_float_format, decode_codes
 from precisionlab.formats import FloatFormat, Format
 
 __all__ = [
@@ -58,7 +58,7 @@ _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 def source_format(source: str) -> FloatFormat:
     """The target-format description of a source type (to compare widths)."""
-    return _float_format(source)
+    return as_float_format(source)
 
 
 def parse_source(source: str) -> str:
@@ -159,7 +159,7 @@ def _dedupe(xs: np.ndarray) -> np.ndarray:
 def edge_inputs(fmt: Format | str, source: str, *, seed: int = 0, random: int = 4096) -> np.ndarray:
     """Edge-case inputs (an array of the source dtype, unique by bit pattern) for converting
     ``source`` values into ``fmt``; ``random`` random bit patterns of the source are added."""
-    fmt = _float_format(fmt)
+    fmt = as_float_format(fmt)
     dtype = SOURCES[parse_source(source)]
     values = _target_values(fmt, seed)
     mids = _midpoints(fmt, values)
@@ -181,7 +181,7 @@ def extreme_inputs(fmt: Format | str, source: str) -> np.ndarray:
     """The inputs at the ends of the target's range (zeros, half the smallest value, the
     smallest subnormal and normal, the largest value, the overflow threshold, the specials)
     and their neighbours: what a sample of the edge set must keep."""
-    fmt = _float_format(fmt)
+    fmt = as_float_format(fmt)
     dtype = SOURCES[parse_source(source)]
     ulp_max = np.ldexp(1.0, fmt.emax - fmt.mantissa_bits)
     ends = np.array(

@@ -18,7 +18,7 @@ import numpy as np
 
 from precisionlab.bits.rounding import Rounding, parse_rounding
 from precisionlab.conformance.exact import (
-    _float_format,
+    as_float_format,
     decode_codes,
     encode_exact,
     is_midpoint,
@@ -123,7 +123,7 @@ def classify(
       lib_values: what the library returned as numbers (float64), for libraries that return
         values rather than codes; by default the codes' values.
     """
-    fmt = _float_format(fmt)
+    fmt = as_float_format(fmt)
     mode = parse_rounding(rounding)
     x = np.asarray(x, dtype=np.float64)
     lib = np.asarray(lib_codes, dtype=np.int64)
@@ -173,7 +173,7 @@ def classify(
     assign(overflow & (lib == sat), "overflow-saturated-fp8" if fp8 else "overflow-saturated")
 
     a = np.abs(x)
-    source_fmt = _float_format(source)
+    source_fmt = as_float_format(source)
     src_subnormal = finite & (a < source_fmt.smallest_normal)
     zero_code = encode_exact(np.where(xneg, -0.0, 0.0), fmt, mode, saturate=saturate)
     assign(src_subnormal & (lib == zero_code), "subnormal-input-as-zero")

@@ -28,6 +28,7 @@ from precisionlab.formats import FloatFormat, Format, Specials, get_format
 
 __all__ = [
     "MODES",
+    "as_float_format",
     "decode_codes",
     "encode_exact",
     "is_midpoint",
@@ -47,7 +48,8 @@ MODES: tuple[Rounding, ...] = (
 )
 
 
-def _float_format(fmt: Format | str) -> FloatFormat:
+def as_float_format(fmt: Format | str) -> FloatFormat:
+    """The float format named by ``fmt``; ``ValueError`` for integer formats."""
     fmt = get_format(fmt)
     if not isinstance(fmt, FloatFormat):
         raise ValueError(f"conformance covers float formats; {fmt.name} is an integer format")
@@ -75,7 +77,7 @@ def encode_exact(
       rounding: any deterministic mode of :data:`MODES`.
       saturate: map out-of-range values and +-inf to +-max, as ``encode_scalar``.
     """
-    fmt = _float_format(fmt)
+    fmt = as_float_format(fmt)
     mode = parse_rounding(rounding)
     if mode not in MODES:
         raise ValueError(f"the exact reference takes {', '.join(MODES)}; got {mode.value!r}")
@@ -160,7 +162,7 @@ def is_midpoint(x, fmt: Format | str) -> np.ndarray:
     ``fmt`` (with unbounded exponent range, so ``max + ulp(max)/2`` counts), as float64-exact
     as :func:`encode_exact`. Values below the smallest value of a format without zero are not
     midpoints (they have no lower neighbour)."""
-    fmt = _float_format(fmt)
+    fmt = as_float_format(fmt)
     x = np.asarray(x, dtype=np.float64)
     a = np.abs(x)
     finite = np.isfinite(a) & (a != 0)
@@ -182,7 +184,7 @@ def _value_table(fmt: FloatFormat) -> np.ndarray:
 def decode_codes(codes, fmt: Format | str) -> np.ndarray:
     """Exact float64 values of codes (a table for formats of 16 bits or fewer; float32 and
     float64 by bit views). Code -1 (no code) decodes to NaN."""
-    fmt = _float_format(fmt)
+    fmt = as_float_format(fmt)
     codes = np.asarray(codes, dtype=np.int64)
     bad = codes < 0
     safe = np.where(bad, 0, codes)
@@ -200,7 +202,7 @@ def decode_codes(codes, fmt: Format | str) -> np.ndarray:
 
 def is_nan_code(codes, fmt: Format | str) -> np.ndarray:
     """Whether each code (int64, -1 = no code) is a NaN of ``fmt``."""
-    fmt = _float_format(fmt)
+    fmt = as_float_format(fmt)
     codes = np.asarray(codes, dtype=np.int64)
     return (codes >= 0) & np.isnan(decode_codes(codes, fmt))
 
@@ -208,7 +210,7 @@ def is_nan_code(codes, fmt: Format | str) -> np.ndarray:
 def values_to_codes(values, fmt: Format | str) -> np.ndarray:
     """Codes of values that are exactly values of ``fmt``; -1 where a value is not one (a
     library returned something the format cannot hold, e.g. NaN into FP4)."""
-    fmt = _float_format(fmt)
+    fmt = as_float_format(fmt)
     values = np.asarray(values, dtype=np.float64)
     codes = encode_exact(values, fmt, Rounding.TOWARD_ZERO)
     back = decode_codes(codes, fmt)

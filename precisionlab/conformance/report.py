@@ -105,6 +105,14 @@ def markdown(result: Result) -> str:
     if result.skipped:
         lines += ["", "## Skipped", ""]
         lines += [f"- {lib}: {why}" for lib, why in result.skipped.items()]
+    if result.unsupported:
+        lines += ["", "## Not supported", ""]
+        for lib, why in result.unsupported.items():
+            by_reason: dict[str, list[str]] = {}
+            for what, reason in why.items():
+                by_reason.setdefault(reason, []).append(what)
+            for reason, whats in by_reason.items():
+                lines.append(f"- {lib}: {', '.join(whats)}: {reason}")
     lines += ["", "## Disagreements", ""]
     used_specs: list[str] = []
     for cell in result.cells:

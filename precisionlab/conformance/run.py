@@ -11,10 +11,10 @@ import numpy as np
 
 from precisionlab.bits.reference import encode_scalar
 from precisionlab.conformance import cases
-from precisionlab.conformance.adapters import Adapter, Claim, adapters_for
+from precisionlab.conformance.adapters import Adapter, Claim, Unsupported, adapters_for
 from precisionlab.conformance.classify import RULES, classify, rule_spec
 from precisionlab.conformance.exact import (
-    _float_format,
+    as_float_format,
     decode_codes,
     encode_exact,
     is_nan_code,
@@ -273,7 +273,7 @@ def run_conformance(
     """
     start = time.perf_counter()
     adapters = adapters_for(list(libs or DEFAULT_LIBS))
-    fmts = [_float_format(f) for f in (formats or default_formats())]
+    fmts = [as_float_format(f) for f in (formats or default_formats())]
     srcs = [cases.parse_source(s) for s in (sources or DEFAULT_SOURCES)]
     for f in fmts:
         if f.bits >= 64:
@@ -294,10 +294,13 @@ def run_conformance(
                 if why is not None:
                     unsupported.setdefault(adapter.name, {})[f"{fmt.name} from {source}"] = why
                     continue
-                for claim in adapter.claims(fmt):
-                    cell, n = _run_cell(adapter, fmt, source, claim, seed, random, confirm)
-                    cells.append(cell)
-                    checked += n
+                try:
+                    for claim in adapter.claims(fmt):
+                        cell, n = _run_cell(adapter, fmt, source, claim, seed, random, confirm)
+                        cells.append(cell)
+                        checked += n
+                except Unsupported as err:
+                    unsupported.setdefault(adapter.name, {})[f"{fmt.name} from {source}"] = str(err)
     _reference.cache_clear()
     _inputs.cache_clear()
     return Result(
