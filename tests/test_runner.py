@@ -34,9 +34,9 @@ name = "last"
 """
 
 
-def fake_run_unit(params, unit_dir, *, on_step, on_hist, resume, quiet, label):
+def fake_run_unit(cfg, unit_dir, *, on_step, on_hist, resume, quiet, label, hooks=()):
     """A stand-in trainer: a decreasing loss; 'boom' raises at step 5, 'nan' diverges."""
-    for step in range(1, params["steps"] + 1):
+    for step in range(1, cfg.steps + 1):
         if label == "boom" and step == 5:
             raise RuntimeError("the boom variant broke")
         loss = float("nan") if label == "nan" and step >= 10 else 2.0 / step
@@ -244,7 +244,7 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(tmp_path, sig):
     params = config["resolved"]["units"][1]["params"]
     ref: list[dict] = []
     train_kind.run_unit(
-        {**params, "checkpoint_interval": 0},
+        train_kind.config({**params, "checkpoint_interval": 0}, "ref"),
         tmp_path / "ref",
         on_step=ref.append,
         on_hist=lambda _h: None,
@@ -275,7 +275,7 @@ def test_other_kinds_run_through_the_runner(tmp_path, monkeypatch):
 
     module.run = run
     monkeypatch.setitem(sys.modules, "fake_kind", module)
-    monkeypatch.setitem(kinds.KINDS, "fake", "fake_kind")
+    monkeypatch.setitem(kinds.KINDS, "fake", module)
     path = tmp_path / "f.toml"
     path.write_text('kind = "fake"\n[fake]\nn = 3\n')
     run_dir = runner.run_file(path, out=tmp_path / "ok", quiet=True)

@@ -82,11 +82,23 @@ Low level (any user model):
 from precisionlab.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from precisionlab.train.config import DIVERGENCE_ACTIONS, UPDATE_ROUNDINGS, TrainConfig, TrainResult
 from precisionlab.train.data import DATASETS, Dataset, make_data
-from precisionlab.train.loop import build, evaluate, make_eval_fn, train, train_loop
+from precisionlab.train.loop import (
+    Aggregates,
+    Hook,
+    LoopOptions,
+    ProgressHook,
+    StepEnd,
+    TrainSetup,
+    build,
+    evaluate,
+    make_eval_fn,
+    train,
+    train_loop,
+)
 from precisionlab.train.meters import log2_histogram, shadow_stats, underflow_fraction
 from precisionlab.train.models import MODELS, Model, make_model
 from precisionlab.train.optim import OPTIMIZERS, SCHEDULES, make_optimizer
-from precisionlab.train.step import TrainState, make_train_step
+from precisionlab.train.step import StepOptions, TrainState, TrainStep, build_step, make_train_step
 
 __all__ = [
     "DATASETS",
@@ -95,12 +107,21 @@ __all__ = [
     "OPTIMIZERS",
     "SCHEDULES",
     "UPDATE_ROUNDINGS",
+    "Aggregates",
     "Dataset",
+    "Hook",
+    "LoopOptions",
     "Model",
+    "ProgressHook",
+    "StepEnd",
+    "StepOptions",
     "TrainConfig",
     "TrainResult",
+    "TrainSetup",
     "TrainState",
+    "TrainStep",
     "build",
+    "build_step",
     "evaluate",
     "latest_checkpoint",
     "load_checkpoint",
