@@ -222,3 +222,22 @@ def test_cli_reports_config_errors_in_one_line(tmp_path, capsys):
     assert main(["run", str(path), "--resume", str(tmp_path)]) == 2
     assert main(["run", "--resume", str(tmp_path / "nothing")]) == 2
     assert "not a run directory" in capsys.readouterr().err
+
+
+def test_cli_keeps_the_traceback_of_a_bug(monkeypatch, capsys):
+    # Only errors about the user's input are one line (exit 2); a TypeError raised inside a
+    # command is a bug and must not be disguised as a usage error.
+    from precisionlab import cli
+
+    def buggy(args):
+        raise TypeError("unsupported operand type(s) for +: 'int' and 'str'")
+
+    def bad_input(args):
+        raise ValueError("bad value 'x'; allowed: a, b")
+
+    monkeypatch.setattr(cli.COMMANDS["env"], "run", buggy)
+    with pytest.raises(TypeError, match="unsupported operand"):
+        cli.main(["env"])
+    monkeypatch.setattr(cli.COMMANDS["env"], "run", bad_input)
+    assert cli.main(["env"]) == 2
+    assert capsys.readouterr().err == "precisionlab env: error: bad value 'x'; allowed: a, b\n"

@@ -186,3 +186,25 @@ def test_static_float16_inf_rejected():
 def test_a_loss_scale_beyond_float_range_is_a_clear_error():
     with pytest.raises(ValueError, match="too large"):
         parse_loss_scale("static:2**2000")
+
+
+@pytest.mark.parametrize(
+    "scale",
+    [jnp.asarray(-4.0), jnp.asarray(jnp.inf), np.float32(-1.0), np.asarray(np.nan),
+     jnp.asarray(0.0), jnp.ones(2), True],
+)  # fmt: skip
+def test_static_scale_arrays_are_checked_like_numbers(scale):
+    # Issue 10: a negative or infinite scale given as an array used to be accepted.
+    with pytest.raises(ValueError, match="static loss scale must be"):
+        StaticLossScale(scale)
+
+
+def test_static_scale_may_still_be_built_inside_jit():
+    out = jax.jit(lambda s: StaticLossScale(s).scale(jnp.float32(3.0)))(jnp.float32(4.0))
+    assert float(out) == 12.0
+
+
+@pytest.mark.parametrize("interval", [True, False, 0, -1, 2.0])
+def test_growth_interval_must_be_an_int_not_a_bool(interval):
+    with pytest.raises(ValueError, match="growth_interval must be an int >= 1"):
+        DynamicLossScale(growth_interval=interval)

@@ -34,10 +34,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from precisionlab._text import UsageError, split_list, table
 from precisionlab.bench._timing import copy_kernel, time_call, time_interleaved, xla_copy_kernel
 from precisionlab.bits import decode, encode
-from precisionlab.cli._common import UsageError, split_list
-from precisionlab.cli._render import table
 from precisionlab.formats import FloatFormat, Format, IntFormat, get_format
 
 HELP = "encode/decode throughput vs ml_dtypes and gfloat, as ratios and % of copy bandwidth"

@@ -35,9 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from precisionlab._text import UsageError, table
 from precisionlab.bench._timing import time_interleaved
-from precisionlab.cli._common import UsageError
-from precisionlab.cli._render import table
 from precisionlab.mixed import get_policy
 from precisionlab.train import make_data, make_model, make_train_step
 

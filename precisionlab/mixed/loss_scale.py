@@ -119,10 +119,13 @@ class StaticLossScale(LossScale):
 
     def __init__(self, loss_scale: Any, dtype: Any = jnp.float32):
         dtype = _scale_dtype(dtype)
-        if not isinstance(loss_scale, jax.Array | jax.core.Tracer):
-            value = float(np.asarray(loss_scale))
+        # Check every concrete value (numbers and arrays alike); only a traced scale, built
+        # inside jit, cannot be checked here.
+        if not isinstance(loss_scale, jax.core.Tracer):
+            if isinstance(loss_scale, bool) or np.ndim(loss_scale) != 0:
+                raise ValueError(f"static loss scale must be a scalar number, got {loss_scale!r}")
             with np.errstate(over="ignore"):
-                cast = float(np.asarray(value, dtype))
+                cast = float(np.asarray(loss_scale).astype(dtype))
             if not (math.isfinite(cast) and cast > 0):
                 raise ValueError(
                     f"static loss scale must be finite and > 0 in {dtype.name}, got {loss_scale!r}"
@@ -178,7 +181,11 @@ class DynamicLossScale(LossScale):
             raise ValueError(f"growth_factor must be > 1, got {growth_factor!r}")
         if not 0.0 < float(backoff_factor) < 1.0:
             raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
-        if not isinstance(growth_interval, int | np.integer) or int(growth_interval) < 1:
+        if (
+            isinstance(growth_interval, bool)
+            or not isinstance(growth_interval, int | np.integer)
+            or int(growth_interval) < 1
+        ):
             raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
         for name, value in (("min_scale", min_scale), ("max_scale", max_scale)):
             if value is not None and not (math.isfinite(float(value)) and float(value) > 0):

@@ -1,0 +1,88 @@
+"""The trainer's loop pieces: recorded lr after skipped steps, aggregates, hooks, progress."""
+
+import dataclasses
+import math
+
+import optax
+import pytest
+
+from precisionlab._schema import Field
+from precisionlab.train import Aggregates, StepOptions, TrainConfig, build_step, models, train
+from precisionlab.train.config import TRAIN_FIELDS
+
+SMALL = {"model_kwargs": {"width": 16}, "batch_size": 32, "eval_batches": 1}
+
+
+def test_recorded_lr_is_the_rate_applied_after_skipped_steps():
+    # A float16 gradient scaled by 2^24 overflows: the first steps are skipped while the
+    # dynamic scale backs off. optax counts applied updates only, so the lr of a linear decay
+    # must not advance on skipped steps (it used to be reported as schedule(step - 1)).
+    lr, steps = 1e-2, 8
+    cfg = TrainConfig(
+        **SMALL, steps=steps, lr=lr, schedule="linear", policy="p=f32,c=f16,o=f32",
+        loss_scale="dynamic", loss_scale_kwargs={"init_scale": 2.0**24, "backoff_factor": 2.0**-4},
+    )  # fmt: skip
+    result = train(cfg)
+    skipped = [m["skipped"] for m in result.metrics]
+    assert skipped[0] and not all(skipped), skipped
+    oracle = optax.linear_schedule(lr, 0.0, steps)  # independent of the trainer's schedule
+    applied = 0
+    for m in result.metrics:
+        assert m["lr"] == pytest.approx(float(oracle(applied)), rel=1e-6), (m["step"], applied)
+        applied += not m["skipped"]
+
+
+def test_aggregates_update_is_pure_and_marks_divergence_once():
+    a0 = Aggregates()
+    rec = {"loss": 2.0, "skipped": False, "loss_scale": 4.0, "underflow_fraction": 0.5}
+    a1 = a0.update(1, rec, divergence_k=None)
+    assert a0 == Aggregates()  # unchanged
+    assert (a1.final_loss, a1.running_min, a1.min_loss_scale, a1.underflow_sum) == (2, 2, 4, 0.5)
+    a2 = a1.update(2, {**rec, "loss": math.nan, "skipped": True}, None)
+    a3 = a2.update(3, {**rec, "loss": math.inf}, None)
+    assert (a2.diverged, a2.divergence_step, a3.divergence_step) == (True, 2, 2)
+    assert a3.skipped_steps == 1 and a3.running_min == 2.0
+    assert Aggregates.from_dict(a3.to_dict()) == a3
+
+
+def test_step_options_take_typed_objects_and_the_mesh_is_returned():
+    with pytest.raises(TypeError, match=r"policy must be a Policy.*StepOptions\.parse"):
+        StepOptions(policy="p=f32,c=bf16,o=f32")
+    options = StepOptions.parse(policy="p=f32,c=bf16,o=f32", loss_scale="dynamic")
+    assert options.skips and str(options.policy) == "p=f32,c=bf16,o=f32"
+
+    def loss_fn(params, batch):
+        return (params["w"] * batch).sum()
+
+    import jax.numpy as jnp
+
+    step = build_step(loss_fn, {"w": jnp.ones(3)}, optax.sgd(0.1), options)
+    assert step.mesh is None and not hasattr(step.fn, "mesh")
+
+
+def test_a_model_declares_the_data_it_reads(monkeypatch):
+    # A new model registered with its data kind is checked when the config is made, not with a
+    # KeyError when the run is built.
+    class Lm(models.MLP):
+        data_kind = "lm"
+
+    monkeypatch.setitem(models._BUILDERS, "lm-mlp", Lm)
+    field = TRAIN_FIELDS["model"]
+    monkeypatch.setitem(
+        TRAIN_FIELDS, "model", dataclasses.replace(field, choices=(*field.choices, "lm-mlp"))
+    )
+    with pytest.raises(ValueError, match=r"model .lm-mlp. needs a lm dataset.*allowed: markov"):
+        TrainConfig(model="lm-mlp", data="teacher")
+
+    class Undeclared(models.MLP):
+        data_kind = ""
+
+    monkeypatch.setitem(models._BUILDERS, "lm-mlp", Undeclared)
+    with pytest.raises(ValueError, match="does not declare the data_kind"):
+        TrainConfig(model="lm-mlp", data="teacher")
+    assert isinstance(field, Field)
+
+
+def test_one_loss_knob():
+    with pytest.raises(ValueError, match="loss_multiplier"):
+        models.make_model("mlp", loss_multiplier=2.0)
