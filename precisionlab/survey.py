@@ -13,17 +13,16 @@ per row as it is produced), ``summary.txt`` and plots into the output folder.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import pathlib
-import tempfile
 from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from precisionlab import _io
 from precisionlab.bits import ROUNDING_MODES, parse_rounding
 from precisionlab.formats import FloatFormat, get_format
 from precisionlab.metrics import error_report, format_table
@@ -364,11 +363,7 @@ def execute(
     return rows
 
 
-def _atomic_write(path: pathlib.Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+_atomic_write = _io.write_text
 
 
 def run(section: dict, out_dir: pathlib.Path, *, quiet: bool = False) -> dict:
@@ -382,11 +377,10 @@ def run(section: dict, out_dir: pathlib.Path, *, quiet: bool = False) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     hists: dict = {}
     rows_path = out_dir / "rows.jsonl"
-    with rows_path.open("w") as f:  # a rerun recomputes every row (seeded)
+    with _io.JsonlWriter(rows_path, "w") as f:  # a rerun recomputes every row (seeded)
 
         def write(row: dict) -> None:
-            f.write(json.dumps(row, allow_nan=True) + "\n")
-            f.flush()
+            f.write(row)  # strict JSON: a non-finite value is the string "nan"/"inf"
             if not quiet:
                 print(
                     f"{row['input']:>20}  {row['format']:<12} SQNR {row['sqnr_db']:8.2f} dB",

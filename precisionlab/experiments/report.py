@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from precisionlab import _io
 from precisionlab._text import fmt_value
 from precisionlab.experiments import store
 
@@ -240,10 +241,4 @@ def _short(value: Any) -> str:
 
 
 def _write_text(path: Path, text: str) -> None:
-    import os
-    import tempfile
-
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text if text.endswith("\n") else text + "\n")
-    os.replace(tmp, path)
+    _io.write_text(path, text if text.endswith("\n") else text + "\n")

@@ -26,13 +26,11 @@ this machine, so the price of checkpointing (recompute) sits beside what it save
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from precisionlab import _io
 from precisionlab.memory.estimate import (
     OPTIMIZERS,
     TrainSetup,
@@ -146,28 +144,17 @@ def validate(section: dict, where: str) -> dict:
 
 
 def _write_json(path: Path, data: Any) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    _io.write_json(path, data)
 
 
 class _Rows:
     """Append-and-flush JSONL writer."""
 
     def __init__(self, path: Path) -> None:
-        self.file = path.open("a", encoding="utf-8")
+        self.file = _io.JsonlWriter(path)
 
     def write(self, row: dict[str, Any]) -> None:
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        self.file.write(row)
 
     def close(self) -> None:
         self.file.close()

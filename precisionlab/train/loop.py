@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from precisionlab._io import from_json_float
 from precisionlab.mixed.loss_scale import nonfinite_leaf_names
 from precisionlab.mixed.policy import Policy, cast_floating, get_policy
 from precisionlab.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -134,9 +135,17 @@ class Aggregates:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Aggregates:
+        """Inverse of :meth:`to_dict`, also after a JSON round trip (non-finite floats are
+        stored as strings, see :mod:`precisionlab._io`)."""
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in data.items() if k in names}
-        kw["evals"] = tuple(kw.get("evals", ()))
+        for key in ("running_min", "min_loss_scale", "max_loss_scale", "final_loss"):
+            if key in kw:
+                kw[key] = from_json_float(kw[key])
+        kw["evals"] = tuple(
+            {k: v if k == "step" else from_json_float(v) for k, v in ev.items()}
+            for ev in kw.get("evals", ())
+        )
         return cls(**kw)
 
 
