@@ -208,3 +208,23 @@ def test_static_scale_may_still_be_built_inside_jit():
 def test_growth_interval_must_be_an_int_not_a_bool(interval):
     with pytest.raises(ValueError, match="growth_interval must be an int >= 1"):
         DynamicLossScale(growth_interval=interval)
+
+
+def test_loss_scales_are_registered_dataclasses_whose_fields_all_round_trip():
+    import dataclasses
+
+    s = DynamicLossScale(8.0, growth_interval=3, min_scale=None, max_scale=64.0)
+    leaves, treedef = jax.tree_util.tree_flatten(s)
+    assert len(leaves) == 2  # loss_scale and counter; every other field is static
+    t = jax.tree_util.tree_unflatten(treedef, leaves)
+    for field in dataclasses.fields(DynamicLossScale):
+        assert getattr(t, field.name) is getattr(s, field.name) or field.name in (
+            "loss_scale", "counter"
+        )  # fmt: skip
+    # A rebuilt state is not re-checked: a scale that collapsed to 0 survives jit.
+    z = s
+    for _ in range(200):
+        z = z.adjust(jnp.asarray(False))
+    assert float(z.loss_scale) == 0.0
+    assert float(jax.jit(lambda x: x)(z).loss_scale) == 0.0
+    assert jax.tree_util.tree_map(lambda x: None, StaticLossScale(2.0)).loss_scale is None
