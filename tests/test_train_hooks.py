@@ -67,10 +67,12 @@ def test_a_model_declares_the_data_it_reads(monkeypatch):
         data_kind = "lm"
 
     monkeypatch.setitem(models._BUILDERS, "lm-mlp", Lm)
+    from precisionlab.train import config
+
     field = TRAIN_FIELDS["model"]
-    monkeypatch.setitem(
-        TRAIN_FIELDS, "model", dataclasses.replace(field, choices=(*field.choices, "lm-mlp"))
-    )
+    wider = dataclasses.replace(field, choices=(*field.choices, "lm-mlp"))
+    monkeypatch.setitem(TRAIN_FIELDS, "model", wider)
+    monkeypatch.setitem(config._TYPES_ONLY, "model", wider)
     with pytest.raises(ValueError, match=r"model .lm-mlp. needs a lm dataset.*allowed: markov"):
         TrainConfig(model="lm-mlp", data="teacher")
 
@@ -86,3 +88,42 @@ def test_a_model_declares_the_data_it_reads(monkeypatch):
 def test_one_loss_knob():
     with pytest.raises(ValueError, match="loss_multiplier"):
         models.make_model("mlp", loss_multiplier=2.0)
+
+
+def test_a_config_is_parsed_once_and_training_parses_no_strings():
+    # Policy and loss-scale strings used to be parsed three times before training and the inner
+    # layers re-normalised them (nine entries into mixed/policy.py). Now the config parses each
+    # once, when it is made, and everything below takes the typed objects.
+    import sys
+    from collections import Counter
+
+    from precisionlab.mixed import loss_scale as ls_mod
+    from precisionlab.mixed import policy as pol_mod
+
+    codes = {
+        pol_mod.get_policy.__code__: "get_policy",
+        pol_mod.parse_dtype.__code__: "parse_dtype",
+        ls_mod.parse_loss_scale.__code__: "parse_loss_scale",
+    }
+    calls: Counter = Counter()
+
+    def profile(frame, event, arg):
+        name = codes.get(frame.f_code) if event == "call" else None
+        if name is not None:
+            first = frame.f_locals.get("spec", frame.f_locals.get("value"))
+            if isinstance(first, str):
+                calls[name] += 1
+
+    sys.setprofile(profile)
+    try:
+        cfg = TrainConfig(
+            **SMALL, steps=1, policy="p=f32,c=bf16,o=f32", loss_scale="dynamic",
+            grads_dtype="bfloat16",
+        )  # fmt: skip
+        made = dict(calls)
+        calls.clear()
+        train(cfg)
+    finally:
+        sys.setprofile(None)
+    assert made["get_policy"] == 1 and made["parse_loss_scale"] == 1, made
+    assert dict(calls) == {}, calls

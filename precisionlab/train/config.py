@@ -110,6 +110,14 @@ TRAIN_FIELDS: dict[str, Field] = {
 }
 
 
+#: The same fields without the parsing checks: a TrainConfig parses its policy, loss scale and
+#: dtype names once, into :class:`Precision` (the checks in TRAIN_FIELDS serve the experiment
+#: files' grids and overrides, validated before any config is made).
+_TYPES_ONLY: dict[str, Field] = {
+    k: dataclasses.replace(f, check=None) for k, f in TRAIN_FIELDS.items()
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Precision:
     """The precision objects a TrainConfig names, parsed once (when the config is made).
@@ -211,7 +219,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         # The one validation of a config: every field against TRAIN_FIELDS, then the rules that
         # join fields; the precision objects are parsed here once and kept (``.precision``).
-        for name, field in TRAIN_FIELDS.items():
+        for name, field in _TYPES_ONLY.items():
             value = getattr(self, name)
             if name == "fp32_ops" and isinstance(value, tuple):
                 value = list(value)
@@ -232,27 +240,33 @@ class TrainConfig:
             )
         fields = OPTIMIZER_FIELDS[self.optimizer]
         validate_table(self.optimizer_kwargs, fields, "optimizer_kwargs", defaults=False)
-        try:
-            loss_scale = parse_loss_scale(self.loss_scale, **self.loss_scale_kwargs)
-        except (ValueError, TypeError) as err:
-            raise ConfigError(f"loss_scale_kwargs: {err}") from None
-        try:
-            storage = Storage(
-                params=self.params_dtype,
-                grads=self.grads_dtype,
-                opt_state=self.opt_state_dtype,
-                update=self.update_rounding,
-            )
-        except (ValueError, TypeError) as err:
-            raise ConfigError(f"opt_state_dtype: {err}") from None
-        red = np.float32 if self.allreduce_dtype is None else parse_dtype(self.allreduce_dtype)
-        precision = Precision(
-            policy=get_policy(self.policy, fp32_ops=self.fp32_ops),
-            loss_scale=loss_scale,
-            storage=storage,
-            allreduce_dtype=np.dtype(red),
+        object.__setattr__(self, "_precision", self._parse_precision())
+
+    def _parse_precision(self) -> Precision:
+        def parse(key: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except (ValueError, TypeError) as err:
+                raise ConfigError(f"{key}: {str(err).splitlines()[0]}") from None
+
+        for key in ("params_dtype", "grads_dtype", "allreduce_dtype"):
+            if getattr(self, key) is not None:
+                parse(key, parse_dtype, getattr(self, key))
+        policy = parse("policy", get_policy, self.policy, fp32_ops=self.fp32_ops)
+        key = "loss_scale_kwargs" if self.loss_scale_kwargs else "loss_scale"
+        loss_scale = parse(key, parse_loss_scale, self.loss_scale, **self.loss_scale_kwargs)
+        storage = parse(
+            "opt_state_dtype",
+            Storage,
+            params=self.params_dtype,
+            grads=self.grads_dtype,
+            opt_state=self.opt_state_dtype,
+            update=self.update_rounding,
         )
-        object.__setattr__(self, "_precision", precision)
+        red = np.float32 if self.allreduce_dtype is None else parse_dtype(self.allreduce_dtype)
+        return Precision(
+            policy=policy, loss_scale=loss_scale, storage=storage, allreduce_dtype=np.dtype(red)
+        )
 
     @property
     def precision(self) -> Precision:
@@ -263,7 +277,7 @@ class TrainConfig:
     def from_dict(cls, table: dict[str, Any], where: str = "train") -> TrainConfig:
         """Build from a TOML-like dict; an unknown key or bad value raises ValueError (a
         :class:`~precisionlab._schema.ConfigError`) naming ``where.key``."""
-        values = validate_table(table, TRAIN_FIELDS, where, defaults=False)
+        values = validate_table(table, _TYPES_ONLY, where, defaults=False)
         if values.get("fp32_ops") is not None:
             values["fp32_ops"] = tuple(values["fp32_ops"])
         try:

@@ -281,8 +281,8 @@ def build_step(
     if not isinstance(opts, StepOptions):
         raise TypeError(f"options must be a StepOptions, got {type(opts).__name__}")
     pol, store = opts.policy, opts.storage
-    grads_dtype = np.dtype(store.grads)
-    opt = store_opt_state(optimizer, store.opt_state)
+    grads_dtype = store.grads_dtype
+    opt = store_opt_state(optimizer, store.opt_state_dtype)
     params_stored = cast_floating(params, store.param_dtype(pol.param_dtype))
     state = TrainState(
         step=jnp.zeros((), jnp.int32),
