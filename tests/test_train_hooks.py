@@ -127,3 +127,14 @@ def test_a_config_is_parsed_once_and_training_parses_no_strings():
         sys.setprofile(None)
     assert made["get_policy"] == 1 and made["parse_loss_scale"] == 1, made
     assert dict(calls) == {}, calls
+
+
+def test_the_field_table_declares_every_config_field_with_its_default():
+    # The [train] schema is a declared table, not derived from annotation strings: it must
+    # list every TrainConfig field, with the dataclass's own default.
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    assert list(TRAIN_FIELDS) == list(fields)
+    for name, f in fields.items():
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        assert TRAIN_FIELDS[name].default == default, name
+    assert TrainConfig().to_dict() == {k: v.default for k, v in TRAIN_FIELDS.items()}
