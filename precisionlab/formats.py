@@ -405,6 +405,7 @@ ALIASES: dict[str, str] = {
     "fp32": "float32",
     "f32": "float32",
     "single": "float32",
+    "full": "float32",
     "float": "float32",
     "e8m10": "tf32",
     "fp16": "float16",
@@ -417,8 +418,10 @@ ALIASES: dict[str, str] = {
     "e4m3fn": "float8_e4m3fn",
     "fp8_e4m3": "float8_e4m3fn",
     "fp8_e4m3fn": "float8_e4m3fn",
+    "f8e4m3": "float8_e4m3fn",
     "e5m2": "float8_e5m2",
     "fp8_e5m2": "float8_e5m2",
+    "f8e5m2": "float8_e5m2",
     "e4m3fnuz": "float8_e4m3fnuz",
     "fp8_e4m3fnuz": "float8_e4m3fnuz",
     "e5m2fnuz": "float8_e5m2fnuz",
@@ -430,14 +433,11 @@ ALIASES: dict[str, str] = {
     "e8m0fnu": "float8_e8m0fnu",
     "fp8_e8m0": "float8_e8m0fnu",
     "e2m3": "float6_e2m3fn",
-    "e2m3fn": "float6_e2m3fn",
     "fp6_e2m3": "float6_e2m3fn",
     "e3m2": "float6_e3m2fn",
-    "e3m2fn": "float6_e3m2fn",
     "fp6_e3m2": "float6_e3m2fn",
     "fp4": "float4_e2m1fn",
     "e2m1": "float4_e2m1fn",
-    "e2m1fn": "float4_e2m1fn",
     "fp4_e2m1": "float4_e2m1fn",
     "i8": "int8",
     "u8": "uint8",
@@ -446,7 +446,25 @@ ALIASES: dict[str, str] = {
     "i2": "int2",
 }
 
-_CUSTOM = re.compile(r"^e(\d+)m(\d+)(?:b(-?\d+))?(fn|fnuz|fnu)?$")
+_CUSTOM = re.compile(r"^e(\d+)m(\d+)(?:b(-?\d+))?(ieee|fn|fnuz|fnu|none)?$")
+
+#: ml_dtypes names whose ``fn`` ("finite": no inf, and here no NaN either) is not the spec
+#: grammar's ``fn`` (NaN at the all-ones code): refused as ambiguous, with what to write instead.
+_AMBIGUOUS: dict[str, str] = {
+    "e2m3fn": "float6_e2m3fn",
+    "e3m2fn": "float6_e3m2fn",
+    "e2m1fn": "float4_e2m1fn",
+}
+
+#: Suffix of a custom spec -> (specials, signed, subnormals). No suffix means ``ieee``.
+_SUFFIXES: dict[str | None, tuple[Specials, bool, bool]] = {
+    None: (Specials.IEEE, True, True),
+    "ieee": (Specials.IEEE, True, True),
+    "fn": (Specials.FN, True, True),
+    "fnuz": (Specials.FNUZ, True, True),
+    "fnu": (Specials.FN, False, False),
+    "none": (Specials.NONE, True, True),
+}
 
 
 def format_names() -> list[str]:
@@ -455,42 +473,71 @@ def format_names() -> list[str]:
 
 
 def get_format(name: str | Format) -> Format:
-    """Look up a format by canonical name, alias, or an ``eXmY[bB][fn|fnuz]`` spec.
+    """Look up a format by canonical name, alias, or a custom ``eXmY[bB][SUFFIX]`` spec.
 
-    A spec names a custom float format: ``e3m2b5`` is 3 exponent bits, 2 mantissa bits,
-    bias 5, IEEE-style inf/NaN; a ``fn`` or ``fnuz`` suffix chooses those conventions.
+    A spec names a custom float format: ``e3m2b5ieee`` is 3 exponent bits, 2 mantissa bits,
+    bias 5, IEEE-style inf/NaN. SUFFIX is one of ``ieee`` (the default), ``fn``, ``fnuz``,
+    ``fnu`` (unsigned, no subnormals) or ``none`` (see :class:`Specials`); the bias defaults to
+    the IEEE one, 2^(e-1) - 1. A spec that is also an alias of a built-in format (``e4m3``,
+    ``e5m2fnuz``) names the built-in. Names that could mean two things are refused: a spec whose
+    name without ``bB`` is a built-in with other conventions (``e4m3b7``: ``e4m3`` is
+    float8_e4m3fn, which has no inf; write ``e4m3b7ieee`` or ``e4m3b7fn``), and ml_dtypes'
+    ``e3m2fn``, ``e2m3fn``, ``e2m1fn`` (there ``fn`` means no NaN at all; write
+    ``float6_e3m2fn`` or ``e3m2``).
     Format objects pass through unchanged.
 
     Raises:
       TypeError: if ``name`` is neither a string nor a format.
-      ValueError: if the name is unknown (the message lists the known names).
+      ValueError: if the name is unknown or ambiguous (the message says what is allowed).
     """
     if isinstance(name, FloatFormat | IntFormat):
         return name
     if not isinstance(name, str):
         raise TypeError(f"a format is a name or a FloatFormat/IntFormat, got {type(name).__name__}")
     key = name.strip().lower()
+    if key in _AMBIGUOUS:
+        raise ValueError(
+            f"format name {name!r} is ambiguous: ml_dtypes' {_AMBIGUOUS[key]} has no inf and no "
+            f"NaN, while a spec's 'fn' suffix keeps NaN codes; write {_AMBIGUOUS[key]} "
+            f"(or {key[:-2]}) for the built-in, or {key[:-2]}b{{BIAS}}fn for NaN codes"
+        )
     key = ALIASES.get(key, key)
     if key in FORMATS:
         return FORMATS[key]
     match = _CUSTOM.match(key)
     if match:
         e, m, bias, suffix = match.groups()
-        specials = {None: Specials.IEEE, "fn": FN, "fnuz": FNUZ}.get(suffix)
-        if specials is None:  # "fnu": unsigned finite, as E8M0
-            return FloatFormat(
-                name=key, exponent_bits=int(e), mantissa_bits=int(m), signed=False,
-                subnormals=False, specials=FN, bias=None if bias is None else int(bias),
-            )  # fmt: skip
-        return FloatFormat(
+        specials, signed, subnormals = _SUFFIXES[suffix]
+        fmt = FloatFormat(
             name=key,
             exponent_bits=int(e),
             mantissa_bits=int(m),
             bias=None if bias is None else int(bias),
+            signed=signed,
+            subnormals=subnormals,
             specials=specials,
         )
+        _check_unambiguous(fmt, f"e{e}m{m}{suffix or ''}", suffix)
+        return fmt
     known = ", ".join(list(FORMATS) + sorted(ALIASES))
     raise ValueError(
         f"unknown format {name!r}; known formats: {known}; "
-        "or a custom spec such as e3m2b5, e6m9, e4m3fn"
+        "or a custom spec eXmY[bB][ieee|fn|fnuz|fnu|none] such as e3m2b5ieee, e6m9, e3m4fnuz"
+    )
+
+
+def _check_unambiguous(fmt: FloatFormat, namesake: str, suffix: str | None) -> None:
+    """Refuse a custom spec whose bias-free name is a built-in with other conventions."""
+    builtin = FORMATS.get(ALIASES.get(namesake, namesake))
+    if not isinstance(builtin, FloatFormat):
+        return
+    conventions = (builtin.specials, builtin.signed, builtin.subnormals)
+    if (fmt.specials, fmt.signed, fmt.subnormals) == conventions:
+        return
+    theirs = next(k for k, v in _SUFFIXES.items() if k is not None and v == conventions)
+    base = f"e{fmt.exponent_bits}m{fmt.mantissa_bits}b{fmt.bias}"
+    raise ValueError(
+        f"format spec {fmt.name!r} is ambiguous: {namesake!r} names {builtin.name} "
+        f"(specials {theirs}), but the spec reads as specials {suffix or 'ieee'}; "
+        f"write {base}{suffix or 'ieee'} or {base}{theirs}"
     )

@@ -13,17 +13,17 @@ per row as it is produced), ``summary.txt`` and plots into the output folder.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import pathlib
-import tempfile
 from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from precisionlab import _io
+from precisionlab._schema import Field, validate_table
 from precisionlab.bits import ROUNDING_MODES, parse_rounding
 from precisionlab.formats import FloatFormat, get_format
 from precisionlab.metrics import error_report, format_table
@@ -58,6 +58,17 @@ DEFAULTS: dict = {
     "size": 65536,
     "seed": 0,
     "input": None,
+}
+#: The ``[survey]`` keys (types and ranges; names are checked by :func:`validate`).
+FIELDS: dict[str, Field] = {
+    "formats": Field(list, DEFAULT_FORMATS, item=str),
+    "dists": Field(list, DEFAULT_DISTS, item=str),
+    "granularity": Field(str, "tensor"),
+    "scale": Field(str, "auto"),
+    "rounding": Field(str, "nearest_even"),
+    "size": Field(int, 65536, low=1),
+    "seed": Field(int, 0, low=0),
+    "input": Field(str, None, nullable=True),
 }
 SUMMARY_COLUMNS = [
     "format",
@@ -276,28 +287,17 @@ def plot_survey(rows: list[dict], hists: dict, path: str | os.PathLike) -> None:
 
 
 # --- experiment kind -----------------------------------------------------------------------
-def _expect_str_list(value, where: str) -> list[str]:
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ValueError(f"{where} must be a list of strings, got {value!r}")
-    return list(value)
-
-
 def validate(section: dict, where: str = "survey") -> dict:
     """Check a ``[survey]`` table and fill in defaults (see :data:`DEFAULTS`).
 
     Raises:
       ValueError: naming ``where.key`` for an unknown key, a wrong type or an unknown name.
     """
-    if not isinstance(section, dict):
-        raise ValueError(f"{where} must be a table, got {type(section).__name__}")
-    unknown = [k for k in section if k not in DEFAULTS]
-    if unknown:
-        raise ValueError(f"{where}.{unknown[0]}: unknown key; allowed: {', '.join(DEFAULTS)}")
+    given = validate_table(section, FIELDS, where, defaults=False)
     out = {k: (list(v) if isinstance(v, list) else v) for k, v in DEFAULTS.items()}
-    if "input" in section and "dists" not in section:
+    if "input" in given and "dists" not in given:
         out["dists"] = []
-    out.update(section)
-    out["formats"] = _expect_str_list(out["formats"], f"{where}.formats")
+    out.update(given)
     if not out["formats"]:
         raise ValueError(f"{where}.formats is empty; name at least one format")
     for name in out["formats"]:
@@ -305,15 +305,11 @@ def validate(section: dict, where: str = "survey") -> dict:
             _check_format(name)
         except ValueError as err:
             raise ValueError(f"{where}.formats: {err}") from None
-    out["dists"] = _expect_str_list(out["dists"], f"{where}.dists")
     for d in out["dists"]:
         try:
             _parse_dist(d)
         except ValueError as err:
             raise ValueError(f"{where}.dists: {err}") from None
-    for k in ("granularity", "scale", "rounding"):
-        if not isinstance(out[k], str):
-            raise ValueError(f"{where}.{k} must be a string, got {out[k]!r}")
     try:
         parse_granularity(out["granularity"])
     except ValueError as err:
@@ -329,13 +325,8 @@ def validate(section: dict, where: str = "survey") -> dict:
             f"{where}.rounding: unknown mode {out['rounding']!r}; allowed: "
             + ", ".join(ROUNDING_MODES)
         ) from None
-    for k, low in (("size", 1), ("seed", 0)):
-        v = out[k]
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise ValueError(f"{where}.{k} must be an int >= {low}, got {v!r}")
-    if out["input"] is not None:
-        if not isinstance(out["input"], str) or not out["input"].endswith((".npy", ".npz")):
-            raise ValueError(f"{where}.input must be a path to a .npy or .npz file")
+    if out["input"] is not None and not out["input"].endswith((".npy", ".npz")):
+        raise ValueError(f"{where}.input must be a path to a .npy or .npz file")
     if not out["dists"] and out["input"] is None:
         raise ValueError(f"{where}: no inputs; give dists or input")
     return out
@@ -364,11 +355,7 @@ def execute(
     return rows
 
 
-def _atomic_write(path: pathlib.Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+_atomic_write = _io.write_text
 
 
 def run(section: dict, out_dir: pathlib.Path, *, quiet: bool = False) -> dict:
@@ -382,11 +369,10 @@ def run(section: dict, out_dir: pathlib.Path, *, quiet: bool = False) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     hists: dict = {}
     rows_path = out_dir / "rows.jsonl"
-    with rows_path.open("w") as f:  # a rerun recomputes every row (seeded)
+    with _io.JsonlWriter(rows_path, "w") as f:  # a rerun recomputes every row (seeded)
 
         def write(row: dict) -> None:
-            f.write(json.dumps(row, allow_nan=True) + "\n")
-            f.flush()
+            f.write(row)  # strict JSON: a non-finite value is the string "nan"/"inf"
             if not quiet:
                 print(
                     f"{row['input']:>20}  {row['format']:<12} SQNR {row['sqnr_db']:8.2f} dB",

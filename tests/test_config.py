@@ -69,7 +69,14 @@ def test_defaults_come_from_the_trainer(tmp_path):
         ("", "train.update_rounding=up", ["train.update_rounding", "stochastic", "kahan"]),
         ("", "train.model_kwargs.widht=3", ["train.model_kwargs", "widht", "width"]),
         ("", "train.optimizer_kwargs.bogus=1", ["train.optimizer_kwargs", "bogus"]),
-        ("", "train.loss_weight=-1", ["train.loss_weight", "> 0"]),
+        ("", "train.loss_weight=-1", ["train.loss_weight", "must be a finite number >= 1.4"]),
+        ("", "train.optimizer_kwargs.eps=[1,'a']", ["train.optimizer_kwargs.eps", "list"]),
+        ("", "train.optimizer_kwargs.eps=true", ["train.optimizer_kwargs.eps", "bool True"]),
+        ("", "train.optimizer_kwargs.eps=-1e-8", ["train.optimizer_kwargs.eps", ">= 0"]),
+        ("", "train.lr=inf", ["train.lr", "finite number > 0", "float32 max"]),
+        ("", "train.steps=100000000000000000000", ["train.steps", "<= 2147483647"]),
+        ("", "train.batch_size=100000000000", ["train.batch_size", "<= 16777216"]),
+        ("", "train.loss_weight=1e308", ["train.loss_weight", "3.40282347e+38", "float32 max"]),
         ("", "kind=nope", ["kind", "'nope'", "train", "survey", "memory"]),
         ("", "colour=1", ["exp.toml", "'colour'", "allowed keys"]),
         ("[[variant]]\nname='a'\nlr='x'\n", "", ["variant[0] (a).lr", "expected float"]),
@@ -179,12 +186,6 @@ def test_grid_expands_the_product_and_seeds(tmp_path):
     assert all(u.name.endswith(f" s{u.seed}") for u in exp.units)
 
 
-def test_unknown_kind_module_gives_a_clear_error(monkeypatch, tmp_path):
-    monkeypatch.setitem(kinds.KINDS, "ghost", "precisionlab.no_such_module")
-    message = error(tmp_path, 'kind = "ghost"\n[ghost]\n')
-    assert "ghost" in message and "precisionlab.no_such_module" in message
-
-
 def test_other_kinds_validate_their_own_table(monkeypatch, tmp_path):
     import sys
     import types
@@ -200,7 +201,7 @@ def test_other_kinds_validate_their_own_table(monkeypatch, tmp_path):
     module.validate = validate
     module.run = lambda section, out_dir, quiet=False: {"n": section["n"]}
     monkeypatch.setitem(sys.modules, "fake_kind", module)
-    monkeypatch.setitem(kinds.KINDS, "fake", "fake_kind")
+    monkeypatch.setitem(kinds.KINDS, "fake", module)
     exp = load(tmp_path, 'kind = "fake"\n[fake]\n', "fake.n=5")
     assert exp.resolved["fake"] == {"n": 5}
     with pytest.raises(ValueError) as info:
@@ -228,3 +229,22 @@ def test_cli_reports_config_errors_in_one_line(tmp_path, capsys):
     assert main(["run", str(path), "--resume", str(tmp_path)]) == 2
     assert main(["run", "--resume", str(tmp_path / "nothing")]) == 2
     assert "not a run directory" in capsys.readouterr().err
+
+
+def test_cli_keeps_the_traceback_of_a_bug(monkeypatch, capsys):
+    # Only errors about the user's input are one line (exit 2); a TypeError raised inside a
+    # command is a bug and must not be disguised as a usage error.
+    from precisionlab import cli
+
+    def buggy(args):
+        raise TypeError("unsupported operand type(s) for +: 'int' and 'str'")
+
+    def bad_input(args):
+        raise ValueError("bad value 'x'; allowed: a, b")
+
+    monkeypatch.setattr(cli.COMMANDS["env"], "run", buggy)
+    with pytest.raises(TypeError, match="unsupported operand"):
+        cli.main(["env"])
+    monkeypatch.setattr(cli.COMMANDS["env"], "run", bad_input)
+    assert cli.main(["env"]) == 2
+    assert capsys.readouterr().err == "precisionlab env: error: bad value 'x'; allowed: a, b\n"

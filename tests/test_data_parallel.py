@@ -13,7 +13,7 @@ SCRIPT = textwrap.dedent(
     """
     import jax, jax.numpy as jnp, numpy as np, optax
     assert jax.device_count() == 4, jax.devices()
-    from precisionlab.train import make_data, make_model, make_train_step
+    from precisionlab.train import StepOptions, build_step, make_data, make_model
     from precisionlab.train.parallel import local_mesh, shard_batch
 
     data = make_data("teacher")
@@ -22,13 +22,14 @@ SCRIPT = textwrap.dedent(
     loss_fn = model.loss_fn("p=f32,c=f32,o=f32")
 
     def run(dp, red=None, steps=3):
-        step, state = make_train_step(loss_fn, params, optax.adam(1e-2), data_parallel=dp,
-                                      allreduce_dtype=red)
+        options = StepOptions.parse(data_parallel=dp, allreduce_dtype=red)
+        step, state, mesh = build_step(loss_fn, params, optax.adam(1e-2), options)
+        assert (mesh is None) == (not dp)  # the mesh is returned, not attached to the function
         js = jax.jit(step)
         for i in range(steps):
             batch = data.batch(i, 64)
             if dp:
-                batch = shard_batch(batch, step.mesh)
+                batch = shard_batch(batch, mesh)
             state, m = js(state, batch)
         return state, m
 

@@ -103,10 +103,10 @@ def test_loss_weight_is_invisible_to_fp32_adam(tmp_path):
     }
     curves = {}
     for weight in (1.0, 2.0**-16):
-        params = train_kind.validate({**base, "loss_weight": weight}, "test")
+        config = train_kind.config({**base, "loss_weight": weight}, "test")
         rows: list[dict] = []
         result = train_kind.run_unit(
-            params,
+            config,
             tmp_path / str(weight),
             on_step=rows.append,
             on_hist=lambda _h: None,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import precisionlab as pl
-from precisionlab.formats import FORMATS, FloatFormat, IntFormat, Specials, get_format
+from precisionlab.formats import ALIASES, FORMATS, FloatFormat, IntFormat, Specials, get_format
 
 FLOATS = [f for f in FORMATS.values() if isinstance(f, FloatFormat)]
 ML_DTYPES = {
@@ -72,7 +72,7 @@ def test_textbook_properties():
 
 
 def test_custom_formats_from_bits():
-    e3m2b5 = get_format("e3m2b5")
+    e3m2b5 = get_format("e3m2b5ieee")
     assert (e3m2b5.bias, e3m2b5.specials) == (5, Specials.IEEE)
     # Largest finite: exponent field 6 (7 is inf/NaN), mantissa 11 -> 1.75 * 2**(6-5).
     assert e3m2b5.max == 1.75 * 2
@@ -139,3 +139,44 @@ def test_unsigned_ieee_format_counts_one_inf():
 def test_formats_beyond_float64_are_refused(spec):
     with pytest.raises(ValueError, match="beyond float64"):
         get_format(spec)
+
+
+@pytest.mark.parametrize(
+    "spec, specials, fmax",
+    [("e4m3b7ieee", Specials.IEEE, 240.0), ("e4m3b7fn", Specials.FN, 448.0),
+     ("e3m2b3none", Specials.NONE, 28.0), ("e3m2b3fn", Specials.FN, 24.0),
+     ("e5m2b15", Specials.IEEE, 57344.0), ("e6m9", Specials.IEEE, (2 - 2**-9) * 2.0**31)],
+)  # fmt: skip
+def test_spec_suffix_says_the_specials(spec, specials, fmax):
+    fmt = get_format(spec)
+    assert (fmt.specials, fmt.max) == (specials, fmax)
+
+
+@pytest.mark.parametrize(
+    "name, hint",
+    [("e4m3b7", "e4m3b7ieee or e4m3b7fn"), ("e3m2b5", "e3m2b5ieee or e3m2b5none"),
+     ("e2m1b1", "e2m1b1ieee or e2m1b1none"), ("e3m2fn", "float6_e3m2fn"),
+     ("e2m3fn", "float6_e2m3fn"), ("e2m1fn", "float4_e2m1fn")],
+)  # fmt: skip
+def test_names_that_could_mean_two_things_are_refused(name, hint):
+    # e4m3 is float8_e4m3fn (max 448), so e4m3b7 must not silently be the IEEE e4m3 (max 240);
+    # ml_dtypes' e3m2fn has no NaN while a spec's fn suffix keeps NaN codes.
+    with pytest.raises(ValueError, match="ambiguous") as err:
+        get_format(name)
+    assert hint in str(err.value)
+
+
+def test_every_alias_agrees_with_the_spec_grammar_or_is_not_a_spec():
+    # An alias spelled like a spec (eXmY[suffix]) names a format with the conventions the
+    # grammar gives that suffix, or is a bare eXmY (whose bias-carrying forms are then refused).
+    import re
+
+    for alias, canonical in ALIASES.items():
+        m = re.fullmatch(r"e(\d+)m(\d+)(b\d+)?(ieee|fn|fnuz|fnu|none)", alias)
+        if m is None:
+            continue
+        fmt = FORMATS[canonical]
+        spec = get_format(f"e{m[1]}m{m[2]}b{fmt.bias}{m[4]}")
+        assert (spec.specials, spec.signed, spec.subnormals, spec.bias) == (
+            fmt.specials, fmt.signed, fmt.subnormals, fmt.bias,
+        ), alias  # fmt: skip

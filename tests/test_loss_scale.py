@@ -186,3 +186,45 @@ def test_static_float16_inf_rejected():
 def test_a_loss_scale_beyond_float_range_is_a_clear_error():
     with pytest.raises(ValueError, match="too large"):
         parse_loss_scale("static:2**2000")
+
+
+@pytest.mark.parametrize(
+    "scale",
+    [jnp.asarray(-4.0), jnp.asarray(jnp.inf), np.float32(-1.0), np.asarray(np.nan),
+     jnp.asarray(0.0), jnp.ones(2), True],
+)  # fmt: skip
+def test_static_scale_arrays_are_checked_like_numbers(scale):
+    # Issue 10: a negative or infinite scale given as an array used to be accepted.
+    with pytest.raises(ValueError, match="static loss scale must be"):
+        StaticLossScale(scale)
+
+
+def test_static_scale_may_still_be_built_inside_jit():
+    out = jax.jit(lambda s: StaticLossScale(s).scale(jnp.float32(3.0)))(jnp.float32(4.0))
+    assert float(out) == 12.0
+
+
+@pytest.mark.parametrize("interval", [True, False, 0, -1, 2.0])
+def test_growth_interval_must_be_an_int_not_a_bool(interval):
+    with pytest.raises(ValueError, match="growth_interval must be an int >= 1"):
+        DynamicLossScale(growth_interval=interval)
+
+
+def test_loss_scales_are_registered_dataclasses_whose_fields_all_round_trip():
+    import dataclasses
+
+    s = DynamicLossScale(8.0, growth_interval=3, min_scale=None, max_scale=64.0)
+    leaves, treedef = jax.tree_util.tree_flatten(s)
+    assert len(leaves) == 2  # loss_scale and counter; every other field is static
+    t = jax.tree_util.tree_unflatten(treedef, leaves)
+    for field in dataclasses.fields(DynamicLossScale):
+        assert getattr(t, field.name) is getattr(s, field.name) or field.name in (
+            "loss_scale", "counter"
+        )  # fmt: skip
+    # A rebuilt state is not re-checked: a scale that collapsed to 0 survives jit.
+    z = s
+    for _ in range(200):
+        z = z.adjust(jnp.asarray(False))
+    assert float(z.loss_scale) == 0.0
+    assert float(jax.jit(lambda x: x)(z).loss_scale) == 0.0
+    assert jax.tree_util.tree_map(lambda x: None, StaticLossScale(2.0)).loss_scale is None

@@ -22,13 +22,14 @@ def test_validate_fills_defaults():
 @pytest.mark.parametrize(
     ("section", "match"),
     [
-        ({"presets": "gpt3-xl"}, r"f.toml: memory: unknown key\(s\) presets; allowed: preset"),
+        ({"presets": "gpt3-xl"}, r"f.toml: memory: unknown key 'presets'; allowed keys: preset"),
         ({"preset": "gpt3-9b"}, r"memory.preset: unknown preset 'gpt3-9b'"),
         ({"policies": ["p=f32,c=f12"]}, r"memory.policies\[0\]: .*f12"),
         ({"policies": []}, "at least one"),
         ({"batch": "8"}, r"memory.batch: expected int, got str"),
         ({"batch": True}, r"memory.batch: expected int, got bool"),
-        ({"batch": 0}, r"memory.batch: must be >= 1"),
+        ({"batch": 0}, r"memory.batch: must be an int >= 1, got 0"),
+        ({"policies": "bf16"}, r"memory.policies: expected list of str"),
         ({"optimizer": "adagrad"}, r"memory.optimizer: unknown optimizer 'adagrad'"),
         ({"preset": "gpt3-small", "checkpoint_intervals": [13]}, r"in 1..12, got 13"),
         ({"seq": -1}, "memory.seq"),

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from precisionlab.mixed import FP32_OPS, Policy, get_policy, parse_dtype
+from precisionlab.mixed.policy import DTYPE_NAMES
 
 SPECS = [
     "params=float32,compute=bfloat16,output=float32",
@@ -94,3 +95,37 @@ def test_fp32_ops_and_static_jit_argument():
 def test_a_missing_dtype_is_an_error_not_float64(value):
     with pytest.raises(TypeError, match="expected a dtype"):
         parse_dtype(value)
+
+
+@pytest.mark.parametrize(
+    "ops", [None, [], ["softmax"], ["reduce", "layer_norm"], list(FP32_OPS)]
+)  # fmt: skip
+@pytest.mark.parametrize("spec", ["p=f32,c=bf16,o=f32", "bf16", "p=f32,c=f16,o=f16", "e4m3"])
+def test_str_round_trips_exactly(spec, ops):
+    # str(policy) used to drop fp32_ops: get_policy(str(p)) != p when fp32_ops=[].
+    p = get_policy(spec, fp32_ops=ops)
+    assert get_policy(str(p)) == p
+    if ops is None or set(ops) == set(FP32_OPS):
+        assert "fp32" not in str(p)  # the default list is not written
+
+
+def test_fp32_ops_given_twice_is_an_error():
+    with pytest.raises(ValueError, match="given twice"):
+        get_policy("p=f32,c=bf16,fp32=none", fp32_ops=["softmax"])
+    with pytest.raises(ValueError, match="unknown fp32_ops"):
+        get_policy("p=f32,c=bf16,fp32=softmax+gelu")
+
+
+def test_one_table_of_dtype_names_with_the_format_catalog():
+    # formats.ALIASES and policy.DTYPE_NAMES used to disagree; now every name the catalog gives
+    # one of the policy dtypes parses to it, except jmp's device-dependent "half".
+    from precisionlab.formats import ALIASES
+    from precisionlab.mixed.policy import POLICY_DTYPES
+
+    for alias, canonical in ALIASES.items():
+        if canonical in POLICY_DTYPES and alias != "half":
+            assert parse_dtype(alias) == np.dtype(canonical), alias
+    for canonical, names in DTYPE_NAMES.items():
+        assert all(ALIASES.get(n, n) == canonical for n in names)
+    with pytest.raises(ValueError, match="ambiguous"):
+        parse_dtype("half")

@@ -385,3 +385,16 @@ def test_bad_input_dtype_raises_type_error():
         quantize(jnp.ones((4,), jnp.int32), "int8")
     with pytest.raises(TypeError, match="QArray"):
         dequantize(jnp.ones(3))
+
+
+def test_every_scale_method_listed_is_accepted_and_only_those():
+    # SCALE_METHODS is the parser's list: "auto" used to be accepted but not listed.
+    from precisionlab.quant import SCALE_METHODS
+    from precisionlab.quant._spec import _parse_scale
+
+    fmt = get_format("int8")
+    for method in SCALE_METHODS:
+        _parse_scale(method.replace("<p>", "99.9"), fmt)
+    with pytest.raises(ValueError) as err:
+        _parse_scale("median", fmt)
+    assert all(method in str(err.value) for method in SCALE_METHODS)

@@ -35,9 +35,10 @@ settings = ["two"]
 EDGES = list(range(-64, 33))
 
 
-def fake_run_unit(params, unit_dir, *, on_step, on_hist, resume, quiet, label):
+def fake_run_unit(cfg, unit_dir, *, on_step, on_hist, resume, quiet, label, hooks=()):
     if "broken" in label:
         raise ValueError("broken on purpose")
+    params = cfg.to_dict()
     scaled = params["loss_scale"] != "none"
     for step in range(1, params["steps"] + 1):
         scale = 2.0**16 / 2 ** (step // 10) if scaled else 1.0
@@ -144,9 +145,10 @@ def test_compare_side_by_side(run_dir, tmp_path):
 
 
 def test_cli_report_and_compare(run_dir, tmp_path, capsys):
-    assert main(["report", str(run_dir), "--no-plots"]) == 0
-    out = capsys.readouterr().out
-    assert "one/fp32 s0" in out and "report.md" in out
+    # The run has failed ("broken") variants: report exits 1 like run (issue 10).
+    assert main(["report", str(run_dir), "--no-plots"]) == 1
+    out, err = capsys.readouterr()
+    assert "one/fp32 s0" in out and "report.md" in out and "2 variant(s) failed" in err
     assert main(["compare", str(run_dir), str(run_dir)]) == 0
     assert "run:loss" in capsys.readouterr().out
     assert main(["report", str(tmp_path)]) == 2

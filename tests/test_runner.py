@@ -34,9 +34,9 @@ name = "last"
 """
 
 
-def fake_run_unit(params, unit_dir, *, on_step, on_hist, resume, quiet, label):
+def fake_run_unit(cfg, unit_dir, *, on_step, on_hist, resume, quiet, label, hooks=()):
     """A stand-in trainer: a decreasing loss; 'boom' raises at step 5, 'nan' diverges."""
-    for step in range(1, params["steps"] + 1):
+    for step in range(1, cfg.steps + 1):
         if label == "boom" and step == 5:
             raise RuntimeError("the boom variant broke")
         loss = float("nan") if label == "nan" and step >= 10 else 2.0 / step
@@ -244,7 +244,7 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(tmp_path, sig):
     params = config["resolved"]["units"][1]["params"]
     ref: list[dict] = []
     train_kind.run_unit(
-        {**params, "checkpoint_interval": 0},
+        train_kind.config({**params, "checkpoint_interval": 0}, "ref"),
         tmp_path / "ref",
         on_step=ref.append,
         on_hist=lambda _h: None,
@@ -275,7 +275,7 @@ def test_other_kinds_run_through_the_runner(tmp_path, monkeypatch):
 
     module.run = run
     monkeypatch.setitem(sys.modules, "fake_kind", module)
-    monkeypatch.setitem(kinds.KINDS, "fake", "fake_kind")
+    monkeypatch.setitem(kinds.KINDS, "fake", module)
     path = tmp_path / "f.toml"
     path.write_text('kind = "fake"\n[fake]\nn = 3\n')
     run_dir = runner.run_file(path, out=tmp_path / "ok", quiet=True)
@@ -300,3 +300,62 @@ def test_the_survey_kind_runs_through_the_runner(tmp_path):
     )
     summary = store.read_json(run_dir / "summary.json")
     assert summary["kind"] == "survey" and summary["status"] == "finished", summary
+
+
+def test_report_exits_1_when_variants_failed_like_run(tmp_path, monkeypatch):
+    from precisionlab.cli import main
+
+    def always_fails(cfg, unit_dir, **kw):
+        raise RuntimeError("broken trainer")
+
+    monkeypatch.setattr(train_kind, "run_unit", always_fails)
+    path = tmp_path / "fake.toml"
+    path.write_text(FAKE)
+    run_dir = runner.run_file(path, out=tmp_path / "run", quiet=True)
+    assert main(["report", str(run_dir), "--no-plots"]) == 1
+    assert main(["run", str(path), "--out", str(tmp_path / "run2"), "--quiet", "--no-report"]) == 1
+
+
+def test_final_loss_of_a_diverged_unit_is_honest(tmp_path):
+    from precisionlab.experiments.config import Unit
+    from precisionlab.experiments.summary import FINAL_WINDOW, summarize_unit
+
+    losses = [3.0 - 0.1 * i for i in range(12)] + [math.nan]  # stops at its first nan
+    with store.JsonlWriter(tmp_path / "metrics.jsonl") as w:
+        for i, loss in enumerate(losses):
+            w.write({"step": i + 1, "loss": loss, "skipped": False})
+    unit = Unit("00-x", "x", "x", "", "x", 0, {})
+    status = {"status": "finished", "result": {"diverged": True, "divergence_step": 13}}
+    summary = summarize_unit(unit, tmp_path, status)
+    assert math.isnan(summary["final_loss"])  # it used to be the pre-divergence mean
+    finite = losses[-FINAL_WINDOW:-1]
+    assert summary["final_loss_finite"] == pytest.approx(sum(finite) / len(finite))
+    assert summary["diverged"] and summary["divergence_step"] == 13
+
+
+def test_one_progress_bar_for_the_run_labelled_by_variant(tmp_path, capsys):
+    # Issue 10: the bar was labelled with the policy string and restarted for every variant.
+    path = tmp_path / "p.toml"
+    path.write_text(
+        textwrap.dedent(
+            """
+            kind = "train"
+            [train]
+            steps = 3
+            batch_size = 8
+            eval_batches = 1
+            progress = true
+            model_kwargs = { width = 8 }
+            [[variant]]
+            name = "first-variant"
+            [[variant]]
+            name = "second-variant"
+            policy = "p=f32,c=bf16,o=f32"
+            """
+        )
+    )
+    runner.run_file(path, out=tmp_path / "run")
+    err = capsys.readouterr().err
+    assert "mlp p=f32" not in err  # the old per-variant bar's label
+    for name, done in (("first-variant", 3), ("second-variant", 6)):
+        assert f"{name}: " in err and f"{done}/6" in err, err

@@ -36,11 +36,11 @@ def test_bad_distributions(bad):
 def test_validate_defaults_and_errors():
     cfg = survey.validate({}, "x.survey")
     assert cfg["formats"] == survey.DEFAULT_FORMATS and cfg["granularity"] == "tensor"
-    with pytest.raises(ValueError, match=r"x\.survey\.colour: unknown key; allowed: formats"):
+    with pytest.raises(ValueError, match=r"x\.survey: unknown key 'colour'; allowed keys: formats"):
         survey.validate({"colour": 1}, "x.survey")
     with pytest.raises(ValueError, match=r"x\.survey\.formats: unknown format 'fp7'"):
         survey.validate({"formats": ["fp7"]}, "x.survey")
-    with pytest.raises(ValueError, match=r"x\.survey\.size must be an int"):
+    with pytest.raises(ValueError, match=r"x\.survey\.size: expected int, got str 'big'"):
         survey.validate({"size": "big"}, "x.survey")
     with pytest.raises(ValueError, match=r"x\.survey\.granularity"):
         survey.validate({"granularity": "row"}, "x.survey")
@@ -48,7 +48,7 @@ def test_validate_defaults_and_errors():
         survey.validate({"rounding": "up-ish"}, "x.survey")
     with pytest.raises(ValueError, match=r"x\.survey\.scale"):
         survey.validate({"scale": "max"}, "x.survey")
-    with pytest.raises(ValueError, match=r"x\.survey\.formats must be a list"):
+    with pytest.raises(ValueError, match=r"x\.survey\.formats: expected list of str"):
         survey.validate({"formats": "int8"}, "x.survey")
 
 

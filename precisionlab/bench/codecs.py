@@ -24,7 +24,6 @@ import os
 import platform
 import re
 import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,10 +33,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from precisionlab import _io
+from precisionlab._text import UsageError, split_list, table
 from precisionlab.bench._timing import copy_kernel, time_call, time_interleaved, xla_copy_kernel
 from precisionlab.bits import decode, encode
-from precisionlab.cli._common import UsageError, split_list
-from precisionlab.cli._render import table
 from precisionlab.formats import FloatFormat, Format, IntFormat, get_format
 
 HELP = "encode/decode throughput vs ml_dtypes and gfloat, as ratios and % of copy bandwidth"
@@ -382,11 +381,7 @@ def machine() -> dict:
 
 def _write_json_atomic(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(payload, f, indent=2)
-    os.chmod(tmp, 0o644)  # mkstemp makes it private; results are for sharing
-    os.replace(tmp, path)
+    _io.write_json(path, payload)
 
 
 def _m(rate: float | None) -> str:

@@ -75,7 +75,7 @@ def measure(rows: int, cols: int, repeats: int, cases: list[str]) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from precisionlab.cli._common import UsageError, split_list
+    from precisionlab._text import UsageError, split_list
 
     cases = list(CASES) if args.cases is None else split_list(args.cases)
     bad = [c for c in cases if c not in CASES]

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from precisionlab import _io
+from precisionlab._text import UsageError, table
 from precisionlab.bench._timing import time_interleaved
-from precisionlab.cli._common import UsageError
-from precisionlab.cli._render import table
 from precisionlab.mixed import get_policy
 from precisionlab.train import make_data, make_model, make_train_step
 
@@ -205,9 +204,6 @@ def run(args: argparse.Namespace) -> int:
     result = measure(args.model, args.batch, args.steps, args.repeats, args.compute)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=args.out.parent, prefix=args.out.name, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(result, f, indent=2)
-        os.replace(tmp, args.out)
+        _io.write_json(args.out, result)
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0

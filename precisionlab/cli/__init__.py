@@ -1,53 +1,59 @@
 """The ``precisionlab`` command: one module per subcommand under ``precisionlab.cli``.
 
 Each subcommand module defines ``HELP`` (one line), ``add_arguments(parser)`` and
-``run(args) -> int``. Bad input raises :class:`UsageError` (or ``ValueError``/``TypeError``
-from the library), which ``main`` prints as one line on stderr with exit status 2; set
-``PRECISIONLAB_DEBUG=1`` to see the traceback instead.
+``run(args) -> int``. Bad input raises :class:`UsageError` (or ``ValueError``, the library's
+error for a bad value, e.g. a config error), which ``main`` prints as one line on stderr with
+exit status 2; set ``PRECISIONLAB_DEBUG=1`` to see the traceback instead. Any other exception,
+``TypeError`` included, is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 
+from precisionlab.cli import (
+    bench_cmd,
+    bits_cmd,
+    compare_cmd,
+    conformance_cmd,
+    env_cmd,
+    formats_cmd,
+    memory_cmd,
+    report_cmd,
+    run_cmd,
+    survey_cmd,
+    values_cmd,
+)
 from precisionlab.cli._common import Parser, UsageError
 
-__all__ = ["UsageError", "main"]
+__all__ = ["COMMANDS", "UsageError", "main"]
 
-# Subcommand name -> module under precisionlab.cli. Modules that are absent are skipped.
-COMMANDS: dict[str, str] = {
-    "bits": "bits_cmd",
-    "formats": "formats_cmd",
-    "values": "values_cmd",
-    "env": "env_cmd",
-    "survey": "survey_cmd",
-    "memory": "memory_cmd",
-    "run": "run_cmd",
-    "report": "report_cmd",
-    "compare": "compare_cmd",
-    "bench": "bench_cmd",
-    "conformance": "conformance_cmd",
+#: Subcommand name -> its module.
+COMMANDS: dict[str, ModuleType] = {
+    "bits": bits_cmd,
+    "formats": formats_cmd,
+    "values": values_cmd,
+    "env": env_cmd,
+    "survey": survey_cmd,
+    "memory": memory_cmd,
+    "run": run_cmd,
+    "report": report_cmd,
+    "compare": compare_cmd,
+    "bench": bench_cmd,
+    "conformance": conformance_cmd,
 }
 
 
-def _build_parser() -> tuple[Parser, dict]:
+def _build_parser() -> tuple[Parser, dict[str, ModuleType]]:
     parser = Parser(prog="precisionlab", description="A JAX lab for numerical precision.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
-    modules = {}
-    for name, module_name in COMMANDS.items():
-        try:
-            module = importlib.import_module(f"precisionlab.cli.{module_name}")
-        except ModuleNotFoundError as err:
-            if err.name == f"precisionlab.cli.{module_name}":
-                continue
-            raise
+    for name, module in COMMANDS.items():
         command = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(command)
-        modules[name] = module
-    return parser, modules
+    return parser, COMMANDS
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -59,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(modules[args.command].run(args) or 0)
-    except (UsageError, ValueError, TypeError) as err:
+    except (UsageError, ValueError) as err:
         if os.environ.get("PRECISIONLAB_DEBUG"):  # show the traceback of a suspected bug
             raise
         message = str(err).splitlines()[0] if str(err) else type(err).__name__

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from precisionlab._text import UsageError, split_list
 
-class UsageError(Exception):
-    """Bad command-line input: printed as one line on stderr, exit status 2."""
+__all__ = ["Parser", "UsageError", "split_list", "stdout_is_tty"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -16,11 +16,6 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         raise SystemExit(2)
-
-
-def split_list(text: str) -> list[str]:
-    """Split ``"a,b, c"`` into ``["a", "b", "c"]`` (empty items dropped)."""
-    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 def stdout_is_tty() -> bool:

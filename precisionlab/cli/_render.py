@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import sys
-from collections.abc import Sequence
 from decimal import Context, Decimal
 from typing import TextIO
 
+from precisionlab._text import table, visible_len
 from precisionlab.formats import Format, IntFormat, Specials
 
 __all__ = [
@@ -52,9 +51,6 @@ STYLES: dict[str, str] = {
     "cyan": "36",
 }
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_NUMBER = re.compile(r"^[-+]?(\d[\d_,]*\.?\d*|\.\d+)([eE][-+]?\d+)?[x%]?$|^[-+]?(inf|nan)$")
-
 
 def use_color(stream: TextIO | None = None) -> bool:
     """True when ``stream`` (default stdout) is a terminal and ``NO_COLOR`` is unset or empty."""
@@ -75,65 +71,6 @@ def paint(text: str, style: str, enabled: bool) -> str:
     except KeyError as err:
         raise ValueError(f"unknown style {err.args[0]!r}; known: {', '.join(STYLES)}") from None
     return f"\x1b[{codes}m{text}\x1b[0m"
-
-
-def visible_len(text: str) -> int:
-    """Display width of ``text``: its length without ANSI escape sequences."""
-    return len(_ANSI.sub("", text))
-
-
-def _looks_numeric(cell: str) -> bool:
-    return bool(_NUMBER.match(_ANSI.sub("", cell).strip()))
-
-
-def table(
-    rows: Sequence[Sequence[object]],
-    headers: Sequence[str],
-    align: str | Sequence[str] | None = None,
-) -> str:
-    """Format ``rows`` under ``headers`` as an aligned plain-text table (no trailing newline).
-
-    Args:
-      rows: one sequence of cells per row; cells are converted with ``str`` (``None`` -> "").
-        Rows shorter than ``headers`` are padded with empty cells; longer rows are an error.
-      headers: column titles.
-      align: per column ``"l"`` (left) or ``"r"`` (right), as a string like ``"lrr"`` or a
-        sequence; ``None`` right-aligns columns whose non-empty cells all look numeric.
-
-    Raises:
-      ValueError: if a row has more cells than there are headers, or ``align`` is malformed.
-    """
-    ncol = len(headers)
-    cells = []
-    for i, row in enumerate(rows):
-        if len(row) > ncol:
-            raise ValueError(f"row {i} has {len(row)} cells but there are {ncol} headers")
-        text = ["" if c is None else str(c) for c in row]
-        cells.append(text + [""] * (ncol - len(text)))
-    if align is None:
-        align = [
-            "r" if any(r[j] for r in cells) and all(_looks_numeric(r[j]) for r in cells if r[j])
-            else "l"
-            for j in range(ncol)
-        ]  # fmt: skip
-    align = list(align)
-    if len(align) != ncol or any(a not in ("l", "r") for a in align):
-        raise ValueError(f"align must give 'l' or 'r' for each of {ncol} columns, got {align!r}")
-    widths = [
-        max([visible_len(h) for h in [headers[j]]] + [visible_len(r[j]) for r in cells])
-        for j in range(ncol)
-    ]
-
-    def line(items: Sequence[str]) -> str:
-        out = []
-        for item, width, a in zip(items, widths, align, strict=True):
-            pad = " " * (width - visible_len(item))
-            out.append(pad + item if a == "r" else item + pad)
-        return "  ".join(out).rstrip()
-
-    lines = [line(list(headers)), "  ".join("-" * w for w in widths)]
-    lines += [line(r) for r in cells]
-    return "\n".join(lines)
 
 
 # --- numbers ------------------------------------------------------------------------------

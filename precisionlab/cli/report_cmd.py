@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 HELP = "print a run's summary table and write its report.md with PNG plots"
 
@@ -13,9 +14,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Exit status 0, or 1 when variants of the run failed (as ``run`` exits)."""
     from precisionlab.experiments import report
+    from precisionlab.experiments.summary import failed_units
 
     path, table = report.write_report(args.run_dir, plots=not args.no_plots)
     print(table)
     print(f"\nreport: {path}")
+    failed = failed_units(args.run_dir)
+    if failed:
+        sys.stderr.write(f"{failed} variant(s) failed: see their error.log\n")
+        return 1
     return 0

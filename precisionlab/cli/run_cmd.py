@@ -28,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from precisionlab.experiments import report, runner
+    from precisionlab.experiments.summary import failed_units
 
     if args.resume and args.config:
         raise UsageError("give either CONFIG or --resume DIR, not both")
@@ -41,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         raise UsageError("give an experiment file (CONFIG) or --resume DIR")
-    failed = _failed(run_dir)
+    failed = failed_units(run_dir)
     if args.no_report:
         print(run_dir)
     else:
@@ -52,12 +53,3 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write(f"{failed} variant(s) failed: see their error.log\n")
         return 1
     return 0
-
-
-def _failed(run_dir) -> int:
-    from precisionlab.experiments import store
-
-    summary = store.read_json(run_dir / "summary.json")
-    if summary.get("kind") == "train":
-        return sum(u.get("status") == "failed" for u in summary["variants"])
-    return int(summary.get("status") == "failed")

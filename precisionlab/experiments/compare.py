@@ -6,8 +6,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from precisionlab._text import fmt_value as _fmt
 from precisionlab.experiments import store
-from precisionlab.experiments.report import _fmt, markdown_table, text_table
+from precisionlab.experiments.report import markdown_table, text_table
 
 __all__ = ["COLUMNS", "compare_runs"]
 

@@ -32,8 +32,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from precisionlab.experiments import kinds
-from precisionlab.experiments.schema import ConfigError, Field, coerce, validate_table
+from precisionlab._schema import ConfigError, Field, coerce, validate_table
+from precisionlab.experiments import kinds, train_kind
 
 __all__ = [
     "ConfigError",
@@ -65,6 +65,8 @@ class Unit:
       variant: the variant's name.
       seed: the seed.
       params: the resolved ``[train]`` table of this unit (base, setting, variant, seed).
+      config: the same as a validated :class:`~precisionlab.train.TrainConfig` (what the runner
+        trains; not part of the JSON record).
     """
 
     id: str
@@ -74,6 +76,13 @@ class Unit:
     variant: str
     seed: int
     params: dict[str, Any]
+    config: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    def record(self) -> dict[str, Any]:
+        """The JSON-able record of the unit (everything but ``config``)."""
+        return {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "config"
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +133,7 @@ def _field_for(doc: Mapping[str, Any], keys: Sequence[str]) -> Field | None:
     """The schema field a ``--set`` path lands on, when the runner knows it (train kind)."""
     if doc.get("kind") != "train":
         return _TOP_COMMON.get(keys[0]) if len(keys) == 1 else None
-    schema = kinds.train_schema()
+    schema = train_kind.schema()
     last = keys[-1]
     head = keys[0]
     if len(keys) == 1:
@@ -268,9 +277,9 @@ def _check_name(name: str, where: str) -> str:
 
 
 def _train_experiment(doc: Mapping[str, Any], source: str, default_name: str) -> Experiment:
-    schema = kinds.train_schema()
+    schema = train_kind.schema()
     top = validate_table(doc, _train_top_schema(), source)
-    base = kinds.train_validate(top["train"], f"{source}: train")
+    base = train_kind.validate(top["train"], f"{source}: train")
     report = validate_table(top["report"], REPORT_SCHEMA, f"{source}: report")
 
     override_schema = dict(schema)
@@ -350,14 +359,15 @@ def _train_experiment(doc: Mapping[str, Any], source: str, default_name: str) ->
                 params["seed"] = seed
                 where = f"{source}: " + (f"settings.{sname} + " if sname else "")
                 where += f"variant {entry['name']!r}"
-                params = kinds.train_validate(params, where)
+                config = train_kind.config(params, where)
+                params = config.to_dict()
                 group = f"{sname}/{entry['name']}" if sname else entry["name"]
                 name = f"{group} s{seed}" if len(seeds) > 1 else group
                 uid = (
                     f"{len(units):02d}-{re.sub(r'[^A-Za-z0-9_.+=-]', '_', group.replace('/', '-'))}"
                 )
                 uid += f"-s{seed}" if len(seeds) > 1 else ""
-                units.append(Unit(uid, name, group, sname, entry["name"], seed, params))
+                units.append(Unit(uid, name, group, sname, entry["name"], seed, params, config))
 
     resolved = {
         "kind": "train",
@@ -369,7 +379,7 @@ def _train_experiment(doc: Mapping[str, Any], source: str, default_name: str) ->
         "setting_descriptions": setting_descriptions,
         "variants": variants,
         "report": report,
-        "units": [dataclasses.asdict(u) for u in units],
+        "units": [u.record() for u in units],
     }
     return Experiment(
         source,

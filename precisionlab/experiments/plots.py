@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from precisionlab.experiments.report import _fmt
+from precisionlab._text import fmt_value as _fmt
 
 __all__ = ["write_plots"]
 

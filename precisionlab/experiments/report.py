@@ -4,11 +4,12 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from precisionlab import _io
+from precisionlab._text import fmt_value
 from precisionlab.experiments import store
 
 __all__ = ["TABLE", "load_run", "markdown_table", "summary_rows", "text_table", "write_report"]
@@ -29,29 +30,7 @@ TABLE: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def _fmt(value: Any, how: str, row: dict[str, Any]) -> str:
-    if how == "div":
-        return "-" if not row.get("diverged") else str(value if value is not None else "yes")
-    if value is None:
-        return "-"
-    if how == "s":
-        return str(value)
-    if how == "d":
-        return str(int(value))
-    value = float(value)
-    if not math.isfinite(value):
-        return str(value)
-    if how == "g4":
-        return f"{value:.4g}"
-    if how == "f1":
-        return f"{value:.1f}"
-    if how == "pct":
-        return f"{100 * value:.1f}%"
-    if how == "pow2":
-        if value > 0 and float(math.log2(value)).is_integer():
-            return f"2^{int(math.log2(value))}"
-        return f"{value:.3g}"
-    raise ValueError(f"unknown format {how!r}")
+_fmt = fmt_value  # the summary-table cell style (shared with plots and compare)
 
 
 def load_run(run_dir: str | Path) -> dict[str, Any]:
@@ -149,7 +128,8 @@ def write_report(run_dir: str | Path, *, plots: bool = True) -> tuple[Path, str]
     lines += ["## Results", "", markdown_table(rows, headers()), ""]
     lines += [
         f"final_loss: mean finite training loss over the last {summary.get('final_loss_window')} "
-        "steps; eval_acc: accuracy on held-out batches at the end; underflow: "
+        "steps (nan/inf when the run ended diverged; summary.json's final_loss_finite keeps the "
+        "finite mean); eval_acc: accuracy on held-out batches at the end; underflow: "
         "mean % of gradient elements zero/subnormal/non-finite in the compute dtype; "
         "scale_min/max: extremes of the loss scale.",
         "",
@@ -261,10 +241,4 @@ def _short(value: Any) -> str:
 
 
 def _write_text(path: Path, text: str) -> None:
-    import os
-    import tempfile
-
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text if text.endswith("\n") else text + "\n")
-    os.replace(tmp, path)
+    _io.write_text(path, text if text.endswith("\n") else text + "\n")

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from precisionlab.experiments import kinds, store
+from precisionlab.experiments import kinds, store, train_kind
 from precisionlab.experiments.config import (
     Experiment,
     Unit,
@@ -27,6 +27,7 @@ from precisionlab.experiments.config import (
     load_experiment,
 )
 from precisionlab.experiments.summary import summarize_run, summarize_unit
+from precisionlab.train import ProgressHook
 
 __all__ = ["DONE", "resume", "run_experiment", "run_file"]
 
@@ -180,23 +181,51 @@ def _run_other(experiment: Experiment, run_dir: Path, *, say: Printer, quiet: bo
 
 
 def _run_train(experiment: Experiment, run_dir: Path, *, say: Printer, quiet: bool) -> None:
-    module = kinds.load("train")
     units = experiment.units
-    for i, unit in enumerate(units):
-        unit_dir = run_dir / "variants" / unit.id
-        status_path = unit_dir / "status.json"
-        status = store.read_json(status_path) if status_path.exists() else {}
-        if status.get("status") in DONE:
-            say(f"[{i + 1}/{len(units)}] {unit.name}: {status['status']} earlier, kept")
-            continue
-        say(f"[{i + 1}/{len(units)}] {unit.name}")
-        _run_unit(module, unit, unit_dir, status, say=say, quiet=quiet)
-        summarize_run(run_dir, experiment)
+    statuses = []
+    for unit in units:
+        status_path = run_dir / "variants" / unit.id / "status.json"
+        statuses.append(store.read_json(status_path) if status_path.exists() else {})
+    bar = _overall_bar(experiment, statuses, quiet)
+    try:
+        for i, (unit, status) in enumerate(zip(units, statuses, strict=True)):
+            unit_dir = run_dir / "variants" / unit.id
+            if status.get("status") in DONE:
+                say(f"[{i + 1}/{len(units)}] {unit.name}: {status['status']} earlier, kept")
+                continue
+            say(f"[{i + 1}/{len(units)}] {unit.name}")
+            hooks = ()
+            if bar is not None:
+                bar.set_description(unit.name)
+                hooks = (ProgressHook(bar, own=False),)
+            _run_unit(unit, unit_dir, status, say=say, quiet=quiet, hooks=hooks)
+            summarize_run(run_dir, experiment)
+    finally:
+        if bar is not None:
+            bar.close()
     summarize_run(run_dir, experiment)
 
 
+def _overall_bar(experiment: Experiment, statuses: list[dict], quiet: bool) -> Any:
+    """One progress bar for all the units (its ETA is the whole run's), labelled with the
+    running unit's name; None when quiet or when no unit asks for one (``progress``; None:
+    only when stderr is a terminal)."""
+    units = experiment.units
+    wanted = [u.config.progress for u in units if u.config is not None]
+    show = any(sys.stderr.isatty() if p is None else p for p in wanted)
+    if quiet or not show:
+        return None
+    from tqdm.auto import tqdm
+
+    total = sum(u.config.steps for u in units)
+    done = sum(
+        u.config.steps for u, s in zip(units, statuses, strict=True) if s.get("status") in DONE
+    )
+    return tqdm(total=total, initial=done, leave=False, dynamic_ncols=True)
+
+
 def _run_unit(
-    module: Any, unit: Unit, unit_dir: Path, status: dict, *, say: Printer, quiet: bool
+    unit: Unit, unit_dir: Path, status: dict, *, say: Printer, quiet: bool, hooks: tuple = ()
 ) -> None:
     unit_dir.mkdir(parents=True, exist_ok=True)
     status_path = unit_dir / "status.json"
@@ -235,14 +264,15 @@ def _run_unit(
 
     start = time.perf_counter()
     try:
-        result = module.run_unit(
-            unit.params,
+        result = train_kind.run_unit(
+            unit.config,
             unit_dir,
             on_step=on_step,
             on_hist=on_hist,
             resume=resuming,
-            quiet=quiet,
+            quiet=True,  # the run's own bar (``hooks``) shows the progress
             label=unit.name,
+            hooks=hooks,
         )
         status.update({"status": "finished", "result": result, "error": None})
     except KeyboardInterrupt:

@@ -11,22 +11,22 @@ Layout of a run directory::
     report.md, plots/   written by :mod:`precisionlab.experiments.report`
     variants/<id>/tb/   TensorBoard event files, only if ``tensorboardX`` is installed
 
-JSON files are written to a temporary file and moved into place with :func:`os.replace`;
-JSONL files are appended line by line and flushed, and readers ignore a torn last line.
+JSON files are strict JSON written atomically through :mod:`precisionlab._io` (a temporary
+file, fsynced, moved into place with :func:`os.replace`); JSONL files are appended line by line
+and flushed, and readers ignore a torn last line.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import platform
 import sys
-import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
+
+from precisionlab import _io
 
 __all__ = [
     "JsonlWriter",
@@ -39,114 +39,23 @@ __all__ = [
 ]
 
 
-def to_jsonable(value: Any) -> Any:
-    """``value`` with numpy/JAX scalars and arrays turned into plain Python; non-finite floats
-    become the strings ``"nan"``, ``"inf"``, ``"-inf"`` (strict JSON has no literal for them)."""
-    if isinstance(value, dict):
-        return {str(k): to_jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [to_jsonable(v) for v in value]
-    if isinstance(value, bool | str) or value is None:
-        return value
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else str(value)
-    if isinstance(value, Path):
-        return str(value)
-    tolist = getattr(value, "tolist", None)
-    if tolist is not None:
-        return to_jsonable(tolist())
-    return str(value)
-
-
-def from_json_float(value: Any) -> float | None:
-    """Inverse of :func:`to_jsonable` for one float (``"nan"`` -> nan); None stays None."""
-    if value is None:
-        return None
-    return float(value)
+read_json = _io.read_json
+read_jsonl = _io.read_jsonl
+to_jsonable = _io.to_jsonable
+from_json_float = _io.from_json_float
+JsonlWriter = _io.JsonlWriter
 
 
 def write_json(path: Path, data: Any) -> None:
-    """Write ``data`` as JSON atomically (temporary file in the same directory + os.replace)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(to_jsonable(data), f, indent=2, allow_nan=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def read_json(path: Path) -> Any:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-class JsonlWriter:
-    """Appends one JSON object per line and flushes it, so readers see every finished line."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: TextIO | None = open(self.path, "a", encoding="utf-8")
-
-    def write(self, row: dict[str, Any]) -> None:
-        assert self._file is not None, "writer is closed"
-        self._file.write(json.dumps(to_jsonable(row), allow_nan=False) + "\n")
-        self._file.flush()
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-    def __enter__(self) -> JsonlWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The rows of a JSONL file; a torn last line (a run killed mid-write) is ignored."""
-    return list(iter_jsonl(path))
-
-
-def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    path = Path(path)
-    if not path.exists():
-        return
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.endswith("\n"):
-                return  # torn by a kill: the writer never finished it
-            line = line.strip()
-            if line:
-                yield json.loads(line)
+    """Write ``data`` as strict JSON atomically (see :mod:`precisionlab._io`)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    _io.write_json(path, data)
 
 
 def truncate_jsonl(path: Path, keep: Iterable[dict[str, Any]]) -> None:
     """Rewrite ``path`` atomically with only ``keep`` (used when a resumed unit restarts from a
     checkpoint older than its last recorded step)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for row in keep:
-                f.write(json.dumps(row, allow_nan=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    _io.write_jsonl(path, keep)
 
 
 def resume_jsonl(path: Path, step: int) -> None:

@@ -1,9 +1,11 @@
 """Per-unit and per-run summaries of a ``train`` experiment, computed from the run store.
 
 A unit's summary is derived from its ``metrics.jsonl`` (what was recorded, also after a resume)
-and the trainer's final result (evaluation). ``final_loss`` is the mean of the finite training
-losses of the last ``FINAL_WINDOW`` recorded steps (less noisy than the last minibatch); when all
-of them are inf/NaN it is the last loss.
+and the trainer's final result (evaluation). ``final_loss`` is honest: the last recorded loss
+when it is inf/NaN (a run that diverged ends there), else the mean of the finite training losses
+of the last ``FINAL_WINDOW`` recorded steps (less noisy than the last minibatch).
+``final_loss_finite`` is that mean of the finite losses in every case (for a diverged run: its
+loss just before the divergence; None when the window holds no finite loss).
 """
 
 from __future__ import annotations
@@ -15,7 +17,14 @@ from typing import Any
 
 from precisionlab.experiments import store
 
-__all__ = ["FINAL_WINDOW", "GROUP_KEYS", "SUMMARY_KEYS", "summarize_run", "summarize_unit"]
+__all__ = [
+    "FINAL_WINDOW",
+    "GROUP_KEYS",
+    "SUMMARY_KEYS",
+    "failed_units",
+    "summarize_run",
+    "summarize_unit",
+]
 
 #: Number of last recorded steps averaged into ``final_loss``.
 FINAL_WINDOW = 10
@@ -34,6 +43,7 @@ SUMMARY_KEYS = (
     "update_rounding",
     "steps",
     "final_loss",
+    "final_loss_finite",
     "eval_loss",
     "eval_metric",
     "eval_metric_name",
@@ -74,10 +84,11 @@ def summarize_unit(unit: Any, unit_dir: Path, status: dict[str, Any]) -> dict[st
     losses = [_float(r["loss"]) for r in rows]
     tail = losses[-FINAL_WINDOW:]
     finite = [x for x in tail if x is not None and math.isfinite(x)]
-    if finite:
-        final_loss = statistics.fmean(finite)
-    else:  # diverged: the last losses are inf/nan
-        final_loss = tail[-1] if tail else None
+    final_loss_finite = statistics.fmean(finite) if finite else None
+    if tail and (tail[-1] is None or not math.isfinite(tail[-1])):
+        final_loss = tail[-1]  # the run ended diverged: say so, not its earlier loss
+    else:
+        final_loss = final_loss_finite
     scales = [s for s in (_float(r.get("loss_scale")) for r in rows) if s is not None]
     under = [u for u in (_float(r.get("underflow_fraction")) for r in rows) if u is not None]
     diverged = result.get("diverged")
@@ -103,6 +114,7 @@ def summarize_unit(unit: Any, unit_dir: Path, status: dict[str, Any]) -> dict[st
         "update_rounding": params.get("update_rounding"),
         "steps": len(rows),
         "final_loss": final_loss,
+        "final_loss_finite": final_loss_finite,
         "eval_loss": _float(result.get("eval_loss")),
         "eval_metric": _float(result.get("eval_metric")),
         "eval_metric_name": result.get("eval_metric_name"),
@@ -141,6 +153,14 @@ def _groups(units: list[dict[str, Any]]) -> list[dict[str, Any]]:
             entry[f"{key}_std"] = statistics.stdev(values) if len(values) > 1 else None
         out.append(entry)
     return out
+
+
+def failed_units(run_dir: str | Path) -> int:
+    """How many units of the run in ``run_dir`` failed (for another kind: 1 if it failed)."""
+    summary = store.read_json(Path(run_dir) / "summary.json")
+    if summary.get("kind") == "train":
+        return sum(u.get("status") == "failed" for u in summary["variants"])
+    return int(summary.get("status") == "failed")
 
 
 def summarize_run(run_dir: Path, experiment: Any) -> dict[str, Any]:

@@ -148,7 +148,7 @@ def _scalars(tree: Any) -> int:
 def measure_train_table(table: dict[str, Any], where: str = "train") -> dict[str, Any]:
     """Estimate vs XLA for the train step of a resolved ``[train]`` table.
 
-    The step is built as :func:`precisionlab.train.train` builds it (``make_train_step`` with
+    The step is built as :func:`precisionlab.train.train` builds it (``build_step`` with
     the table's policy, loss scale, storage dtypes and micro-batches) and compiled with its state
     donated. Estimated arguments: params (counted from the model's sizes) in their storage dtype,
     the optimizer's moments in the optimizer-state dtype, Kahan compensation if any, bookkeeping
@@ -157,23 +157,19 @@ def measure_train_table(table: dict[str, Any], where: str = "train") -> dict[str
     params, the activations of one micro-batch, with micro-batches an accumulator, and float32
     working copies of params and optimizer moments stored below float32.
     """
-    from precisionlab.mixed import parse_loss_scale
-    from precisionlab.train import TrainConfig, build, make_train_step
+    from precisionlab.train import StepOptions, TrainConfig, build, build_step
 
     cfg = TrainConfig.from_dict(dict(table), where)
-    parts = build(cfg)
-    model, policy, storage = parts["model"], parts["policy"], parts["storage"]
-    loss_scale = parse_loss_scale(cfg.loss_scale, **cfg.loss_scale_kwargs)
-    step_fn, state = make_train_step(
-        parts["loss_fn"],
-        parts["params"],
-        parts["optimizer"],
+    setup = build(cfg)
+    model, policy, storage = setup.model, setup.policy, setup.options.storage
+    options = StepOptions(
         policy=policy,
-        loss_scale=loss_scale,
+        loss_scale=setup.options.loss_scale,
         storage=storage,
         microbatches=cfg.microbatches,
         seed=cfg.seed,
     )
+    step_fn, state, _ = build_step(setup.loss_fn, setup.params, setup.optimizer, options)
     batch = example_batch(model, cfg.batch_size)
     got = measure(step_fn, state, batch, donate_argnums=(0,), run=False)
 

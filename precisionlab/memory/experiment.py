@@ -26,13 +26,12 @@ this machine, so the price of checkpointing (recompute) sits beside what it save
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from precisionlab import _io
+from precisionlab._schema import Field, validate_table
 from precisionlab.memory.estimate import (
     OPTIMIZERS,
     TrainSetup,
@@ -61,19 +60,20 @@ DEFAULTS: dict[str, Any] = {
     "measure_microbatches": [1, 2, 4],
     "plots": True,
 }
-_TYPES: dict[str, type] = {
-    "preset": str,
-    "policies": list,
-    "optimizer": str,
-    "batch": int,
-    "seq": int,
-    "checkpoint_intervals": list,
-    "measure": bool,
-    "measure_layers": int,
-    "measure_d_model": int,
-    "measure_batch": int,
-    "measure_microbatches": list,
-    "plots": bool,
+#: The ``[memory]`` keys with their types and ranges (names are checked by :func:`validate`).
+FIELDS: dict[str, Field] = {
+    "preset": Field(str, DEFAULTS["preset"]),
+    "policies": Field(list, DEFAULTS["policies"], item=str),
+    "optimizer": Field(str, DEFAULTS["optimizer"]),
+    "batch": Field(int, DEFAULTS["batch"], low=1),
+    "seq": Field(int, DEFAULTS["seq"], low=0, doc="0: the model's"),
+    "checkpoint_intervals": Field(list, DEFAULTS["checkpoint_intervals"], item=int),
+    "measure": Field(bool, DEFAULTS["measure"]),
+    "measure_layers": Field(int, DEFAULTS["measure_layers"], low=1),
+    "measure_d_model": Field(int, DEFAULTS["measure_d_model"], low=1),
+    "measure_batch": Field(int, DEFAULTS["measure_batch"], low=1),
+    "measure_microbatches": Field(list, DEFAULTS["measure_microbatches"], item=int),
+    "plots": Field(bool, DEFAULTS["plots"]),
 }
 
 
@@ -90,20 +90,7 @@ def validate(section: dict, where: str) -> dict:
       ValueError: naming ``where`` and the key for an unknown key, a wrong type, an unknown
         preset, policy or optimizer, or a bad number.
     """
-    if not isinstance(section, dict):
-        raise ValueError(f"{where}: expected a table, got {type(section).__name__}")
-    unknown = sorted(set(section) - set(DEFAULTS))
-    if unknown:
-        raise ValueError(
-            f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(DEFAULTS)}"
-        )
-    out = {key: section.get(key, value) for key, value in DEFAULTS.items()}
-    for key, kind in _TYPES.items():
-        if not _type_ok(out[key], kind):
-            raise ValueError(
-                f"{where}.{key}: expected {kind.__name__}, got {type(out[key]).__name__} "
-                f"{out[key]!r}"
-            )
+    out = validate_table(section, FIELDS, where)
     try:
         model = get_preset(out["preset"])
     except ValueError as err:
@@ -111,8 +98,6 @@ def validate(section: dict, where: str) -> dict:
     if not out["policies"]:
         raise ValueError(f"{where}.policies: give at least one policy")
     for i, spec in enumerate(out["policies"]):
-        if not isinstance(spec, str):
-            raise ValueError(f"{where}.policies[{i}]: expected a policy string, got {spec!r}")
         try:
             get_policy(spec)
         except ValueError as err:
@@ -122,11 +107,6 @@ def validate(section: dict, where: str) -> dict:
             f"{where}.optimizer: unknown optimizer {out['optimizer']!r}; "
             f"allowed: {', '.join(OPTIMIZERS)}"
         )
-    for key in ("batch", "measure_layers", "measure_d_model", "measure_batch"):
-        if out[key] < 1:
-            raise ValueError(f"{where}.{key}: must be >= 1, got {out[key]}")
-    if out["seq"] < 0:
-        raise ValueError(f"{where}.seq: must be >= 0 (0: the model's), got {out['seq']}")
     for i, k in enumerate(out["checkpoint_intervals"]):
         if not _type_ok(k, int) or not 1 <= k <= model.n_layers:
             raise ValueError(
@@ -146,28 +126,17 @@ def validate(section: dict, where: str) -> dict:
 
 
 def _write_json(path: Path, data: Any) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    _io.write_json(path, data)
 
 
 class _Rows:
     """Append-and-flush JSONL writer."""
 
     def __init__(self, path: Path) -> None:
-        self.file = path.open("a", encoding="utf-8")
+        self.file = _io.JsonlWriter(path)
 
     def write(self, row: dict[str, Any]) -> None:
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        self.file.write(row)
 
     def close(self) -> None:
         self.file.close()

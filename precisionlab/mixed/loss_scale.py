@@ -13,6 +13,7 @@ is ``min_scale=1.0``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, TypeVar
 
@@ -63,8 +64,28 @@ def _unscale_leaf(x: Any, scale: jax.Array) -> Any:
     return (x.astype(wide) / scale.astype(wide)).astype(x.dtype)
 
 
+def _registered(*data_fields: str):
+    """Register a dataclass as a pytree: ``data_fields`` are its (traced) leaves, every other
+    field is static (part of the treedef). Derived from the dataclass's fields, so no field can
+    be forgotten through ``jit`` (jmp's hand-written flatten drops ``min_loss_scale``)."""
+
+    def register(cls: type[T]) -> type[T]:
+        meta = [f.name for f in dataclasses.fields(cls) if f.name not in data_fields]
+        return jax.tree_util.register_dataclass(
+            cls, data_fields=list(data_fields), meta_fields=meta
+        )
+
+    return register
+
+
 class LossScale:
-    """Interface shared by the loss scales (a base class for isinstance checks only)."""
+    """Interface shared by the loss scales (a base class for isinstance checks only).
+
+    The scales are frozen dataclasses registered as pytrees. Their constructors check the values
+    a user gives; JAX rebuilds a pytree (after ``jit``, ``tree_map``...) through the same
+    constructor with ``_trusted=True``, which takes the fields as they are: a rebuilt state is
+    not re-checked (a collapsed dynamic scale may legitimately reach 0).
+    """
 
     loss_scale: jax.Array
 
@@ -80,12 +101,20 @@ class LossScale:
         raise NotImplementedError
 
 
-@jax.tree_util.register_pytree_node_class
+def _set(obj: Any, **fields: Any) -> None:
+    for name, value in fields.items():
+        object.__setattr__(obj, name, value)
+
+
+@_registered()
+@dataclasses.dataclass(frozen=True, eq=False)
 class NoLossScale(LossScale):
     """No scaling: ``scale`` and ``unscale`` return the tree unchanged; ``loss_scale`` is 1."""
 
-    def __init__(self, dtype: Any = jnp.float32):
-        self.dtype = _scale_dtype(dtype)
+    dtype: Any = np.float32
+
+    def __post_init__(self) -> None:
+        _set(self, dtype=_scale_dtype(self.dtype))
 
     @property
     def loss_scale(self) -> jax.Array:  # type: ignore[override]
@@ -101,53 +130,46 @@ class NoLossScale(LossScale):
         del grads_finite
         return self
 
-    def tree_flatten(self):
-        return (), (self.dtype,)
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        del children
-        return cls(aux[0])
-
     def __repr__(self) -> str:
         return f"NoLossScale(dtype={self.dtype.name})"
 
 
-@jax.tree_util.register_pytree_node_class
+@_registered("loss_scale")
+@dataclasses.dataclass(frozen=True, eq=False, init=False)
 class StaticLossScale(LossScale):
     """A fixed scale ``s`` (an array of ``dtype``; must be finite and > 0 in that dtype)."""
 
-    def __init__(self, loss_scale: Any, dtype: Any = jnp.float32):
+    loss_scale: jax.Array
+    _trusted: bool = False
+
+    def __init__(self, loss_scale: Any, dtype: Any = jnp.float32, *, _trusted: bool = False):
+        if _trusted:  # JAX rebuilding the pytree: the fields as they are
+            _set(self, loss_scale=loss_scale, _trusted=True)
+            return
         dtype = _scale_dtype(dtype)
-        if not isinstance(loss_scale, jax.Array | jax.core.Tracer):
-            value = float(np.asarray(loss_scale))
+        # Check every concrete value (numbers and arrays alike); only a traced scale, built
+        # inside jit, cannot be checked here.
+        if not isinstance(loss_scale, jax.core.Tracer):
+            if isinstance(loss_scale, bool) or np.ndim(loss_scale) != 0:
+                raise ValueError(f"static loss scale must be a scalar number, got {loss_scale!r}")
             with np.errstate(over="ignore"):
-                cast = float(np.asarray(value, dtype))
+                cast = float(np.asarray(loss_scale).astype(dtype))
             if not (math.isfinite(cast) and cast > 0):
                 raise ValueError(
                     f"static loss scale must be finite and > 0 in {dtype.name}, got {loss_scale!r}"
                 )
-        self.loss_scale = jnp.asarray(loss_scale, dtype)
+        _set(self, loss_scale=jnp.asarray(loss_scale, dtype), _trusted=True)
 
     def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
         del grads_finite
         return self
 
-    def tree_flatten(self):
-        return (self.loss_scale,), None
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        del aux
-        obj = object.__new__(cls)
-        obj.loss_scale = children[0]
-        return obj
-
     def __repr__(self) -> str:
         return f"StaticLossScale({self.loss_scale!r})"
 
 
-@jax.tree_util.register_pytree_node_class
+@_registered("loss_scale", "counter")
+@dataclasses.dataclass(frozen=True, eq=False, init=False)
 class DynamicLossScale(LossScale):
     """PyTorch GradScaler's dynamic loss scale, as a pytree.
 
@@ -155,13 +177,22 @@ class DynamicLossScale(LossScale):
       init_scale: initial scale; must be finite in ``dtype``.
       growth_factor: factor (> 1) applied after ``growth_interval`` consecutive finite steps.
       backoff_factor: factor (in (0, 1)) applied on a step with a non-finite gradient.
-      growth_interval: consecutive finite steps before growing (>= 1).
+      growth_interval: consecutive finite steps before growing (an int >= 1, not a bool).
       min_scale, max_scale: optional clamps of the scale (None: unclamped, as in PyTorch).
       dtype: dtype of the scale array (float32 by default; float16 works).
 
     Data fields (traced): ``loss_scale`` (scalar of ``dtype``), ``counter`` (int32 scalar: finite
-    steps since the last change). Config fields are static (part of the treedef).
+    steps since the last change). The other fields are static (part of the treedef).
     """
+
+    loss_scale: jax.Array
+    counter: jax.Array
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+    min_scale: float | None
+    max_scale: float | None
+    _trusted: bool
 
     def __init__(
         self,
@@ -172,13 +203,31 @@ class DynamicLossScale(LossScale):
         min_scale: float | None = None,
         max_scale: float | None = None,
         dtype: Any = jnp.float32,
+        *,
+        loss_scale: Any = None,
+        counter: Any = None,
+        _trusted: bool = False,
     ):
+        config = dict(
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            min_scale=min_scale,
+            max_scale=max_scale,
+        )
+        if _trusted:  # JAX rebuilding the pytree (or dataclasses.replace): as they are
+            _set(self, loss_scale=loss_scale, counter=counter, _trusted=True, **config)
+            return
         dtype = _scale_dtype(dtype)
         if not float(growth_factor) > 1.0:
             raise ValueError(f"growth_factor must be > 1, got {growth_factor!r}")
         if not 0.0 < float(backoff_factor) < 1.0:
             raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
-        if not isinstance(growth_interval, int | np.integer) or int(growth_interval) < 1:
+        if (
+            isinstance(growth_interval, bool)
+            or not isinstance(growth_interval, int | np.integer)
+            or int(growth_interval) < 1
+        ):
             raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
         for name, value in (("min_scale", min_scale), ("max_scale", max_scale)):
             if value is not None and not (math.isfinite(float(value)) and float(value) > 0):
@@ -192,24 +241,19 @@ class DynamicLossScale(LossScale):
                 f"init_scale must be finite and > 0 in {dtype.name}, got {init_scale!r}"
                 + (" (float16 holds at most 65504)" if dtype == np.float16 else "")
             )
-        self.loss_scale = jnp.asarray(init_scale, dtype)
-        self.counter = jnp.zeros((), jnp.int32)
-        self.growth_factor = float(growth_factor)
-        self.backoff_factor = float(backoff_factor)
-        self.growth_interval = int(growth_interval)
-        self.min_scale = None if min_scale is None else float(min_scale)
-        self.max_scale = None if max_scale is None else float(max_scale)
-        if self.min_scale is not None or self.max_scale is not None:
-            self.loss_scale = self._clamp(self.loss_scale)
-
-    def _config(self) -> tuple:
-        return (
-            self.growth_factor,
-            self.backoff_factor,
-            self.growth_interval,
-            self.min_scale,
-            self.max_scale,
+        _set(
+            self,
+            loss_scale=jnp.asarray(init_scale, dtype),
+            counter=jnp.zeros((), jnp.int32),
+            growth_factor=float(growth_factor),
+            backoff_factor=float(backoff_factor),
+            growth_interval=int(growth_interval),
+            min_scale=None if min_scale is None else float(min_scale),
+            max_scale=None if max_scale is None else float(max_scale),
+            _trusted=True,
         )
+        if self.min_scale is not None or self.max_scale is not None:
+            _set(self, loss_scale=self._clamp(self.loss_scale))
 
     def _clamp(self, s: jax.Array) -> jax.Array:
         # Clamp in float32 so a bound beyond the scale dtype's range (2**20 in float16) is inert.
@@ -235,33 +279,7 @@ class DynamicLossScale(LossScale):
             backed,
         )
         new_counter = jnp.where(grads_finite & ~at_interval, counter, 0).astype(jnp.int32)
-        out = object.__new__(DynamicLossScale)
-        out.loss_scale = self._clamp(new_scale)
-        out.counter = new_counter
-        (
-            out.growth_factor,
-            out.backoff_factor,
-            out.growth_interval,
-            out.min_scale,
-            out.max_scale,
-        ) = self._config()
-        return out
-
-    def tree_flatten(self):
-        return (self.loss_scale, self.counter), self._config()
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        obj = object.__new__(cls)
-        obj.loss_scale, obj.counter = children
-        (
-            obj.growth_factor,
-            obj.backoff_factor,
-            obj.growth_interval,
-            obj.min_scale,
-            obj.max_scale,
-        ) = aux
-        return obj
+        return dataclasses.replace(self, loss_scale=self._clamp(new_scale), counter=new_counter)
 
     def __repr__(self) -> str:
         return (

@@ -16,10 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from precisionlab.formats import ALIASES
+
 __all__ = [
     "DEFAULT_FP32_OPS",
     "DTYPE_NAMES",
     "FP32_OPS",
+    "POLICY_DTYPES",
     "Policy",
     "cast_floating",
     "dtype_name",
@@ -42,15 +45,24 @@ DEFAULT_FP32_OPS: frozenset[str] = frozenset(
     {"softmax", "layer_norm", "cross_entropy", "reduce", "matmul_accumulate"}
 )
 
-# Canonical name -> accepted spellings. "half" is jmp's device-dependent alias: rejected here,
-# because a lab must say which 16-bit format it means.
+#: Floating dtypes a policy or storage may name (numpy/JAX dtypes).
+POLICY_DTYPES: tuple[str, ...] = (
+    "float32",
+    "bfloat16",
+    "float16",
+    "float64",
+    "float8_e4m3fn",
+    "float8_e5m2",
+)
+#: The one exception to the format catalog's names: jmp reads "half" as bfloat16 on TPU and
+#: float16 elsewhere, so a policy string saying "half" is refused (the catalog's "half" is
+#: IEEE binary16, float16).
+_JMP_AMBIGUOUS = ("half",)
+# Canonical name -> accepted spellings: the format catalog's names (precisionlab.formats), one
+# table for formats and policies.
 DTYPE_NAMES: dict[str, tuple[str, ...]] = {
-    "float32": ("float32", "f32", "fp32", "full", "single"),
-    "bfloat16": ("bfloat16", "bf16"),
-    "float16": ("float16", "f16", "fp16"),
-    "float64": ("float64", "f64", "fp64", "double"),
-    "float8_e4m3fn": ("float8_e4m3fn", "e4m3", "fp8_e4m3", "f8e4m3"),
-    "float8_e5m2": ("float8_e5m2", "e5m2", "fp8_e5m2", "f8e5m2"),
+    name: (name, *sorted(a for a, t in ALIASES.items() if t == name and a not in _JMP_AMBIGUOUS))
+    for name in POLICY_DTYPES
 }
 _F32 = np.dtype("float32")
 _ALIAS = {alias: name for name, aliases in DTYPE_NAMES.items() for alias in aliases}
@@ -73,7 +85,7 @@ def parse_dtype(value: str | np.dtype | type) -> np.dtype:
             raise ValueError(f"unsupported dtype {dtype.name!r}; allowed: {', '.join(DTYPE_NAMES)}")
         return dtype
     key = value.strip().lower()
-    if key == "half":
+    if key in _JMP_AMBIGUOUS:
         raise ValueError(
             "dtype 'half' is ambiguous (jmp maps it to bfloat16 on TPU and float16 elsewhere); "
             "say 'float16' or 'bfloat16'"
@@ -173,6 +185,9 @@ class Policy:
         return self.compute_dtype != np.dtype("float32")
 
     def __str__(self) -> str:
+        """The policy string, parsed back to an equal Policy by :func:`get_policy` (the float32
+        ops are written only when they differ from the default: ``fp32=softmax+reduce`` or
+        ``fp32=none``)."""
         short = {
             "float32": "f32",
             "bfloat16": "bf16",
@@ -184,7 +199,11 @@ class Policy:
         p, c, o = (
             short[dtype_name(d)] for d in (self.param_dtype, self.compute_dtype, self.output_dtype)
         )
-        return f"p={p},c={c},o={o}"
+        text = f"p={p},c={c},o={o}"
+        if self.fp32_ops != DEFAULT_FP32_OPS:
+            ops = [op for op in FP32_OPS if op in self.fp32_ops]
+            text += f",fp32={'+'.join(ops) or 'none'}"
+        return text
 
 
 def get_policy(spec: str | Policy, *, fp32_ops: Iterable[str] | None = None) -> Policy:
@@ -192,7 +211,9 @@ def get_policy(spec: str | Policy, *, fp32_ops: Iterable[str] | None = None) -> 
 
     ``"params=float32,compute=bfloat16,output=float32"``, ``"p=f32,c=bf16,o=f32"``, ``"c=f16"``
     (params float32; output follows compute) or a bare dtype (``"bf16"``: all three). As in jmp,
-    compute defaults to the param dtype and output to the compute dtype.
+    compute defaults to the param dtype and output to the compute dtype. A part
+    ``fp32=softmax+reduce`` (or ``fp32=none``) sets the ops kept in float32, as ``str(policy)``
+    writes them.
 
     Args:
       spec: the policy string, or a Policy (returned, with ``fp32_ops`` replaced if given).
@@ -223,8 +244,15 @@ def get_policy(spec: str | Policy, *, fp32_ops: Iterable[str] | None = None) -> 
         if part.count("=") != 1:
             raise ValueError(f"bad policy part {part!r} in {spec!r}; expected key=dtype")
         key, value = (s.strip() for s in part.split("="))
+        if key.lower() in ("fp32", "fp32_ops"):
+            if fp32_ops is not None:
+                raise ValueError(f"fp32 ops given twice: in {spec!r} and as fp32_ops")
+            named = [] if value.lower() == "none" else value.split("+")
+            fp32_ops = ops = frozenset(op.strip() for op in named)
+            continue
         if key.lower() not in keys:
-            raise ValueError(f"unknown policy key {key!r} in {spec!r}; allowed: {', '.join(keys)}")
+            allowed = ", ".join([*keys, "fp32"])
+            raise ValueError(f"unknown policy key {key!r} in {spec!r}; allowed: {allowed}")
         name = keys[key.lower()]
         if name in found:
             raise ValueError(f"policy key {key!r} given twice in {spec!r}")

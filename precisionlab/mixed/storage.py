@@ -82,7 +82,19 @@ class Storage:
 
     def param_dtype(self, policy_param_dtype: Any) -> np.dtype:
         """The storage dtype of params given the policy's param dtype."""
-        return parse_dtype(self.params) if self.params is not None else np.dtype(policy_param_dtype)
+        if self.params is None:
+            return np.dtype(policy_param_dtype)
+        return np.dtype(getattr(jnp, self.params))
+
+    @property
+    def grads_dtype(self) -> np.dtype:
+        """``grads`` as a numpy dtype (the fields hold canonical names, parsed when made)."""
+        return np.dtype(getattr(jnp, self.grads))
+
+    @property
+    def opt_state_dtype(self) -> np.dtype:
+        """``opt_state`` as a numpy dtype."""
+        return np.dtype(getattr(jnp, self.opt_state))
 
 
 class ScaledArray(NamedTuple):

@@ -249,14 +249,8 @@ def _search_mse(xg, axes, spec: QuantSpec) -> Scale:
             jnp.maximum(jnp.max(xg, axis=axes, keepdims=True), 0.0),
         )
 
-    def scale_for(r):
-        clip = tuple(b * r for b in base)
-        if spec.scheme == "symmetric":
-            return scale_from_clip(near, c=clip[0])
-        return scale_from_clip(near, lo=clip[0], hi=clip[1])
-
     def err_for(r):
-        sc = scale_for(r)
+        sc = _rescale(near, base, r)
         y = apply_scale(xg, sc, near)
         xh = unapply_scale(round_elements(y, sc, near, None, codes=False), sc, near)
         return jnp.sum(jnp.square(xg - xh), axis=axes, keepdims=True)

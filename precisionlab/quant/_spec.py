@@ -13,7 +13,7 @@ from precisionlab.quant.qarray import SCALE_FORMATS
 __all__ = ["SCALE_METHODS", "SCHEMES", "QuantSpec", "resolve"]
 
 SCHEMES = ("symmetric", "asymmetric")
-SCALE_METHODS = ("amax", "percentile:<p>", "mse", "none")
+SCALE_METHODS = ("auto", "amax", "percentile:<p>", "mse", "none")
 #: Clipping ratios the "mse" scale search tries: 1.0 down to 0.01, geometrically spaced
 #: (heavy-tailed tensors at 4 bits want clip values far below amax).
 MSE_GRID = 64
@@ -88,10 +88,6 @@ class QuantSpec:
         return self.mx if self.mx is not None else self.fmt
 
 
-def _rule_error(rule) -> str:
-    return f"unknown scale_rule {rule!r}; allowed: {', '.join(SCALE_RULES)}"
-
-
 def _parse_format(fmt) -> tuple[Format, MXFormat | None]:
     mx = get_mx_format(fmt)
     if mx is not None:
@@ -119,7 +115,7 @@ def _parse_scale(scale: str | None, fmt: Format) -> tuple[str, float | None]:
         if not 0 < p <= 100:
             raise ValueError(f"scale {scale!r}: the percentile must be a number in (0, 100]")
         return "percentile", p
-    raise ValueError(f"unknown scale {scale!r}; allowed: amax, mse, none, percentile:<p>, auto")
+    raise ValueError(f"unknown scale {scale!r}; allowed: {', '.join(SCALE_METHODS)}")
 
 
 def resolve(

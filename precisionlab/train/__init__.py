@@ -11,19 +11,26 @@ High level (one call per run)::
     result = train(cfg, callback=print, checkpoint_dir="run/ckpt", resume=True)
     result.eval_metric, result.skipped_steps, result.diverged, result.summary()
 
-- ``TrainConfig`` (frozen dataclass of plain values, ``TrainConfig.from_dict(table, where)``
-  raises ValueError naming ``where.key`` for unknown keys / bad values; ``.to_dict()``).
-  ``loss_weight`` (default 1.0, finite and > 0) multiplies the training loss before
+- ``TrainConfig`` (frozen dataclass of plain values; ``TrainConfig.from_dict(table, where)``
+  raises ValueError naming ``where.key`` for unknown keys / bad values; ``.to_dict()``). It is
+  validated once, when made, against its field table ``TRAIN_FIELDS`` (types, defaults, allowed
+  values, ranges: lr and loss_weight finite in float32, steps within the int32 step counter,
+  batch_size <= 2**24, ``optimizer_kwargs`` per optimizer), and its policy, loss scale and
+  storage dtypes are parsed then into ``config.precision`` (typed objects; nothing below parses
+  a string again). ``loss_weight`` (default 1.0) multiplies the training loss before
   differentiation, as a loss averaged over 1/loss_weight times more tokens would; recorded
   losses (per-step ``loss``, ``final_loss``) stay the plain loss; evaluation uses the plain loss.
-- ``train(config, *, callback=None, checkpoint_dir=None, resume=False, quiet=False)
-  -> TrainResult``. ``callback(metrics: dict)`` is called once per step with plain Python
-  values: ``step`` (1-based count of steps done), ``loss``, ``grad_norm`` (global norm of the
+- ``train(config, *, callback=None, checkpoint_dir=None, resume=False, quiet=False, hooks=())
+  -> TrainResult``; ``build(config) -> TrainSetup`` (the typed pieces: data, model, optimizer,
+  schedule, params, loss_fn, eval batches, ``StepOptions``, ``LoopOptions``).
+  ``callback(metrics: dict)`` is called once per step with plain Python values: ``step`` (1-based
+  count of steps done), ``loss``, ``grad_norm`` (global norm of the
   unscaled gradient, float32), ``loss_scale`` (scale used in this step), ``skipped`` (bool),
   ``skip_reason`` ("", "nonfinite_loss" (the forward overflowed) or "nonfinite_grads" (the
   backward did)), ``nonfinite_leaves`` (list of key paths, only with
   ``report_leaves``), ``underflow_fraction`` (fraction of the compute-dtype gradient elements that
-  are zero, subnormal or non-finite), ``lr``, ``metric`` (train accuracy of the batch),
+  are zero, subnormal or non-finite), ``lr`` (the rate applied: optax counts applied updates only,
+  so skipped steps do not advance it), ``metric`` (train accuracy of the batch),
   ``diverged`` (bool, sticky), ``step_time_s``; at eval steps also ``eval_loss``,
   ``eval_metric``; at histogram steps ``grad_hist`` / ``act_hist`` (dicts: ``edges`` (log2 bin
   edges), ``counts``, ``zeros``, ``nonfinite``; the gradient histogram is of the SCALED
@@ -61,20 +68,31 @@ Builders:
 
 Low level (any user model):
 
-- ``make_train_step(loss_fn, params, optimizer, *, policy=..., loss_scale=..., storage=...,
-  microbatches=1, seed=0, skip_nonfinite=None, skip="cond", data_parallel=False,
-  allreduce_dtype=None, report_leaves=False) -> (step_fn, state)``: ``step_fn(state, batch) ->
-  (state, metrics)`` is a pure, UN-jitted function (wrap it in ``jax.jit``, e.g.
-  ``jax.jit(step_fn, donate_argnums=0)``; ``jax.jit(step_fn).lower(state, batch).compile()
-  .memory_analysis()`` for memory accounting); ``state`` is a ``TrainState`` NamedTuple (step,
-  params, opt_state, loss_scale, storage_state, rng). ``loss_fn(params, batch)`` receives params
-  already cast to the compute dtype and returns a scalar loss or ``(loss, aux)``.
-- ``train_loop(loss_fn, params, optimizer, batches, *, steps, ..., loss_weight=1.0)
-  -> TrainResult`` runs the jitted step over an iterable of batches with the same metrics,
-  callback, checkpoints and divergence detection as ``train`` (``loss_weight`` weights
-  ``loss_fn`` and the probe/shadow loss functions, and the recorded loss is divided back).
+- ``build_step(loss_fn, params, optimizer, options=StepOptions(...)) -> TrainStep(fn, state,
+  mesh)``: ``StepOptions`` (frozen: ``policy`` a Policy, ``loss_scale`` a LossScale, ``storage``,
+  ``microbatches``, ``seed``, ``skip_nonfinite``, ``skip`` "cond" | "select", ``data_parallel``,
+  ``allreduce_dtype``, ``report_leaves``; ``StepOptions.parse(policy="p=f32,c=bf16,o=f32",
+  loss_scale="dynamic", ...)`` takes spec strings). ``fn(state, batch) -> (state, metrics)`` is
+  a pure, UN-jitted function (wrap it in ``jax.jit``, e.g. ``jax.jit(fn, donate_argnums=0)``;
+  ``jax.jit(fn).lower(state, batch).compile().memory_analysis()`` for memory accounting);
+  ``state`` is a ``TrainState`` NamedTuple (step, params, opt_state, loss_scale,
+  storage_state, rng); ``mesh`` the data-parallel mesh (shard batches with
+  ``train.parallel.shard_batch``) or None. ``loss_fn(params, batch)`` receives params already
+  cast to the compute dtype and returns a scalar loss or ``(loss, aux)``.
+  ``make_train_step(loss_fn, params, optimizer, **step_options) -> (fn, state)`` is the same
+  with the options as keywords.
+- ``train_loop(loss_fn, params, optimizer, batches, *, options=None, loop=None, eval_fn=None,
+  ..., callback=None, hooks=(), **specs) -> TrainResult`` runs the jitted step over an iterable
+  of batches with the same metrics, callback, checkpoints and divergence detection as
+  ``train``; ``loop`` is a ``LoopOptions`` (steps, eval/checkpoint/hist/shadow intervals,
+  divergence_k, divergence_action, loss_weight); ``specs`` may give the fields of both option
+  objects as keywords (``steps=300, policy="p=f32,c=f16,o=f32", loss_scale="dynamic"``). The
+  run's totals are an ``Aggregates`` value (pure ``update``); after each step every ``Hook``
+  (``on_step(StepEnd)``, ``close()``) runs: ``CallbackHook``, ``ProgressHook``,
+  ``CheckpointHook``.
 - ``save_checkpoint(dir, state, *, step, extra)`` / ``load_checkpoint(dir, template)`` /
-  ``latest_checkpoint(dir)``: atomic, bitwise.
+  ``latest_checkpoint(dir)``: atomic, bitwise; ``meta.json`` strict JSON (see
+  :mod:`precisionlab._io`).
 - Meters: ``underflow_fraction(tree, dtype)``, ``log2_histogram(tree)``,
   ``shadow_stats(grads, grads_fp32)``.
 """
@@ -82,11 +100,25 @@ Low level (any user model):
 from precisionlab.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from precisionlab.train.config import DIVERGENCE_ACTIONS, UPDATE_ROUNDINGS, TrainConfig, TrainResult
 from precisionlab.train.data import DATASETS, Dataset, make_data
-from precisionlab.train.loop import build, evaluate, make_eval_fn, train, train_loop
+from precisionlab.train.loop import (
+    Aggregates,
+    CallbackHook,
+    CheckpointHook,
+    Hook,
+    LoopOptions,
+    ProgressHook,
+    StepEnd,
+    TrainSetup,
+    build,
+    evaluate,
+    make_eval_fn,
+    train,
+    train_loop,
+)
 from precisionlab.train.meters import log2_histogram, shadow_stats, underflow_fraction
 from precisionlab.train.models import MODELS, Model, make_model
 from precisionlab.train.optim import OPTIMIZERS, SCHEDULES, make_optimizer
-from precisionlab.train.step import TrainState, make_train_step
+from precisionlab.train.step import StepOptions, TrainState, TrainStep, build_step, make_train_step
 
 __all__ = [
     "DATASETS",
@@ -95,12 +127,23 @@ __all__ = [
     "OPTIMIZERS",
     "SCHEDULES",
     "UPDATE_ROUNDINGS",
+    "Aggregates",
+    "CallbackHook",
+    "CheckpointHook",
     "Dataset",
+    "Hook",
+    "LoopOptions",
     "Model",
+    "ProgressHook",
+    "StepEnd",
+    "StepOptions",
     "TrainConfig",
     "TrainResult",
+    "TrainSetup",
     "TrainState",
+    "TrainStep",
     "build",
+    "build_step",
     "evaluate",
     "latest_checkpoint",
     "load_checkpoint",

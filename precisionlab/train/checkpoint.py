@@ -10,7 +10,6 @@ leaves either the whole checkpoint or none. Loading needs a template state of th
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import shutil
@@ -19,6 +18,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from precisionlab import _io
 
 __all__ = ["latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint"]
 
@@ -59,14 +60,13 @@ def save_checkpoint(
             np.savez(f, *[_raw(x) for x in leaves])
             f.flush()
             os.fsync(f.fileno())
-        with open(tmp / "meta.json", "w") as f:
-            json.dump(meta, f)
-            f.flush()
-            os.fsync(f.fileno())
+        _io.write_json(tmp / "meta.json", meta, indent=None)
+        _io.fsync_dir(tmp)
         final = root / f"{_PREFIX}{int(step):08d}"
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        _io.fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -110,7 +110,7 @@ def load_checkpoint(path: str | os.PathLike, template: Any) -> tuple[Any, int, d
         if latest is None:
             raise ValueError(f"no checkpoint in {str(path)!r}")
         path = latest
-    meta = json.loads((path / "meta.json").read_text())
+    meta = _io.read_json(path / "meta.json")
     leaves, treedef = jax.tree_util.tree_flatten(template)
     if len(leaves) != len(meta["dtypes"]):
         raise ValueError(

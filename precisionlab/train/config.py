@@ -3,12 +3,32 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
+import numpy as np
+
+from precisionlab._schema import (
+    FLOAT32_MAX,
+    FLOAT32_TINY,
+    INT32_MAX,
+    ConfigError,
+    Field,
+    coerce,
+    validate_table,
+)
+from precisionlab.mixed.loss_scale import LossScale, parse_loss_scale
+from precisionlab.mixed.policy import FP32_OPS, Policy, get_policy, parse_dtype
+from precisionlab.mixed.storage import Storage
+from precisionlab.train.data import DATASETS, data_kind
+from precisionlab.train.models import MODELS, model_data_kind
+from precisionlab.train.optim import OPTIMIZER_FIELDS, OPTIMIZERS, SCHEDULES
+
 __all__ = [
+    "BATCH_SIZE_MAX",
     "DIVERGENCE_ACTIONS",
+    "TRAIN_FIELDS",
     "UPDATE_ROUNDINGS",
+    "Precision",
     "TrainConfig",
     "TrainResult",
     "check_loss_weight",
@@ -16,6 +36,101 @@ __all__ = [
 
 UPDATE_ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic", "kahan")
 DIVERGENCE_ACTIONS: tuple[str, ...] = ("stop", "continue")
+#: Largest batch accepted: a batch of the built-in data is at least 4 bytes x 2**24 = 64 MiB
+#: per feature; beyond that it cannot be a laptop-scale experiment.
+BATCH_SIZE_MAX = 2**24
+
+
+def _policy(text: str) -> str:
+    get_policy(text)
+    return text
+
+
+def _loss_scale_spec(text: str) -> str:
+    parse_loss_scale(text)
+    return text
+
+
+def _dtype(text: str) -> str:
+    parse_dtype(text)
+    return text
+
+
+def _steps(n: int, why: str = "the step counter is an int32") -> Field:
+    return Field(int, n, low=0, high=INT32_MAX, why=why)
+
+
+_F32 = "the float32 max"
+#: The ``[train]`` keys: type, default, allowed values and range of every TrainConfig field.
+TRAIN_FIELDS: dict[str, Field] = {
+    "model": Field(str, "mlp", choices=MODELS),
+    "model_kwargs": Field(dict, {}),
+    "data": Field(str, "teacher", choices=DATASETS),
+    "data_kwargs": Field(dict, {}),
+    "optimizer": Field(str, "adam", choices=OPTIMIZERS),
+    "lr": Field(float, 1e-3, above=0.0, high=FLOAT32_MAX, why=_F32),
+    "schedule": Field(str, "constant", choices=SCHEDULES),
+    "warmup_steps": _steps(0),
+    "weight_decay": Field(float, 0.0, low=0.0, high=FLOAT32_MAX, why=_F32),
+    "grad_clip": Field(float, None, nullable=True, above=0.0, high=FLOAT32_MAX, why=_F32),
+    "optimizer_kwargs": Field(dict, {}),
+    "policy": Field(str, "p=f32,c=f32,o=f32", check=_policy),
+    "fp32_ops": Field(list, None, item=str, choices=FP32_OPS, nullable=True),
+    "loss_scale": Field(str, "none", check=_loss_scale_spec),
+    "loss_scale_kwargs": Field(dict, {}),
+    "params_dtype": Field(str, None, check=_dtype, nullable=True),
+    "grads_dtype": Field(str, "float32", check=_dtype),
+    "opt_state_dtype": Field(str, "float32"),
+    "update_rounding": Field(str, "nearest", choices=UPDATE_ROUNDINGS),
+    "enforce_numerics": Field(bool, True),
+    "steps": Field(int, 500, low=1, high=INT32_MAX, why="the step counter is an int32"),
+    "seed": Field(int, 0, low=0, high=2**32 - 1, why="a uint32 PRNG seed"),
+    "batch_size": Field(int, 128, low=1, high=BATCH_SIZE_MAX, why="2**24"),
+    "microbatches": Field(int, 1, low=1, high=BATCH_SIZE_MAX, why="2**24"),
+    "eval_interval": _steps(0),
+    "eval_batches": Field(int, 8, low=1, high=2**16, why="2**16"),
+    "checkpoint_interval": _steps(0),
+    "divergence_k": Field(float, None, nullable=True, above=1.0, high=FLOAT32_MAX, why=_F32),
+    "divergence_action": Field(str, "stop", choices=DIVERGENCE_ACTIONS),
+    "hist_interval": _steps(0),
+    "shadow": Field(bool, False),
+    "shadow_interval": _steps(0),
+    "data_parallel": Field(bool, False),
+    "allreduce_dtype": Field(str, None, check=_dtype, nullable=True),
+    "remat": Field(bool, False),
+    "report_leaves": Field(bool, False),
+    "progress": Field(bool, None, nullable=True),
+    "loss_weight": Field(
+        float,
+        1.0,
+        low=FLOAT32_TINY,
+        high=FLOAT32_MAX,
+        why="the float32 max: it scales a float32 loss",
+    ),
+}
+
+
+#: The same fields without the parsing checks: a TrainConfig parses its policy, loss scale and
+#: dtype names once, into :class:`Precision` (the checks in TRAIN_FIELDS serve the experiment
+#: files' grids and overrides, validated before any config is made).
+_TYPES_ONLY: dict[str, Field] = {
+    k: dataclasses.replace(f, check=None) for k, f in TRAIN_FIELDS.items()
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """The precision objects a TrainConfig names, parsed once (when the config is made).
+
+    policy: the Policy (with ``fp32_ops``). loss_scale: the initial LossScale (a pytree).
+    storage: dtypes of the stored params / grads / optimizer state and the update rounding.
+    allreduce_dtype: dtype of the data-parallel gradient all-reduce (float32 by default).
+    """
+
+    policy: Policy
+    loss_scale: LossScale
+    storage: Storage
+    allreduce_dtype: np.dtype
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -102,27 +217,76 @@ class TrainConfig:
     loss_weight: float = 1.0
 
     def __post_init__(self) -> None:
-        from precisionlab.train.validate import validate_config
+        # The one validation of a config: every field against TRAIN_FIELDS, then the rules that
+        # join fields; the precision objects are parsed here once and kept (``.precision``).
+        for name, field in _TYPES_ONLY.items():
+            value = getattr(self, name)
+            if name == "fp32_ops" and isinstance(value, tuple):
+                value = list(value)
+            coerce(value, field, name)
+        if self.fp32_ops is not None:
+            object.__setattr__(self, "fp32_ops", tuple(self.fp32_ops))
+        if self.batch_size % self.microbatches:
+            raise ConfigError(
+                f"batch_size {self.batch_size} is not divisible by microbatches {self.microbatches}"
+            )
+        if self.schedule != "constant" and self.steps <= self.warmup_steps:
+            raise ConfigError(f"schedule {self.schedule!r} needs steps > warmup_steps")
+        needs, has = model_data_kind(self.model), data_kind(self.data)
+        if needs != has:
+            raise ConfigError(
+                f"model {self.model!r} needs a {needs} dataset, but data {self.data!r} is {has}; "
+                f"allowed: {', '.join(d for d in DATASETS if data_kind(d) == needs)}"
+            )
+        fields = OPTIMIZER_FIELDS[self.optimizer]
+        validate_table(self.optimizer_kwargs, fields, "optimizer_kwargs", defaults=False)
+        object.__setattr__(self, "_precision", self._parse_precision())
 
-        validate_config(self)
-        check_loss_weight(self.loss_weight)
+    def _parse_precision(self) -> Precision:
+        def parse(key: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except (ValueError, TypeError) as err:
+                raise ConfigError(f"{key}: {str(err).splitlines()[0]}") from None
+
+        for key in ("params_dtype", "grads_dtype", "allreduce_dtype"):
+            if getattr(self, key) is not None:
+                parse(key, parse_dtype, getattr(self, key))
+        policy = parse("policy", get_policy, self.policy, fp32_ops=self.fp32_ops)
+        key = "loss_scale_kwargs" if self.loss_scale_kwargs else "loss_scale"
+        loss_scale = parse(key, parse_loss_scale, self.loss_scale, **self.loss_scale_kwargs)
+        storage = parse(
+            "opt_state_dtype",
+            Storage,
+            params=self.params_dtype,
+            grads=self.grads_dtype,
+            opt_state=self.opt_state_dtype,
+            update=self.update_rounding,
+        )
+        red = np.float32 if self.allreduce_dtype is None else parse_dtype(self.allreduce_dtype)
+        return Precision(
+            policy=policy, loss_scale=loss_scale, storage=storage, allreduce_dtype=np.dtype(red)
+        )
+
+    @property
+    def precision(self) -> Precision:
+        """Policy, initial loss scale, storage and all-reduce dtype, parsed when made."""
+        return self._precision  # type: ignore[attr-defined]
 
     @classmethod
     def from_dict(cls, table: dict[str, Any], where: str = "train") -> TrainConfig:
-        """Build from a TOML-like dict; an unknown key raises ValueError naming ``where.key``."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(table) - names)
-        if unknown:
-            raise ValueError(
-                f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(names))}"
-            )
-        kw = dict(table)
-        if kw.get("fp32_ops") is not None:
-            kw["fp32_ops"] = tuple(kw["fp32_ops"])
+        """Build from a TOML-like dict; an unknown key or bad value raises ValueError (a
+        :class:`~precisionlab._schema.ConfigError`) naming ``where.key``."""
+        values = validate_table(table, _TYPES_ONLY, where, defaults=False)
+        if values.get("fp32_ops") is not None:
+            values["fp32_ops"] = tuple(values["fp32_ops"])
         try:
-            return cls(**kw)
+            return cls(**values)
         except (ValueError, TypeError) as err:
-            raise type(err)(f"{where}: {err}") from err
+            message = str(err).splitlines()[0]
+            key = message.split(":")[0].split(".")[0]
+            sep = "." if key in TRAIN_FIELDS else ": "
+            raise ConfigError(f"{where}{sep}{message}") from err
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (the inverse of :meth:`from_dict`)."""
@@ -133,17 +297,9 @@ class TrainConfig:
 
 
 def check_loss_weight(value: Any) -> float:
-    """``value`` if it is a valid ``TrainConfig.loss_weight`` (a finite number > 0), else
-    ValueError."""
-    ok = (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value > 0
-    )
-    if not ok:
-        raise ValueError(f"loss_weight must be a finite number > 0, got {value!r}")
-    return value
+    """``value`` if it is a valid ``TrainConfig.loss_weight`` (a number in [smallest float32,
+    largest float32]), else ValueError."""
+    return coerce(value, TRAIN_FIELDS["loss_weight"], "loss_weight")
 
 
 @dataclasses.dataclass(kw_only=True)

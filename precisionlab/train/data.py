@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DATASETS", "SPLITS", "Dataset", "MarkovData", "TeacherData", "make_data"]
+__all__ = ["DATASETS", "SPLITS", "Dataset", "MarkovData", "TeacherData", "data_kind", "make_data"]
 
 DATASETS: tuple[str, ...] = ("teacher", "markov")
 SPLITS: dict[str, int] = {"train": 0, "eval": 1}
@@ -194,6 +194,13 @@ class MarkovData(Dataset):
 
 
 _BUILDERS = {"teacher": TeacherData, "markov": MarkovData}
+
+
+def data_kind(name: str) -> str:
+    """``"classification"`` or ``"lm"``: the kind of data the dataset ``name`` gives."""
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown dataset {name!r}; allowed: {', '.join(DATASETS)}")
+    return _BUILDERS[name].kind
 
 
 def make_data(name: str, **kwargs: Any) -> Dataset:

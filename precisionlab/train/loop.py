@@ -1,25 +1,30 @@
-"""The training loop: jitted steps, metrics, evaluation, checkpoints, divergence detection.
+"""The training loop: jitted steps, metrics, evaluation, divergence detection, hooks.
 
-:func:`train_loop` runs any ``loss_fn`` over any batch source; :func:`train` builds model, data,
-optimizer, policy and loss scale from a :class:`~precisionlab.train.config.TrainConfig`.
+:func:`train` runs a :class:`~precisionlab.train.config.TrainConfig`: :func:`build` turns it into
+typed pieces (model, data, optimizer, schedule, :class:`~precisionlab.train.step.StepOptions`,
+:class:`LoopOptions`) and :func:`train_loop` runs any ``loss_fn`` over any batch source. What
+happens around a step (progress bar, checkpoints, the caller's callback) is a list of
+:class:`Hook` objects; the run's totals are an :class:`Aggregates` value updated by a pure
+function.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from precisionlab.mixed.loss_scale import LossScale, nonfinite_leaf_names
+from precisionlab._io import from_json_float
+from precisionlab.mixed.loss_scale import nonfinite_leaf_names
 from precisionlab.mixed.policy import Policy, cast_floating, get_policy
-from precisionlab.mixed.storage import Storage
 from precisionlab.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from precisionlab.train.config import (
     DIVERGENCE_ACTIONS,
@@ -27,47 +32,219 @@ from precisionlab.train.config import (
     TrainResult,
     check_loss_weight,
 )
-from precisionlab.train.data import make_data
+from precisionlab.train.data import Dataset, make_data
 from precisionlab.train.meters import hist_edges
-from precisionlab.train.models import make_model
+from precisionlab.train.models import Model, make_model
 from precisionlab.train.optim import make_optimizer, make_schedule
-from precisionlab.train.step import make_probe_fn, make_train_step, normalize_loss_fn
+from precisionlab.train.step import (
+    StepOptions,
+    TrainState,
+    build_step,
+    make_probe_fn,
+    normalize_loss_fn,
+)
 
-__all__ = ["evaluate", "make_eval_fn", "train", "train_loop"]
+__all__ = [
+    "Aggregates",
+    "CallbackHook",
+    "CheckpointHook",
+    "Hook",
+    "LoopOptions",
+    "ProgressHook",
+    "StepEnd",
+    "TrainSetup",
+    "build",
+    "evaluate",
+    "make_eval_fn",
+    "train",
+    "train_loop",
+]
 
-_COMPAT = {"mlp": "classification", "transformer": "lm"}
+
+# --- options and totals ------------------------------------------------------------------
 
 
-def _host(x: Any) -> Any:
-    x = np.asarray(x)
-    if x.shape == ():
-        return bool(x) if x.dtype == bool else float(x)
-    return x.tolist()
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoopOptions:
+    """How the loop runs around the step (see :func:`train_loop`)."""
+
+    steps: int
+    eval_interval: int = 0
+    checkpoint_interval: int = 0
+    divergence_k: float | None = None
+    divergence_action: str = "stop"
+    hist_interval: int = 0
+    shadow_interval: int = 0
+    loss_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.divergence_action not in DIVERGENCE_ACTIONS:
+            raise ValueError(
+                f"unknown divergence_action {self.divergence_action!r}; allowed: "
+                f"{', '.join(DIVERGENCE_ACTIONS)}"
+            )
+        check_loss_weight(self.loss_weight)
 
 
-def _hist_dict(h: dict[str, Any] | None) -> dict[str, Any] | None:
-    if h is None:
-        return None
-    return {
-        "edges": hist_edges().tolist(),
-        "counts": np.asarray(h["counts"]).tolist(),
-        "zeros": int(h["zeros"]),
-        "nonfinite": int(h["nonfinite"]),
-    }
+@dataclasses.dataclass(frozen=True)
+class Aggregates:
+    """Totals of a run so far (checkpointed with the state, so a resumed run continues them).
+
+    ``final_loss`` is the last step's loss (nan/inf after a divergence); ``running_min`` the least
+    finite loss (for ``divergence_k``); ``underflow_sum`` the sum of the underflow meter.
+    """
+
+    diverged: bool = False
+    divergence_step: int | None = None
+    running_min: float = math.inf
+    skipped_steps: int = 0
+    min_loss_scale: float = math.inf
+    max_loss_scale: float = -math.inf
+    underflow_sum: float = 0.0
+    final_loss: float = math.nan
+    evals: tuple[dict[str, Any], ...] = ()
+
+    def update(self, step: int, rec: dict[str, Any], divergence_k: float | None) -> Aggregates:
+        """The totals after step ``step`` (1-based) recorded as ``rec``. Pure."""
+        loss = rec["loss"]
+        bad = not math.isfinite(loss) or (
+            divergence_k is not None
+            and math.isfinite(self.running_min)
+            and loss > divergence_k * self.running_min
+        )
+        newly = bad and not self.diverged
+        return dataclasses.replace(
+            self,
+            diverged=self.diverged or bad,
+            divergence_step=step if newly else self.divergence_step,
+            running_min=min(self.running_min, loss) if math.isfinite(loss) else self.running_min,
+            skipped_steps=self.skipped_steps + int(rec["skipped"]),
+            min_loss_scale=min(self.min_loss_scale, rec["loss_scale"]),
+            max_loss_scale=max(self.max_loss_scale, rec["loss_scale"]),
+            underflow_sum=self.underflow_sum + rec["underflow_fraction"],
+            final_loss=loss,
+        )
+
+    def with_eval(self, step: int, ev: dict[str, float]) -> Aggregates:
+        return dataclasses.replace(self, evals=(*self.evals, {"step": step, **ev}))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["evals"] = list(self.evals)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Aggregates:
+        """Inverse of :meth:`to_dict`, also after a JSON round trip (non-finite floats are
+        stored as strings, see :mod:`precisionlab._io`)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in data.items() if k in names}
+        for key in ("running_min", "min_loss_scale", "max_loss_scale", "final_loss"):
+            if key in kw:
+                kw[key] = from_json_float(kw[key])
+        kw["evals"] = tuple(
+            {k: v if k == "step" else from_json_float(v) for k, v in ev.items()}
+            for ev in kw.get("evals", ())
+        )
+        return cls(**kw)
+
+
+# --- hooks --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEnd:
+    """What a hook sees after each step: ``record`` is the step's metrics dict (plain values)."""
+
+    step: int
+    steps: int
+    record: dict[str, Any]
+    state: TrainState
+    aggregates: Aggregates
+    last: bool
+
+
+class Hook(Protocol):
+    """Something done after each step (``on_step``) and when the loop ends (``close``)."""
+
+    def on_step(self, end: StepEnd) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class CallbackHook:
+    """Calls ``callback(record)`` after each step."""
+
+    def __init__(self, callback: Callable[[dict[str, Any]], None]) -> None:
+        self.callback = callback
+
+    def on_step(self, end: StepEnd) -> None:
+        self.callback(end.record)
+
+    def close(self) -> None:
+        pass
+
+
+class CheckpointHook:
+    """Saves the state and the aggregates every ``interval`` steps and after the last one."""
+
+    def __init__(self, directory: Any, interval: int) -> None:
+        self.directory, self.interval = directory, interval
+
+    def on_step(self, end: StepEnd) -> None:
+        if (self.interval and end.step % self.interval == 0) or end.last:
+            extra = {"aggregates": end.aggregates.to_dict()}
+            save_checkpoint(self.directory, end.state, step=end.step, extra=extra)
+
+    def close(self) -> None:
+        pass
+
+
+class ProgressHook:
+    """A tqdm bar on stderr with the loss and the loss scale.
+
+    ``bar`` may be shared by several runs (the experiment runner passes one bar for all its
+    variants, so its ETA is the whole run's): a run that stops early advances it by the steps
+    it did not do.
+    """
+
+    def __init__(self, bar: Any, *, own: bool = True) -> None:
+        self.bar, self.own = bar, own
+        self.remaining = 0
+
+    @classmethod
+    def for_run(cls, total: int, initial: int, desc: str | None) -> ProgressHook:
+        from tqdm.auto import tqdm
+
+        return cls(tqdm(total=total, initial=initial, desc=desc, leave=False, dynamic_ncols=True))
+
+    def on_step(self, end: StepEnd) -> None:
+        self.bar.update(1)
+        self.remaining = end.steps - end.step
+        loss, scale = end.record["loss"], end.record["loss_scale"]
+        self.bar.set_postfix(loss=f"{loss:.4g}", scale=f"{scale:.3g}")
+
+    def close(self) -> None:
+        if self.own:
+            self.bar.close()
+        elif self.remaining:
+            self.bar.update(self.remaining)
+
+
+# --- evaluation -----------------------------------------------------------------------------
 
 
 def make_eval_fn(
-    loss_fn: Callable, policy: Policy | str, batches: list[Any]
+    loss_fn: Callable, policy: Policy, batches: list[Any]
 ) -> Callable[[Any], dict[str, float]]:
     """``eval_fn(params) -> {"eval_loss", "eval_metric"}``: mean over ``batches`` of the loss and
     of aux ``metric`` (nan if absent), with params cast to the compute dtype. Jitted."""
-    pol = get_policy(policy)
     f = normalize_loss_fn(loss_fn)
     stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *batches)
 
     @jax.jit
     def run(params, stacked):
-        pc = cast_floating(params, pol.compute_dtype)
+        pc = cast_floating(params, policy.compute_dtype)
 
         def one(carry, b):
             loss, aux = f(pc, b)
@@ -99,13 +276,25 @@ def evaluate(
     return make_eval_fn(loss_fn, pol, batches)(params)
 
 
-def _progress(enabled: bool | None, total: int, initial: int, desc: str | None):
-    show = sys.stderr.isatty() if enabled is None else enabled
-    if not show:
-        return None
-    from tqdm.auto import tqdm
+# --- the loop -------------------------------------------------------------------------------
 
-    return tqdm(total=total, initial=initial, desc=desc, leave=False, dynamic_ncols=True)
+
+def _host(x: Any) -> Any:
+    x = np.asarray(x)
+    if x.shape == ():
+        return bool(x) if x.dtype == bool else float(x)
+    return x.tolist()
+
+
+def _hist_dict(h: dict[str, Any] | None) -> dict[str, Any] | None:
+    if h is None:
+        return None
+    return {
+        "edges": hist_edges().tolist(),
+        "counts": np.asarray(h["counts"]).tolist(),
+        "zeros": int(h["zeros"]),
+        "nonfinite": int(h["nonfinite"]),
+    }
 
 
 def _weighted(loss_fn: Callable, weight: float) -> Callable:
@@ -120,335 +309,332 @@ def _weighted(loss_fn: Callable, weight: float) -> Callable:
     return weighted
 
 
+def _record(metrics: dict[str, Any], step: int, params: Any, loss_weight: float) -> dict[str, Any]:
+    """The host-side record of a step's device metrics."""
+    metrics = jax.device_get(metrics)
+    flags = metrics.pop("finite_leaves", None)
+    rec: dict[str, Any] = {"step": step}
+    rec.update({k: _host(v) for k, v in metrics.items()})
+    rec["skipped"] = bool(rec["skipped"])
+    # A non-finite loss means the forward pass overflowed; otherwise the backward did.
+    reason = "nonfinite_loss" if not math.isfinite(rec["loss"]) else "nonfinite_grads"
+    rec["skip_reason"] = reason if rec["skipped"] else ""
+    if loss_weight != 1:
+        rec["loss"] /= loss_weight  # the plain loss, not the weighted one
+    if flags is not None:
+        rec["nonfinite_leaves"] = nonfinite_leaf_names(params, flags) if rec["skipped"] else []
+    return rec
+
+
+def _probe_record(out: dict[str, Any], hist: bool) -> dict[str, Any]:
+    rec: dict[str, Any] = {}
+    if hist:
+        rec["grad_hist"] = _hist_dict(out["grad_hist"])
+        rec["act_hist"] = _hist_dict(out["act_hist"])
+    if "shadow_cosine" in out:
+        rec["shadow_cosine"] = float(out["shadow_cosine"])
+        rec["shadow_underflow_lost"] = float(out["shadow_underflow_lost"])
+    return rec
+
+
+def _split_specs(specs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    loop_names = {f.name for f in dataclasses.fields(LoopOptions)}
+    step_names = {f.name for f in dataclasses.fields(StepOptions)}
+    unknown = sorted(set(specs) - loop_names - step_names)
+    if unknown:
+        raise TypeError(
+            f"train_loop got unknown keyword(s) {', '.join(unknown)}; allowed: "
+            f"{', '.join(sorted(loop_names | step_names))}"
+        )
+    return (
+        {k: v for k, v in specs.items() if k in loop_names},
+        {k: v for k, v in specs.items() if k in step_names},
+    )
+
+
 def train_loop(
     loss_fn: Callable,
     params: Any,
     optimizer: optax.GradientTransformation,
     batches: Iterable[Any] | Callable[[int], Iterator[Any]],
     *,
-    steps: int,
-    policy: Policy | str = "p=f32,c=f32,o=f32",
-    loss_scale: LossScale | str = "none",
-    storage: Storage | None = None,
-    microbatches: int = 1,
-    seed: int = 0,
-    skip_nonfinite: bool | None = None,
-    skip: str = "cond",
-    data_parallel: bool | int = False,
-    allreduce_dtype: Any = None,
-    report_leaves: bool = False,
-    callback: Callable[[dict[str, Any]], None] | None = None,
+    options: StepOptions | None = None,
+    loop: LoopOptions | None = None,
     eval_fn: Callable[[Any], dict[str, float]] | None = None,
-    eval_interval: int = 0,
-    checkpoint_dir: str | None = None,
-    checkpoint_interval: int = 0,
-    resume: bool = False,
-    divergence_k: float | None = None,
-    divergence_action: str = "stop",
-    hist_interval: int = 0,
     probe_loss_fn: Callable | None = None,
     shadow_loss_fn: Callable | None = None,
-    shadow_interval: int = 0,
     lr_schedule: Callable[[int], Any] | None = None,
+    checkpoint_dir: Any = None,
+    resume: bool = False,
+    callback: Callable[[dict[str, Any]], None] | None = None,
+    hooks: Sequence[Hook] = (),
     progress: bool | None = None,
     desc: str | None = None,
-    loss_weight: float = 1.0,
+    **specs: Any,
 ) -> TrainResult:
-    """Train ``loss_fn`` for ``steps`` steps; see :func:`make_train_step` for the step options.
+    """Train ``loss_fn``; returns a :class:`~precisionlab.train.config.TrainResult`.
 
     Args:
       batches: an iterable of batches, or ``batches(start_step) -> iterator`` (preferred: resume
         then starts the data at the checkpoint's step; an iterable is advanced by skipping).
-      callback: called once per step with a dict of plain values (see the package docstring).
-      eval_fn: ``eval_fn(params) -> {"eval_loss", "eval_metric"}``, run every ``eval_interval``
-        steps (0: only at the end) and after the last step.
-      checkpoint_dir / checkpoint_interval: atomic checkpoints every N steps and at the end;
-        ``resume`` continues from the newest one (bitwise as if uninterrupted).
-      divergence_k: a step whose loss is non-finite or > k * running min of the loss marks the run
-        diverged (None: non-finite only); ``divergence_action`` "stop" ends the run there.
-      hist_interval: every N steps, histograms of log2|grad| and of the activations (from
-        ``probe_loss_fn``'s aux "activations"; default ``loss_fn``), and with ``shadow_loss_fn``
-        the fp32 shadow comparison (also every ``shadow_interval`` steps if > 0).
-      lr_schedule: step -> learning rate, reported as ``lr`` in the metrics.
-      progress: tqdm bar with loss and scale (None: only when stderr is a terminal).
-      loss_weight: ``loss_fn``, ``probe_loss_fn`` and ``shadow_loss_fn`` have their loss
-        multiplied by it (in float32) before differentiation, as a loss averaged over
-        1/loss_weight times more tokens would; the recorded ``loss`` (callback, metrics,
-        ``final_loss``, divergence detection) is divided back, i.e. the plain loss. ``eval_fn``
-        is not weighted. 1.0: off.
+      options / loop: the step's and the loop's options; or give their fields as keywords
+        (``steps=300, policy="p=f32,c=f16,o=f32", loss_scale="dynamic", eval_interval=...``),
+        parsed here into those objects.
+      eval_fn: ``eval_fn(params) -> {"eval_loss", "eval_metric"}``, run every
+        ``loop.eval_interval`` steps (0: only at the end) and after the last step; not weighted.
+      probe_loss_fn / shadow_loss_fn: every ``loop.hist_interval`` steps, histograms of
+        log2|grad| and of the activations (``probe_loss_fn``'s aux "activations"; default
+        ``loss_fn``), and the fp32 shadow comparison (also every ``shadow_interval`` steps).
+      lr_schedule: optax count -> learning rate, reported as ``lr``: the rate this step applied
+        (optax counts applied updates only, so skipped steps do not advance it).
+      checkpoint_dir / resume: checkpoints every ``loop.checkpoint_interval`` steps and at the
+        end; ``resume`` continues from the newest one (bitwise as if uninterrupted).
+      callback, hooks, progress, desc: what runs after each step: ``callback(record)``, the
+        given hooks, and a tqdm bar labelled ``desc`` (``progress`` None: only on a terminal).
+
+    ``loop.loss_weight`` multiplies the loss of ``loss_fn``, ``probe_loss_fn`` and
+    ``shadow_loss_fn`` (in float32) before differentiation; the recorded ``loss`` is divided back.
+    A step whose loss is non-finite or > ``divergence_k`` x the least loss so far marks the run
+    diverged; ``divergence_action`` "stop" ends it there.
     """
-    if divergence_action not in DIVERGENCE_ACTIONS:
-        raise ValueError(
-            f"unknown divergence_action {divergence_action!r}; allowed: "
-            f"{', '.join(DIVERGENCE_ACTIONS)}"
-        )
-    if checkpoint_interval and checkpoint_dir is None:
+    loop_kw, step_kw = _split_specs(specs)
+    if loop is None:
+        loop = LoopOptions(**loop_kw)
+    elif loop_kw:
+        raise TypeError(f"give loop options in `loop` or as keywords, not both: {sorted(loop_kw)}")
+    if options is None:
+        options = StepOptions.parse(**step_kw)
+    elif step_kw:
+        raise TypeError(f"give step options in `options` or as keywords: {sorted(step_kw)}")
+    if loop.checkpoint_interval and checkpoint_dir is None:
         raise ValueError("checkpoint_interval needs a checkpoint_dir")
-    check_loss_weight(loss_weight)
-    if loss_weight != 1:
-        loss_fn = _weighted(loss_fn, loss_weight)
-        if probe_loss_fn is not None:
-            probe_loss_fn = _weighted(probe_loss_fn, loss_weight)
-        if shadow_loss_fn is not None:
-            shadow_loss_fn = _weighted(shadow_loss_fn, loss_weight)
-    step_fn, state = make_train_step(
-        loss_fn,
-        params,
-        optimizer,
-        policy=policy,
-        loss_scale=loss_scale,
-        storage=storage,
-        microbatches=microbatches,
-        seed=seed,
-        skip_nonfinite=skip_nonfinite,
-        skip=skip,
-        data_parallel=data_parallel,
-        allreduce_dtype=allreduce_dtype,
-        report_leaves=report_leaves,
-    )
-    mesh = step_fn.mesh
+    if loop.loss_weight != 1:
+        w = loop.loss_weight
+        loss_fn = _weighted(loss_fn, w)
+        probe_loss_fn = None if probe_loss_fn is None else _weighted(probe_loss_fn, w)
+        shadow_loss_fn = None if shadow_loss_fn is None else _weighted(shadow_loss_fn, w)
+    step_fn, state, mesh = build_step(loss_fn, params, optimizer, options)
     jstep = jax.jit(step_fn, donate_argnums=0)
     probe = None
-    if hist_interval or (shadow_loss_fn is not None and shadow_interval):
-        probe = jax.jit(
-            make_probe_fn(
-                probe_loss_fn or loss_fn,
-                policy=policy,
-                shadow_loss_fn=shadow_loss_fn,
-                histograms=bool(hist_interval),
-            )
+    if loop.hist_interval or (shadow_loss_fn is not None and loop.shadow_interval):
+        probe_fn = make_probe_fn(
+            probe_loss_fn or loss_fn,
+            policy=options.policy,
+            shadow_loss_fn=shadow_loss_fn,
+            histograms=bool(loop.hist_interval),
         )
-    agg = {
-        "diverged": False,
-        "divergence_step": None,
-        "running_min": math.inf,
-        "skipped_steps": 0,
-        "min_loss_scale": math.inf,
-        "max_loss_scale": -math.inf,
-        "underflow_sum": 0.0,
-        "final_loss": math.nan,
-        "evals": [],
-    }
-    start = 0
+        probe = jax.jit(probe_fn)
+
+    agg, start = Aggregates(), 0
     if resume and checkpoint_dir is not None and latest_checkpoint(checkpoint_dir) is not None:
         state, start, extra = load_checkpoint(checkpoint_dir, state)
-        agg.update(extra.get("aggregates", {}))
+        agg = Aggregates.from_dict(extra.get("aggregates", {}))
     # The step donates its state: copy it so the caller's params stay alive.
     state = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), state)
+    shard = None
     if mesh is not None:
         from precisionlab.train.parallel import replicate, shard_batch
 
         state = replicate(state, mesh)
-    if callable(batches) and not isinstance(batches, Iterable):
-        it = iter(batches(start))
-    else:
-        it = iter(batches)
-        for _ in range(start):
-            next(it)
+        shard = lambda b: shard_batch(b, mesh)  # noqa: E731
+    it = _batches_from(batches, start)
 
-    def checkpoint(state, step):
-        save_checkpoint(checkpoint_dir, state, step=step, extra={"aggregates": agg})
+    all_hooks = [CallbackHook(callback)] if callback is not None else []
+    all_hooks += list(hooks)
+    if progress if progress is not None else sys.stderr.isatty():
+        all_hooks.append(ProgressHook.for_run(loop.steps, start, desc))
+    if checkpoint_dir is not None:
+        all_hooks.append(CheckpointHook(checkpoint_dir, loop.checkpoint_interval))
+
+    def stopped() -> bool:
+        return agg.diverged and loop.divergence_action == "stop"
 
     records: list[dict[str, Any]] = []
-    bar = _progress(progress, steps, start, desc)
     t0 = time.perf_counter()
     step = start
     try:
-        while step < steps and not (agg["diverged"] and divergence_action == "stop"):
-            batch = next(it)
-            if mesh is not None:
-                batch = shard_batch(batch, mesh)
+        while step < loop.steps and not stopped():
+            batch = next(it) if shard is None else shard(next(it))
             ts = time.perf_counter()
-            probe_out = None
-            do_hist = hist_interval and step % hist_interval == 0
-            do_shadow = shadow_loss_fn is not None and (
-                do_hist or (shadow_interval and step % shadow_interval == 0)
+            hist = bool(loop.hist_interval) and step % loop.hist_interval == 0
+            shadow = shadow_loss_fn is not None and (
+                hist or (bool(loop.shadow_interval) and step % loop.shadow_interval == 0)
             )
-            if probe is not None and (do_hist or do_shadow):
-                probe_out = jax.device_get(probe(state, batch))
+            probed = jax.device_get(probe(state, batch)) if probe and (hist or shadow) else None
             state, metrics = jstep(state, batch)
-            metrics = jax.device_get(metrics)
             step += 1
-            rec: dict[str, Any] = {"step": step}
-            flags = metrics.pop("finite_leaves", None)
-            rec.update({k: _host(v) for k, v in metrics.items()})
-            rec["skipped"] = bool(rec["skipped"])
-            # A non-finite loss means the forward pass overflowed; otherwise the backward did.
-            reason = "nonfinite_loss" if not math.isfinite(rec["loss"]) else "nonfinite_grads"
-            rec["skip_reason"] = reason if rec["skipped"] else ""
-            if loss_weight != 1:
-                rec["loss"] /= loss_weight  # the plain loss, not the weighted one
-            if report_leaves:
-                rec["nonfinite_leaves"] = (
-                    nonfinite_leaf_names(params, flags) if rec["skipped"] else []
-                )
+            rec = _record(metrics, step, params, loop.loss_weight)
             if lr_schedule is not None:
-                rec["lr"] = float(lr_schedule(step - 1))
+                rec["lr"] = float(lr_schedule(step - 1 - agg.skipped_steps))
             rec["step_time_s"] = time.perf_counter() - ts
-            if probe_out is not None:
-                if do_hist:
-                    rec["grad_hist"] = _hist_dict(probe_out["grad_hist"])
-                    rec["act_hist"] = _hist_dict(probe_out["act_hist"])
-                if do_shadow and "shadow_cosine" in probe_out:
-                    rec["shadow_cosine"] = float(probe_out["shadow_cosine"])
-                    rec["shadow_underflow_lost"] = float(probe_out["shadow_underflow_lost"])
-            loss = rec["loss"]
-            agg["final_loss"] = loss
-            agg["skipped_steps"] += int(rec["skipped"])
-            agg["min_loss_scale"] = min(agg["min_loss_scale"], rec["loss_scale"])
-            agg["max_loss_scale"] = max(agg["max_loss_scale"], rec["loss_scale"])
-            agg["underflow_sum"] += rec["underflow_fraction"]
-            if not agg["diverged"]:
-                bad = not math.isfinite(loss) or (
-                    divergence_k is not None
-                    and math.isfinite(agg["running_min"])
-                    and loss > divergence_k * agg["running_min"]
-                )
-                if bad:
-                    agg["diverged"], agg["divergence_step"] = True, step
-            if math.isfinite(loss):
-                agg["running_min"] = min(agg["running_min"], loss)
-            rec["diverged"] = agg["diverged"]
-            last = step >= steps or (agg["diverged"] and divergence_action == "stop")
-            if eval_fn is not None and ((eval_interval and step % eval_interval == 0) or last):
+            if probed is not None:
+                rec.update(_probe_record(probed, hist))
+            agg = agg.update(step, rec, loop.divergence_k)
+            rec["diverged"] = agg.diverged
+            last = step >= loop.steps or stopped()
+            if eval_fn is not None and (
+                (loop.eval_interval and step % loop.eval_interval == 0) or last
+            ):
                 ev = eval_fn(state.params)
                 rec.update(ev)
-                agg["evals"].append({"step": step, **ev})
+                agg = agg.with_eval(step, ev)
             records.append(rec)
-            if callback is not None:
-                callback(rec)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4g}", scale=f"{rec['loss_scale']:.3g}")
-            if checkpoint_dir is not None and (
-                (checkpoint_interval and step % checkpoint_interval == 0) or last
-            ):
-                checkpoint(state, step)
+            end = StepEnd(step, loop.steps, rec, state, agg, last)
+            for hook in all_hooks:
+                hook.on_step(end)
     finally:
-        if bar is not None:
-            bar.close()
-    wall = time.perf_counter() - t0
-    n = max(step, 1)
-    last_eval = agg["evals"][-1] if agg["evals"] else {}
+        for hook in all_hooks:
+            hook.close()
+    return _result(state, step, agg, time.perf_counter() - t0, records)
+
+
+def _batches_from(batches: Any, start: int) -> Iterator[Any]:
+    if callable(batches) and not isinstance(batches, Iterable):
+        return iter(batches(start))
+    it = iter(batches)
+    for _ in range(start):
+        next(it)
+    return it
+
+
+def _result(state: Any, steps: int, agg: Aggregates, wall: float, records: list) -> TrainResult:
+    last_eval = agg.evals[-1] if agg.evals else {}
     return TrainResult(
         state=state,
-        steps_done=step,
-        final_loss=agg["final_loss"],
+        steps_done=steps,
+        final_loss=agg.final_loss,
         eval_loss=last_eval.get("eval_loss"),
         eval_metric=last_eval.get("eval_metric"),
-        evals=list(agg["evals"]),
-        skipped_steps=agg["skipped_steps"],
-        diverged=agg["diverged"],
-        divergence_step=agg["divergence_step"],
-        min_loss_scale=agg["min_loss_scale"],
-        max_loss_scale=agg["max_loss_scale"],
-        mean_underflow_fraction=agg["underflow_sum"] / n,
+        evals=list(agg.evals),
+        skipped_steps=agg.skipped_steps,
+        diverged=agg.diverged,
+        divergence_step=agg.divergence_step,
+        min_loss_scale=agg.min_loss_scale,
+        max_loss_scale=agg.max_loss_scale,
+        mean_underflow_fraction=agg.underflow_sum / max(steps, 1),
         wall_time_s=wall,
         metrics=records,
     )
 
 
-def build(config: TrainConfig) -> dict[str, Any]:
-    """The pieces of a run built from ``config``: data, model, policy, loss_fn, optimizer,
-    schedule, params (float32, from ``config.seed``), storage, eval batches."""
+# --- from a config ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSetup:
+    """Everything a :class:`TrainConfig` describes, built: the typed objects the loop takes.
+
+    data, model, optimizer (optax), schedule (count -> lr), params (float32, from the seed),
+    loss_fn (the model's loss under the policy), eval_batches (the same for every seed),
+    options (:class:`StepOptions`), loop (:class:`LoopOptions`).
+    """
+
+    config: TrainConfig
+    data: Dataset
+    model: Model
+    optimizer: optax.GradientTransformation
+    schedule: Callable[[int], Any]
+    params: Any
+    loss_fn: Callable
+    eval_batches: list[Any]
+    options: StepOptions
+    loop: LoopOptions
+
+    @property
+    def policy(self) -> Policy:
+        return self.options.policy
+
+
+def build(config: TrainConfig) -> TrainSetup:
+    """The pieces of a run built from ``config`` (validated and parsed when it was made)."""
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
+    precision = config.precision
     data = make_data(config.data, **config.data_kwargs)
-    if _COMPAT[config.model] != data.kind:
-        raise ValueError(
-            f"model {config.model!r} needs a {_COMPAT[config.model]} dataset, but data "
-            f"{config.data!r} is {data.kind}"
-        )
-    mk = {**data.model_kwargs(), **config.model_kwargs}
+    model_kwargs = {**data.model_kwargs(), **config.model_kwargs}
     if config.remat:
-        mk["remat"] = True
-    model = make_model(config.model, **mk)
-    policy = get_policy(config.policy, fp32_ops=config.fp32_ops)
-    schedule = make_schedule(
-        config.lr, config.schedule, steps=config.steps, warmup_steps=config.warmup_steps
-    )
+        model_kwargs["remat"] = True
+    model = make_model(config.model, **model_kwargs)
+    sched = dict(steps=config.steps, warmup_steps=config.warmup_steps)
     optimizer = make_optimizer(
         config.optimizer,
         config.lr,
         schedule=config.schedule,
-        steps=config.steps,
-        warmup_steps=config.warmup_steps,
         weight_decay=config.weight_decay,
         grad_clip=config.grad_clip,
+        **sched,
         **config.optimizer_kwargs,
     )
-    storage = Storage(
-        params=config.params_dtype,
-        grads=config.grads_dtype,
-        opt_state=config.opt_state_dtype,
-        update=config.update_rounding,
+    options = StepOptions(
+        policy=precision.policy,
+        loss_scale=precision.loss_scale,
+        storage=precision.storage,
+        microbatches=config.microbatches,
+        seed=config.seed,
+        data_parallel=config.data_parallel,
+        allreduce_dtype=precision.allreduce_dtype,
+        report_leaves=config.report_leaves,
     )
-    params = model.init(jax.random.PRNGKey(config.seed))
-    # The eval set is the same for every seed, so variants of an experiment are comparable.
-    eval_batches = data.eval_batches(config.eval_batches, config.batch_size, seed=0)
-    return {
-        "data": data,
-        "model": model,
-        "policy": policy,
-        "optimizer": optimizer,
-        "schedule": schedule,
-        "storage": storage,
-        "params": params,
-        "loss_fn": model.loss_fn(policy, enforce=config.enforce_numerics),
-        "eval_batches": eval_batches,
-    }
+    loop = LoopOptions(
+        steps=config.steps,
+        eval_interval=config.eval_interval,
+        checkpoint_interval=config.checkpoint_interval,
+        divergence_k=config.divergence_k,
+        divergence_action=config.divergence_action,
+        hist_interval=config.hist_interval,
+        shadow_interval=config.shadow_interval,
+        loss_weight=config.loss_weight,
+    )
+    return TrainSetup(
+        config=config,
+        data=data,
+        model=model,
+        optimizer=optimizer,
+        schedule=make_schedule(config.lr, config.schedule, **sched),
+        params=model.init(jax.random.PRNGKey(config.seed)),
+        loss_fn=model.loss_fn(precision.policy, enforce=config.enforce_numerics),
+        # The eval set is the same for every seed, so variants of an experiment are comparable.
+        eval_batches=data.eval_batches(config.eval_batches, config.batch_size, seed=0),
+        options=options,
+        loop=loop,
+    )
 
 
 def train(
     config: TrainConfig,
     *,
     callback: Callable[[dict[str, Any]], None] | None = None,
-    checkpoint_dir: str | None = None,
+    checkpoint_dir: Any = None,
     resume: bool = False,
     quiet: bool = False,
+    hooks: Sequence[Hook] = (),
 ) -> TrainResult:
-    """Run the training described by ``config`` (see the package docstring for the metrics)."""
+    """Run the training described by ``config`` (see the package docstring for the metrics).
+
+    ``hooks`` run after each step (after ``callback``); ``quiet`` turns off the progress bar.
+    """
     if not isinstance(config, TrainConfig):
         raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
     if config.checkpoint_interval and checkpoint_dir is None:
         raise ValueError("checkpoint_interval > 0 needs a checkpoint_dir")
-    parts = build(config)
-    model, policy, data = parts["model"], parts["policy"], parts["data"]
-    eval_fn = make_eval_fn(parts["loss_fn"], policy, parts["eval_batches"])
-    probe_loss_fn = model.loss_fn(policy, capture=True, enforce=config.enforce_numerics)
-    shadow_loss_fn = model.loss_fn(Policy(), enforce=False) if config.shadow else None
+    setup = build(config)
+    policy, model = setup.policy, setup.model
+    enforce = config.enforce_numerics
     return train_loop(
-        parts["loss_fn"],
-        parts["params"],
-        parts["optimizer"],
-        lambda start: data.batches(config.batch_size, seed=config.seed, start=start),
-        steps=config.steps,
-        policy=policy,
-        loss_scale=_loss_scale(config),
-        storage=parts["storage"],
-        microbatches=config.microbatches,
-        seed=config.seed,
-        data_parallel=config.data_parallel,
-        allreduce_dtype=config.allreduce_dtype,
-        report_leaves=config.report_leaves,
-        callback=callback,
-        eval_fn=eval_fn,
-        eval_interval=config.eval_interval,
+        setup.loss_fn,
+        setup.params,
+        setup.optimizer,
+        lambda start: setup.data.batches(config.batch_size, seed=config.seed, start=start),
+        options=setup.options,
+        loop=setup.loop,
+        eval_fn=make_eval_fn(setup.loss_fn, policy, setup.eval_batches),
+        probe_loss_fn=model.loss_fn(policy, capture=True, enforce=enforce),
+        shadow_loss_fn=model.loss_fn(Policy(), enforce=False) if config.shadow else None,
+        lr_schedule=setup.schedule,
         checkpoint_dir=checkpoint_dir,
-        checkpoint_interval=config.checkpoint_interval,
         resume=resume,
-        divergence_k=config.divergence_k,
-        divergence_action=config.divergence_action,
-        hist_interval=config.hist_interval,
-        probe_loss_fn=probe_loss_fn,
-        shadow_loss_fn=shadow_loss_fn,
-        shadow_interval=config.shadow_interval,
-        lr_schedule=parts["schedule"],
+        callback=callback,
+        hooks=hooks,
         progress=False if quiet else config.progress,
         desc=f"{config.model} {policy}",
-        loss_weight=config.loss_weight,
     )
-
-
-def _loss_scale(config: TrainConfig) -> LossScale:
-    from precisionlab.mixed.loss_scale import parse_loss_scale
-
-    return parse_loss_scale(config.loss_scale, **config.loss_scale_kwargs)

@@ -12,26 +12,24 @@ overflow are forced at op boundaries and the policy's float32 list is honoured.
 
 Knobs for precision experiments: ``init_scale`` (multiplies every initial weight's std),
 ``use_layernorm`` (False removes the normalisation: activations can grow), ``act_scale``
-(multiplies pre-activations), ``loss_multiplier`` (multiplies the loss: the tiny per-element
-gradients of averages over many tokens or examples; Adam's fp32 trajectory barely changes while
-fp16 gradients underflow), ``remat`` (``jax.checkpoint`` around each block).
+(multiplies pre-activations), ``remat`` (``jax.checkpoint`` around each block). The loss is
+weighted by the trainer (``TrainConfig.loss_weight``), not by the model.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from precisionlab.mixed import ops
-from precisionlab.mixed.numerics import enforce as _enforce
 from precisionlab.mixed.policy import Policy, get_policy
 
-__all__ = ["MLP", "MODELS", "Model", "Transformer", "make_model"]
+__all__ = ["MLP", "MODELS", "Model", "Transformer", "make_model", "model_data_kind"]
 
 MODELS: tuple[str, ...] = ("mlp", "transformer")
 _ACTIVATIONS = ("relu", "gelu", "tanh")
@@ -82,8 +80,9 @@ class Model:
     """
 
     name: str = ""
+    #: The kind of dataset the model reads (``Dataset.kind``): "classification" or "lm".
+    data_kind: ClassVar[str] = ""
     remat: bool = False
-    loss_multiplier: float = 1.0
 
     def init(self, key: jax.Array) -> Any:
         """Float32 params, a deterministic function of ``key`` (drawn on the host with numpy,
@@ -123,8 +122,6 @@ class Model:
             out = self.apply(params, inputs, pol, capture=capture, enforce=enforce)
             logits, acts = out if capture else (out, None)
             loss = ops.cross_entropy(logits, labels, policy=pol, enforce=enforce)
-            if self.loss_multiplier != 1.0:
-                loss = loss * jnp.asarray(self.loss_multiplier, loss.dtype)
             aux: dict[str, Any] = {"metric": ops.accuracy(logits, labels)}
             if capture:
                 aux["activations"] = acts
@@ -168,9 +165,9 @@ class MLP(Model):
     act_scale: float = 1.0
     use_layernorm: bool = False
     remat: bool = False
-    loss_multiplier: float = 1.0
 
     name = "mlp"
+    data_kind = "classification"
 
     def __post_init__(self) -> None:
         for n in ("in_dim", "width"):
@@ -179,7 +176,6 @@ class MLP(Model):
         _check_int("depth", self.depth, 1)
         _check_pos("init_scale", self.init_scale)
         _check_pos("act_scale", self.act_scale)
-        _check_pos("loss_multiplier", self.loss_multiplier)
         if self.activation not in _ACTIVATIONS:
             raise ValueError(
                 f"unknown activation {self.activation!r}; allowed: {', '.join(_ACTIVATIONS)}"
@@ -264,9 +260,9 @@ class Transformer(Model):
     act_scale: float = 1.0
     use_layernorm: bool = True
     remat: bool = False
-    loss_multiplier: float = 1.0
 
     name = "transformer"
+    data_kind = "lm"
 
     def __post_init__(self) -> None:
         for n in ("vocab_size", "seq_len", "d_model", "depth", "heads", "mlp_ratio"):
@@ -275,7 +271,6 @@ class Transformer(Model):
             raise ValueError(f"d_model {self.d_model} must be divisible by heads {self.heads}")
         _check_pos("init_scale", self.init_scale)
         _check_pos("act_scale", self.act_scale)
-        _check_pos("loss_multiplier", self.loss_multiplier)
 
     def _init(self, gen: _Gen) -> dict[str, Any]:
         d, f = self.d_model, self.d_model * self.mlp_ratio
@@ -414,4 +409,11 @@ def make_model(name: str, **kwargs: Any) -> Model:
     return cls(**kwargs)
 
 
-del _enforce
+def model_data_kind(name: str) -> str:
+    """The kind of dataset (``"classification"`` or ``"lm"``) the model ``name`` reads."""
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown model {name!r}; allowed: {', '.join(MODELS)}")
+    kind = _BUILDERS[name].data_kind
+    if not kind:
+        raise ValueError(f"model {name!r} does not declare the data_kind it reads")
+    return kind

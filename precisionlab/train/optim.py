@@ -6,10 +6,37 @@ from typing import Any
 
 import optax
 
-__all__ = ["OPTIMIZERS", "SCHEDULES", "make_optimizer", "make_schedule"]
+from precisionlab._schema import FLOAT32_MAX, Field
+
+__all__ = ["OPTIMIZERS", "OPTIMIZER_FIELDS", "SCHEDULES", "make_optimizer", "make_schedule"]
 
 OPTIMIZERS: tuple[str, ...] = ("sgd", "momentum", "adam", "adamw", "lion", "rmsprop")
 SCHEDULES: tuple[str, ...] = ("constant", "cosine", "linear")
+
+_DECAY = Field(float, low=0.0, high=1.0)  # a moving-average coefficient
+_EPS = Field(float, low=0.0, high=FLOAT32_MAX, why="the float32 max")
+_FLAG = Field(bool)
+_MOMENTUM = Field(float, None, nullable=True, low=0.0, high=1.0)
+_ADAM = {"b1": _DECAY, "b2": _DECAY, "eps": _EPS, "eps_root": _EPS, "nesterov": _FLAG}
+#: ``optimizer_kwargs`` each optimizer accepts, with their types and ranges (the optax
+#: constructor's keywords; dtype and mask options are not exposed).
+OPTIMIZER_FIELDS: dict[str, dict[str, Field]] = {
+    "sgd": {"momentum": _MOMENTUM, "nesterov": _FLAG},
+    "momentum": {"momentum": _MOMENTUM, "nesterov": _FLAG},
+    "adam": _ADAM,
+    "adamw": _ADAM,
+    "lion": {"b1": _DECAY, "b2": _DECAY},
+    "rmsprop": {
+        "decay": _DECAY,
+        "eps": _EPS,
+        "initial_scale": _EPS,
+        "eps_in_sqrt": _FLAG,
+        "centered": _FLAG,
+        "momentum": _MOMENTUM,
+        "nesterov": _FLAG,
+        "bias_correction": _FLAG,
+    },
+}
 
 
 def make_schedule(

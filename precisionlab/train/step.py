@@ -10,6 +10,7 @@ update.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -24,7 +25,7 @@ from precisionlab.mixed.loss_scale import (
     parse_loss_scale,
     select_tree,
 )
-from precisionlab.mixed.policy import Policy, cast_floating, get_policy
+from precisionlab.mixed.policy import Policy, cast_floating, get_policy, parse_dtype
 from precisionlab.mixed.storage import (
     Storage,
     StorageState,
@@ -34,7 +35,16 @@ from precisionlab.mixed.storage import (
 )
 from precisionlab.train.meters import underflow_fraction
 
-__all__ = ["SKIP_MODES", "TrainState", "make_train_step", "normalize_loss_fn", "split_micro"]
+__all__ = [
+    "SKIP_MODES",
+    "StepOptions",
+    "TrainState",
+    "TrainStep",
+    "build_step",
+    "make_train_step",
+    "normalize_loss_fn",
+    "split_micro",
+]
 
 SKIP_MODES: tuple[str, ...] = ("select", "cond")
 
@@ -137,93 +147,158 @@ def make_grad_fn(loss_fn: Callable, policy: Policy, microbatches: int = 1) -> Ca
     return grad_fn
 
 
-def make_train_step(
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepOptions:
+    """How a train step computes, as typed objects (parse strings with :meth:`parse`).
+
+    Attributes:
+      policy: the Policy. loss_scale: the initial LossScale (a pytree; its config is static).
+      storage: dtypes of stored tensors and the update rounding.
+      microbatches: gradient accumulation: the batch's leading axis is split into this many
+        micro-batches, processed sequentially (``lax.scan``), gradients averaged in float32.
+      seed: seed of the PRNG key in the state (stochastic rounding).
+      skip_nonfinite: skip the update when a gradient is non-finite (None: True unless the loss
+        scale is a NoLossScale).
+      skip: how the skip is written: "cond" (``lax.cond`` around the optimizer update and its
+        application, so a skipped step does no update work and the state is updated in place)
+        or "select" (compute the update, then select leafwise between new and old state; XLA
+        then keeps both trees alive and adds copies: measured slower on CPU, see ``bench
+        train``).
+      data_parallel: 0 (off), True (all local devices) or a device count; the batch is split
+        over a 1-D mesh and gradients all-reduced in ``allreduce_dtype``.
+      allreduce_dtype: dtype of the gradient all-reduce (float32 by default).
+      report_leaves: add ``finite_leaves`` (bool[n_float_leaves]) to the metrics.
+    """
+
+    policy: Policy = dataclasses.field(default_factory=Policy)
+    loss_scale: LossScale = dataclasses.field(default_factory=NoLossScale)
+    storage: Storage = dataclasses.field(default_factory=Storage)
+    microbatches: int = 1
+    seed: int = 0
+    skip_nonfinite: bool | None = None
+    skip: str = "cond"
+    data_parallel: bool | int = False
+    allreduce_dtype: np.dtype = dataclasses.field(default_factory=lambda: np.dtype(np.float32))
+    report_leaves: bool = False
+
+    def __post_init__(self) -> None:
+        for name, kind in (("policy", Policy), ("loss_scale", LossScale), ("storage", Storage)):
+            if not isinstance(getattr(self, name), kind):
+                raise TypeError(
+                    f"{name} must be a {kind.__name__}, got {type(getattr(self, name)).__name__}"
+                    " (StepOptions.parse accepts spec strings)"
+                )
+        if self.skip not in SKIP_MODES:
+            raise ValueError(f"unknown skip mode {self.skip!r}; allowed: {', '.join(SKIP_MODES)}")
+        mb = self.microbatches
+        if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
+            raise ValueError(f"microbatches must be an int >= 1, got {mb!r}")
+        object.__setattr__(self, "allreduce_dtype", np.dtype(self.allreduce_dtype))
+
+    @classmethod
+    def parse(
+        cls,
+        *,
+        policy: Policy | str = "p=f32,c=f32,o=f32",
+        loss_scale: LossScale | str = "none",
+        storage: Storage | None = None,
+        allreduce_dtype: Any = None,
+        **kwargs: Any,
+    ) -> StepOptions:
+        """Options from specs as a user writes them (policy and loss-scale strings, a dtype
+        name): the boundary where strings become objects."""
+        red = np.float32 if allreduce_dtype is None else parse_dtype(allreduce_dtype)
+        store = Storage() if storage is None else storage
+        return cls(
+            policy=get_policy(policy),
+            loss_scale=parse_loss_scale(loss_scale),
+            storage=store,
+            allreduce_dtype=red,
+            **kwargs,
+        )
+
+    @property
+    def skips(self) -> bool:
+        """Whether a step with a non-finite gradient is skipped."""
+        if self.skip_nonfinite is None:
+            return not isinstance(self.loss_scale, NoLossScale)
+        return self.skip_nonfinite
+
+
+class TrainStep(NamedTuple):
+    """What :func:`build_step` returns.
+
+    fn: ``fn(state, batch) -> (state, metrics)``, pure and NOT jitted (use
+    ``jax.jit(fn, donate_argnums=0)``; ``jax.jit(fn).lower(state, batch).compile()
+    .memory_analysis()`` for memory accounting). state: the initial :class:`TrainState`.
+    mesh: the 1-D device mesh of a data-parallel step (shard batches with
+    ``precisionlab.train.parallel.shard_batch(batch, mesh)``), or None.
+    """
+
+    fn: Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]
+    state: TrainState
+    mesh: Any
+
+
+def _grad_norm_and_flags(g32: Any) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
+    """(global norm, all finite, per-leaf finite flags) of a float32 gradient tree.
+
+    One pass per leaf gives both the norm and the finiteness check: g * 0 is NaN exactly where g
+    is inf or NaN and +-0 elsewhere, so the leaf's sum is NaN iff the leaf holds a non-finite
+    element, and otherwise equals the sum of squares (which may still overflow to inf for huge
+    finite gradients: that is not a skip, as in PyTorch's GradScaler).
+    """
+    sums = [
+        jnp.sum(g * g + g * jnp.zeros((), g.dtype), dtype=jnp.float32)
+        for g in jax.tree_util.tree_leaves(g32)
+        if jnp.issubdtype(g.dtype, jnp.floating)
+    ]
+    total = sum(sums) if sums else jnp.zeros((), jnp.float32)
+    return jnp.sqrt(total), ~jnp.isnan(total), [~jnp.isnan(x) for x in sums]
+
+
+def build_step(
     loss_fn: Callable,
     params: Any,
     optimizer: optax.GradientTransformation,
-    *,
-    policy: Policy | str = "p=f32,c=f32,o=f32",
-    loss_scale: LossScale | str = "none",
-    storage: Storage | None = None,
-    microbatches: int = 1,
-    seed: int = 0,
-    skip_nonfinite: bool | None = None,
-    skip: str = "cond",
-    data_parallel: bool | int = False,
-    allreduce_dtype: Any = None,
-    report_leaves: bool = False,
-) -> tuple[Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]], TrainState]:
-    """Build the train step and its initial state.
+    options: StepOptions | None = None,
+) -> TrainStep:
+    """Build the train step, its initial state and (data parallel) its mesh.
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> loss`` or ``(loss, aux)``; receives params already cast
         to the compute dtype; scalar float entries of a dict ``aux`` become metrics.
       params: initial params (any float dtype; stored in the storage dtype).
       optimizer: any optax GradientTransformation; runs in float32.
-      policy: a Policy or policy string. loss_scale: a LossScale or spec ("none", "static:S",
-        "dynamic"). storage: dtypes of stored tensors and the update rounding (default: params in
-        the policy's param dtype, everything else float32, nearest).
-      microbatches: gradient accumulation: the batch's leading axis is split into this many
-        micro-batches, processed sequentially (``lax.scan``), gradients averaged in float32.
-      seed: seed of the PRNG key in the state (stochastic rounding).
-      skip_nonfinite: skip the update when a gradient is non-finite (default: True unless
-        ``loss_scale`` is "none").
-      skip: how the skip is written: "cond" (default: ``lax.cond`` around the optimizer update and
-        its application, so a skipped step does no update work and the state is updated in place)
-        or "select" (compute the update, then select leafwise between new and old state; XLA then
-        keeps both trees alive and adds copies: measured slower on CPU, see ``bench train``).
-      data_parallel: False, True (all local devices) or a device count; the batch is split over a
-        1-D mesh and gradients all-reduced in ``allreduce_dtype`` (default float32).
-      report_leaves: add ``finite_leaves`` (bool[n_float_leaves]) to the metrics.
+      options: see :class:`StepOptions` (default: float32, no loss scaling).
 
     Returns:
-      ``(step_fn, state)``. ``step_fn(state, batch) -> (state, metrics)`` is pure and NOT jitted
-      (use ``jax.jit(step_fn, donate_argnums=0)``). metrics (device arrays): loss, grad_norm,
-      loss_scale (used in this step), skipped (bool), underflow_fraction, plus aux scalars (e.g.
-      metric) and, with report_leaves, finite_leaves.
+      A :class:`TrainStep`. The step's metrics (device arrays): loss, grad_norm, loss_scale (used
+      in this step), skipped (bool), underflow_fraction, plus aux scalars (e.g. metric) and,
+      with report_leaves, finite_leaves.
     """
-    pol = get_policy(policy)
-    ls0 = parse_loss_scale(loss_scale)
-    store = storage if storage is not None else Storage()
-    if not isinstance(store, Storage):
-        raise TypeError(f"storage must be a Storage, got {type(store).__name__}")
-    if skip not in SKIP_MODES:
-        raise ValueError(f"unknown skip mode {skip!r}; allowed: {', '.join(SKIP_MODES)}")
-    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-        raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
-    do_skip = (not isinstance(ls0, NoLossScale)) if skip_nonfinite is None else skip_nonfinite
-    param_dtype = store.param_dtype(pol.param_dtype)
-    grads_dtype = np.dtype(store.grads)
-    opt = store_opt_state(optimizer, store.opt_state)
-
-    params_stored = cast_floating(params, param_dtype)
-    params32 = cast_floating(params_stored, jnp.float32)
+    opts = StepOptions() if options is None else options
+    if not isinstance(opts, StepOptions):
+        raise TypeError(f"options must be a StepOptions, got {type(opts).__name__}")
+    pol, store = opts.policy, opts.storage
+    grads_dtype = store.grads_dtype
+    opt = store_opt_state(optimizer, store.opt_state_dtype)
+    params_stored = cast_floating(params, store.param_dtype(pol.param_dtype))
     state = TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params_stored,
-        opt_state=opt.init(params32),
-        loss_scale=ls0,
+        opt_state=opt.init(cast_floating(params_stored, jnp.float32)),
+        loss_scale=opts.loss_scale,
         storage_state=init_storage_state(params_stored, store.update),
-        rng=jax.random.PRNGKey(seed),
+        rng=jax.random.PRNGKey(opts.seed),
     )
-
-    grad_fn = make_grad_fn(loss_fn, pol, microbatches)
+    grad_fn = make_grad_fn(loss_fn, pol, opts.microbatches)
     mesh = None
-    if data_parallel:
-        from precisionlab.train.parallel import data_parallel as dp
-        from precisionlab.train.parallel import local_mesh
+    if opts.data_parallel:
+        from precisionlab.train.parallel import data_parallel, local_mesh
 
-        mesh = local_mesh(None if data_parallel is True else int(data_parallel))
-        red = (
-            np.dtype(jnp.float32)
-            if allreduce_dtype is None
-            else np.dtype(
-                get_policy(str(allreduce_dtype)).param_dtype
-                if isinstance(allreduce_dtype, str)
-                else allreduce_dtype
-            )
-        )
-        grad_fn = dp(grad_fn, mesh, red)
+        mesh = local_mesh(None if opts.data_parallel is True else int(opts.data_parallel))
+        grad_fn = data_parallel(grad_fn, mesh, opts.allreduce_dtype)
 
     def update(params_s, opt_state, storage_state, g32, key):
         p32 = cast_floating(params_s, jnp.float32)
@@ -241,38 +316,16 @@ def make_train_step(
         g32 = ls.unscale(g_scaled)
         if grads_dtype != np.dtype(jnp.float32):
             g32 = cast_floating(cast_floating(g32, grads_dtype), jnp.float32)
-        # One pass per leaf gives both the norm and the finiteness check: g * 0 is NaN exactly
-        # where g is inf or NaN and +-0 elsewhere, so the leaf's sum is NaN iff the leaf holds a
-        # non-finite element, and otherwise equals the sum of squares (which may still overflow to
-        # inf for huge finite gradients: that is not a skip, as in PyTorch's GradScaler).
-        sums = [
-            jnp.sum(g * g + g * jnp.zeros((), g.dtype), dtype=jnp.float32)
-            for g in jax.tree_util.tree_leaves(g32)
-            if jnp.issubdtype(g.dtype, jnp.floating)
-        ]
-        total = sum(sums) if sums else jnp.zeros((), jnp.float32)
-        flags = [~jnp.isnan(x) for x in sums]
-        finite = ~jnp.isnan(total)
-        grad_norm = jnp.sqrt(total)
-        if not do_skip:
-            new_p, new_o, new_s = update(
-                state.params, state.opt_state, state.storage_state, g32, key
-            )
+        grad_norm, finite, flags = _grad_norm_and_flags(g32)
+        old = (state.params, state.opt_state, state.storage_state)
+        if not opts.skips:
+            new = update(*old, g32, key)
             skipped = jnp.asarray(False)
-        elif skip == "select":
-            new_p, new_o, new_s = update(
-                state.params, state.opt_state, state.storage_state, g32, key
-            )
-            new_p, new_o, new_s = select_tree(
-                finite, (new_p, new_o, new_s), (state.params, state.opt_state, state.storage_state)
-            )
+        elif opts.skip == "select":
+            new = select_tree(finite, update(*old, g32, key), old)
             skipped = ~finite
         else:
-            new_p, new_o, new_s = jax.lax.cond(
-                finite,
-                lambda: update(state.params, state.opt_state, state.storage_state, g32, key),
-                lambda: (state.params, state.opt_state, state.storage_state),
-            )
+            new = jax.lax.cond(finite, lambda: update(*old, g32, key), lambda: old)
             skipped = ~finite
         metrics = {
             "loss": loss,
@@ -282,27 +335,62 @@ def make_train_step(
             "underflow_fraction": meter,
             **aux,
         }
-        if report_leaves:
+        if opts.report_leaves:
             metrics["finite_leaves"] = jnp.stack(flags) if flags else jnp.ones((0,), bool)
         new_state = TrainState(
             step=state.step + 1,
-            params=new_p,
-            opt_state=new_o,
+            params=new[0],
+            opt_state=new[1],
             loss_scale=ls.adjust(finite),
-            storage_state=new_s,
+            storage_state=new[2],
             rng=rng,
         )
         return new_state, metrics
 
-    step_fn.mesh = mesh  # type: ignore[attr-defined]
-    step_fn.policy = pol  # type: ignore[attr-defined]
-    return step_fn, state
+    return TrainStep(step_fn, state, mesh)
+
+
+def make_train_step(
+    loss_fn: Callable,
+    params: Any,
+    optimizer: optax.GradientTransformation,
+    *,
+    policy: Policy | str = "p=f32,c=f32,o=f32",
+    loss_scale: LossScale | str = "none",
+    storage: Storage | None = None,
+    microbatches: int = 1,
+    seed: int = 0,
+    skip_nonfinite: bool | None = None,
+    skip: str = "cond",
+    data_parallel: bool | int = False,
+    allreduce_dtype: Any = None,
+    report_leaves: bool = False,
+) -> tuple[Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]], TrainState]:
+    """``(step_fn, state)`` of :func:`build_step` with the options given as keywords (policy and
+    loss scale as objects or spec strings, see :class:`StepOptions`); for a data-parallel step
+    use :func:`build_step`, which also returns the mesh."""
+    if storage is not None and not isinstance(storage, Storage):
+        raise TypeError(f"storage must be a Storage, got {type(storage).__name__}")
+    options = StepOptions.parse(
+        policy=policy,
+        loss_scale=loss_scale,
+        storage=storage,
+        microbatches=microbatches,
+        seed=seed,
+        skip_nonfinite=skip_nonfinite,
+        skip=skip,
+        data_parallel=data_parallel,
+        allreduce_dtype=allreduce_dtype,
+        report_leaves=report_leaves,
+    )
+    fn, state, _ = build_step(loss_fn, params, optimizer, options)
+    return fn, state
 
 
 def make_probe_fn(
     loss_fn: Callable,
     *,
-    policy: Policy | str,
+    policy: Policy,
     shadow_loss_fn: Callable | None = None,
     histograms: bool = True,
 ) -> Callable[[TrainState, Any], dict[str, Any]]:
@@ -317,7 +405,7 @@ def make_probe_fn(
     """
     from precisionlab.train.meters import log2_histogram, shadow_stats
 
-    pol = get_policy(policy)
+    pol = policy
     f = normalize_loss_fn(loss_fn)
 
     def probe(state: TrainState, batch: Any) -> dict[str, Any]:

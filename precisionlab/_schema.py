@@ -1,0 +1,188 @@
+"""One declarative schema for every table of plain values: typed keys, defaults, allowed values
+and numeric ranges.
+
+Used by the train config (:mod:`precisionlab.train.config`), the experiment files, the survey and
+the memory experiment; it imports nothing of precisionlab, so any layer may use it. Validation is
+strict (an unknown key is an error, never ignored) and every error is one :class:`ConfigError`
+line naming where it happened (file and key path), the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+__all__ = [
+    "FLOAT32_MAX",
+    "FLOAT32_TINY",
+    "INT32_MAX",
+    "REQUIRED",
+    "ConfigError",
+    "Field",
+    "coerce",
+    "describe_type",
+    "validate_table",
+]
+
+#: Largest finite float32 (a value above it becomes inf when the trainer casts it).
+FLOAT32_MAX = 3.4028234663852886e38
+#: Smallest positive float32 (subnormal): a positive value below it becomes 0 in float32.
+FLOAT32_TINY = 1.401298464324817e-45
+#: Largest int32 (the trainer's step counter is an int32).
+INT32_MAX = 2**31 - 1
+
+
+class _Required:
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+#: Marker default of a key that must be given.
+REQUIRED: Any = _Required()
+
+
+class ConfigError(ValueError):
+    """An experiment file (or a ``--set`` override) that does not fit the schema."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One key of a table.
+
+    Attributes:
+      type: the accepted Python type after TOML parsing: ``str``, ``int``, ``float``
+        (ints are accepted and converted), ``bool``, ``list`` (with ``item`` the item type)
+        or ``dict`` (a free-form table, only for keys a kind validates itself).
+      default: value when the key is absent; :data:`REQUIRED` makes it mandatory.
+      choices: allowed values (a sequence, or a callable returning one, evaluated lazily so
+        that registries of other modules load only when needed).
+      check: a normaliser called with the typed value; it raises ``ValueError`` with a message
+        naming the allowed values, or returns the value to store.
+      item: item type of a ``list`` key.
+      doc: one line for error messages and documentation.
+      nullable: ``None`` is accepted (TOML cannot write it; it is the default meaning "off").
+      low, high: inclusive bounds of an ``int`` or ``float`` value (None: unbounded); a float
+        field is always finite (no nan or inf).
+      above: exclusive lower bound (``value > above``), e.g. 0 for a positive float.
+      why: the reason for a bound, shown in the message (e.g. "the float32 max").
+    """
+
+    type: type
+    default: Any = REQUIRED
+    choices: Sequence[Any] | Callable[[], Sequence[Any]] | None = None
+    check: Callable[[Any], Any] | None = None
+    item: type | None = None
+    doc: str = ""
+    nullable: bool = False
+    low: float | None = None
+    high: float | None = None
+    above: float | None = None
+    why: str = ""
+
+    def allowed(self) -> Sequence[Any] | None:
+        return self.choices() if callable(self.choices) else self.choices
+
+
+def describe_type(field: Field) -> str:
+    if field.type is list:
+        return f"list of {field.item.__name__ if field.item else 'values'}"
+    return {dict: "table"}.get(field.type, field.type.__name__)
+
+
+def _is_type(value: Any, kind: type) -> bool:
+    if kind is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def coerce(value: Any, field: Field, where: str) -> Any:
+    """``value`` checked against ``field`` and normalised; raises :class:`ConfigError`."""
+    if value is None and field.nullable:
+        return None
+    if not _is_type(value, field.type):
+        raise ConfigError(
+            f"{where}: expected {describe_type(field)}, got {type(value).__name__} {value!r}"
+        )
+    if field.type is float:
+        value = float(value)
+    if field.type is list and field.item is not None:
+        items = []
+        for i, item in enumerate(value):
+            sub = dataclasses.replace(field, type=field.item, item=None)
+            items.append(coerce(item, sub, f"{where}[{i}]"))
+        return items
+    if field.type in (int, float):
+        _check_range(value, field, where)
+    allowed = field.allowed()
+    if allowed is not None and value not in allowed:
+        raise ConfigError(
+            f"{where}: unknown value {value!r}; allowed: {', '.join(map(str, allowed))}"
+        )
+    if field.check is not None:
+        try:
+            value = field.check(value)
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"{where}: {str(err).splitlines()[0]}") from None
+    return value
+
+
+def _num(x: float) -> str:
+    return repr(x) if isinstance(x, int) or (x == int(x) and abs(x) < 1e16) else f"{x:.9g}"
+
+
+def _range_text(field: Field) -> str:
+    parts = []
+    if field.above is not None:
+        parts.append(f"> {_num(field.above)}")
+    if field.low is not None:
+        parts.append(f">= {_num(field.low)}")
+    if field.high is not None:
+        parts.append(f"<= {_num(field.high)}" + (f" ({field.why})" if field.why else ""))
+    return " and ".join(parts)
+
+
+def _check_range(value: float, field: Field, where: str) -> None:
+    kind = "an int" if field.type is int else "a finite number"
+    ok = field.type is int or math.isfinite(value)
+    ok = ok and (field.above is None or value > field.above)
+    ok = ok and (field.low is None or value >= field.low)
+    ok = ok and (field.high is None or value <= field.high)
+    if not ok:
+        bounds = _range_text(field)
+        raise ConfigError(f"{where}: must be {kind}{' ' + bounds if bounds else ''}, got {value!r}")
+
+
+def validate_table(
+    table: Any,
+    schema: Mapping[str, Field],
+    where: str,
+    *,
+    defaults: bool = True,
+) -> dict[str, Any]:
+    """``table`` validated against ``schema``.
+
+    Args:
+      table: the parsed TOML table.
+      schema: key -> :class:`Field`.
+      where: the location for messages, e.g. ``"exp.toml: [train]"``.
+      defaults: fill absent keys with their defaults (and require :data:`REQUIRED` ones);
+        False validates a partial table of overrides and returns only the given keys.
+    """
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"{where}: expected a table, got {type(table).__name__} {table!r}")
+    unknown = [key for key in table if key not in schema]
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; allowed keys: {', '.join(schema)}")
+    out: dict[str, Any] = {}
+    for key, field in schema.items():
+        if key in table:
+            out[key] = coerce(table[key], field, f"{where}.{key}")
+        elif defaults:
+            if field.default is REQUIRED:
+                raise ConfigError(f"{where}: missing required key {key!r} ({field.doc})")
+            out[key] = field.default
+    return out

@@ -1,0 +1,154 @@
+"""The import graph of the package: layered, acyclic, without importlib registries.
+
+Read from the source (every ``import`` statement, also those inside functions), so a lazy import
+cannot hide an edge. Layers, lowest first; a module may import its own layer and those below:
+
+    _schema, _io, _text (neutral helpers) -> formats -> bits -> quant -> (precisionlab facade)
+    -> metrics -> survey -> mixed -> intercept, recipes -> train -> memory -> bench
+    -> experiments -> cli -> __main__
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+import precisionlab
+
+ROOT = pathlib.Path(precisionlab.__file__).parent
+
+LAYERS = [
+    ("_schema", "_io", "_text"),
+    ("formats",),
+    ("bits",),
+    ("quant",),
+    ("",),  # precisionlab/__init__.py: re-exports formats, bits and quant
+    ("metrics",),
+    ("survey",),
+    ("mixed",),
+    ("intercept", "recipes"),
+    ("train",),
+    ("memory",),
+    ("bench",),
+    ("experiments",),
+    ("cli",),
+    ("__main__",),
+]
+RANK = {group: rank for rank, groups in enumerate(LAYERS) for group in groups}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _is_package(name: str, modules: dict[str, pathlib.Path]) -> bool:
+    return modules[name].name == "__init__.py"
+
+
+def _imports(name: str, path: pathlib.Path, modules: dict) -> set[str]:
+    """The precisionlab modules ``name`` imports (a ``from P import X`` of a submodule X counts
+    as importing P.X; of a name, as importing P)."""
+    found = set()
+    package = name if _is_package(name, modules) else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "precisionlab")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "precisionlab":
+                continue
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                found.add(sub if sub in modules else target)
+    return {m for m in found if m != name}
+
+
+def _group(name: str) -> str:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def test_every_module_has_a_layer():
+    missing = sorted({_group(m) for m in _modules()} - set(RANK))
+    assert not missing, f"add these to LAYERS: {missing}"
+
+
+def test_no_upward_imports():
+    upward = [
+        f"{src} -> {dst}"
+        for src, targets in _graph().items()
+        for dst in targets
+        if RANK[_group(dst)] > RANK[_group(src)]
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    assert _cycles(_graph()) == []
+
+
+def test_the_checker_sees_cycles_and_upward_edges():
+    # The checker itself must be able to fail.
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert RANK["bench"] < RANK["cli"] and RANK["train"] < RANK["experiments"]
+    modules = _modules()
+    assert "precisionlab.train.config" in _imports(
+        "precisionlab.train.loop", modules["precisionlab.train.loop"], modules
+    )
+
+
+@pytest.mark.parametrize("needle", ["importlib.import_module", "__import__("])
+def test_no_importlib_registries(needle):
+    users = [n for n, p in _modules().items() if needle in p.read_text(encoding="utf-8")]
+    assert users == []
