@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import pathlib
 
 from precisionlab.cli._common import UsageError
 
@@ -22,7 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             if err.name == f"precisionlab.bench.{module_name}":
                 continue
             raise
-        bench = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        # argparse %-formats help strings: a literal % must be doubled.
+        bench = sub.add_parser(name, help=module.HELP.replace("%", "%%"), description=module.HELP)
         module.add_arguments(bench)
         bench.set_defaults(bench_module=module)
 
@@ -31,4 +33,8 @@ def run(args: argparse.Namespace) -> int:
     module = getattr(args, "bench_module", None)
     if module is None:
         raise UsageError(f"name a benchmark: one of {', '.join(BENCHES)}")
+    out = getattr(args, "out", None)
+    if out is not None and not pathlib.Path(out).parent.is_dir():
+        # Never create directories the user did not ask for (/nonexistent/x.json).
+        raise UsageError(f"--out {str(out)!r}: its directory does not exist")
     return module.run(args)
