@@ -9,7 +9,7 @@ import sys
 # Echoed values are cut to this many characters: a 100 KB argument must not give a 100 KB line.
 MAX_ECHO = 60
 MAX_LINE = 400
-_QUOTED = re.compile(r"'[^']{%d,}'|\"[^\"]{%d,}\"" % (MAX_ECHO, MAX_ECHO))
+_QUOTED = re.compile(rf"'[^']{{{MAX_ECHO},}}'|\"[^\"]{{{MAX_ECHO},}}\"")
 
 
 class UsageError(Exception):
