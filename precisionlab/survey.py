@@ -442,6 +442,9 @@ def execute(
 
 def _atomic_write(path: pathlib.Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    mask = os.umask(0o022)
+    os.umask(mask)
+    os.fchmod(fd, 0o666 & ~mask)  # not mkstemp's 0600: one mode for every file of a run
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, path)

@@ -264,7 +264,10 @@ def _write_text(path: Path, text: str) -> None:
     import os
     import tempfile
 
+    from precisionlab.experiments.store import file_mode
+
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.fchmod(fd, file_mode())  # mkstemp makes 0600; every file of a run has one mode
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(text if text.endswith("\n") else text + "\n")
     os.replace(tmp, path)

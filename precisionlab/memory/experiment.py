@@ -148,6 +148,7 @@ def validate(section: dict, where: str) -> dict:
 def _write_json(path: Path, data: Any) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, _new_file_mode())
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=2)
             f.flush()
@@ -159,11 +160,20 @@ def _write_json(path: Path, data: Any) -> None:
         raise
 
 
+def _new_file_mode() -> int:
+    """0o666 less the umask, as open() gives; temporary files (0600) are set to it so every file
+    of a run directory has one mode."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 class _Rows:
     """Append-and-flush JSONL writer."""
 
     def __init__(self, path: Path) -> None:
-        self.file = path.open("a", encoding="utf-8")
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+        self.file = os.fdopen(os.open(path, flags, _new_file_mode()), "a", encoding="utf-8")
 
     def write(self, row: dict[str, Any]) -> None:
         self.file.write(json.dumps(row) + "\n")
