@@ -323,7 +323,10 @@ def test_matches_and_commands():
     assert not matches("a\nb", "a\nc")
     assert not matches("a", "a\nb")
     block = Block(1, "console", "$ precisionlab a \\\n  --b\nout1\n$ precisionlab c  # note\nout2")
-    assert commands(block) == [("precisionlab a \\\n  --b", "out1\n"), ("precisionlab c  # note", "out2\n")]
+    assert commands(block) == [
+        ("precisionlab a \\\n  --b", "out1\n"),
+        ("precisionlab c  # note", "out2\n"),
+    ]
     assert _precisionlab_argv("precisionlab c  # note") == ["c"]
     assert parse_options(["--set", "a=1", "--status", "2", "--slow"], "x") == Options(
         ["a=1"], [], 2, True
