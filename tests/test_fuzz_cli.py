@@ -261,7 +261,7 @@ TOML_VALUES = st.one_of(
     st.booleans(),
     st.sampled_from(WEIRD[:60]),
     st.lists(st.one_of(st.integers(-5, 5), st.sampled_from(["a", "normal", "int8"])), max_size=3),
-    st.just({"eps": [1, "a"]}),
+    st.builds(lambda: {"eps": [1, "a"]}),  # a fresh dict each time (mutated in place)
 )
 
 
