@@ -159,7 +159,13 @@ class JsonlWriter:
     def __init__(self, path: str | os.PathLike, mode: str = "a") -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[str] | None = open(self.path, mode, encoding="utf-8")
+        if mode not in ("a", "w"):
+            raise ValueError(f"mode must be 'a' or 'w', got {mode!r}")
+        # O_NOFOLLOW: a symbolic link planted at this name is an error, never followed.
+        flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+        flags |= os.O_APPEND if mode == "a" else os.O_TRUNC
+        fd = os.open(self.path, flags, 0o666)  # 0666 less the umask, like open()
+        self._file: IO[str] | None = os.fdopen(fd, mode, encoding="utf-8")
 
     def write(self, row: dict[str, Any]) -> None:
         if self._file is None:

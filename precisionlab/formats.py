@@ -519,10 +519,15 @@ def get_format(name: str | Format) -> Format:
         )
         _check_unambiguous(fmt, f"e{e}m{m}{suffix or ''}", suffix)
         return fmt
-    known = ", ".join(list(FORMATS) + sorted(ALIASES))
+    import difflib
+
+    shown = name if len(name) <= 40 else name[:37] + "..."
+    close = difflib.get_close_matches(key[:40], list(FORMATS) + list(ALIASES), n=3)
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
     raise ValueError(
-        f"unknown format {name!r}; known formats: {known}; "
-        "or a custom spec eXmY[bB][ieee|fn|fnuz|fnu|none] such as e3m2b5ieee, e6m9, e3m4fnuz"
+        f"unknown format {shown!r}; {hint}known: {', '.join(list(FORMATS)[:5])}, ... (all "
+        f"{len(FORMATS)}: `precisionlab formats`), aliases such as bf16, fp16, e4m3, fp4, or a "
+        "custom spec eXmY[bB][ieee|fn|fnuz|fnu|none] such as e3m2b5ieee"
     )
 
 

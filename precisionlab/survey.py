@@ -137,27 +137,102 @@ def make_input(spec: str, size: int, seed: int = 0) -> np.ndarray:
     return x.astype(np.float32)
 
 
+# Inputs are bounded before anything is allocated: a synthetic --size or a .npy header can
+# declare any shape, and each surveyed format holds a few float32 copies of the input.
+MAX_ELEMENTS = 2**24
+
+
+def _check_elements(n: int, what: str) -> None:
+    if n > MAX_ELEMENTS:
+        raise ValueError(
+            f"{what} has {n:,} elements; the survey takes at most {MAX_ELEMENTS:,} (2^24) per input"
+        )
+
+
+def _npy_header(fh, name: str) -> tuple[tuple[int, ...], np.dtype]:
+    """Shape and dtype from a .npy header, read without loading the data."""
+    from numpy.lib import format as npy
+
+    try:
+        version = npy.read_magic(fh)
+    except ValueError:
+        raise ValueError(f"input {name!r} is not a NumPy .npy file (no .npy header)") from None
+    try:
+        if version == (1, 0):
+            shape, _, dtype = npy.read_array_header_1_0(fh)
+        else:
+            shape, _, dtype = npy.read_array_header_2_0(fh)
+    except (ValueError, SyntaxError, TypeError):
+        raise ValueError(f"input {name!r} has a malformed .npy header") from None
+    return shape, dtype
+
+
+def _check_array(name: str, shape: tuple[int, ...], dtype: np.dtype) -> None:
+    if dtype.hasobject:
+        raise ValueError(f"input {name!r} holds Python objects (pickled data); save floats")
+    if dtype.kind == "V":
+        raise ValueError(
+            f"input {name!r} has dtype {dtype.str} (raw bytes: numpy saves ml_dtypes types such "
+            "as bfloat16 this way and cannot tell them apart); save it as float32 first"
+        )
+    if not np.issubdtype(dtype, np.floating):
+        raise ValueError(f"input {name!r} has dtype {dtype}; the survey needs floats")
+    _check_elements(math.prod(shape), f"input {name!r} (shape {shape})")
+    if math.prod(shape) == 0:
+        raise ValueError(f"input {name!r} is empty (shape {shape})")
+
+
 def load_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Float arrays of a .npy file (named by its stem) or every array of a .npz
-    (``stem:key``), as float32."""
+    (``stem:key``), as float32. Headers are checked (dtype, at most :data:`MAX_ELEMENTS`
+    elements) before any data is read; pickles are never loaded."""
+    import zipfile
+
     path = pathlib.Path(path)
     if path.suffix not in (".npy", ".npz"):
         raise ValueError(f"input {str(path)!r}: expected a .npy or .npz file")
     if not path.is_file():
         raise ValueError(f"input {str(path)!r}: no such file")
-    loaded = np.load(path, allow_pickle=False)
-    items = [(path.stem, loaded)] if path.suffix == ".npy" else [
-        (f"{path.stem}:{k}", loaded[k]) for k in loaded.files
-    ]  # fmt: skip
-    out = {}
-    for name, arr in items:
-        arr = np.asarray(arr)
-        if not np.issubdtype(arr.dtype, np.floating) and arr.dtype.kind != "V":
-            raise ValueError(f"input {name!r} has dtype {arr.dtype}; the survey needs floats")
-        if arr.size == 0:
-            raise ValueError(f"input {name!r} is empty")
-        out[name] = arr.astype(np.float32)
-    return out
+    if path.stat().st_size == 0:
+        raise ValueError(f"input {str(path)!r} is an empty file")
+    if path.suffix == ".npy":
+        with open(path, "rb") as fh:
+            shape, dtype = _npy_header(fh, path.stem)
+        _check_array(path.stem, shape, dtype)
+        return {path.stem: _load(path, path.stem)}
+    try:
+        archive = zipfile.ZipFile(path)
+    except zipfile.BadZipFile:
+        raise ValueError(f"input {str(path)!r} is not a NumPy .npz file (not a zip)") from None
+    with archive:
+        members = [m for m in archive.namelist() if m.endswith(".npy")]
+        if not members:
+            raise ValueError(f"input {str(path)!r} holds no arrays")
+        total = 0
+        for member in members:
+            with archive.open(member) as fh:
+                shape, dtype = _npy_header(fh, f"{path.stem}:{member[:-4]}")
+            _check_array(f"{path.stem}:{member[:-4]}", shape, dtype)
+            total += math.prod(shape)
+        if total > 4 * MAX_ELEMENTS:
+            raise ValueError(
+                f"input {str(path)!r} holds {total:,} elements; at most {4 * MAX_ELEMENTS:,} "
+                "(2^26) in all"
+            )
+    return _load(path, path.stem)
+
+
+def _load(path: pathlib.Path, name: str):
+    """np.load after the headers were checked; a truncated or corrupt body is a ValueError."""
+    import zipfile
+
+    try:
+        if path.suffix == ".npy":
+            return np.load(path, allow_pickle=False).astype(np.float32)
+        with np.load(path, allow_pickle=False) as loaded:
+            return {f"{name}:{k}": np.asarray(loaded[k]).astype(np.float32) for k in loaded.files}
+    except (EOFError, OSError, ValueError, zipfile.BadZipFile) as err:
+        raise ValueError(f"input {str(path)!r} is truncated or corrupt ({err})") from None
 
 
 # --- one survey ----------------------------------------------------------------------------
@@ -325,8 +400,14 @@ def validate(section: dict, where: str = "survey") -> dict:
             f"{where}.rounding: unknown mode {out['rounding']!r}; allowed: "
             + ", ".join(ROUNDING_MODES)
         ) from None
-    if out["input"] is not None and not out["input"].endswith((".npy", ".npz")):
-        raise ValueError(f"{where}.input must be a path to a .npy or .npz file")
+    for k, low, high in (("size", 1, MAX_ELEMENTS), ("seed", 0, 2**63 - 1)):
+        v = out[k]
+        if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+            shown = repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "..."
+            raise ValueError(f"{where}.{k} must be an int in [{low}, {high:,}], got {shown}")
+    if out["input"] is not None:
+        if not isinstance(out["input"], str) or not out["input"].endswith((".npy", ".npz")):
+            raise ValueError(f"{where}.input must be a path to a .npy or .npz file")
     if not out["dists"] and out["input"] is None:
         raise ValueError(f"{where}: no inputs; give dists or input")
     return out

@@ -27,7 +27,7 @@ from precisionlab.cli import (
     survey_cmd,
     values_cmd,
 )
-from precisionlab.cli._common import Parser, UsageError
+from precisionlab.cli._common import Parser, UsageError, one_line, shorten
 
 __all__ = ["COMMANDS", "UsageError", "main"]
 
@@ -56,32 +56,62 @@ def _build_parser() -> tuple[Parser, dict[str, ModuleType]]:
     return parser, COMMANDS
 
 
+def _innermost(parser: Parser, args) -> Parser:
+    """The (sub)parser of the command given, so its errors name it (``precisionlab bits``)."""
+    import argparse
+
+    while True:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                chosen = action.choices.get(getattr(args, action.dest, None) or "")
+                if chosen is not None:
+                    parser = chosen
+                    break
+        else:
+            return parser
+
+
+def _quiet_stdout() -> None:
+    """After a broken pipe: point stdout at /dev/null so the exit flush is silent too."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout is not a file (tests capture it)
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``precisionlab`` console script; returns the exit status."""
     parser, modules = _build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _innermost(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return 2
     try:
-        return int(modules[args.command].run(args) or 0)
+        status = int(modules[args.command].run(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handlers below
+        return status
+    except BrokenPipeError:  # `precisionlab ... | head`: stop quietly, as Unix tools do
+        _quiet_stdout()
+        return 0
     except (UsageError, ValueError) as err:
         if os.environ.get("PRECISIONLAB_DEBUG"):  # show the traceback of a suspected bug
             raise
-        message = str(err).splitlines()[0] if str(err) else type(err).__name__
+        message = one_line(str(err)) if str(err) else type(err).__name__
         sys.stderr.write(f"precisionlab {args.command}: error: {message}\n")
         return 2
     except OSError as err:  # a file or directory named on the command line
         if os.environ.get("PRECISIONLAB_DEBUG"):
             raise
-        where = f"{err.filename}: " if getattr(err, "filename", None) else ""
-        sys.stderr.write(f"precisionlab {args.command}: error: {where}{err.strerror or err}\n")
+        where = f"{shorten(str(err.filename))}: " if getattr(err, "filename", None) else ""
+        text = one_line(f"{where}{err.strerror or err}")
+        sys.stderr.write(f"precisionlab {args.command}: error: {text}\n")
         return 2
     except KeyboardInterrupt:
         sys.stderr.write(f"precisionlab {args.command}: interrupted\n")
         return 130
-    except BrokenPipeError:
-        return 0
 
 
 if __name__ == "__main__":

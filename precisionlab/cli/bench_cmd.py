@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import pathlib
 
 from precisionlab.bench import codecs, quant, train
 from precisionlab.cli._common import UsageError
@@ -16,7 +17,8 @@ BENCHES = {"codecs": codecs, "quant": quant, "train": train}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", metavar="BENCH", parser_class=type(parser))
     for name, module in BENCHES.items():
-        bench = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        # argparse %-formats help strings: a literal % must be doubled.
+        bench = sub.add_parser(name, help=module.HELP.replace("%", "%%"), description=module.HELP)
         module.add_arguments(bench)
         bench.set_defaults(bench_module=module)
 
@@ -25,4 +27,8 @@ def run(args: argparse.Namespace) -> int:
     module = getattr(args, "bench_module", None)
     if module is None:
         raise UsageError(f"name a benchmark: one of {', '.join(BENCHES)}")
+    out = getattr(args, "out", None)
+    if out is not None and not pathlib.Path(out).parent.is_dir():
+        # Never create directories the user did not ask for (/nonexistent/x.json).
+        raise UsageError(f"--out {str(out)!r}: its directory does not exist")
     return module.run(args)

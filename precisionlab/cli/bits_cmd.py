@@ -17,7 +17,7 @@ from fractions import Fraction
 
 from precisionlab.bits.reference import encode_scalar, next_down, next_up
 from precisionlab.bits.rounding import ROUNDING_MODES
-from precisionlab.cli._common import UsageError, split_list
+from precisionlab.cli._common import UsageError, shorten, split_list
 from precisionlab.cli._render import (
     bin_code,
     code_class,
@@ -54,6 +54,9 @@ errors:   |stored - VALUE| (abs), divided by |VALUE| (rel), and in ULPs, where a
 # argparse treats any argument that starts with '-' and is not a plain -123 / -1.5 as an
 # option; widen its test on this parser so -inf, -nan, -1e-39 and -0x.. reach VALUE.
 MAX_EXPONENT = 10_000
+MAX_CHARS = 1000
+_HUGE_EXPONENT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)e[+-]?\d+$")
+_RATIO = re.compile(r"^[+-]?\d+/\d+$")
 
 _NEGATIVE_VALUE = re.compile(r"^-(\d|\.\d|inf|infinity|nan|0x|0b)", re.IGNORECASE)
 
@@ -95,6 +98,10 @@ class Parsed:
 def parse_value(text: str) -> Parsed:
     """Read VALUE: ``0x``/``0b`` codes, ``inf``/``nan`` words, decimals, or ``p/q``."""
     s = text.strip().lower().replace("_", "")
+    if len(s) > MAX_CHARS:  # exact arithmetic on a huge literal would take too long
+        raise UsageError(
+            f"VALUE has {len(s)} characters; at most {MAX_CHARS} are accepted ({shorten(text)!r})"
+        )
     if s.startswith(("0x", "0b")):
         try:
             return Parsed(text, code=int(s, 0))
@@ -119,8 +126,16 @@ def parse_value(text: str) -> Parsed:
         number: Fraction | float = (-0.0 if d.is_signed() else 0.0) if d == 0 else Fraction(d)
         return Parsed(text, number=number)
     except InvalidOperation:
-        pass
+        if _HUGE_EXPONENT.match(s):  # an exponent too large even for Decimal
+            raise UsageError(
+                f"{shorten(text)!r} is out of range: decimal exponents up to +-{MAX_EXPONENT} "
+                "are accepted"
+            ) from None
     try:
+        # Only p/q here: Fraction also reads exponents Decimal refused (1e10**18), and
+        # building 10**(10**18) would hang.
+        if not _RATIO.match(s):
+            raise ValueError
         return Parsed(text, number=Fraction(s))
     except (ValueError, ZeroDivisionError):
         raise UsageError(

@@ -43,6 +43,11 @@ def run(args: argparse.Namespace) -> int:
     from precisionlab.memory import presets
 
     if args.list_presets:
+        _setup(args)  # the other flags are still checked: a bad value is an error, not ignored
+        if args.budget:
+            from precisionlab.memory.units import parse_size
+
+            parse_size(args.budget)
         return _list_presets(args, presets)
     if args.measure:
         if args.preset:

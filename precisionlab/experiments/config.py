@@ -34,6 +34,7 @@ from typing import Any
 
 from precisionlab._schema import ConfigError, Field, coerce, validate_table
 from precisionlab.experiments import kinds, train_kind
+from precisionlab.experiments.store import safe_name
 
 __all__ = [
     "ConfigError",
@@ -231,7 +232,7 @@ def experiment_from_document(
     section = module.validate(dict(top[kind]), f"{source}: {kind}")
     resolved = {
         "kind": kind,
-        "name": top["name"] or default_name,
+        "name": safe_name(top["name"] or default_name),  # one path component
         "description": top["description"],
         kind: section,
     }
@@ -371,7 +372,7 @@ def _train_experiment(doc: Mapping[str, Any], source: str, default_name: str) ->
 
     resolved = {
         "kind": "train",
-        "name": top["name"] or default_name,
+        "name": safe_name(top["name"] or default_name),  # one path component
         "description": top["description"],
         "seeds": seeds,
         "train": base,

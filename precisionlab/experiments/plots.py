@@ -3,8 +3,10 @@
 - ``loss.png``: training loss of every variant overlaid (moving average; log axis when the
   losses span more than a decade); a cross marks where a variant diverged. The first variant of
   a setting (the reference, e.g. fp32) is a wide pale band so that curves matching it stay
-  visible on top of it.
-- ``loss_scale.png``: the loss scale per step (log2 axis), for variants with loss scaling.
+  visible on top of it; every variant has its own line style and markers, and a curve equal to
+  an earlier one (to 0.1%) says "= NAME" in the legend instead of hiding under it.
+- ``loss_scale.png``: the loss scale per step (log2 axis), for variants with loss scaling; a
+  scale that underflowed to 0 (no log) is marked with triangles on the bottom edge.
 - ``skipped.png``: cumulative skipped steps (non-finite gradients), settings with skips only.
 - ``underflow.png``: the underflow meter, % of gradient elements zero/subnormal/non-finite in
   the compute dtype.
@@ -92,6 +94,24 @@ def _label(u: dict[str, Any]) -> str:
     return label
 
 
+_STYLES = ("-", "--", "-.", ":")
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def _style(i: int) -> dict[str, Any]:
+    """Line style and marker of the i-th variant of a panel: overlapping curves stay visible."""
+    return {"ls": _STYLES[i % len(_STYLES)], "marker": _MARKERS[i % len(_MARKERS)], "ms": 5}
+
+
+def _same_curve(a: np.ndarray, b: np.ndarray) -> bool:
+    if a.shape != b.shape or a.size == 0:
+        return False
+    fa, fb = np.isfinite(a), np.isfinite(b)
+    if not np.array_equal(fa, fb):
+        return False
+    return bool(np.allclose(a[fa], b[fb], rtol=1e-3, atol=0))
+
+
 def _title(setting: str, what: str) -> str:
     return f"{what}: {setting}" if setting else what
 
@@ -109,6 +129,7 @@ def _plot_curves(
     smooth: bool = True,
     keep: Any = None,
     mark_divergence: bool = False,
+    mark_zero: bool = False,
 ) -> bool:
     import matplotlib.pyplot as plt
 
@@ -129,26 +150,43 @@ def _plot_curves(
     fig, axes = _panels(len(chosen))
     for ax, (setting, us) in zip(axes, chosen.items(), strict=True):
         lo, hi = np.inf, -np.inf
-        for u in us:
+        drawn: list[tuple[str, np.ndarray, np.ndarray]] = []
+        zero_steps: list[tuple[np.ndarray, Any, str]] = []
+        for i, u in enumerate(us):
             steps, values = _series(u["metrics"], key)
             if steps.size == 0:
                 continue
             if cumulative:
                 values = np.cumsum(np.nan_to_num(values))
+            zero = values == 0
+            if mark_zero:  # a zero (collapsed) value has no log: marked apart, not drawn
+                values = np.where(zero, np.nan, values)
             if transform is not None:
-                values = transform(values)
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    values = transform(values)
             window = max(1, steps.size // 50) if smooth else 1
             shown = _smooth(values, window)
             color = colors[u["summary"]["variant"]]
             label = _label(u)
             if cumulative and values.size:
                 label += f" ({values[-1]:.0f})"
+            twin = next(
+                (n for n, s, v in drawn if np.array_equal(s, steps) and _same_curve(v, shown)),
+                None,
+            )
+            if twin is not None:
+                label += f" (= {twin})"
+            drawn.append((_label(u), steps, shown))
+            if mark_zero and zero.any():
+                zero_steps.append((steps[zero], color, _label(u)))
+            style = _style(i)
+            style["markevery"] = (i % 7 * max(1, steps.size // 70), max(1, steps.size // 10))
             if u is us[0] and len(us) > 1:
                 # The first variant is the reference: a wide pale band under the others, so
                 # curves that match it stay visible on top of it.
-                ax.plot(steps, shown, "-", color=color, label=label, lw=5, alpha=0.35)
+                ax.plot(steps, shown, color=color, label=label, lw=5, alpha=0.35, ls="-")
             else:
-                ax.plot(steps, shown, "-", color=color, label=label, lw=1.5, alpha=0.95)
+                ax.plot(steps, shown, color=color, label=label, lw=1.5, alpha=0.95, **style)
             good = shown[np.isfinite(shown)]
             if good.size:
                 lo, hi = min(lo, good.min()), max(hi, good.max())
@@ -157,6 +195,13 @@ def _plot_curves(
                 finite_before = shown[(steps <= div) & np.isfinite(shown)]
                 y = finite_before[-1] if finite_before.size else (hi if np.isfinite(hi) else 1.0)
                 ax.plot([div], [y], "x", color=color, ms=11, mew=2.5)
+        if zero_steps:
+            bottom = (lo if np.isfinite(lo) else 0.0) - 2
+            for z_steps, color, name in zero_steps:
+                label = f"{name}: loss scale 0 ({z_steps.size} steps)"
+                ax.plot(
+                    z_steps, np.full(z_steps.shape, bottom), "v", color=color, ms=7, label=label
+                )
         use_log = log == "yes" or (log == "auto" and lo > 0 and np.isfinite(hi) and hi / lo > 10)
         if use_log:
             ax.set_yscale("log")
@@ -251,6 +296,10 @@ def _plot_hist(units: list[dict[str, Any]], key: str, path: Path, *, what: str) 
                 label += f" (x loss scale {_fmt(scale, 'pow2', {})})"
             if nonfinite:
                 label += f", inf/nan {100 * nonfinite:.1f}%"
+            if key == "act_hist":  # what float16 cannot hold (GELU's cubic term included)
+                over = counts[edges[:-1] >= 16].sum() / total
+                if over:
+                    label += f", >= 2^16 (fp16 overflow) {100 * over:.2f}%"
             first = u is pairs[0][0] and len(pairs) > 1
             ax.stairs(
                 100 * frac,
@@ -258,6 +307,7 @@ def _plot_hist(units: list[dict[str, Any]], key: str, path: Path, *, what: str) 
                 color=colors[u["summary"]["variant"]],
                 lw=4 if first else 1.5,
                 alpha=0.4 if first else 0.95,
+                ls="-" if first else _STYLES[len(ax.patches) % len(_STYLES)],
                 label=label,
             )
             step = h.get("step")
@@ -307,7 +357,8 @@ def write_plots(data: dict[str, Any], plot_dir: Path) -> list[tuple[str, Path]]:
         ),
     )
     add(
-        "Loss scale per step (log2 axis) of the variants that scale the loss.",
+        "Loss scale per step (log2 axis) of the variants that scale the loss; triangles on the "
+        "bottom edge mark steps where the scale had underflowed to 0.",
         "loss_scale.png",
         _plot_curves(
             units,
@@ -315,10 +366,11 @@ def write_plots(data: dict[str, Any], plot_dir: Path) -> list[tuple[str, Path]]:
             plot_dir / "loss_scale.png",
             what="loss scale",
             ylabel="log2(loss scale)",
-            transform=lambda v: np.log2(np.maximum(v, 1e-45)),
+            transform=np.log2,
             log="no",
             smooth=False,
             keep=lambda u: (u["summary"].get("loss_scale") or "none") != "none",
+            mark_zero=True,
         ),
     )
     add(
@@ -355,7 +407,9 @@ def write_plots(data: dict[str, Any], plot_dir: Path) -> list[tuple[str, Path]]:
         _plot_hist(units, "grad_hist", plot_dir / "hist_grad.png", what="log2|gradient|"),
     )
     add(
-        "Histogram of log2|activation| with the float16 and bfloat16 ranges shaded.",
+        "Histogram of log2|activation| with the float16 and bfloat16 ranges shaded; with GELU "
+        "it includes the cubic term x^3 of the tanh approximation, the intermediate that overflows "
+        "float16 first (counted as inf/nan there).",
         "hist_act.png",
         _plot_hist(units, "act_hist", plot_dir / "hist_act.png", what="log2|activation|"),
     )

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,15 @@ from precisionlab import _io
 from precisionlab._text import fmt_value
 from precisionlab.experiments import store
 
-__all__ = ["TABLE", "load_run", "markdown_table", "summary_rows", "text_table", "write_report"]
+__all__ = [
+    "TABLE",
+    "interpret",
+    "load_run",
+    "markdown_table",
+    "summary_rows",
+    "text_table",
+    "write_report",
+]
 
 #: (header, summary key, formatter) of the summary table.
 TABLE: tuple[tuple[str, str, str], ...] = (
@@ -141,6 +150,9 @@ def write_report(run_dir: str | Path, *, plots: bool = True) -> tuple[Path, str]
         ]
     if failed:
         lines.append("")
+    notes = interpret(summary)
+    if notes:
+        lines += ["## What this run shows", "", *notes, ""]
     if plots and resolved.get("report", {}).get("plots", True):
         from precisionlab.experiments.plots import write_plots
 
@@ -193,10 +205,23 @@ def write_report(run_dir: str | Path, *, plots: bool = True) -> tuple[Path, str]
     return path, table
 
 
+#: Captions of the plots other kinds write, by file name.
+CAPTIONS = {
+    "bytes_per_param.png": "Model-state bytes per parameter of each precision policy, by part "
+    "(weights, master weights, gradients, optimizer state).",
+    "checkpoint_interval.png": "Estimated activation memory against the checkpoint interval K; "
+    "the dashed line is K = sqrt(N layers).",
+    "measured_checkpoint.png": "Temporaries XLA allocates (measured) and the estimate, per "
+    "checkpoint interval K.",
+    "survey.png": "Relative-error histograms and SQNR of every format on every input.",
+}
+
+
 def _write_other_report(data: dict[str, Any]) -> tuple[Path, str]:
     run_dir = data["dir"]
     summary = data["summary"]
-    lines = [f"# {summary.get('name', run_dir.name)} ({summary.get('kind')})", ""]
+    name, kind = summary.get("name", run_dir.name), summary.get("kind")
+    lines = [f"# {name}" if name == kind else f"# {name} ({kind} experiment)", ""]
     lines += [
         f"Status: {summary.get('status')}"
         + (f": {summary['error']}" if summary.get("error") else ""),
@@ -220,7 +245,8 @@ def _write_other_report(data: dict[str, Any]) -> tuple[Path, str]:
         table = "\n\n".join(t.read_text(encoding="utf-8").rstrip() for t in texts)
     pngs = sorted(run_dir.rglob("*.png"))
     for png in pngs:
-        lines += [f"![{png.stem}]({png.relative_to(run_dir).as_posix()})", ""]
+        caption = CAPTIONS.get(png.name, png.stem.replace("_", " "))
+        lines += [f"![{caption}]({png.relative_to(run_dir).as_posix()})", "", caption, ""]
     others = sorted(
         p
         for p in run_dir.rglob("*")
@@ -236,9 +262,96 @@ def _write_other_report(data: dict[str, Any]) -> tuple[Path, str]:
 
 
 def _short(value: Any) -> str:
+    if isinstance(value, float):  # 9.797958971132712 -> 9.798
+        return f"{value:.4g}"
     text = str(value)
     return text if len(text) < 80 else text[:77] + "..."
 
 
 def _write_text(path: Path, text: str) -> None:
     _io.write_text(path, text if text.endswith("\n") else text + "\n")
+
+
+# --- interpretation -----------------------------------------------------------------------
+def _num(value: Any) -> float | None:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        return None
+    return out
+
+
+def _close(a: float | None, b: float | None, rel: float = 0.02) -> bool:
+    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
+        return False
+    return abs(a - b) <= rel * max(abs(b), 1e-12)
+
+
+def interpret(summary: dict[str, Any]) -> list[str]:
+    """Bullets of what a ``train`` run shows, from its summary: per setting, each variant
+    against the setting's first variant (the reference): divergence and when, skipped steps,
+    a collapsed loss scale, the underflow meter, and the evaluation loss beside the
+    reference's. Measured numbers only; no claim the summary does not hold."""
+    by_setting: dict[str, list[dict[str, Any]]] = {}
+    seen = set()
+    for unit in summary.get("variants", []):
+        key = (unit.get("setting"), unit.get("variant"))
+        if key in seen:
+            continue  # with several seeds, the first seed speaks for the group
+        seen.add(key)
+        by_setting.setdefault(unit.get("setting") or "", []).append(unit)
+    lines = []
+    for setting, units in by_setting.items():
+        ref = units[0]
+        ref_name = ref.get("variant", ref.get("name"))
+        ref_eval = _num(ref.get("eval_loss"))
+        matching, findings = [], []
+        for u in units[1:]:
+            name = u.get("variant", u.get("name"))
+            ev = _num(u.get("eval_loss"))
+            steps = u.get("steps") or 0
+            skipped = int(u.get("skipped_steps") or 0)
+            facts = []
+            if u.get("status") == "failed":
+                facts.append(f"failed ({u.get('error')})")
+            if u.get("diverged"):
+                step = u.get("divergence_step")
+                facts.append(f"diverged at step {step}" if step is not None else "diverged")
+            if skipped:
+                facts.append(f"skipped {skipped} of {steps} steps (inf/NaN gradients)")
+            if _num(u.get("min_loss_scale")) == 0:
+                facts.append("its loss scale collapsed to 0")
+            underflow = _num(u.get("mean_underflow_fraction"))
+            ref_underflow = _num(ref.get("mean_underflow_fraction"))
+            if (
+                underflow is not None
+                and underflow >= 0.5
+                and (ref_underflow is None or underflow > ref_underflow + 0.25)
+            ):
+                facts.append(
+                    f"underflow meter {100 * underflow:.0f}% "
+                    f"(reference {100 * (ref_underflow or 0):.0f}%)"
+                )
+            if not facts and _close(ev, ref_eval):
+                matching.append(name)
+                continue
+            if ev is not None and ref_eval is not None and math.isfinite(ref_eval):
+                evs = f"{ev:.4g}" if math.isfinite(ev) else str(ev)
+                facts.append(f"eval loss {evs} against {ref_name}'s {ref_eval:.4g}")
+            findings.append(f"{name}: " + "; ".join(facts))
+        body = []
+        if matching:
+            verb = "matches" if len(matching) == 1 else "match"
+            body.append(
+                f"{', '.join(matching)} {verb} {ref_name} (eval loss within 2%, no divergence, "
+                "no skipped steps)"
+            )
+        body += findings
+        if not body:
+            continue
+        if setting:
+            lines.append(f"- **{setting}**: {body[0]}")
+            lines += [f"  - {b}" for b in body[1:]]
+        else:
+            lines += [f"- {b}" for b in body]
+    return lines

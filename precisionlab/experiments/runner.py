@@ -96,6 +96,7 @@ def resume(run_dir: str | Path, *, quiet: bool = False) -> Path:
     return run_experiment(experiment, run_dir, quiet=quiet, resuming=True)
 
 
+@store.holding_run_lock
 def run_experiment(
     experiment: Experiment,
     run_dir: Path,

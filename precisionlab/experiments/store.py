@@ -11,18 +11,24 @@ Layout of a run directory::
     report.md, plots/   written by :mod:`precisionlab.experiments.report`
     variants/<id>/tb/   TensorBoard event files, only if ``tensorboardX`` is installed
 
-JSON files are strict JSON written atomically through :mod:`precisionlab._io` (a temporary
-file, fsynced, moved into place with :func:`os.replace`); JSONL files are appended line by line
-and flushed, and readers ignore a torn last line.
+JSON files are strict JSON written atomically through :mod:`precisionlab._io` (a temporary file,
+fsynced, moved into place with :func:`os.replace`); JSONL files are appended line by line and
+flushed, and readers ignore a torn last line. Every file gets the same mode (0666 less the umask,
+0644 usually); symbolic links are never followed inside a run directory (a run or resume refuses a
+directory that holds one), and the process writing a run directory holds an advisory lock on
+``.lock`` in it (:func:`run_lock`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import platform
+import re
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +40,8 @@ __all__ = [
     "new_run_dir",
     "read_json",
     "read_jsonl",
+    "run_lock",
+    "safe_name",
     "to_jsonable",
     "write_json",
 ]
@@ -108,13 +116,95 @@ def environment() -> dict[str, Any]:
     }
 
 
+@functools.cache
+def file_mode() -> int:
+    """0o666 less the process umask: the mode ``open()`` gives new files (read once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.+=^-]+")
+
+
+def safe_name(name: str) -> str:
+    """``name`` as one safe path component: runs of other characters than letters, digits and
+    ``_ . + = ^ -`` become ``-``, leading dots and dashes are dropped, at most 100 characters
+    (``"../../x"`` -> ``"x"``, ``"/tmp/a b"`` -> ``"tmp-a-b"``); ``"run"`` if nothing is left."""
+    cleaned = _UNSAFE.sub("-", str(name)).lstrip(".-")[:100].rstrip(".-")
+    return cleaned or "run"
+
+
 def new_run_dir(root: Path, name: str) -> Path:
-    """A fresh directory ``root/<name>-<UTC timestamp>`` (suffixed if it exists)."""
+    """A fresh directory ``root/<name>-<UTC timestamp>`` (suffixed if it exists); ``name`` is
+    made one path component (:func:`safe_name`) and the result checked to stay under ``root``."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    base = Path(root) / f"{name}-{stamp}"
+    root = Path(root)
+    base = root / f"{safe_name(name)}-{stamp}"
+    if not base.resolve().is_relative_to(root.resolve()):
+        raise ValueError(f"run name {name!r} leads outside {str(root)!r}")
     path, n = base, 1
     while path.exists():
         n += 1
         path = base.with_name(f"{base.name}-{n}")
     path.mkdir(parents=True)
     return path
+
+
+def check_no_symlinks(run_dir: Path) -> None:
+    """Refuse a run directory holding a symbolic link (writes would follow it elsewhere)."""
+    for top, dirs, files in os.walk(run_dir, followlinks=False):
+        for entry in dirs + files:
+            if os.path.islink(os.path.join(top, entry)):
+                link = os.path.join(top, entry)
+                raise ValueError(
+                    f"{link} is a symbolic link; precisionlab does not follow links inside a run "
+                    "directory: remove it"
+                )
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path) -> Iterator[None]:
+    """Hold an exclusive advisory lock on ``run_dir/.lock`` (with this process's pid in it)
+    while writing the run; a second writer gets a ValueError naming the holder's pid."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - no advisory locks on this platform
+        yield
+        return
+    run_dir = Path(run_dir)
+    path = run_dir / ".lock"
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags, file_mode())
+    except OSError as err:
+        raise ValueError(f"{path}: cannot open the run's lock file ({err.strerror})") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise ValueError(
+                f"{run_dir} is being written by another precisionlab process (pid {holder}); "
+                "wait for it to finish or stop it"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def holding_run_lock(func):
+    """Decorator: run ``func(experiment, run_dir, ...)`` holding :func:`run_lock` on
+    ``run_dir`` after checking it holds no symbolic link."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        run_dir = Path(kwargs["run_dir"] if "run_dir" in kwargs else args[1])
+        run_dir.mkdir(parents=True, exist_ok=True)
+        check_no_symlinks(run_dir)
+        with run_lock(run_dir):
+            return func(*args, **kwargs)
+
+    return wrapper

@@ -53,9 +53,25 @@ OPTIMIZERS: dict[str, tuple[int, int]] = {
 POINTER_BYTES = 8
 
 
-def _positive_int(value: Any, name: str) -> int:
+# Sizes are bounded before any arithmetic or search depends on them (a 400-digit sequence
+# length would overflow the float columns of the table; a huge batch, the divisor search).
+MAX_COUNT = 2**40
+MAX_LAYERS = 2**16
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _positive_int(value: Any, name: str, limit: int = MAX_COUNT) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise ValueError(f"{name} must be a positive integer, got {_short_repr(value)}")
+    if value > limit:
+        raise ValueError(
+            f"{name} must be at most {limit:,} (2^{limit.bit_length() - 1}), got a "
+            f"{len(str(int(value)))}-digit number"
+        )
     return int(value)
 
 
@@ -95,7 +111,8 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         for field in ("n_params", "n_layers", "d_model", "n_heads", "d_head", "vocab", "seq_len"):
-            _positive_int(getattr(self, field), f"{self.name}: {field}")
+            limit = {"n_params": 2**50, "n_layers": MAX_LAYERS}.get(field, MAX_COUNT)
+            _positive_int(getattr(self, field), f"{self.name}: {field}", limit)
         if self.d_ff is not None:
             _positive_int(self.d_ff, f"{self.name}: d_ff")
 

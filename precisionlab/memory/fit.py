@@ -61,6 +61,21 @@ def _setup_dict(setup: TrainSetup) -> dict[str, Any]:
     return out
 
 
+def _divisors(n: int, most: int = 64) -> list[int]:
+    """Divisors of ``n`` above 1, ascending: the ``most`` smallest and ``n`` itself. Trial
+    division up to sqrt(n) (n <= 2^40 is checked by TrainSetup, so at most 2^20 steps)."""
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    found = [m for m in small + large[::-1] if m > 1]
+    return found if len(found) <= most else [*found[: most - 1], n]
+
+
 def _options(model: ModelSpec, setup: TrainSetup) -> list[list[tuple[str, dict[str, Any]]]]:
     """Per kind of change, its candidate values from mildest to strongest."""
     kinds: list[list[tuple[str, dict[str, Any]]]] = []
@@ -74,7 +89,7 @@ def _options(model: ModelSpec, setup: TrainSetup) -> list[list[tuple[str, dict[s
         )
         plural = "s" if ks[0] > 1 else ""
         kinds.append([(f"checkpoint every {ks[0]} layer{plural}", {"checkpoint_every": ks[0]})])
-    divisors = [m for m in range(2, setup.batch + 1) if setup.batch % m == 0]
+    divisors = _divisors(setup.batch)
     if setup.microbatches == 1 and divisors:
         kinds.append([(f"{m} micro-batches", {"microbatches": m}) for m in divisors])
     if setup.dp > 1:

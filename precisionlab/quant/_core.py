@@ -109,10 +109,21 @@ def _div_const(a: jax.Array, c: float) -> jax.Array:
     return a * jnp.float32(np.float32(1.0) / np.float32(c))
 
 
-def _float_scale(s: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array | None]:
-    # An all-zero group gets scale 1; a group holding inf or NaN keeps its NaN/inf scale,
-    # so its values come back NaN instead of silently wrong.
-    s = jnp.where(s == 0, jnp.float32(1.0), s).astype(jnp.float32)
+# Float32 scales are kept normal: a scale below 2**-126 is a float32 subnormal, which XLA on
+# CPU flushes to zero (the whole group would quantize to 0, and dequantize to 0 * inf). Groups
+# with 0 < amax < qmax * 2**-126 (about 1.5e-36 for int8) get this scale instead: fewer
+# levels are used, never none, and the result is the same on every backend.
+SMALLEST_FLOAT_SCALE = float(np.ldexp(1.0, -126))
+
+
+def _float_scale(
+    s: jax.Array, spec: QuantSpec, zero: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array | None]:
+    # An all-zero group (``zero``: its clip value is 0) gets scale 1; a group holding inf or
+    # NaN keeps its NaN/inf scale, so its values come back NaN instead of silently wrong.
+    zero = s == 0 if zero is None else zero
+    tiny = jnp.float32(SMALLEST_FLOAT_SCALE)
+    s = jnp.where(zero, jnp.float32(1.0), jnp.maximum(s, tiny)).astype(jnp.float32)
     if spec.scale_format in _SCALE16:
         # Rounded up, so the clip value still maps inside the element range.
         codes = encode(s, _SCALE16[spec.scale_format], rounding="up", saturate=True)
@@ -135,7 +146,7 @@ def scale_from_clip(spec: QuantSpec, c=None, lo=None, hi=None) -> Scale:
         if spec.pow2:
             e = _pow2_exponent(c, spec.clip_target, spec.emax_target, spec.scale_rule)
             return Scale(None, e, bad, None, None)
-        s, codes = _float_scale(_div_const(c, spec.clip_target), spec)
+        s, codes = _float_scale(_div_const(c, spec.clip_target), spec, zero=c == 0)
         return Scale(s, None, None, None, codes)
     qrange = spec.qmax - spec.qmin
     span = (hi - lo).astype(jnp.float32)
@@ -144,7 +155,7 @@ def scale_from_clip(spec: QuantSpec, c=None, lo=None, hi=None) -> Scale:
         shifted = pow2.ldexp(lo, -e)
         s, codes = None, None
     else:
-        s, codes = _float_scale(_div_const(span, qrange), spec)
+        s, codes = _float_scale(_div_const(span, qrange), spec, zero=span == 0)
         e, shifted = None, lo * (jnp.float32(1.0) / s)
     zp = jnp.clip(jnp.round(jnp.float32(spec.qmin) - shifted), spec.qmin, spec.qmax)
     return Scale(s, e, None, zp.astype(jnp.float32), codes)
@@ -227,9 +238,18 @@ def inside_mask(y: jax.Array, sc: Scale, spec: QuantSpec) -> jax.Array:
     if isinstance(spec.fmt, FloatFormat):
         fmt = spec.fmt
         half_top = np.ldexp(1.0, fmt.emax - fmt.mantissa_bits - 1)
-        return jnp.abs(y) <= jnp.float32(fmt.max + half_top)
+        # A tie at max + half an ulp rounds to even: inward when max's mantissa is even
+        # (E4M3FN's 448), outward (clipped) when it is odd (E5M2's 57344, FP4's 6).
+        top_mantissa = round((fmt.max / np.ldexp(1.0, fmt.emax) - 1) * 2**fmt.mantissa_bits)
+        limit = jnp.float32(fmt.max + half_top)
+        if top_mantissa % 2 == 0:
+            return jnp.abs(y) <= limit
+        return jnp.abs(y) < limit
+    # Inside iff nearest-even rounding lands in [qmin, qmax]: an exact tie at qmax + 0.5
+    # rounds outward when qmax is odd (127.5 -> 128, clipped to 127) and gets no gradient.
     z = y if sc.zp is None else y + sc.zp
-    return (z >= spec.qmin - 0.5) & (z <= spec.qmax + 0.5)
+    r = jnp.round(z)  # half to even
+    return (r >= spec.qmin) & (r <= spec.qmax)
 
 
 # --- clip values ---------------------------------------------------------------------------
@@ -278,16 +298,20 @@ def choose_scale(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, Scale]:
     """Grouped float32 view of ``x`` and its scales per ``spec.scale``."""
     x = jnp.asarray(x).astype(jnp.float32)
     if spec.scale == "percentile":
+        # Padding is NaN so nanpercentile ignores it; a NaN of the input itself makes its
+        # group's clip value NaN, so the group comes back NaN as with amax, mse and MX.
         xg_nan, axes = to_groups(x, spec, fill=np.nan)
-        xg = jnp.nan_to_num(xg_nan, nan=0.0) if spec.granularity == "block" else xg_nan
+        xg, _ = to_groups(x, spec)
+        has_nan = jnp.any(jnp.isnan(xg), axis=axes, keepdims=True)
         p = spec.percentile
         if spec.scheme == "symmetric":
             c = jnp.nanpercentile(jnp.abs(xg_nan), p, axis=axes, keepdims=True)
+            c = jnp.where(has_nan, jnp.nan, c)
             return xg, scale_from_clip(spec, c=c.astype(jnp.float32))
         lo = jnp.nanpercentile(xg_nan, 100.0 - p, axis=axes, keepdims=True)
         hi = jnp.nanpercentile(xg_nan, p, axis=axes, keepdims=True)
-        lo = jnp.minimum(lo, 0.0).astype(jnp.float32)
-        hi = jnp.maximum(hi, 0.0).astype(jnp.float32)
+        lo = jnp.where(has_nan, jnp.nan, jnp.minimum(lo, 0.0)).astype(jnp.float32)
+        hi = jnp.where(has_nan, jnp.nan, jnp.maximum(hi, 0.0)).astype(jnp.float32)
         return xg, scale_from_clip(spec, lo=lo, hi=hi)
     xg, axes = to_groups(x, spec)
     if spec.scale == "mse":

@@ -161,6 +161,10 @@ def resolve(
             raise ValueError(f"{mx.name} stores E8M0 scales; got scale_format={scale_format!r}")
         if ndim < 1:
             raise ValueError(f"{mx.name} needs an input with at least one axis")
+        if full_range and not isinstance(elem, IntFormat):
+            raise ValueError(
+                f"full_range applies to MXINT8 and signed integer formats, not {mx.name}"
+            )
         scale_rule = "floor" if scale_rule is None else scale_rule
         if scale_rule not in SCALE_RULES:
             raise ValueError(
@@ -170,7 +174,7 @@ def resolve(
             fmt=elem, mx=mx, ndim=ndim, granularity="block",
             axis=ndim - 1 if axis is None else axis, block_size=mx.block_size,
             scheme="symmetric", scale="amax", percentile=None, scale_format="e8m0",
-            scale_rule=scale_rule, rounding=rounding, full_range=False,
+            scale_rule=scale_rule, rounding=rounding, full_range=bool(full_range),
         )  # fmt: skip
 
     if block_size is not None:

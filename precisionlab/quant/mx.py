@@ -7,9 +7,11 @@ where emax_elem is the exponent of the element format's largest normal; elements
 x / X rounded to nearest even and saturated to the element format's max normal.
 
 MXINT8 (section 5.3.3) stores 8-bit two's complement integers read as fixed point with an
-implicit scale of 2**-6, so an element spans [-2, 1 63/64] and emax_elem = 0. We saturate
-symmetrically to +-(1 63/64) (codes -127..127, the max-normal rule applied to magnitudes, as
-the spec authors' reference implementation microsoft/microxcaling does); -2 is never produced.
+implicit scale of 2**-6, so an element spans [-2, 1 63/64] and emax_elem = 0. By default we
+saturate symmetrically to +-(1 63/64) (codes -127..127, the max-normal rule applied to
+magnitudes, as the spec authors' reference implementation microsoft/microxcaling does), so -2
+is not produced; ``quantize(..., full_range=True)`` uses code -128 (0x80) too, so
+x/X in [-2, -1.9921875] rounds to its nearest code -2 instead of clamping to -1.984375.
 """
 
 from __future__ import annotations

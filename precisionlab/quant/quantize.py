@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
@@ -114,6 +115,7 @@ def quantize(
         full_range=full_range,
     )  # fmt: skip
     _check_key(spec, key)
+    _check_padding(x.shape, spec)
     packed = spec.fmt.bits == 4 if pack_codes is None else bool(pack_codes)
     if packed and spec.fmt.bits != 4:
         raise ValueError(f"pack_codes=True packs 4-bit formats only, not {spec.fmt.name}")
@@ -124,6 +126,25 @@ def quantize(
         scheme=spec.scheme, scale_method=spec.scale_method, scale_format=spec.scale_format,
         scale_rule=spec.scale_rule, rounding=spec.rounding, packed=packed, dtype=str(x.dtype),
     )  # fmt: skip
+
+
+# Blocks pad their axis to whole blocks; a block far longer than its axis (block_size 100000
+# on a width-1 axis) would allocate block_size times the input. Refused past this bound.
+MAX_PADDED_ELEMENTS = 2**26
+
+
+def _check_padding(shape: tuple[int, ...], spec: QuantSpec) -> None:
+    if spec.granularity != "block":
+        return
+    n = shape[spec.axis]
+    size = math.prod(shape)
+    padded = size // n * (-(-n // spec.block_size) * spec.block_size)
+    if padded > 2 * size and padded > MAX_PADDED_ELEMENTS:
+        raise ValueError(
+            f"block_size {spec.block_size} along axis {spec.axis} (length {n}) pads the input "
+            f"from {size:,} to {padded:,} elements (limit 2^26 when padding more than doubles "
+            f"it); use a block_size of at most {n}"
+        )
 
 
 def _check_key(spec: QuantSpec, key) -> None:

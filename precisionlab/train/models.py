@@ -230,6 +230,8 @@ class MLP(Model):
         for i, layer in enumerate(params["hidden"]):
             z, h = run(layer, h)
             acts[f"layer{i}/pre"] = z
+            if self.activation == "gelu":  # tanh-GELU's x**3 overflows float16 first (|x| > 40)
+                acts[f"layer{i}/gelu_cubic"] = z**3
             acts[f"layer{i}/out"] = h
         logits = ops.dense(h, params["out"]["w"], params["out"]["b"], policy=pol, enforce=enforce)
         acts["logits"] = logits

@@ -1,0 +1,383 @@
+"""Every example in README.md runs, and shows what it prints.
+
+Marker convention: an HTML comment on the line just before a fence classifies the example.
+
+    <!-- readme: run [OPTIONS] -->       run it and compare the output it shows exactly
+    <!-- readme: run-only [OPTIONS] -->  run it; it must succeed; the output is not compared
+    <!-- readme: skip REASON -->         not run (installs, multi-minute jobs, ...)
+
+What is run:
+
+- a ```console block: ``$ cmd`` lines (a trailing ``\\`` continues a command on the next line;
+  ``# comment`` ends it), each followed by its exact output (stdout and stderr together, as a
+  terminal shows them). ``precisionlab ...`` and ``python -m precisionlab ...`` run in-process
+  through :func:`precisionlab.cli.main` (fast: JAX is imported once); other commands run in a
+  shell.
+- a ```bash or ```sh block: every non-comment line is a command (``run-only`` or ``skip`` only).
+- a ```python block: executed in this process in a fresh namespace; with ``run`` it must be
+  followed directly by a plain ``` block holding its exact stdout.
+
+``python tests/test_readme.py --update`` reruns every ``run`` example and rewrites the outputs
+shown in README.md from what they print now (blocks whose expected output uses ``...`` are
+left alone and listed); review the diff before committing.
+
+Each example runs in its own temporary directory, which holds links to the repository's
+``experiments/``, ``notebooks/`` and ``docs/``, so relative paths work and nothing is written
+into the checkout.
+
+In expected output a line ``...`` alone matches any number of lines (zero or more), and
+trailing whitespace is ignored. A fenced ``bash``/``sh``/``shell``/``console``/``python``
+block without a marker fails the test, and so does a plain block whose first line starts with
+``$ ``: every example is classified.
+
+OPTIONS (after ``run`` or ``run-only``; shell-quoted):
+
+    --set KEY=VALUE     appended as ``--set KEY=VALUE`` to every ``precisionlab run CONFIG``
+                        in the block (repeatable): reduces long runs, e.g. train.steps=10.
+                        Implies nothing about the output: use it with ``run-only``.
+    --replace OLD NEW   replace the text OLD by NEW in the block before running it
+                        (repeatable), e.g. ``--replace steps=300 steps=20`` in a Python snippet.
+    --status N          the exit status every command of the block must return (default 0).
+    --slow              run the example only under ``-m slow``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+LINKED = ("experiments", "notebooks", "docs")
+
+_FENCE = re.compile(r"^(`{3,})\s*([\w+-]*)\s*$")
+_MARKER = re.compile(r"^\s*<!--\s*readme:\s*(run-only|run|skip)\b(.*?)-->\s*$")
+_SHELL = {"bash", "sh", "shell", "console"}
+_PYTHON = {"python", "py"}
+
+
+@dataclasses.dataclass
+class Block:
+    line: int  # 1-based line of the opening fence
+    lang: str
+    text: str
+    marker: str | None = None  # run, run-only, skip
+    options: list[str] = dataclasses.field(default_factory=list)
+    output: str | None = None  # the plain block following a python block
+    end: int = 0  # 0-based index of the closing fence
+    output_end: int = 0  # 0-based index of the output block's closing fence
+
+    @property
+    def id(self) -> str:
+        return f"README.md:{self.line}-{self.lang or 'plain'}"
+
+
+def parse_readme(text: str) -> list[Block]:
+    """Every fenced block of ``text`` with its marker; python outputs attached."""
+    lines = text.splitlines()
+    blocks: list[Block] = []
+    i = 0
+    while i < len(lines):
+        match = _FENCE.match(lines[i])
+        if not match:
+            i += 1
+            continue
+        ticks, lang = match.group(1), match.group(2).lower()
+        end = i + 1
+        while end < len(lines) and lines[end].strip() != ticks:
+            end += 1
+        block = Block(line=i + 1, lang=lang, text="\n".join(lines[i + 1 : end]), end=end)
+        marker = _MARKER.match(lines[i - 1]) if i > 0 else None
+        if marker:
+            block.marker = marker.group(1)
+            rest = marker.group(2).strip()
+            block.options = [rest] if block.marker == "skip" else shlex.split(rest)
+        previous = blocks[-1] if blocks else None
+        follows = previous is not None and previous.end == i - 1
+        if lang == "" and previous and previous.lang in _PYTHON and follows and not marker:
+            previous.output = block.text  # the stdout of the python block just above
+            previous.output_end = end
+        else:
+            blocks.append(block)
+        i = end + 1
+    return blocks
+
+
+@dataclasses.dataclass
+class Options:
+    sets: list[str]
+    replace: list[tuple[str, str]]
+    status: int
+    slow: bool
+
+
+def parse_options(words: list[str], where: str) -> Options:
+    opts = Options([], [], 0, False)
+    it = iter(words)
+    for word in it:
+        try:
+            if word == "--set":
+                opts.sets.append(next(it))
+            elif word == "--replace":
+                opts.replace.append((next(it), next(it)))
+            elif word == "--status":
+                opts.status = int(next(it))
+            elif word == "--slow":
+                opts.slow = True
+            else:
+                raise ValueError(f"unknown option {word!r}")
+        except StopIteration:
+            raise ValueError(f"{where}: option {word!r} needs a value") from None
+    return opts
+
+
+def commands(block: Block) -> list[tuple[str, str]]:
+    """(command, expected output) pairs of a shell block."""
+    pairs: list[list[str]] = []
+    lines = block.text.splitlines()
+    if block.lang != "console" and not any(ln.startswith("$ ") for ln in lines):
+        return [(ln, "") for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+    continuing = False
+    for ln in lines:
+        if continuing:
+            pairs[-1][0] += "\n" + ln
+            continuing = ln.rstrip().endswith("\\")
+        elif ln.startswith("$ "):
+            pairs.append([ln[2:], ""])
+            continuing = ln.rstrip().endswith("\\")
+        elif pairs:
+            pairs[-1][1] += ln + "\n"
+        elif ln.strip():
+            raise ValueError(f"{block.id}: output before the first '$ ' command: {ln!r}")
+    return [(cmd, out) for cmd, out in pairs]
+
+
+def matches(expected: str, got: str) -> bool:
+    """Line by line, trailing whitespace ignored; a line ``...`` matches any lines."""
+    exp = [ln.rstrip() for ln in expected.rstrip("\n").splitlines()]
+    have = [ln.rstrip() for ln in got.rstrip("\n").splitlines()]
+
+    def match(i: int, j: int) -> bool:
+        if i == len(exp):
+            return j == len(have)
+        if exp[i] == "...":
+            return any(match(i + 1, k) for k in range(j, len(have) + 1))
+        return j < len(have) and exp[i] == have[j] and match(i + 1, j + 1)
+
+    return match(0, 0)
+
+
+def _precisionlab_argv(cmd: str) -> list[str] | None:
+    argv = shlex.split(cmd.replace("\\\n", " "), comments=True)
+    if argv[:1] == ["precisionlab"]:
+        return argv[1:]
+    if argv[:3] == ["python", "-m", "precisionlab"]:
+        return argv[3:]
+    return None
+
+
+def run_command(cmd: str, opts: Options) -> tuple[int, str]:
+    """Exit status and combined stdout + stderr of one command, in the current directory."""
+    argv = _precisionlab_argv(cmd)
+    if argv is None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_COLOR": "1"}
+        proc = subprocess.run(
+            cmd, shell=True, capture_output=True, text=True, env=env, timeout=600,
+            executable="/bin/bash",
+        )  # fmt: skip
+        return proc.returncode, proc.stdout + proc.stderr
+    if argv[:1] == ["run"] and "--resume" not in argv:
+        for item in opts.sets:
+            argv += ["--set", item]
+    from precisionlab.cli import main
+
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
+        try:
+            status = main(argv)
+        except SystemExit as exit_:
+            status = exit_.code if isinstance(exit_.code, int) else 1
+    return status, buffer.getvalue()
+
+
+def run_python(source: str, where: str) -> str:
+    buffer = io.StringIO()
+    namespace = {"__name__": "__readme__"}
+    with contextlib.redirect_stdout(buffer):
+        exec(compile(source, where, "exec"), namespace)
+    return buffer.getvalue()
+
+
+@pytest.fixture
+def sandbox(tmp_path, monkeypatch):
+    for name in LINKED:
+        if (ROOT / name).exists():
+            (tmp_path / name).symlink_to(ROOT / name)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("NO_COLOR", "1")
+    monkeypatch.delenv("PRECISIONLAB_DEBUG", raising=False)
+    return tmp_path
+
+
+BLOCKS = parse_readme(README.read_text(encoding="utf-8"))
+EXAMPLES = [
+    b
+    for b in BLOCKS
+    if b.lang in _SHELL | _PYTHON or (b.lang == "" and b.text.lstrip().startswith("$ "))
+]
+
+
+def _params():
+    for block in EXAMPLES:
+        marks = []
+        if block.marker in ("run", "run-only"):
+            try:
+                if parse_options(block.options, block.id).slow:
+                    marks.append(pytest.mark.slow)
+            except ValueError:
+                pass  # reported by the test itself
+        yield pytest.param(block, id=block.id, marks=marks)
+
+
+def test_every_example_is_classified():
+    unmarked = [b.id for b in EXAMPLES if b.marker is None]
+    assert not unmarked, (
+        "README examples without a '<!-- readme: run|run-only|skip REASON -->' marker on the "
+        f"line before the fence: {unmarked}"
+    )
+    for block in EXAMPLES:
+        if block.marker == "skip":
+            assert block.options[0].strip(), f"{block.id}: skip needs a reason"
+        if block.marker == "run" and block.lang in _PYTHON:
+            assert block.output is not None, (
+                f"{block.id}: a 'run' python block must be followed directly by a plain ``` "
+                "block with its exact output (or be marked run-only)"
+            )
+        if block.marker == "run" and block.lang in _SHELL | {""}:
+            assert block.lang == "console", f"{block.id}: 'run' shell examples are ```console"
+
+
+@pytest.mark.parametrize("block", _params())
+def test_readme_example(block: Block, sandbox):
+    if block.marker in (None, "skip"):
+        pytest.skip(f"not run: {block.options[0] if block.options else 'no marker'}")
+    opts = parse_options(block.options, block.id)
+    text = block.text
+    for old, new in opts.replace:
+        assert old in text, f"{block.id}: --replace {old!r}: not in the example"
+        text = text.replace(old, new)
+    compare = block.marker == "run"
+    if block.lang in _PYTHON:
+        got = run_python(text, block.id)
+        if compare:
+            assert matches(block.output, got), f"{block.id}: printed\n{got}"
+        return
+    for cmd, expected in commands(dataclasses.replace(block, text=text)):
+        status, got = run_command(cmd, opts)
+        assert status == opts.status, f"{block.id}: `{cmd}` exited {status}:\n{got[-3000:]}"
+        if compare:
+            assert matches(expected, got), f"{block.id}: `{cmd}` printed\n{got}"
+
+
+# --- the harness itself ----------------------------------------------------------------------
+def test_parser_classifies_markers_and_outputs():
+    text = "\n".join(
+        [
+            "<!-- readme: run --replace a b -->",
+            "```python",
+            "print(1)",
+            "```",
+            "```",
+            "1",
+            "```",
+            "",
+            "```console",
+            "$ precisionlab x",
+            "```",
+            "<!-- readme: skip installs -->",
+            "```bash",
+            "pip install x",
+            "```",
+        ]
+    )
+    blocks = parse_readme(text)
+    assert [(b.lang, b.marker) for b in blocks] == [
+        ("python", "run"), ("console", None), ("bash", "skip"),
+    ]  # fmt: skip
+    assert blocks[0].output == "1" and blocks[0].options == ["--replace", "a", "b"]
+    assert blocks[2].options == ["installs"]
+
+
+def test_matches_and_commands():
+    assert matches("a\n...\nd\n", "a\nb\nc\nd")
+    assert matches("a\n...\n", "a")
+    assert not matches("a\nb", "a\nc")
+    assert not matches("a", "a\nb")
+    block = Block(1, "console", "$ precisionlab a \\\n  --b\nout1\n$ precisionlab c  # note\nout2")
+    assert commands(block) == [
+        ("precisionlab a \\\n  --b", "out1\n"),
+        ("precisionlab c  # note", "out2\n"),
+    ]
+    assert _precisionlab_argv("precisionlab c  # note") == ["c"]
+    assert parse_options(["--set", "a=1", "--status", "2", "--slow"], "x") == Options(
+        ["a=1"], [], 2, True
+    )
+    with pytest.raises(ValueError, match="unknown option"):
+        parse_options(["--bogus"], "x")
+
+
+# --- regeneration -----------------------------------------------------------------------------
+def update_readme() -> None:
+    """Rewrite the outputs of ``run`` examples in README.md from real runs."""
+    import tempfile
+
+    lines = README.read_text(encoding="utf-8").splitlines()
+    kept = []
+    for block in reversed([b for b in EXAMPLES if b.marker == "run"]):
+        opts = parse_options(block.options, block.id)
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in LINKED:
+                (Path(tmp) / name).symlink_to(ROOT / name)
+            cwd = os.getcwd()
+            os.chdir(tmp)
+            try:
+                if block.lang in _PYTHON:
+                    if "..." in (block.output or "").splitlines():
+                        kept.append(block.id)
+                        continue
+                    got = run_python(block.text, block.id)
+                    new = [ln.rstrip() for ln in got.rstrip("\n").splitlines()]
+                    lines[block.end + 2 : block.output_end] = new
+                    continue
+                body = []
+                pairs = commands(block)
+                if any("..." in expected.splitlines() for _, expected in pairs):
+                    kept.append(block.id)
+                    continue
+                for cmd, _ in pairs:
+                    _, got = run_command(cmd, opts)
+                    body += ["$ " + part for part in cmd.splitlines()[:1]]
+                    body += cmd.splitlines()[1:]
+                    body += [ln.rstrip() for ln in got.rstrip("\n").splitlines()]
+                lines[block.line : block.end] = body
+            finally:
+                os.chdir(cwd)
+    README.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    if kept:
+        print("left alone (expected output uses '...'):", ", ".join(reversed(kept)))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--update"]:
+        sys.exit("usage: python tests/test_readme.py --update")
+    os.environ["NO_COLOR"] = "1"
+    update_readme()
