@@ -47,13 +47,19 @@ TABLES = {name: _table(name) for name in ML}
 
 
 def brute_nearest_even(value: Fraction, name: str) -> int:
-    """Code of the nearest value of the format to ``value`` (in range, >= 0), ties to the
-    even code, found by search over ml_dtypes' value table."""
+    """Code of the nearest value of the format to ``value`` (>= 0, below the overflow
+    threshold), ties to the even code, found by search over ml_dtypes' value table."""
     values, codes = TABLES[name]
     i = bisect.bisect_left(values, value)
     if i < len(values) and values[i] == value:
         return codes[i]
     lo, hi = i - 1, i
+    if hi == len(values):
+        # Above max: IEEE rounding goes to max below max + half the top gap (max's mantissa is
+        # odd, so the tie goes up). A shortest decimal such as 6e4 for e5m2's 57344 lands here.
+        gap = values[-1] - values[-2]
+        assert value < values[-1] + gap / 2, "beyond the rounding range of max"
+        return codes[-1]
     d_lo, d_hi = value - values[lo], values[hi] - value
     if d_lo != d_hi:
         return codes[lo] if d_lo < d_hi else codes[hi]
