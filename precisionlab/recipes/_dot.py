@@ -87,8 +87,7 @@ def _prepare(recipe: Recipe, t: jax.Array, kind: str, what: str) -> jax.Array:
 
 
 def _gemm(recipe: Recipe, qa: S.QOperand, qb: S.QOperand) -> jax.Array:
-    a = qa.elems if qa.block_inv is None else qa.elems * qa.block_inv
-    b = qb.elems if qb.block_inv is None else qb.elems * qb.block_inv
+    a, b = qa.block_values(), qb.block_values()
     if recipe.accumulate_bits is None:
         acc = jnp.einsum(
             "bmk,bnk->bmn", a, b, precision=lax.Precision.HIGHEST,

@@ -38,10 +38,20 @@ class QOperand(NamedTuple):
     elems: jax.Array  # float32 (B, R, K): exact element values of the format
     row_inv: jax.Array | None  # float32 broadcastable to (B, R, 1), or None
     block_inv: jax.Array | None  # float32 broadcastable to (B, R, K), or None
+    block_exp: jax.Array | None = None  # int32 log2 of a power-of-two block_inv, or None
+
+    def block_values(self) -> jax.Array:
+        """elems * block_inv, exact (power-of-two factors applied on the bits)."""
+        if self.block_inv is None:
+            return self.elems
+        if self.block_exp is None:
+            return self.elems * self.block_inv
+        v = mul_pow2(self.elems, jnp.broadcast_to(self.block_exp, self.elems.shape))
+        return jnp.where(jnp.isnan(self.block_inv), self.block_inv, v)
 
     def dequantize(self) -> jax.Array:
         """The float32 values the recipe's GEMM multiplies (scales applied once, rounded)."""
-        v = self.elems if self.block_inv is None else self.elems * self.block_inv
+        v = self.block_values()
         return v if self.row_inv is None else v * self.row_inv
 
 
@@ -190,7 +200,7 @@ def block_pow2(
     a = _block_amax(x, block, two_d)
     s, e = scale_from_amax(a, fmt.max, eps=0.0, pow2_scales=True)
     q = _apply(x, s, e, fmt, rounding, key)
-    return QOperand(q, None, _inv(s, e)), s
+    return QOperand(q, None, _inv(s, e), -e), s
 
 
 def mx_blocks(
@@ -210,7 +220,8 @@ def mx_blocks(
     q = round_elements(y, fmt, rounding, key).reshape(x.shape)
     xs = jnp.where(bad, jnp.float32(jnp.nan), pow2.pow2(e))
     xs = jnp.broadcast_to(xs, g.shape).reshape(x.shape)
-    return QOperand(q, None, xs), xs
+    e = jnp.broadcast_to(e, g.shape).reshape(x.shape)
+    return QOperand(q, None, xs, e), xs
 
 
 # --- NVFP4 -------------------------------------------------------------------------------
