@@ -66,7 +66,9 @@ def _matches(site: Site, item: int | str, count: int) -> bool:
     if not isinstance(item, str):
         raise TypeError(f"include/exclude items are ints or strings, got {item!r}")
     full = f"{site.scope}/{site.name}" if site.scope else site.name
-    return any(fnmatch.fnmatchcase(t, item) for t in (site.name, site.scope, full))
+    targets = (site.name, site.scope, full)
+    # exact names first: "dot_general[3]" is also a glob (a character class)
+    return item in targets or any(fnmatch.fnmatchcase(t, item) for t in targets)
 
 
 def _check_items(items: Sequence[int | str], what: str, sites: list[Site]) -> None:
