@@ -201,8 +201,14 @@ def test_blockwise_matches_deepseek_te_rule(two_d):
     assert_same(s, want_s)
 
 
-@pytest.mark.parametrize("rule", ["floor", "ceil", "rceil", "even"])
-@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2", "float6_e2m3fn", "float4_e2m1fn"])
+_MX_CASES = [
+    pytest.param(f, r, marks=() if (f == "float8_e4m3fn" or r == "floor") else pytest.mark.slow)
+    for f in ("float8_e4m3fn", "float8_e5m2", "float6_e2m3fn", "float4_e2m1fn")
+    for r in ("floor", "ceil", "rceil", "even")
+]
+
+
+@pytest.mark.parametrize(("fmt", "rule"), _MX_CASES)
 def test_mx_matches_ocp_torchao_te_rules(fmt, rule):
     x = hard_rows(256)
     q, xs = S.mx_blocks(jnp.asarray(x), S.FORMATS[fmt], 32, rule)
@@ -226,7 +232,11 @@ def test_nvfp4_matches_two_level_rule(two_d):
 
 def test_nvfp4_all_zero_tensor():
     q, sb, s_enc = S.nvfp4(jnp.zeros((1, 2, 32)), 16, two_d=False)
-    assert float(s_enc.reshape(())) == 1.0 and not np.any(np.asarray(q.elems)) and not np.any(np.asarray(sb))
+    assert (
+        float(s_enc.reshape(())) == 1.0
+        and not np.any(np.asarray(q.elems))
+        and not np.any(np.asarray(sb))
+    )
 
 
 def test_nonfinite_input_poisons_its_group():
@@ -234,6 +244,7 @@ def test_nonfinite_input_poisons_its_group():
     q, s = S.per_row(jnp.asarray(x), S.E4M3, eps=1e-12)
     v = np.asarray(q.dequantize())
     assert np.all(np.isnan(v[0, :2])) and np.all(np.isfinite(v[0, 2]))
+    assert np.all(np.isnan(np.asarray(s)[0, :2])) and np.isfinite(np.asarray(s)[0, 2, 0])
     q, _ = S.mx_blocks(jnp.asarray(x), S.E4M3, 32, "floor")
     v = np.asarray(q.dequantize())
     assert np.all(np.isnan(v[0, 0, :32])) and np.all(np.isfinite(v[0, 0, 32:]))
@@ -262,16 +273,18 @@ def _close(got, want, bound):
 
 
 QUANT = {
-    "current": lambda t, kind: oracle_current(
-        t, "float8_e5m2" if kind == "g" else "float8_e4m3fn"
-    )[0] / oracle_current(t, "float8_e5m2" if kind == "g" else "float8_e4m3fn")[1],
+    "current": lambda t, kind: (
+        oracle_current(t, "float8_e5m2" if kind == "g" else "float8_e4m3fn")[0]
+        / oracle_current(t, "float8_e5m2" if kind == "g" else "float8_e4m3fn")[1]
+    ),
     "rowwise": lambda t, kind: oracle_rowwise(t)[0] / oracle_rowwise(t)[1],
-    "blockwise": lambda t, kind: oracle_blockwise(t, 128, kind == "w")[0]
-    * (1.0 / oracle_blockwise(t, 128, kind == "w")[1]),
+    "blockwise": lambda t, kind: (
+        oracle_blockwise(t, 128, kind == "w")[0] * (1.0 / oracle_blockwise(t, 128, kind == "w")[1])
+    ),
     "mxfp8": lambda t, kind: np.prod(oracle_mx(t, "float8_e4m3fn", "rceil"), axis=0),
-    "nvfp4": lambda t, kind: (
-        lambda q, sb, enc: q * sb / np.float64(enc)
-    )(*oracle_nvfp4(t, 16, kind == "w")),
+    "nvfp4": lambda t, kind: (lambda q, sb, enc: q * sb / np.float64(enc))(
+        *oracle_nvfp4(t, 16, kind == "w")
+    ),
 }
 
 
@@ -388,7 +401,11 @@ def _round_frac(v: fractions.Fraction, m: int, mode: str) -> fractions.Fraction:
         r = fl
     else:
         rem = q - fl
-        r = fl + (1 if rem > fractions.Fraction(1, 2) or (rem == fractions.Fraction(1, 2) and fl % 2) else 0)
+        r = fl + (
+            1
+            if rem > fractions.Fraction(1, 2) or (rem == fractions.Fraction(1, 2) and fl % 2)
+            else 0
+        )
     return sign * r * u
 
 

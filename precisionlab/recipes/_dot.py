@@ -203,6 +203,8 @@ def _qdot3_bwd(recipe, kinds, res, g):
 
 
 _qdot3.defvjp(_qdot3_fwd, _qdot3_bwd)
+# Compiled once per recipe and shapes: eager calls would dispatch hundreds of small ops.
+_qdot3_jit = jax.jit(_qdot3, static_argnums=(0, 1))
 
 
 # --- public --------------------------------------------------------------------------------
@@ -259,7 +261,7 @@ def dot_general(
     kinds = WEIGHT_OPERANDS[weight]
     if not isinstance(recipe, Delayed):
         state = None
-    out = _qdot3(recipe, kinds, a3, b3, state, key)
+    out = _qdot3_jit(recipe, kinds, a3, b3, state, key)
     batch_shape = tuple(lhs.shape[d] for d in lb)
     return out.reshape(*batch_shape, *lfree, *rfree).astype(out_dtype)
 
