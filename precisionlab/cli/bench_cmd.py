@@ -10,7 +10,7 @@ from precisionlab.cli._common import UsageError
 HELP = "benchmarks against peers (ml_dtypes, gfloat, jmp), printed as ratios"
 
 # Benchmark name -> module under precisionlab.bench; each defines add_arguments and run.
-BENCHES = {"codecs": "codecs", "quant": "quant", "train": "train"}
+BENCHES = {"codecs": "codecs", "quant": "quant", "train": "train", "recipes": "recipes"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
