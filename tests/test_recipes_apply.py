@@ -229,3 +229,23 @@ def test_delayed_data_parallel_amax_is_the_max_across_devices():
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")
+
+
+@pytest.mark.parametrize("name", ["mlp", pytest.param("transformer", marks=pytest.mark.slow)])
+def test_apply_on_the_builtin_models(name):
+    from precisionlab.train import make_data, make_model
+
+    data = make_data("teacher") if name == "mlp" else make_data("markov")
+    model = make_model(name, **data.model_kwargs())
+    params = model.init(jax.random.key(0))
+    batch = data.batch(0, 16)
+    loss_fn = model.loss_fn("p=f32,c=f32,o=f32")
+    f = R.apply(loss_fn, R.get_recipe("mxfp8", pad=True))
+    n = len(f.sites(params, batch))
+    assert n >= 2
+    (loss, aux), grads, _ = jax.jit(f.value_and_grad(has_aux=True))({}, params, batch)
+    (ref, _), ref_grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+    assert abs(float(loss) - float(ref)) < 0.05 * abs(float(ref))
+    g = jnp.concatenate([v.ravel() for v in jax.tree.leaves(grads)])
+    r = jnp.concatenate([v.ravel() for v in jax.tree.leaves(ref_grads)])
+    assert float(jnp.linalg.norm(g - r)) <= 0.25 * float(jnp.linalg.norm(r))  # FP8 noise only
