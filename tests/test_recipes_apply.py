@@ -244,6 +244,7 @@ def test_apply_on_the_builtin_models(name):
     n = len(f.sites(params, batch))
     assert n >= 2
     (loss, aux), grads, _ = jax.jit(f.value_and_grad(has_aux=True))({}, params, batch)
+    assert set(aux) == {"metric"}
     (ref, _), ref_grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
     assert abs(float(loss) - float(ref)) < 0.05 * abs(float(ref))
     g = jnp.concatenate([v.ravel() for v in jax.tree.leaves(grads)])
