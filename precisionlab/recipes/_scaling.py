@@ -86,8 +86,17 @@ def mul_pow2(x: jax.Array, e: jax.Array) -> jax.Array:
     maps below 2**-26, zero in every element format, and element values times 2**e stay
     normal), else the integer ldexp (XLA on CPU flushes float32 subnormals)."""
     safe = jnp.all(jnp.abs(e) <= 100)
-    e = jnp.broadcast_to(e, x.shape) if e.shape != x.shape else e
-    return lax.cond(safe, lambda x, e: x * pow2.pow2(e), pow2.ldexp, x, e)
+
+    def fast(x, e):  # 2**e built from its exponent field, on e's own (small) shape
+        two_e = lax.bitcast_convert_type(
+            (jnp.clip(e, -126, 127) + 127).astype(jnp.uint32) << 23, jnp.float32
+        )
+        return x * two_e
+
+    def exact(x, e):
+        return pow2.ldexp(x, jnp.broadcast_to(e, x.shape))
+
+    return lax.cond(safe, fast, exact, x, e)
 
 
 def _quotient_scale(a: jax.Array, fmt_max: float, eps: float) -> jax.Array:
