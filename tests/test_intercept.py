@@ -206,3 +206,25 @@ def test_equinox_model():
     g = eqx.filter_grad(lambda n: f(n, X).sum())(net)
     gw = eqx.filter_grad(lambda n: by_hand(n, X, 2.0).sum())(net)
     np.testing.assert_allclose(g.layers[0].weight, gw.layers[0].weight, rtol=1e-5, atol=1e-6)
+
+
+def test_a_rule_rounding_every_float_op_to_bfloat16():
+    """The shape of the next client: every op's result rounded to a format."""
+
+    class RoundBF16:
+        primitives = ("dot_general", "add", "mul", "tanh")
+
+        def apply(self, ctx, *operands, **params):
+            return [o.astype(jnp.bfloat16).astype(o.dtype) for o in ctx.original(*operands)]
+
+    def model(w, x):
+        return jnp.tanh(x @ w * 3.0 + 1.0)
+
+    def by_hand(w, x):
+        r = lambda v: v.astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
+        return r(jnp.tanh(r(r(r(x @ w) * 3.0) + 1.0)))
+
+    w = _params(sizes=(8, 16))[0]
+    f = intercept(model, RoundBF16())
+    assert [s.primitive for s in f.sites(w, X)] == ["dot_general", "mul", "add", "tanh"]
+    np.testing.assert_array_equal(np.asarray(f(w, X)), np.asarray(by_hand(w, X)))

@@ -51,7 +51,8 @@ _LOOPS = ("scan", "while")
 class Context(NamedTuple):
     """What a rule sees besides the operands.
 
-    ``site``: the matched :class:`Site`; ``state``: this site's entry of the state mapping
+    ``site``: the matched :class:`Site`; ``eqn``: the matched equation (``original(...)``
+    re-applies it); ``state``: this site's entry of the state mapping
     passed to :meth:`Intercepted.call_with_state` (None if absent). Inside a ``scan`` each
     iteration sees its own slice of a broadcast copy whose gradient is the **max** over
     iterations (not the sum), so statistics returned through the state's cotangent (the
@@ -64,6 +65,14 @@ class Context(NamedTuple):
     state: Any
     loop_indices: tuple[jax.Array, ...]
     key: jax.Array | None
+    eqn: Any = None  # the matched equation (its primitive and params)
+
+    def original(self, *operands: jax.Array) -> list[jax.Array]:
+        """The matched primitive applied to ``operands`` as the program had it (a rule that
+        post-processes the result, e.g. rounds it to a format, starts from this)."""
+        prim = self.eqn.primitive
+        out = prim.bind(*operands, **prim.get_bind_params(self.eqn.params))
+        return list(out) if prim.multiple_results else [out]
 
     def site_key(self) -> jax.Array | None:
         """A key distinct per site and per loop iteration (None without a key)."""
@@ -202,7 +211,7 @@ class _Run:
             here = (*path, i)
             if here in self.sites:
                 site = self.sites[here]
-                ctx = Context(site, state.get(site.name), loops, self.key)
+                ctx = Context(site, state.get(site.name), loops, self.key, eqn)
                 with _source_context(eqn):
                     outs = list(self.rule.apply(ctx, *invals, **eqn.params))
             elif here in self.prefixes:
