@@ -250,3 +250,13 @@ def test_apply_on_the_builtin_models(name):
     g = jnp.concatenate([v.ravel() for v in jax.tree.leaves(grads)])
     r = jnp.concatenate([v.ravel() for v in jax.tree.leaves(ref_grads)])
     assert float(jnp.linalg.norm(g - r)) <= 0.25 * float(jnp.linalg.norm(r))  # FP8 noise only
+
+
+def test_einsum_is_the_quantized_dot_general():
+    rng = np.random.default_rng(2)
+    a = jnp.asarray(rng.standard_normal((2, 8, 32)).astype(F32))
+    b = jnp.asarray(rng.standard_normal((2, 32, 4)).astype(F32))
+    got = R.einsum("bij,bjk->bik", a, b, recipe="current")
+    want = R.dot_general(a, b, (((2,), (1,)), ((0,), (0,))), recipe="current")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert not np.array_equal(np.asarray(got), np.asarray(jnp.einsum("bij,bjk->bik", a, b)))
