@@ -48,9 +48,8 @@ ACC_ROUNDINGS = ("nearest_even", "toward_zero")
 
 def _fp8_formats(fp8_format: str) -> dict[str, FloatFormat]:
     if fp8_format not in FP8_FORMATS:
-        extra = " (an E5M2 forward is not a recipe: E5M2 is for gradients)" if (
-            str(fp8_format).upper() == "E5M2"
-        ) else ""  # fmt: skip
+        is_e5m2 = str(fp8_format).upper() == "E5M2"
+        extra = " (an E5M2 forward is not a recipe: E5M2 is for gradients)" if is_e5m2 else ""
         raise ValueError(
             f"unknown fp8_format {fp8_format!r}{extra}; allowed: {', '.join(FP8_FORMATS)}"
         )
