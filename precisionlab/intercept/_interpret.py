@@ -8,6 +8,9 @@ re-evaluated through the matching ``lax`` function (``jit`` and calls inline, ``
 was. Because the re-evaluation emits ordinary JAX operations, the result composes with
 ``jit``, ``grad``, ``vmap`` and ``remat`` like any JAX function.
 
+Other higher-order primitives (``shard_map``, ``custom_linear_solve``, ...) are bound as
+they are: operations inside them are neither replaced nor listed.
+
 Custom derivatives: a ``custom_jvp``/``custom_vjp`` function that *contains* a matched
 operation is re-evaluated from its primal program, so its custom rule is dropped there (the
 replaced operation brings its own derivative); functions without matched operations keep
