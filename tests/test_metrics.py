@@ -73,7 +73,7 @@ def test_mx_floor_rule_saturation_is_counted():
     assert float(dequantize(q)[0]) == 6.0
     r = error_report(x, dequantize(q), q.fmt, scale=element_scales(q))
     assert float(r.frac_saturated) == 1 / 32
-    q = quantize(x, "mxfp4", scale_rule="ceil")  # the ceil rule never saturates
+    q = quantize(x, "mxfp4", scale_rule="rceil")  # the rceil rule never saturates
     assert float(error_report(x, dequantize(q), q.fmt, scale=element_scales(q)).frac_saturated) == 0
 
 

@@ -134,6 +134,21 @@ _SPEC = {
 }
 
 
+_MBITS = {"mxfp8_e4m3": 3, "mxfp8_e5m2": 2, "mxfp6_e2m3": 3, "mxfp6_e3m2": 2, "mxfp4": 1,
+          "mxint8": 6}  # fmt: skip
+
+
+def _round_mantissa_up_half(a, m):
+    """float64 amax (a float32 value) rounded as torchao EVEN does, via frexp: add half a
+    unit of the m-th fraction bit, keep only the power of two. float32 subnormals that do
+    not carry into the normal range have no exponent bits: they become 0."""
+    mant, exp = np.frexp(a)  # a = mant * 2**exp, mant in [0.5, 1)
+    up = mant * 2 + 2.0 ** (-m - 1) >= 2  # the added half-unit carries into the exponent
+    p = np.ldexp(1.0, exp - 1 + up.astype(int))
+    tiny = a < 2.0**-126  # float32 subnormal: exponent field 0
+    return np.where(a == 0, 0.0, np.where(tiny & (p < 2.0**-126), 0.0, p))
+
+
 def ref_mx(x, name, rule="floor"):
     """float64 reference of OCP MX v1.0 section 6.3 on blocks of 32 along the last axis,
     elements rounded by ml_dtypes casts (MXINT8: rint to multiples of 2**-6)."""
@@ -144,7 +159,11 @@ def ref_mx(x, name, rule="floor"):
     with np.errstate(divide="ignore"):
         if rule == "floor":
             e = np.floor(np.log2(amax)) - emax
-        else:
+        elif rule == "ceil":  # torchao CEIL
+            e = np.ceil(np.log2(amax)) - emax
+        elif rule == "even":  # torchao EVEN: amax to the element's mantissa width first
+            e = np.floor(np.log2(_round_mantissa_up_half(amax, _MBITS[name]))) - emax
+        else:  # rceil: TE / cuBLAS
             e = np.ceil(np.log2(amax / elem_max))
     e = np.clip(np.where(amax == 0, -127, e), -127, 127)
     v = np.clip(g / 2.0**e, -elem_max, elem_max)
@@ -174,7 +193,7 @@ def _mx_inputs():
     return x, ragged
 
 
-@pytest.mark.parametrize("rule", ["floor", "ceil"])
+@pytest.mark.parametrize("rule", ["floor", "ceil", "rceil", "even"])
 @pytest.mark.parametrize("name", list(MX_FORMATS))
 def test_mx_matches_spec_reference(name, rule):
     wide, ragged = _mx_inputs()
@@ -186,15 +205,30 @@ def test_mx_matches_spec_reference(name, rule):
         assert q.scales.dtype == jnp.uint8 and q.scale_rule == rule
 
 
-def test_mx_worked_example_floor_896_ceil_1024():
+def test_mx_worked_example_floor_896_rceil_1024():
     x = jnp.asarray(np.r_[1000.0, np.ones(31)].astype(F32))
     assert float(dequantize(quantize(x, "mxfp8_e4m3"))[0]) == 896.0
-    assert float(dequantize(quantize(x, "mxfp8_e4m3", scale_rule="ceil"))[0]) == 1024.0
+    assert float(dequantize(quantize(x, "mxfp8_e4m3", scale_rule="rceil"))[0]) == 1024.0
     q = quantize(x, "mxfp8_e4m3")
     assert q.scale_rule == "floor" and q.describe()["scale_rule"] == "floor"
-    # floor: X = 2**(9 - 8) = 2, E8M0 code 128; ceil: X = 4, code 129
+    # floor: X = 2**(9 - 8) = 2, E8M0 code 128; rceil: X = 4, code 129;
+    # ceil: 2**(10 - 8) = 4, code 129; even: 1000 rounds to 1024 at 3 bits, X = 4
     assert int(q.scales[0]) == 128
-    assert int(quantize(x, "mxfp8_e4m3", scale_rule="ceil").scales[0]) == 129
+    for rule in ("rceil", "ceil", "even"):
+        assert int(quantize(x, "mxfp8_e4m3", scale_rule=rule).scales[0]) == 129
+
+
+def test_mx_rules_differ_where_the_anchors_do():
+    # E4M3 (3 fraction bits, emax 8). amax 500 = 1.1111010b * 2**8: floor 2**0, ceil 2**1,
+    # rceil ceil(log2(500/448)) = 2**1, even: + half a unit of bit 3 carries -> 512 -> 2**1.
+    # amax 480 = 1.111b * 2**8: the same except even: no carry -> 2**0.
+    for amax, want in ((500.0, (127, 128, 128, 128)), (480.0, (127, 128, 128, 127))):
+        x = jnp.asarray(np.r_[amax, np.ones(31)].astype(F32))
+        got = tuple(
+            int(quantize(x, "mxfp8_e4m3", scale_rule=r).scales[0])
+            for r in ("floor", "ceil", "rceil", "even")
+        )
+        assert got == want, (amax, got)
 
 
 def test_mx_nonfinite_block_gets_nan_scale():
@@ -227,12 +261,12 @@ def test_bits_per_element_and_nbytes():
     assert quantize(x, "fp16").bits_per_element == 16  # a plain cast: no scale counted
 
 
-@pytest.mark.parametrize("rule", ["floor", "ceil"])
+@pytest.mark.parametrize("rule", ["floor", "rceil"])
 def test_pow2_scales_for_ints(rule):
     x = _normal((4, 64), seed=11)
     q = quantize(jnp.asarray(x), "int8", axis=0, scale_format="e8m0", scale_rule=rule)
     amax = np.max(np.abs(x.astype(np.float64)), axis=1, keepdims=True)
-    if rule == "ceil":
+    if rule == "rceil":
         e = np.ceil(np.log2(amax / 127))
     else:
         e = np.floor(np.log2(amax)) - 6

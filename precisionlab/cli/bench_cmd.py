@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import pathlib
 
-from precisionlab.bench import codecs, quant, train
+from precisionlab.bench import codecs, quant, recipes, train
 from precisionlab.cli._common import UsageError
 
 HELP = "benchmarks against peers (ml_dtypes, gfloat, jmp), printed as ratios"
 
 # Benchmark name -> its module; each defines HELP, add_arguments and run.
-BENCHES = {"codecs": codecs, "quant": quant, "train": train}
+BENCHES = {"codecs": codecs, "quant": quant, "train": train, "recipes": recipes}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -87,19 +87,35 @@ class Scale(NamedTuple):
     s_codes: jax.Array | None
 
 
-def _pow2_exponent(c: jax.Array, target: float, emax_target: int, rule: str) -> jax.Array:
+def _pow2_exponent(
+    c: jax.Array, target: float, emax_target: int, rule: str, mbits: int = 0
+) -> jax.Array:
     """Exponent of the power-of-two scale mapping clip value ``c`` near ``target``.
 
     floor: floor(log2 c) - emax_target (OCP MX rule; elements above target saturate).
-    ceil:  ceil(log2(c / target)) (never saturates).
+    ceil:  ceil(log2 c) - emax_target (torchao CEIL).
+    rceil: ceil(log2(c / target)) (TE / cuBLAS; never saturates).
+    even:  floor rule on c rounded to ``mbits`` mantissa bits (torchao EVEN).
+    All exact on the bits (XLA on CPU flushes float32 subnormals in float arithmetic).
     """
     if rule == "floor":
         e = pow2.floor_log2(c) - emax_target
+    elif rule == "ceil":
+        e = pow2.ceil_log2(c) - emax_target
+    elif rule == "even":
+        e = pow2.floor_log2(pow2.round_to_exponent(c, mbits)) - emax_target
     else:
         e = pow2.ceil_log2_ratio(c, target)
     zero = pow2.floor_log2(c) == pow2.ZERO_LOG2
     e = jnp.where(zero, _EMIN_SCALE, e)
     return jnp.clip(e, _EMIN_SCALE, _EMAX_SCALE).astype(jnp.int32)
+
+
+def _mbits(spec: QuantSpec) -> int:
+    """Mantissa bits of the element (for the "even" rule): a float's fraction bits; for an
+    integer of b bits, b - 2 (the bits below the leading one of its largest magnitude)."""
+    fmt = spec.fmt
+    return fmt.mantissa_bits if isinstance(fmt, FloatFormat) else max(fmt.bits - 2, 0)
 
 
 def _div_const(a: jax.Array, c: float) -> jax.Array:
@@ -144,14 +160,16 @@ def scale_from_clip(spec: QuantSpec, c=None, lo=None, hi=None) -> Scale:
     if spec.scheme == "symmetric":
         bad = ~jnp.isfinite(c) if spec.mx is not None else None
         if spec.pow2:
-            e = _pow2_exponent(c, spec.clip_target, spec.emax_target, spec.scale_rule)
+            e = _pow2_exponent(c, spec.clip_target, spec.emax_target, spec.scale_rule, _mbits(spec))
             return Scale(None, e, bad, None, None)
         s, codes = _float_scale(_div_const(c, spec.clip_target), spec, zero=c == 0)
         return Scale(s, None, None, None, codes)
     qrange = spec.qmax - spec.qmin
     span = (hi - lo).astype(jnp.float32)
     if spec.pow2:
-        e = _pow2_exponent(span, qrange, int(np.floor(np.log2(qrange))), spec.scale_rule)
+        e = _pow2_exponent(
+            span, qrange, int(np.floor(np.log2(qrange))), spec.scale_rule, _mbits(spec)
+        )
         shifted = pow2.ldexp(lo, -e)
         s, codes = None, None
     else:

@@ -207,7 +207,7 @@ def resolve(
             f"unknown scale_format {scale_format!r}; allowed: {', '.join(SCALE_FORMATS)}"
         )
     if scale_format in ("pow2", "e8m0"):
-        scale_rule = "ceil" if scale_rule is None else scale_rule
+        scale_rule = "rceil" if scale_rule is None else scale_rule
         if scale_rule not in SCALE_RULES:
             raise ValueError(
                 f"unknown scale_rule {scale_rule!r}; allowed: {', '.join(SCALE_RULES)}"

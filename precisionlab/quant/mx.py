@@ -24,10 +24,15 @@ from precisionlab.formats import FORMATS, FloatFormat, Format, IntFormat
 __all__ = ["MX_BLOCK_SIZE", "MX_FORMATS", "SCALE_RULES", "MXFormat", "get_mx_format"]
 
 MX_BLOCK_SIZE = 32
-#: "floor": the spec's X = 2**(floor(log2 amax) - emax_elem), elements above max saturate.
-#: "ceil": X = 2**ceil(log2(amax / max_elem)) (NVIDIA Transformer Engine, JAX
-#: scaled_dot_general): never saturates, may waste up to a binade of precision.
-SCALE_RULES = ("floor", "ceil")
+#: Power-of-two scale rules (one vocabulary for quant and precisionlab.recipes):
+#: "floor": OCP MX v1.0 section 6.3, X = 2**(floor(log2 amax) - emax_elem); elements above
+#:   the element max saturate.
+#: "ceil": torchao MX CEIL, X = 2**(ceil(log2 amax) - emax_elem).
+#: "rceil": NVIDIA Transformer Engine / cuBLAS (torchao RCEIL, JAX scaled_dot_general),
+#:   X = 2**ceil(log2(amax / max_elem)): never saturates, may waste up to a binade.
+#: "even": torchao MX EVEN, amax rounded to the element's mantissa width first (add half a
+#:   unit of the last kept bit, truncate), then the floor rule.
+SCALE_RULES = ("floor", "ceil", "rceil", "even")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

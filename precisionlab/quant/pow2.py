@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["ceil_log2", "ceil_log2_ratio", "floor_log2", "ldexp", "pow2"]
+__all__ = ["ceil_log2", "ceil_log2_ratio", "floor_log2", "ldexp", "pow2", "round_to_exponent"]
 
 _SIGN = 0x80000000
 _MANT = 0x007FFFFF
@@ -64,6 +64,20 @@ def _f32_parts(c: float) -> tuple[int, int]:
         raise ValueError(f"the constant must be a positive float32 value, got {c!r}")
     mant, exp = math.frexp(c)  # c = mant * 2**exp, mant in [0.5, 1)
     return exp - 1, round((mant * 2 - 1) * 2**23)
+
+
+def round_to_exponent(x: jax.Array, mbits: int) -> jax.Array:
+    """float32 ``|x|`` with half a unit of its ``mbits``-th fraction bit added and every
+    fraction bit then cleared (torchao's EVEN rule: only the exponent survives, rounded up
+    where ``|x|`` rounds up to the next power of two at ``mbits`` bits). Integer arithmetic
+    on the bits, so subnormals are exact; inf stays inf and NaN stays NaN.
+    """
+    if not 0 <= mbits < 23:
+        raise ValueError(f"mbits must be in 0..22, got {mbits}")
+    b = _bits(x) & jnp.uint32(0x7FFFFFFF)
+    r = (b + jnp.uint32(1 << (22 - mbits))) & jnp.uint32(0x7F800000)
+    r = jnp.where(b >= jnp.uint32(0x7F800000), b, r)  # inf and NaN unchanged
+    return lax.bitcast_convert_type(r, jnp.float32)
 
 
 def ceil_log2_ratio(a: jax.Array, c: float) -> jax.Array:

@@ -58,7 +58,8 @@ class QArray:
         format, shaped like ``scales``.
       fmt: the element format, or the :class:`MXFormat`.
       granularity: ``"tensor"``, ``"channel"`` or ``"block"``.
-      scale_rule: ``"floor"`` or ``"ceil"`` for power-of-two scales, else None.
+      scale_rule: ``"floor"``, ``"ceil"``, ``"rceil"`` or ``"even"`` for power-of-two
+        scales, else None.
     """
 
     codes: jax.Array

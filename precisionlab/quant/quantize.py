@@ -98,8 +98,10 @@ def quantize(
         cast), or None: amax, except none for float formats of 16 bits or more.
       scale_format: ``"float32"`` (default), ``"float16"``/``"bfloat16"`` (rounded up),
         ``"pow2"`` (float32 powers of two) or ``"e8m0"`` (uint8 E8M0 codes; MX always).
-      scale_rule: for power-of-two scales: ``"floor"`` (OCP MX rule; the default for MX
-        formats) or ``"ceil"`` (scale rounded up; the default otherwise).
+      scale_rule: for power-of-two scales, one of :data:`SCALE_RULES`: ``"floor"`` (OCP MX
+        rule; the default for MX formats), ``"ceil"`` (torchao CEIL), ``"rceil"`` (TE /
+        cuBLAS: ``2**ceil(log2(amax / max))``, never saturates; the default otherwise) or
+        ``"even"`` (torchao EVEN).
       rounding: a mode of :data:`precisionlab.bits.ROUNDING_MODES`.
       key: PRNG key for ``rounding="stochastic"``.
       full_range: symmetric signed ints may also use code -2**(b-1).

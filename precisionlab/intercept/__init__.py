@@ -1,0 +1,15 @@
+"""Interception: run any JAX function with chosen primitives replaced.
+
+:func:`intercept` traces a function once (``jax.make_jaxpr``) and re-evaluates it equation
+by equation, calling a :class:`Rule` for every matched primitive (``dot_general`` for the
+low-precision matmul recipes), recursing into ``jit``, custom-derivative functions, ``scan``,
+``while_loop``, ``cond`` and ``checkpoint``. Each match is a :class:`Site` with a stable
+name (``"dot_general[3]"``), its scope (``jax.named_scope`` and ``jit`` names) and source
+line; ``include``/``exclude`` pick which are replaced. The result composes with ``jit``,
+``grad`` and ``vmap``.
+"""
+
+from precisionlab.intercept._interpret import Context, Intercepted, Rule, intercept
+from precisionlab.intercept._sites import Site, select
+
+__all__ = ["Context", "Intercepted", "Rule", "Site", "intercept", "select"]

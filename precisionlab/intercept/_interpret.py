@@ -1,0 +1,419 @@
+"""A jaxpr interpreter that replaces matched primitives.
+
+``fn`` is traced once per call with :func:`jax.make_jaxpr` (on abstract values, so the
+caller's tracers never leak into the trace), then re-evaluated equation by equation. A
+matched equation calls the rule; an equation whose sub-programs hold a matched one is
+re-evaluated through the matching ``lax`` function (``jit`` and calls inline, ``scan``,
+``while_loop``, ``cond``/``switch``, ``checkpoint``); every other equation is bound as it
+was. Because the re-evaluation emits ordinary JAX operations, the result composes with
+``jit``, ``grad``, ``vmap`` and ``remat`` like any JAX function.
+
+Other higher-order primitives (``shard_map``, ``custom_linear_solve``, ...) are bound as
+they are: operations inside them are neither replaced nor listed.
+
+Custom derivatives: a ``custom_jvp``/``custom_vjp`` function that *contains* a matched
+operation is re-evaluated from its primal program, so its custom rule is dropped there (the
+replaced operation brings its own derivative); functions without matched operations keep
+their rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from typing import Any, NamedTuple, Protocol
+
+import jax
+import jax.extend as jex
+import jax.numpy as jnp
+from jax import lax
+
+from precisionlab.intercept._sites import Site, select
+
+__all__ = ["Context", "Intercepted", "Rule", "intercept"]
+
+#: Higher-order primitives whose sub-programs are searched for matches.
+_CALLS = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call")
+_SUBPROGRAMS = {
+    "jit": ("jaxpr",),
+    "pjit": ("jaxpr",),
+    "closed_call": ("call_jaxpr",),
+    "core_call": ("call_jaxpr",),
+    "custom_jvp_call": ("call_jaxpr",),
+    "custom_vjp_call": ("call_jaxpr",),
+    "remat2": ("jaxpr",),
+    "checkpoint": ("jaxpr",),
+    "scan": ("jaxpr",),
+    "while": ("body_jaxpr",),
+    "cond": ("branches",),
+}
+_LOOPS = ("scan", "while")
+
+
+class Context(NamedTuple):
+    """What a rule sees besides the operands.
+
+    ``site``: the matched :class:`Site`; ``eqn``: the matched equation (``original(...)``
+    re-applies it); ``state``: this site's entry of the state mapping
+    passed to :meth:`Intercepted.call_with_state` (None if absent). Inside a ``scan`` each
+    iteration sees its own slice of a broadcast copy whose gradient is the **max** over
+    iterations (not the sum), so statistics returned through the state's cotangent (the
+    delayed-scaling amax) combine correctly. ``loop_indices``: int32 iteration counters of the
+    enclosing loops (outermost first), for per-iteration randomness. ``key``: the PRNG key
+    passed to the call (or None).
+    """
+
+    site: Site
+    state: Any
+    loop_indices: tuple[jax.Array, ...]
+    key: jax.Array | None
+    eqn: Any = None  # the matched equation (its primitive and params)
+
+    def original(self, *operands: jax.Array) -> list[jax.Array]:
+        """The matched primitive applied to ``operands`` as the program had it (a rule that
+        post-processes the result, e.g. rounds it to a format, starts from this)."""
+        prim = self.eqn.primitive
+        out = prim.bind(*operands, **prim.get_bind_params(self.eqn.params))
+        return list(out) if prim.multiple_results else [out]
+
+    def site_key(self) -> jax.Array | None:
+        """A key distinct per site and per loop iteration (None without a key)."""
+        if self.key is None:
+            return None
+        k = jax.random.fold_in(self.key, self.site.index)
+        for i in self.loop_indices:
+            k = jax.random.fold_in(k, i)
+        return k
+
+
+class Rule(Protocol):
+    """What :func:`intercept` needs from a rule.
+
+    ``primitives``: names of the primitives it replaces (``("dot_general",)``).
+    ``apply(ctx, *operands, **params)``: the replacement's outputs as a list (one per output
+    of the primitive), with the primitive's avals.
+    """
+
+    primitives: tuple[str, ...]
+
+    def apply(self, ctx: Context, *operands: jax.Array, **params: Any) -> list[jax.Array]: ...
+
+
+# --- static walk ---------------------------------------------------------------------------
+def _subjaxprs(eqn) -> list:
+    out = []
+    for key in _SUBPROGRAMS.get(eqn.primitive.name, ()):
+        v = eqn.params[key]
+        out.extend(v if isinstance(v, (tuple, list)) else [v])
+    return out
+
+
+def _open(j) -> tuple[Any, Sequence[Any]]:
+    """(open jaxpr, consts) of a ClosedJaxpr or an open Jaxpr."""
+    if isinstance(j, jex.core.ClosedJaxpr):
+        return j.jaxpr, j.consts
+    return j, ()
+
+
+def _where(eqn) -> str:
+    try:  # source_info_util is private; a missing location is harmless
+        from jax._src import source_info_util
+
+        fr = source_info_util.user_frame(eqn.source_info.traceback)
+        if fr is None:
+            return ""
+        return f"{fr.file_name.rsplit('/', 1)[-1]}:{fr.start_line} ({fr.function_name})"
+    except Exception:
+        return ""
+
+
+def _walk(jaxpr, path, scope, loops, prims, out: list[Site]) -> None:
+    for i, eqn in enumerate(jaxpr.eqns):
+        name = eqn.primitive.name
+        stack = str(eqn.source_info.name_stack)
+        here = "/".join(p for p in (scope, stack) if p)
+        if name in prims:
+            out.append(
+                Site(
+                    index=len(out),
+                    primitive=name,
+                    scope=here,
+                    where=_where(eqn),
+                    loops=loops,
+                    in_shapes=tuple(tuple(v.aval.shape) for v in eqn.invars),
+                    out_shapes=tuple(tuple(v.aval.shape) for v in eqn.outvars),
+                    dtype=str(eqn.invars[0].aval.dtype),
+                    path=(*path, i),
+                )
+            )
+            continue
+        inner = here
+        if name in ("jit", "pjit") and eqn.params.get("name"):
+            inner = "/".join(p for p in (here, eqn.params["name"]) if p)
+        inner_loops = loops + ((name,) if name in _LOOPS else ())
+        for k, sub in enumerate(_subjaxprs(eqn)):
+            _walk(_open(sub)[0], (*path, i, k), inner, inner_loops, prims, out)
+
+
+# --- evaluation ----------------------------------------------------------------------------
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _broadcast_max(x: jax.Array, n: int) -> jax.Array:
+    return jnp.broadcast_to(x, (n, *x.shape))
+
+
+def _bmax_fwd(x, n):
+    return _broadcast_max(x, n), None
+
+
+def _bmax_bwd(n, _, ct):
+    return (jnp.max(ct, axis=0),)
+
+
+_broadcast_max.defvjp(_bmax_fwd, _bmax_bwd)
+
+
+def _broadcast_state(state, n: int):
+    def one(x):
+        x = jnp.asarray(x)
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            return _broadcast_max(x, n)
+        return jnp.broadcast_to(x, (n, *x.shape))
+
+    return jax.tree.map(one, state)
+
+
+def _source_context(eqn):
+    """Re-emit the equation under its original name stack and source line (as
+    ``jax.core.eval_jaxpr`` does), so nested interpretation keeps scope names."""
+    from jax._src import source_info_util  # private, as in jax.core.eval_jaxpr
+
+    stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    return source_info_util.user_context(eqn.source_info.traceback, name_stack=stack)
+
+
+@dataclasses.dataclass
+class _Run:
+    rule: Rule
+    sites: dict[tuple[int, ...], Site]  # selected sites by path
+    prefixes: frozenset  # paths of sub-programs that hold a selected site
+    key: jax.Array | None
+
+    def eval(self, jaxpr, consts, args, path, state, loops) -> list:
+        env: dict = {}
+
+        def read(v):
+            return v.val if isinstance(v, jex.core.Literal) else env[v]
+
+        for v, c in zip(jaxpr.constvars, consts, strict=True):
+            env[v] = c
+        for v, a in zip(jaxpr.invars, args, strict=True):
+            env[v] = a
+        for i, eqn in enumerate(jaxpr.eqns):
+            invals = [read(v) for v in eqn.invars]
+            here = (*path, i)
+            if here in self.sites:
+                site = self.sites[here]
+                ctx = Context(site, state.get(site.name), loops, self.key, eqn)
+                with _source_context(eqn):
+                    outs = list(self.rule.apply(ctx, *invals, **eqn.params))
+            elif here in self.prefixes:
+                with _source_context(eqn):
+                    outs = self.higher_order(eqn, invals, here, state, loops)
+            else:
+                with _source_context(eqn):
+                    ans = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+                outs = list(ans) if eqn.primitive.multiple_results else [ans]
+            for v, o in zip(eqn.outvars, outs, strict=True):
+                if not isinstance(v, jex.core.DropVar):
+                    env[v] = o
+        return [read(v) for v in jaxpr.outvars]
+
+    def _sub(self, closed, path, state, loops) -> Callable:
+        jaxpr, consts = _open(closed)
+        return lambda *a: self.eval(jaxpr, consts, list(a), path, state, loops)
+
+    def _loop_state(self, path, state, n):
+        """Broadcast (gradient: max) the states of sites under ``path`` along a scan."""
+        inner = {s.name for p, s in self.sites.items() if p[: len(path)] == path}
+        return {k: _broadcast_state(v, n) for k, v in state.items() if k in inner}
+
+    def higher_order(self, eqn, invals, path, state, loops) -> list:
+        name, p = eqn.primitive.name, eqn.params
+        if name in _CALLS:
+            key = "jaxpr" if name in ("jit", "pjit") else "call_jaxpr"
+            return self._sub(p[key], (*path, 0), state, loops)(*invals)
+        if name in ("remat2", "checkpoint"):
+            f = self._sub(p["jaxpr"], (*path, 0), state, loops)
+            return list(
+                jax.checkpoint(f, prevent_cse=p["prevent_cse"], policy=p["policy"])(*invals)
+            )
+        if name == "cond":
+            branches = [self._sub(b, (*path, k), state, loops) for k, b in enumerate(p["branches"])]
+            return list(lax.switch(invals[0], branches, *invals[1:]))
+        if name == "scan":
+            return self._scan(p, invals, path, state, loops)
+        if name == "while":
+            return self._while(p, invals, path, state, loops)
+        raise NotImplementedError(f"interception inside {name} is not supported")
+
+    def _scan(self, p, invals, path, state, loops) -> list:
+        nc, ncarry, n = p["num_consts"], p["num_carry"], p["length"]
+        consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
+        jaxpr, jconsts = _open(p["jaxpr"])
+        loop_state = self._loop_state(path, state, n)
+
+        def body(carry, x):
+            i, c = carry
+            xs_i, st_i = x
+            st = {**state, **st_i}
+            outs = self.eval(jaxpr, jconsts, [*consts, *c, *xs_i], (*path, 0), st, (*loops, i))
+            return (i + 1, outs[:ncarry]), outs[ncarry:]
+
+        (_, carry), ys = lax.scan(
+            body, (jnp.int32(0), list(init)), (list(xs), loop_state), length=n,
+            reverse=p["reverse"], unroll=p["unroll"],
+        )  # fmt: skip
+        return [*carry, *ys]
+
+    def _while(self, p, invals, path, state, loops) -> list:
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        cconsts, bconsts, init = invals[:cn], invals[cn : cn + bn], invals[cn + bn :]
+        cond_j, cond_c = _open(p["cond_jaxpr"])
+        body_j, body_c = _open(p["body_jaxpr"])
+
+        def cond(carry):
+            _, c = carry
+            return jex.core.jaxpr_as_fun(jex.core.ClosedJaxpr(cond_j, cond_c))(*cconsts, *c)[0]
+
+        def body(carry):
+            i, c = carry
+            outs = self.eval(body_j, body_c, [*bconsts, *c], (*path, 0), state, (*loops, i))
+            return i + 1, outs
+
+        _, out = lax.while_loop(cond, body, (jnp.int32(0), list(init)))
+        return list(out)
+
+
+def _prefixes(paths) -> frozenset:
+    out = set()
+    for p in paths:
+        for k in range(1, len(p)):
+            out.add(p[:k])
+    return frozenset(out)
+
+
+def _is_dynamic(x) -> bool:
+    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or (
+        hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, type)
+    )
+
+
+def _abstract(x) -> jax.ShapeDtypeStruct:
+    aval = jax.typeof(x) if not isinstance(x, jax.ShapeDtypeStruct) else x
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
+
+
+class Intercepted:
+    """``fn`` with the rule's primitives replaced; see :func:`intercept`."""
+
+    def __init__(self, fn, rule: Rule, include, exclude):
+        if not callable(fn):
+            raise TypeError(f"intercept needs a callable, got {type(fn).__name__}")
+        prims = getattr(rule, "primitives", None)
+        if not prims or not all(isinstance(q, str) for q in prims):
+            raise TypeError("the rule needs a non-empty tuple of primitive names: .primitives")
+        if include is not None and isinstance(include, (str, int)):
+            include = (include,)
+        if isinstance(exclude, (str, int)):
+            exclude = (exclude,)
+        self.fn, self.rule = fn, rule
+        self.include = None if include is None else tuple(include)
+        self.exclude = tuple(exclude)
+        self.__wrapped__ = fn
+
+    def _trace(self, args, kwargs):
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        dyn = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
+
+        def flat(*d):
+            full = list(leaves)
+            for i, v in zip(dyn, d, strict=True):
+                full[i] = v
+            a, kw = jax.tree.unflatten(treedef, full)
+            return self.fn(*a, **kw)
+
+        closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(
+            *[_abstract(leaves[i]) for i in dyn]
+        )
+        dyn_vals = [leaves[i] for i in dyn]
+        return closed, out_shape, dyn_vals
+
+    def _sites(self, closed) -> list[Site]:
+        found: list[Site] = []
+        _walk(closed.jaxpr, (), "", (), tuple(self.rule.primitives), found)
+        return select(found, self.include, self.exclude)
+
+    def sites(self, *args, **kwargs) -> list[Site]:
+        """Every matched operation of ``fn`` on these arguments, in program order, with
+        ``selected`` telling which the call replaces (arguments may be ShapeDtypeStructs)."""
+        closed, _, _ = self._trace(args, kwargs)
+        return self._sites(closed)
+
+    def report(self, *args, **kwargs) -> str:
+        """The matched operations, one line each (see :meth:`Site.describe`)."""
+        sites = self.sites(*args, **kwargs)
+        n = sum(s.selected for s in sites)
+        head = f"{len(sites)} matched ({', '.join(self.rule.primitives)}), {n} replaced"
+        return "\n".join([head, *(s.describe() for s in sites)])
+
+    def call_with_state(
+        self,
+        state: Mapping[str, Any] | None,
+        *args,
+        key: jax.Array | None = None,
+        **kwargs,
+    ) -> Any:
+        """Run ``fn(*args, **kwargs)`` with the replacements; ``state`` maps site names to
+        the pytrees the rule reads (``ctx.state``); ``key`` seeds ``ctx.site_key()``."""
+        closed, out_shape, dyn = self._trace(args, kwargs)
+        sites = self._sites(closed)
+        state = dict(state or {})
+        unknown = set(state) - {s.name for s in sites}
+        if unknown:
+            raise ValueError(
+                f"state for unknown operations {sorted(unknown)}; "
+                f"matched: {', '.join(s.name for s in sites) or 'none'}"
+            )
+        chosen = {s.path: s for s in sites if s.selected}
+        run = _Run(self.rule, chosen, _prefixes(chosen), key)
+        outs = run.eval(closed.jaxpr, closed.consts, dyn, (), state, ())
+        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+    def __call__(self, *args, **kwargs) -> Any:
+        return self.call_with_state(None, *args, **kwargs)
+
+
+def intercept(
+    fn: Callable,
+    rule: Rule,
+    *,
+    include: Sequence[int | str] | int | str | None = None,
+    exclude: Sequence[int | str] | int | str = (),
+) -> Intercepted:
+    """``fn`` with every matched primitive replaced by ``rule.apply``.
+
+    Args:
+      fn: any JAX-traceable function (a Flax/Equinox/plain model's apply, a loss).
+        Array arguments (jax/numpy arrays) are traced; other leaves of the arguments are
+        static (closed over), as in ``jax.jit`` with static arguments.
+      rule: a :class:`Rule` (``primitives`` and ``apply``).
+      include: positions, names or glob patterns of the matched operations to replace
+        (default: all); see :func:`precisionlab.intercept.select`.
+      exclude: the same, left as they are (``exclude=(0, -1)`` keeps the first and last).
+
+    Returns:
+      An :class:`Intercepted`: call it like ``fn``; ``.sites(...)`` / ``.report(...)`` list
+      the matched operations; ``.call_with_state(state, ...)`` passes per-site state.
+    """
+    return Intercepted(fn, rule, include, exclude)

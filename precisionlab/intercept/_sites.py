@@ -1,0 +1,106 @@
+"""Matched operations ("sites"): their stable names and the include/exclude selection."""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from collections.abc import Sequence
+
+__all__ = ["Site", "select"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Site:
+    """One matched equation of the traced program.
+
+    Attributes:
+      index: position among the matched equations, in program order (depth first through
+        sub-programs), counted over all matched primitives: stable for a given program.
+      primitive: the primitive's name (``"dot_general"``).
+      scope: enclosing ``jit`` function names and ``jax.named_scope`` names joined by ``/``
+        (``"block/attention"``), ``""`` at the top level.
+      where: the user's source line that emitted it (``"model.py:42 (fn)"``), or ``""``.
+      loops: enclosing loop primitives, outermost first (``("scan",)``): a site inside a
+        ``scan`` over layers runs once per iteration under one name.
+      in_shapes / out_shapes / dtype: operand and result shapes, the first operand's dtype.
+      path: equation indices from the root (the interpreter's key).
+      selected: whether the include/exclude selection kept it (False: left as it was).
+    """
+
+    index: int
+    primitive: str
+    scope: str
+    where: str
+    loops: tuple[str, ...]
+    in_shapes: tuple[tuple[int, ...], ...]
+    out_shapes: tuple[tuple[int, ...], ...]
+    dtype: str
+    path: tuple[int, ...]
+    selected: bool = True
+
+    @property
+    def name(self) -> str:
+        """``"dot_general[3]"``: the primitive and its index."""
+        return f"{self.primitive}[{self.index}]"
+
+    def describe(self) -> str:
+        """One line: name, scope, shapes, loops, source, and whether it is replaced."""
+        shapes = " x ".join(str(list(s)) for s in self.in_shapes)
+        out = ", ".join(str(list(s)) for s in self.out_shapes)
+        parts = [f"{self.name:<16}", f"{self.scope or '-':<24}", f"{shapes} -> {out} {self.dtype}"]
+        if self.loops:
+            parts.append(f"in {'/'.join(self.loops)}")
+        if self.where:
+            parts.append(f"at {self.where}")
+        parts.append("replaced" if self.selected else "kept")
+        return "  ".join(parts)
+
+
+def _matches(site: Site, item: int | str, count: int) -> bool:
+    if isinstance(item, bool):
+        raise TypeError(f"include/exclude items are ints or strings, got {item!r}")
+    if isinstance(item, int):
+        if not -count <= item < count:
+            return False
+        return site.index == item % count
+    if not isinstance(item, str):
+        raise TypeError(f"include/exclude items are ints or strings, got {item!r}")
+    full = f"{site.scope}/{site.name}" if site.scope else site.name
+    targets = (site.name, site.scope, full)
+    # exact names first: "dot_general[3]" is also a glob (a character class)
+    return item in targets or any(fnmatch.fnmatchcase(t, item) for t in targets)
+
+
+def _check_items(items: Sequence[int | str], what: str, sites: list[Site]) -> None:
+    n = len(sites)
+    for item in items:
+        if isinstance(item, int) and not isinstance(item, bool) and not -n <= item < n:
+            raise ValueError(
+                f"{what} position {item} is out of range: the program has {n} matched "
+                f"operations (positions 0..{n - 1}, or -{n}..-1 from the end)"
+            )
+        if isinstance(item, str) and not any(_matches(s, item, n) for s in sites):
+            names = ", ".join(s.name for s in sites) or "none"
+            raise ValueError(f"{what} pattern {item!r} matches no operation; matched: {names}")
+
+
+def select(
+    sites: list[Site],
+    include: Sequence[int | str] | None,
+    exclude: Sequence[int | str],
+) -> list[Site]:
+    """Mark each site selected when included (all when ``include`` is None) and not excluded.
+
+    Items are positions (negative counts from the end: ``-1`` is the last matched op), exact
+    names (``"dot_general[3]"``) or glob patterns matched against the name, the scope and
+    ``scope/name`` (``"head/*"``). An item that matches nothing is a ValueError.
+    """
+    _check_items(include or (), "include", sites)
+    _check_items(exclude, "exclude", sites)
+    n = len(sites)
+    out = []
+    for s in sites:
+        keep = include is None or any(_matches(s, i, n) for i in include)
+        keep = keep and not any(_matches(s, e, n) for e in exclude)
+        out.append(dataclasses.replace(s, selected=keep))
+    return out

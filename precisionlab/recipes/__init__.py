@@ -1,0 +1,60 @@
+"""Low-precision matmul recipes (FP8, MX, NVFP4) emulated exactly on any XLA backend.
+
+- Recipes (frozen dataclasses, the source rule in each docstring): :class:`Delayed`,
+  :class:`Current`, :class:`Rowwise`, :class:`Blockwise`, :class:`MX`, :class:`NVFP4`,
+  :class:`Reference`; by name with :func:`get_recipe` (:data:`RECIPE_NAMES`: ``delayed``,
+  ``current``, ``rowwise``, ``rowwise_with_gw_hp``, ``blockwise``, ``mxfp8``, ``mxfp6``,
+  ``mxfp4``, ``nvfp4``, ``bf16``, ``fp32``).
+- :func:`dot_general` (``lax.dot_general``'s signature), :func:`matmul`, :func:`einsum`:
+  custom VJP quantizing the fprop, dgrad and wgrad GEMMs' operands as the recipe says.
+- :func:`apply`: any JAX function with its matmuls quantized (a jaxpr interpreter,
+  :mod:`precisionlab.intercept`), with include/exclude and delayed-scaling state.
+- :func:`accumulate`: the m-bit accumulator emulation (``accumulate_bits``,
+  ``promote_every`` on every recipe).
+"""
+
+from precisionlab.recipes._accumulate import accumulate
+from precisionlab.recipes._apply import (
+    Applied,
+    apply,
+    combine_observed,
+    einsum,
+    init_site_state,
+    update_site_state,
+)
+from precisionlab.recipes._dot import WEIGHT_OPERANDS, dot_general, matmul
+from precisionlab.recipes._recipes import (
+    MX,
+    NVFP4,
+    RECIPE_NAMES,
+    Blockwise,
+    Current,
+    Delayed,
+    Recipe,
+    Reference,
+    Rowwise,
+    get_recipe,
+)
+
+__all__ = [
+    "MX",
+    "NVFP4",
+    "RECIPE_NAMES",
+    "WEIGHT_OPERANDS",
+    "Applied",
+    "Blockwise",
+    "Current",
+    "Delayed",
+    "Recipe",
+    "Reference",
+    "Rowwise",
+    "accumulate",
+    "apply",
+    "combine_observed",
+    "dot_general",
+    "einsum",
+    "get_recipe",
+    "init_site_state",
+    "matmul",
+    "update_site_state",
+]

@@ -1,0 +1,276 @@
+"""The quantized matmul: ``lax.dot_general``'s signature, three GEMMs quantized by a recipe.
+
+Both operands are laid out as ``(B, R, K)`` (batch, kept rows, contraction last). With
+``a`` (B, M, K), ``b`` (B, N, K) and the output gradient ``g`` (B, M, N):
+
+- fprop ``y  = Q(a) Q(b)^T``                       (contraction K)
+- dgrad ``da = Q(g) Q(b^T)^T``, ``b^T`` (B, K, N)   (contraction N)
+- wgrad ``db = Q(g^T) Q(a^T)^T``, ``a^T`` (B, K, M)  (contraction M)
+
+``Q`` quantizes along the last axis as the recipe says for the operand's kind, and the
+transposed copies are quantized from the high-precision tensors. Products accumulate in
+float32 (HIGHEST precision) unless the recipe emulates a narrower accumulator.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from precisionlab.recipes import _scaling as S
+from precisionlab.recipes._accumulate import accumulate
+from precisionlab.recipes._recipes import NVFP4, Delayed, Recipe, get_recipe
+
+__all__ = ["WEIGHT_OPERANDS", "dot_general", "matmul"]
+
+#: which operand is the weight: kinds of (lhs, rhs).
+WEIGHT_OPERANDS = {"rhs": ("x", "w"), "lhs": ("w", "x"), "none": ("x", "x")}
+_FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
+
+
+# --- layout --------------------------------------------------------------------------------
+def _canon(x: jax.Array, contract, batch) -> tuple[jax.Array, tuple[int, ...]]:
+    free = [d for d in range(x.ndim) if d not in contract and d not in batch]
+    xt = jnp.transpose(x, (*batch, *free, *contract))
+    bsz = math.prod(x.shape[d] for d in batch)
+    r = math.prod(x.shape[d] for d in free)
+    k = math.prod(x.shape[d] for d in contract)
+    return xt.reshape(bsz, r, k), tuple(x.shape[d] for d in free)
+
+
+def _uncanon_grad(g3: jax.Array, x_shape, contract, batch) -> jax.Array:
+    """(B, R, K) gradient back to the operand's layout."""
+    free = [d for d in range(len(x_shape)) if d not in contract and d not in batch]
+    perm = (*batch, *free, *contract)
+    shaped = g3.reshape(tuple(x_shape[d] for d in perm))
+    return jnp.transpose(shaped, np.argsort(perm))
+
+
+# --- GEMM ----------------------------------------------------------------------------------
+def _pad_to(x: jax.Array, axis: int, mult: int) -> jax.Array:
+    n = x.shape[axis]
+    pad = -n % mult
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def _check_blocks(recipe: Recipe, t: jax.Array, kind: str, what: str) -> None:
+    for blk in recipe.block_sizes(kind):
+        dims = [("contraction", t.shape[-1])]
+        if recipe.two_d(kind):
+            dims.append(("row", t.shape[-2]))
+        for label, n in dims:
+            if n % blk and not recipe.pad_ok():
+                raise ValueError(
+                    f"{recipe.name}: the {what} operand's {label} size {n} is not a multiple "
+                    f"of the block size {blk}; pass pad=True to the recipe (zeros fill the last "
+                    "block: they change neither its amax nor the products) or use other sizes"
+                )
+
+
+def _prepare(recipe: Recipe, t: jax.Array, kind: str, what: str) -> jax.Array:
+    _check_blocks(recipe, t, kind, what)
+    for blk in recipe.block_sizes(kind):
+        t = _pad_to(t, -1, blk)
+        if recipe.two_d(kind):
+            t = _pad_to(t, -2, blk)
+    return t
+
+
+def _gemm(recipe: Recipe, qa: S.QOperand, qb: S.QOperand) -> jax.Array:
+    a, b = qa.block_values(), qb.block_values()
+    if recipe.accumulate_bits is None:
+        acc = jnp.einsum(
+            "bmk,bnk->bmn", a, b, precision=lax.Precision.HIGHEST,
+            preferred_element_type=jnp.float32,
+        )  # fmt: skip
+    else:
+        acc = accumulate(a, b, recipe.accumulate_bits, recipe.accumulate_rounding,
+                         recipe.promote_every)  # fmt: skip
+    factor = None
+    if qa.row_inv is not None:
+        factor = qa.row_inv
+    if qb.row_inv is not None:
+        fb = jnp.swapaxes(qb.row_inv, -1, -2)
+        factor = fb if factor is None else factor * fb
+    return acc if factor is None else acc * factor
+
+
+def quantized_gemm(
+    recipe: Recipe, a: jax.Array, b: jax.Array, kinds: tuple[str, str], *, what: str,
+    scales=(None, None), keys=(None, None), hadamard: bool = False,
+) -> jax.Array:  # fmt: skip
+    """``Q(a) Q(b)^T`` of float32 (B, M, K) and (B, N, K) operands: (B, M, N) float32."""
+    m, n = a.shape[1], b.shape[1]
+    a = _prepare(recipe, a, kinds[0], f"{what} lhs")
+    b = _prepare(recipe, b, kinds[1], f"{what} rhs")
+    if a.shape[-1] != b.shape[-1]:  # 2-D tiles padded one operand's K further
+        k = max(a.shape[-1], b.shape[-1])
+        a, b = _pad_to(a, -1, k), _pad_to(b, -1, k)
+    if hadamard:
+        h = recipe.hadamard_matrix()
+        a = S.apply_hadamard(_pad_to(a, -1, 16), h)
+        b = S.apply_hadamard(_pad_to(b, -1, 16), h)
+    qa = recipe.quantize(a, kinds[0], scale=scales[0], key=keys[0])
+    qb = recipe.quantize(b, kinds[1], scale=scales[1], key=keys[1])
+    return _gemm(recipe, qa, qb)[:, :m, :n]
+
+
+# --- custom VJP ----------------------------------------------------------------------------
+def _hp_gemm(a, b) -> jax.Array:
+    return jnp.einsum(
+        "bmk,bnk->bmn", a, b, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+    )
+
+
+def _observe(a3, b3) -> jax.Array:
+    return jnp.stack([S.amax(a3, None, False), S.amax(b3, None, False)])
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _qdot3(recipe: Recipe, kinds, a3, b3, state, key):
+    return _fprop(recipe, kinds, a3, b3, state)
+
+
+def _scales(state):
+    if state is None:
+        return None, None, None
+    s = state["scale"]
+    return s[0], s[1], s[2]
+
+
+def _fprop(recipe, kinds, a3, b3, state):
+    sa, sb, _ = _scales(state)
+    return quantized_gemm(
+        recipe, a3.astype(jnp.float32), b3.astype(jnp.float32), kinds, what="fprop",
+        scales=(sa, sb),
+    )  # fmt: skip
+
+
+def _qdot3_fwd(recipe, kinds, a3, b3, state, key):
+    return _fprop(recipe, kinds, a3, b3, state), (a3, b3, state, key)
+
+
+def _qdot3_bwd(recipe, kinds, res, g):
+    a3, b3, state, key = res
+    a = a3.astype(jnp.float32)
+    b = b3.astype(jnp.float32)
+    g = g.astype(jnp.float32)
+    sa, sb, sg = _scales(state)
+    kg1 = kg2 = None
+    if isinstance(recipe, NVFP4) and recipe.stochastic_gradients:
+        if key is None:
+            raise ValueError(
+                "nvfp4 rounds gradients stochastically and needs a PRNG key: pass key=... "
+                "(or stochastic_gradients=False)"
+            )
+        kg1, kg2 = jax.random.split(key)
+    gt = jnp.swapaxes(g, -1, -2)
+    # dgrad: da (B, M, K) = g (B, M, N) . b^T (B, K, N), contraction N
+    da = quantized_gemm(
+        recipe, g, jnp.swapaxes(b, -1, -2), ("g", kinds[1]), what="dgrad",
+        scales=(sg, sb), keys=(kg1, None),
+    )  # fmt: skip
+    # wgrad: db (B, N, K) = g^T (B, N, M) . a^T (B, K, M), contraction M
+    if recipe.wgrad_hp and kinds[1] == "w":
+        db = _hp_gemm(gt, jnp.swapaxes(a, -1, -2))
+    else:
+        db = quantized_gemm(
+            recipe, gt, jnp.swapaxes(a, -1, -2), ("g", kinds[0]), what="wgrad",
+            scales=(sg, sa), keys=(kg2, None),
+            hadamard=isinstance(recipe, NVFP4) and recipe.hadamard,
+        )  # fmt: skip
+    if recipe.wgrad_hp and kinds[0] == "w":  # the weight is the lhs: its gradient is da
+        da = _hp_gemm(g, b3.astype(jnp.float32).swapaxes(-1, -2))
+    ct_state = None
+    if state is not None:
+        seen = jnp.concatenate([_observe(a3, b3), S.amax(g, None, False)[None]])
+        ct_state = {
+            "scale": jnp.zeros_like(state["scale"]),
+            "history": jnp.zeros_like(state["history"]),
+            "probe": seen.astype(state["probe"].dtype),
+        }
+    return da.astype(a3.dtype), db.astype(b3.dtype), ct_state, None
+
+
+_qdot3.defvjp(_qdot3_fwd, _qdot3_bwd)
+# Compiled once per recipe and shapes: eager calls would dispatch hundreds of small ops.
+_qdot3_jit = jax.jit(_qdot3, static_argnums=(0, 1))
+
+
+# --- public --------------------------------------------------------------------------------
+def _check_float(x, what: str) -> None:
+    if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in _FLOATS]:
+        raise ValueError(
+            f"quantized matmul takes float operands (float32, bfloat16, float16, float64); "
+            f"the {what} is {x.dtype}"
+        )
+
+
+def dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    *,
+    recipe: Recipe | str,
+    state: dict | None = None,
+    key: jax.Array | None = None,
+    weight: str = "rhs",
+) -> jax.Array:
+    """``lax.dot_general`` whose forward and backward GEMMs are quantized by ``recipe``.
+
+    Args:
+      lhs, rhs, dimension_numbers, preferred_element_type: as in ``lax.dot_general``
+        (``precision`` is accepted and ignored: products are exact and accumulate in
+        float32, or in the recipe's emulated accumulator).
+      recipe: a :class:`Recipe` or a name of :data:`RECIPE_NAMES`.
+      state: for :class:`Delayed`, this matmul's state (see :func:`init_site_state`); its
+        cotangent carries the observed amaxes (``"probe"``: lhs, rhs, output gradient).
+      key: PRNG key for stochastic rounding of gradients (NVFP4).
+      weight: which operand is the weight (2-D tiles, weight-gradient GEMM): ``"rhs"``
+        (``x @ w``, Flax, plain models; default), ``"lhs"`` (Equinox's ``w @ x``) or
+        ``"none"``.
+
+    Returns:
+      The product, dtype ``preferred_element_type`` or the operands' result dtype.
+    """
+    recipe = get_recipe(recipe)
+    if weight not in WEIGHT_OPERANDS:
+        raise ValueError(f"unknown weight {weight!r}; allowed: {', '.join(WEIGHT_OPERANDS)}")
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    _check_float(lhs, "lhs")
+    _check_float(rhs, "rhs")
+    if isinstance(recipe, Delayed) and state is None:
+        raise ValueError("the delayed recipe needs this matmul's state: pass state=...")
+    (lc, rc), (lb, rb) = dimension_numbers
+    lc, rc, lb, rb = (tuple(int(d) for d in t) for t in (lc, rc, lb, rb))
+    a3, lfree = _canon(lhs, lc, lb)
+    b3, rfree = _canon(rhs, rc, rb)
+    out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
+    kinds = WEIGHT_OPERANDS[weight]
+    if not isinstance(recipe, Delayed):
+        state = None
+    out = _qdot3_jit(recipe, kinds, a3, b3, state, key)
+    batch_shape = tuple(lhs.shape[d] for d in lb)
+    return out.reshape(*batch_shape, *lfree, *rfree).astype(out_dtype)
+
+
+def matmul(a: jax.Array, b: jax.Array, *, recipe: Recipe | str, **kwargs) -> jax.Array:
+    """``a @ b`` (2-D ``a`` with leading batch axes allowed, 2-D ``b``) through
+    :func:`dot_general`."""
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    if b.ndim != 2 or a.ndim < 1:
+        raise ValueError(f"matmul takes a (..., K) @ (K, N); got {a.shape} @ {b.shape}")
+    dims = (((a.ndim - 1,), (0,)), ((), ()))
+    return dot_general(a, b, dims, recipe=recipe, **kwargs)

@@ -1,0 +1,381 @@
+"""The recipes: small frozen dataclasses stating each vendor's scaling rule.
+
+Every recipe quantizes the operands of the three GEMMs of a matmul (fprop ``y = x w``, dgrad
+``dx = g w^T``, wgrad ``dw = x^T g``) along their contraction axis. Operands have a *kind*:
+``"x"`` (activation), ``"w"`` (weight) or ``"g"`` (gradient); a transposed operand (``w^T``
+in dgrad, ``x^T`` and ``g^T`` in wgrad) is quantized from the high-precision tensor, not from
+its quantized copy (as Transformer Engine does for MXFP8).
+
+Common fields (accumulator emulation, see :mod:`precisionlab.recipes._accumulate`):
+``accumulate_bits`` (None: float32; m: partial sums kept to m mantissa bits),
+``accumulate_rounding`` (``"nearest_even"`` or ``"toward_zero"``) and ``promote_every``
+(None, or N: the narrow partial sum is added into a float32 accumulator every N products,
+as DeepSeek-V3 does with N = 128).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from precisionlab.formats import FORMATS, FloatFormat
+from precisionlab.quant.mx import SCALE_RULES
+from precisionlab.recipes import _scaling as S
+
+__all__ = [
+    "MX",
+    "NVFP4",
+    "RECIPE_NAMES",
+    "Blockwise",
+    "Current",
+    "Delayed",
+    "Recipe",
+    "Reference",
+    "Rowwise",
+    "get_recipe",
+]
+
+E4M3 = FORMATS["float8_e4m3fn"]
+E5M2 = FORMATS["float8_e5m2"]
+KINDS = ("x", "w", "g")
+FP8_FORMATS = ("HYBRID", "E4M3")
+ACC_ROUNDINGS = ("nearest_even", "toward_zero")
+
+
+def _fp8_formats(fp8_format: str) -> dict[str, FloatFormat]:
+    if fp8_format not in FP8_FORMATS:
+        is_e5m2 = str(fp8_format).upper() == "E5M2"
+        extra = " (an E5M2 forward is not a recipe: E5M2 is for gradients)" if is_e5m2 else ""
+        raise ValueError(
+            f"unknown fp8_format {fp8_format!r}{extra}; allowed: {', '.join(FP8_FORMATS)}"
+        )
+    return {"x": E4M3, "w": E4M3, "g": E5M2 if fp8_format == "HYBRID" else E4M3}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """Base: the accumulator fields shared by every recipe (see the module docstring)."""
+
+    name: ClassVar[str] = "recipe"
+    stateful: ClassVar[bool] = False
+    accumulate_bits: int | None = None
+    accumulate_rounding: str = "nearest_even"
+    promote_every: int | None = None
+
+    def __post_init__(self):
+        b = self.accumulate_bits
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 23):
+            raise ValueError(f"accumulate_bits must be an int in 1..23 or None, got {b!r}")
+        if self.accumulate_rounding not in ACC_ROUNDINGS:
+            raise ValueError(
+                f"unknown accumulate_rounding {self.accumulate_rounding!r}; "
+                f"allowed: {', '.join(ACC_ROUNDINGS)}"
+            )
+        p = self.promote_every
+        if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p < 1):
+            raise ValueError(f"promote_every must be a positive int or None, got {p!r}")
+        if p is not None and b is None:
+            raise ValueError("promote_every needs accumulate_bits (a narrow accumulator)")
+
+    @property
+    def wgrad_hp(self) -> bool:
+        """The weight-gradient GEMM stays in high precision (torchao rowwise_with_gw_hp)."""
+        return False
+
+    def two_d(self, kind: str) -> bool:
+        """Whether operands of this kind use square 2-D tiles (weights in blockwise, NVFP4)."""
+        return False
+
+    def block_sizes(self, kind: str) -> tuple[int, ...]:
+        """Sizes the operand's contraction axis (and, for 2-D blocks, its rows) must be
+        multiples of."""
+        return ()
+
+    def pad_ok(self) -> bool:
+        return bool(getattr(self, "pad", False))
+
+    def quantize(self, t: jax.Array, kind: str, *, scale=None, key=None) -> S.QOperand:
+        """Quantize a float32 (B, R, K) operand of ``kind`` along K."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Reference(Recipe):
+    """No quantization: operands rounded to ``dtype`` (``"bfloat16"`` or ``"float32"``),
+    products accumulated in float32 (``preferred_element_type=float32``), so experiments
+    compare a recipe with the same code path in 16 or 32 bits."""
+
+    name: ClassVar[str] = "reference"
+    dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"Reference dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
+
+    def quantize(self, t, kind, *, scale=None, key=None):
+        if self.dtype == "float32":
+            return S.QOperand(t, None, None)
+        return S.QOperand(t.astype(jnp.bfloat16).astype(jnp.float32), None, None)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Delayed(Recipe):
+    """Per-tensor delayed scaling (NVIDIA Transformer Engine ``DelayedScaling``).
+
+    Rule: each step quantizes with the scale in the state, ``cast(x * scale)`` saturating to
+    the format's max; it records ``amax(x)``; after the step the amax history (window of the
+    last ``amax_history_len`` amaxes) gives ``amax = max(history)`` (``"max"``) or the newest
+    (``"most_recent"``), and ``scale = (fp8_max / amax) / 2**margin``, the old scale being
+    kept where amax is 0 or non-finite. Formats: ``"HYBRID"`` (E4M3 forward, E5M2 gradients;
+    the default) or ``"E4M3"``. Initial scale 1, history zeros. State per matmul: one
+    history and scale for each of lhs, rhs and the output gradient.
+    """
+
+    name: ClassVar[str] = "delayed"
+    stateful: ClassVar[bool] = True
+    fp8_format: str = "HYBRID"
+    margin: int = 0
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+
+    def __post_init__(self):
+        super().__post_init__()
+        _fp8_formats(self.fp8_format)
+        if self.amax_compute_algo not in ("max", "most_recent"):
+            raise ValueError(
+                f"unknown amax_compute_algo {self.amax_compute_algo!r}; allowed: max, most_recent"
+            )
+        if isinstance(self.amax_history_len, bool) or not (
+            isinstance(self.amax_history_len, int) and self.amax_history_len >= 1
+        ):
+            raise ValueError(f"amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
+            raise ValueError(f"margin must be an int >= 0, got {self.margin!r}")
+
+    def fmt(self, kind: str) -> FloatFormat:
+        return _fp8_formats(self.fp8_format)[kind]
+
+    def quantize(self, t, kind, *, scale=None, key=None):
+        return S.with_scale(t, scale, self.fmt(kind))
+
+    def next_scale(self, history: jax.Array, scale: jax.Array, kind_max: jax.Array):
+        """New scale from a history (L, ...) whose row 0 is the newest amax."""
+        a = jnp.max(history, axis=0) if self.amax_compute_algo == "max" else history[0]
+        sf = (kind_max / a) / jnp.float32(2.0**self.margin)
+        ok = (a > 0) & jnp.isfinite(a)
+        return jnp.where(ok, sf, scale)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Current(Recipe):
+    """Per-tensor current (dynamic) scaling: TE ``Float8CurrentScaling``, torchao
+    ``tensorwise``.
+
+    Rule: ``scale = fp8_max / max(amax, eps)`` (float64, rounded to float32; torchao's eps
+    1e-12), rounded down to a power of two if ``pow2_scales``; elements ``cast(x * scale)``
+    saturating. Formats as :class:`Delayed` (default HYBRID: E4M3 forward, E5M2 gradients).
+    """
+
+    name: ClassVar[str] = "current"
+    fp8_format: str = "HYBRID"
+    eps: float = 1e-12
+    pow2_scales: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        _fp8_formats(self.fp8_format)
+        if not (isinstance(self.eps, (int, float)) and self.eps >= 0):
+            raise ValueError(f"eps must be a number >= 0, got {self.eps!r}")
+
+    def fmt(self, kind: str) -> FloatFormat:
+        return _fp8_formats(self.fp8_format)[kind]
+
+    def quantize(self, t, kind, *, scale=None, key=None):
+        return S.tensorwise(t, self.fmt(kind), eps=self.eps, pow2_scales=self.pow2_scales)[0]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Rowwise(Recipe):
+    """Row-wise scaling (torchao ``rowwise``): one scale per row of each GEMM operand along
+    its contraction axis, ``2**floor(log2(fp8_max / max(amax, eps)))`` (eps 1e-12), E4M3 for
+    every operand (gradients included), elements ``cast(x * scale)`` saturating.
+
+    ``gw_high_precision`` (torchao ``rowwise_with_gw_hp``): the weight-gradient GEMM runs
+    unquantized, in the operands' own precision.
+    """
+
+    name: ClassVar[str] = "rowwise"
+    eps: float = 1e-12
+    gw_high_precision: bool = False
+
+    @property
+    def wgrad_hp(self) -> bool:
+        return self.gw_high_precision
+
+    def quantize(self, t, kind, *, scale=None, key=None):
+        return S.per_row(t, E4M3, eps=self.eps)[0]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Blockwise(Recipe):
+    """Block scaling (DeepSeek-V3 section 3.3; TE ``Float8BlockScaling``): E4M3 everywhere;
+    1 x ``block`` tiles along the contraction axis for activations and gradients,
+    ``block`` x ``block`` tiles for weights; scale per tile
+    ``2**floor(log2(float32(448 / amax)))`` (amax 0 -> 1). ``pad``: allow sizes that are not
+    multiples of ``block`` (zeros fill the last tile: they change neither its amax nor the
+    products); without it such a size is a ValueError.
+    """
+
+    name: ClassVar[str] = "blockwise"
+    block: int = 128
+    pad: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_block(self.block)
+
+    def block_sizes(self, kind):
+        return (self.block,)
+
+    def two_d(self, kind) -> bool:
+        return kind == "w"
+
+    def quantize(self, t, kind, *, scale=None, key=None):
+        return S.block_pow2(t, E4M3, self.block, two_d=kind == "w")[0]
+
+
+_MX_ELEMENTS = {
+    "mxfp8": ("float8_e4m3fn", "rceil"),
+    "mxfp6": ("float6_e2m3fn", "floor"),
+    "mxfp4": ("float4_e2m1fn", "floor"),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MX(Recipe):
+    """OCP Microscaling (OCP MX v1.0; TE ``MXFP8BlockScaling``): ``block`` (32) elements
+    along the contraction axis share an E8M0 scale ``X = 2**e``, elements ``x / X`` rounded
+    to nearest even and saturated. ``element``/``grad_element``: element formats of the
+    forward operands and of the gradients. ``scale_rule`` (see
+    :data:`precisionlab.quant.SCALE_RULES`): ``"floor"`` (OCP), ``"ceil"`` (torchao CEIL),
+    ``"rceil"`` (TE / cuBLAS), ``"even"`` (torchao EVEN). Presets: ``mxfp8`` (E4M3, rceil,
+    as TE), ``mxfp6`` (E2M3, floor), ``mxfp4`` (E2M1, floor).
+    """
+
+    name: ClassVar[str] = "mx"
+    element: str = "float8_e4m3fn"
+    grad_element: str | None = None
+    scale_rule: str = "rceil"
+    block: int = 32
+    pad: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_block(self.block)
+        for f in (self.element, self.grad_element):
+            if f is not None and f not in {v[0] for v in _MX_ELEMENTS.values()} | {
+                "float8_e5m2", "float6_e3m2fn"
+            }:  # fmt: skip
+                raise ValueError(
+                    f"unknown MX element format {f!r}; allowed: float8_e4m3fn, float8_e5m2, "
+                    "float6_e2m3fn, float6_e3m2fn, float4_e2m1fn"
+                )
+        if self.scale_rule not in SCALE_RULES:
+            raise ValueError(
+                f"unknown scale_rule {self.scale_rule!r}; allowed: {', '.join(SCALE_RULES)}"
+            )
+
+    def fmt(self, kind: str) -> FloatFormat:
+        name = self.grad_element if (kind == "g" and self.grad_element) else self.element
+        return FORMATS[name]
+
+    def block_sizes(self, kind):
+        return (self.block,)
+
+    def quantize(self, t, kind, *, scale=None, key=None):
+        return S.mx_blocks(t, self.fmt(kind), self.block, self.scale_rule)[0]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NVFP4(Recipe):
+    """NVFP4 (TE ``NVFP4BlockScaling``; NVIDIA, "Pretraining Large Language Models with
+    NVFP4", 2025): E2M1 elements, ``block`` (16) elements along the contraction axis share
+    an E4M3 scale, plus one float32 scale per tensor (see :func:`_scaling.nvfp4` for the
+    float32 steps); weights use ``block`` x ``block`` tiles; gradients are rounded
+    stochastically (``stochastic_gradients``; needs a key); ``hadamard``: both operands of
+    the weight-gradient GEMM get the 16 x 16 random Hadamard transform
+    ``diag(signs) H / 4`` along their contraction axis before quantization (signs from
+    ``hadamard_seed``, recorded here; the transform is orthogonal, so the product is
+    unchanged in exact arithmetic).
+    """
+
+    name: ClassVar[str] = "nvfp4"
+    block: int = 16
+    stochastic_gradients: bool = True
+    hadamard: bool = True
+    hadamard_seed: int = 0
+    pad: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_block(self.block)
+
+    def block_sizes(self, kind):
+        return (self.block,)
+
+    def two_d(self, kind) -> bool:
+        return kind == "w"
+
+    def hadamard_matrix(self) -> np.ndarray:
+        return S.hadamard_matrix(self.hadamard_seed, 16)
+
+    def quantize(self, t, kind, *, scale=None, key=None):
+        sr = kind == "g" and self.stochastic_gradients
+        rounding = "stochastic" if sr else "nearest_even"
+        return S.nvfp4(
+            t, self.block, two_d=kind == "w", rounding=rounding, key=key if sr else None
+        )[0]
+
+
+def _check_block(b) -> None:
+    if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+        raise ValueError(f"block must be a positive int, got {b!r}")
+
+
+_PRESETS = {
+    "delayed": (Delayed, {}),
+    "current": (Current, {}),
+    "rowwise": (Rowwise, {}),
+    "rowwise_with_gw_hp": (Rowwise, {"gw_high_precision": True}),
+    "blockwise": (Blockwise, {}),
+    "mxfp8": (MX, {"element": "float8_e4m3fn", "scale_rule": "rceil"}),
+    "mxfp6": (MX, {"element": "float6_e2m3fn", "scale_rule": "floor"}),
+    "mxfp4": (MX, {"element": "float4_e2m1fn", "scale_rule": "floor"}),
+    "nvfp4": (NVFP4, {}),
+    "bf16": (Reference, {"dtype": "bfloat16"}),
+    "fp32": (Reference, {"dtype": "float32"}),
+}
+RECIPE_NAMES: tuple[str, ...] = tuple(_PRESETS)
+
+
+def get_recipe(name: str | Recipe, **overrides) -> Recipe:
+    """The recipe called ``name`` (one of :data:`RECIPE_NAMES`) with its defaults, fields
+    overridden by keyword (``get_recipe("mxfp8", scale_rule="floor")``); a Recipe passes
+    through."""
+    if isinstance(name, Recipe):
+        return dataclasses.replace(name, **overrides) if overrides else name
+    if not isinstance(name, str) or name.strip().lower() not in _PRESETS:
+        raise ValueError(f"unknown recipe {name!r}; allowed: {', '.join(RECIPE_NAMES)}")
+    cls, kw = _PRESETS[name.strip().lower()]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    bad = set(overrides) - fields
+    if bad:
+        raise ValueError(
+            f"recipe {name!r} has no field(s) {sorted(bad)}; fields: {', '.join(sorted(fields))}"
+        )
+    return cls(**{**kw, **overrides})
