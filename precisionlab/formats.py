@@ -527,7 +527,7 @@ def get_format(name: str | Format) -> Format:
     raise ValueError(
         f"unknown format {shown!r}; {hint}known: {', '.join(list(FORMATS)[:5])}, ... (all "
         f"{len(FORMATS)}: `precisionlab formats`), aliases such as bf16, fp16, e4m3, fp4, or a "
-        "custom spec eXmY[bB][ieee|fn|fnuz|fnu|none] such as e3m2b5ieee"
+        "custom spec such as e3m2b5ieee"
     )
 
 
