@@ -665,6 +665,9 @@ def encode(
 
 @partial(jax.jit, static_argnames=("fmt", "dtype"))
 def _decode(codes, *, fmt, dtype):
+    # Masked inside the jit: outside, it would be one more whole-array buffer and pass.
+    mask = (1 << fmt.bits) - 1
+    codes = codes.astype(fmt.code_dtype) & np.array(mask, dtype=fmt.code_dtype)
     if _fast_decode_applies(fmt, dtype):
         return _decode_to_float32_fast(codes, fmt)
     out = _SOURCE_FORMATS[jnp.dtype(dtype)]
@@ -699,10 +702,7 @@ def decode(codes, fmt: Format | str, *, dtype=jnp.float32) -> jax.Array:
         raise ValueError(f"decode produces float32, float64, float16 or bfloat16, not {dtype}")
     if dtype == jnp.float64 and not jax.config.jax_enable_x64:
         raise ValueError("decode to float64 needs jax.config.update('jax_enable_x64', True)")
-    codes = _check_codes(codes, fmt)
-    mask = (1 << fmt.bits) - 1
-    codes = codes.astype(fmt.code_dtype) & np.array(mask, dtype=fmt.code_dtype)
-    return _decode(codes, fmt=fmt, dtype=dtype)
+    return _decode(_check_codes(codes, fmt), fmt=fmt, dtype=dtype)
 
 
 def round_to_format(x, fmt: Format | str, **kwargs) -> jax.Array:
