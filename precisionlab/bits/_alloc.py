@@ -13,7 +13,10 @@ blocks (they come from the heap and are reused after ``free``), and freed memory
 1 GiB before it is returned to the system. They are process-wide: a process keeps up to
 1 GiB of freed heap mapped. Set ``PRECISIONLAB_MALLOC_TUNING=0`` to leave malloc alone.
 They only reach threads that have not allocated yet, so they take full effect when
-precisionlab is imported before JAX runs its first computation.
+precisionlab is imported before JAX runs its first computation. Not every call escapes the
+faults: XLA asks for aligned blocks, and glibc (2.36) serves an aligned request from a freed
+block of the same size only once it has merged with a free neighbour, so a loop of calls
+alternates between reused and fresh outputs (``faults/call`` in the benchmark shows it).
 """
 
 from __future__ import annotations
