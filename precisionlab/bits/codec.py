@@ -35,6 +35,7 @@ __all__ = [
 
 _F32 = FORMATS["float32"]
 _F64 = FORMATS["float64"]
+_E8M0 = FORMATS["float8_e8m0fnu"]
 _SOURCE_FORMATS = {
     jnp.dtype(jnp.float32): _F32,
     jnp.dtype(jnp.float16): FORMATS["float16"],
@@ -399,6 +400,8 @@ def _encode(x, key, *, fmt, mode, saturate, subnormals, random_bits):
         if mode is Rounding.NEAREST_EVEN and subnormals and _nearest_even_applies(fmt):
             return _encode_narrow_nearest_even(x, fmt, saturate)
         return _encode_narrow(x, fmt, mode, saturate, subnormals)
+    if src is _F32 and fmt == _E8M0 and mode is Rounding.NEAREST_EVEN and subnormals:
+        return _encode_e8m0_nearest_even(x, saturate)
     if src is _F32 and isinstance(fmt, IntFormat) and fmt.bits <= 16:
         if mode is Rounding.NEAREST_EVEN:
             return _encode_small_int_nearest_even(x, fmt)
@@ -633,6 +636,29 @@ def _encode_small_int(x, fmt: IntFormat, mode: Rounding) -> jax.Array:
     mask = _const((1 << fmt.bits) - 1, work)
     code = jnp.where(neg, (~q + one) & mask, q)
     return code.astype(fmt.code_dtype)
+
+
+def _encode_e8m0_nearest_even(x, saturate: bool) -> jax.Array:
+    """Fast path float32 -> E8M0 (unsigned powers of two 2**-127 .. 2**127, code 255 NaN),
+    nearest-even: float32's bits rounded at the exponent field give the code directly. A
+    tie, 1.5 * 2**k, goes up: 2**(k + 1) is the even multiple of 2**k. Float32 subnormals
+    lie between 2**-127 (code 0) and 2**-126 (code 1), whose midpoint is the pattern
+    0x600000.
+    Conventions as on the general path (same codes over all 2**32 inputs, by the tests):
+    overflow and inf give NaN (the largest value when saturating), zeros and negative
+    values NaN (code 0, the smallest value, when saturating), NaN stays NaN.
+    """
+    work = jnp.dtype(jnp.uint32)
+    u = lax.bitcast_convert_type(x, work)
+    a = u & _const(0x7FFFFFFF, work)
+    code = (a + _const(0x400000, work)) >> _const(23, work)
+    code = jnp.where(a < _const(0x800000, work), (a >= _const(0x600000, work)).astype(work), code)
+    nan = _const(0xFF, work)
+    code = jnp.minimum(code, _const(0xFE, work) if saturate else nan)
+    invalid = (u > _const(0x7FFFFFFF, work)) | (a == 0)  # negative, or a zero
+    code = jnp.where(invalid, jnp.zeros_like(code) if saturate else nan, code)
+    code = jnp.where(a > _const(0x7F800000, work), nan, code)
+    return code.astype(jnp.uint8)
 
 
 def _encode_small_int_nearest_even(x, fmt: IntFormat) -> jax.Array:
