@@ -542,13 +542,17 @@ def _encode_narrow(x, fmt: FloatFormat, mode, saturate, subnormals):
     return _finish(mag, overflow, None, a != 0, p, fmt, mode, saturate, subnormals)
 
 
-def _round_shift_even(v: jax.Array, shift: int) -> jax.Array:
-    """``v >> shift`` rounded to nearest, ties to even (``shift`` >= 1, static; unsigned
-    ``v`` with room for the carry): adding half a quantum less one, plus the parity of the
-    result, carries exactly when the dropped bits exceed half or equal it at an odd result."""
+def _round_shift_even(v: jax.Array, shift: int, offset: int = 0) -> jax.Array:
+    """``(v + offset) >> shift`` rounded to nearest, ties to even (``shift`` >= 1 and
+    ``offset`` a multiple of ``2**(shift + 1)``, static; unsigned ``v`` with room for the carry,
+    arithmetic modulo the dtype's width): adding half a quantum less one, plus the parity
+    of the result, carries exactly when the dropped bits exceed half or equal it at an odd
+    result."""
     dtype = v.dtype
+    width = jnp.iinfo(dtype).bits
     odd = (v >> _const(shift, dtype)) & _const(1, dtype)
-    return (v + _const((1 << (shift - 1)) - 1, dtype) + odd) >> _const(shift, dtype)
+    add = (offset + (1 << (shift - 1)) - 1) % (1 << width)
+    return (v + _const(add, dtype) + odd) >> _const(shift, dtype)
 
 
 def _nearest_even_applies(fmt: FloatFormat) -> bool:
@@ -578,7 +582,9 @@ def _encode_narrow_nearest_even(x, fmt: FloatFormat, saturate: bool) -> jax.Arra
     m = fmt.mantissa_bits
     u = lax.bitcast_convert_type(x, work)
     a = u & _const(0x7FFFFFFF, work)
-    norm = _round_shift_even(a, 23 - m) - _const((127 - fmt.bias) << m, work)
+    # Re-biased before the shift (one add fewer): the sum wraps only where |x| is below
+    # fmt's normal range, and those lanes take the subnormal result.
+    norm = _round_shift_even(a, 23 - m, offset=-((127 - fmt.bias) << 23))
     magic = (127 + fmt.emin - m + 23) << 23  # bits of 2**(emin - m + 23)
     total = lax.bitcast_convert_type(a, jnp.float32) + np.float32(2.0 ** (fmt.emin - m + 23))
     sub = lax.bitcast_convert_type(total, work) - _const(magic, work)
@@ -597,7 +603,8 @@ def _encode_narrow_nearest_even(x, fmt: FloatFormat, saturate: bool) -> jax.Arra
         payload = (a & _const(0x7FFFFF, work)) >> _const(23 - m, work)
         code = jnp.where(is_nan, sign | _const(_nan_magnitude(fmt), work) | payload, code)
     elif fmt.specials is Specials.FN:
-        code = jnp.where(is_nan, sign | _const(_nan_magnitude(fmt), work), code)
+        if saturate:  # otherwise NaN's magnitude, above every finite one, clamped to NaN
+            code = jnp.where(is_nan, sign | _const(_nan_magnitude(fmt), work), code)
     else:  # documented choice: NaN into a format without NaN is +0
         code = jnp.where(is_nan, jnp.zeros_like(code), code)
     return code.astype(fmt.code_dtype)
