@@ -787,6 +787,16 @@ def encode(
     )
 
 
+def _decode_e8m0_to_float32(codes) -> jax.Array:
+    """E8M0 code c is 2**(c - 127): float32's exponent field, except 2**-127 (code 0), a
+    float32 subnormal, and 255, NaN (quiet, positive, as on the general path)."""
+    work = jnp.dtype(jnp.uint32)
+    c = codes.astype(work)
+    bits = jnp.where(c == 0, _const(0x400000, work), c << _const(23, work))
+    bits = jnp.where(c == _const(0xFF, work), _const(0x7FC00000, work), bits)
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
 @partial(jax.jit, static_argnames=("fmt", "dtype"))
 def _decode(codes, *, fmt, dtype):
     # Masked inside the jit: outside, it would be one more whole-array buffer and pass.
@@ -794,6 +804,8 @@ def _decode(codes, *, fmt, dtype):
     codes = codes.astype(fmt.code_dtype) & np.array(mask, dtype=fmt.code_dtype)
     if _fast_decode_applies(fmt, dtype):
         return _decode_to_float32_fast(codes, fmt)
+    if fmt == _E8M0 and jnp.dtype(dtype) == jnp.float32:
+        return _decode_e8m0_to_float32(codes)
     out = _SOURCE_FORMATS[jnp.dtype(dtype)]
     work = _work_dtype(fmt, out)
     p = _parse(codes, fmt, work)
