@@ -92,3 +92,46 @@ def test_timing_helpers():
     assert _timing.copy_bandwidth(1 << 16, repeats=1) > 0
     with pytest.raises(ValueError, match="repeats"):
         _timing.time_call(lambda: None, repeats=0)
+
+
+def test_bench_whole_array_json_structure_and_agreement(capsys):
+    argv = ["bench", "codecs", "--whole-array", "--size", "4096", "--repeats", "1", "--json"]
+    assert main([*argv, "--formats", "bf16,fp16,e4m3fn,e2m3fn,int8"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["mode"] == "whole-array" and result["chunk"] is None
+    assert [(r["format"], r["op"]) for r in result["rows"]] == [
+        (name, op)
+        for name in ("bfloat16", "float16", "float8_e4m3fn", "float6_e2m3fn", "int8")
+        for op in ("encode", "decode")
+    ]
+    expected = {"bf16 >= 1.0x ml_dtypes": 4, "fp16 >= 2x numpy": 4}
+    expected |= {"8/6/4-bit floats >= 10x ml_dtypes": 8}  # public and jit, both ops
+    assert {t["target"]: t["of"] for t in result["targets"]} == expected
+    for row in result["rows"]:
+        assert row["mode"] == "whole-array" and row["gfloat"] is None
+        assert row["ratio_peer"] == pytest.approx(row["precisionlab"] / row["peer"])
+        assert row["ratio_jit_peer"] == pytest.approx(row["jit"] / row["peer"])
+        assert row["mismatches"] == 0  # the public call agrees with the peer's astype
+        assert row["faults"] >= -1 and row["jit_faults"] >= -1 and row["peer_faults"] >= -1
+
+
+def test_bench_whole_array_text_table(capsys):
+    argv = ["bench", "codecs", "--whole-array", "--size", "4096", "--repeats", "1"]
+    assert main([*argv, "--formats", "e5m2", "--markdown"]) == 0
+    out = capsys.readouterr().out
+    assert "| format | op | public M/s | jit M/s |" in out
+    assert sum(line.startswith("| float8_e5m2 | ") for line in out.splitlines()) == 2
+    assert "targets (issue 17, public and jitted calls):" in out
+
+
+def test_minor_faults_counts_fresh_pages():
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("page faults are counted on Linux")
+    assert _timing.minor_faults(lambda: np.ones(1 << 22, np.uint8)) >= 0
+    # Touching 64 fresh 4 KiB pages of an mmapped buffer faults at least once per page.
+    import mmap
+
+    buf = mmap.mmap(-1, 64 * 4096)
+    assert _timing.minor_faults(lambda: buf.write(b"\x01" * (64 * 4096))) >= 64

@@ -1,6 +1,11 @@
 """``precisionlab bench codecs``: throughput of precisionlab's jitted encode/decode against
 ml_dtypes ``astype`` (numpy ``rint`` + ``clip`` for integers) and gfloat, in one run.
 
+Two modes. The default (chunked) measures the conversion itself; ``--whole-array`` measures
+what a user meets: one call on the whole array, ``precisionlab.encode(x, fmt)`` and a jitted
+``encode`` alike, against ml_dtypes' ``x.astype(dtype)``, every call returning a fresh array
+(so page faults on fresh output pages count; their number per call is reported).
+
 All engines see the same float32 inputs: magnitudes log-uniform over 2^-30 .. 2^20 with
 random signs, so the narrow formats' subnormal, normal and overflow paths all run. Each
 engine processes the input in chunks (default 2^22 elements): a fresh multi-megabyte output
@@ -35,8 +40,15 @@ import numpy as np
 
 from precisionlab import _io
 from precisionlab._text import UsageError, split_list, table
-from precisionlab.bench._timing import copy_kernel, time_call, time_interleaved, xla_copy_kernel
+from precisionlab.bench._timing import (
+    copy_kernel,
+    minor_faults,
+    time_call,
+    time_interleaved,
+    xla_copy_kernel,
+)
 from precisionlab.bits import decode, encode
+from precisionlab.bits._alloc import malloc_tuning
 from precisionlab.formats import FloatFormat, Format, IntFormat, get_format
 
 HELP = "encode/decode throughput vs ml_dtypes and gfloat, as ratios and % of copy bandwidth"
@@ -102,6 +114,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_size,
         default=1 << 16,
         help="elements for gfloat, which is slow (default 2^16; capped at --size)",
+    )
+    parser.add_argument(
+        "--whole-array",
+        action="store_true",
+        help="one call on the whole array, as users call it (fresh outputs), instead of chunks",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument(
@@ -221,6 +238,45 @@ def peer_engine(fmt: Format, xs: list[np.ndarray], codes: list[np.ndarray]) -> E
     return Engine(name, cast_encode, cast_decode)
 
 
+def precisionlab_whole_array(fmt: Format, x: jax.Array, codes: jax.Array) -> dict:
+    """The public calls and jitted whole-array calls on device arrays ``x`` (float32) and
+    ``codes``, each returning a fresh array: name -> zero-argument callable."""
+    jit_encode = jax.jit(lambda v: encode(v, fmt))
+    jit_decode = jax.jit(lambda c: decode(c, fmt, dtype=jnp.float32))
+    return {
+        "encode": lambda: encode(x, fmt),
+        "jit_encode": lambda: jit_encode(x),
+        "decode": lambda: decode(codes, fmt, dtype=jnp.float32),
+        "jit_decode": lambda: jit_decode(codes),
+    }
+
+
+def peer_whole_array(fmt: Format, x: np.ndarray, codes: np.ndarray) -> Engine | None:
+    """The peers of :func:`peer_engine` as a user calls them: ``x.astype(dtype)`` and
+    ``codes.view(dtype).astype(np.float32)``, a fresh array per call."""
+    if isinstance(fmt, IntFormat):
+        if fmt.bits != 8:
+            return None
+        store = np.dtype(np.int8 if fmt.signed else np.uint8)
+
+        def int_encode() -> list:
+            t = np.rint(x)
+            np.clip(t, fmt.min, fmt.max, out=t)
+            return [t.astype(store)]
+
+        return Engine("numpy", int_encode, lambda: [codes.view(store).astype(np.float32)])
+    dtype = _ml_dtype(fmt)
+    if dtype is None:
+        return None
+
+    def cast_encode() -> list:
+        with np.errstate(over="ignore"):  # overflow to inf/NaN is the format's convention
+            return [x.astype(dtype)]
+
+    name = "numpy" if fmt.name in ("float16", "float32") else "ml_dtypes"
+    return Engine(name, cast_encode, lambda: [codes.view(dtype).astype(np.float32)])
+
+
 def gfloat_engine(fmt: Format, x: np.ndarray, codes: np.ndarray) -> Engine | None:
     """gfloat's numpy codec (round_ndarray + encode_ndarray, decode_ndarray), if installed
     and it knows the format (its int8 is the scaled MX type, not a plain integer)."""
@@ -286,10 +342,69 @@ class Row:
     bytes_per_element: int
     copy_fraction: float
     mismatches: int | None  # codes (encode) or values (decode) that differ from the peer
+    mode: str = "chunked"  # or "whole-array": then precisionlab is the public call's rate
+    jit: float | None = None  # whole-array: a jitted whole-array call's rate
+    ratio_jit_peer: float | None = None
+    faults: int | None = None  # whole-array: minor page faults in one call (public, jit, peer)
+    jit_faults: int | None = None
+    peer_faults: int | None = None
 
 
 def _code_bytes(fmt: Format) -> int:
     return np.dtype(fmt.code_dtype).itemsize
+
+
+def bench_whole_array(fmt: Format, x: np.ndarray, *, repeats: int) -> tuple[list[Row], float]:
+    """Time whole-array encode and decode of ``fmt`` on ``x`` (float32) as users call them:
+    precisionlab's public and jitted calls, the peer's ``astype`` and two plain copies
+    (into preallocated buffers: the roofline) interleaved, one call each per round. Returns
+    the rows and the copy bandwidth (bytes/s, read + written) measured alongside."""
+    n = x.size
+    x_dev = jax.device_put(x)
+    codes = _as_codes(fmt, [encode(x_dev, fmt)]).astype(fmt.code_dtype)
+    codes_dev = jax.device_put(codes)
+    fns = precisionlab_whole_array(fmt, x_dev, codes_dev)
+    peer = peer_whole_array(fmt, x, codes)
+    copy, moved = copy_kernel()
+    xla_copy, xla_moved = xla_copy_kernel()
+    fns |= {"copy": copy, "xla_copy": xla_copy}
+    mismatch = {"encode": None, "decode": None}
+    if peer is not None:
+        fns |= {"peer_encode": peer.encode, "peer_decode": peer.decode}
+        theirs = _as_codes(fmt, peer.encode()).astype(codes.dtype)
+        mismatch["encode"] = _mismatches(codes, theirs)
+        ours = _as_values([fns["decode"]()])
+        mismatch["decode"] = _mismatches(ours, _as_values(peer.decode()))
+    t = time_interleaved(fns, repeats=repeats)
+    faults = {name: minor_faults(fn) for name, fn in fns.items() if "copy" not in name}
+    bandwidth = max(t["copy"].rate(moved), t["xla_copy"].rate(xla_moved))
+    bpe = 4 + _code_bytes(fmt)
+    rows = []
+    for op in ("encode", "decode"):
+        ours_rate, jit_rate = t[op].rate(n), t[f"jit_{op}"].rate(n)
+        peer_rate = None if peer is None else t[f"peer_{op}"].rate(n)
+        rows.append(
+            Row(
+                format=fmt.name,
+                op=op,
+                precisionlab=ours_rate,
+                peer_name=None if peer is None else peer.name,
+                peer=peer_rate,
+                ratio_peer=None if peer_rate is None else ours_rate / peer_rate,
+                gfloat=None,
+                ratio_gfloat=None,
+                bytes_per_element=bpe,
+                copy_fraction=ours_rate * bpe / bandwidth,
+                mismatches=mismatch[op],
+                mode="whole-array",
+                jit=jit_rate,
+                ratio_jit_peer=None if peer_rate is None else jit_rate / peer_rate,
+                faults=faults[op],
+                jit_faults=faults[f"jit_{op}"],
+                peer_faults=None if peer is None else faults[f"peer_{op}"],
+            )
+        )
+    return rows, bandwidth
 
 
 def bench_format(
@@ -374,6 +489,8 @@ def machine() -> dict:
         "jax": jax.__version__,
         "ml_dtypes": ml_dtypes.__version__,
         "python": platform.python_version(),
+        # glibc malloc settings precisionlab applied at import (see precisionlab.bits._alloc).
+        "malloc_tuning": malloc_tuning(),
         # Other processes share the cores: the 1-minute load average says how busy they were.
         "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
@@ -392,8 +509,41 @@ def _x(ratio: float | None) -> str:
     return "-" if ratio is None else f"{ratio:,.1f}x"
 
 
+def render_whole_array(rows: list[Row], markdown: bool = False) -> str:
+    """The whole-array results table, aligned plain text or a markdown table."""
+    body = [
+        [
+            r.format,
+            r.op,
+            _m(r.precisionlab),
+            _m(r.jit),
+            r.peer_name or "-",
+            _m(r.peer),
+            _x(r.ratio_peer),
+            _x(r.ratio_jit_peer),
+            f"{100 * r.copy_fraction:.0f}%",
+            " / ".join(
+                "-" if f is None else str(f) for f in (r.faults, r.jit_faults, r.peer_faults)
+            ),
+            "-" if r.mismatches is None else str(r.mismatches),
+        ]
+        for r in rows
+    ]
+    headers = ["format", "op", "public M/s", "jit M/s", "peer", "peer M/s", "public vs peer"]
+    headers += ["jit vs peer", "of copy bw", "faults/call", "mismatches"]
+    if markdown:
+        rule = "|---|---|--:|--:|---|--:|--:|--:|--:|--:|--:|"
+        return "\n".join(
+            ["| " + " | ".join(headers) + " |", rule]
+            + ["| " + " | ".join(row) + " |" for row in body]
+        )
+    return table(body, headers, align="llrrlrrrrrr")
+
+
 def render(rows: list[Row], markdown: bool = False) -> str:
     """The results table, aligned plain text or a markdown table."""
+    if rows and rows[0].mode == "whole-array":
+        return render_whole_array(rows, markdown)
     body = [
         [
             r.format,
@@ -417,26 +567,52 @@ def render(rows: list[Row], markdown: bool = False) -> str:
     return table(body, headers, align="llrlrrrrrr")
 
 
-# The issue's targets on CPU: (description, rows it applies to, measured value, threshold).
+# The issues' targets on CPU: (description, threshold, values of a row, formats it covers).
 _NARROW = ("float8_e4m3fn", "float8_e5m2", "float4_e2m1fn")
 
 
+def _ratio(field: str) -> Callable[[Row], list]:
+    return lambda r: [getattr(r, field)]
+
+
+def _both_ratios(r: Row) -> list:
+    return [r.ratio_peer, r.ratio_jit_peer]
+
+
+def _narrow_float(name: str) -> bool:
+    fmt = get_format(name)
+    return isinstance(fmt, FloatFormat) and fmt.bits <= 8
+
+
+_TARGETS = {
+    "chunked": [
+        ("bf16/fp16 >= 2x peer", 2.0, _ratio("ratio_peer"), ("bfloat16", "float16")),
+        ("fp8/fp4 >= 10x ml_dtypes", 10.0, _ratio("ratio_peer"), _NARROW),
+        ("all >= 100x gfloat", 100.0, _ratio("ratio_gfloat"), None),
+        ("all >= 70% of copy bandwidth", 0.7, _ratio("copy_fraction"), None),
+    ],
+    # Issue 17, for the public and the jitted call alike.
+    "whole-array": [
+        ("bf16 >= 1.0x ml_dtypes", 1.0, _both_ratios, ("bfloat16",)),
+        ("fp16 >= 2x numpy", 2.0, _both_ratios, ("float16",)),
+        ("8/6/4-bit floats >= 10x ml_dtypes", 10.0, _both_ratios, _narrow_float),
+    ],
+}
+
+
 def targets(rows: list[Row]) -> list[dict]:
-    """Each target of the issue with the worst measured value among the rows it covers and
-    whether it is met (rows without the peer are left out)."""
-    specs = [
-        ("bf16/fp16 >= 2x peer", 2.0, "ratio_peer", ("bfloat16", "float16")),
-        ("fp8/fp4 >= 10x ml_dtypes", 10.0, "ratio_peer", _NARROW),
-        ("all >= 100x gfloat", 100.0, "ratio_gfloat", None),
-        ("all >= 70% of copy bandwidth", 0.7, "copy_fraction", None),
-    ]
+    """Each target of the issues for the rows' mode with the worst measured value among the
+    rows it covers and whether it is met (rows without the peer are left out)."""
+    mode = rows[0].mode if rows else "chunked"
     out = []
-    for name, threshold, field, formats in specs:
-        values = [
-            (getattr(r, field), f"{r.format} {r.op}")
-            for r in rows
-            if (formats is None or r.format in formats) and getattr(r, field) is not None
-        ]
+    for name, threshold, values_of, formats in _TARGETS[mode]:
+        if formats is None:
+            covered = rows
+        elif callable(formats):
+            covered = [r for r in rows if formats(r.format)]
+        else:
+            covered = [r for r in rows if r.format in formats]
+        values = [(v, f"{r.format} {r.op}") for r in covered for v in values_of(r) if v is not None]
         if not values:
             continue
         worst, where = min(values)
@@ -447,15 +623,16 @@ def targets(rows: list[Row]) -> list[dict]:
     return out
 
 
-def _render_targets(found: list[dict]) -> str:
+def _render_targets(found: list[dict], mode: str = "chunked") -> str:
     lines = []
     for t in found:
         worst = t["worst"]
         shown = f"{100 * worst:.0f}%" if "bandwidth" in t["target"] else f"{worst:,.1f}x"
         lines.append(
-            f"  {t['target']:<30} met by {t['met']} of {t['of']}; worst {shown} ({t['worst_at']})"
+            f"  {t['target']:<34} met by {t['met']} of {t['of']}; worst {shown} ({t['worst_at']})"
         )
-    return "targets (issue 2):\n" + "\n".join(lines)
+    issue = "issue 17, public and jitted calls" if mode == "whole-array" else "issue 2"
+    return f"targets ({issue}):\n" + "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -467,11 +644,21 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"the benchmark encodes float32 inputs; {', '.join(wide)} is wider")
     x = make_inputs(args.size)
     info = machine()
+    whole = args.whole_array
+    mode = "whole-array" if whole else "chunked"
     if not args.json:
-        print(
-            f"{args.size:,} float32 inputs, |x| in 2^{LOW}..2^{HIGH}, chunks of {args.chunk:,}, "
-            f"best of {args.repeats}; gfloat on the first {min(args.gfloat_size, args.size):,}"
-        )
+        if whole:
+            print(
+                f"{args.size:,} float32 inputs, |x| in 2^{LOW}..2^{HIGH}, one call on the whole "
+                f"array (fresh outputs), best of {args.repeats}; malloc tuning: "
+                f"{info['malloc_tuning'] or 'none'}"
+            )
+        else:
+            print(
+                f"{args.size:,} float32 inputs, |x| in 2^{LOW}..2^{HIGH}, chunks of "
+                f"{args.chunk:,}, best of {args.repeats}; gfloat on the first "
+                f"{min(args.gfloat_size, args.size):,}"
+            )
         load = info["load_average_1min"]
         print(
             f"machine: {info['cpu']}, {info['cores']} cores, jax {info['jax']} on "
@@ -485,9 +672,12 @@ def run(args: argparse.Namespace) -> int:
     bandwidths: dict[str, float] = {}
     try:
         for fmt in formats:
-            new, bandwidths[fmt.name] = bench_format(
-                fmt, x, chunk=args.chunk, repeats=args.repeats, gfloat_size=args.gfloat_size
-            )
+            if whole:
+                new, bandwidths[fmt.name] = bench_whole_array(fmt, x, repeats=args.repeats)
+            else:
+                new, bandwidths[fmt.name] = bench_format(
+                    fmt, x, chunk=args.chunk, repeats=args.repeats, gfloat_size=args.gfloat_size
+                )
             rows += new
             if jsonl is not None:
                 for row in new:
@@ -500,10 +690,11 @@ def run(args: argparse.Namespace) -> int:
             jsonl.close()
     payload = {
         "benchmark": "codecs",
+        "mode": mode,
         "size": args.size,
-        "chunk": args.chunk,
+        "chunk": None if whole else args.chunk,
         "repeats": args.repeats,
-        "gfloat_size": min(args.gfloat_size, args.size),
+        "gfloat_size": None if whole else min(args.gfloat_size, args.size),
         "input": f"float32, |x| log-uniform in [2^{LOW}, 2^{HIGH}], random signs",
         "copy_bandwidth_bytes_per_s": max(bandwidths.values()),
         "copy_bandwidth_per_format": bandwidths,
@@ -522,7 +713,16 @@ def run(args: argparse.Namespace) -> int:
         f"{high / 1e9:.1f} GB/s"
     )
     print(render(rows, markdown=args.markdown))
-    print(_render_targets(payload["targets"]))
+    print(_render_targets(payload["targets"], mode))
+    if whole:
+        print(
+            "M/s: million elements per second (best of the repeats); public: precisionlab.encode"
+            "/decode; jit: a jitted whole-array call;\nvs peer: precisionlab's rate over the "
+            "peer's astype; of copy bw: the public call's bytes read + written per second over "
+            "a plain copy's\ninto a preallocated buffer; faults/call: minor page faults in one "
+            "call (public / jit / peer); mismatches: against the peer."
+        )
+        return 0
     print(
         "M/s: million elements per second (best of the repeats); vs peer / vs gfloat: "
         "precisionlab's rate over theirs;\nof copy bw: precisionlab's bytes read + written per "

@@ -1,11 +1,15 @@
-"""Vectorized, jittable codecs built from integer and bit operations only.
+"""Vectorized, jittable codecs built from integer and bit operations (and one float addition).
 
 Every conversion goes through one core, :func:`_pack`: a value given as sign, an unsigned
 integer significand ``m`` and a power-of-two exponent ``e2`` (value = m * 2**e2) is rounded
 to a target format and packed into its code. Encoding parses the input float's bit pattern
 into that form; decoding parses a code of the format and packs it into float32 (or
-float64). No float arithmetic or float comparison runs on the codec path: XLA on CPU flushes
-float32 subnormals in both, and ``lax.reduce_precision`` only knows IEEE-style formats.
+float64). No float comparison and almost no float arithmetic runs on the codec path: XLA on
+CPU flushes float32 subnormals in both, and ``lax.reduce_precision`` only knows IEEE-style
+formats. The one exception, in the nearest-even fast paths from float32, is an addition of a
+power of two whose unit in the last place is the target's quantum (the FPU then rounds to
+nearest-even); its operands and sum are float32 normals, and a flushed float32-subnormal input
+rounds to zero either way.
 
 The conventions where formats leave a choice are those of :mod:`precisionlab.bits.reference`.
 """
@@ -35,6 +39,7 @@ __all__ = [
 
 _F32 = FORMATS["float32"]
 _F64 = FORMATS["float64"]
+_E8M0 = FORMATS["float8_e8m0fnu"]
 _SOURCE_FORMATS = {
     jnp.dtype(jnp.float32): _F32,
     jnp.dtype(jnp.float16): FORMATS["float16"],
@@ -396,8 +401,14 @@ def _encode(x, key, *, fmt, mode, saturate, subnormals, random_bits):
     if _same_exponent_field(src, fmt) and mode is not Rounding.STOCHASTIC:
         return _encode_same_exponent(x, src, fmt, mode, saturate, subnormals)
     if _narrow_from_float32(src, fmt) and mode is not Rounding.STOCHASTIC:
+        if mode is Rounding.NEAREST_EVEN and subnormals and _nearest_even_applies(fmt):
+            return _encode_narrow_nearest_even(x, fmt, saturate)
         return _encode_narrow(x, fmt, mode, saturate, subnormals)
+    if src is _F32 and fmt == _E8M0 and mode is Rounding.NEAREST_EVEN and subnormals:
+        return _encode_e8m0_nearest_even(x, saturate)
     if src is _F32 and isinstance(fmt, IntFormat) and fmt.bits <= 16:
+        if mode is Rounding.NEAREST_EVEN:
+            return _encode_small_int_nearest_even(x, fmt)
         if mode is not Rounding.STOCHASTIC:
             return _encode_small_int(x, fmt, mode)
     work = _work_dtype(src, fmt)
@@ -450,9 +461,12 @@ def _encode_same_exponent(x, src: FloatFormat, fmt: FloatFormat, mode, saturate,
     drop = src.mantissa_bits - fmt.mantissa_bits
     mag = u & _const(src.magnitude_mask, work)
     neg = (u >> _const(src.bits - 1, work)) != 0
-    q = mag >> _const(drop, work)
-    r = mag & _const((1 << drop) - 1, work)
-    q = _apply_rounding(q, r, _const(1 << (drop - 1), work), neg, mode)
+    if mode is Rounding.NEAREST_EVEN:  # the common case, in fewer operations
+        q = _round_shift_even(mag, drop)
+    else:
+        q = mag >> _const(drop, work)
+        r = mag & _const((1 << drop) - 1, work)
+        q = _apply_rounding(q, r, _const(1 << (drop - 1), work), neg, mode)
     inf_mag = _const(fmt.exponent_field_max << fmt.mantissa_bits, work)
     max_mag = _const(fmt.max_code_magnitude, work)
     src_inf = _const(src.exponent_field_max << src.mantissa_bits, work)
@@ -467,8 +481,8 @@ def _encode_same_exponent(x, src: FloatFormat, fmt: FloatFormat, mode, saturate,
         q = jnp.where(q < _const(1 << fmt.mantissa_bits, work), jnp.zeros_like(q), q)
     quiet = _const(1 << (fmt.mantissa_bits - 1), work)
     q = jnp.where(is_nan, (mag >> _const(drop, work)) | quiet, q)
-    code = q | (neg.astype(work) << _const(fmt.bits - 1, work))
-    return code.astype(fmt.code_dtype)
+    sign = (u >> _const(src.bits - fmt.bits, work)) & _const(fmt.sign_mask, work)
+    return (q | sign).astype(fmt.code_dtype)
 
 
 def _narrow_from_float32(src: FloatFormat, fmt: Format) -> bool:
@@ -532,6 +546,74 @@ def _encode_narrow(x, fmt: FloatFormat, mode, saturate, subnormals):
     return _finish(mag, overflow, None, a != 0, p, fmt, mode, saturate, subnormals)
 
 
+def _round_shift_even(v: jax.Array, shift: int, offset: int = 0) -> jax.Array:
+    """``(v + offset) >> shift`` rounded to nearest, ties to even (``shift`` >= 1 and
+    ``offset`` a multiple of ``2**(shift + 1)``, static; unsigned ``v`` with room for the carry,
+    arithmetic modulo the dtype's width): adding half a quantum less one, plus the parity
+    of the result, carries exactly when the dropped bits exceed half or equal it at an odd
+    result."""
+    dtype = v.dtype
+    width = jnp.iinfo(dtype).bits
+    odd = (v >> _const(shift, dtype)) & _const(1, dtype)
+    add = (offset + (1 << (shift - 1)) - 1) % (1 << width)
+    return (v + _const(add, dtype) + odd) >> _const(shift, dtype)
+
+
+def _nearest_even_applies(fmt: FloatFormat) -> bool:
+    """Formats whose overflow, inf and NaN codes :func:`_encode_narrow_nearest_even` gets
+    from one ``min`` and one NaN select: IEEE, FN (NaN is the code after the largest), none."""
+    if fmt.specials is Specials.FN:
+        return _nan_magnitude(fmt) == fmt.max_code_magnitude + 1
+    return fmt.specials in (Specials.IEEE, Specials.NONE)
+
+
+def _encode_narrow_nearest_even(x, fmt: FloatFormat, saturate: bool) -> jax.Array:
+    """Fastest path, float32 -> narrower float, nearest-even with subnormals (the default).
+
+    Normal results: float32's magnitude rounded at bit ``23 - m`` (:func:`_round_shift_even`)
+    and re-biased; a carry moves into the next binade and past the largest finite value.
+    Subnormal results (|x| below fmt's smallest normal): one float32 addition of
+    ``2**(emin - m + 23)``, whose unit in the last place is fmt's subnormal quantum, so the
+    FPU rounds to nearest-even and the sum's low bits are the code. The only float operation
+    on the codec path: its operands and sum are float32 normals, except float32-subnormal
+    inputs, which XLA may flush to zero, harmlessly: they round to zero either way.
+    Overflow, inf and NaN: magnitudes above the largest code clamp to inf (IEEE), to the NaN
+    code that follows the largest finite one (FN) or to the largest value (saturating, or
+    formats without specials); NaN inputs are then selected. Same codes as
+    :func:`_encode_narrow` (checked over all 2**32 inputs by the tests).
+    """
+    work = jnp.dtype(jnp.uint32)
+    m = fmt.mantissa_bits
+    u = lax.bitcast_convert_type(x, work)
+    a = u & _const(0x7FFFFFFF, work)
+    # Re-biased before the shift (one add fewer): the sum wraps only where |x| is below
+    # fmt's normal range, and those lanes take the subnormal result.
+    norm = _round_shift_even(a, 23 - m, offset=-((127 - fmt.bias) << 23))
+    magic = (127 + fmt.emin - m + 23) << 23  # bits of 2**(emin - m + 23)
+    total = lax.bitcast_convert_type(a, jnp.float32) + np.float32(2.0 ** (fmt.emin - m + 23))
+    sub = lax.bitcast_convert_type(total, work) - _const(magic, work)
+    mag = jnp.where(a < _const((127 + fmt.emin) << 23, work), sub, norm)
+    if saturate or fmt.specials is Specials.NONE:
+        top = fmt.max_code_magnitude
+    elif fmt.specials is Specials.IEEE:
+        top = fmt.exponent_field_max << m  # inf
+    else:
+        top = _nan_magnitude(fmt)  # FN: overflow and inf become NaN
+    mag = jnp.minimum(mag, _const(top, work))
+    sign = (u >> _const(32 - fmt.bits, work)) & _const(fmt.sign_mask, work)
+    code = sign | mag
+    is_nan = a > _const(0x7F800000, work)
+    if fmt.specials is Specials.IEEE:  # quiet NaN keeping the top payload bits
+        payload = (a & _const(0x7FFFFF, work)) >> _const(23 - m, work)
+        code = jnp.where(is_nan, sign | _const(_nan_magnitude(fmt), work) | payload, code)
+    elif fmt.specials is Specials.FN:
+        if saturate:  # otherwise NaN's magnitude, above every finite one, clamped to NaN
+            code = jnp.where(is_nan, sign | _const(_nan_magnitude(fmt), work), code)
+    else:  # documented choice: NaN into a format without NaN is +0
+        code = jnp.where(is_nan, jnp.zeros_like(code), code)
+    return code.astype(fmt.code_dtype)
+
+
 def _encode_small_int(x, fmt: IntFormat, mode: Rounding) -> jax.Array:
     """Fast path float32 -> integers of at most 16 bits: round the significand at the
     binary point (its position read off the exponent field), saturate, two's complement.
@@ -564,6 +646,52 @@ def _encode_small_int(x, fmt: IntFormat, mode: Rounding) -> jax.Array:
     q = jnp.where(a > _const(0x7F800000, work), jnp.zeros_like(q), q)  # NaN -> 0
     mask = _const((1 << fmt.bits) - 1, work)
     code = jnp.where(neg, (~q + one) & mask, q)
+    return code.astype(fmt.code_dtype)
+
+
+def _encode_e8m0_nearest_even(x, saturate: bool) -> jax.Array:
+    """Fast path float32 -> E8M0 (unsigned powers of two 2**-127 .. 2**127, code 255 NaN),
+    nearest-even: float32's bits rounded at the exponent field give the code directly. A
+    tie, 1.5 * 2**k, goes up: 2**(k + 1) is the even multiple of 2**k. Float32 subnormals
+    lie between 2**-127 (code 0) and 2**-126 (code 1), whose midpoint is the pattern
+    0x600000.
+    Conventions as on the general path (same codes over all 2**32 inputs, by the tests):
+    overflow and inf give NaN (the largest value when saturating), zeros and negative
+    values NaN (code 0, the smallest value, when saturating), NaN stays NaN.
+    """
+    work = jnp.dtype(jnp.uint32)
+    u = lax.bitcast_convert_type(x, work)
+    a = u & _const(0x7FFFFFFF, work)
+    code = (a + _const(0x400000, work)) >> _const(23, work)
+    code = jnp.where(a < _const(0x800000, work), (a >= _const(0x600000, work)).astype(work), code)
+    nan = _const(0xFF, work)
+    code = jnp.minimum(code, _const(0xFE, work) if saturate else nan)
+    invalid = (u > _const(0x7FFFFFFF, work)) | (a == 0)  # negative, or a zero
+    code = jnp.where(invalid, jnp.zeros_like(code) if saturate else nan, code)
+    code = jnp.where(a > _const(0x7F800000, work), nan, code)
+    return code.astype(jnp.uint8)
+
+
+def _encode_small_int_nearest_even(x, fmt: IntFormat) -> jax.Array:
+    """Fastest path float32 -> integers of at most 16 bits, nearest-even (the default).
+
+    |x| + 2**23 in float32 has a unit in the last place of 1, so the FPU rounds |x| to the
+    nearest integer, ties to even, and the sum's low bits are that integer (exact for
+    |x| < 2**23; larger magnitudes saturate, as in :func:`_encode_small_int`, whose codes
+    these are: checked over all 2**32 inputs by the tests). Float32-subnormal inputs, which
+    XLA may flush to zero, round to zero either way.
+    """
+    work = jnp.dtype(jnp.uint32)
+    u = lax.bitcast_convert_type(x, work)
+    a = u & _const(0x7FFFFFFF, work)
+    total = lax.bitcast_convert_type(a, jnp.float32) + np.float32(2.0**23)
+    q = lax.bitcast_convert_type(total, work) - _const(0x4B000000, work)  # bits of 2**23
+    neg = u > _const(0x7FFFFFFF, work)
+    limit = jnp.where(neg, _const(-fmt.min, work), _const(fmt.max, work))
+    q = jnp.where(a >= _const(0x4B000000, work), limit, jnp.minimum(q, limit))
+    q = jnp.where(a > _const(0x7F800000, work), jnp.zeros_like(q), q)  # NaN -> 0
+    mask = _const((1 << fmt.bits) - 1, work)
+    code = jnp.where(neg, (~q + _const(1, work)) & mask, q)
     return code.astype(fmt.code_dtype)
 
 
@@ -663,10 +791,25 @@ def encode(
     )
 
 
+def _decode_e8m0_to_float32(codes) -> jax.Array:
+    """E8M0 code c is 2**(c - 127): float32's exponent field, except 2**-127 (code 0), a
+    float32 subnormal, and 255, NaN (quiet, positive, as on the general path)."""
+    work = jnp.dtype(jnp.uint32)
+    c = codes.astype(work)
+    bits = jnp.where(c == 0, _const(0x400000, work), c << _const(23, work))
+    bits = jnp.where(c == _const(0xFF, work), _const(0x7FC00000, work), bits)
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
 @partial(jax.jit, static_argnames=("fmt", "dtype"))
 def _decode(codes, *, fmt, dtype):
+    # Masked inside the jit: outside, it would be one more whole-array buffer and pass.
+    mask = (1 << fmt.bits) - 1
+    codes = codes.astype(fmt.code_dtype) & np.array(mask, dtype=fmt.code_dtype)
     if _fast_decode_applies(fmt, dtype):
         return _decode_to_float32_fast(codes, fmt)
+    if fmt == _E8M0 and jnp.dtype(dtype) == jnp.float32:
+        return _decode_e8m0_to_float32(codes)
     out = _SOURCE_FORMATS[jnp.dtype(dtype)]
     work = _work_dtype(fmt, out)
     p = _parse(codes, fmt, work)
@@ -699,10 +842,7 @@ def decode(codes, fmt: Format | str, *, dtype=jnp.float32) -> jax.Array:
         raise ValueError(f"decode produces float32, float64, float16 or bfloat16, not {dtype}")
     if dtype == jnp.float64 and not jax.config.jax_enable_x64:
         raise ValueError("decode to float64 needs jax.config.update('jax_enable_x64', True)")
-    codes = _check_codes(codes, fmt)
-    mask = (1 << fmt.bits) - 1
-    codes = codes.astype(fmt.code_dtype) & np.array(mask, dtype=fmt.code_dtype)
-    return _decode(codes, fmt=fmt, dtype=dtype)
+    return _decode(_check_codes(codes, fmt), fmt=fmt, dtype=dtype)
 
 
 def round_to_format(x, fmt: Format | str, **kwargs) -> jax.Array:

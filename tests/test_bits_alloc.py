@@ -1,0 +1,52 @@
+"""The glibc malloc settings precisionlab applies at import (precisionlab.bits._alloc)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+GLIBC = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+SHOW = "from precisionlab.bits._alloc import malloc_tuning; print(malloc_tuning())"
+
+
+def _tuning(env_value: str | None) -> str:
+    env = dict(os.environ)
+    env.pop("PRECISIONLAB_MALLOC_TUNING", None)
+    if env_value is not None:
+        env["PRECISIONLAB_MALLOC_TUNING"] = env_value
+    out = subprocess.run([sys.executable, "-c", SHOW], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+@pytest.mark.skipif(not GLIBC, reason="the settings are glibc's")
+def test_applied_at_import_and_opt_out():
+    assert _tuning(None) == str({"M_ARENA_MAX": 1, "M_MMAP_MAX": 0, "M_TRIM_THRESHOLD": 1 << 30})
+    assert _tuning("0") == "None"
+
+
+@pytest.mark.skipif(not GLIBC, reason="the settings are glibc's")
+def test_large_outputs_can_reuse_resident_memory():
+    """Without the settings every whole-array call on 2^24 float32 elements faults in its
+    64 MiB output; with them, calls can reuse freed heap memory (glibc 2.36 does not always:
+    an aligned request cannot reuse a freed block of its own size until it merges with a
+    neighbour, so some calls still fault)."""
+    code = (
+        "import jax.numpy as jnp, numpy as np\n"
+        "from precisionlab.bits import decode\n"
+        "from precisionlab.bench._timing import minor_faults\n"
+        "c = jnp.asarray(np.zeros(1 << 24, np.uint8))\n"
+        "print(min(minor_faults(lambda: decode(c, 'e4m3fn')) for _ in range(10)))\n"
+    )
+    counts = {}
+    for value in ("1", "0"):
+        env = dict(os.environ, PRECISIONLAB_MALLOC_TUNING=value)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        counts[value] = int(out.stdout.split()[-1])
+    assert counts["0"] >= 16384 - 64  # one fault per fresh 4 KiB page of 64 MiB
+    assert counts["1"] < 1024
