@@ -35,7 +35,7 @@ from precisionlab.train.step import make_probe_fn, make_train_step, normalize_lo
 
 __all__ = ["evaluate", "make_eval_fn", "train", "train_loop"]
 
-_COMPAT = {"mlp": "classification", "transformer": "lm"}
+_COMPAT = {"mlp": "classification", "transformer": "lm", "conv": "classification"}
 
 
 def _host(x: Any) -> Any:
