@@ -174,12 +174,21 @@ def test_digits_images_labels_and_fixed_split():
     assert make_data("digits", input_scale=100.0).batch(0, 297, split="eval")["x"].max() == 100.0
 
 
-def test_digits_without_scikit_learn_says_how_to_install(monkeypatch):
+def test_digits_without_scikit_learn_says_how_to_install(monkeypatch, tmp_path, capsys):
     import sys
 
+    from precisionlab.cli import main
+
     monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # import fails
-    with pytest.raises(ModuleNotFoundError, match=r"scikit-learn.*pip install"):
+    with pytest.raises(ModuleNotFoundError, match=r"scikit-learn.*pip install") as err:
         make_data("digits")
+    assert isinstance(err.value, ValueError)  # config validation reports it in one line
+    exp = tmp_path / "e.toml"
+    exp.write_text('kind = "train"\nname = "d"\n[train]\nmodel = "conv"\ndata = "digits"\n')
+    assert main(["run", str(exp), "--out", str(tmp_path / "run")]) == 2
+    err_lines = capsys.readouterr().err.strip().splitlines()
+    assert len(err_lines) == 1 and "needs scikit-learn" in err_lines[0], err_lines
+    assert err_lines[0].startswith("precisionlab run: error: ")
 
 
 # --- conv2d and the conv model -------------------------------------------------------------

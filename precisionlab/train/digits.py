@@ -24,19 +24,26 @@ import numpy as np
 
 from precisionlab.train._dataset import Dataset, check_float, check_int, split_rng
 
-__all__ = ["DigitsData", "load_digits_arrays"]
+__all__ = ["DigitsData", "MissingExtraError", "load_digits_arrays"]
 
 _N_IMAGES = 1797
+
+
+class MissingExtraError(ModuleNotFoundError, ValueError):
+    """An optional dependency is not installed. A ModuleNotFoundError (what it is) and a
+    ValueError (a config naming this dataset is unusable here), so config validation and the
+    CLI report it in one line like any other bad value."""
 
 
 def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     """``(images uint8[1797, 8, 8] in 0..16, labels int32[1797])`` from scikit-learn.
 
-    Raises ModuleNotFoundError with the install command when scikit-learn is missing."""
+    Raises :class:`MissingExtraError` (a ModuleNotFoundError) with the install command when
+    scikit-learn is missing."""
     try:
         from sklearn.datasets import load_digits
     except ModuleNotFoundError as err:
-        raise ModuleNotFoundError(
+        raise MissingExtraError(
             "dataset 'digits' needs scikit-learn (it ships the 8x8 digits images): "
             'pip install -e ".[data]" or pip install "scikit-learn>=1.3"',
             name=err.name,
