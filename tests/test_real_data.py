@@ -3,6 +3,7 @@ references: the files on disk read with pathlib/hashlib, scikit-learn's own arra
 numpy convolutions rounded with ml_dtypes."""
 
 import hashlib
+import json
 import pathlib
 import sysconfig
 
@@ -73,6 +74,20 @@ def test_text_default_corpus_is_the_stdlib_source_read_independently():
     for row in _rows(d.batch(0, 8, split="eval")):
         assert row in eval_stream
     assert d.model_kwargs() == {"vocab_size": 256, "seq_len": 64}
+    assert json.loads(json.dumps(info)) == info  # what a run store can write
+    assert (info["seq_len"], info["max_bytes"], info["path"]) == (64, 200_000, None)
+
+
+def test_describe_of_the_generated_datasets_is_their_options():
+    assert make_data("teacher", in_dim=8).describe() == {
+        "name": "teacher",
+        "in_dim": 8,
+        "num_classes": 10,
+        "teacher_width": 64,
+        "input_scale": 1.0,
+        "label_noise": 0.0,
+        "task_seed": 0,
+    }
 
 
 def test_text_batches_are_a_pure_function_of_seed_split_step(tmp_path):
@@ -282,3 +297,52 @@ def test_train_runs_on_text_and_digits(tmp_path):
     for cfg, chance in ((text, 1 / 256), (digits, 0.1)):
         r = train(cfg, quiet=True)
         assert not r.diverged and r.eval_metric > 2 * chance
+
+
+# --- experiments/real_data.toml --------------------------------------------------------------
+
+_REAL_DATA = pathlib.Path(__file__).parent.parent / "experiments" / "real_data.toml"
+
+
+def _real_data_experiment(overrides=(), keep=None):
+    import tomllib
+
+    from precisionlab.experiments.config import apply_overrides, experiment_from_document
+
+    doc = apply_overrides(tomllib.loads(_REAL_DATA.read_text()), list(overrides))
+    if keep is not None:
+        doc["settings"] = {k: v for k, v in doc["settings"].items() if k in keep}
+        doc["variant"] = [v for v in doc["variant"] if v["name"] in keep[next(iter(keep))]]
+    return experiment_from_document(doc, str(_REAL_DATA))
+
+
+def test_real_data_experiment_validates():
+    pytest.importorskip("sklearn")
+    _real_data_experiment()  # every setting and variant checked, data and models built
+
+
+@pytest.mark.slow
+def test_real_data_digits_mlp_outcomes(tmp_path):
+    """The README's digits-mlp claims, at the shipped steps: swamping in pure bf16 with
+    round-to-nearest, cured by stochastic rounding; fp16 without scaling matches fp32 (no
+    harmful underflow); no overflow (no skipped step, the dynamic scale never backs off)."""
+    pytest.importorskip("sklearn")
+    from precisionlab.experiments import runner, store
+
+    names = ("fp32", "fp16-noscale", "fp16-dynamic", "bf16-pure-nearest", "bf16-pure-stochastic")
+    exp = _real_data_experiment(
+        ["train.hist_interval=0", "train.shadow=false", "train.checkpoint_interval=0"],
+        keep={"digits-mlp": names},
+    )
+    runner.run_experiment(exp, tmp_path, quiet=True)
+    out = {u["name"]: u for u in store.read_json(tmp_path / "summary.json")["variants"]}
+    fp32, noscale, dynamic = (out[f"digits-mlp/{n}"] for n in names[:3])
+    nearest, stochastic = (
+        out["digits-mlp/bf16-pure-nearest"],
+        out["digits-mlp/bf16-pure-stochastic"],
+    )
+    assert fp32["eval_metric"] > 0.9
+    assert nearest["final_loss"] > 2 * fp32["final_loss"]
+    assert abs(stochastic["final_loss"] - fp32["final_loss"]) < 0.3 * fp32["final_loss"]
+    assert abs(noscale["eval_loss"] - fp32["eval_loss"]) < 0.05 * fp32["eval_loss"]
+    assert dynamic["skipped_steps"] == 0 and dynamic["min_loss_scale"] == 2.0**16

@@ -6,6 +6,7 @@ data order is reproducible and resumable from the step count alone.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,6 +50,14 @@ class Dataset:
     ) -> list[dict[str, np.ndarray]]:
         """``n`` held-out batches (split "eval"), the same for every run with this seed."""
         return [self.batch(i, batch_size, seed=seed, split="eval") for i in range(n)]
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able record of what the data is, for a run store: ``name`` and the options
+        (real datasets add what they read: file list, byte counts, content hashes)."""
+        out: dict[str, Any] = {"name": self.name}
+        if dataclasses.is_dataclass(self):
+            out.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        return out
 
     def model_kwargs(self) -> dict[str, Any]:
         """Sizes a model needs to read this data (e.g. ``in_dim``, ``num_classes``)."""

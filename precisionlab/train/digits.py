@@ -100,9 +100,13 @@ class DigitsData(Dataset):
         object.__setattr__(self, "_info", info)
 
     def describe(self) -> dict[str, Any]:
-        """JSON-able record: ``source``, ``images``, ``image_shape``, ``train_size``,
-        ``eval_size``, ``split_seed``, ``eval_indices_sha256``, ``sha256`` (images and labels)."""
-        return {k: list(v) if isinstance(v, list) else v for k, v in self._info.items()}
+        """JSON-able record of the options and ``source``, ``images``, ``image_shape``,
+        ``train_size``, ``eval_size``, ``split_seed``, ``eval_indices_sha256``, ``sha256``
+        (images and labels)."""
+        return {
+            **super().describe(),
+            **{k: list(v) if isinstance(v, list) else v for k, v in self._info.items()},
+        }
 
     def batch(
         self, step: int, batch_size: int, *, seed: int = 0, split: str = "train"

@@ -190,11 +190,12 @@ class TextData(Dataset):
         return 1.0 / self.vocab_size
 
     def describe(self) -> dict[str, Any]:
-        """JSON-able record of the corpus: ``source``, ``root``, ``pattern``, ``files`` (count),
-        ``file_list`` (relative paths, when <= 2000) and ``file_list_sha256``, ``eval_files``,
-        ``bytes`` / ``bytes_train`` / ``bytes_eval``, ``max_bytes``, ``truncated``,
-        ``skipped_binary_files``, ``sha256`` (of every file's relative path, length and bytes)."""
-        info = dict(self._corpus["info"])
+        """JSON-able record of the options and the corpus: ``source``, ``root``, ``pattern``,
+        ``files`` (count), ``file_list`` (relative paths, when <= 2000), ``file_list_sha256``,
+        ``eval_files``, ``bytes`` / ``bytes_train`` / ``bytes_eval``, ``max_bytes``,
+        ``truncated``, ``skipped_binary_files``, ``sha256`` (of every file's relative path,
+        length and bytes)."""
+        info = {**super().describe(), **self._corpus["info"]}
         for key in ("file_list", "eval_files"):
             if key in info:
                 info[key] = list(info[key])
