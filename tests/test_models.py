@@ -10,7 +10,8 @@ from precisionlab.train import DATASETS, MODELS, make_data, make_model
 
 
 def test_names():
-    assert set(MODELS) == {"mlp", "transformer"} and set(DATASETS) == {"teacher", "markov"}
+    assert set(MODELS) == {"mlp", "transformer", "conv"}
+    assert set(DATASETS) == {"teacher", "markov", "text", "digits"}
 
 
 @pytest.mark.parametrize("name", DATASETS)

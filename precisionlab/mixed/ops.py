@@ -25,6 +25,7 @@ from precisionlab.mixed.policy import Policy
 __all__ = [
     "accuracy",
     "boundary",
+    "conv2d",
     "cross_entropy",
     "dense",
     "gelu",
@@ -199,3 +200,35 @@ def relu(x: jax.Array, *, policy: Policy | None = None, enforce: bool = True) ->
     """ReLU in the compute dtype."""
     p = _policy(policy)
     return boundary(jax.nn.relu(jnp.asarray(x).astype(p.compute_dtype)), p, enforce=enforce)
+
+
+def conv2d(
+    x: jax.Array,
+    w: jax.Array,
+    b: jax.Array | None = None,
+    *,
+    padding: str = "SAME",
+    policy: Policy | None = None,
+    enforce: bool = True,
+) -> jax.Array:
+    """2-D convolution, stride 1: ``x`` [B, H, W, C_in] (NHWC), ``w`` [kh, kw, C_in, C_out]
+    (HWIO), ``b`` [C_out]; ``padding`` "SAME" or "VALID". Operands in the compute dtype,
+    accumulated and rounded once like :func:`matmul` (a convolution is a matmul over patches),
+    then the bias added and rounded as in :func:`dense`. Returns [B, H', W', C_out]."""
+    if padding not in ("SAME", "VALID"):
+        raise ValueError(f"padding must be 'SAME' or 'VALID', got {padding!r}")
+    p = _policy(policy)
+    x = jnp.asarray(x).astype(p.compute_dtype)
+    w = jnp.asarray(w).astype(p.compute_dtype)
+    y = jax.lax.conv_general_dilated(
+        x,
+        w,
+        window_strides=(1, 1),
+        padding=padding,
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        preferred_element_type=p.op_dtype("matmul_accumulate"),
+    )
+    y = boundary(y, p, enforce=enforce)
+    if b is not None:
+        y = boundary(y + jnp.asarray(b).astype(p.compute_dtype), p, enforce=enforce)
+    return y

@@ -10,76 +10,29 @@ reproducible and resumable from the step count alone (that is what checkpoints s
   ``vocab_size`` tokens in which every context has ``branching`` likely successors (fixed by
   ``task_seed``). Batch ``{"tokens": int32[B, seq_len + 1]}`` (inputs ``[:, :-1]``, targets
   ``[:, 1:]``).
+- ``text`` (real text, :mod:`precisionlab.train.text`): bytes of the Python standard library's
+  source or of user files, ``{"tokens": int32[B, seq_len + 1]}`` over 256 byte values.
+- ``digits`` (real images, :mod:`precisionlab.train.digits`, needs scikit-learn): the 8x8 digits,
+  ``{"x": float32[B, 64], "y": int32[B]}``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
+from precisionlab.train._dataset import SPLITS, Dataset
+from precisionlab.train._dataset import check_float as _check_float
+from precisionlab.train._dataset import check_int as _check_int
+from precisionlab.train._dataset import split_rng as _rng
+from precisionlab.train.digits import DigitsData
+from precisionlab.train.text import TextData
+
 __all__ = ["DATASETS", "SPLITS", "Dataset", "MarkovData", "TeacherData", "data_kind", "make_data"]
 
-DATASETS: tuple[str, ...] = ("teacher", "markov")
-SPLITS: dict[str, int] = {"train": 0, "eval": 1}
-
-
-def _rng(seed: int, split: str, step: int) -> np.random.Generator:
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; allowed: {', '.join(SPLITS)}")
-    return np.random.default_rng([int(seed) & 0xFFFFFFFF, SPLITS[split], int(step)])
-
-
-class Dataset:
-    """Base class: ``batch(step, batch_size, *, seed, split)`` is deterministic."""
-
-    name: str = ""
-    kind: str = ""  # "classification" or "lm"
-    chance: float = 0.0
-
-    def batch(
-        self, step: int, batch_size: int, *, seed: int = 0, split: str = "train"
-    ) -> dict[str, np.ndarray]:
-        raise NotImplementedError
-
-    def batches(
-        self, batch_size: int, *, seed: int = 0, start: int = 0, split: str = "train"
-    ) -> Iterator[dict[str, np.ndarray]]:
-        """Infinite iterator of batches ``start, start + 1, ...``."""
-        step = start
-        while True:
-            yield self.batch(step, batch_size, seed=seed, split=split)
-            step += 1
-
-    def eval_batches(
-        self, n: int, batch_size: int, *, seed: int = 0
-    ) -> list[dict[str, np.ndarray]]:
-        """``n`` held-out batches (split "eval"), the same for every run with this seed."""
-        return [self.batch(i, batch_size, seed=seed, split="eval") for i in range(n)]
-
-    def model_kwargs(self) -> dict[str, Any]:
-        """Sizes a model needs to read this data (e.g. ``in_dim``, ``num_classes``)."""
-        raise NotImplementedError
-
-
-def _check_int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return int(value)
-
-
-def _check_float(name: str, value: Any, low: float, high: float | None = None) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or value < low
-        or (high is not None and value > high)
-    ):
-        rng = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be a number {rng}, got {value!r}")
-    return float(value)
+DATASETS: tuple[str, ...] = ("teacher", "markov", "text", "digits")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -193,7 +146,7 @@ class MarkovData(Dataset):
         return {"vocab_size": self.vocab_size, "seq_len": self.seq_len}
 
 
-_BUILDERS = {"teacher": TeacherData, "markov": MarkovData}
+_BUILDERS = {"teacher": TeacherData, "markov": MarkovData, "text": TextData, "digits": DigitsData}
 
 
 def data_kind(name: str) -> str:

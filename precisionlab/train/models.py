@@ -9,6 +9,9 @@ overflow are forced at op boundaries and the policy's float32 list is honoured.
 - ``transformer``: decoder-only LM; token + learned position embedding, ``depth`` pre-LayerNorm
   blocks (causal softmax attention with ``heads`` heads, GELU MLP of ``mlp_ratio * d_model``),
   final LayerNorm, unembedding. Shapes: tokens i32[B, T] -> logits [B, T, vocab_size].
+- ``conv``: small CNN classifier (:mod:`precisionlab.train.conv`): x f32[B, in_dim] read as an
+  S x S one-channel image -> [3x3 conv -> act -> 2x2 max pool] * depth -> dense. Convolutions
+  in the compute dtype with the same per-op rounding (``ops.conv2d``).
 
 Knobs for precision experiments: ``init_scale`` (multiplies every initial weight's std),
 ``use_layernorm`` (False removes the normalisation: activations can grow), ``act_scale``
@@ -28,10 +31,11 @@ import numpy as np
 
 from precisionlab.mixed import ops
 from precisionlab.mixed.policy import Policy, get_policy
+from precisionlab.train import conv as _conv
 
 __all__ = ["MLP", "MODELS", "Model", "Transformer", "make_model", "model_data_kind"]
 
-MODELS: tuple[str, ...] = ("mlp", "transformer")
+MODELS: tuple[str, ...] = ("mlp", "transformer", "conv")
 _ACTIVATIONS = ("relu", "gelu", "tanh")
 
 
@@ -393,7 +397,48 @@ class Transformer(Model):
         return {"tokens": jax.ShapeDtypeStruct((batch_size, self.seq_len + 1), jnp.int32)}
 
 
-_BUILDERS = {"mlp": MLP, "transformer": Transformer}
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ConvNet(Model):
+    """Small convolutional classifier of square one-channel images given flat as ``x f32[B,
+    in_dim]`` (the math lives in :mod:`precisionlab.train.conv`); logits [B, num_classes]."""
+
+    in_dim: int = 64
+    num_classes: int = 10
+    width: int = 16
+    depth: int = 2
+    activation: str = "relu"
+    init_scale: float = 1.0
+    act_scale: float = 1.0
+    remat: bool = False
+
+    name = "conv"
+    data_kind = "classification"
+
+    def __post_init__(self) -> None:
+        for n in ("in_dim", "width", "depth"):
+            _check_int(n, getattr(self, n), 1)
+        _check_int("num_classes", self.num_classes, 2)
+        _check_pos("init_scale", self.init_scale)
+        _check_pos("act_scale", self.act_scale)
+        _conv.check(self)
+
+    def _init(self, gen: _Gen) -> dict[str, Any]:
+        return _conv.init_params(self, gen.split(self.depth + 1), _normal)
+
+    def apply(self, params, inputs, policy=None, *, capture=False, enforce=True):
+        return _conv.apply(self, params, inputs, policy, capture=capture, enforce=enforce)
+
+    def _inputs_labels(self, batch):
+        return batch["x"], batch["y"]
+
+    def example_batch(self, batch_size):
+        return {
+            "x": jax.ShapeDtypeStruct((batch_size, self.in_dim), jnp.float32),
+            "y": jax.ShapeDtypeStruct((batch_size,), jnp.int32),
+        }
+
+
+_BUILDERS = {"mlp": MLP, "transformer": Transformer, "conv": ConvNet}
 
 
 def make_model(name: str, **kwargs: Any) -> Model:
