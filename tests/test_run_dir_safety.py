@@ -124,3 +124,16 @@ def test_run_files_have_one_mode(tmp_path, capsys):
     }
     assert "config.json" in modes and "summary.json" in modes
     assert set(modes.values()) == {store.file_mode()}, modes
+
+
+def test_report_refuses_a_run_with_a_symlink(tmp_path, capsys):
+    path = _write(tmp_path)
+    out = tmp_path / "run"
+    assert main(["run", str(path), "--out", str(out), "--quiet", "--no-report"]) == 0
+    elsewhere = tmp_path / "elsewhere.md"
+    elsewhere.write_text("mine\n")
+    (out / "report.md").symlink_to(elsewhere)
+    capsys.readouterr()
+    assert main(["report", str(out)]) == 2
+    assert "is a symbolic link" in capsys.readouterr().err
+    assert elsewhere.read_text() == "mine\n"

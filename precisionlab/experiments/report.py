@@ -122,6 +122,7 @@ def headers() -> list[str]:
 def write_report(run_dir: str | Path, *, plots: bool = True) -> tuple[Path, str]:
     """Write ``report.md`` (and plots) for ``run_dir``; returns its path and the text table."""
     data = load_run(run_dir)
+    store.check_no_symlinks(Path(run_dir))  # report.md and plots/ must not land elsewhere
     run_dir = Path(run_dir)
     summary = data["summary"]
     if summary.get("kind") != "train":
