@@ -236,7 +236,8 @@ def test_apply_on_the_builtin_models(name):
     from precisionlab.train import make_data, make_model
 
     data = make_data("teacher") if name == "mlp" else make_data("markov")
-    model = make_model(name, **data.model_kwargs())
+    small = {"width": 32} if name == "mlp" else {}
+    model = make_model(name, **data.model_kwargs(), **small)
     params = model.init(jax.random.key(0))
     batch = data.batch(0, 16)
     loss_fn = model.loss_fn("p=f32,c=f32,o=f32")
