@@ -346,3 +346,36 @@ def test_real_data_digits_mlp_outcomes(tmp_path):
     assert abs(stochastic["final_loss"] - fp32["final_loss"]) < 0.3 * fp32["final_loss"]
     assert abs(noscale["eval_loss"] - fp32["eval_loss"]) < 0.05 * fp32["eval_loss"]
     assert dynamic["skipped_steps"] == 0 and dynamic["min_loss_scale"] == 2.0**16
+
+
+def test_run_store_records_the_corpus_of_each_unit(tmp_path):
+    from precisionlab.experiments import store
+    from precisionlab.experiments.runner import run_file
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    (corpus / "b.txt").write_text("pack my box with five dozen liquor jugs. " * 40)
+    toml = tmp_path / "tiny_text.toml"
+    toml.write_text(
+        f"""kind = "train"
+name = "tiny_text"
+[train]
+model = "transformer"
+data = "text"
+data_kwargs = {{ path = "{corpus}", seq_len = 16, eval_fraction = 0.5 }}
+model_kwargs = {{ d_model = 16, depth = 1, heads = 2 }}
+steps = 2
+batch_size = 4
+eval_batches = 1
+[[variant]]
+name = "fp32"
+"""
+    )
+    run_dir = run_file(toml, out=tmp_path / "run", quiet=True)
+    (unit,) = store.read_json(run_dir / "summary.json")["variants"]
+    recorded = store.read_json(run_dir / "variants" / unit["id"] / "data.json")
+    # The record names both files and their total size as read from disk, with a content hash.
+    assert sorted(recorded["file_list"]) == ["a.txt", "b.txt"]
+    assert recorded["bytes"] == sum(p.stat().st_size for p in corpus.iterdir())
+    assert len(recorded["sha256"]) == 64 and int(recorded["sha256"], 16) >= 0

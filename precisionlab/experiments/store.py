@@ -7,7 +7,8 @@ Layout of a run directory::
     run.json            status (running / interrupted / finished) and timestamps
     summary.json        per-unit results and per-group mean/std (atomic, rewritten as units end)
     variants/<id>/      per unit: metrics.jsonl (one JSON object per step, appended and
-                        flushed), status.json, hist.jsonl, error.log, checkpoints/
+                        flushed), status.json, data.json (the dataset's describe(): options,
+                        corpus files and content hash), hist.jsonl, error.log, checkpoints/
     report.md, plots/   written by :mod:`precisionlab.experiments.report`
     variants/<id>/tb/   TensorBoard event files, only if ``tensorboardX`` is installed
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from precisionlab._schema import ConfigError, Field
+from precisionlab.experiments import store
 from precisionlab.train import Hook, TrainConfig, make_data, make_model, train
 from precisionlab.train.config import TRAIN_FIELDS
 
@@ -104,6 +105,11 @@ def run_unit(
         if hists:
             on_hist({"step": metrics.get("step"), **hists})
 
+    # What the unit trains on (the text corpus's file list and content hash, the digits split,
+    # a generated set's options), so runs on different machines can be compared.
+    store.write_json(
+        Path(unit_dir) / "data.json", make_data(cfg.data, **cfg.data_kwargs).describe()
+    )
     checkpoints = Path(unit_dir) / "checkpoints" if cfg.checkpoint_interval else None
     result = train(
         cfg, callback=callback, checkpoint_dir=checkpoints, resume=resume, quiet=quiet, hooks=hooks
