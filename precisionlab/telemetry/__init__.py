@@ -12,6 +12,7 @@
 - :func:`every`: compute statistics only every N steps (``lax.cond``).
 """
 
+from precisionlab.telemetry._observe import Observed, every, observe, tree_stats
 from precisionlab.telemetry._stats import (
     TensorStats,
     combine,
@@ -24,12 +25,16 @@ from precisionlab.telemetry._targets import SCALINGS, Target, parse_targets
 
 __all__ = [
     "SCALINGS",
+    "Observed",
     "Target",
     "TensorStats",
     "combine",
     "derive",
+    "every",
+    "observe",
     "parse_targets",
     "reduce_over",
     "tensor_stats",
     "to_dict",
+    "tree_stats",
 ]

@@ -141,15 +141,11 @@ def tensor_stats(x: jax.Array, targets=()) -> TensorStats:
 
 # --- combining ---------------------------------------------------------------------------
 def _max_bits(a, b):
-    return lax.bitcast_convert_type(
-        jnp.maximum(magnitude_bits(a), magnitude_bits(b)), jnp.float32
-    )
+    return lax.bitcast_convert_type(jnp.maximum(magnitude_bits(a), magnitude_bits(b)), jnp.float32)
 
 
 def _min_bits(a, b):
-    return lax.bitcast_convert_type(
-        jnp.minimum(magnitude_bits(a), magnitude_bits(b)), jnp.float32
-    )
+    return lax.bitcast_convert_type(jnp.minimum(magnitude_bits(a), magnitude_bits(b)), jnp.float32)
 
 
 def _rescale(s: TensorStats, kk: jax.Array) -> tuple:
