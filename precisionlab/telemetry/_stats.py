@@ -27,6 +27,7 @@ Conventions:
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -112,6 +113,11 @@ def tensor_stats(x: jax.Array, targets=()) -> TensorStats:
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"tensor_stats takes a float array, got {x.dtype}")
+    return _stats(x, ts)
+
+
+@partial(jax.jit, static_argnums=1)  # compiled once per shape and targets when called eagerly
+def _stats(x: jax.Array, ts: tuple[Target, ...]) -> TensorStats:
     x2 = _as_rows(x)
     b = magnitude_bits(x2)
     finite = b < _INF_BITS
@@ -159,6 +165,7 @@ def _rescale(s: TensorStats, kk: jax.Array) -> tuple:
     )
 
 
+@jax.jit
 def combine(a: TensorStats, b: TensorStats) -> TensorStats:
     """Statistics of the concatenation of two tensors (shards, micro-batches) from theirs:
     exact for counts, extremes and ``k``; mean and variance by Chan et al.'s pairwise
@@ -209,6 +216,7 @@ def _log2(a: jax.Array) -> jax.Array:
     return e.astype(jnp.float32) + jnp.log2(pow2.ldexp(a, -e))
 
 
+@jax.jit
 def derive(s: TensorStats) -> dict[str, jax.Array]:
     """The finished statistics (float32 arrays; per-target ones shape (T,)): ``amax``,
     ``amin_nonzero`` (NaN if none), ``dynamic_range`` (binades, ``log2 amax - log2 amin``),
@@ -241,6 +249,7 @@ def derive(s: TensorStats) -> dict[str, jax.Array]:
     }
 
 
+_COUNTS = ("n", "n_nan", "n_inf", "n_zero", "n_nonzero")
 _PER_TARGET = ("overflow", "saturate", "underflow", "subnormal", "poisoned", "sqnr_db")
 
 
@@ -259,8 +268,16 @@ def to_dict(s: TensorStats, targets=()) -> dict:
         v = float(v)
         return None if math.isnan(v) else v
 
-    out: dict = {k: int(np.asarray(getattr(s, k))) for k in ("n", "n_nan", "n_inf", "n_zero")}
-    out["n_nonzero"] = int(np.asarray(s.n_nonzero))
+    out: dict = {k: int(np.asarray(getattr(s, k))) for k in _COUNTS}
     out.update({k: num(v) for k, v in d.items() if k not in _PER_TARGET})
-    out["targets"] = {t.name: {k: num(d[k][i]) for k in _PER_TARGET} for i, t in enumerate(ts)}
+    n, nz = max(out["n"], 1), max(out["n_nonzero"], 1)
+    out["frac_zero"] = out["n_zero"] / n  # exact quotients of the integer counts
+    out["frac_nonfinite"] = (out["n_nan"] + out["n_inf"]) / n
+    out["targets"] = {
+        t.name: {
+            **{k: int(np.asarray(getattr(s, k))[i]) / nz for k in _PER_TARGET[:-1]},
+            "sqnr_db": num(d["sqnr_db"][i]),
+        }
+        for i, t in enumerate(ts)
+    }
     return out
