@@ -46,10 +46,11 @@ def _hazards(seed: int, finite: bool) -> np.ndarray:
 
 
 def _floor_log2(a: np.ndarray) -> np.ndarray:
-    m, e = np.frexp(a.astype(np.float64))
+    _, e = np.frexp(a.astype(np.float64))
     return (e - 1).astype(np.int64)
 
 
+@np.errstate(over="ignore", invalid="ignore")
 def _oracle_target(x: np.ndarray, name: str):
     """(scaled, element values, dequantized copy) in float64, numpy / ml_dtypes only."""
     fmt_max = 448.0
@@ -85,6 +86,7 @@ def _oracle_target(x: np.ndarray, name: str):
     return y.reshape(x.shape), e.reshape(x.shape), np.ldexp(e, k).reshape(x.shape), 448.0, E4M3
 
 
+@np.errstate(over="ignore", divide="ignore", invalid="ignore")  # overflowing casts are counted
 def _recount(x: np.ndarray, targets) -> dict:
     fin = np.isfinite(x)
     xf = x[fin].astype(np.float64)
