@@ -4,7 +4,7 @@ Read from the source (every ``import`` statement, also those inside functions), 
 cannot hide an edge. Layers, lowest first; a module may import its own layer and those below:
 
     _schema, _io, _text (neutral helpers) -> formats -> bits -> quant -> (precisionlab facade)
-    -> metrics -> survey -> mixed -> intercept, recipes -> train -> memory -> bench
+    -> metrics -> survey -> mixed -> intercept, recipes -> telemetry -> train -> memory -> bench
     -> experiments -> conformance -> cli -> __main__
 """
 
@@ -25,6 +25,7 @@ LAYERS = [
     ("survey",),
     ("mixed",),
     ("intercept", "recipes"),
+    ("telemetry",),
     ("train",),
     ("memory",),
     ("bench",),

@@ -1,0 +1,40 @@
+"""Numerics telemetry inside ``jit``: where a run's precision breaks.
+
+- :func:`tensor_stats`: amax, smallest nonzero magnitude, dynamic range, mean, std, zeros,
+  non-finites, and for each target format or recipe (``"e4m3"``, ``"e4m3:tensor"``,
+  ``"bf16"``, ``"mxfp8"``, ...) the fractions that would overflow, saturate, underflow or
+  land in subnormals and the SQNR of the quantized copy; :func:`derive` / :func:`to_dict`
+  finish them, :func:`combine` / :func:`reduce_over` merge shards exactly.
+- :func:`observe`: any JAX function with statistics of every matmul's operands, output and
+  (with :meth:`Observed.value_and_grad`) output cotangent, keyed by the interception site
+  names of :mod:`precisionlab.intercept`; :func:`tree_stats` for params, grads, optimizer
+  state.
+- :func:`every`: compute statistics only every N steps (``lax.cond``).
+"""
+
+from precisionlab.telemetry._observe import Observed, every, observe, tree_stats
+from precisionlab.telemetry._stats import (
+    TensorStats,
+    combine,
+    derive,
+    reduce_over,
+    tensor_stats,
+    to_dict,
+)
+from precisionlab.telemetry._targets import SCALINGS, Target, parse_targets
+
+__all__ = [
+    "SCALINGS",
+    "Observed",
+    "Target",
+    "TensorStats",
+    "combine",
+    "derive",
+    "every",
+    "observe",
+    "parse_targets",
+    "reduce_over",
+    "tensor_stats",
+    "to_dict",
+    "tree_stats",
+]

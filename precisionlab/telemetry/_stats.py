@@ -1,0 +1,283 @@
+"""Tensor statistics inside ``jit``: exact counts on the bit patterns, combinable sums.
+
+:func:`tensor_stats` returns a :class:`TensorStats` pytree of raw accumulators (counts,
+extremes and normalised sums) rather than finished numbers, so that statistics of shards,
+micro-batches or steps combine exactly (:func:`combine`, :func:`reduce_over`) before
+:func:`derive` turns them into amax, dynamic range, mean, std and fractions.
+
+Conventions:
+
+- Magnitudes are compared on the float32 bit patterns (XLA on CPU flushes float32
+  subnormals in float arithmetic and comparisons): ``amax``, the smallest nonzero magnitude,
+  zeros and every per-target count are exact, subnormals included.
+- NaN and inf are counted (``n_nan``, ``n_inf``) and left out of every other statistic.
+- Sums are taken of ``x * 2**-k`` with ``k = floor(log2 amax)`` (exact power-of-two
+  scaling), so neither huge values nor subnormal ones overflow or flush in the squares.
+  Mean and variance are kept as (count, mean, sum of squared deviations) and combined with
+  Chan et al.'s pairwise formula (stable where sum/sum-of-squares cancels).
+- Per target (:mod:`precisionlab.telemetry._targets`), over the finite nonzero elements:
+  ``overflow`` (the scaled magnitude rounds past the format's max: a non-saturating cast
+  gives inf/NaN; the quantized copy, like every recipe, clips it to +-max), ``saturate``
+  (the quantized element is +-max: the overflows plus the values rounding to max),
+  ``underflow`` (quantized to +-0), ``subnormal`` (a nonzero subnormal of the format),
+  ``poisoned`` (the copy is NaN: a NaN/inf in the element's scaling group), and the squared
+  error of the dequantized copy for the SQNR.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from precisionlab.quant import pow2
+from precisionlab.telemetry._targets import Target, magnitude_bits, parse_targets, quantize_target
+
+__all__ = ["TensorStats", "combine", "derive", "reduce_over", "tensor_stats", "to_dict"]
+
+_INF_BITS = np.uint32(0x7F800000)
+_EMPTY_K = pow2.ZERO_LOG2  # normaliser exponent of a tensor without nonzero finite values
+
+
+class TensorStats(NamedTuple):
+    """Raw accumulators of one tensor (a pytree; T = number of targets).
+
+    Counts are int32 scalars (``per_target`` ones (T,)); ``amax`` / ``amin`` float32 (max
+    and smallest nonzero finite magnitude; amin is +inf when there is none); ``k`` int32
+    normaliser exponent; ``mean_n``, ``m2_n``, ``power_n`` float32: mean, sum of squared
+    deviations and sum of squares of ``x * 2**-k`` over the finite elements; ``noise_n``
+    (T,) float32 sum of squared quantization errors, same units.
+    """
+
+    n: jax.Array
+    n_nan: jax.Array
+    n_inf: jax.Array
+    n_zero: jax.Array
+    n_nonzero: jax.Array  # finite and nonzero: the denominator of the per-target fractions
+    amax: jax.Array
+    amin: jax.Array
+    k: jax.Array
+    mean_n: jax.Array
+    m2_n: jax.Array
+    power_n: jax.Array
+    overflow: jax.Array
+    saturate: jax.Array
+    underflow: jax.Array
+    subnormal: jax.Array
+    poisoned: jax.Array
+    noise_n: jax.Array
+
+
+def _as_rows(x: jax.Array) -> jax.Array:
+    """float32 (R, K): the last axis kept (the axis row/block targets scale along)."""
+    x = x.astype(jnp.float32)
+    if x.ndim == 0:
+        return x.reshape(1, 1)
+    return x.reshape(-1, x.shape[-1]) if x.shape[-1] else x.reshape(0, 1)
+
+
+def _count(mask: jax.Array) -> jax.Array:
+    return jnp.sum(mask, dtype=jnp.int32)
+
+
+def _target_counts(x2, finite, nonzero, xn, k, t: Target):
+    q = quantize_target(x2, t)
+    bits = magnitude_bits(q.elems)
+    thr, tie = t.overflow_threshold
+    thr_bits = np.float32(thr).view(np.uint32)
+    sb = magnitude_bits(q.scaled)
+    past = (sb > thr_bits) | ((sb == thr_bits) if tie else False)
+    over = nonzero & past & (sb < _INF_BITS)
+    max_bits = np.float32(t.fmt.max).view(np.uint32)
+    small_bits = np.float32(t.fmt.smallest_normal).view(np.uint32)
+    sat = nonzero & (bits == max_bits)
+    under = nonzero & (bits == 0)
+    sub = nonzero & (bits > 0) & (bits < small_bits)
+    poisoned = nonzero & (bits > _INF_BITS)
+    qn = pow2.ldexp(jnp.where(finite, q.values, 0.0), jnp.broadcast_to(-k, x2.shape))
+    noise = jnp.sum(jnp.where(finite, jnp.square(xn - qn), 0.0))
+    return [_count(over), _count(sat), _count(under), _count(sub), _count(poisoned), noise]
+
+
+def tensor_stats(x: jax.Array, targets=()) -> TensorStats:
+    """Statistics of ``x`` (any float dtype and shape; computed in float32), and for each
+    target (a static tuple of names, see :mod:`precisionlab.telemetry._targets`) the
+    counts of its quantized copy. Row and block targets scale along the last axis. Jittable;
+    ``targets`` must be static."""
+    ts = parse_targets(targets)
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"tensor_stats takes a float array, got {x.dtype}")
+    return _stats(x, ts)
+
+
+@partial(jax.jit, static_argnums=1)  # compiled once per shape and targets when called eagerly
+def _stats(x: jax.Array, ts: tuple[Target, ...]) -> TensorStats:
+    x2 = _as_rows(x)
+    b = magnitude_bits(x2)
+    finite = b < _INF_BITS
+    nan = b > _INF_BITS
+    zero = b == 0
+    nonzero = finite & ~zero
+    amax_b = jnp.max(jnp.where(finite, b, 0), initial=np.uint32(0))
+    amin_b = jnp.min(jnp.where(nonzero, b, _INF_BITS), initial=_INF_BITS)
+    amax = lax.bitcast_convert_type(amax_b, jnp.float32)
+    k = pow2.floor_log2(amax)
+    xn = pow2.ldexp(jnp.where(finite, x2, 0.0), jnp.broadcast_to(-k, x2.shape))
+    n_f = _count(finite)
+    mean_n = jnp.sum(xn) / jnp.maximum(n_f, 1).astype(jnp.float32)
+    m2_n = jnp.sum(jnp.where(finite, jnp.square(xn - mean_n), 0.0))
+    per = [_target_counts(x2, finite, nonzero, xn, k, t) for t in ts]
+    cols = list(zip(*per, strict=True)) if per else [()] * 6
+    stack_i = [jnp.asarray(c, jnp.int32).reshape(len(ts)) for c in cols[:5]]
+    noise = jnp.asarray(cols[5], jnp.float32).reshape(len(ts))
+    return TensorStats(
+        n=jnp.int32(x2.size), n_nan=_count(nan), n_inf=_count(~finite & ~nan),
+        n_zero=_count(zero), n_nonzero=_count(nonzero), amax=amax,
+        amin=lax.bitcast_convert_type(amin_b, jnp.float32), k=k, mean_n=mean_n, m2_n=m2_n,
+        power_n=jnp.sum(jnp.square(xn)), overflow=stack_i[0], saturate=stack_i[1],
+        underflow=stack_i[2], subnormal=stack_i[3], poisoned=stack_i[4], noise_n=noise,
+    )  # fmt: skip
+
+
+# --- combining ---------------------------------------------------------------------------
+def _max_bits(a, b):
+    return lax.bitcast_convert_type(jnp.maximum(magnitude_bits(a), magnitude_bits(b)), jnp.float32)
+
+
+def _min_bits(a, b):
+    return lax.bitcast_convert_type(jnp.minimum(magnitude_bits(a), magnitude_bits(b)), jnp.float32)
+
+
+def _rescale(s: TensorStats, kk: jax.Array) -> tuple:
+    """(mean, m2, power, noise) of ``s`` in units of 2**kk (kk >= s.k)."""
+    d = s.k - kk
+    return (
+        pow2.ldexp(s.mean_n, d),
+        pow2.ldexp(s.m2_n, 2 * d),
+        pow2.ldexp(s.power_n, 2 * d),
+        pow2.ldexp(s.noise_n, jnp.broadcast_to(2 * d, s.noise_n.shape)),
+    )
+
+
+@jax.jit
+def combine(a: TensorStats, b: TensorStats) -> TensorStats:
+    """Statistics of the concatenation of two tensors (shards, micro-batches) from theirs:
+    exact for counts, extremes and ``k``; mean and variance by Chan et al.'s pairwise
+    update. Associative and commutative up to float32 rounding of the sums."""
+    kk = jnp.maximum(a.k, b.k)
+    ma, m2a, pa, na_ = _rescale(a, kk)
+    mb, m2b, pb, nb_ = _rescale(b, kk)
+    fa = (a.n - a.n_nan - a.n_inf).astype(jnp.float32)
+    fb = (b.n - b.n_nan - b.n_inf).astype(jnp.float32)
+    f = jnp.maximum(fa + fb, 1.0)
+    delta = mb - ma
+    return TensorStats(
+        n=a.n + b.n, n_nan=a.n_nan + b.n_nan, n_inf=a.n_inf + b.n_inf,
+        n_zero=a.n_zero + b.n_zero, n_nonzero=a.n_nonzero + b.n_nonzero,
+        amax=_max_bits(a.amax, b.amax), amin=_min_bits(a.amin, b.amin), k=kk,
+        mean_n=ma + delta * (fb / f), m2_n=m2a + m2b + jnp.square(delta) * (fa * fb / f),
+        power_n=pa + pb, overflow=a.overflow + b.overflow, saturate=a.saturate + b.saturate,
+        underflow=a.underflow + b.underflow, subnormal=a.subnormal + b.subnormal,
+        poisoned=a.poisoned + b.poisoned, noise_n=na_ + nb_,
+    )  # fmt: skip
+
+
+def reduce_over(s: TensorStats, axis_name) -> TensorStats:
+    """:func:`combine` across a mapped axis (``shard_map`` / ``pmap`` data parallelism):
+    the statistics of the whole (global) tensor on every device."""
+    kk = lax.pmax(s.k, axis_name)
+    m, m2, p, noise = _rescale(s, kk)
+    nf = (s.n - s.n_nan - s.n_inf).astype(jnp.float32)
+    total = jnp.maximum(lax.psum(nf, axis_name), 1.0)
+    mean = lax.psum(nf * m, axis_name) / total
+    m2 = lax.psum(m2 + nf * jnp.square(m - mean), axis_name)
+    psum = lambda v: lax.psum(v, axis_name)  # noqa: E731
+    return TensorStats(
+        n=psum(s.n), n_nan=psum(s.n_nan), n_inf=psum(s.n_inf), n_zero=psum(s.n_zero),
+        n_nonzero=psum(s.n_nonzero),
+        amax=lax.bitcast_convert_type(lax.pmax(magnitude_bits(s.amax), axis_name), jnp.float32),
+        amin=lax.bitcast_convert_type(lax.pmin(magnitude_bits(s.amin), axis_name), jnp.float32),
+        k=kk, mean_n=mean, m2_n=m2, power_n=psum(p), overflow=psum(s.overflow),
+        saturate=psum(s.saturate), underflow=psum(s.underflow), subnormal=psum(s.subnormal),
+        poisoned=psum(s.poisoned), noise_n=psum(noise),
+    )  # fmt: skip
+
+
+# --- derived numbers ---------------------------------------------------------------------
+def _log2(a: jax.Array) -> jax.Array:
+    """float32 log2 of a positive float32, exact in its integer part for subnormals."""
+    e = pow2.floor_log2(a)
+    return e.astype(jnp.float32) + jnp.log2(pow2.ldexp(a, -e))
+
+
+@jax.jit
+def derive(s: TensorStats) -> dict[str, jax.Array]:
+    """The finished statistics (float32 arrays; per-target ones shape (T,)): ``amax``,
+    ``amin_nonzero`` (NaN if none), ``dynamic_range`` (binades, ``log2 amax - log2 amin``),
+    ``mean``, ``std`` (population), ``frac_zero``, ``frac_nonfinite`` (of all elements),
+    and per target ``overflow``, ``saturate``, ``underflow``, ``subnormal``, ``poisoned``
+    (fractions of the finite nonzero elements) and ``sqnr_db`` (10 log10 of signal power
+    over error power; +inf for an exact copy)."""
+    n = jnp.maximum(s.n, 1).astype(jnp.float32)
+    nf = jnp.maximum(s.n - s.n_nan - s.n_inf, 1).astype(jnp.float32)
+    nz = jnp.maximum(s.n_nonzero, 1).astype(jnp.float32)
+    has = s.n_nonzero > 0
+    amin = jnp.where(has, s.amin, jnp.float32(jnp.nan))
+    dr = jnp.where(has, _log2(s.amax) - _log2(jnp.where(has, s.amin, 1.0)), jnp.nan)
+    k = jnp.where(has, s.k, 0)
+    std_n = jnp.sqrt(s.m2_n / nf)
+    return {
+        "amax": s.amax,
+        "amin_nonzero": amin,
+        "dynamic_range": dr,
+        "mean": pow2.ldexp(s.mean_n, k),
+        "std": pow2.ldexp(std_n, k),
+        "frac_zero": s.n_zero / n,
+        "frac_nonfinite": (s.n_nan + s.n_inf) / n,
+        "overflow": s.overflow / nz,
+        "saturate": s.saturate / nz,
+        "underflow": s.underflow / nz,
+        "subnormal": s.subnormal / nz,
+        "poisoned": s.poisoned / nz,
+        "sqnr_db": 10.0 * (jnp.log10(s.power_n) - jnp.log10(s.noise_n)),
+    }
+
+
+_COUNTS = ("n", "n_nan", "n_inf", "n_zero", "n_nonzero")
+_PER_TARGET = ("overflow", "saturate", "underflow", "subnormal", "poisoned", "sqnr_db")
+
+
+def to_dict(s: TensorStats, targets=()) -> dict:
+    """Host-side summary (Python floats and ints; ``None`` where undefined) with the targets
+    by name: ``{"n": ..., "amax": ..., ..., "targets": {"e4m3:tensor": {"underflow": ...}}}``.
+    """
+    ts = parse_targets(targets)
+    d = {k: np.asarray(v) for k, v in derive(jax.device_get(s)).items()}
+    if len(ts) != np.asarray(s.overflow).shape[-1]:
+        raise ValueError(
+            f"{len(ts)} target names for statistics of {np.asarray(s.overflow).shape[-1]}"
+        )
+
+    def num(v):
+        v = float(v)
+        return None if math.isnan(v) else v
+
+    out: dict = {k: int(np.asarray(getattr(s, k))) for k in _COUNTS}
+    out.update({k: num(v) for k, v in d.items() if k not in _PER_TARGET})
+    n, nz = max(out["n"], 1), max(out["n_nonzero"], 1)
+    out["frac_zero"] = out["n_zero"] / n  # exact quotients of the integer counts
+    out["frac_nonfinite"] = (out["n_nan"] + out["n_inf"]) / n
+    out["targets"] = {
+        t.name: {
+            **{k: int(np.asarray(getattr(s, k))[i]) / nz for k in _PER_TARGET[:-1]},
+            "sqnr_db": num(d["sqnr_db"][i]),
+        }
+        for i, t in enumerate(ts)
+    }
+    return out
