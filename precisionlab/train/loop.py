@@ -11,6 +11,7 @@ function.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import sys
 import time
@@ -413,7 +414,16 @@ def train_loop(
         loss_fn = _weighted(loss_fn, w)
         probe_loss_fn = None if probe_loss_fn is None else _weighted(probe_loss_fn, w)
         shadow_loss_fn = None if shadow_loss_fn is None else _weighted(shadow_loss_fn, w)
-    step_fn, state, mesh = build_step(loss_fn, params, optimizer, options)
+    example = None
+    if options.recipe is not None and options.recipe.stateful:
+        # the recipe's state has one entry per matmul, found by tracing with a batch
+        if callable(batches) and not isinstance(batches, Iterable):
+            example = next(iter(batches(0)))
+        else:
+            peek = iter(batches)
+            example = next(peek)
+            batches = itertools.chain([example], peek)
+    step_fn, state, mesh = build_step(loss_fn, params, optimizer, options, example)
     jstep = jax.jit(step_fn, donate_argnums=0)
     probe = None
     if loop.hist_interval or (shadow_loss_fn is not None and loop.shadow_interval):
@@ -574,6 +584,7 @@ def build(config: TrainConfig) -> TrainSetup:
         data_parallel=config.data_parallel,
         allreduce_dtype=precision.allreduce_dtype,
         report_leaves=config.report_leaves,
+        recipe=precision.recipe,
     )
     loop = LoopOptions(
         steps=config.steps,
