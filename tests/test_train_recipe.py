@@ -124,3 +124,50 @@ def test_stateful_recipe_needs_an_example_batch():
         build_step(_toy, {"w": jnp.ones((4, 4))}, optax.sgd(0.1), StepOptions(recipe=rec))
     with pytest.raises(TypeError, match="TrainRecipe"):
         StepOptions(recipe="mxfp8")
+
+
+def _metrics(recipe, x, w):
+    from precisionlab.mixed.loss_scale import NoLossScale
+    from precisionlab.train.recipe_metrics import make_recipe_metrics_fn, recipe_metrics
+
+    fn = make_recipe_metrics_fn(lambda p, b: jnp.sum(b["x"] @ p["w"]), parse_recipe(recipe))
+    return recipe_metrics(jax.jit(fn)({"w": w}, {"x": x}, NoLossScale(), None, None))
+
+
+def test_recipe_metrics_match_a_float64_oracle():
+    import ml_dtypes
+
+    # Each row (one 32-block along the contraction): 30 ones, one 1.9 and one 1e-6.
+    x = np.ones((4, 32), np.float32)
+    x[:, 0], x[:, 1] = 1.9, 1e-6
+    w = np.ones((32, 8), np.float32)
+    floor = _metrics({"name": "mxfp8", "scale_rule": "floor"}, x, w)
+    rceil = _metrics({"name": "mxfp8", "scale_rule": "rceil"}, x, w)
+    # OCP floor: X = 2^(floor(log2 1.9) - 8) = 2^-8; 1.9 / X = 486.4 > 448 clips; rceil:
+    # X = 2^ceil(log2(1.9 / 448)) = 2^-7, 1.9 / X = 243.2 -> 240. 1e-6 / X is below E4M3's
+    # smallest subnormal 2^-9 under both: it underflows.
+    assert floor["x"]["saturated"] == 1 / 32 and rceil["x"]["saturated"] == 0
+    assert floor["x"]["underflow"] == rceil["x"]["underflow"] == 1 / 32
+    assert floor["x"]["log2_scale_min"] == floor["x"]["log2_scale_max"] == -8
+    assert rceil["x"]["log2_scale_min"] == rceil["x"]["log2_scale_max"] == -7
+    for got, scale in ((floor, 2.0**-8), (rceil, 2.0**-7)):
+        xq = (x.astype(np.float64) / scale).clip(-448, 448)
+        dq = xq.astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * scale
+        x64 = x.astype(np.float64)
+        sqnr = 10 * np.log10(np.sum(x64**2) / np.sum((x64 - dq) ** 2))
+        assert abs(got["x"]["sqnr_db"] - sqnr) < 1e-4
+    # the weights (ones) and output gradients (ones) are exact: no saturation, no noise
+    for group in ("w", "g"):
+        assert rceil[group]["saturated"] == 0 and rceil[group]["underflow"] == 0
+        assert rceil[group]["sqnr_db"] == float("inf")
+    assert _metrics("bf16", x, w) == {}  # the reference recipes quantize nothing
+
+
+def test_recipe_metrics_reach_the_result_and_records():
+    res = _run(recipe={"name": "mxfp8", "scale_rule": "floor"}, steps=3, hist_interval=2)
+    rm = res.summary()["recipe_metrics"]
+    assert set(rm) == {"x", "w", "g"}
+    assert set(rm["g"]) == {"saturated", "underflow", "sqnr_db", "log2_scale_min", "log2_scale_max"}
+    assert 0 < rm["x"]["saturated"] < 0.2 and rm["x"]["sqnr_db"] > 20
+    assert "recipe_g_saturated" in res.metrics[0] and "recipe_g_saturated" not in res.metrics[1]
+    assert _run(steps=3, hist_interval=2).summary()["recipe_metrics"] is None

@@ -340,6 +340,11 @@ class TrainResult:
       mean_underflow_fraction: mean over steps of the underflow meter.
       wall_time_s: wall-clock seconds of the loop (this process only).
       metrics: per-step metric dicts (the same dicts the callback received).
+      recipe_metrics: with a recipe and ``hist_interval``: per tensor group (``x``
+        activations, ``w`` weights, ``g`` output gradients) the mean over the histogram steps
+        of ``saturated``, ``underflow`` and ``sqnr_db`` and the extremes of
+        ``log2_scale_min`` / ``log2_scale_max`` (see :mod:`precisionlab.train.recipe_metrics`);
+        None otherwise.
     """
 
     state: Any
@@ -356,6 +361,7 @@ class TrainResult:
     mean_underflow_fraction: float
     wall_time_s: float
     metrics: list[dict[str, Any]]
+    recipe_metrics: dict[str, dict[str, float]] | None = None
 
     def summary(self) -> dict[str, Any]:
         """JSON-able summary (everything but ``state`` and ``metrics``)."""
