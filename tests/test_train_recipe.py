@@ -171,3 +171,17 @@ def test_recipe_metrics_reach_the_result_and_records():
     assert 0 < rm["x"]["saturated"] < 0.2 and rm["x"]["sqnr_db"] > 20
     assert "recipe_g_saturated" in res.metrics[0] and "recipe_g_saturated" not in res.metrics[1]
     assert _run(steps=3, hist_interval=2).summary()["recipe_metrics"] is None
+
+
+def test_fp8_recipes_experiment_validates_and_cli_errors_are_one_line(capsys):
+    from pathlib import Path
+
+    from precisionlab.cli import main
+    from precisionlab.experiments.config import load_experiment
+
+    path = Path(__file__).parent.parent / "experiments" / "fp8_recipes.toml"
+    exp = load_experiment(path)
+    assert exp.kind == "train" and len(exp.units) == 19
+    assert main(["run", str(path), "--set", "variant.current.recipe=mxfp9", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown recipe 'mxfp9'" in err and "(current).recipe" in err
