@@ -33,7 +33,7 @@ def loss_fn(p, batch):
 def test_unscaled_grads_equal_unscaled_loss_grads(scale):
     pol = get_policy("float32")
     grad_fn = jax.jit(make_grad_fn(loss_fn, pol))
-    loss, _, g_scaled, _ = grad_fn(PARAMS, BATCH, scale)
+    loss, _, g_scaled, _, _ = grad_fn(PARAMS, BATCH, scale, {})
     got = scale.unscale(g_scaled)
     ref = jax.jit(jax.grad(lambda p: loss_fn(p, BATCH)[0]))(PARAMS)
     for k in ref:

@@ -54,6 +54,7 @@ SUMMARY_KEYS = (
     "max_loss_scale",
     "mean_underflow_fraction",
     "wall_time_s",
+    "recipe_metrics",
 )
 
 #: Numeric keys averaged (mean and std) over the seeds of a group.
@@ -125,6 +126,8 @@ def summarize_unit(unit: Any, unit_dir: Path, status: dict[str, Any]) -> dict[st
         "max_loss_scale": max(scales) if scales else None,
         "mean_underflow_fraction": statistics.fmean(under) if under else None,
         "wall_time_s": status.get("wall_time_s"),
+        # recipe runs with hist_interval: {group: {stat: value}} (precisionlab.train.recipe_metrics)
+        "recipe_metrics": result.get("recipe_metrics"),
     }
 
 

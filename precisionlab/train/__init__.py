@@ -36,12 +36,25 @@ High level (one call per run)::
   edges), ``counts``, ``zeros``, ``nonfinite``; the gradient histogram is of the SCALED
   gradient as the compute dtype holds it, i.e. what the format must represent); at shadow steps
   ``shadow_cosine`` and ``shadow_underflow_lost`` (fraction of elements nonzero in the fp32
-  gradient and zero in the compute-dtype gradient).
+  gradient and zero in the compute-dtype gradient); with a recipe, at histogram steps
+  ``recipe_<group>_<stat>`` (group ``x`` activations, ``w`` weights, ``g`` output gradients;
+  stat ``saturated``, ``underflow``, ``sqnr_db``, ``log2_scale_min``, ``log2_scale_max``, see
+  :mod:`precisionlab.train.recipe_metrics`).
+- ``TrainConfig.recipe``: a low-precision matmul recipe (FP8, MX, NVFP4) for every matmul of
+  the model: a name (``"mxfp8"``) or a table ``{name = "mxfp8", scale_rule = "floor",
+  exclude = [-1]}`` (the recipe's fields; ``include`` / ``exclude`` pick matmuls by position,
+  name or pattern), parsed into ``config.precision.recipe`` (a ``TrainRecipe``); block
+  recipes pad with zeros unless ``pad = false``. The step runs the loss under
+  ``precisionlab.recipes.apply``; delayed scaling's state is ``TrainState.recipe_state``
+  (checkpointed, resumed bitwise; unchanged by a skipped step; observations combined with a
+  max over micro-batches and devices). ``StepOptions(recipe=TrainRecipe(...))`` and
+  ``build_step(..., example_batch=batch)`` (stateful recipes) at the low level.
   ``resume=True`` continues from the newest checkpoint in ``checkpoint_dir`` (bitwise the same as
   an uninterrupted run; starts fresh if there is none).
 - ``TrainResult``: state, steps_done, final_loss, eval_loss, eval_metric, evals, skipped_steps,
   diverged, divergence_step, min_loss_scale, max_loss_scale, mean_underflow_fraction,
-  wall_time_s, metrics; ``.summary()`` is JSON-able.
+  wall_time_s, metrics, recipe_metrics (means over the histogram steps, or None);
+  ``.summary()`` is JSON-able.
 
 Valid names (for config validation): ``MODELS``, ``DATASETS``, ``OPTIMIZERS``, ``SCHEDULES``,
 ``UPDATE_ROUNDINGS``, ``DIVERGENCE_ACTIONS``, ``precisionlab.mixed.LOSS_SCALE_KINDS``.

@@ -22,6 +22,7 @@ from precisionlab.mixed.storage import Storage
 from precisionlab.train.data import DATASETS, data_kind
 from precisionlab.train.models import MODELS, model_data_kind
 from precisionlab.train.optim import OPTIMIZER_FIELDS, OPTIMIZERS, SCHEDULES
+from precisionlab.train.recipe import TrainRecipe, parse_recipe
 
 __all__ = [
     "BATCH_SIZE_MAX",
@@ -56,6 +57,11 @@ def _dtype(text: str) -> str:
     return text
 
 
+def _recipe(value: Any) -> Any:
+    parse_recipe(value)
+    return value
+
+
 def _steps(n: int, why: str = "the step counter is an int32") -> Field:
     return Field(int, n, low=0, high=INT32_MAX, why=why)
 
@@ -83,6 +89,8 @@ TRAIN_FIELDS: dict[str, Field] = {
     "opt_state_dtype": Field(str, "float32"),
     "update_rounding": Field(str, "nearest", choices=UPDATE_ROUNDINGS),
     "enforce_numerics": Field(bool, True),
+    # a name or a table: one Field type cannot say "str or table", the check does
+    "recipe": Field(object, None, nullable=True, check=_recipe, doc="a recipe name or table"),
     "steps": Field(int, 500, low=1, high=INT32_MAX, why="the step counter is an int32"),
     "seed": Field(int, 0, low=0, high=2**32 - 1, why="a uint32 PRNG seed"),
     "batch_size": Field(int, 128, low=1, high=BATCH_SIZE_MAX, why="2**24"),
@@ -125,12 +133,14 @@ class Precision:
     policy: the Policy (with ``fp32_ops``). loss_scale: the initial LossScale (a pytree).
     storage: dtypes of the stored params / grads / optimizer state and the update rounding.
     allreduce_dtype: dtype of the data-parallel gradient all-reduce (float32 by default).
+    recipe: the low-precision matmul recipe (None: the policy's matmuls).
     """
 
     policy: Policy
     loss_scale: LossScale
     storage: Storage
     allreduce_dtype: np.dtype
+    recipe: TrainRecipe | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -159,6 +169,11 @@ class TrainConfig:
         ``UPDATE_ROUNDINGS``.
       enforce_numerics: force the compute dtype's rounding and overflow at op boundaries
         (``lax.reduce_precision``), so CPU runs round where a GPU would.
+      recipe: a low-precision matmul recipe for every matmul of the model (None = off): a name
+        (``"mxfp8"``, see ``precisionlab.recipes.RECIPE_NAMES``) or a table with ``name``, the
+        recipe's fields (``scale_rule = "floor"``) and ``include`` / ``exclude`` (matmul
+        positions, names or patterns; excluded ones stay in the compute dtype), parsed into
+        ``config.precision.recipe`` (a :class:`~precisionlab.train.recipe.TrainRecipe`).
     Loop:
       steps, seed, batch_size, microbatches (gradient accumulation; batch_size must divide),
       eval_interval (0 = only at the end), eval_batches, checkpoint_interval (0 = off; needs a
@@ -197,6 +212,7 @@ class TrainConfig:
     opt_state_dtype: str = "float32"
     update_rounding: str = "nearest"
     enforce_numerics: bool = True
+    recipe: str | dict[str, Any] | None = None
     steps: int = 500
     seed: int = 0
     batch_size: int = 128
@@ -264,8 +280,13 @@ class TrainConfig:
             update=self.update_rounding,
         )
         red = np.float32 if self.allreduce_dtype is None else parse_dtype(self.allreduce_dtype)
+        recipe = None if self.recipe is None else parse("recipe", parse_recipe, self.recipe)
         return Precision(
-            policy=policy, loss_scale=loss_scale, storage=storage, allreduce_dtype=np.dtype(red)
+            policy=policy,
+            loss_scale=loss_scale,
+            storage=storage,
+            allreduce_dtype=np.dtype(red),
+            recipe=recipe,
         )
 
     @property
@@ -319,6 +340,11 @@ class TrainResult:
       mean_underflow_fraction: mean over steps of the underflow meter.
       wall_time_s: wall-clock seconds of the loop (this process only).
       metrics: per-step metric dicts (the same dicts the callback received).
+      recipe_metrics: with a recipe and ``hist_interval``: per tensor group (``x``
+        activations, ``w`` weights, ``g`` output gradients) the mean over the histogram steps
+        of ``saturated``, ``underflow`` and ``sqnr_db`` and the extremes of
+        ``log2_scale_min`` / ``log2_scale_max`` (see :mod:`precisionlab.train.recipe_metrics`);
+        None otherwise.
     """
 
     state: Any
@@ -335,6 +361,7 @@ class TrainResult:
     mean_underflow_fraction: float
     wall_time_s: float
     metrics: list[dict[str, Any]]
+    recipe_metrics: dict[str, dict[str, float]] | None = None
 
     def summary(self) -> dict[str, Any]:
         """JSON-able summary (everything but ``state`` and ``metrics``)."""

@@ -11,6 +11,7 @@ function.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import sys
 import time
@@ -103,6 +104,8 @@ class Aggregates:
     underflow_sum: float = 0.0
     final_loss: float = math.nan
     evals: tuple[dict[str, Any], ...] = ()
+    recipe_metrics: dict[str, dict[str, float]] | None = None
+    recipe_probes: int = 0
 
     def update(self, step: int, rec: dict[str, Any], divergence_k: float | None) -> Aggregates:
         """The totals after step ``step`` (1-based) recorded as ``rec``. Pure."""
@@ -125,6 +128,21 @@ class Aggregates:
             final_loss=loss,
         )
 
+    def with_recipe_metrics(self, m: dict[str, dict[str, float]]) -> Aggregates:
+        """Fold one histogram step's recipe metrics in: means of the fractions and SQNR,
+        extremes of the scale range. Pure."""
+        n, old = self.recipe_probes, self.recipe_metrics or {}
+        out: dict[str, dict[str, float]] = {}
+        for group, stats in m.items():
+            prev = old.get(group)
+            if prev is None:
+                out[group] = dict(stats)
+                continue
+            out[group] = {k: (prev[k] * n + v) / (n + 1) for k, v in stats.items()}
+            out[group]["log2_scale_min"] = min(prev["log2_scale_min"], stats["log2_scale_min"])
+            out[group]["log2_scale_max"] = max(prev["log2_scale_max"], stats["log2_scale_max"])
+        return dataclasses.replace(self, recipe_metrics=out, recipe_probes=n + 1)
+
     def with_eval(self, step: int, ev: dict[str, float]) -> Aggregates:
         return dataclasses.replace(self, evals=(*self.evals, {"step": step, **ev}))
 
@@ -142,6 +160,11 @@ class Aggregates:
         for key in ("running_min", "min_loss_scale", "max_loss_scale", "final_loss"):
             if key in kw:
                 kw[key] = from_json_float(kw[key])
+        if kw.get("recipe_metrics"):
+            kw["recipe_metrics"] = {
+                g: {k: from_json_float(v) for k, v in st.items()}
+                for g, st in kw["recipe_metrics"].items()
+            }
         kw["evals"] = tuple(
             {k: v if k == "step" else from_json_float(v) for k, v in ev.items()}
             for ev in kw.get("evals", ())
@@ -413,7 +436,16 @@ def train_loop(
         loss_fn = _weighted(loss_fn, w)
         probe_loss_fn = None if probe_loss_fn is None else _weighted(probe_loss_fn, w)
         shadow_loss_fn = None if shadow_loss_fn is None else _weighted(shadow_loss_fn, w)
-    step_fn, state, mesh = build_step(loss_fn, params, optimizer, options)
+    example = None
+    if options.recipe is not None and options.recipe.stateful:
+        # the recipe's state has one entry per matmul, found by tracing with a batch
+        if callable(batches) and not isinstance(batches, Iterable):
+            example = next(iter(batches(0)))
+        else:
+            peek = iter(batches)
+            example = next(peek)
+            batches = itertools.chain([example], peek)
+    step_fn, state, mesh = build_step(loss_fn, params, optimizer, options, example)
     jstep = jax.jit(step_fn, donate_argnums=0)
     probe = None
     if loop.hist_interval or (shadow_loss_fn is not None and loop.shadow_interval):
@@ -424,6 +456,19 @@ def train_loop(
             histograms=bool(loop.hist_interval),
         )
         probe = jax.jit(probe_fn)
+    recipe_probe = None
+    if loop.hist_interval and options.recipe is not None:
+        from precisionlab.train.recipe_metrics import make_recipe_metrics_fn
+
+        rfn = make_recipe_metrics_fn(loss_fn, options.recipe)
+        pol = options.policy
+
+        def recipe_probe_fn(state, batch):
+            pc = cast_floating(state.params, pol.compute_dtype)
+            key = jax.random.fold_in(state.rng, 0x57A7)
+            return rfn(pc, batch, state.loss_scale, state.recipe_state, key)
+
+        recipe_probe = jax.jit(recipe_probe_fn)
 
     agg, start = Aggregates(), 0
     if resume and checkpoint_dir is not None and latest_checkpoint(checkpoint_dir) is not None:
@@ -461,6 +506,11 @@ def train_loop(
                 hist or (bool(loop.shadow_interval) and step % loop.shadow_interval == 0)
             )
             probed = jax.device_get(probe(state, batch)) if probe and (hist or shadow) else None
+            rmetrics = None
+            if recipe_probe is not None and hist:
+                from precisionlab.train.recipe_metrics import recipe_metrics
+
+                rmetrics = recipe_metrics(recipe_probe(state, batch))
             state, metrics = jstep(state, batch)
             step += 1
             rec = _record(metrics, step, params, loop.loss_weight)
@@ -469,6 +519,10 @@ def train_loop(
             rec["step_time_s"] = time.perf_counter() - ts
             if probed is not None:
                 rec.update(_probe_record(probed, hist))
+            if rmetrics is not None:
+                for group, stats in rmetrics.items():
+                    rec.update({f"recipe_{group}_{k}": v for k, v in stats.items()})
+                agg = agg.with_recipe_metrics(rmetrics)
             agg = agg.update(step, rec, loop.divergence_k)
             rec["diverged"] = agg.diverged
             last = step >= loop.steps or stopped()
@@ -514,6 +568,7 @@ def _result(state: Any, steps: int, agg: Aggregates, wall: float, records: list)
         mean_underflow_fraction=agg.underflow_sum / max(steps, 1),
         wall_time_s=wall,
         metrics=records,
+        recipe_metrics=agg.recipe_metrics,
     )
 
 
@@ -574,6 +629,7 @@ def build(config: TrainConfig) -> TrainSetup:
         data_parallel=config.data_parallel,
         allreduce_dtype=precision.allreduce_dtype,
         report_leaves=config.report_leaves,
+        recipe=precision.recipe,
     )
     loop = LoopOptions(
         steps=config.steps,

@@ -15,7 +15,10 @@ overflow are forced at op boundaries and the policy's float32 list is honoured.
 
 Knobs for precision experiments: ``init_scale`` (multiplies every initial weight's std),
 ``use_layernorm`` (False removes the normalisation: activations can grow), ``act_scale``
-(multiplies pre-activations), ``remat`` (``jax.checkpoint`` around each block). The loss is
+(multiplies pre-activations), ``remat`` (``jax.checkpoint`` around each block),
+``outlier_channels`` / ``outlier_scale`` (transformer: the first channels of every block's
+normalised inputs to the qkv and fc1 matmuls multiplied by the scale, the outlier features
+LLM.int8() reports in large models, for low-precision matmul recipes). The loss is
 weighted by the trainer (``TrainConfig.loss_weight``), not by the model.
 """
 
@@ -266,6 +269,8 @@ class Transformer(Model):
     act_scale: float = 1.0
     use_layernorm: bool = True
     remat: bool = False
+    outlier_channels: int = 0
+    outlier_scale: float = 100.0
 
     name = "transformer"
     data_kind = "lm"
@@ -277,6 +282,18 @@ class Transformer(Model):
             raise ValueError(f"d_model {self.d_model} must be divisible by heads {self.heads}")
         _check_pos("init_scale", self.init_scale)
         _check_pos("act_scale", self.act_scale)
+        _check_pos("outlier_scale", self.outlier_scale)
+        _check_int("outlier_channels", self.outlier_channels, 0)
+        if self.outlier_channels > self.d_model:
+            raise ValueError(f"outlier_channels {self.outlier_channels} > d_model {self.d_model}")
+
+    def _outliers(self, h: jax.Array, pol: Policy, enforce: bool) -> jax.Array:
+        # A few channels x outlier_scale in every token (LLM.int8(): systematic outlier features).
+        if not self.outlier_channels:
+            return h
+        m = np.ones((self.d_model,), np.float32)
+        m[: self.outlier_channels] = self.outlier_scale
+        return ops.boundary(h * jnp.asarray(m, h.dtype), pol, enforce=enforce)
 
     def _init(self, gen: _Gen) -> dict[str, Any]:
         d, f = self.d_model, self.d_model * self.mlp_ratio
@@ -330,7 +347,7 @@ class Transformer(Model):
 
         def block(blk, x):
             a = {}
-            h = self._norm(x, blk, "ln1", pol, enforce)
+            h = self._outliers(self._norm(x, blk, "ln1", pol, enforce), pol, enforce)
             qkv = ops.matmul(h, blk["qkv"], policy=pol, enforce=enforce)
             q, k, v = jnp.split(qkv.reshape(b, t, 3, nh, dh), 3, axis=2)
             q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # [B, T, H, Dh]
@@ -361,7 +378,7 @@ class Transformer(Model):
             x = ops.boundary(
                 x + ops.matmul(att, blk["proj"], policy=pol, enforce=enforce), pol, enforce=enforce
             )
-            h = self._norm(x, blk, "ln2", pol, enforce)
+            h = self._outliers(self._norm(x, blk, "ln2", pol, enforce), pol, enforce)
             u = ops.dense(h, blk["fc1"], blk["fc1_b"], policy=pol, enforce=enforce)
             u = ops.gelu(u, policy=pol, enforce=enforce)
             x = ops.boundary(

@@ -44,26 +44,29 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
 
 
 def data_parallel(grad_fn: Callable, mesh: Mesh, allreduce_dtype: Any = jnp.float32) -> Callable:
-    """Wrap ``grad_fn(params, batch, loss_scale) -> (loss, aux, grads, underflow)`` so that it runs
-    per device on its shard of the batch and returns the device-mean of every output; the
-    gradient all-reduce runs in ``allreduce_dtype`` (the result is cast back to float32)."""
+    """Wrap ``grad_fn(params, batch, loss_scale, extra) -> (loss, aux, grads, underflow,
+    observed)`` so that it runs per device on its shard of the batch and returns the device-mean
+    of every output but ``observed`` (a recipe's amaxes: their max over devices, so the scales
+    equal a single device's); the gradient all-reduce runs in ``allreduce_dtype`` (the result is
+    cast back to float32). ``extra`` (a recipe's state and key) is replicated."""
     n = mesh.devices.size
     red = np.dtype(allreduce_dtype)
 
-    def per_device(params, batch, loss_scale):
-        loss, aux, grads, underflow = grad_fn(params, batch, loss_scale)
+    def per_device(params, batch, loss_scale, extra):
+        loss, aux, grads, underflow, observed = grad_fn(params, batch, loss_scale, extra)
         mean = lambda x: jax.lax.pmean(x, AXIS)  # noqa: E731
         grads = jax.tree_util.tree_map(
             lambda g: jax.lax.psum(g.astype(red), AXIS).astype(jnp.float32) / jnp.float32(n),
             grads,
         )
-        return mean(loss), jax.tree_util.tree_map(mean, aux), grads, mean(underflow)
+        observed = jax.tree_util.tree_map(lambda x: jax.lax.pmax(x, AXIS), observed)
+        return mean(loss), jax.tree_util.tree_map(mean, aux), grads, mean(underflow), observed
 
     rep, dat = PartitionSpec(), PartitionSpec(AXIS)
     return jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(rep, dat, rep),
-        out_specs=(rep, rep, rep, rep),
+        in_specs=(rep, dat, rep, rep),
+        out_specs=(rep, rep, rep, rep, rep),
         check_vma=False,
     )

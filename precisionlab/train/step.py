@@ -34,6 +34,7 @@ from precisionlab.mixed.storage import (
     store_opt_state,
 )
 from precisionlab.train.meters import underflow_fraction
+from precisionlab.train.recipe import TrainRecipe
 
 __all__ = [
     "SKIP_MODES",
@@ -41,6 +42,7 @@ __all__ = [
     "TrainState",
     "TrainStep",
     "build_step",
+    "init_recipe_state",
     "make_train_step",
     "normalize_loss_fn",
     "split_micro",
@@ -54,7 +56,9 @@ class TrainState(NamedTuple):
 
     step: int32 scalar, steps done (also the data position). params: stored params (storage
     dtype). opt_state: optimizer state (storage dtype). loss_scale: a LossScale. storage_state:
-    Kahan compensation or None. rng: uint32[2] PRNG key (stochastic rounding).
+    Kahan compensation or None. rng: uint32[2] PRNG key (stochastic rounding). recipe_state:
+    the recipe's state (delayed scaling: ``{matmul name: {"scale", "history", "probe"}}``,
+    see :func:`precisionlab.recipes.apply`); ``{}`` for a stateless recipe, None without one.
     """
 
     step: jax.Array
@@ -63,6 +67,7 @@ class TrainState(NamedTuple):
     loss_scale: LossScale
     storage_state: StorageState
     rng: jax.Array
+    recipe_state: Any = None
 
 
 def normalize_loss_fn(loss_fn: Callable) -> Callable:
@@ -103,46 +108,71 @@ def _scalar_aux(aux: Any) -> dict[str, jax.Array]:
     }
 
 
-def make_grad_fn(loss_fn: Callable, policy: Policy, microbatches: int = 1) -> Callable:
-    """``grad_fn(params_compute, batch, loss_scale) -> (loss, aux, grads, underflow)``.
+def make_grad_fn(
+    loss_fn: Callable, policy: Policy, microbatches: int = 1, recipe: TrainRecipe | None = None
+) -> Callable:
+    """``grad_fn(params_compute, batch, loss_scale, extra) -> (loss, aux, grads, underflow,
+    observed)``.
 
     grads: gradients of the SCALED loss w.r.t. the compute-dtype params, summed over micro-batches
     in float32 (divided by their count), as float32. loss: unscaled float32 mean loss. underflow:
-    the underflow meter of the compute-dtype gradients (mean over micro-batches).
+    the underflow meter of the compute-dtype gradients (mean over micro-batches). With a
+    ``recipe``, ``extra`` is ``(recipe_state, key)``: every matmul of ``loss_fn`` runs through
+    the recipe, and ``observed`` holds the amaxes each matmul saw (delayed scaling; the max over
+    micro-batches, see :func:`precisionlab.recipes.combine_observed`); else ``extra`` and
+    ``observed`` are ``{}``.
     """
     f = normalize_loss_fn(loss_fn)
 
-    def one(pc: Any, batch: Any, ls: LossScale):
-        def scaled(p):
-            loss, aux = f(p, batch)
-            return ls.scale(loss), (loss, aux)
+    def scaled(p, batch, ls):
+        loss, aux = f(p, batch)
+        return ls.scale(loss), (loss, aux)
 
-        (_, (loss, aux)), g = jax.value_and_grad(scaled, has_aux=True)(pc)
+    if recipe is None:
+
+        def value_grad(pc, batch, ls, extra):
+            (_, (loss, aux)), g = jax.value_and_grad(scaled, has_aux=True)(pc, batch, ls)
+            return loss, aux, g, {}
+
+    else:
+        vg = recipe.apply(scaled).value_and_grad(0, has_aux=True)
+
+        def value_grad(pc, batch, ls, extra):
+            rstate, key = extra
+            (_, (loss, aux)), g, observed = vg(rstate, pc, batch, ls, key=key)
+            return loss, aux, g, observed
+
+    def one(pc: Any, batch: Any, ls: LossScale, extra: Any):
+        loss, aux, g, observed = value_grad(pc, batch, ls, extra)
         meter = underflow_fraction(g, policy.compute_dtype)
-        return loss.astype(jnp.float32), _scalar_aux(aux), g, meter
+        return loss.astype(jnp.float32), _scalar_aux(aux), g, meter, observed
 
     if microbatches == 1:
 
-        def grad_fn(pc, batch, ls):
-            loss, aux, g, meter = one(pc, batch, ls)
-            return loss, aux, cast_floating(g, jnp.float32), meter
+        def grad_fn(pc, batch, ls, extra):
+            loss, aux, g, meter, observed = one(pc, batch, ls, extra)
+            return loss, aux, cast_floating(g, jnp.float32), meter, observed
 
         return grad_fn
 
-    def grad_fn(pc, batch, ls):
+    def grad_fn(pc, batch, ls, extra):
         micro = split_micro(batch, microbatches)
-        shapes = jax.eval_shape(
-            lambda b: one(pc, b, ls), jax.tree_util.tree_map(lambda x: x[0], micro)
-        )
+        first = jax.tree_util.tree_map(lambda x: x[0], micro)
+        shapes = jax.eval_shape(lambda b: one(pc, b, ls, extra)[:4], first)
         zero = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
+        obs_shapes = jax.eval_shape(lambda b: one(pc, b, ls, extra)[4], first)
+        # amaxes are >= 0, so 0 is the identity of their max
+        obs0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), obs_shapes)
 
-        def body(acc, b):
-            out = one(pc, b, ls)
-            return jax.tree_util.tree_map(lambda a, o: a + o.astype(jnp.float32), acc, out), None
+        def body(carry, b):
+            acc, obs = carry
+            out = one(pc, b, ls, extra)
+            acc = jax.tree_util.tree_map(lambda a, o: a + o.astype(jnp.float32), acc, out[:4])
+            return (acc, jax.tree_util.tree_map(jnp.maximum, obs, out[4])), None
 
-        acc, _ = jax.lax.scan(body, zero, micro)
+        (acc, observed), _ = jax.lax.scan(body, (zero, obs0), micro)
         inv = jnp.float32(1.0 / microbatches)
-        return jax.tree_util.tree_map(lambda a: a * inv, acc)
+        return (*jax.tree_util.tree_map(lambda a: a * inv, acc), observed)
 
     return grad_fn
 
@@ -168,6 +198,8 @@ class StepOptions:
         over a 1-D mesh and gradients all-reduced in ``allreduce_dtype``.
       allreduce_dtype: dtype of the gradient all-reduce (float32 by default).
       report_leaves: add ``finite_leaves`` (bool[n_float_leaves]) to the metrics.
+      recipe: a :class:`~precisionlab.train.recipe.TrainRecipe` (or None): every matmul of the
+        loss function goes through it (see :func:`build_step`).
     """
 
     policy: Policy = dataclasses.field(default_factory=Policy)
@@ -180,8 +212,14 @@ class StepOptions:
     data_parallel: bool | int = False
     allreduce_dtype: np.dtype = dataclasses.field(default_factory=lambda: np.dtype(np.float32))
     report_leaves: bool = False
+    recipe: TrainRecipe | None = None
 
     def __post_init__(self) -> None:
+        if self.recipe is not None and not isinstance(self.recipe, TrainRecipe):
+            raise TypeError(
+                f"recipe must be a TrainRecipe, got {type(self.recipe).__name__} "
+                "(precisionlab.train.recipe.parse_recipe accepts names and tables)"
+            )
         for name, kind in (("policy", Policy), ("loss_scale", LossScale), ("storage", Storage)):
             if not isinstance(getattr(self, name), kind):
                 raise TypeError(
@@ -262,6 +300,7 @@ def build_step(
     params: Any,
     optimizer: optax.GradientTransformation,
     options: StepOptions | None = None,
+    example_batch: Any = None,
 ) -> TrainStep:
     """Build the train step, its initial state and (data parallel) its mesh.
 
@@ -271,6 +310,16 @@ def build_step(
       params: initial params (any float dtype; stored in the storage dtype).
       optimizer: any optax GradientTransformation; runs in float32.
       options: see :class:`StepOptions` (default: float32, no loss scaling).
+      example_batch: a batch (arrays or ShapeDtypeStructs), needed only with a stateful recipe
+        (delayed scaling): its state has one entry per matmul, found by tracing ``loss_fn``.
+
+    With ``options.recipe``, ``loss_fn`` runs under :func:`precisionlab.recipes.apply` (on
+    the compute-dtype params the policy gives; excluded matmuls stay as the policy computes
+    them); NVFP4's stochastic rounding draws from a key folded from the step's key. The
+    recipe's state (``state.recipe_state``) is updated after the gradients with the amaxes the
+    step observed (max over micro-batches and devices); a step the loss scaler skips leaves it
+    unchanged (the observations of an overflowing step are discarded, see
+    :func:`precisionlab.recipes.apply`).
 
     Returns:
       A :class:`TrainStep`. The step's metrics (device arrays): loss, grad_norm, loss_scale (used
@@ -284,6 +333,16 @@ def build_step(
     grads_dtype = store.grads_dtype
     opt = store_opt_state(optimizer, store.opt_state_dtype)
     params_stored = cast_floating(params, store.param_dtype(pol.param_dtype))
+    rec = opts.recipe
+    recipe_state = None if rec is None else {}
+    if rec is not None and rec.stateful:
+        if example_batch is None:
+            raise ValueError(
+                f"the {rec.recipe.name} recipe is stateful: build_step needs an example_batch"
+            )
+        recipe_state = init_recipe_state(
+            loss_fn, rec, cast_floating(params, pol.compute_dtype), example_batch, opts.loss_scale
+        )
     state = TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params_stored,
@@ -291,8 +350,10 @@ def build_step(
         loss_scale=opts.loss_scale,
         storage_state=init_storage_state(params_stored, store.update),
         rng=jax.random.PRNGKey(opts.seed),
+        recipe_state=recipe_state,
     )
-    grad_fn = make_grad_fn(loss_fn, pol, opts.microbatches)
+    grad_fn = make_grad_fn(loss_fn, pol, opts.microbatches, rec)
+    applied = None if rec is None else rec.apply(loss_fn)
     mesh = None
     if opts.data_parallel:
         from precisionlab.train.parallel import data_parallel, local_mesh
@@ -312,7 +373,8 @@ def build_step(
         rng, key = jax.random.split(state.rng)
         ls = state.loss_scale
         pc = cast_floating(state.params, pol.compute_dtype)
-        loss, aux, g_scaled, meter = grad_fn(pc, batch, ls)
+        extra = {} if rec is None else (state.recipe_state, jax.random.fold_in(key, _RECIPE_KEY))
+        loss, aux, g_scaled, meter, observed = grad_fn(pc, batch, ls, extra)
         g32 = ls.unscale(g_scaled)
         if grads_dtype != np.dtype(jnp.float32):
             g32 = cast_floating(cast_floating(g32, grads_dtype), jnp.float32)
@@ -344,10 +406,36 @@ def build_step(
             loss_scale=ls.adjust(finite),
             storage_state=new[2],
             rng=rng,
+            recipe_state=(
+                state.recipe_state
+                if applied is None
+                else applied.update_state(state.recipe_state, observed, skip=skipped)
+            ),
         )
         return new_state, metrics
 
     return TrainStep(step_fn, state, mesh)
+
+
+#: Folded into the step's key for the recipe's randomness (NVFP4's stochastic rounding), so a
+#: run without a recipe draws exactly as before.
+_RECIPE_KEY = 0x5EC
+
+
+def init_recipe_state(
+    loss_fn: Callable, recipe: TrainRecipe, params_compute: Any, batch: Any, loss_scale: LossScale
+) -> dict[str, Any]:
+    """The initial state of ``recipe`` for ``loss_fn`` (``{}`` unless stateful): one entry
+    per replaced matmul, named as the train step's trace names them."""
+    if not recipe.stateful:
+        return {}
+    f = normalize_loss_fn(loss_fn)
+
+    def scaled(p, b, ls):  # the function the step differentiates (same matmuls)
+        loss, aux = f(p, b)
+        return ls.scale(loss), (loss, aux)
+
+    return recipe.apply(scaled).init_state(params_compute, batch, loss_scale)
 
 
 def make_train_step(
