@@ -1,4 +1,4 @@
-"""The glibc malloc settings precisionlab applies at import (precisionlab.bits._alloc)."""
+"""The opt-in glibc malloc settings (precisionlab.bits._alloc)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ def _tuning(env_value: str | None) -> str:
 
 
 @pytest.mark.skipif(not GLIBC, reason="the settings are glibc's")
-def test_applied_at_import_and_opt_out():
-    assert _tuning(None) == str({"M_ARENA_MAX": 1, "M_MMAP_MAX": 0, "M_TRIM_THRESHOLD": 1 << 30})
+def test_opt_in_at_import_and_off_by_default():
+    assert _tuning("1") == str({"M_ARENA_MAX": 1, "M_MMAP_MAX": 0, "M_TRIM_THRESHOLD": 1 << 30})
+    assert _tuning(None) == "None"  # a library does not change malloc unasked
     assert _tuning("0") == "None"
 
 

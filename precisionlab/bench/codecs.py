@@ -48,7 +48,7 @@ from precisionlab.bench._timing import (
     xla_copy_kernel,
 )
 from precisionlab.bits import decode, encode
-from precisionlab.bits._alloc import malloc_tuning
+from precisionlab.bits._alloc import apply_malloc_tuning, malloc_tuning
 from precisionlab.formats import FloatFormat, Format, IntFormat, get_format
 
 HELP = "encode/decode throughput vs ml_dtypes and gfloat, as ratios and % of copy bandwidth"
@@ -119,6 +119,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--whole-array",
         action="store_true",
         help="one call on the whole array, as users call it (fresh outputs), instead of chunks",
+    )
+    parser.add_argument(
+        "--malloc-tuning",
+        action="store_true",
+        help="apply precisionlab's opt-in glibc malloc settings first (see bits._alloc)",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument(
@@ -489,7 +494,7 @@ def machine() -> dict:
         "jax": jax.__version__,
         "ml_dtypes": ml_dtypes.__version__,
         "python": platform.python_version(),
-        # glibc malloc settings precisionlab applied at import (see precisionlab.bits._alloc).
+        # glibc malloc settings applied in this process (see precisionlab.bits._alloc).
         "malloc_tuning": malloc_tuning(),
         # Other processes share the cores: the 1-minute load average says how busy they were.
         "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
@@ -642,6 +647,8 @@ def run(args: argparse.Namespace) -> int:
     wide = [f.name for f in formats if isinstance(f, FloatFormat) and f.mantissa_bits > 23]
     if wide:
         raise UsageError(f"the benchmark encodes float32 inputs; {', '.join(wide)} is wider")
+    if args.malloc_tuning:
+        apply_malloc_tuning()  # before the first computation, so XLA's threads see it
     x = make_inputs(args.size)
     info = machine()
     whole = args.whole_array
