@@ -222,7 +222,23 @@ class Rowwise(Recipe):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Blockwise(Recipe):
+class _Blocked(Recipe):
+    """Base of the block recipes: ``block`` elements along the contraction axis share a scale;
+    ``pad`` allows sizes that are not multiples of ``block`` (zeros fill the last block)."""
+
+    block: int = 32
+    pad: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_block(self.block)
+
+    def block_sizes(self, kind):
+        return (self.block,)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Blockwise(_Blocked):
     """Block scaling (DeepSeek-V3 section 3.3; TE ``Float8BlockScaling``): E4M3 everywhere;
     1 x ``block`` tiles along the contraction axis for activations and gradients,
     ``block`` x ``block`` tiles for weights; scale per tile
@@ -233,14 +249,6 @@ class Blockwise(Recipe):
 
     name: ClassVar[str] = "blockwise"
     block: int = 128
-    pad: bool = False
-
-    def __post_init__(self):
-        super().__post_init__()
-        _check_block(self.block)
-
-    def block_sizes(self, kind):
-        return (self.block,)
 
     def two_d(self, kind) -> bool:
         return kind == "w"
@@ -257,7 +265,7 @@ _MX_ELEMENTS = {
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MX(Recipe):
+class MX(_Blocked):
     """OCP Microscaling (OCP MX v1.0; TE ``MXFP8BlockScaling``): ``block`` (32) elements
     along the contraction axis share an E8M0 scale ``X = 2**e``, elements ``x / X`` rounded
     to nearest even and saturated. ``element``/``grad_element``: element formats of the
@@ -271,12 +279,9 @@ class MX(Recipe):
     element: str = "float8_e4m3fn"
     grad_element: str | None = None
     scale_rule: str = "rceil"
-    block: int = 32
-    pad: bool = False
 
     def __post_init__(self):
         super().__post_init__()
-        _check_block(self.block)
         for f in (self.element, self.grad_element):
             if f is not None and f not in {v[0] for v in _MX_ELEMENTS.values()} | {
                 "float8_e5m2", "float6_e3m2fn"
@@ -294,15 +299,12 @@ class MX(Recipe):
         name = self.grad_element if (kind == "g" and self.grad_element) else self.element
         return FORMATS[name]
 
-    def block_sizes(self, kind):
-        return (self.block,)
-
     def quantize(self, t, kind, *, scale=None, key=None):
         return S.mx_blocks(t, self.fmt(kind), self.block, self.scale_rule)[0]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class NVFP4(Recipe):
+class NVFP4(_Blocked):
     """NVFP4 (TE ``NVFP4BlockScaling``; NVIDIA, "Pretraining Large Language Models with
     NVFP4", 2025): E2M1 elements, ``block`` (16) elements along the contraction axis share
     an E4M3 scale, plus one float32 scale per tensor (see :func:`_scaling.nvfp4` for the
@@ -319,14 +321,6 @@ class NVFP4(Recipe):
     stochastic_gradients: bool = True
     hadamard: bool = True
     hadamard_seed: int = 0
-    pad: bool = False
-
-    def __post_init__(self):
-        super().__post_init__()
-        _check_block(self.block)
-
-    def block_sizes(self, kind):
-        return (self.block,)
 
     def two_d(self, kind) -> bool:
         return kind == "w"
