@@ -4,8 +4,8 @@ Read from the source (every ``import`` statement, also those inside functions), 
 cannot hide an edge. Layers, lowest first; a module may import its own layer and those below:
 
     _schema, _io, _text (neutral helpers) -> formats -> bits -> quant -> (precisionlab facade)
-    -> metrics -> survey -> mixed -> intercept, recipes -> telemetry -> train -> memory -> bench
-    -> experiments -> conformance -> cli -> __main__
+    -> metrics -> survey -> mixed -> intercept, recipes, emulate -> telemetry -> train -> memory
+    -> bench -> experiments -> diagnose -> conformance -> cli -> __main__
 """
 
 import ast
@@ -24,12 +24,13 @@ LAYERS = [
     ("metrics",),
     ("survey",),
     ("mixed",),
-    ("intercept", "recipes"),
+    ("intercept", "recipes", "emulate"),
     ("telemetry",),
     ("train",),
     ("memory",),
     ("bench",),
     ("experiments",),
+    ("diagnose",),  # runs experiment variants and compares them
     ("conformance",),  # writes its report into a run directory of the store
     ("cli",),
     ("__main__",),
