@@ -478,9 +478,9 @@ def train_loop(
     state = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), state)
     shard = None
     if mesh is not None:
-        from precisionlab.train.parallel import replicate, shard_batch
+        from precisionlab.train.parallel import place_state, shard_batch
 
-        state = replicate(state, mesh)
+        state = place_state(state, mesh, options.zero_stage)
         shard = lambda b: shard_batch(b, mesh)  # noqa: E731
     it = _batches_from(batches, start)
 

@@ -1,12 +1,24 @@
 """Data parallelism over the local devices with ``jax.sharding`` and ``jax.shard_map``.
 
-The batch is split along its leading axis over a 1-D mesh (axis ``"data"``); params, optimizer
-state and loss scale are replicated. Each device computes gradients of its shard; the all-reduce
-(a mean) runs in a selectable dtype, as NCCL would in a real mixed-precision setup.
+The batch is split along its leading axis over a 1-D mesh (axis ``"data"``). Each device
+computes gradients of its shard; the all-reduce (a mean) runs in a selectable dtype, as NCCL
+would in a real mixed-precision setup.
+
+ZeRO stages (Rajbhandari et al. 2020) are layouts of the train state over the same axis, given
+to XLA's SPMD partitioner as shardings (:class:`ZeroLayout`): stage 0 replicates everything;
+stage 1 shards the optimizer state (and the Kahan compensation); stage 2 also the gradients
+(a reduce-scatter instead of the all-reduce); stage 3 also the stored params (all-gathered, in
+the compute dtype, before the forward pass). A leaf is split along its first axis whose size is
+a multiple of the device count; a leaf with no such axis (scalars, a 10-class bias on 8
+devices) is replicated whole: no padding, so a device holds ``size / N`` elements of a split
+leaf and ``size`` of a replicated one (:func:`shard_axis`). The layout changes where elements
+live, never the arithmetic of the elementwise update, so stages 0-3 give bitwise the same
+params and losses (only the grad-norm metric's reduction order changes).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -15,9 +27,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["AXIS", "data_parallel", "local_mesh", "replicate", "shard_batch"]
+__all__ = [
+    "AXIS",
+    "ZERO_STAGES",
+    "ZeroLayout",
+    "data_parallel",
+    "local_mesh",
+    "place_state",
+    "replicate",
+    "shard_axis",
+    "shard_batch",
+]
 
 AXIS = "data"
+ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 
 
 def local_mesh(num_devices: int | None = None) -> Mesh:
@@ -43,30 +66,129 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
     return jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
 
 
-def data_parallel(grad_fn: Callable, mesh: Mesh, allreduce_dtype: Any = jnp.float32) -> Callable:
+def shard_axis(shape: tuple[int, ...], n: int) -> int | None:
+    """The axis a leaf of ``shape`` is split along over ``n`` devices: the first whose size is a
+    positive multiple of ``n``; None (replicate) when there is none or ``n`` is 1."""
+    if n <= 1:
+        return None
+    for axis, size in enumerate(shape):
+        if size >= n and size % n == 0:
+            return axis
+    return None
+
+
+def _spec(shape: tuple[int, ...], n: int) -> PartitionSpec:
+    axis = shard_axis(tuple(shape), n)
+    return PartitionSpec() if axis is None else PartitionSpec(*([None] * axis), AXIS)
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroLayout:
+    """Where the train state lives for ZeRO ``stage`` over the 1-D data ``mesh``.
+
+    ``stage`` 0-3 (see the module docstring). Methods map pytrees of arrays (or
+    ShapeDtypeStructs) to shardings and constrain traced values to them (inside ``jit``).
+    """
+
+    mesh: Mesh
+    stage: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stage, bool) or self.stage not in ZERO_STAGES:
+            raise ValueError(f"zero_stage must be one of 0, 1, 2, 3, got {self.stage!r}")
+
+    @property
+    def size(self) -> int:
+        return int(self.mesh.devices.size)
+
+    def split(self, tree: Any) -> Any:
+        """Shardings splitting every leaf of ``tree`` (replicating leaves that do not divide)."""
+        n = self.size
+        return jax.tree_util.tree_map(
+            lambda x: NamedSharding(self.mesh, _spec(np.shape(x), n)), tree
+        )
+
+    def whole(self, tree: Any) -> Any:
+        """Shardings replicating every leaf of ``tree``."""
+        return jax.tree_util.tree_map(lambda _: NamedSharding(self.mesh, PartitionSpec()), tree)
+
+    def grad_specs(self, params: Any) -> Any:
+        """PartitionSpecs (a tree like ``params``) of the gradients a stage >= 2 step
+        reduce-scatters; None (an all-reduce of every gradient) below stage 2."""
+        if self.stage < 2:
+            return None
+        return jax.tree_util.tree_map(lambda x: _spec(np.shape(x), self.size), params)
+
+    def state_shardings(self, state: Any) -> Any:
+        """Shardings of a :class:`~precisionlab.train.step.TrainState`: params split at stage
+        3, optimizer state and Kahan compensation at stage >= 1; the rest replicated."""
+        split_params = self.split if self.stage >= 3 else self.whole
+        split_opt = self.split if self.stage >= 1 else self.whole
+        return state._replace(
+            step=self.whole(state.step),
+            params=split_params(state.params),
+            opt_state=split_opt(state.opt_state),
+            loss_scale=self.whole(state.loss_scale),
+            storage_state=split_opt(state.storage_state),
+            rng=self.whole(state.rng),
+            recipe_state=self.whole(state.recipe_state),
+        )
+
+    def constrain(self, tree: Any, shardings: Any) -> Any:
+        """``tree`` constrained to ``shardings`` (inside ``jit``)."""
+        return jax.lax.with_sharding_constraint(tree, shardings)
+
+
+def place_state(state: Any, mesh: Mesh, zero_stage: int = 0) -> Any:
+    """Put a TrainState on the mesh in the layout of ``zero_stage`` (0: replicated). Full
+    arrays in (a fresh state, a loaded checkpoint: any device count wrote it), shards out."""
+    layout = ZeroLayout(mesh, zero_stage)
+    return jax.device_put(state, layout.state_shardings(state))
+
+
+def data_parallel(
+    grad_fn: Callable,
+    mesh: Mesh,
+    allreduce_dtype: Any = jnp.float32,
+    grad_specs: Any = None,
+) -> Callable:
     """Wrap ``grad_fn(params, batch, loss_scale, extra) -> (loss, aux, grads, underflow,
     observed)`` so that it runs per device on its shard of the batch and returns the device-mean
     of every output but ``observed`` (a recipe's amaxes: their max over devices, so the scales
     equal a single device's); the gradient all-reduce runs in ``allreduce_dtype`` (the result is
-    cast back to float32). ``extra`` (a recipe's state and key) is replicated."""
+    cast back to float32). ``extra`` (a recipe's state and key) is replicated.
+
+    ``grad_specs`` (ZeRO stage 2-3, see :meth:`ZeroLayout.grad_specs`): per gradient leaf a
+    PartitionSpec; a split leaf is reduce-scattered along its split axis (each device gets its
+    slice of the sum), a replicated one all-reduced. On the CPU backend both add the devices'
+    partial gradients in device order, so the values are bitwise those of the all-reduce.
+    """
     n = mesh.devices.size
     red = np.dtype(allreduce_dtype)
+    rep, dat = PartitionSpec(), PartitionSpec(AXIS)
+
+    def reduce(g: jax.Array, spec: PartitionSpec) -> jax.Array:
+        g = g.astype(red)
+        if AXIS in tuple(spec):
+            axis = tuple(spec).index(AXIS)
+            g = jax.lax.psum_scatter(g, AXIS, scatter_dimension=axis, tiled=True)
+        else:
+            g = jax.lax.psum(g, AXIS)
+        return g.astype(jnp.float32) / jnp.float32(n)
 
     def per_device(params, batch, loss_scale, extra):
         loss, aux, grads, underflow, observed = grad_fn(params, batch, loss_scale, extra)
         mean = lambda x: jax.lax.pmean(x, AXIS)  # noqa: E731
-        grads = jax.tree_util.tree_map(
-            lambda g: jax.lax.psum(g.astype(red), AXIS).astype(jnp.float32) / jnp.float32(n),
-            grads,
-        )
+        leaves, treedef = jax.tree_util.tree_flatten(grads)
+        specs = [rep] * len(leaves) if grad_specs is None else treedef.flatten_up_to(grad_specs)
+        grads = treedef.unflatten([reduce(g, s) for g, s in zip(leaves, specs, strict=True)])
         observed = jax.tree_util.tree_map(lambda x: jax.lax.pmax(x, AXIS), observed)
         return mean(loss), jax.tree_util.tree_map(mean, aux), grads, mean(underflow), observed
 
-    rep, dat = PartitionSpec(), PartitionSpec(AXIS)
     return jax.shard_map(
         per_device,
         mesh=mesh,
         in_specs=(rep, dat, rep, rep),
-        out_specs=(rep, rep, rep, rep, rep),
+        out_specs=(rep, rep, rep if grad_specs is None else grad_specs, rep, rep),
         check_vma=False,
     )

@@ -197,6 +197,10 @@ class StepOptions:
       data_parallel: 0 (off), True (all local devices) or a device count; the batch is split
         over a 1-D mesh and gradients all-reduced in ``allreduce_dtype``.
       allreduce_dtype: dtype of the gradient all-reduce (float32 by default).
+      zero_stage: ZeRO over the data-parallel devices (needs ``data_parallel``): 0 replicates
+        the state, 1 shards the optimizer state, 2 also the gradients (reduce-scatter), 3 also
+        the params (see :mod:`precisionlab.train.parallel`; place the state with
+        ``parallel.place_state(state, mesh, zero_stage)``).
       report_leaves: add ``finite_leaves`` (bool[n_float_leaves]) to the metrics.
       recipe: a :class:`~precisionlab.train.recipe.TrainRecipe` (or None): every matmul of the
         loss function goes through it (see :func:`build_step`).
@@ -213,6 +217,7 @@ class StepOptions:
     allreduce_dtype: np.dtype = dataclasses.field(default_factory=lambda: np.dtype(np.float32))
     report_leaves: bool = False
     recipe: TrainRecipe | None = None
+    zero_stage: int = 0
 
     def __post_init__(self) -> None:
         if self.recipe is not None and not isinstance(self.recipe, TrainRecipe):
@@ -232,6 +237,13 @@ class StepOptions:
         if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
             raise ValueError(f"microbatches must be an int >= 1, got {mb!r}")
         object.__setattr__(self, "allreduce_dtype", np.dtype(self.allreduce_dtype))
+        if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be one of 0, 1, 2, 3, got {self.zero_stage!r}")
+        if self.zero_stage and not self.data_parallel:
+            raise ValueError(
+                f"zero_stage={self.zero_stage} shards the state over the data-parallel devices: "
+                "it needs data_parallel"
+            )
 
     @classmethod
     def parse(
@@ -354,14 +366,21 @@ def build_step(
     )
     grad_fn = make_grad_fn(loss_fn, pol, opts.microbatches, rec)
     applied = None if rec is None else rec.apply(loss_fn)
-    mesh = None
+    mesh, zero = None, None
     if opts.data_parallel:
-        from precisionlab.train.parallel import data_parallel, local_mesh
+        from precisionlab.train.parallel import ZeroLayout, data_parallel, local_mesh
 
         mesh = local_mesh(None if opts.data_parallel is True else int(opts.data_parallel))
-        grad_fn = data_parallel(grad_fn, mesh, opts.allreduce_dtype)
+        layout = ZeroLayout(mesh, opts.zero_stage)
+        specs = layout.grad_specs(params_stored)
+        grad_fn = data_parallel(grad_fn, mesh, opts.allreduce_dtype, specs)
+        if opts.zero_stage:
+            # (shardings of the state, of a params-like tree split over the devices)
+            zero = (layout.state_shardings(state), layout.split(params_stored))
 
     def update(params_s, opt_state, storage_state, g32, key):
+        if zero is not None:  # each device updates its slice (ZeRO); elementwise: same values
+            params_s, g32 = jax.lax.with_sharding_constraint((params_s, g32), (zero[1], zero[1]))
         p32 = cast_floating(params_s, jnp.float32)
         updates, new_opt = opt.update(g32, opt_state, p32)
         new_params, new_ss = apply_updates(
@@ -412,6 +431,8 @@ def build_step(
                 else applied.update_state(state.recipe_state, observed, skip=skipped)
             ),
         )
+        if zero is not None:
+            new_state = jax.lax.with_sharding_constraint(new_state, zero[0])
         return new_state, metrics
 
     return TrainStep(step_fn, state, mesh)
