@@ -20,7 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument(
         "--measure",
         metavar="CONFIG",
-        help="estimate vs XLA's allocation for the train steps of an experiment file",
+        help="estimate vs XLA's allocation for the train steps of an experiment file "
+        "(per device with --zero-stage S / --dp N)",
     )
     setup = parser.add_argument_group("training setup")
     setup.add_argument("--policy", default="p=f32,c=f16", help="precision policy (p=f32,c=f16)")
@@ -210,6 +211,26 @@ def _fit_lines(result: Any, budget_text: str) -> list[str]:
     ]
 
 
+def _zero_devices(dp: int) -> None:
+    """Ask for ``dp`` host devices before JAX starts its CPU backend (no effect once it has
+    started, or on GPU/TPU); then check that the process has ``dp`` devices."""
+    import jax
+
+    if dp < 1:
+        raise UsageError(f"--dp must be >= 1, got {dp}")
+    if dp > 1:
+        try:
+            jax.config.update("jax_num_cpu_devices", dp)
+        except RuntimeError:  # the backend is up already: use the devices it has
+            pass
+    have = len(jax.local_devices())
+    if have < dp:
+        raise UsageError(
+            f"--dp {dp} needs {dp} devices, this process has {have} "
+            f"(on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={dp})"
+        )
+
+
 def _measure(args: argparse.Namespace) -> int:
     from precisionlab.memory.builtin import measure_train_table
 
@@ -229,6 +250,11 @@ def _measure(args: argparse.Namespace) -> int:
 
     # The runner validated the tables; keys it adds beyond TrainConfig's are dropped here.
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    zero = args.zero_stage != 0 or args.dp != 1
+    if zero:
+        from precisionlab.memory.zero import measure_zero_table
+
+        _zero_devices(args.dp)
     seen: set[str] = set()
     reports = []
     for unit in experiment.units:
@@ -239,12 +265,21 @@ def _measure(args: argparse.Namespace) -> int:
         if key in seen:
             continue
         seen.add(key)
-        reports.append((unit.name, measure_train_table(table, f"{args.measure}: {unit.name}")))
+        where = f"{args.measure}: {unit.name}"
+        if zero:
+            table.update(data_parallel=True, zero_stage=args.zero_stage)
+            rep = measure_zero_table(table, where, zero_stage=args.zero_stage, dp=args.dp)
+        else:
+            rep = measure_train_table(table, where)
+        reports.append((unit.name, rep))
     if args.json:
         print(json.dumps([{"unit": name, **rep} for name, rep in reports], indent=2))
         return 0
     for name, rep in reports:
         print(f"{name}: {rep['description']}")
+        if zero:
+            print(_zero_lines(rep))
+            continue
         print(f"  {'':<14} {'estimated':>14} {'XLA':>14} {'XLA/est':>8}")
         for row in rep["rows"]:
             ratio = row["ratio"]
@@ -252,3 +287,17 @@ def _measure(args: argparse.Namespace) -> int:
             print(f"  {row['name']:<14} {row['estimated']:>14,} {row['measured']:>14,} {text:>8}")
         print(f"  backend {rep['backend']}, {rep['flops']:.3g} FLOPs per step")
     return 0
+
+
+def _zero_lines(rep: dict[str, Any]) -> str:
+    """The per-device table of :func:`precisionlab.memory.zero.measure_zero_table`."""
+    lines = [f"  {'per device':<16} {'estimated':>13} {'XLA':>13} {'XLA/est':>8}"]
+    for row in rep["rows"]:
+        got = "-" if row["measured"] is None else f"{row['measured']:,}"
+        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.3f}"
+        lines.append(f"  {row['name']:<16} {row['estimated']:>13,} {got:>13} {ratio:>8}")
+    lines.append(
+        f"  backend {rep['backend']}; XLA params / optimizer state: the compiled step's "
+        "per-device argument shapes"
+    )
+    return "\n".join(lines)

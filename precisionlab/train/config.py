@@ -105,6 +105,7 @@ TRAIN_FIELDS: dict[str, Field] = {
     "shadow_interval": _steps(0),
     "data_parallel": Field(bool, False),
     "allreduce_dtype": Field(str, None, check=_dtype, nullable=True),
+    "zero_stage": Field(int, 0, choices=(0, 1, 2, 3), doc="ZeRO stage; needs data_parallel"),
     "remat": Field(bool, False),
     "report_leaves": Field(bool, False),
     "progress": Field(bool, None, nullable=True),
@@ -182,6 +183,8 @@ class TrainConfig:
       histograms of log2|grad| and log2|activation| every N steps), shadow (fp32 shadow pass at
       hist steps, or every ``shadow_interval`` steps if > 0), data_parallel (shard the batch over
       all local devices), allreduce_dtype (dtype of the gradient all-reduce, None = float32),
+      zero_stage (ZeRO over the data-parallel devices, needs data_parallel: 1 shards the
+      optimizer state, 2 also the gradients, 3 also the params; see ``train.parallel``),
       remat (jax.checkpoint each model block), report_leaves (name the non-finite gradient
       leaves of skipped steps), progress (tqdm bar; None = only on a tty).
     Loss:
@@ -227,6 +230,7 @@ class TrainConfig:
     shadow_interval: int = 0
     data_parallel: bool = False
     allreduce_dtype: str | None = None
+    zero_stage: int = 0
     remat: bool = False
     report_leaves: bool = False
     progress: bool | None = None
@@ -245,6 +249,11 @@ class TrainConfig:
         if self.batch_size % self.microbatches:
             raise ConfigError(
                 f"batch_size {self.batch_size} is not divisible by microbatches {self.microbatches}"
+            )
+        if self.zero_stage and not self.data_parallel:
+            raise ConfigError(
+                f"zero_stage {self.zero_stage} shards over the data-parallel devices: it needs "
+                "data_parallel = true"
             )
         if self.schedule != "constant" and self.steps <= self.warmup_steps:
             raise ConfigError(f"schedule {self.schedule!r} needs steps > warmup_steps")

@@ -628,6 +628,7 @@ def build(config: TrainConfig) -> TrainSetup:
         seed=config.seed,
         data_parallel=config.data_parallel,
         allreduce_dtype=precision.allreduce_dtype,
+        zero_stage=config.zero_stage,
         report_leaves=config.report_leaves,
         recipe=precision.recipe,
     )
