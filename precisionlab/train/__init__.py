@@ -84,13 +84,15 @@ Low level (any user model):
 - ``build_step(loss_fn, params, optimizer, options=StepOptions(...)) -> TrainStep(fn, state,
   mesh)``: ``StepOptions`` (frozen: ``policy`` a Policy, ``loss_scale`` a LossScale, ``storage``,
   ``microbatches``, ``seed``, ``skip_nonfinite``, ``skip`` "cond" | "select", ``data_parallel``,
-  ``allreduce_dtype``, ``report_leaves``; ``StepOptions.parse(policy="p=f32,c=bf16,o=f32",
+  ``allreduce_dtype``, ``zero_stage`` 0-3, ``report_leaves``;
+  ``StepOptions.parse(policy="p=f32,c=bf16,o=f32",
   loss_scale="dynamic", ...)`` takes spec strings). ``fn(state, batch) -> (state, metrics)`` is
   a pure, UN-jitted function (wrap it in ``jax.jit``, e.g. ``jax.jit(fn, donate_argnums=0)``;
   ``jax.jit(fn).lower(state, batch).compile().memory_analysis()`` for memory accounting);
   ``state`` is a ``TrainState`` NamedTuple (step, params, opt_state, loss_scale,
   storage_state, rng); ``mesh`` the data-parallel mesh (shard batches with
-  ``train.parallel.shard_batch``) or None. ``loss_fn(params, batch)`` receives params already
+  ``train.parallel.shard_batch``, place the state with ``train.parallel.place_state(state,
+  mesh, zero_stage)``) or None. ``loss_fn(params, batch)`` receives params already
   cast to the compute dtype and returns a scalar loss or ``(loss, aux)``.
   ``make_train_step(loss_fn, params, optimizer, **step_options) -> (fn, state)`` is the same
   with the options as keywords.
