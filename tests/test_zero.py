@@ -103,6 +103,18 @@ for stage in (0, 1, 2, 3):
     assert head.addressable_shards[0].data.shape == (10,)
     if stage == 0:
         full, end = losses, jax.device_get(state)
+# from a TrainConfig (the TOML path): bf16 compute on float32 master weights, dynamic loss
+# scaling, ZeRO-3 on 8 devices = one device with 8 micro-batches, bitwise
+from precisionlab.train import TrainConfig, train
+cfg = dict(
+    model="mlp", model_kwargs={"width": 32}, batch_size=B, steps=3, lr=1e-2, eval_batches=1,
+    policy="p=f32,c=bf16,o=f32", loss_scale="dynamic", progress=False,
+)
+z3 = train(TrainConfig(**cfg, data_parallel=True, zero_stage=3))
+m8 = train(TrainConfig(**cfg, microbatches=8))
+assert [r["loss"] for r in z3.metrics] == [r["loss"] for r in m8.metrics]
+assert same(jax.device_get(z3.state), jax.device_get(m8.state))
+assert "data" in str(z3.state.params["hidden"][0]["w"].sharding.spec)
 """
 
 
@@ -168,13 +180,45 @@ for stage in STAGES:
     assert rows["params"]["measured"] == want_p, (stage, rows["params"], want_p)
     assert rows["optimizer state"]["measured"] == want_o, (stage, rows["optimizer state"])
     assert rows["gradients"]["estimated"] == 4 * (split if stage >= 2 else n_params)
+    # bf16 params with Kahan compensation, fp8 optimizer state (per-tensor float32 scales),
+    # dynamic loss scaling, 2 micro-batches per device
+    mixed = dict(
+        table, policy="p=f32,c=bf16,o=f32", loss_scale="dynamic", microbatches=2,
+        params_dtype="bfloat16", update_rounding="kahan", opt_state_dtype="float8_e4m3fn",
+    )
+    rows = {r["name"]: r for r in measure_zero_table(mixed, zero_stage=stage, dp=8)["rows"]}
+    for name in ("params", "optimizer state", "arguments", "outputs"):
+        assert rows[name]["estimated"] == rows[name]["measured"], (stage, rows[name])
+    assert rows["optimizer state"]["measured"] == 2 * (split if stage >= 1 else n_params)
+print("OK")
+"""
+
+
+TEXTBOOK = """
+# A transformer whose leaves all divide by 8: the per-leaf count equals the flat
+# ceil(n_params / 8) of the preset estimator (float32: no separate master copy)
+from precisionlab.memory import TrainSetup, estimate
+from precisionlab.memory.builtin import transformer_spec
+table = dict(model="transformer", data="markov", batch_size=32, optimizer="adam")
+spec = None
+for stage in (0, 1, 2, 3):
+    rep = measure_zero_table(table, zero_stage=stage, dp=8)
+    rows = {r["name"]: r for r in rep["rows"]}
+    if spec is None:
+        from precisionlab.train import TrainConfig, build
+        spec = transformer_spec(build(TrainConfig.from_dict(table)).model)
+    b = estimate(spec, TrainSetup(policy="f32", zero_stage=stage, dp=8, batch=32))
+    assert rows["params"]["measured"] == b.weights, (stage, rows["params"], b.weights)
+    assert rows["optimizer state"]["measured"] == b.optimizer_state, stage
+    assert rows["gradients"]["estimated"] == b.gradients, stage
+    assert rows["arguments"]["estimated"] == rows["arguments"]["measured"], stage
 print("OK")
 """
 
 
 @pytest.mark.slow
 def test_per_device_memory_equals_estimate_every_stage():
-    _run(MEMORY.replace("STAGES", "(0, 1, 2, 3)"))
+    _run(MEMORY.replace("STAGES", "(0, 1, 2, 3)").replace('print("OK")', "") + TEXTBOOK)
 
 
 RESUME = """
@@ -212,3 +256,64 @@ with tempfile.TemporaryDirectory() as d:
 @pytest.mark.slow
 def test_resume_across_layouts_bitwise():
     _run(NUMERICS + RESUME.replace("SAME_COUNT", "True") + 'print("OK")')
+
+
+def test_zero_stage_errors_name_the_value(capsys):
+    from precisionlab.cli import main
+    from precisionlab.memory.zero import zero_state_bytes
+    from precisionlab.train import StepOptions, TrainConfig
+
+    with pytest.raises(ValueError, match="needs data_parallel"):
+        TrainConfig(zero_stage=1)
+    with pytest.raises(ValueError, match=r"train\.zero_stage: unknown value 4; allowed: 0, 1"):
+        TrainConfig.from_dict({"zero_stage": 4, "data_parallel": True})
+    with pytest.raises(ValueError, match="needs data_parallel"):
+        StepOptions(zero_stage=2)
+    with pytest.raises(ValueError, match="got True"):
+        StepOptions(zero_stage=True, data_parallel=True)
+    with pytest.raises(ValueError, match="got 5"):
+        zero_state_bytes({}, stage=5, dp=2, param_dtype="f4", opt_state_dtype="f4", optimizer="sgd")
+    assert TrainConfig(zero_stage=3, data_parallel=True).zero_stage == 3
+    # this process has fewer devices than --dp: one line, exit 2
+    argv = [
+        "memory",
+        "--zero-stage",
+        "2",
+        "--dp",
+        "4096",
+        "--measure",
+        "experiments/tiny_train.toml",
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--dp 4096 needs 4096 devices" in err[0], err
+
+
+def test_zero_state_bytes_by_hand():
+    import jax
+    import numpy as np
+
+    from precisionlab.memory.zero import leaf_elements_per_device, zero_state_bytes
+
+    shapes = {
+        "w": jax.ShapeDtypeStruct((6, 16), np.float32),
+        "b": jax.ShapeDtypeStruct((10,), np.float32),
+    }
+    assert leaf_elements_per_device((6, 16), 8, True) == 12  # axis 1 divides
+    assert leaf_elements_per_device((10,), 8, True) == 10  # replicated
+    assert leaf_elements_per_device((6, 16), 8, False) == 96
+    got = zero_state_bytes(
+        shapes,
+        stage=2,
+        dp=8,
+        param_dtype="bfloat16",
+        opt_state_dtype="float32",
+        optimizer="adam",
+        kahan=True,
+    )
+    assert got == {
+        "params": 106 * 2,  # stage 2 keeps params whole
+        "gradients": (12 + 10) * 4,
+        "optimizer_state": 2 * (12 + 10) * 4,
+        "compensation": (12 + 10) * 2,
+    }

@@ -212,17 +212,12 @@ def _fit_lines(result: Any, budget_text: str) -> list[str]:
 
 
 def _zero_devices(dp: int) -> None:
-    """Ask for ``dp`` host devices before JAX starts its CPU backend (no effect once it has
-    started, or on GPU/TPU); then check that the process has ``dp`` devices."""
+    """Check that the process has ``dp`` devices (host devices are set before JAX starts, by
+    the caller: changing them here would change them for everything else in the process)."""
     import jax
 
     if dp < 1:
         raise UsageError(f"--dp must be >= 1, got {dp}")
-    if dp > 1:
-        try:
-            jax.config.update("jax_num_cpu_devices", dp)
-        except RuntimeError:  # the backend is up already: use the devices it has
-            pass
     have = len(jax.local_devices())
     if have < dp:
         raise UsageError(
