@@ -12,8 +12,9 @@ the compute dtype, before the forward pass). A leaf is split along its first axi
 a multiple of the device count; a leaf with no such axis (scalars, a 10-class bias on 8
 devices) is replicated whole: no padding, so a device holds ``size / N`` elements of a split
 leaf and ``size`` of a replicated one (:func:`shard_axis`). The layout changes where elements
-live, never the arithmetic of the elementwise update, so stages 0-3 give bitwise the same
-params and losses (only the grad-norm metric's reduction order changes).
+live, not the arithmetic of an elementwise update, so stages 0-3 give bitwise the same params
+and losses; what reduces over a sharded tree (the grad-norm metric, and so a global-norm
+``grad_clip``) sums per shard and then across devices, in another order.
 """
 
 from __future__ import annotations
@@ -86,8 +87,8 @@ def _spec(shape: tuple[int, ...], n: int) -> PartitionSpec:
 class ZeroLayout:
     """Where the train state lives for ZeRO ``stage`` over the 1-D data ``mesh``.
 
-    ``stage`` 0-3 (see the module docstring). Methods map pytrees of arrays (or
-    ShapeDtypeStructs) to shardings and constrain traced values to them (inside ``jit``).
+    ``stage`` 0-3 (see the module docstring). Its methods map pytrees of arrays (or
+    ShapeDtypeStructs) to shardings: ``device_put`` and ``with_sharding_constraint`` take them.
     """
 
     mesh: Mesh
@@ -133,10 +134,6 @@ class ZeroLayout:
             rng=self.whole(state.rng),
             recipe_state=self.whole(state.recipe_state),
         )
-
-    def constrain(self, tree: Any, shardings: Any) -> Any:
-        """``tree`` constrained to ``shardings`` (inside ``jit``)."""
-        return jax.lax.with_sharding_constraint(tree, shardings)
 
 
 def place_state(state: Any, mesh: Mesh, zero_stage: int = 0) -> Any:
