@@ -132,6 +132,12 @@ for stage in (0, 3):
         base_losses, base = losses, state
         assert np.array_equal(losses[:1], ref_losses[:1]), (losses, ref_losses)
     assert np.array_equal(losses, base_losses) and same(state, base), stage
+# stochastic rounding of the update into bf16 params: its random bits do not depend on the
+# layout (JAX's partitionable threefry)
+sr = dict(storage=Storage(params="bfloat16", update="stochastic"))
+sr_losses, sr_state = run(dp=8, stage=0, **sr)
+losses, state = run(dp=8, stage=2, **sr)
+assert np.array_equal(losses, sr_losses) and same(state, sr_state)
 # gradient accumulation inside each device (2 micro-batches of 4) and delayed FP8 scaling
 # (its amax history is replicated state): every stage equals stage 0 bitwise
 from precisionlab.train.recipe import parse_recipe
