@@ -70,6 +70,15 @@ class _Record:
         return [out]
 
 
+#: Where the built-in models' captured activations come in a layer (unknown names last).
+_ACT_ORDER = ("input", "pre", "gelu_cubic", "attn_logits", "mlp_hidden", "out", "resid")
+
+
+def _act_rank(key: str) -> tuple[int, str]:
+    name = key.split("/")[-1]
+    return (_ACT_ORDER.index(name) if name in _ACT_ORDER else len(_ACT_ORDER), key)
+
+
 def _layer_of(scope: str, names: tuple[str, ...]) -> str:
     for part in scope.split("/"):
         if part in names:
@@ -158,7 +167,7 @@ class Capture:
                 if _layer_of(s.scope, self.layers) == layer and s.name in sink:
                     kinds = (("lhs", "operand"), ("rhs", "operand"), ("out", "output"))
                     fwd += [Tensor(layer, f"{s.name}.{p}", k, 0) for p, k in kinds]
-            for k in acts:
+            for k in sorted(acts, key=_act_rank):  # jit returns dicts in sorted key order
                 if self._act_layer(k) == layer:
                     fwd.append(Tensor(layer, f"act:{k.split('/')[-1]}", "activation", 0))
         fwd.append(Tensor("-", "loss", "loss", 0))

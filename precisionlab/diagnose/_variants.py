@@ -12,7 +12,14 @@ from precisionlab.train import TrainConfig
 __all__ = ["SHARED_KEYS", "load_units", "pick", "with_layers_high"]
 
 #: What two variants must share to be compared or bisected: the model, the data and their order.
-SHARED_KEYS: tuple[str, ...] = ("model", "model_kwargs", "data", "data_kwargs", "batch_size", "seed")
+SHARED_KEYS: tuple[str, ...] = (
+    "model",
+    "model_kwargs",
+    "data",
+    "data_kwargs",
+    "batch_size",
+    "seed",
+)
 
 
 def pick(experiment: Experiment, name: str) -> Unit:
@@ -51,7 +58,9 @@ def load_units(
     share model, data, batch size and seed."""
     experiment = load_experiment(path, overrides)
     if experiment.kind != "train":
-        raise ValueError(f"{path}: diagnose needs a 'train' experiment, got kind {experiment.kind!r}")
+        raise ValueError(
+            f"{path}: diagnose needs a 'train' experiment, got kind {experiment.kind!r}"
+        )
     units = [pick(experiment, n) for n in names]
     for other in units[1:]:
         _check_shared(units[0], other)

@@ -160,9 +160,16 @@ def _explain(t: Tensor, a: np.ndarray, b: np.ndarray, other: _Runner, name: str)
         "loss": "loss",
     }[t.kind]
     where = f"{t.layer}'s {what} ({t.name})" if t.layer != "-" else "the loss"
-    if stats["overflow"] > 0 or stats["other_nonfinite"] > 0:
-        frac = max(stats["overflow"], stats["other_nonfinite"])
-        text = f"{frac:.1%} of {where} overflow {target} (reference amax {ref['amax']:.3g})"
+    if stats["overflow"] > 0:
+        text = (
+            f"{stats['overflow']:.1%} of {where} overflow {target} (reference amax "
+            f"{ref['amax']:.3g}, {target} max {float(np.finfo(dtype).max):.6g})"
+        )
+    elif stats["other_nonfinite"] > 0:
+        text = (
+            f"{stats['other_nonfinite']:.1%} of {name}'s {where} are inf/NaN carried in from "
+            f"earlier tensors (the reference fits {target}: amax {ref['amax']:.3g})"
+        )
     elif stats["underflow"] > 0:
         at = f" at loss weight x loss scale {scale:g}" if t.kind == "grad" else ""
         text = (
@@ -191,7 +198,7 @@ def compare(
     first_batch = next(batches)
     ra, rb = _Runner(ref, first_batch), _Runner(other, first_batch)
     steps = min(ref.config.steps, other.config.steps, options.steps or 2**31)
-    heat: dict[str, list[float]] = {layer: [] for layer in ra.capture.layers + ("-",)}
+    heat: dict[str, list[float]] = {layer: [] for layer in (*ra.capture.layers, "-")}
     compared: list[int] = []
     at_step: list[Crossing] = []
     last: tuple = ()
