@@ -106,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         "options": vars(options) if hasattr(options, "__dict__") else {},
         "document": experiment.document,
     }
+    d.check(mode, units, options)  # bad layers or a variant without a recipe: before any work
     run_dir = d.open_run(args.out, f"{experiment.name}-diagnose", record)
     plots = not args.no_plots
     if mode == "compare":

@@ -12,7 +12,7 @@ data; the ``write_*`` functions put a report into a run directory.
 """
 
 from precisionlab.diagnose._report import open_run, write_autoswitch, write_bisect, write_compare
-from precisionlab.diagnose._variants import load_units, pick
+from precisionlab.diagnose._variants import check, load_units, pick
 from precisionlab.diagnose.autoswitch import (
     AutoSwitchRecipe,
     SwitchOptions,
@@ -40,6 +40,7 @@ __all__ = [
     "SwitchResult",
     "autoswitch",
     "bisect",
+    "check",
     "compare",
     "load_units",
     "open_run",

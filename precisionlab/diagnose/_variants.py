@@ -9,7 +9,7 @@ from pathlib import Path
 from precisionlab.experiments.config import Experiment, Unit, load_experiment
 from precisionlab.train import TrainConfig
 
-__all__ = ["SHARED_KEYS", "load_units", "pick", "with_layers_high"]
+__all__ = ["SHARED_KEYS", "check", "load_units", "pick", "with_layers_high"]
 
 #: What two variants must share to be compared or bisected: the model, the data and their order.
 SHARED_KEYS: tuple[str, ...] = (
@@ -71,3 +71,19 @@ def with_layers_high(config: TrainConfig, layers: Sequence[str], **changes) -> T
     """``config`` with ``layers`` (names) added to its high-precision layers."""
     hp = tuple(dict.fromkeys((*config.high_precision_layers, *layers)))
     return dataclasses.replace(config, high_precision_layers=hp, **changes)
+
+
+def check(mode: str, units: Sequence[Unit], options: object) -> None:
+    """The errors a diagnosis would meet later, raised before any run: a ``--layers`` pattern
+    matching no layer (bisect), a variant without a recipe (autoswitch)."""
+    from precisionlab.train.models import layer_names, resolve_layers
+
+    cfg = units[0].config
+    layers = getattr(options, "layers", ())
+    if mode == "bisect" and layers:
+        resolve_layers(layers, layer_names(cfg.model, cfg.model_kwargs), "--layers pattern")
+    if mode == "autoswitch" and cfg.precision.recipe is None:
+        raise ValueError(
+            f"variant {units[0].name!r} has no recipe: --autoswitch switches a recipe's "
+            "matmuls to high precision"
+        )
