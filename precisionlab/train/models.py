@@ -595,7 +595,9 @@ def layer_names(name: str, model_kwargs: dict[str, Any] | None = None) -> tuple[
     return (*(f"{prefix}{i}" for i in range(depth)), last)
 
 
-def resolve_layers(patterns: Any, names: tuple[str, ...], what: str = "layer filter") -> tuple[str, ...]:
+def resolve_layers(
+    patterns: Any, names: tuple[str, ...], what: str = "layer filter"
+) -> tuple[str, ...]:
     """The layers of ``names`` matched by any glob of ``patterns`` (``"layer*"``), in program
     order; a pattern matching no layer is a ValueError naming the layers."""
     import fnmatch
