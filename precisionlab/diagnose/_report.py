@@ -185,27 +185,23 @@ def write_bisect(run_dir: Path, result: Any, *, plots: bool = True) -> tuple[Pat
 def write_autoswitch(run_dir: Path, result: Any, *, plots: bool = True) -> tuple[Path, str]:
     """report.md and a plot of the loss with the switch steps marked."""
     r = result
-    hdr = [
-        "matmul",
-        "layer",
-        "switched after step",
-        "x underflow",
-        "x mse",
-        "w mse",
-        "g underflow",
-        "g mse",
-    ]
+    hdr = ["matmul", "layer", "switched after step", "why"]
+    hdr += ["x underflow", "x mse", "w mse", "g underflow", "g mse"]
+
+    def why(s: dict) -> str:
+        if not s["switched"]:
+            return "-"
+        t = s["trip"]
+        over = [k for k in t if t[k] > (r.underflow if k.endswith("underflow") else r.mse)]
+        return ", ".join(f"{k} {t[k]:.3g}" for k in over)
+
+    def stats(st: dict) -> list[str]:
+        keys = ("x_underflow", "x_mse", "w_mse", "g_underflow", "g_mse")
+        return [f"{st[k]:.1%}" if k.endswith("underflow") else f"{st[k]:.2e}" for k in keys]
+
     rows = [
-        [
-            s["site"],
-            s["layer"],
-            str(s["step"]) if s["switched"] else "-",
-            f"{s['stats']['x_underflow']:.1%}",
-            f"{s['stats']['x_mse']:.2e}",
-            f"{s['stats']['w_mse']:.2e}",
-            f"{s['stats']['g_underflow']:.1%}",
-            f"{s['stats']['g_mse']:.2e}",
-        ]
+        [s["site"], s["layer"], str(s["step"]) if s["switched"] else "-", why(s)]
+        + stats(s["stats"])
         for s in r.sites
     ]
     n = sum(s["switched"] for s in r.sites)
@@ -214,13 +210,13 @@ def write_autoswitch(run_dir: Path, result: Any, *, plots: bool = True) -> tuple
         f"or mse > {r.mse:g}; {n} of {len(r.sites)} matmuls switched; {r.steps_done} steps, "
         f"final loss {_num(r.final_loss, '.4g')}"
     )
-    text = "\n".join([head, text_table(rows, hdr)])
+    text = "\n".join([head, text_table([row[:4] for row in rows], hdr[:4])])
     lines = [
         f"# diagnose --autoswitch: {r.variant}",
         "",
         head,
         "",
-        "Statistics of the last step:",
+        "why: the statistics over their threshold when it switched; then the last step's:",
         "",
         markdown_table(rows, hdr),
     ]

@@ -153,6 +153,7 @@ class _Switched:
                     "t": jnp.zeros((), jnp.float32),
                     "probe": jnp.zeros(s.out_shapes[0], jnp.float32),
                     "last": jnp.zeros((len(STAT_NAMES),), jnp.float32),
+                    "trip": jnp.zeros((len(STAT_NAMES),), jnp.float32),
                 }
         return state
 
@@ -190,6 +191,7 @@ class _Switched:
             changed = {
                 "switched": (was | trip).astype(jnp.float32),
                 "switch_step": jnp.where(~was & trip, t, st["switch_step"]),
+                "trip": jnp.where(~was & trip, o, st["trip"]),
                 "last": o,
             }
             kept = {k: jnp.where(skip, st[k], v) for k, v in changed.items()}
@@ -219,9 +221,9 @@ class AutoSwitchRecipe(TrainRecipe):
 
 @dataclasses.dataclass
 class SwitchResult:
-    """variant; steps_done; final_loss; sites: per matmul ``{site, layer, scope, shape,
-    switched (bool), step (1-based step after which it switched, or None), stats (the last
-    step's STAT_NAMES)}``; thresholds; losses per step."""
+    """variant; steps_done; final_loss; sites: per matmul ``{site, layer, shape, switched
+    (bool), step (1-based step after which it switched, or None), trip (STAT_NAMES of that
+    step, or None), stats (the last step's STAT_NAMES)}``; thresholds; losses per step."""
 
     variant: str
     recipe: str
@@ -270,6 +272,9 @@ def autoswitch(
                 "switched": switched,
                 "step": int(st["switch_step"]) if switched else None,
                 "stats": dict(zip(STAT_NAMES, map(float, np.asarray(st["last"])), strict=True)),
+                "trip": dict(zip(STAT_NAMES, map(float, np.asarray(st["trip"])), strict=True))
+                if switched
+                else None,
             }
         )
         if switched:
