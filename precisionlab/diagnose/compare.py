@@ -27,7 +27,7 @@ import numpy as np
 from precisionlab.diagnose._capture import Capture, Tensor
 from precisionlab.experiments.config import Unit
 from precisionlab.telemetry import tensor_stats, to_dict
-from precisionlab.train import build, build_step
+from precisionlab.train import build, build_step, make_data
 from precisionlab.train.step import normalize_loss_fn
 
 __all__ = ["CompareOptions", "CompareResult", "Crossing", "compare", "relative_difference"]
@@ -195,8 +195,7 @@ def compare(
     module docstring). ``dump``: write both variants' tensors at the answer's step there
     (``.npz``: ``ref/LAYER:NAME``, ``other/LAYER:NAME``, ``grad_scale``)."""
     cfg = ref.config
-    data_setup = build(dataclasses.replace(cfg, high_precision_layers=()))
-    batches = data_setup.data.batches(cfg.batch_size, seed=cfg.seed, start=0)
+    batches = make_data(cfg.data, **cfg.data_kwargs).batches(cfg.batch_size, seed=cfg.seed)
     first_batch = next(batches)
     ra, rb = _Runner(ref, first_batch), _Runner(other, first_batch)
     steps = min(ref.config.steps, other.config.steps, options.steps or 2**31)

@@ -218,7 +218,8 @@ class TrainConfig:
     update_rounding: str = "nearest"
     enforce_numerics: bool = True
     recipe: str | dict[str, Any] | None = None
-    high_precision_layers: tuple[str, ...] = ()
+    # a list in the table (as TRAIN_FIELDS declares it), kept as a tuple once made
+    high_precision_layers: tuple[str, ...] = dataclasses.field(default_factory=list)  # type: ignore[assignment]
     steps: int = 500
     seed: int = 0
     batch_size: int = 128
