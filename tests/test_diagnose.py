@@ -63,6 +63,56 @@ def test_overflow_knob_is_the_identity_in_float32_and_overflows_float16():
     assert np.isfinite(run(kept, f16, p16)).all()
 
 
+def test_every_layer_in_high_precision_is_the_float32_model_on_rounded_inputs():
+    # conv (and the MLP under remat): with every layer kept in float32, a bfloat16 policy only
+    # rounds the inputs at the boundary; the rest is the float32 computation, bit for bit.
+    bf16, f32 = get_policy("p=f32,c=bf16,o=f32"), get_policy("p=f32,c=f32,o=f32")
+    x = jax.random.normal(jax.random.PRNGKey(1), (4, 16))
+    x_bf = x.astype(jnp.bfloat16).astype(jnp.float32)
+    for model in (
+        make_model("conv", in_dim=16, width=4, depth=2),
+        make_model("mlp", in_dim=16, width=8, depth=2, remat=True),
+    ):
+        params = model.init(jax.random.PRNGKey(0))
+        hp = dataclasses.replace(model, high_precision=model.layer_names())
+        got = jax.jit(lambda p, x, m=hp: m.apply(p, x, bf16))(params, x)
+        want = jax.jit(lambda p, x, m=model: m.apply(p, x, f32))(params, x_bf)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_transformer_layers_are_named_scopes():
+    from precisionlab.intercept import intercept
+
+    class Keep:
+        primitives = ("dot_general",)
+
+        def apply(self, ctx, *ops, **params):
+            return ctx.original(*ops)
+
+    model = make_model("transformer", vocab_size=8, seq_len=4, d_model=8, depth=2, heads=2)
+    tokens = jnp.zeros((2, 4), jnp.int32)
+    sites = intercept(model.apply, Keep()).sites(model.param_shapes(), tokens)
+    layers = [s.scope.split("/")[0] for s in sites]  # attention einsums: "block0/<spec>"
+    # qkv, the two attention einsums, proj, fc1, fc2 per block; then the unembedding
+    assert layers == ["block0"] * 6 + ["block1"] * 6 + ["unembed"]
+    assert model.layer_names() == ("block0", "block1", "unembed")
+    # the recipe exclusion of a block covers its attention products too
+    cfg = TrainConfig(
+        model="transformer",
+        data="markov",
+        recipe="current",
+        high_precision_layers=["block1"],
+        model_kwargs={"depth": 2, "d_model": 8, "heads": 2},
+    )
+    setup = build(cfg)
+    batch = next(iter(setup.data.batches(2, seed=0)))
+    pc = cast_compute(setup.params, jnp.float32)
+    kept = [s.scope for s in setup.options.recipe.apply(setup.loss_fn).sites(pc, batch)]
+    chosen = [s.selected for s in setup.options.recipe.apply(setup.loss_fn).sites(pc, batch)]
+    assert {sc.split("/")[0] for sc, c in zip(kept, chosen, strict=True) if not c} == {"block1"}
+    assert sum(not c for c in chosen) == 6
+
+
 def test_high_precision_layers_resolve_globs_and_refuse_unmatched_ones():
     cfg = TrainConfig(model_kwargs={"depth": 3}, high_precision_layers=["layer[12]", "out"])
     assert cfg.high_precision == ("layer1", "layer2", "out")
@@ -85,7 +135,7 @@ def test_high_precision_params_and_grads_stay_float32_and_leave_the_recipe():
     pc = cast_compute(setup.params, jnp.bfloat16, setup.options.fp32_params)
     assert pc["hidden"][1]["w"].dtype == jnp.float32
     assert pc["hidden"][0]["w"].dtype == jnp.bfloat16
-    assert setup.options.recipe.exclude == ("layer1",)
+    assert setup.options.recipe.exclude == ("layer1/*",)
     batch = next(iter(setup.data.batches(8, seed=0)))
     sites = setup.options.recipe.apply(setup.loss_fn).sites(pc, batch)
     assert [(s.scope, s.selected) for s in sites] == [

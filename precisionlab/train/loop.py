@@ -601,10 +601,12 @@ class TrainSetup:
 
 
 def _recipe_without(recipe: Any, layers: tuple[str, ...]) -> Any:
-    """``recipe`` with the matmuls of ``layers`` (their ``named_scope``) excluded."""
+    """``recipe`` with the matmuls of ``layers`` (their ``named_scope``) excluded: ``L/*``
+    matches ``L/dot_general[i]`` and the sites of functions jitted inside the layer
+    (``L/einsum``), and not ``L0`` for ``L``."""
     if recipe is None or not layers:
         return recipe
-    return dataclasses.replace(recipe, exclude=(*recipe.exclude, *layers))
+    return dataclasses.replace(recipe, exclude=(*recipe.exclude, *(f"{n}/*" for n in layers)))
 
 
 def build(config: TrainConfig) -> TrainSetup:
