@@ -200,8 +200,13 @@ def write_autoswitch(run_dir: Path, result: Any, *, plots: bool = True) -> tuple
         return [f"{st[k]:.1%}" if k.endswith("underflow") else f"{st[k]:.2e}" for k in keys]
 
     rows = [
-        [s["site"], s["layer"], str(s["step"]) if s["switched"] else "-", why(s)]
-        + stats(s["stats"])
+        [
+            s["site"],
+            s["layer"],
+            "-" if s["step"] is None else str(s["step"]),
+            why(s),
+            *stats(s["stats"]),
+        ]
         for s in r.sites
     ]
     n = sum(s["switched"] for s in r.sites)

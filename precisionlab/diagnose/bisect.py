@@ -24,7 +24,7 @@ import numpy as np
 from precisionlab.diagnose._variants import with_layers_high
 from precisionlab.experiments.config import Unit
 from precisionlab.train import TrainConfig, build, train_loop
-from precisionlab.train.models import resolve_layers
+from precisionlab.train.models import layer_names, resolve_layers
 
 __all__ = ["BisectOptions", "BisectResult", "BisectRun", "bisect", "final_loss", "run_budget"]
 
@@ -125,7 +125,7 @@ def bisect(
     changes = {} if options.steps is None else {"steps": options.steps}
     cfg_fail = dataclasses.replace(fail.config, **changes)
     cfg_pass = dataclasses.replace(passing.config, **changes)
-    names = build_layer_names(cfg_fail)
+    names = layer_names(cfg_fail.model, cfg_fail.model_kwargs)
     cands = resolve_layers(options.layers, names, "--layers pattern") if options.layers else names
     runs: list[BisectRun] = []
 
@@ -181,10 +181,3 @@ def bisect(
             keep = trial
     result.answer = tuple(keep)
     return result
-
-
-def build_layer_names(config: TrainConfig) -> tuple[str, ...]:
-    """The layer names of ``config``'s model."""
-    from precisionlab.train.models import layer_names
-
-    return layer_names(config.model, config.model_kwargs)
