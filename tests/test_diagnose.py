@@ -235,6 +235,24 @@ def test_bad_input_is_one_line_and_status_2(argv, message, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_the_files_diagnose_table_gives_defaults_that_flags_override():
+    import argparse
+
+    from precisionlab.cli import diagnose_cmd
+
+    parser = argparse.ArgumentParser()
+    diagnose_cmd.add_arguments(parser)
+    exp, _ = d.load_units(BROKEN, ["fp16"], ["diagnose.tolerance=0.25", "diagnose.tail=3"])
+    table = exp.resolved["diagnose"]
+    args = parser.parse_args([BROKEN, "--bisect", "fp16", "fp32"])
+    assert diagnose_cmd._options(args, "bisect", table) == d.BisectOptions(tolerance=0.25, tail=3)
+    args = parser.parse_args([BROKEN, "--bisect", "fp16", "fp32", "--tolerance", "0.5"])
+    assert diagnose_cmd._options(args, "bisect", table).tolerance == 0.5
+    assert diagnose_cmd._options(args, "bisect", {}).tail == 10
+    with pytest.raises(ValueError, match=r"diagnose\.tolerance"):
+        d.load_units(BROKEN, ["fp16"], ["diagnose.tolerance=-1"])
+
+
 def test_variants_in_several_settings_need_the_full_name(tmp_path):
     status, _, err = _cli(FP16, "--compare", "fp32", "bf16", "--out", str(tmp_path / "r"))
     assert status == 2 and "runs in several settings; name one of: underflow/fp32" in err

@@ -64,14 +64,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--mse", type=float, help="switch above this quantization MSE (default 1e-4)")
 
 
-def _options(args: argparse.Namespace, mode: str) -> object:
-    """The typed options of ``mode`` from the flags (ValueError for bad values)."""
+def _options(args: argparse.Namespace, mode: str, defaults: dict) -> object:
+    """The typed options of ``mode`` from the file's ``[diagnose]`` table (``defaults``)
+    overridden by the flags (ValueError for bad values)."""
     from precisionlab import diagnose as d
 
+    given = {k: v for k, v in defaults.items() if _ONLY.get(k) == mode}
     for flag, owner in _ONLY.items():
         if getattr(args, flag) is not None and owner != mode:
             raise UsageError(f"--{flag} applies to --{owner}, not --{mode}")
-    given = {k: getattr(args, k) for k in _ONLY if getattr(args, k) is not None}
+    given.update({k: getattr(args, k) for k in _ONLY if getattr(args, k) is not None})
     given["steps"] = args.steps
     if mode == "compare":
         return d.CompareOptions(**given)
@@ -90,9 +92,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             "give one of --compare REF OTHER, --bisect FAIL PASS, --autoswitch VARIANT"
         )
-    options = _options(args, mode)
     names = [args.autoswitch] if mode == "autoswitch" else list(getattr(args, mode))
     experiment, units = d.load_units(args.config, names, args.overrides)
+    options = _options(args, mode, experiment.resolved.get("diagnose", {}))
 
     def say(msg: str) -> None:
         if not args.quiet:
