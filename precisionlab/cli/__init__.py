@@ -19,6 +19,7 @@ from precisionlab.cli import (
     bits_cmd,
     compare_cmd,
     conformance_cmd,
+    diagnose_cmd,
     env_cmd,
     formats_cmd,
     memory_cmd,
@@ -44,6 +45,7 @@ COMMANDS: dict[str, ModuleType] = {
     "compare": compare_cmd,
     "bench": bench_cmd,
     "conformance": conformance_cmd,
+    "diagnose": diagnose_cmd,
 }
 
 

@@ -258,6 +258,7 @@ def _train_top_schema() -> dict[str, Field]:
             "variant": Field(list, [], item=dict, doc="[[variant]] tables"),
             "grid": Field(dict, {}, doc="[train] keys mapped to lists of values"),
             "report": Field(dict, {}, doc="report options"),
+            "diagnose": Field(dict, {}, doc="precisionlab diagnose defaults"),
         }
     )
     return schema
@@ -266,6 +267,16 @@ def _train_top_schema() -> dict[str, Field]:
 REPORT_SCHEMA = {
     "log_loss": Field(str, "auto", choices=("auto", "yes", "no"), doc="log-scale loss axis"),
     "plots": Field(bool, True, doc="write PNG plots"),
+}
+
+
+#: ``[diagnose]``: defaults of ``precisionlab diagnose`` (its flags override them).
+DIAGNOSE_SCHEMA = {
+    "threshold": Field(float, 0.1, above=0.0, doc="compare: relative difference that breaks"),
+    "tolerance": Field(float, 0.05, low=0.0, doc="bisect: pass when loss <= PASS's + this"),
+    "tail": Field(int, 10, low=1, high=2**31 - 1, why="an int32", doc="bisect: steps averaged"),
+    "underflow": Field(float, 0.05, low=0.0, high=1.0, why="a fraction", doc="autoswitch"),
+    "mse": Field(float, 1e-4, low=0.0, doc="autoswitch: quantization MSE that switches"),
 }
 
 
@@ -282,6 +293,7 @@ def _train_experiment(doc: Mapping[str, Any], source: str, default_name: str) ->
     top = validate_table(doc, _train_top_schema(), source)
     base = train_kind.validate(top["train"], f"{source}: train")
     report = validate_table(top["report"], REPORT_SCHEMA, f"{source}: report")
+    diagnose = validate_table(top["diagnose"], DIAGNOSE_SCHEMA, f"{source}: diagnose")
 
     override_schema = dict(schema)
     override_schema["description"] = _VARIANT_EXTRA["description"]
@@ -380,6 +392,7 @@ def _train_experiment(doc: Mapping[str, Any], source: str, default_name: str) ->
         "setting_descriptions": setting_descriptions,
         "variants": variants,
         "report": report,
+        "diagnose": diagnose,
         "units": [u.record() for u in units],
     }
     return Experiment(

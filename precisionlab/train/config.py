@@ -20,7 +20,7 @@ from precisionlab.mixed.loss_scale import LossScale, parse_loss_scale
 from precisionlab.mixed.policy import FP32_OPS, Policy, get_policy, parse_dtype
 from precisionlab.mixed.storage import Storage
 from precisionlab.train.data import DATASETS, data_kind
-from precisionlab.train.models import MODELS, model_data_kind
+from precisionlab.train.models import MODELS, layer_names, model_data_kind, resolve_layers
 from precisionlab.train.optim import OPTIMIZER_FIELDS, OPTIMIZERS, SCHEDULES
 from precisionlab.train.recipe import TrainRecipe, parse_recipe
 
@@ -91,6 +91,7 @@ TRAIN_FIELDS: dict[str, Field] = {
     "enforce_numerics": Field(bool, True),
     # a name or a table: one Field type cannot say "str or table", the check does
     "recipe": Field(object, None, nullable=True, check=_recipe, doc="a recipe name or table"),
+    "high_precision_layers": Field(list, [], item=str, doc="layer names or globs kept in float32"),
     "steps": Field(int, 500, low=1, high=INT32_MAX, why="the step counter is an int32"),
     "seed": Field(int, 0, low=0, high=2**32 - 1, why="a uint32 PRNG seed"),
     "batch_size": Field(int, 128, low=1, high=BATCH_SIZE_MAX, why="2**24"),
@@ -175,6 +176,10 @@ class TrainConfig:
         recipe's fields (``scale_rule = "floor"``) and ``include`` / ``exclude`` (matmul
         positions, names or patterns; excluded ones stay in the compute dtype), parsed into
         ``config.precision.recipe`` (a :class:`~precisionlab.train.recipe.TrainRecipe`).
+      high_precision_layers: layer names or glob patterns (``["layer3", "block*"]``, see
+        ``Model.layer_names``) returned to high precision: computed in float32 with float32
+        params and gradients whatever the policy, and excluded from the recipe. A pattern that
+        matches no layer of the model is an error. Resolved into ``.high_precision`` (names).
     Loop:
       steps, seed, batch_size, microbatches (gradient accumulation; batch_size must divide),
       eval_interval (0 = only at the end), eval_batches, checkpoint_interval (0 = off; needs a
@@ -216,6 +221,8 @@ class TrainConfig:
     update_rounding: str = "nearest"
     enforce_numerics: bool = True
     recipe: str | dict[str, Any] | None = None
+    # a list in the table (as TRAIN_FIELDS declares it), kept as a tuple once made
+    high_precision_layers: tuple[str, ...] = dataclasses.field(default_factory=list)  # type: ignore[assignment]
     steps: int = 500
     seed: int = 0
     batch_size: int = 128
@@ -241,11 +248,15 @@ class TrainConfig:
         # join fields; the precision objects are parsed here once and kept (``.precision``).
         for name, field in _TYPES_ONLY.items():
             value = getattr(self, name)
-            if name == "fp32_ops" and isinstance(value, tuple):
+            if name in ("fp32_ops", "high_precision_layers") and isinstance(value, tuple):
                 value = list(value)
             coerce(value, field, name)
         if self.fp32_ops is not None:
             object.__setattr__(self, "fp32_ops", tuple(self.fp32_ops))
+        object.__setattr__(self, "high_precision_layers", tuple(self.high_precision_layers))
+        names = layer_names(self.model, self.model_kwargs)
+        hp = resolve_layers(self.high_precision_layers, names, "high_precision_layers pattern")
+        object.__setattr__(self, "_high_precision", hp)
         if self.batch_size % self.microbatches:
             raise ConfigError(
                 f"batch_size {self.batch_size} is not divisible by microbatches {self.microbatches}"
@@ -299,6 +310,11 @@ class TrainConfig:
         )
 
     @property
+    def high_precision(self) -> tuple[str, ...]:
+        """The layers ``high_precision_layers`` names (resolved, in program order)."""
+        return self._high_precision  # type: ignore[attr-defined]
+
+    @property
     def precision(self) -> Precision:
         """Policy, initial loss scale, storage and all-reduce dtype, parsed when made."""
         return self._precision  # type: ignore[attr-defined]
@@ -310,6 +326,8 @@ class TrainConfig:
         values = validate_table(table, _TYPES_ONLY, where, defaults=False)
         if values.get("fp32_ops") is not None:
             values["fp32_ops"] = tuple(values["fp32_ops"])
+        if "high_precision_layers" in values:
+            values["high_precision_layers"] = tuple(values["high_precision_layers"])
         try:
             return cls(**values)
         except (ValueError, TypeError) as err:
@@ -323,6 +341,7 @@ class TrainConfig:
         out = dataclasses.asdict(self)
         if out["fp32_ops"] is not None:
             out["fp32_ops"] = list(out["fp32_ops"])
+        out["high_precision_layers"] = list(out["high_precision_layers"])
         return out
 
 

@@ -16,12 +16,15 @@ module does not import the model base class.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from precisionlab.mixed import ops
 from precisionlab.mixed.policy import Policy
@@ -83,6 +86,10 @@ def init_params(cfg: Any, keys: list[Any], normal: Callable[..., Any]) -> dict[s
     return {"convs": convs, "out": out}
 
 
+def _fp32(pol: Policy) -> Policy:
+    return dataclasses.replace(pol, compute_dtype=np.dtype(np.float32))
+
+
 def _act(cfg: Any, z: jax.Array, pol: Policy, enforce: bool) -> jax.Array:
     if cfg.activation == "relu":
         return ops.relu(z, policy=pol, enforce=enforce)
@@ -108,7 +115,7 @@ def apply(
     acts: dict[str, jax.Array] = {}
     h = ops.boundary(inputs, pol, enforce=enforce).reshape(-1, side, side, 1)
 
-    def block(layer, h, pool):
+    def block(layer, h, pool, pol=pol):
         z = ops.conv2d(h, layer["w"], layer["b"], policy=pol, enforce=enforce)
         if cfg.act_scale != 1.0:
             z = ops.boundary(z * jnp.asarray(cfg.act_scale, z.dtype), pol, enforce=enforce)
@@ -118,13 +125,19 @@ def apply(
             a = a.reshape(b_, s // 2, 2, s // 2, 2, c).max(axis=(2, 4))
         return z, a
 
+    hp = getattr(cfg, "high_precision", ())
     for i, (layer, (_, _, pool)) in enumerate(zip(params["convs"], blocks, strict=True)):
-        run = jax.checkpoint(block, static_argnums=2) if cfg.remat else block
-        z, h = run(layer, h, pool)
+        # a layer kept in high precision computes in float32 (models.Model.layer_names)
+        fn = partial(block, pol=_fp32(pol) if f"conv{i}" in hp else pol)
+        run = jax.checkpoint(fn, static_argnums=2) if cfg.remat else fn
+        with jax.named_scope(f"conv{i}"):
+            z, h = run(layer, h, pool)
         acts[f"conv{i}/pre"] = z
         acts[f"conv{i}/out"] = h
     h = h.reshape(h.shape[0], -1)
-    logits = ops.dense(h, params["out"]["w"], params["out"]["b"], policy=pol, enforce=enforce)
+    with jax.named_scope("out"):
+        lp = _fp32(pol) if "out" in hp else pol
+        logits = ops.dense(h, params["out"]["w"], params["out"]["b"], policy=lp, enforce=enforce)
     acts["logits"] = logits
     logits = pol.cast_to_output(logits)
     return (logits, acts) if capture else logits

@@ -600,6 +600,15 @@ class TrainSetup:
         return self.options.policy
 
 
+def _recipe_without(recipe: Any, layers: tuple[str, ...]) -> Any:
+    """``recipe`` with the matmuls of ``layers`` (their ``named_scope``) excluded: ``L/*``
+    matches ``L/dot_general[i]`` and the sites of functions jitted inside the layer
+    (``L/einsum``), and not ``L0`` for ``L``."""
+    if recipe is None or not layers:
+        return recipe
+    return dataclasses.replace(recipe, exclude=(*recipe.exclude, *(f"{n}/*" for n in layers)))
+
+
 def build(config: TrainConfig) -> TrainSetup:
     """The pieces of a run built from ``config`` (validated and parsed when it was made)."""
     if not isinstance(config, TrainConfig):
@@ -609,6 +618,8 @@ def build(config: TrainConfig) -> TrainSetup:
     model_kwargs = {**data.model_kwargs(), **config.model_kwargs}
     if config.remat:
         model_kwargs["remat"] = True
+    if config.high_precision:
+        model_kwargs["high_precision"] = config.high_precision
     model = make_model(config.model, **model_kwargs)
     sched = dict(steps=config.steps, warmup_steps=config.warmup_steps)
     optimizer = make_optimizer(
@@ -630,7 +641,8 @@ def build(config: TrainConfig) -> TrainSetup:
         allreduce_dtype=precision.allreduce_dtype,
         zero_stage=config.zero_stage,
         report_leaves=config.report_leaves,
-        recipe=precision.recipe,
+        recipe=_recipe_without(precision.recipe, config.high_precision),
+        fp32_params=tuple(model.layer_params(n) for n in config.high_precision),
     )
     loop = LoopOptions(
         steps=config.steps,

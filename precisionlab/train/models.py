@@ -20,12 +20,24 @@ Knobs for precision experiments: ``init_scale`` (multiplies every initial weight
 normalised inputs to the qkv and fc1 matmuls multiplied by the scale, the outlier features
 LLM.int8() reports in large models, for low-precision matmul recipes). The loss is
 weighted by the trainer (``TrainConfig.loss_weight``), not by the model.
+
+Layers: every model names its layers (:meth:`Model.layer_names`: ``layer0``.. and ``out`` for
+the MLP, ``block0``.. and ``unembed`` for the transformer, ``conv0``.. and ``out`` for the CNN)
+and runs each under ``jax.named_scope(name)``, so the interception layer's sites carry the
+layer's name as their scope. ``high_precision`` (a tuple of layer names) computes those layers
+in float32 whatever the policy's compute dtype (their inputs are cast up, their outputs go on in
+float32 to the next layer, which casts them down): the "return a layer to high precision" of
+``precisionlab diagnose`` (``TrainConfig.high_precision_layers``). ``overflow_layer`` /
+``overflow_scale`` (MLP, a diagnose test knob): that hidden layer's pre-activations are
+multiplied by the scale and its activations divided by it (exact with relu and a power-of-two
+scale: the identity in float32; past float16's max in float16).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from functools import partial
 from typing import Any, ClassVar
 
 import jax
@@ -36,7 +48,16 @@ from precisionlab.mixed import ops
 from precisionlab.mixed.policy import Policy, get_policy
 from precisionlab.train import conv as _conv
 
-__all__ = ["MLP", "MODELS", "Model", "Transformer", "make_model", "model_data_kind"]
+__all__ = [
+    "MLP",
+    "MODELS",
+    "Model",
+    "Transformer",
+    "layer_names",
+    "make_model",
+    "model_data_kind",
+    "resolve_layers",
+]
 
 MODELS: tuple[str, ...] = ("mlp", "transformer", "conv")
 _ACTIVATIONS = ("relu", "gelu", "tanh")
@@ -50,6 +71,24 @@ def _check_int(name: str, value: Any, low: int) -> None:
 def _check_pos(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise ValueError(f"{name} must be a number > 0, got {value!r}")
+
+
+def _fp32(pol: Policy) -> Policy:
+    """``pol`` with a float32 compute dtype (a layer kept in high precision)."""
+    return dataclasses.replace(pol, compute_dtype=np.dtype(np.float32))
+
+
+def _check_layers(model: Model, names: Any) -> tuple[str, ...]:
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"high_precision must be a tuple of layer names, got {names!r}")
+    allowed = model.layer_names()
+    unknown = [n for n in names if n not in allowed]
+    if unknown:
+        raise ValueError(
+            f"high_precision: unknown layer(s) {', '.join(map(repr, unknown))} of model "
+            f"{model.name!r}; layers: {', '.join(allowed)}"
+        )
+    return tuple(names)
 
 
 class _Gen:
@@ -103,6 +142,18 @@ class Model:
 
     def _init(self, gen: _Gen) -> Any:
         raise NotImplementedError
+
+    def layer_names(self) -> tuple[str, ...]:
+        """The model's layers in program order (the names of their ``jax.named_scope``)."""
+        raise NotImplementedError
+
+    def layer_params(self, name: str) -> str:
+        """The ``jax.tree_util.keystr`` prefix of layer ``name``'s params (``"['hidden'][3]"``)."""
+        raise NotImplementedError
+
+    def _layer_policy(self, name: str, pol: Policy) -> Policy:
+        hp = getattr(self, "high_precision", ())
+        return _fp32(pol) if name in hp else pol
 
     def apply(
         self,
@@ -172,6 +223,9 @@ class MLP(Model):
     act_scale: float = 1.0
     use_layernorm: bool = False
     remat: bool = False
+    high_precision: tuple[str, ...] = ()
+    overflow_layer: int = -1
+    overflow_scale: float = 2.0**20
 
     name = "mlp"
     data_kind = "classification"
@@ -187,6 +241,19 @@ class MLP(Model):
             raise ValueError(
                 f"unknown activation {self.activation!r}; allowed: {', '.join(_ACTIVATIONS)}"
             )
+        _check_pos("overflow_scale", self.overflow_scale)
+        if not isinstance(self.overflow_layer, int) or not -1 <= self.overflow_layer < self.depth:
+            raise ValueError(
+                f"overflow_layer must be -1 (off) or a hidden layer 0..{self.depth - 1}, "
+                f"got {self.overflow_layer!r}"
+            )
+        object.__setattr__(self, "high_precision", _check_layers(self, self.high_precision))
+
+    def layer_names(self) -> tuple[str, ...]:
+        return (*(f"layer{i}" for i in range(self.depth)), "out")
+
+    def layer_params(self, name: str) -> str:
+        return "['out']" if name == "out" else f"['hidden'][{int(name[5:])}]"
 
     def _init(self, gen: _Gen) -> dict[str, Any]:
         keys = gen.split(self.depth + 1)
@@ -223,7 +290,7 @@ class MLP(Model):
         acts: dict[str, jax.Array] = {}
         h = ops.boundary(inputs, pol, enforce=enforce)
 
-        def block(layer, h):
+        def block(layer, h, pol=pol, overflow=False):
             z = ops.dense(h, layer["w"], layer["b"], policy=pol, enforce=enforce)
             if self.use_layernorm:
                 z = ops.layer_norm(
@@ -231,16 +298,27 @@ class MLP(Model):
                 )
             if self.act_scale != 1.0:
                 z = ops.boundary(z * jnp.asarray(self.act_scale, z.dtype), pol, enforce=enforce)
+            if overflow:  # the diagnose test knob: z * S, then act(z * S) / S, in float32
+                s = jnp.float32(self.overflow_scale)  # each product rounded to the compute dtype
+                z = ops.boundary(z.astype(jnp.float32) * s, pol, enforce=enforce)
+                a = self._act(z, pol, enforce).astype(jnp.float32) / s
+                return z, ops.boundary(a, pol, enforce=enforce)
             return z, self._act(z, pol, enforce)
 
-        run = jax.checkpoint(block) if self.remat else block
         for i, layer in enumerate(params["hidden"]):
-            z, h = run(layer, h)
+            lp = self._layer_policy(f"layer{i}", pol)
+            fn = partial(block, pol=lp, overflow=i == self.overflow_layer)
+            with jax.named_scope(f"layer{i}"):
+                z, h = (jax.checkpoint(fn) if self.remat else fn)(layer, h)
             acts[f"layer{i}/pre"] = z
             if self.activation == "gelu":  # tanh-GELU's x**3 overflows float16 first (|x| > 40)
                 acts[f"layer{i}/gelu_cubic"] = z**3
             acts[f"layer{i}/out"] = h
-        logits = ops.dense(h, params["out"]["w"], params["out"]["b"], policy=pol, enforce=enforce)
+        with jax.named_scope("out"):
+            lp = self._layer_policy("out", pol)
+            logits = ops.dense(
+                h, params["out"]["w"], params["out"]["b"], policy=lp, enforce=enforce
+            )
         acts["logits"] = logits
         logits = pol.cast_to_output(logits)
         return (logits, acts) if capture else logits
@@ -271,6 +349,7 @@ class Transformer(Model):
     remat: bool = False
     outlier_channels: int = 0
     outlier_scale: float = 100.0
+    high_precision: tuple[str, ...] = ()
 
     name = "transformer"
     data_kind = "lm"
@@ -286,6 +365,13 @@ class Transformer(Model):
         _check_int("outlier_channels", self.outlier_channels, 0)
         if self.outlier_channels > self.d_model:
             raise ValueError(f"outlier_channels {self.outlier_channels} > d_model {self.d_model}")
+        object.__setattr__(self, "high_precision", _check_layers(self, self.high_precision))
+
+    def layer_names(self) -> tuple[str, ...]:
+        return (*(f"block{i}" for i in range(self.depth)), "unembed")
+
+    def layer_params(self, name: str) -> str:
+        return "['unembed']" if name == "unembed" else f"['blocks'][{int(name[5:])}]"
 
     def _outliers(self, h: jax.Array, pol: Policy, enforce: bool) -> jax.Array:
         # A few channels x outlier_scale in every token (LLM.int8(): systematic outlier features).
@@ -345,7 +431,8 @@ class Transformer(Model):
         x = ops.boundary(x, pol, enforce=enforce)
         causal = jnp.tril(jnp.ones((t, t), bool))
 
-        def block(blk, x):
+        def block(blk, x, pol=pol):
+            cd = pol.compute_dtype
             a = {}
             h = self._outliers(self._norm(x, blk, "ln1", pol, enforce), pol, enforce)
             qkv = ops.matmul(h, blk["qkv"], policy=pol, enforce=enforce)
@@ -391,17 +478,20 @@ class Transformer(Model):
             a["resid"] = x
             return x, a
 
-        run = jax.checkpoint(block) if self.remat else block
         for i, blk in enumerate(params["blocks"]):
             acts[f"block{i}/input"] = x
-            x, a = run(blk, x)
+            fn = partial(block, pol=self._layer_policy(f"block{i}", pol))
+            with jax.named_scope(f"block{i}"):
+                x, a = (jax.checkpoint(fn) if self.remat else fn)(blk, x)
             for n, v in a.items():
                 acts[f"block{i}/{n}"] = v
         if self.use_layernorm:
             x = ops.layer_norm(
                 x, params["ln_f_scale"], params["ln_f_bias"], policy=pol, enforce=enforce
             )
-        logits = ops.matmul(x, params["unembed"], policy=pol, enforce=enforce)
+        with jax.named_scope("unembed"):
+            lp = self._layer_policy("unembed", pol)
+            logits = ops.matmul(x, params["unembed"], policy=lp, enforce=enforce)
         acts["logits"] = logits
         logits = pol.cast_to_output(logits)
         return (logits, acts) if capture else logits
@@ -427,6 +517,7 @@ class ConvNet(Model):
     init_scale: float = 1.0
     act_scale: float = 1.0
     remat: bool = False
+    high_precision: tuple[str, ...] = ()
 
     name = "conv"
     data_kind = "classification"
@@ -438,6 +529,13 @@ class ConvNet(Model):
         _check_pos("init_scale", self.init_scale)
         _check_pos("act_scale", self.act_scale)
         _conv.check(self)
+        object.__setattr__(self, "high_precision", _check_layers(self, self.high_precision))
+
+    def layer_names(self) -> tuple[str, ...]:
+        return (*(f"conv{i}" for i in range(self.depth)), "out")
+
+    def layer_params(self, name: str) -> str:
+        return "['out']" if name == "out" else f"['convs'][{int(name[4:])}]"
 
     def _init(self, gen: _Gen) -> dict[str, Any]:
         return _conv.init_params(self, gen.split(self.depth + 1), _normal)
@@ -481,3 +579,34 @@ def model_data_kind(name: str) -> str:
     if not kind:
         raise ValueError(f"model {name!r} does not declare the data_kind it reads")
     return kind
+
+
+def layer_names(name: str, model_kwargs: dict[str, Any] | None = None) -> tuple[str, ...]:
+    """The layer names of model ``name`` with ``model_kwargs`` (only ``depth`` matters; the
+    data's sizes need not be known)."""
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown model {name!r}; allowed: {', '.join(MODELS)}")
+    fields = {f.name: f.default for f in dataclasses.fields(_BUILDERS[name])}
+    depth = (model_kwargs or {}).get("depth", fields["depth"])
+    _check_int("depth", depth, 1)
+    prefix, last = {"mlp": ("layer", "out"), "transformer": ("block", "unembed")}.get(
+        name, ("conv", "out")
+    )
+    return (*(f"{prefix}{i}" for i in range(depth)), last)
+
+
+def resolve_layers(
+    patterns: Any, names: tuple[str, ...], what: str = "layer filter"
+) -> tuple[str, ...]:
+    """The layers of ``names`` matched by any glob of ``patterns`` (``"layer*"``), in program
+    order; a pattern matching no layer is a ValueError naming the layers."""
+    import fnmatch
+
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    if not all(isinstance(p, str) for p in patterns):
+        raise ValueError(f"{what} must be a list of layer names or glob patterns, got {patterns!r}")
+    for p in patterns:
+        if not fnmatch.filter(names, p):
+            raise ValueError(f"{what} {p!r} matches no layer; layers: {', '.join(names)}")
+    return tuple(n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns))

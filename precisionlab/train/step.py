@@ -108,6 +108,19 @@ def _scalar_aux(aux: Any) -> dict[str, jax.Array]:
     }
 
 
+def cast_compute(params: Any, dtype: Any, fp32: tuple[str, ...] = ()) -> Any:
+    """Floating leaves of ``params`` cast to ``dtype``, those whose ``keystr`` path starts with
+    a prefix in ``fp32`` to float32 (layers kept in high precision)."""
+    if not fp32:
+        return cast_floating(params, dtype)
+
+    def one(path, x):
+        keep = jax.tree_util.keystr(path).startswith(fp32)
+        return cast_floating(x, jnp.float32 if keep else dtype)
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
 def make_grad_fn(
     loss_fn: Callable, policy: Policy, microbatches: int = 1, recipe: TrainRecipe | None = None
 ) -> Callable:
@@ -204,6 +217,9 @@ class StepOptions:
       report_leaves: add ``finite_leaves`` (bool[n_float_leaves]) to the metrics.
       recipe: a :class:`~precisionlab.train.recipe.TrainRecipe` (or None): every matmul of the
         loss function goes through it (see :func:`build_step`).
+      fp32_params: ``jax.tree_util.keystr`` prefixes of params handed to the loss in float32
+        rather than the compute dtype (layers kept in high precision: their gradients stay
+        float32 too).
     """
 
     policy: Policy = dataclasses.field(default_factory=Policy)
@@ -218,6 +234,7 @@ class StepOptions:
     report_leaves: bool = False
     recipe: TrainRecipe | None = None
     zero_stage: int = 0
+    fp32_params: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.recipe is not None and not isinstance(self.recipe, TrainRecipe):
@@ -353,7 +370,11 @@ def build_step(
                 f"the {rec.recipe.name} recipe is stateful: build_step needs an example_batch"
             )
         recipe_state = init_recipe_state(
-            loss_fn, rec, cast_floating(params, pol.compute_dtype), example_batch, opts.loss_scale
+            loss_fn,
+            rec,
+            cast_compute(params, pol.compute_dtype, opts.fp32_params),
+            example_batch,
+            opts.loss_scale,
         )
     state = TrainState(
         step=jnp.zeros((), jnp.int32),
@@ -391,7 +412,7 @@ def build_step(
     def step_fn(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         rng, key = jax.random.split(state.rng)
         ls = state.loss_scale
-        pc = cast_floating(state.params, pol.compute_dtype)
+        pc = cast_compute(state.params, pol.compute_dtype, opts.fp32_params)
         extra = {} if rec is None else (state.recipe_state, jax.random.fold_in(key, _RECIPE_KEY))
         loss, aux, g_scaled, meter, observed = grad_fn(pc, batch, ls, extra)
         g32 = ls.unscale(g_scaled)

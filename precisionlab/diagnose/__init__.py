@@ -1,0 +1,53 @@
+"""``precisionlab diagnose``: find the layer and step where a run's precision breaks.
+
+- :func:`compare`: two variants of an experiment in lockstep (same batches and seeds), every
+  intercepted tensor compared per step; the first break, explained by its statistics.
+- :func:`bisect`: the smallest set of layers whose return to high precision
+  (``TrainConfig.high_precision_layers``) makes a failing variant pass.
+- :func:`autoswitch`: a recipe variant whose matmuls switch to high precision inside ``jit``
+  when their underflow or quantization MSE exceeds a threshold.
+
+:func:`load_units` picks the variants from an experiment file and checks they share model and
+data; the ``write_*`` functions put a report into a run directory.
+"""
+
+from precisionlab.diagnose._report import open_run, write_autoswitch, write_bisect, write_compare
+from precisionlab.diagnose._variants import check, load_units, pick
+from precisionlab.diagnose.autoswitch import (
+    AutoSwitchRecipe,
+    SwitchOptions,
+    SwitchResult,
+    autoswitch,
+)
+from precisionlab.diagnose.bisect import BisectOptions, BisectResult, BisectRun, bisect, run_budget
+from precisionlab.diagnose.compare import (
+    CompareOptions,
+    CompareResult,
+    Crossing,
+    compare,
+    relative_difference,
+)
+
+__all__ = [
+    "AutoSwitchRecipe",
+    "BisectOptions",
+    "BisectResult",
+    "BisectRun",
+    "CompareOptions",
+    "CompareResult",
+    "Crossing",
+    "SwitchOptions",
+    "SwitchResult",
+    "autoswitch",
+    "bisect",
+    "check",
+    "compare",
+    "load_units",
+    "open_run",
+    "pick",
+    "relative_difference",
+    "run_budget",
+    "write_autoswitch",
+    "write_bisect",
+    "write_compare",
+]

@@ -1,0 +1,179 @@
+"""Every intercepted tensor of one training step of a variant, as host arrays.
+
+:class:`Capture` re-runs a variant's loss (its policy, loss weight, loss scale, recipe and
+high-precision layers) on a state and a batch with the interception layer, recording each
+matmul's operands (``lhs``, ``rhs``), output (``out``) and output cotangent (``grad``, through a
+``-0.0`` probe added to the output, whose gradient is the cotangent), the model's captured
+activations (``act:pre``, ...) and the loss. Cotangents are divided by the variant's loss
+weight and loss scale, so two variants' gradients are in the same units; :attr:`grad_scale`
+keeps the factor (what the variant's compute dtype actually held is ``grad * grad_scale``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from precisionlab.intercept import Context, intercept
+from precisionlab.recipes import dot_general as recipe_dot
+from precisionlab.train import TrainSetup
+from precisionlab.train.step import cast_compute
+
+__all__ = ["Capture", "Tensor"]
+
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """Where a captured tensor lives: ``layer`` (the model's layer name), ``name`` (``"dot_general
+    [3].grad"``, ``"act:pre"``, ``"loss"``), ``kind`` (``"operand"``, ``"output"``,
+    ``"activation"``, ``"loss"``, ``"grad"``) and ``order`` (causal: forward in program order,
+    then the loss, then cotangents in reverse)."""
+
+    layer: str
+    name: str
+    kind: str
+    order: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.layer}:{self.name}"
+
+
+class _Record:
+    primitives = ("dot_general",)
+
+    def __init__(self, recipe, selected: frozenset, rstate: Any, sink: dict):
+        self.recipe, self.selected, self.rstate, self.sink = recipe, selected, rstate, sink
+
+    def apply(self, ctx: Context, lhs, rhs, *, dimension_numbers, **params) -> list:
+        name = ctx.site.name
+        if str(lhs.dtype) not in _FLOATS or str(rhs.dtype) not in _FLOATS:
+            return ctx.original(lhs, rhs)
+        if self.recipe is not None and name in self.selected:
+            out = recipe_dot(
+                lhs, rhs, dimension_numbers,
+                preferred_element_type=params.get("preferred_element_type"),
+                recipe=self.recipe.recipe, state=(self.rstate or {}).get(name),
+                key=jax.random.PRNGKey(ctx.site.index), weight="rhs",
+            )  # fmt: skip
+        else:
+            out = ctx.original(lhs, rhs)[0]
+        self.sink[name] = {"lhs": lhs, "rhs": rhs, "out": out}
+        if ctx.state is not None:
+            out = out + ctx.state.astype(out.dtype)
+        return [out]
+
+
+#: Where the built-in models' captured activations come in a layer (unknown names last).
+_ACT_ORDER = ("input", "pre", "gelu_cubic", "attn_logits", "mlp_hidden", "out", "resid")
+
+
+def _act_rank(key: str) -> tuple[int, str]:
+    name = key.split("/")[-1]
+    return (_ACT_ORDER.index(name) if name in _ACT_ORDER else len(_ACT_ORDER), key)
+
+
+def _layer_of(scope: str, names: tuple[str, ...]) -> str:
+    for part in scope.split("/"):
+        if part in names:
+            return part
+    return scope or "-"
+
+
+class Capture:
+    """Captures of one variant (see the module docstring); ``capture(state, batch)`` gives
+    ``{Tensor.key: float32 ndarray}``; :attr:`tensors` lists them in causal order."""
+
+    def __init__(self, setup: TrainSetup):
+        cfg, pol = setup.config, setup.policy
+        if setup.model.remat:
+            raise ValueError("diagnose runs models without remat (the numerics are the same)")
+        self.setup, self.policy = setup, pol
+        self.compute_dtype = np.dtype(pol.compute_dtype)
+        self.layers = setup.model.layer_names()
+        self.loss_weight = float(cfg.loss_weight)
+        self.fp32 = setup.options.fp32_params
+        self.recipe = setup.options.recipe
+        self._loss = setup.model.loss_fn(pol, capture=True, enforce=cfg.enforce_numerics)
+        self.tensors: list[Tensor] = []
+        self._sites: list = []
+        self._fn = jax.jit(self._run)
+
+    def _scaled(self, p, batch):
+        loss, aux = self._loss(p, batch)
+        return loss.astype(jnp.float32) * jnp.float32(self.loss_weight), aux
+
+    def _run(self, params, loss_scale, rstate, batch):
+        pc = cast_compute(params, self.policy.compute_dtype, self.fp32)
+        selected: frozenset = frozenset()
+        if self.recipe is not None:  # the matmuls the variant's recipe replaces
+            sel = intercept(
+                self._scaled, _Record(None, selected, None, {}),
+                include=self.recipe.include, exclude=self.recipe.exclude,
+            )  # fmt: skip
+            selected = frozenset(s.name for s in sel.sites(pc, batch) if s.selected)
+
+        def make(sink):
+            return intercept(self._scaled, _Record(self.recipe, selected, rstate, sink))
+
+        sites = [s for s in make({}).sites(pc, batch) if not s.loops]
+        self._sites = sites
+        probes = {s.name: jnp.full(s.out_shapes[0], -0.0, jnp.float32) for s in sites}
+
+        def run(pr, p):
+            sink: dict = {}
+            out = make(sink).call_with_state(pr, p, batch)
+            loss, aux = out
+            return loss_scale.scale(loss), (loss, aux["activations"], sink)
+
+        (_, (loss, acts, sink)), cts = jax.value_and_grad(run, has_aux=True)(probes, pc)
+        unscale = jnp.float32(self.loss_weight) * loss_scale.loss_scale.astype(jnp.float32)
+        grads = {k: v / unscale for k, v in cts.items()}
+        return loss / jnp.float32(self.loss_weight), acts, sink, grads, unscale
+
+    def __call__(self, state: Any, batch: Any) -> dict[str, np.ndarray]:
+        loss, acts, sink, grads, unscale = jax.device_get(
+            self._fn(state.params, state.loss_scale, state.recipe_state, batch)
+        )
+        self.grad_scale = float(unscale)
+        if not self.tensors:
+            self.tensors = self._order(acts, sink)
+        out: dict[str, np.ndarray] = {"-:loss": np.asarray(loss, np.float32)}
+        for s in self._sites:
+            layer = _layer_of(s.scope, self.layers)
+            for part in ("lhs", "rhs", "out"):
+                if s.name in sink:
+                    out[f"{layer}:{s.name}.{part}"] = np.asarray(sink[s.name][part], np.float32)
+            if s.name in grads:
+                out[f"{layer}:{s.name}.grad"] = np.asarray(grads[s.name], np.float32)
+        for k, v in acts.items():
+            out[f"{self._act_layer(k)}:act:{k.split('/')[-1]}"] = np.asarray(v, np.float32)
+        return out
+
+    def _act_layer(self, key: str) -> str:
+        head = key.split("/")[0]
+        return head if head in self.layers else self.layers[-1]
+
+    def _order(self, acts: dict, sink: dict) -> list[Tensor]:
+        fwd: list[Tensor] = []
+        for layer in self.layers:
+            for s in self._sites:
+                if _layer_of(s.scope, self.layers) == layer and s.name in sink:
+                    kinds = (("lhs", "operand"), ("rhs", "operand"), ("out", "output"))
+                    fwd += [Tensor(layer, f"{s.name}.{p}", k, 0) for p, k in kinds]
+            for k in sorted(acts, key=_act_rank):  # jit returns dicts in sorted key order
+                if self._act_layer(k) == layer:
+                    fwd.append(Tensor(layer, f"act:{k.split('/')[-1]}", "activation", 0))
+        fwd.append(Tensor("-", "loss", "loss", 0))
+        bwd = [
+            Tensor(_layer_of(s.scope, self.layers), f"{s.name}.grad", "grad", 0)
+            for s in reversed(self._sites)
+            if s.name in sink
+        ]
+        return [dataclasses.replace(t, order=i) for i, t in enumerate(fwd + bwd)]

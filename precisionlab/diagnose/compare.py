@@ -1,0 +1,259 @@
+"""``diagnose --compare``: two variants in lockstep, every intercepted tensor compared per step.
+
+Both variants train on the same batches (same data, order and seed; each from its own state),
+and at every ``every``-th step each captured tensor (:mod:`precisionlab.diagnose._capture`) of
+the second is compared with the first's: the relative difference is ``||b - a||_2 /
+||a||_2`` in float64 (``inf`` where only ``b`` holds a NaN or inf; not compared where ``a``
+does). At the first step where any tensor's difference exceeds ``threshold``, the tensor that
+differs most is the answer (ties go to the earliest in causal order: forward in program
+order, the loss, then cotangents from the last layer back, so an overflow is blamed on the
+layer where it starts, not on the layers its infinities reach),
+explained by the statistics of the reference tensor in the second variant's compute dtype
+(:func:`precisionlab.telemetry.tensor_stats`: the fractions that overflow or underflow there,
+cotangents taken at the second variant's loss weight times loss scale).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from precisionlab.diagnose._capture import Capture, Tensor
+from precisionlab.experiments.config import Unit
+from precisionlab.telemetry import tensor_stats, to_dict
+from precisionlab.train import build, build_step, make_data
+from precisionlab.train.step import normalize_loss_fn
+
+__all__ = ["CompareOptions", "CompareResult", "Crossing", "compare", "relative_difference"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompareOptions:
+    """threshold: relative difference that counts as a break (> 0). every: compare every N
+    steps (>= 1). steps: steps to run at most (None: the variants' ``steps``)."""
+
+    threshold: float = 0.1
+    every: int = 1
+    steps: int | None = None
+
+    def __post_init__(self) -> None:
+        t = self.threshold
+        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < math.inf:
+            raise ValueError(f"threshold must be a number > 0, got {t!r}")
+        for name in ("every", "steps"):
+            v = getattr(self, name)
+            if v is None and name == "steps":
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Crossing:
+    """A tensor over the threshold: where, how far, and the statistics that explain it."""
+
+    step: int
+    layer: str
+    tensor: str
+    kind: str
+    rel: float
+    explain: str
+    stats: dict[str, Any]
+    order: int = 0
+
+
+@dataclasses.dataclass
+class CompareResult:
+    """ref / other: the variants' names. steps_run: steps trained. first: the first crossing
+    (None if none). at_step: every crossing at that step, largest first. heat: per layer, the
+    largest relative difference at each compared step (``compared_steps``). grad_underflow: per
+    layer, the fraction of the reference's output cotangents (at ``other``'s scale) that
+    underflow in ``other``'s compute dtype at the first crossing's step (or the last step).
+    dtype: ``other``'s compute dtype."""
+
+    ref: str
+    other: str
+    threshold: float
+    steps_run: int
+    first: Crossing | None
+    at_step: list[Crossing]
+    compared_steps: list[int]
+    heat: dict[str, list[float]]
+    grad_underflow: dict[str, float]
+    dtype: str
+
+
+def relative_difference(a: np.ndarray, b: np.ndarray) -> float:
+    """``||b - a|| / ||a||`` in float64; inf where only ``b`` is non-finite (or ``a`` is all
+    zeros and ``b`` is not); NaN where ``a`` is non-finite (nothing to compare against)."""
+    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if not np.isfinite(a64).all():
+        return math.nan
+    if not np.isfinite(b64).all():
+        return math.inf
+    na, d = float(np.linalg.norm(a64)), float(np.linalg.norm(b64 - a64))
+    if na == 0.0:
+        return 0.0 if d == 0.0 else math.inf
+    return d / na
+
+
+def _weighted(loss_fn: Callable, w: float) -> Callable:
+    f = normalize_loss_fn(loss_fn)
+
+    def weighted(p, b):
+        loss, aux = f(p, b)
+        return loss.astype(np.float32) * np.float32(w), aux
+
+    return weighted
+
+
+class _Runner:
+    """One variant: its jitted train step, state and capture."""
+
+    def __init__(self, unit: Unit, example: Any):
+        cfg = dataclasses.replace(unit.config, remat=False, hist_interval=0)
+        self.setup = build(cfg)
+        loss = self.setup.loss_fn
+        if cfg.loss_weight != 1:
+            loss = _weighted(loss, cfg.loss_weight)
+        fn, self.state, _ = build_step(
+            loss, self.setup.params, self.setup.optimizer, self.setup.options, example
+        )
+        self.step = jax.jit(fn)
+        self.capture = Capture(self.setup)
+
+
+def _dtype_of(runner: _Runner, layer: str) -> np.dtype:
+    hp = runner.setup.config.high_precision
+    return np.dtype(np.float32) if layer in hp else runner.capture.compute_dtype
+
+
+def _explain(t: Tensor, a: np.ndarray, b: np.ndarray, other: _Runner, name: str) -> tuple:
+    dtype = _dtype_of(other, t.layer)
+    scale = other.capture.grad_scale if t.kind == "grad" else 1.0
+    target = str(dtype)
+    with np.errstate(over="ignore"):  # inf reference values are counted, not warned about
+        x = np.asarray(a, np.float32) * np.float32(scale)
+        ref = to_dict(tensor_stats(x, (target,)), (target,))
+    tg = ref["targets"][target]
+    b64 = np.asarray(b, np.float64)
+    stats = {
+        "dtype": target,
+        "scale": scale,
+        "ref_amax": ref["amax"],
+        "ref_amin_nonzero": ref["amin_nonzero"],
+        "overflow": tg["overflow"],
+        "underflow": tg["underflow"],
+        "subnormal": tg["subnormal"],
+        "other_zero": float(np.mean(b64 == 0)),
+        "other_nonfinite": float(np.mean(~np.isfinite(b64))),
+    }
+    what = {
+        "grad": "activation gradients",
+        "operand": "matmul operands",
+        "output": "matmul outputs",
+        "activation": "activations",
+        "loss": "loss",
+    }[t.kind]
+    where = f"{t.layer}'s {what} ({t.name})" if t.layer != "-" else "the loss"
+    if stats["overflow"] > 0:
+        text = (
+            f"{stats['overflow']:.1%} of {where} overflow {target} (reference amax "
+            f"{ref['amax']:.3g}, {target} max {float(np.finfo(dtype).max):.6g})"
+        )
+    elif stats["other_nonfinite"] > 0:
+        text = (
+            f"{stats['other_nonfinite']:.1%} of {name}'s {where} are inf/NaN carried in from "
+            f"earlier tensors (the reference fits {target}: amax {ref['amax']:.3g})"
+        )
+    elif stats["underflow"] > 0:
+        at = f" at loss weight x loss scale {scale:g}" if t.kind == "grad" else ""
+        text = (
+            f"{stats['underflow']:.1%} of {where} underflow in {target}{at} "
+            f"({stats['other_zero']:.1%} of {name}'s copy is zero)"
+        )
+    else:
+        text = f"{where} differ by rounding and drift (no overflow or underflow in {target})"
+    return text, stats
+
+
+def compare(
+    ref: Unit,
+    other: Unit,
+    options: CompareOptions = CompareOptions(),
+    *,
+    say: Callable[[str], None] = lambda _m: None,
+    dump: Path | None = None,
+) -> CompareResult:
+    """Run ``ref`` and ``other`` in lockstep and find the first tensor that breaks (see the
+    module docstring). ``dump``: write both variants' tensors at the answer's step there
+    (``.npz``: ``ref/LAYER:NAME``, ``other/LAYER:NAME``, ``grad_scale``)."""
+    cfg = ref.config
+    batches = make_data(cfg.data, **cfg.data_kwargs).batches(cfg.batch_size, seed=cfg.seed)
+    first_batch = next(batches)
+    ra, rb = _Runner(ref, first_batch), _Runner(other, first_batch)
+    steps = min(ref.config.steps, other.config.steps, options.steps or 2**31)
+    heat: dict[str, list[float]] = {layer: [] for layer in (*ra.capture.layers, "-")}
+    compared: list[int] = []
+    at_step: list[Crossing] = []
+    last: tuple = ()
+    batch, step = first_batch, 0
+    while step < steps:
+        if step % options.every == 0:
+            ta, tb = ra.capture(ra.state, batch), rb.capture(rb.state, batch)
+            compared.append(step + 1)
+            worst: dict[str, float] = {}
+            for t in ra.capture.tensors:
+                if t.key not in ta or t.key not in tb:
+                    continue
+                rel = relative_difference(ta[t.key], tb[t.key])
+                if not math.isnan(rel):
+                    worst[t.layer] = max(worst.get(t.layer, 0.0), rel)
+                if rel > options.threshold:
+                    text, stats = _explain(t, ta[t.key], tb[t.key], rb, other.name)
+                    at_step.append(
+                        Crossing(step + 1, t.layer, t.name, t.kind, rel, text, stats, t.order)
+                    )
+            for layer in heat:
+                heat[layer].append(worst.get(layer, math.nan))
+            last = (ta, tb)
+            if at_step:
+                say(f"step {step + 1}: {len(at_step)} tensor(s) over {options.threshold:g}")
+                break
+        ra.state, _ = ra.step(ra.state, batch)
+        rb.state, _ = rb.step(rb.state, batch)
+        step += 1
+        if step < steps:
+            batch = next(batches)
+    ta, tb = last
+    underflow = {}
+    for t in ra.capture.tensors:
+        if t.kind == "grad" and t.key in ta:
+            _, st = _explain(t, ta[t.key], tb[t.key], rb, other.name)
+            underflow[t.layer] = max(underflow.get(t.layer, 0.0), st["underflow"])
+    if dump is not None:
+        arrays = {f"ref/{k}": v for k, v in ta.items()}
+        arrays.update({f"other/{k}": v for k, v in tb.items()})
+        np.savez_compressed(dump, grad_scale=np.float64(rb.capture.grad_scale), **arrays)
+    # The answer: at the first step over the threshold, the tensor that differs most (ties,
+    # e.g. several infinities, go to the earliest in causal order: where the break starts).
+    at_step.sort(key=lambda c: (-c.rel, c.order))
+    first = at_step[0] if at_step else None
+    return CompareResult(
+        ref=ref.name,
+        other=other.name,
+        threshold=options.threshold,
+        steps_run=step + (1 if at_step else 0),
+        first=first,
+        at_step=at_step,
+        compared_steps=compared,
+        heat={k: v for k, v in heat.items() if any(not math.isnan(x) for x in v)},
+        grad_underflow=underflow,
+        dtype=str(rb.capture.compute_dtype),
+    )
