@@ -53,7 +53,41 @@ _HIGHER_ORDER = frozenset(
         "cond",
     }
 )
-_ACCUMULATING = ("dot_general", "conv_general_dilated")
+# First-order primitives whose params hold a small combiner program (a scatter's update, a
+# general reduction's computation): emulated as a whole, their result rounded once.
+_COMBINERS = frozenset(
+    {"reduce", "reduce_window", "select_and_scatter", "select_and_scatter_add",
+     "select_and_gather_add"}
+)  # fmt: skip
+
+
+# Operations whose result is exactly representable when their operands are (they move, select or
+# compare values, or change only the sign): their results need no rounding.
+_EXACT = frozenset(
+    {"reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice",
+     "dynamic_slice", "dynamic_update_slice", "gather", "concatenate", "pad", "rev", "select_n",
+     "copy", "copy_p", "device_put", "max", "min", "neg", "abs", "sign", "reduce_max",
+     "reduce_min", "cummax", "cummin", "sort", "clamp", "floor", "ceil", "round", "split"}
+)  # fmt: skip
+
+
+def _exact(eqn) -> bool:
+    name = eqn.primitive.name
+    if name == "convert_element_type":  # float to an equal or wider float keeps the value
+        src, dst = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
+        return (
+            _is_float(eqn.invars[0].aval)
+            and _is_float(eqn.outvars[0].aval)
+            and (
+                np.finfo(dst).bits >= np.finfo(src).bits
+                and np.finfo(dst).nmant >= np.finfo(src).nmant
+            )
+        )
+    return name in _EXACT
+
+
+def _first_order_with_program(name: str) -> bool:
+    return name.startswith("scatter") or name in _COMBINERS
 
 
 def _is_float(x: Any) -> bool:
@@ -80,7 +114,7 @@ def _collect(jaxpr, found: set[str]) -> None:
     NotImplementedError for a higher-order primitive the interceptor cannot enter."""
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        subs = _subprograms(eqn)
+        subs = [] if _first_order_with_program(name) else _subprograms(eqn)
         if subs and name not in _HIGHER_ORDER:
             raise NotImplementedError(
                 f"emulate cannot enter {name!r} (its operations would run unrounded); "
@@ -158,6 +192,10 @@ class _RoundRule:
             prim = eqn.primitive
             out = prim.bind(*ins, **prim.get_bind_params(params))
             outs = list(out) if prim.multiple_results else [out]
+            if _exact(eqn):
+                for y in outs:
+                    self.rounded[id(y)] = y
+                return outs
         return [self._round(y, v.aval) for y, v in zip(outs, eqn.outvars, strict=True)]
 
     def apply(self, ctx: Context, *operands: Any, **params: Any) -> list:
@@ -196,7 +234,7 @@ def _with_rounded_vjp(rule: _RoundRule, eqn) -> Callable:
             return jax.vjp(bare, *xs)[1](cts)
 
         em = Emulated(back, rule.dtype, (), rule.accumulate_bits, rule.reduce_fp32, True)
-        grads = em(xs, tuple(cts))
+        grads = em._call(xs, (xs, tuple(cts)), {})  # the residuals were rounded in the forward
         return tuple(g if f else None for g, f in zip(grads, floats_in, strict=True))
 
     op.defvjp(fwd, bwd)
@@ -242,7 +280,13 @@ class Emulated:
         return self._intercepted(args, kwargs)[0].report(*args, **kwargs)
 
     def __call__(self, *args, **kwargs) -> Any:
+        return self._call((), args, kwargs)
+
+    def _call(self, rounded: Any, args: tuple, kwargs: dict) -> Any:
+        """``__call__`` with the leaves of ``rounded`` known to be rounded already."""
         fn, rule = self._intercepted(args, kwargs)
+        for x in jax.tree.leaves(rounded):
+            rule.rounded[id(x)] = x
         try:
             return fn(*args, **kwargs)
         finally:
