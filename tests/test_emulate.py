@@ -265,3 +265,17 @@ def test_bad_arguments_are_refused_with_the_allowed_values():
         emulate(jnp.sin, "bf16", accumulate_bits=40)
     with pytest.raises(ValueError, match="unknown dtype"):
         emulate(jnp.sin, "c=bf17")
+
+
+def test_static_arguments_vmap_and_abstract_sites():
+    def f(x, n, mode="scale"):
+        return x * n / n if mode == "scale" else x
+
+    x = jnp.full((2, 3), 100.0, jnp.float32)
+    em = emulate(f, "c=f16")
+    assert np.all(np.isinf(np.asarray(em(x, 1000.0, mode="scale"))))  # floats, strings: static
+    np.testing.assert_array_equal(np.asarray(em(x, 1000.0, mode="off")), np.asarray(x))
+    batched = jax.jit(jax.vmap(lambda r: em(r, 1000.0)))(x)
+    assert np.all(np.isinf(np.asarray(batched)))
+    sites = em.sites(jax.ShapeDtypeStruct((2, 3), jnp.float32), 1000.0)
+    assert [s.name for s in sites] == ["mul[0]", "div[1]"]

@@ -241,6 +241,28 @@ def _with_rounded_vjp(rule: _RoundRule, eqn) -> Callable:
     return op
 
 
+def _is_array(x: Any) -> bool:
+    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+        return True
+    return hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, type)
+
+
+def _trace(fn: Callable, args: tuple, kwargs: dict) -> Any:
+    """``fn``'s jaxpr with the array leaves of the arguments traced and the other leaves
+    static (closed over), as :func:`precisionlab.intercept.intercept` traces it."""
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    dyn = [i for i, x in enumerate(leaves) if _is_array(x)]
+
+    def flat(*values):
+        full = list(leaves)
+        for i, v in zip(dyn, values, strict=True):
+            full[i] = v
+        a, k = jax.tree.unflatten(treedef, full)
+        return fn(*a, **k)
+
+    return jax.make_jaxpr(flat)(*[leaves[i] for i in dyn])
+
+
 class Emulated:
     """``fn`` with every floating-point operation rounded to a compute format; see
     :func:`emulate`."""
@@ -261,7 +283,7 @@ class Emulated:
         self.__wrapped__ = fn
 
     def _intercepted(self, args, kwargs) -> tuple[Intercepted, _RoundRule]:
-        closed = jax.make_jaxpr(lambda a, k: self.fn(*a, **k))(args, kwargs)
+        closed = _trace(self.fn, args, kwargs)
         found: set[str] = set()
         _collect(closed.jaxpr, found)
         rule = _RoundRule(
@@ -306,7 +328,9 @@ def emulate(
     Args:
       fn: any JAX-traceable function: a Flax linen ``model.apply``, an NNX or Equinox module's
         call, a loss over a plain pytree. Array arguments are traced, other leaves are static.
-        The result composes with ``jax.jit``, ``jax.grad`` and ``jax.vmap``.
+        The result composes with ``jax.jit``, ``jax.vmap`` and reverse-mode autodiff
+        (``jax.grad``, ``jax.vjp``); forward mode (``jax.jvp``, ``jacfwd``, ``hessian``) is
+        refused by JAX, because each operation's rounded backward pass is a ``custom_vjp``.
       policy: a :class:`~precisionlab.mixed.Policy`, a policy string (``"c=f16"``), a jmp
         policy or a dtype; its ``compute_dtype`` is the format every result is rounded to.
       keep: operations left unrounded (computed in the program's own dtype, float32 for a
