@@ -63,6 +63,11 @@ def test_a_non_floating_dtype_is_refused_with_the_allowed_ones():
         get_policy(np.int32)
 
 
+def test_policy_parse_takes_the_same_kinds():
+    assert Policy.parse(jmp.get_policy("c=bf16")) == get_policy("c=bf16")
+    assert Policy.parse(jnp.bfloat16) == get_policy("bf16")
+
+
 def test_policy_fields_accept_dtype_objects():
     p = Policy(param_dtype=jnp.float32, compute_dtype=jnp.bfloat16, output_dtype=np.float32)
     assert p == get_policy("p=f32,c=bf16,o=f32")

@@ -145,8 +145,8 @@ class Policy:
         object.__setattr__(self, "fp32_ops", ops)
 
     @classmethod
-    def parse(cls, spec: str, *, fp32_ops: Iterable[str] | None = None) -> Policy:
-        """Parse jmp's policy syntax; see :func:`get_policy`."""
+    def parse(cls, spec: Any, *, fp32_ops: Iterable[str] | None = None) -> Policy:
+        """A policy from jmp's syntax, a jmp ``Policy`` or a dtype; see :func:`get_policy`."""
         return get_policy(spec, fp32_ops=fp32_ops)
 
     def cast_to_param(self, tree: T) -> T:
