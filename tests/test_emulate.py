@@ -279,3 +279,19 @@ def test_static_arguments_vmap_and_abstract_sites():
     assert np.all(np.isinf(np.asarray(batched)))
     sites = em.sites(jax.ShapeDtypeStruct((2, 3), jnp.float32), 1000.0)
     assert [s.name for s in sites] == ["mul[0]", "div[1]"]
+
+
+def test_embedding_gradients_and_unsupported_higher_order_primitives():
+    # an embedding lookup's gradient is a scatter-add (a primitive holding a combiner program)
+    table = jnp.ones((5, 3), jnp.float32)
+    idx = jnp.asarray([0, 2, 2, 4])
+    g = jax.grad(emulate(lambda t: jnp.sum(t[idx] * 3.0), "c=f16"))(table)
+    want = np.zeros((5, 3), np.float32)
+    np.add.at(want, np.asarray(idx), 3.0)
+    np.testing.assert_array_equal(np.asarray(g), want)
+
+    def solve(b):  # custom_linear_solve holds sub-programs emulate cannot enter
+        return jax.lax.custom_linear_solve(lambda x: 2.0 * x, b, lambda _, y: y / 2.0)
+
+    with pytest.raises(NotImplementedError, match="custom_linear_solve"):
+        emulate(solve, "c=f16")(jnp.ones(3))
