@@ -193,8 +193,10 @@ def test_per_op_rounding_matches_a_float64_oracle(fmt):
     dt = ORACLE_DTYPES[fmt]
     rng = np.random.default_rng(7)
     n = 4096
-    a = (rng.standard_normal(n) * np.exp2(rng.integers(-30, 20, n))).astype(np.float32)
-    b = (rng.standard_normal(n) * np.exp2(rng.integers(-30, 20, n))).astype(np.float32)
+    # exponents reaching each format's overflow (and, but for bf16, its subnormals)
+    lo, hi = (-40, 70) if fmt == "bfloat16" else (-30, 20)
+    a = (rng.standard_normal(n) * np.exp2(rng.integers(lo, hi, n))).astype(np.float32)
+    b = (rng.standard_normal(n) * np.exp2(rng.integers(lo, hi, n))).astype(np.float32)
 
     def f(a, b):
         s = a + b
