@@ -311,3 +311,13 @@ def test_embedding_gradients_and_unsupported_higher_order_primitives():
 
     with pytest.raises(NotImplementedError, match="custom_linear_solve"):
         emulate(solve, "c=f16")(jnp.ones(3))
+
+
+def test_casts_inside_the_program_keep_both_roundings():
+    def f(x):
+        return x.astype(jnp.bfloat16).astype(jnp.float32) * 2
+
+    x = jnp.asarray([70000.0, 1000.3, 3.0], jnp.float32)
+    got = np.asarray(emulate(f, "c=f16")(x))
+    # bf16(1000.3) = 1000 (8 bits), then float16 holds it; 70000 overflows float16
+    np.testing.assert_array_equal(got, [np.inf, 2000.0, 6.0])

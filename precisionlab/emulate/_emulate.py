@@ -13,10 +13,16 @@ computes on float32 arrays that hold bfloat16 values. Each elementwise operation
 in float32 on exactly representable operands and is rounded once, which is what a 16-bit GPU
 kernel computes (+, -, *, / and sqrt correctly rounded: float32 has more than twice the
 mantissa bits of bfloat16 or float16, plus two). Matmuls and convolutions accumulate in float32
-and round once (``accumulate_bits`` narrows the accumulator); reductions accumulate in float32
-and round once. The backward pass is rounded at the same points: the transpose of every rounding
-rounds the cotangent, so each backward result is rounded once, after the contributions of a
-value's several uses are summed.
+and round once (``accumulate_bits`` narrows the accumulator); forward reductions accumulate in
+float32 and round once while the policy keeps ``reduce`` in float32 (its default), else every
+partial sum is rounded.
+
+The backward pass: every operation with a floating operand and result is a ``custom_vjp``
+whose backward pass is the primitive's own VJP run under the same rule, so each backward
+operation is rounded too; a backward reduction (the transpose of a broadcast, e.g. a bias
+gradient) rounds every partial sum, as the reduction a 16-bit program's autodiff emits is typed
+in the 16-bit format. The contributions of a value's several uses are summed by JAX and rounded
+once, where the next backward operation takes them. Forward-mode autodiff is therefore refused.
 """
 
 from __future__ import annotations
@@ -79,8 +85,9 @@ def _exact(eqn) -> bool:
             _is_float(eqn.invars[0].aval)
             and _is_float(eqn.outvars[0].aval)
             and (
-                np.finfo(dst).bits >= np.finfo(src).bits
-                and np.finfo(dst).nmant >= np.finfo(src).nmant
+                jnp.finfo(dst).maxexp >= jnp.finfo(src).maxexp
+                and jnp.finfo(dst).minexp <= jnp.finfo(src).minexp
+                and jnp.finfo(dst).nmant >= jnp.finfo(src).nmant
             )
         )
     return name in _EXACT
