@@ -12,12 +12,13 @@ from nbclient import NotebookClient
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
 
-def test_the_three_notebooks_are_there():
+def test_the_notebooks_are_there():
     assert [p.name for p in NOTEBOOKS] == [
         "01_bit_layouts.ipynb",
         "02_downcast_and_quantization_error.ipynb",
         "03_fp16_vs_bf16_training.ipynb",
         "05_where_precision_breaks.ipynb",
+        "06_your_own_model.ipynb",
     ]
 
 

@@ -8,7 +8,7 @@ from precisionlab.cli import main
 @pytest.mark.parametrize(
     ("argv", "match"),
     [
-        (["--model", "cnn"], "--model must be mlp or transformer"),
+        (["--model", "cnn"], "--model must be mlp, transformer or conv"),
         (["--compute", "float32"], "--compute must be bfloat16 or float16"),
         (["--compute", "fp12"], "unknown dtype"),
     ],
@@ -24,3 +24,11 @@ def test_bad_count(capsys):
         main(["bench", "train", "--repeats", "0"])
     assert info.value.code == 2
     assert "must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_conv_model_is_timed(tmp_path):
+    from precisionlab.bench.train import measure
+
+    result = measure("conv", batch=8, steps=2, repeats=1)
+    assert result["model"] == "conv" and set(result["ms_per_step"]) >= {"a-fp32", "b-bf16"}

@@ -44,6 +44,14 @@ HELP = "train-step time: fp32, bf16, bf16+dynamic loss scaling+skip, and jmp's v
 
 VARIANTS = ("a-fp32", "b-bf16", "c-bf16-dyn", "c-select", "d-jmp")
 
+# model -> (dataset, its options): conv reads the teacher's 64 inputs as an 8x8 image (no
+# optional dependency, unlike the digits set)
+_DATA: dict[str, tuple[str, dict[str, Any]]] = {
+    "mlp": ("teacher", {}),
+    "transformer": ("markov", {}),
+    "conv": ("teacher", {"in_dim": 64}),
+}
+
 
 def _positive(text: str) -> int:
     try:
@@ -56,7 +64,7 @@ def _positive(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="mlp", help="built-in model: mlp or transformer")
+    parser.add_argument("--model", default="mlp", help="built-in model: mlp, transformer or conv")
     parser.add_argument("--batch", type=_positive, default=128, help="batch size (default 128)")
     parser.add_argument(
         "--steps", type=_positive, default=20, help="steps per timed chunk (default 20)"
@@ -118,9 +126,10 @@ def measure(
     cdt = get_policy(compute).compute_dtype.name
     if cdt not in ("bfloat16", "float16"):
         raise UsageError(f"--compute must be bfloat16 or float16, got {compute!r}")
-    if model_name not in ("mlp", "transformer"):
-        raise UsageError(f"--model must be mlp or transformer, got {model_name!r}")
-    data = make_data("teacher" if model_name == "mlp" else "markov")
+    if model_name not in _DATA:
+        raise UsageError(f"--model must be mlp, transformer or conv, got {model_name!r}")
+    data_name, data_kwargs = _DATA[model_name]
+    data = make_data(data_name, **data_kwargs)
     model = make_model(model_name, **data.model_kwargs())
     params = model.init(jax.random.PRNGKey(0))
     batches = [jax.device_put(data.batch(i, batch)) for i in range(steps)]

@@ -1,6 +1,6 @@
 """Memory of the built-in models of :mod:`precisionlab.train`, estimated and measured.
 
-- :func:`param_count`: the parameter count of a built-in MLP or transformer, from its sizes
+- :func:`param_count`: the parameter count of a built-in MLP, transformer or conv, from its sizes
   (not from its params pytree), so it can be checked against ``Model.param_count``.
 - :func:`transformer_spec`: the :class:`ModelSpec` of a built-in transformer, for
   :func:`~precisionlab.memory.estimate.estimate`.
@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -38,8 +39,26 @@ __all__ = [
 ]
 
 
+def _conv_blocks(model: Any) -> tuple[list[tuple[int, int, int, bool]], int]:
+    """Per conv block ``(side, c_in, c_out, pool)`` and the flattened size fed to the output
+    layer, from the sizes alone (as :mod:`precisionlab.train.conv` lays the model out: 3x3
+    SAME convolutions, a 2x2 max pool while the side is even and > 1)."""
+    side = math.isqrt(model.in_dim)
+    c_in, blocks = 1, []
+    for i in range(model.depth):
+        c_out = model.width * 2**i
+        pool = side % 2 == 0 and side > 1
+        blocks.append((side, c_in, c_out, pool))
+        side, c_in = (side // 2 if pool else side), c_out
+    return blocks, side * side * c_in
+
+
 def param_count(model: Any) -> int:
-    """Parameters of a built-in ``mlp`` or ``transformer``, counted from its sizes."""
+    """Parameters of a built-in ``mlp``, ``transformer`` or ``conv``, counted from its sizes."""
+    if model.name == "conv":
+        blocks, flat = _conv_blocks(model)
+        convs = sum(9 * ci * co + co for _, ci, co, _ in blocks)
+        return convs + flat * model.num_classes + model.num_classes
     if model.name == "mlp":
         ln = 2 * model.width if model.use_layernorm else 0
         hidden = model.in_dim * model.width + model.width + ln
@@ -50,7 +69,7 @@ def param_count(model: Any) -> int:
         block = 3 * d * d + d * d + d * f + f + f * d + d + (4 * d if model.use_layernorm else 0)
         final = 2 * d if model.use_layernorm else 0
         return v * d + model.seq_len * d + model.depth * block + d * v + final
-    raise ValueError(f"unknown built-in model {model.name!r}; allowed: mlp, transformer")
+    raise ValueError(f"unknown built-in model {model.name!r}; allowed: mlp, transformer, conv")
 
 
 def transformer_spec(model: Any) -> ModelSpec:
@@ -78,7 +97,8 @@ def activation_bytes(model: Any, batch: int, policy: Policy | str) -> int:
     attention (no fused kernel) keeps the scaled scores (compute dtype) and the softmax output
     (float32 when the policy keeps softmax in float32) besides the masked probabilities; plus the
     logits in the compute dtype and their float32 softmax. MLP: per hidden layer the dense
-    output, the activation and its derivative, plus float32 logits.
+    output, the activation and its derivative, plus float32 logits. Conv: per block the same
+    three for the convolution's output, plus the pooled output, plus float32 logits.
     """
     policy = get_policy(policy)
     e = np.dtype(policy.compute_dtype).itemsize
@@ -93,7 +113,15 @@ def activation_bytes(model: Any, batch: int, policy: Policy | str) -> int:
         return model.depth * (block + scores * (e + softmax)) + logits
     if model.name == "mlp":
         return model.depth * 3 * batch * model.width * e + batch * model.num_classes * 4
-    raise ValueError(f"unknown built-in model {model.name!r}; allowed: mlp, transformer")
+    if model.name == "conv":
+        blocks, _ = _conv_blocks(model)
+        kept = 0
+        for side, _, c_out, pool in blocks:
+            # the convolution's output, the activation and its derivative (as the MLP's dense
+            # layers), and with a pool its output
+            kept += 3 * side * side * c_out + (side * side * c_out // 4 if pool else 0)
+        return batch * kept * e + batch * model.num_classes * 4
+    raise ValueError(f"unknown built-in model {model.name!r}; allowed: mlp, transformer, conv")
 
 
 def example_batch(model: Any, batch: int) -> dict[str, jax.Array]:

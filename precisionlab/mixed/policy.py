@@ -145,8 +145,8 @@ class Policy:
         object.__setattr__(self, "fp32_ops", ops)
 
     @classmethod
-    def parse(cls, spec: str, *, fp32_ops: Iterable[str] | None = None) -> Policy:
-        """Parse jmp's policy syntax; see :func:`get_policy`."""
+    def parse(cls, spec: Any, *, fp32_ops: Iterable[str] | None = None) -> Policy:
+        """A policy from jmp's syntax, a jmp ``Policy`` or a dtype; see :func:`get_policy`."""
         return get_policy(spec, fp32_ops=fp32_ops)
 
     def cast_to_param(self, tree: T) -> T:
@@ -172,6 +172,19 @@ class Policy:
         if self.keeps_fp32(op):
             return jnp.promote_types(self.compute_dtype, np.float32)
         return self.compute_dtype
+
+    def to_jmp(self) -> Any:
+        """The equivalent ``jmp.Policy`` (needs jmp installed; the float32 ops have no jmp
+        counterpart and are dropped)."""
+        try:
+            import jmp
+        except ImportError as err:  # optional dependency
+            raise ImportError("Policy.to_jmp needs jmp: pip install jmp") from err
+        return jmp.Policy(
+            param_dtype=self.param_dtype,
+            compute_dtype=self.compute_dtype,
+            output_dtype=self.output_dtype,
+        )
 
     def with_fp32_ops(self, ops: Iterable[str]) -> Policy:
         return dataclasses.replace(self, fp32_ops=frozenset(ops))
@@ -206,8 +219,13 @@ class Policy:
         return text
 
 
-def get_policy(spec: str | Policy, *, fp32_ops: Iterable[str] | None = None) -> Policy:
-    """Parse a policy string in jmp's syntax.
+def _is_jmp_policy(obj: Any) -> bool:
+    """A jmp ``Policy`` (or any object with its three dtype attributes), without importing jmp."""
+    return all(hasattr(obj, f) for f in ("param_dtype", "compute_dtype", "output_dtype"))
+
+
+def get_policy(spec: Any, *, fp32_ops: Iterable[str] | None = None) -> Policy:
+    """A :class:`Policy` from a policy string in jmp's syntax, a jmp ``Policy`` or a dtype.
 
     ``"params=float32,compute=bfloat16,output=float32"``, ``"p=f32,c=bf16,o=f32"``, ``"c=f16"``
     (params float32; output follows compute) or a bare dtype (``"bf16"``: all three). As in jmp,
@@ -216,14 +234,34 @@ def get_policy(spec: str | Policy, *, fp32_ops: Iterable[str] | None = None) -> 
     writes them.
 
     Args:
-      spec: the policy string, or a Policy (returned, with ``fp32_ops`` replaced if given).
+      spec: the policy string; a Policy (returned, with ``fp32_ops`` replaced if given); a jmp
+        ``Policy`` (its three dtypes); or a dtype object (``jnp.bfloat16``, ``np.dtype("f2")``:
+        all three).
       fp32_ops: ops kept in float32; default :data:`DEFAULT_FP32_OPS`.
     """
     ops = DEFAULT_FP32_OPS if fp32_ops is None else frozenset(fp32_ops)
     if isinstance(spec, Policy):
         return spec if fp32_ops is None else spec.with_fp32_ops(ops)
+    if not isinstance(spec, str) and _is_jmp_policy(spec):
+        dtypes = [parse_dtype(getattr(spec, f)) for f in ("param_dtype", "compute_dtype",
+                                                         "output_dtype")]  # fmt: skip
+        return Policy(
+            param_dtype=dtypes[0], compute_dtype=dtypes[1], output_dtype=dtypes[2], fp32_ops=ops
+        )
     if not isinstance(spec, str):
-        raise TypeError(f"policy must be a string or Policy, got {type(spec).__name__}")
+        try:
+            # dtype objects and scalar types (np.float16, jnp.bfloat16) only: np.dtype also reads
+            # dicts and lists as structured dtypes
+            dtype = np.dtype(spec) if isinstance(spec, (np.dtype, type)) else None
+        except (TypeError, ValueError):
+            dtype = None
+        if dtype is None or spec is None or dtype.kind == "O":
+            raise TypeError(
+                f"policy must be a string ('p=f32,c=bf16,o=f32'), a Policy, a jmp Policy or a "
+                f"dtype, got {type(spec).__name__} {spec!r}"
+            )
+        dtype = parse_dtype(dtype)
+        return Policy(param_dtype=dtype, compute_dtype=dtype, output_dtype=dtype, fp32_ops=ops)
     text = spec.strip()
     if not text:
         raise ValueError("empty policy string; expected e.g. 'p=f32,c=bf16,o=f32'")

@@ -1,0 +1,366 @@
+"""``emulate(fn, policy)``: every floating-point operation of ``fn`` rounded to a compute format.
+
+How it works: ``fn`` is traced to a jaxpr and re-evaluated by :mod:`precisionlab.intercept`
+with one rule matched on every first-order primitive of the program. The rule rounds the
+operation's floating operands to the compute format (once: a value an earlier operation already
+rounded is not rounded again), binds the primitive as the program had it, and rounds its
+floating results (:func:`precisionlab.mixed.numerics.enforce`, the same rounding the built-in
+models apply at every op boundary: ``lax.reduce_precision``, which XLA never elides, with
+float16's subnormals kept, or the project's codec for float8_e4m3fn).
+
+Arrays keep the dtypes the program gives them: a float32 program emulated under ``c=bf16``
+computes on float32 arrays that hold bfloat16 values. Each elementwise operation therefore runs
+in float32 on exactly representable operands and is rounded once, which is what a 16-bit GPU
+kernel computes (+, -, *, / and sqrt correctly rounded: float32 has more than twice the
+mantissa bits of bfloat16 or float16, plus two). Matmuls and convolutions accumulate in float32
+and round once (``accumulate_bits`` narrows the accumulator); forward reductions accumulate in
+float32 and round once while the policy keeps ``reduce`` in float32 (its default), else every
+partial sum is rounded.
+
+The backward pass: every operation with a floating operand and result is a ``custom_vjp``
+whose backward pass is the primitive's own VJP run under the same rule, so each backward
+operation is rounded too; a backward reduction (the transpose of a broadcast, e.g. a bias
+gradient) rounds every partial sum, as the reduction a 16-bit program's autodiff emits is typed
+in the 16-bit format. The contributions of a value's several uses are summed by JAX and rounded
+once, where the next backward operation takes them. Forward-mode autodiff is therefore refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend as jex
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from precisionlab.intercept import Context, Intercepted, Site, intercept
+from precisionlab.mixed.numerics import enforce
+from precisionlab.mixed.policy import Policy, get_policy
+
+__all__ = ["Emulated", "emulate"]
+
+# Higher-order primitives the interceptor re-evaluates (their sub-programs are emulated).
+_HIGHER_ORDER = frozenset(
+    {
+        "jit",
+        "pjit",
+        "closed_call",
+        "core_call",
+        "custom_jvp_call",
+        "custom_vjp_call",
+        "remat2",
+        "checkpoint",
+        "scan",
+        "while",
+        "cond",
+    }
+)
+# First-order primitives whose params hold a small combiner program (a scatter's update, a
+# general reduction's computation): emulated as a whole, their result rounded once.
+_COMBINERS = frozenset(
+    {"reduce", "reduce_window", "select_and_scatter", "select_and_scatter_add",
+     "select_and_gather_add"}
+)  # fmt: skip
+
+
+# Operations whose result is exactly representable when their operands are (they move, select or
+# compare values, or change only the sign): their results need no rounding.
+_EXACT = frozenset(
+    {"reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice",
+     "dynamic_slice", "dynamic_update_slice", "gather", "concatenate", "pad", "rev", "select_n",
+     "copy", "copy_p", "device_put", "max", "min", "neg", "abs", "sign", "reduce_max",
+     "reduce_min", "cummax", "cummin", "sort", "clamp", "floor", "ceil", "round", "split"}
+)  # fmt: skip
+
+
+def _exact(eqn) -> bool:
+    name = eqn.primitive.name
+    if name == "convert_element_type":  # float to an equal or wider float keeps the value
+        src, dst = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
+        return (
+            _is_float(eqn.invars[0].aval)
+            and _is_float(eqn.outvars[0].aval)
+            and (
+                jnp.finfo(dst).maxexp >= jnp.finfo(src).maxexp
+                and jnp.finfo(dst).minexp <= jnp.finfo(src).minexp
+                and jnp.finfo(dst).nmant >= jnp.finfo(src).nmant
+            )
+        )
+    return name in _EXACT
+
+
+def _first_order_with_program(name: str) -> bool:
+    return name.startswith("scatter") or name in _COMBINERS
+
+
+def _is_float(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+def _subprograms(eqn) -> list:
+    out = []
+    for v in eqn.params.values():
+        for item in v if isinstance(v, (tuple, list)) else (v,):
+            if isinstance(item, (jex.core.ClosedJaxpr, jex.core.Jaxpr)):
+                out.append(item)
+    return out
+
+
+def _has_float(eqn) -> bool:
+    avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
+    return any(_is_float(a) for a in avals)
+
+
+def _collect(jaxpr, found: set[str]) -> None:
+    """Names of the first-order primitives with a floating operand or result, recursively;
+    NotImplementedError for a higher-order primitive the interceptor cannot enter."""
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        subs = [] if _first_order_with_program(name) else _subprograms(eqn)
+        if subs and name not in _HIGHER_ORDER:
+            raise NotImplementedError(
+                f"emulate cannot enter {name!r} (its operations would run unrounded); "
+                f"supported: {', '.join(sorted(_HIGHER_ORDER))}"
+            )
+        for sub in subs:
+            _collect(sub.jaxpr if isinstance(sub, jex.core.ClosedJaxpr) else sub, found)
+        if not subs and _has_float(eqn):
+            found.add(name)
+
+
+def _narrow_dot(lhs, rhs, dimension_numbers, bits: int) -> jax.Array:
+    """``dot_general`` of float32 operands with an m-bit accumulator (recipes.accumulate)."""
+    from precisionlab.recipes import accumulate
+
+    (lc, rc), (lb, rb) = dimension_numbers
+    lfree = [d for d in range(lhs.ndim) if d not in (*lc, *lb)]
+    rfree = [d for d in range(rhs.ndim) if d not in (*rc, *rb)]
+    batch = [lhs.shape[d] for d in lb]
+    nb = int(np.prod(batch, dtype=np.int64))
+    m = int(np.prod([lhs.shape[d] for d in lfree], dtype=np.int64))
+    n = int(np.prod([rhs.shape[d] for d in rfree], dtype=np.int64))
+    k = int(np.prod([lhs.shape[d] for d in lc], dtype=np.int64))
+    a = jnp.transpose(lhs, (*lb, *lfree, *lc)).reshape(nb, m, k)
+    b = jnp.transpose(rhs, (*rb, *rfree, *rc)).reshape(nb, n, k)
+    out = accumulate(a.astype(jnp.float32), b.astype(jnp.float32), bits)
+    shape = (*batch, *(lhs.shape[d] for d in lfree), *(rhs.shape[d] for d in rfree))
+    return out.reshape(shape)
+
+
+def _reduce_rounded(x: jax.Array, axes: Sequence[int], dtype: np.dtype) -> jax.Array:
+    """``reduce_sum`` with every partial sum rounded to ``dtype``: what XLA computes for a
+    reduction typed in a 16-bit format (its CPU backend rewrites a bfloat16 one into this very
+    reducer). The order of the additions is XLA's (sequential along the reduced axes when the
+    reduction is not fused into other work; a fused float16 reduction may be reordered)."""
+    zero = jnp.zeros((), x.dtype)
+    return lax.reduce(x, zero, lambda a, b: enforce(a + b, dtype), tuple(axes))
+
+
+@dataclasses.dataclass
+class _RoundRule:
+    """The interceptor rule: round operands (once) and results to ``dtype``.
+
+    Forward operations with a floating operand and result become ``custom_vjp`` functions whose
+    backward pass (the primitive's own VJP) is run through this rule again, with
+    ``backward=True``: each backward operation is rounded, and a backward reduction (the
+    transpose of a broadcast: a bias gradient) rounds every partial sum, as the reduction a
+    16-bit program's autodiff emits is typed in the 16-bit format.
+    """
+
+    dtype: np.dtype
+    primitives: tuple[str, ...]
+    accumulate_bits: int | None
+    reduce_fp32: bool
+    backward: bool = False
+    # Values already rounded in this trace, by id (the reference keeps the id unique).
+    rounded: dict[int, Any] = dataclasses.field(default_factory=dict)
+
+    def _round(self, x: Any, aval: Any) -> Any:
+        if not _is_float(aval) or id(x) in self.rounded:
+            return x
+        y = enforce(jnp.asarray(x, aval.dtype), self.dtype)
+        self.rounded[id(y)] = y
+        return y
+
+    def _compute(self, eqn, ins: list) -> list:
+        """The primitive on rounded operands, results rounded."""
+        name, params = eqn.primitive.name, eqn.params
+        if self.accumulate_bits is not None and name == "dot_general":
+            out = _narrow_dot(ins[0], ins[1], params["dimension_numbers"], self.accumulate_bits)
+            outs = [out.astype(eqn.outvars[0].aval.dtype)]
+        elif name == "reduce_sum" and (self.backward or not self.reduce_fp32):
+            outs = [_reduce_rounded(ins[0], params["axes"], self.dtype)]
+        else:
+            prim = eqn.primitive
+            out = prim.bind(*ins, **prim.get_bind_params(params))
+            outs = list(out) if prim.multiple_results else [out]
+            if _exact(eqn):
+                for y in outs:
+                    self.rounded[id(y)] = y
+                return outs
+        return [self._round(y, v.aval) for y, v in zip(outs, eqn.outvars, strict=True)]
+
+    def apply(self, ctx: Context, *operands: Any, **params: Any) -> list:
+        eqn = ctx.eqn
+        ins = [self._round(x, v.aval) for x, v in zip(operands, eqn.invars, strict=True)]
+        differentiable = any(_is_float(v.aval) for v in eqn.invars) and any(
+            _is_float(v.aval) for v in eqn.outvars
+        )
+        if self.backward or not differentiable:
+            return self._compute(eqn, ins)
+        outs = _with_rounded_vjp(self, eqn)(*ins)
+        for y in outs:
+            self.rounded[id(y)] = y
+        return list(outs)
+
+
+def _with_rounded_vjp(rule: _RoundRule, eqn) -> Callable:
+    """``eqn``'s primitive (operands already rounded) as a custom_vjp function whose backward
+    pass is the primitive's VJP emulated by a backward copy of ``rule``."""
+    prim = eqn.primitive
+    floats_in = [_is_float(v.aval) for v in eqn.invars]
+
+    def bare(*xs):
+        out = prim.bind(*xs, **prim.get_bind_params(eqn.params))
+        return tuple(out) if prim.multiple_results else (out,)
+
+    @jax.custom_vjp
+    def op(*xs):
+        return tuple(rule._compute(eqn, list(xs)))
+
+    def fwd(*xs):
+        return op(*xs), xs
+
+    def bwd(xs, cts):
+        def back(xs, cts):
+            return jax.vjp(bare, *xs)[1](cts)
+
+        em = Emulated(back, rule.dtype, (), rule.accumulate_bits, rule.reduce_fp32, True)
+        grads = em._call(xs, (xs, tuple(cts)), {})  # the residuals were rounded in the forward
+        return tuple(g if f else None for g, f in zip(grads, floats_in, strict=True))
+
+    op.defvjp(fwd, bwd)
+    return op
+
+
+def _is_array(x: Any) -> bool:
+    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+        return True
+    return hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, type)
+
+
+def _trace(fn: Callable, args: tuple, kwargs: dict) -> Any:
+    """``fn``'s jaxpr with the array leaves of the arguments traced and the other leaves
+    static (closed over), as :func:`precisionlab.intercept.intercept` traces it."""
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    dyn = [i for i, x in enumerate(leaves) if _is_array(x)]
+
+    def flat(*values):
+        full = list(leaves)
+        for i, v in zip(dyn, values, strict=True):
+            full[i] = v
+        a, k = jax.tree.unflatten(treedef, full)
+        return fn(*a, **k)
+
+    return jax.make_jaxpr(flat)(*[leaves[i] for i in dyn])
+
+
+class Emulated:
+    """``fn`` with every floating-point operation rounded to a compute format; see
+    :func:`emulate`."""
+
+    def __init__(
+        self,
+        fn: Callable,
+        dtype: np.dtype,
+        keep: tuple[int | str, ...],
+        accumulate_bits: int | None,
+        reduce_fp32: bool = True,
+        backward: bool = False,
+    ):
+        self.fn, self.dtype, self.keep = fn, dtype, keep
+        self.accumulate_bits, self.reduce_fp32, self.backward = (
+            accumulate_bits, reduce_fp32, backward,
+        )  # fmt: skip
+        self.__wrapped__ = fn
+
+    def _intercepted(self, args, kwargs) -> tuple[Intercepted, _RoundRule]:
+        closed = _trace(self.fn, args, kwargs)
+        found: set[str] = set()
+        _collect(closed.jaxpr, found)
+        rule = _RoundRule(
+            self.dtype, tuple(sorted(found)) or ("add",), self.accumulate_bits,
+            self.reduce_fp32, self.backward,
+        )  # fmt: skip
+        return intercept(self.fn, rule, exclude=self.keep), rule
+
+    def sites(self, *args, **kwargs) -> list[Site]:
+        """The floating-point operations of ``fn`` on these arguments, in program order
+        (``selected`` False: kept unrounded by ``keep``)."""
+        return self._intercepted(args, kwargs)[0].sites(*args, **kwargs)
+
+    def report(self, *args, **kwargs) -> str:
+        """One line per floating-point operation (see :meth:`Site.describe`)."""
+        return self._intercepted(args, kwargs)[0].report(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs) -> Any:
+        return self._call((), args, kwargs)
+
+    def _call(self, rounded: Any, args: tuple, kwargs: dict) -> Any:
+        """``__call__`` with the leaves of ``rounded`` known to be rounded already."""
+        fn, rule = self._intercepted(args, kwargs)
+        for x in jax.tree.leaves(rounded):
+            rule.rounded[id(x)] = x
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            rule.rounded.clear()
+
+
+def emulate(
+    fn: Callable,
+    policy: Policy | str | Any,
+    *,
+    keep: Sequence[int | str] | str = (),
+    accumulate_bits: int | None = None,
+) -> Emulated:
+    """``fn`` with each floating-point operation's operands and result rounded to the compute
+    format, as 16-bit hardware computes it (see the module docstring).
+
+    Args:
+      fn: any JAX-traceable function: a Flax linen ``model.apply``, an NNX or Equinox module's
+        call, a loss over a plain pytree. Array arguments are traced, other leaves are static.
+        The result composes with ``jax.jit``, ``jax.vmap`` and reverse-mode autodiff
+        (``jax.grad``, ``jax.vjp``); forward mode (``jax.jvp``, ``jacfwd``, ``hessian``) is
+        refused by JAX, because each operation's rounded backward pass is a ``custom_vjp``.
+      policy: a :class:`~precisionlab.mixed.Policy`, a policy string (``"c=f16"``), a jmp
+        policy or a dtype; its ``compute_dtype`` is the format every result is rounded to.
+      keep: operations left unrounded (computed in the program's own dtype, float32 for a
+        float32 program): positions, names (``"exp[3]"``) or glob patterns over names and
+        ``jax.named_scope`` scopes (``"*softmax*"``), as :func:`precisionlab.intercept.select`.
+      accumulate_bits: None (default): matmuls accumulate in float32 and round once; an int m
+        in 1..23: ``dot_general`` partial sums are rounded to m mantissa bits after every
+        product (:func:`precisionlab.recipes.accumulate`; a sequential scan, slow).
+
+    Returns:
+      An :class:`Emulated`: call it like ``fn``; ``.report(...)`` lists the operations.
+    """
+    if not callable(fn):
+        raise TypeError(f"emulate needs a callable, got {type(fn).__name__}")
+    pol = get_policy(policy)
+    if accumulate_bits is not None and (
+        isinstance(accumulate_bits, bool)
+        or not isinstance(accumulate_bits, int)
+        or not 1 <= accumulate_bits <= 23
+    ):
+        raise ValueError(
+            f"accumulate_bits must be None or an int in 1..23, got {accumulate_bits!r}"
+        )
+    if isinstance(keep, (str, int)):
+        keep = (keep,)
+    return Emulated(fn, pol.compute_dtype, tuple(keep), accumulate_bits, "reduce" in pol.fp32_ops)
