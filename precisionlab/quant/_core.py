@@ -206,6 +206,36 @@ def apply_scale(xg: jax.Array, sc: Scale, spec: QuantSpec) -> jax.Array:
     return xg * (jnp.float32(1.0) / sc.s)  # see _div_const
 
 
+def fake_values(xg: jax.Array, sc: Scale, spec: QuantSpec, key) -> jax.Array:
+    """``unapply_scale(round_elements(apply_scale(xg)))``: the dequantized values, float32.
+
+    The same values as the three steps (tests compare it with dequantize(quantize(.))),
+    arranged for one pass over memory: power-of-two scales choose the float multiply or the
+    exact integer ldexp once for the whole pipeline (a ``lax.cond`` per step would make XLA
+    write each intermediate to memory), and the elements round in the float domain
+    (:func:`round_elements` with ``codes=False``), never through a materialized code array.
+    """
+    if sc.e is None:
+        return unapply_scale(
+            round_elements(apply_scale(xg, sc, spec), sc, spec, key, codes=False), sc, spec
+        )
+
+    def pipeline(scale_by):
+        def run(xg, e):
+            y = scale_by(xg, spec.frac_bits - e)
+            values = round_elements(y, sc, spec, key, codes=False)
+            out = scale_by(values, e - spec.frac_bits)
+            if sc.bad is not None:  # inside the branch: one fused pass writes the result
+                out = jnp.where(sc.bad, jnp.float32(jnp.nan), out)
+            return out
+
+        return run
+
+    safe = jnp.all((sc.e >= _FAST_E_MIN) & (sc.e <= _FAST_E_MAX))
+    fast = pipeline(lambda v, k: v * pow2.pow2(k))
+    return jax.lax.cond(safe, fast, pipeline(pow2.ldexp), xg, sc.e)
+
+
 def unapply_scale(v: jax.Array, sc: Scale, spec: QuantSpec) -> jax.Array:
     """Element values (zero point removed) times the scale, float32."""
     if sc.e is not None:

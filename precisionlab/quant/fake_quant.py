@@ -21,9 +21,8 @@ STE_MODES = ("clipped", "identity")
 def _forward(x: jax.Array, key, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:
     """x_hat (x's dtype) and the float32 mask of elements inside the representable range."""
     xg, sc = _core.choose_scale(jax.lax.stop_gradient(x), spec)
-    y = _core.apply_scale(xg, sc, spec)
-    values = _core.round_elements(y, sc, spec, key, codes=False)
-    x_hat = _core.from_groups(_core.unapply_scale(values, sc, spec), spec, x.shape)
+    x_hat = _core.from_groups(_core.fake_values(xg, sc, spec, key), spec, x.shape)
+    y = _core.apply_scale(xg, sc, spec)  # for the gradient's mask only (unused by the primal)
     mask = _core.from_groups(_core.inside_mask(y, sc, spec), spec, x.shape)
     return x_hat.astype(x.dtype), mask
 
