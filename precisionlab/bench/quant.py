@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from precisionlab.bench._timing import Timing, time_interleaved
+from precisionlab.bits._alloc import apply_malloc_tuning, malloc_tuning
 from precisionlab.quant import fake_quant
 
 HELP = "fake_quant throughput vs an XLA astype round trip to the same width (ratio)"
@@ -44,6 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per case (best)")
     parser.add_argument("--cases", help=f"comma-separated subset of: {', '.join(CASES)}")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument(
+        "--malloc-tuning",
+        action="store_true",
+        help="apply precisionlab's opt-in glibc malloc settings first (see bits._alloc): "
+        "without them each call's fresh 16 MiB output may be page-faulted in, a cost both "
+        "peers pay unevenly",
+    )
 
 
 def _astype_round_trip(dtype):
@@ -109,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
     for k in ("rows", "cols", "repeats"):
         if getattr(args, k) < 1:
             raise UsageError(f"--{k} must be >= 1, got {getattr(args, k)}")
+    if args.malloc_tuning:
+        apply_malloc_tuning()  # before the first computation, so XLA's threads see it
     results = measure(args.rows, args.cols, args.repeats, cases)
     if args.json:
         print(json.dumps(results, indent=1))
@@ -117,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"fake_quant vs astype round trip on a {args.rows}x{args.cols} float32 input "
         f"({device.platform}, {platform.processor() or platform.machine()}, "
-        f"best of {args.repeats} wall, median CPU, alternating)"
+        f"best of {args.repeats} wall, median CPU, alternating; malloc tuning: "
+        f"{'on' if malloc_tuning() else 'off'})"
     )
     head = (
         f"{'case':<20} {'fake_quant ms':>13} {'astype ms':>10} {'ratio':>6} "
