@@ -269,7 +269,7 @@ def round_int_grid(yc: jax.Array) -> jax.Array:
     """``round_to_format(yc, int_fmt)`` for float32 ``yc`` already clipped to the format's
     range, nearest-even, in the float domain: round half to even is exact on float32, and
     every zero (-0 included) and NaN becomes +0, as through the two's-complement codes.
-    Three operations instead of an encode and a decode (tests: same bits on every float32
+    A rounding and a select instead of an encode and a decode (tests: same bits on every float32
     exponent and rounding boundary, all 2**32 inputs under ``-m slow``)."""
     r = jax.lax.round(yc, jax.lax.RoundingMethod.TO_NEAREST_EVEN)
     return jnp.where(jnp.abs(r) > 0, r, jnp.float32(0.0))
