@@ -1,7 +1,7 @@
 """The float32 fast paths of the codec against its general path (parse + round + pack), which
 the exhaustive tests check against ml_dtypes and the exact reference.
 
-The fast paths (nearest-even into narrow floats, E8M0 and small ints; E8M0 decode) take the
+The fast paths (nearest-even into narrow floats, E8M0 and small ints; E8M0 and int decode) take the
 default calls; the general path is reached by calling ``_pack`` directly. By default on every
 float32 exponent with the mantissas around each rounding boundary; ``-m slow`` on all 2**32
 inputs.
@@ -78,6 +78,32 @@ def test_e8m0_decode_equals_general_path():
     general = codec._pack(p, codec._F32, Rounding.NEAREST_EVEN, False, True, None, 32)
     fast = decode(codes, fmt)
     np.testing.assert_array_equal(np.asarray(fast).view(np.uint32), np.asarray(general))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 8, 12, 16, 20, 24])
+@pytest.mark.parametrize("signed", [True, False])
+def test_small_int_decode_equals_general_path(bits, signed):
+    """Every code of integers up to 16 bits (a sample of the low, high and sign-boundary
+    codes above), with garbage above the format's bits (decode reads the low bits only)."""
+    fmt = IntFormat(name=f"{'' if signed else 'u'}int{bits}", bits=bits, signed=signed)
+    n = 1 << bits
+    codes = (
+        np.arange(n, dtype=np.int64)
+        if bits <= 16
+        else np.r_[0:4096, n // 2 - 4096 : n // 2 + 4096, n - 4096 : n]
+    )
+    codes = jnp.asarray(codes.astype(fmt.code_dtype))
+    p = codec._parse(codes, fmt, U32)
+    general = codec._pack(p, codec._F32, Rounding.NEAREST_EVEN, False, True, None, 32)
+    fast = decode(codes, fmt)
+    np.testing.assert_array_equal(np.asarray(fast).view(np.uint32), np.asarray(general))
+    if bits < 8 * fmt.code_dtype.itemsize:  # high garbage bits are ignored
+        dirty = codes | jnp.asarray(
+            np.array(~(n - 1) & np.iinfo(fmt.code_dtype).max, fmt.code_dtype)
+        )
+        np.testing.assert_array_equal(np.asarray(decode(dirty, fmt)), np.asarray(fast))
+    text = jax.jit(lambda c: decode(c, fmt)).lower(codes).as_text()
+    assert "clz" not in text and "count_leading_zeros" not in text  # the fast path ran
 
 
 @pytest.mark.slow

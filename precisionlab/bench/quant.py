@@ -1,9 +1,17 @@
 """``precisionlab bench quant``: fake_quant throughput against a plain XLA astype round trip.
 
-Each case times, on the same float32 input, ``fake_quant`` (scales, rounding through the
-bit-level codec, dequantization) and ``x.astype(narrow).astype(float32)`` to the same width,
+Each case times, on the same float32 input, ``fake_quant`` (scales, rounding to the
+element grid, dequantization) and ``x.astype(narrow).astype(float32)`` to the same width,
 both jitted, and prints their ratio. The astype round trip does no scaling and no
 saturation, so it is a floor, not an equivalent: the target is a ratio within 2x.
+
+Two ratios: of the best wall times, and of the median CPU times of the process (all its
+threads). On a machine shared with other jobs the wall time mostly measures the wait for a
+core; the CPU time counts the work, so its ratio moves less with the load. ``amax`` is
+the CPU time of fake_quant's first pass alone (the reduce of each group's max |x|), over the
+astype's: fake_quant reads the input once for that reduce and once more to scale, round and
+write (XLA on CPU does not fuse a reduce with its consumer), so about 1 + amax is what a
+pass at the astype's speed after the reduce would give.
 """
 
 from __future__ import annotations
@@ -11,14 +19,18 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
+import time
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from precisionlab.bench._timing import time_interleaved
-from precisionlab.quant import fake_quant
+from precisionlab.bench._timing import Timing, time_interleaved
+from precisionlab.bits._alloc import apply_malloc_tuning, malloc_tuning
+from precisionlab.quant import _core, fake_quant
+from precisionlab.quant._spec import resolve
 
 HELP = "fake_quant throughput vs an XLA astype round trip to the same width (ratio)"
 
@@ -38,12 +50,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per case (best)")
     parser.add_argument("--cases", help=f"comma-separated subset of: {', '.join(CASES)}")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument(
+        "--malloc-tuning",
+        action="store_true",
+        help="apply precisionlab's opt-in glibc malloc settings first (see bits._alloc): "
+        "without them each call's fresh 16 MiB output may be page-faulted in, a cost both "
+        "peers pay unevenly",
+    )
 
 
 def _astype_round_trip(dtype):
     @jax.jit
     def f(x):
         return x.astype(dtype).astype(jnp.float32)
+
+    return f
+
+
+def _time_wall_and_cpu(fns, repeats: int) -> tuple[dict[str, Timing], dict[str, float]]:
+    """Wall timings (as :func:`time_interleaved`, alternating) and the median process CPU
+    seconds per call of each function, from the same calls."""
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
+
+    def counted(name, fn):
+        def run():
+            start = time.process_time()
+            out = jax.block_until_ready(fn())
+            cpu[name].append(time.process_time() - start)
+            return out
+
+        return run
+
+    t = time_interleaved({k: counted(k, f) for k, f in fns.items()}, repeats=repeats)
+    return t, {k: statistics.median(v[-repeats:]) for k, v in cpu.items()}
+
+
+def _amax_pass(kwargs: dict):
+    """The reduce fake_quant runs before its elementwise pass (per-group max of |x|), alone."""
+    kw = {k: v for k, v in kwargs.items() if k != "fmt"}
+
+    @jax.jit
+    def f(x):
+        xg, axes = _core.to_groups(x, resolve(x.ndim, kwargs["fmt"], **kw))
+        return _core._amax(xg, axes)
 
     return f
 
@@ -57,9 +106,14 @@ def measure(rows: int, cols: int, repeats: int, cases: list[str]) -> list[dict]:
         kwargs, dtype = CASES[name]
         fq = jax.jit(partial(fake_quant, **kwargs))
         peer = _astype_round_trip(dtype)
-        fns = {"fq": partial(fq, x), "peer": partial(peer, x)}
-        t = time_interleaved(fns, repeats=repeats)
+        fns = {
+            "fq": partial(fq, x),
+            "peer": partial(peer, x),
+            "amax": partial(_amax_pass(kwargs), x),
+        }
+        t, cpu = _time_wall_and_cpu(fns, repeats)
         t_fq, t_peer = t["fq"], t["peer"]
+        ratio = lambda a, b: a / b if b > 0 else float("nan")  # noqa: E731
         results.append(
             {
                 "case": name,
@@ -67,6 +121,11 @@ def measure(rows: int, cols: int, repeats: int, cases: list[str]) -> list[dict]:
                 "fake_quant_ms": t_fq.best * 1e3,
                 "astype_ms": t_peer.best * 1e3,
                 "ratio": t_fq.best / t_peer.best,
+                "cpu_ratio": ratio(cpu["fq"], cpu["peer"]),
+                # The group-amax reduce alone, over the astype (CPU time): fake_quant's first
+                # pass over the input, before the fused scale-round-unscale pass.
+                "amax_cpu_ms": cpu["amax"] * 1e3,
+                "amax_ratio": ratio(cpu["amax"], cpu["peer"]),
                 "fake_quant_melem_s": t_fq.rate(n) / 1e6,
                 "astype_melem_s": t_peer.rate(n) / 1e6,
             }
@@ -84,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
     for k in ("rows", "cols", "repeats"):
         if getattr(args, k) < 1:
             raise UsageError(f"--{k} must be >= 1, got {getattr(args, k)}")
+    if args.malloc_tuning:
+        apply_malloc_tuning()  # before the first computation, so XLA's threads see it
     results = measure(args.rows, args.cols, args.repeats, cases)
     if args.json:
         print(json.dumps(results, indent=1))
@@ -92,14 +153,19 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"fake_quant vs astype round trip on a {args.rows}x{args.cols} float32 input "
         f"({device.platform}, {platform.processor() or platform.machine()}, "
-        f"best of {args.repeats}, alternating)"
+        f"best of {args.repeats} wall, median CPU, alternating; malloc tuning: "
+        f"{'on' if malloc_tuning() else 'off'})"
     )
-    head = f"{'case':<20} {'fake_quant ms':>13} {'astype ms':>10} {'ratio':>6} {'Melem/s':>8}"
+    head = (
+        f"{'case':<20} {'fake_quant ms':>13} {'astype ms':>10} {'ratio':>6} "
+        f"{'cpu ratio':>9} {'amax':>6} {'Melem/s':>8}"
+    )
     print(head)
     print("-" * len(head))
     for r in results:
         print(
             f"{r['case']:<20} {r['fake_quant_ms']:>13.2f} {r['astype_ms']:>10.2f} "
-            f"{r['ratio']:>5.2f}x {r['fake_quant_melem_s']:>8.1f}"
+            f"{r['ratio']:>5.2f}x {r['cpu_ratio']:>8.2f}x {r['amax_ratio']:>5.2f}x "
+            f"{r['fake_quant_melem_s']:>8.1f}"
         )
     return 0

@@ -801,6 +801,21 @@ def _decode_e8m0_to_float32(codes) -> jax.Array:
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def _decode_small_int_to_float32(codes, fmt: IntFormat) -> jax.Array:
+    """Integer codes of at most 24 bits into float32: sign-extend the two's complement code
+    (shift it to the top of an int32 and back) and convert; every such integer is a float32,
+    so the conversion is exact, and zero is +0 as on the general path."""
+    c = codes.astype(jnp.uint32)
+    if fmt.signed:
+        up = _const(32 - fmt.bits, jnp.uint32)
+        v = lax.shift_right_arithmetic(
+            lax.bitcast_convert_type(c << up, jnp.int32), up.astype(jnp.int32)
+        )
+    else:
+        v = c.astype(jnp.int32)
+    return v.astype(jnp.float32)
+
+
 @partial(jax.jit, static_argnames=("fmt", "dtype"))
 def _decode(codes, *, fmt, dtype):
     # Masked inside the jit: outside, it would be one more whole-array buffer and pass.
@@ -810,6 +825,8 @@ def _decode(codes, *, fmt, dtype):
         return _decode_to_float32_fast(codes, fmt)
     if fmt == _E8M0 and jnp.dtype(dtype) == jnp.float32:
         return _decode_e8m0_to_float32(codes)
+    if isinstance(fmt, IntFormat) and fmt.bits <= 24 and jnp.dtype(dtype) == jnp.float32:
+        return _decode_small_int_to_float32(codes, fmt)
     out = _SOURCE_FORMATS[jnp.dtype(dtype)]
     work = _work_dtype(fmt, out)
     p = _parse(codes, fmt, work)

@@ -18,25 +18,26 @@ __all__ = ["STE_MODES", "fake_quant"]
 STE_MODES = ("clipped", "identity")
 
 
-def _forward(x: jax.Array, key, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:
-    """x_hat (x's dtype) and the float32 mask of elements inside the representable range."""
+def _forward(x: jax.Array, key, spec: QuantSpec, with_mask: bool):
+    """x_hat (x's dtype) and, ``with_mask``, the bool mask of elements inside the
+    representable range (computed in the same pass, only where a gradient is taken)."""
     xg, sc = _core.choose_scale(jax.lax.stop_gradient(x), spec)
-    y = _core.apply_scale(xg, sc, spec)
-    values = _core.round_elements(y, sc, spec, key, codes=False)
-    x_hat = _core.from_groups(_core.unapply_scale(values, sc, spec), spec, x.shape)
-    mask = _core.from_groups(_core.inside_mask(y, sc, spec), spec, x.shape)
-    return x_hat.astype(x.dtype), mask
+    if not with_mask:
+        values = _core.fake_values(xg, sc, spec, key)
+        return _core.from_groups(values, spec, x.shape).astype(x.dtype)
+    values, inside = _core.fake_values(xg, sc, spec, key, with_mask=True)
+    x_hat = _core.from_groups(values, spec, x.shape)
+    return x_hat.astype(x.dtype), _core.from_groups(inside, spec, x.shape)
 
 
 @lru_cache(maxsize=256)
 def _make(spec: QuantSpec, ste: str):
     @jax.custom_vjp
     def fq(x, key):
-        return _forward(x, key, spec)[0]
+        return _forward(x, key, spec, with_mask=False)
 
     def fwd(x, key):
-        x_hat, mask = _forward(x, key, spec)
-        return x_hat, mask
+        return _forward(x, key, spec, with_mask=True)
 
     def bwd(mask, g):
         if ste == "identity":
