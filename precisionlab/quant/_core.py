@@ -320,9 +320,25 @@ def inside_mask(y: jax.Array, sc: Scale, spec: QuantSpec) -> jax.Array:
 
 # --- clip values ---------------------------------------------------------------------------
 def _amax(xg, axes):
-    # A strided reduce_window over the contiguous row ran faster alone but slowed the whole
-    # MX and per-block fake_quant by a third (measured in one process): kept as a reduce.
-    return jnp.max(jnp.abs(xg), axis=axes, keepdims=True)
+    """max |x| per group, float32; NaN in a group gives NaN.
+
+    Taken on the magnitude bits (an unsigned max orders non-negative floats like their
+    values, NaN above inf) because XLA's CPU float max reduce drops NaN on larger arrays
+    (openxla/xla#21461). A strided reduce_window ran faster alone but slowed the whole MX and
+    per-block fake_quant by a third (measured in one process): kept as a reduce.
+    """
+    b = jax.lax.bitcast_convert_type(xg, jnp.uint32) & np.uint32(0x7FFFFFFF)
+    m = jnp.max(b, axis=axes, keepdims=True)
+    return jax.lax.bitcast_convert_type(m, jnp.float32)
+
+
+def _min_max(xg, axes):
+    """(min(x, 0), max(x, 0)) per group, float32; NaN in a group makes both NaN (the float
+    reduce alone drops NaN on CPU: openxla/xla#21461)."""
+    nan = jnp.any(jnp.isnan(xg), axis=axes, keepdims=True)
+    lo = jnp.minimum(jnp.min(xg, axis=axes, keepdims=True), 0.0)
+    hi = jnp.maximum(jnp.max(xg, axis=axes, keepdims=True), 0.0)
+    return jnp.where(nan, jnp.nan, lo), jnp.where(nan, jnp.nan, hi)
 
 
 def _search_mse(xg, axes, spec: QuantSpec) -> Scale:
@@ -332,10 +348,7 @@ def _search_mse(xg, axes, spec: QuantSpec) -> Scale:
     if spec.scheme == "symmetric":
         base = (_amax(xg, axes),)
     else:
-        base = (
-            jnp.minimum(jnp.min(xg, axis=axes, keepdims=True), 0.0),
-            jnp.maximum(jnp.max(xg, axis=axes, keepdims=True), 0.0),
-        )
+        base = _min_max(xg, axes)
 
     def err_for(r):
         sc = _rescale(near, base, r)
@@ -388,6 +401,5 @@ def choose_scale(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, Scale]:
         return xg, scale_from_clip(spec)
     if spec.scheme == "symmetric":
         return xg, scale_from_clip(spec, c=_amax(xg, axes))
-    lo = jnp.minimum(jnp.min(xg, axis=axes, keepdims=True), 0.0)
-    hi = jnp.maximum(jnp.max(xg, axis=axes, keepdims=True), 0.0)
+    lo, hi = _min_max(xg, axes)
     return xg, scale_from_clip(spec, lo=lo, hi=hi)
