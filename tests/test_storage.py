@@ -145,3 +145,13 @@ def test_low_precision_state_keeps_scalar_hyperparameters_exact():
     assert any(float(x) == np.float32(3e-4) for x in lr)
     moments = [x for x in jax.tree_util.tree_leaves(state) if jnp.ndim(x) == 2]
     assert moments and all(x.dtype == jnp.bfloat16 for x in moments)
+
+
+@pytest.mark.parametrize("n", [64, 1 << 16])  # small, and large enough for XLA's CPU NaN bug
+def test_fp8_scale_ignores_nonfinite_at_any_size(n):
+    x = np.linspace(-3.0, 3.0, n, dtype=np.float32)
+    x[1], x[2] = np.nan, np.inf
+    (s,) = jax.tree_util.tree_leaves(jax.jit(lambda t: compress(t, "float8_e4m3fn"))([x]))[1:]
+    finite = np.abs(x[np.isfinite(x)]).max()
+    # (XLA may divide by the constant through its reciprocal: one float32 ulp)
+    np.testing.assert_allclose(float(s), finite / 448.0, rtol=2**-23)

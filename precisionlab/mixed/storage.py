@@ -116,7 +116,8 @@ def _is_float(x: Any) -> bool:
 
 def compress(tree: Any, dtype: Any) -> Any:
     """Store the floating leaves of ``tree`` in ``dtype`` (fp8: as :class:`ScaledArray` with a
-    per-tensor scale mapping the largest magnitude to the format's max)."""
+    per-tensor scale mapping the largest finite magnitude to the format's max; NaN and inf do
+    not set it)."""
     dt = parse_dtype(dtype)
     if dt.name in _FP8:
         fmax = float(jnp.finfo(dt).max)
@@ -125,7 +126,12 @@ def compress(tree: Any, dtype: Any) -> Any:
             if not _is_float(x) or x.ndim == 0:
                 return x
             xf = x.astype(jnp.float32)
-            amax = jnp.max(jnp.abs(xf))
+            # The largest finite magnitude, taken on the bits: XLA's CPU float max reduce
+            # drops NaN only on larger arrays (openxla/xla#21461), so a float reduce would make
+            # the scale depend on the array's size when a leaf holds NaN.
+            b = jax.lax.bitcast_convert_type(xf, jnp.uint32) & np.uint32(0x7FFFFFFF)
+            b = jnp.where(b < np.uint32(0x7F800000), b, np.uint32(0))
+            amax = jax.lax.bitcast_convert_type(jnp.max(b), jnp.float32)
             scale = jnp.where((amax > 0) & jnp.isfinite(amax), amax / fmax, 1.0).astype(jnp.float32)
             return ScaledArray((xf / scale).astype(dt), scale)
 
