@@ -21,8 +21,9 @@ AXIS = "data"
 
 
 def local_mesh(num_devices: int | None = None) -> Mesh:
-    """A 1-D mesh over the first ``num_devices`` local devices (default: all)."""
-    devices = jax.local_devices()
+    """A 1-D mesh over the first ``num_devices`` devices (default: all); in a multi-process run
+    (:mod:`precisionlab.train.distributed`) these are all processes' devices."""
+    devices = jax.devices()
     n = len(devices) if num_devices is None else int(num_devices)
     if not 1 <= n <= len(devices):
         raise ValueError(f"num_devices must be in [1, {len(devices)}], got {num_devices!r}")

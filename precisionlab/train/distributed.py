@@ -1,0 +1,177 @@
+"""Multi-process training on JAX's own distributed runtime (multi-controller SPMD).
+
+Every process runs the same program: :func:`initialize` connects it to the coordinator
+(``jax.distributed.initialize``) before anything touches a backend; afterwards ``jax.devices()``
+lists every process's devices and the data-parallel step (:mod:`precisionlab.train.parallel`)
+runs over all of them. Each process builds the same deterministic global batch and contributes
+the rows of its own devices, so the data order equals a single process's.
+
+Process 0 (:func:`is_main`) is the only writer of a run store and of checkpoints; the others
+take every decision that depends on files from it (:func:`broadcast_json`,
+:func:`broadcast_tree`, :func:`restore_checkpoint`), so they never read or write the run
+directory. On CPU the cross-process collectives use gloo.
+
+A process that dies stops sending heartbeats; after ``timeout_s`` the coordination service
+aborts the survivors (a C++ fatal error, not a Python exception). ``precisionlab run`` runs the
+training in a child process and turns that abort into one error line (see
+:mod:`precisionlab.cli.run_cmd`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = [
+    "broadcast_json",
+    "broadcast_tree",
+    "check_same",
+    "initialize",
+    "is_main",
+    "parse_address",
+    "process_count",
+    "process_index",
+    "restore_checkpoint",
+]
+
+_HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)$")
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"HOST:PORT"`` (``"[::1]:PORT"`` for IPv6) -> ``(host, port)``; ValueError otherwise."""
+    if not isinstance(address, str) or ":" not in address:
+        raise ValueError(f"coordinator address must be HOST:PORT, got {address!r}")
+    host, _, port = address.rpartition(":")
+    if not host or not _HOST.match(host):
+        raise ValueError(f"coordinator address {address!r}: bad host {host!r}")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"coordinator address {address!r}: port must be 1..65535, got {port!r}")
+    return host, int(port)
+
+
+def _check(coordinator: str, num_processes: Any, process_id: Any, timeout_s: Any) -> None:
+    parse_address(coordinator)
+    for name, value, low in (("num_processes", num_processes, 1), ("timeout_s", timeout_s, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if isinstance(process_id, bool) or not isinstance(process_id, int):
+        raise ValueError(f"process_id must be an int, got {process_id!r}")
+    if not 0 <= process_id < num_processes:
+        raise ValueError(
+            f"process_id must be in [0, {num_processes - 1}] for {num_processes} processes, "
+            f"got {process_id}"
+        )
+
+
+def initialize(coordinator: str, num_processes: int, process_id: int, *, timeout_s: int = 60):
+    """Join the distributed run: process ``process_id`` of ``num_processes``, coordinated by
+    process 0 listening on ``coordinator`` (HOST:PORT).
+
+    Call before any JAX computation (JAX raises RuntimeError otherwise). ``timeout_s`` bounds
+    the wait for all processes to connect, the heartbeat silence after which a process counts
+    as dead (the survivors are then aborted) and the shutdown barrier. Selects gloo for
+    collectives across CPU processes.
+    """
+    _check(coordinator, num_processes, process_id, timeout_s)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=coordinator,
+        num_processes=num_processes,
+        process_id=process_id,
+        initialization_timeout=timeout_s,
+        heartbeat_timeout_seconds=timeout_s,
+        shutdown_timeout_seconds=timeout_s,
+    )
+
+
+def is_main() -> bool:
+    """Whether this process writes (process 0; True without a distributed run)."""
+    return jax.process_index() == 0
+
+
+def process_count() -> int:
+    """How many processes train together (1 without a distributed run)."""
+    return jax.process_count()
+
+
+def process_index() -> int:
+    """This process's index in ``[0, process_count())``."""
+    return jax.process_index()
+
+
+def _words(x: np.ndarray) -> np.ndarray:
+    # A leaf travels as its raw bytes packed into uint32 words: a sum with the other processes'
+    # zeros is exact on unsigned integers (a float sum would turn -0.0 into +0.0), and uint32
+    # is what JAX keeps without x64 (uint8 would be summed into a wider type, uint64 narrowed).
+    raw = np.frombuffer(np.ascontiguousarray(x).tobytes(), np.uint8)
+    return np.concatenate([raw, np.zeros(-raw.size % 4, np.uint8)]).view(np.uint32)
+
+
+def _unwords(words: np.ndarray, like: np.ndarray) -> np.ndarray:
+    raw = np.ascontiguousarray(words, np.uint32).view(np.uint8)[: like.nbytes]
+    return raw.view(like.dtype).reshape(like.shape).copy()
+
+
+def broadcast_tree(tree: Any) -> Any:
+    """Process 0's values of ``tree`` (a pytree of arrays of the same shapes and dtypes on every
+    process) as numpy arrays on every process, bit for bit."""
+    if jax.process_count() == 1:
+        return jax.tree_util.tree_map(np.asarray, tree)
+    from jax.experimental import multihost_utils
+
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    host = [np.asarray(jax.device_get(x)) for x in leaves]
+    sent = multihost_utils.broadcast_one_to_all([_words(x) for x in host])
+    out = [_unwords(np.asarray(w), x) for w, x in zip(sent, host, strict=True)]
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def broadcast_json(value: Any) -> Any:
+    """Process 0's ``value`` (JSON-able; the others' is ignored) on every process."""
+    if jax.process_count() == 1:
+        return value
+    data = json.dumps(value if is_main() else None, sort_keys=True).encode()
+    (n,) = broadcast_tree([np.asarray(len(data), np.uint32)])
+    buf = np.zeros(int(n), np.uint8)
+    if is_main():
+        buf[:] = np.frombuffer(data, np.uint8)
+    (got,) = broadcast_tree([buf])
+    return json.loads(got.tobytes().decode())
+
+
+def check_same(value: Any, what: str) -> None:
+    """ValueError unless this process's JSON-able ``value`` equals process 0's (e.g. the
+    experiment every process loaded: processes must run the same program)."""
+    main = broadcast_json(value)
+    if json.dumps(main, sort_keys=True) != json.dumps(value, sort_keys=True):
+        raise ValueError(
+            f"process {jax.process_index()} has a different {what} than process 0: every "
+            "process must be started with the same arguments and files"
+        )
+
+
+def restore_checkpoint(directory: Any, template: Any) -> tuple[Any, int, dict[str, Any]] | None:
+    """The newest checkpoint under ``directory`` as ``(state, step, extra)``, or None.
+
+    In a distributed run only process 0 reads the directory; the others receive its state
+    bit for bit (:func:`broadcast_tree`) and never look at their file system.
+    """
+    from precisionlab.train.checkpoint import latest_checkpoint, load_checkpoint
+
+    if jax.process_count() == 1:
+        if latest_checkpoint(directory) is None:
+            return None
+        return load_checkpoint(directory, template)
+    found = None
+    if is_main() and latest_checkpoint(directory) is not None:
+        state, step, extra = load_checkpoint(directory, template)
+        found = {"step": step, "extra": extra}
+        template = state
+    found = broadcast_json(found)
+    if found is None:
+        return None
+    return broadcast_tree(template), int(found["step"]), found["extra"]
