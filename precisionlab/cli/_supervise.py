@@ -31,7 +31,9 @@ __all__ = ["CHILD_ENV", "child", "supervise"]
 
 CHILD_ENV = "PRECISIONLAB_DIST_CHILD"
 
-#: The child announces the run directory with this line (the error line repeats it).
+#: The child says when it has joined the run, and where the run directory is (the error line
+#: repeats it).
+JOINED_LINE = " joined the run at "
 RUN_DIR_LINE = "run directory: "
 
 # C++ runtime log lines (absl: "E1123 00:02:16.375842   30968 file.cc:289] ...") and gloo's
@@ -40,6 +42,8 @@ _ABSL = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\]")
 _GLOO = "[Gloo] "
 #: Logged by the runtime's client just before it aborts the process.
 _FATAL = "JAX distributed service detected fatal errors"
+#: The child's first line about a collective that failed in Python (``lost_peer``).
+_LOST = "precisionlab: lost another process: "
 
 
 def _child_argv(args: argparse.Namespace, spec: tuple[str, int, int, int]) -> list[str]:
@@ -70,22 +74,25 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 class _Pump(threading.Thread):
     """Copies the child's ``source`` to ``sink`` line by line, keeping every line in ``log``
-    and holding back the runtime's: its log lines, and everything after a fatal one."""
+    and holding back the runtime's: its log lines, and everything after a warning, error or
+    fatal one (their messages go on over lines that cannot be told from the child's own)."""
 
     def __init__(self, source: IO[bytes], sink: IO[str], log: collections.deque) -> None:
         super().__init__(daemon=True)
         self.source, self.sink, self.log = source, sink, log
-        self.fatal = False
+        self.fatal = self.joined = self.muted = False
         self.run_dir: str | None = None
 
     def run(self) -> None:
         for raw in iter(self.source.readline, b""):
             line = raw.decode("utf-8", errors="replace")
             self.log.append(line)
-            if _FATAL in line or (line.startswith("F") and _ABSL.match(line)):
+            if _FATAL in line or _LOST in line or (line.startswith("F") and _ABSL.match(line)):
                 self.fatal = True
-            if self.fatal or _ABSL.match(line) or line.startswith(_GLOO):
+            self.muted = self.muted or self.fatal or bool(_ABSL.match(line) and line[0] in "WEF")
+            if self.muted or _ABSL.match(line) or line.startswith(_GLOO):
                 continue
+            self.joined = self.joined or JOINED_LINE in line
             if RUN_DIR_LINE in line:
                 self.run_dir = line.split(RUN_DIR_LINE, 1)[1].strip()
             self.sink.write(line)
@@ -122,11 +129,19 @@ def supervise(args: argparse.Namespace, spec: tuple[str, int, int, int]) -> int:
         path = _write_log(log, i)
         run_dir = next((p.run_dir for p in pumps if p.run_dir), None)
         again = f"; continue with --resume {run_dir} on every process" if run_dir else ""
-        cause = "another process stopped or cannot be reached" if rc != -9 else "killed"
-        sys.stderr.write(
-            f"precisionlab run: error: process {i} of {n} stopped: {cause} (no heartbeat for "
-            f"{timeout} s, or the coordinator {coordinator} went away){again} (log: {path})\n"
-        )
+        if not any(p.fatal for p in pumps):
+            what = f"was killed by signal {-rc}{again}"
+        elif not any(p.joined for p in pumps):
+            what = (
+                f"could not join the run at {coordinator} within {timeout} s (are all {n} "
+                "processes started, with the same --coordinator?)"
+            )
+        else:
+            what = (
+                f"stopped: another process of the run stopped or cannot be reached (no "
+                f"heartbeat for {timeout} s, or the coordinator went away){again}"
+            )
+        sys.stderr.write(f"precisionlab run: error: process {i} of {n} {what} (log: {path})\n")
         return 1
     return rc
 
@@ -173,6 +188,7 @@ def child(
             f"error: process {i} of {n} could not join the run at {coordinator} within "
             f"{timeout} s: {one_line(str(err))}",
         )
+    sys.stderr.write(f"process {i} of {n}{JOINED_LINE}{coordinator}\n")
     try:
         if distributed.is_main():
             run_dir = train(args)
@@ -187,7 +203,11 @@ def child(
         _exit(2, f"error: {one_line(f'{where}{err.strerror or err}')}")
     except KeyboardInterrupt:
         _exit(130, "interrupted")
-    except BaseException:
+    except BaseException as err:
+        if distributed.lost_peer(err):  # the supervisor writes the error line
+            sys.stderr.write(f"{_LOST}{one_line(str(err))}\n")
+            traceback.print_exc()
+            _exit(1)
         traceback.print_exc()
         _exit(1)
     return 1  # not reached

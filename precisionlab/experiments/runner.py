@@ -345,6 +345,10 @@ def _run_unit(
         store.write_json(status_path, status)
         raise
     except Exception as err:
+        if distributed.lost_peer(err):  # not the unit's failure: keep it running (resumable)
+            status["wall_time_s"] += time.perf_counter() - start
+            store.write_json(status_path, status)
+            raise
         (unit_dir / "error.log").write_text(traceback.format_exc(), encoding="utf-8")
         status.update({"status": "failed", "error": f"{type(err).__name__}: {err}"})
         say(f"  failed: {status['error']} (traceback in {unit_dir / 'error.log'})")

@@ -32,6 +32,7 @@ __all__ = [
     "check_same",
     "initialize",
     "is_main",
+    "lost_peer",
     "parse_address",
     "process_count",
     "process_index",
@@ -91,6 +92,12 @@ def initialize(coordinator: str, num_processes: int, process_id: int, *, timeout
 def is_main() -> bool:
     """Whether this process writes (process 0; True without a distributed run)."""
     return jax.process_index() == 0
+
+
+def lost_peer(err: BaseException) -> bool:
+    """Whether ``err`` is a runtime error of a multi-process run: a collective with another
+    process failed (gloo: "Connection reset by peer"), so the run, not a unit, has failed."""
+    return jax.process_count() > 1 and isinstance(err, jax.errors.JaxRuntimeError)
 
 
 def process_count() -> int:
