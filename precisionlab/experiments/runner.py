@@ -8,6 +8,11 @@ is rewritten atomically after every unit, so it is valid at any moment.
 Ctrl-C (``KeyboardInterrupt``) marks the run ``interrupted`` and re-raises: the unit that was
 running keeps status ``running`` and its checkpoints, and ``resume(run_dir)`` skips finished
 units and continues unfinished ones from their last checkpoint.
+
+In a multi-process run (:mod:`precisionlab.train.distributed`) process 0 runs the experiment as
+above and is the only writer; it sends its plan (experiment, run directory, unit statuses) to
+the other processes, which :func:`follow` it, training the same units from the same
+checkpoints and writing nothing.
 """
 
 from __future__ import annotations
@@ -192,61 +197,6 @@ def _statuses(experiment: Experiment, run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-# --- multi-process runs ----------------------------------------------------------------
-
-
-def _lead(experiment: Experiment, run_dir: Path) -> None:
-    """In a multi-process run, send process 0's plan (experiment, run directory, unit
-    statuses) to the other processes (:func:`follow`); nothing to do in a single process."""
-    if distributed.process_count() > 1:
-        print(f"process 0: run directory: {run_dir}", file=sys.stderr, flush=True)
-        distributed.broadcast_json(
-            {
-                "run_dir": str(run_dir),
-                "source": experiment.source,
-                "document": experiment.document,
-                "resolved": experiment.resolved,
-                "statuses": _statuses(experiment, run_dir),
-            }
-        )
-
-
-def follow(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Path:
-    """Run a process other than 0 of a multi-process run: train the units process 0 trains,
-    from process 0's plan and checkpoints, writing nothing; returns process 0's run directory.
-
-    ``path`` and ``overrides`` (None for ``--resume``) are this process's experiment: it must
-    resolve to process 0's (ValueError otherwise). A unit that fails ends the run (the
-    processes would otherwise wait for each other in different collectives).
-    """
-    import json
-
-    mine = None if path is None else load_experiment(path, overrides)
-    plan = distributed.broadcast_json(None)
-    if mine is not None and json.loads(json.dumps(mine.resolved)) != plan["resolved"]:
-        raise ValueError(
-            f"process {distributed.process_index()} resolved {mine.source} differently than "
-            "process 0: start every process with the same experiment file and --set options"
-        )
-    index = distributed.process_index()
-    print(f"process {index}: run directory: {plan['run_dir']}", file=sys.stderr, flush=True)
-    experiment = experiment_from_document(
-        plan["document"], plan["source"], default_name=Path(plan["run_dir"]).name
-    )
-    if experiment.kind == "train":
-        for unit, status in zip(experiment.units, plan["statuses"], strict=True):
-            if status.get("status") in DONE:
-                continue
-            unit_dir = Path(plan["run_dir"]) / "variants" / unit.id
-            ckpt = unit_dir / "checkpoints" if unit.config.checkpoint_interval else None
-            # writes nothing: checkpoints come from process 0 (distributed.restore_checkpoint)
-            train(unit.config, checkpoint_dir=ckpt, resume=bool(status), quiet=True)
-    return Path(plan["run_dir"])
-
-
-# --- the train kind (continued) ----------------------------------------------------------
-
-
 def _run_train(experiment: Experiment, run_dir: Path, *, say: Printer, quiet: bool) -> None:
     units = experiment.units
     statuses = _statuses(experiment, run_dir)
@@ -366,3 +316,55 @@ def _run_unit(
     store.write_json(status_path, status)
     if fatal is not None:
         raise fatal
+
+
+# --- multi-process runs ----------------------------------------------------------------
+
+
+def _lead(experiment: Experiment, run_dir: Path) -> None:
+    """In a multi-process run, send process 0's plan (experiment, run directory, unit
+    statuses) to the other processes (:func:`follow`); nothing to do in a single process."""
+    if distributed.process_count() > 1:
+        print(f"process 0: run directory: {run_dir}", file=sys.stderr, flush=True)
+        distributed.broadcast_json(
+            {
+                "run_dir": str(run_dir),
+                "source": experiment.source,
+                "document": experiment.document,
+                "resolved": experiment.resolved,
+                "statuses": _statuses(experiment, run_dir),
+            }
+        )
+
+
+def follow(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Path:
+    """Run a process other than 0 of a multi-process run: train the units process 0 trains,
+    from process 0's plan and checkpoints, writing nothing; returns process 0's run directory.
+
+    ``path`` and ``overrides`` (None for ``--resume``) are this process's experiment: it must
+    resolve to process 0's (ValueError otherwise). A unit that fails ends the run (the
+    processes would otherwise wait for each other in different collectives).
+    """
+    import json
+
+    mine = None if path is None else load_experiment(path, overrides)
+    plan = distributed.broadcast_json(None)
+    if mine is not None and json.loads(json.dumps(mine.resolved)) != plan["resolved"]:
+        raise ValueError(
+            f"process {distributed.process_index()} resolved {mine.source} differently than "
+            "process 0: start every process with the same experiment file and --set options"
+        )
+    index = distributed.process_index()
+    print(f"process {index}: run directory: {plan['run_dir']}", file=sys.stderr, flush=True)
+    experiment = experiment_from_document(
+        plan["document"], plan["source"], default_name=Path(plan["run_dir"]).name
+    )
+    if experiment.kind == "train":
+        for unit, status in zip(experiment.units, plan["statuses"], strict=True):
+            if status.get("status") in DONE:
+                continue
+            unit_dir = Path(plan["run_dir"]) / "variants" / unit.id
+            ckpt = unit_dir / "checkpoints" if unit.config.checkpoint_interval else None
+            # writes nothing: checkpoints come from process 0 (distributed.restore_checkpoint)
+            train(unit.config, checkpoint_dir=ckpt, resume=bool(status), quiet=True)
+    return Path(plan["run_dir"])
