@@ -48,6 +48,15 @@ name = "fp32"
 policy = "p=f32,c=f32,o=f32"
 """
 
+# Two settings whose names are not in sorted order: the other processes must train the units
+# in process 0's order (a plan sent with sorted keys once swapped them).
+SETTINGS = """
+[settings.wide]
+model_kwargs = { width = 16 }
+[settings.narrow]
+model_kwargs = { width = 8 }
+"""
+
 #: relative tolerance on the per-step losses (see the module docstring)
 RTOL = 1e-5
 DIST_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
@@ -95,9 +104,13 @@ def _start_pair(
     return procs, dirs
 
 
-def _losses(run_dir: Path) -> list[tuple[int, float]]:
-    rows = [json.loads(x) for x in (run_dir / "variants/00-fp32/metrics.jsonl").open()]
-    return [(r["step"], r["loss"]) for r in rows]
+def _losses(run_dir: Path) -> list[tuple[str, int, float]]:
+    """(unit, step, loss) of every step of every unit."""
+    out = []
+    for unit in sorted((run_dir / "variants").iterdir()):
+        rows = [json.loads(x) for x in (unit / "metrics.jsonl").open()]
+        out += [(unit.name, r["step"], r["loss"]) for r in rows]
+    return out
 
 
 def _reference(tmp: Path, config: Path, steps: int) -> subprocess.Popen:
@@ -111,15 +124,15 @@ def _reference(tmp: Path, config: Path, steps: int) -> subprocess.Popen:
 
 
 def _close(losses: list, ref: list) -> None:
-    assert [s for s, _ in losses] == [s for s, _ in ref]
-    for (step, a), (_, b) in zip(losses, ref, strict=True):
-        assert abs(a - b) <= RTOL * abs(b), (step, a, b)
+    assert [x[:2] for x in losses] == [x[:2] for x in ref]
+    for (unit, step, a), (_, _, b) in zip(losses, ref, strict=True):
+        assert abs(a - b) <= RTOL * abs(b), (unit, step, a, b)
 
 
 @pytest.mark.slow  # about 50 s on 2 loaded cores: 3 processes start JAX and compile
 def test_two_processes_train_like_one_with_four_devices(tmp_path):
     config = tmp_path / "tiny.toml"
-    config.write_text(TINY.format(steps=4, ckpt=2))
+    config.write_text(TINY.format(steps=4, ckpt=2) + SETTINGS)
     ref = _reference(tmp_path, config, 4)
     procs, dirs = _start_pair(tmp_path, [str(config), "--out", "run", "--no-report"], timeout=60)
     outs = [p.communicate(timeout=300) for p in procs]
@@ -132,7 +145,9 @@ def test_two_processes_train_like_one_with_four_devices(tmp_path):
     env = json.loads((run / "environment.json").read_text())
     assert (env["process_count"], env["device_count"]) == (2, 4)
     assert json.loads((run / "run.json").read_text())["status"] == "finished"
-    assert (run / "variants/00-fp32/checkpoints/step_00000004").is_dir()
+    units = sorted(p.name for p in (run / "variants").iterdir())
+    assert units == ["00-wide-fp32", "01-narrow-fp32"]
+    assert all((run / "variants" / u / "checkpoints/step_00000004").is_dir() for u in units)
     # process 1 wrote nothing and printed no result
     assert sorted(p.name for p in dirs[1].iterdir()) == []
     assert outs[1][0] == ""
@@ -202,8 +217,7 @@ def test_a_killed_run_resumes_to_the_single_process_result(tmp_path):
                 p.wait()
     assert procs[0].returncode == 1
     run = dirs[0] / "run"
-    done = len(_losses(run))
-    assert done < steps
+    assert len(_losses(run)) < steps
     ref = _reference(tmp_path, config, steps)
     again, _ = _start_pair(tmp_path, ["--resume", str(run), "--no-report"], timeout=60)
     outs = [p.communicate(timeout=300) for p in again]

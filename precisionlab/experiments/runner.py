@@ -332,6 +332,7 @@ def _lead(experiment: Experiment, run_dir: Path) -> None:
                 "source": experiment.source,
                 "document": experiment.document,
                 "resolved": experiment.resolved,
+                "units": [u.id for u in experiment.units],
                 "statuses": _statuses(experiment, run_dir),
             }
         )
@@ -349,16 +350,18 @@ def follow(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Pat
 
     mine = None if path is None else load_experiment(path, overrides)
     plan = distributed.broadcast_json(None)
-    if mine is not None and json.loads(json.dumps(mine.resolved)) != plan["resolved"]:
-        raise ValueError(
-            f"process {distributed.process_index()} resolved {mine.source} differently than "
-            "process 0: start every process with the same experiment file and --set options"
-        )
     index = distributed.process_index()
+    if mine is not None and json.dumps(mine.resolved) != json.dumps(plan["resolved"]):
+        raise ValueError(
+            f"process {index} resolved {mine.source} differently than process 0: start every "
+            "process with the same experiment file and --set options"
+        )
     print(f"process {index}: run directory: {plan['run_dir']}", file=sys.stderr, flush=True)
     experiment = experiment_from_document(
         plan["document"], plan["source"], default_name=Path(plan["run_dir"]).name
     )
+    if [u.id for u in experiment.units] != plan["units"]:  # the units and their order
+        raise ValueError(f"process {index} rebuilt other units than process 0's: a bug")
     if experiment.kind == "train":
         for unit, status in zip(experiment.units, plan["statuses"], strict=True):
             if status.get("status") in DONE:

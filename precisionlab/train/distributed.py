@@ -29,7 +29,6 @@ import numpy as np
 __all__ = [
     "broadcast_json",
     "broadcast_tree",
-    "check_same",
     "initialize",
     "is_main",
     "lost_peer",
@@ -138,27 +137,18 @@ def broadcast_tree(tree: Any) -> Any:
 
 
 def broadcast_json(value: Any) -> Any:
-    """Process 0's ``value`` (JSON-able; the others' is ignored) on every process."""
+    """Process 0's ``value`` (JSON-able; the others' is ignored) on every process, dicts in
+    their key order."""
     if jax.process_count() == 1:
         return value
-    data = json.dumps(value if is_main() else None, sort_keys=True).encode()
+    # key order kept: it is meaningful (an experiment's settings order its units)
+    data = json.dumps(value if is_main() else None).encode()
     (n,) = broadcast_tree([np.asarray(len(data), np.uint32)])
     buf = np.zeros(int(n), np.uint8)
     if is_main():
         buf[:] = np.frombuffer(data, np.uint8)
     (got,) = broadcast_tree([buf])
     return json.loads(got.tobytes().decode())
-
-
-def check_same(value: Any, what: str) -> None:
-    """ValueError unless this process's JSON-able ``value`` equals process 0's (e.g. the
-    experiment every process loaded: processes must run the same program)."""
-    main = broadcast_json(value)
-    if json.dumps(main, sort_keys=True) != json.dumps(value, sort_keys=True):
-        raise ValueError(
-            f"process {jax.process_index()} has a different {what} than process 0: every "
-            "process must be started with the same arguments and files"
-        )
 
 
 def restore_checkpoint(directory: Any, template: Any) -> tuple[Any, int, dict[str, Any]] | None:
