@@ -238,6 +238,10 @@ def test_a_killed_run_resumes_to_the_single_process_result(tmp_path):
         (["--coordinator", "h:1", "--num-processes", "0", "--process-id", "0"], ">= 1"),
         (["--coordinator", "h:1", "--num-processes", "x", "--process-id", "0"], "integer"),
         (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "-1"], "in [0, 1]"),
+        (
+            ["--coordinator", "h:1", "--num-processes", "1", "--process-id", "0", "--timeout", "0"],
+            "--timeout must be an int >= 1",
+        ),
     ],
 )
 def test_bad_distributed_flags_are_one_line(args, message, capsys, monkeypatch, tmp_path):
@@ -259,3 +263,57 @@ def test_partial_environment_is_one_line(capsys, monkeypatch, tmp_path):
     assert main(["run", str(tmp_path / "x.toml")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "missing: --num-processes" in err
+
+
+def test_the_supervisor_passes_output_and_holds_back_the_runtimes(tmp_path):
+    """The pump of a child's stream: the child's own lines pass, gloo's notices and the
+    runtime's log lines do not, and a fatal report mutes the rest and is noticed."""
+    import collections
+    import io
+
+    from precisionlab.cli._supervise import _Pump
+
+    stream = [
+        "process 0 of 2 joined the run at localhost:1\n",
+        "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks\n",
+        "process 0: run directory: runs/x\n",
+        "[1/2] fp32\n",
+        "E1123 00:02:16.375842   30968 coordination_service_agent.cc:289] Polled an error\n",
+        "1\n",  # continuation lines of the runtime's message
+        "The tasks have crashed.\n",
+        "F1123 00:02:16.375985   30968 client.h:80] Terminating process because the JAX "
+        "distributed service detected fatal errors.\n",
+        "    @     0x7fc375440634  absl::log_internal::LogMessage::SendToLog()\n",
+    ]
+    sink, log = io.StringIO(), collections.deque()
+    pump = _Pump(io.BytesIO("".join(stream).encode()), sink, log)
+    pump.run()
+    assert sink.getvalue().splitlines() == [
+        "process 0 of 2 joined the run at localhost:1",
+        "process 0: run directory: runs/x",
+        "[1/2] fp32",
+    ]
+    assert pump.fatal and pump.joined and pump.run_dir == "runs/x"
+    assert list(log) == stream  # everything is kept for the log file
+    quiet = _Pump(io.BytesIO(b"[1/1] fp32\nW0000 00:00:00.1 1 x.cc:1] note\n"), io.StringIO(), log)
+    quiet.run()
+    assert not quiet.fatal and not quiet.joined and quiet.run_dir is None
+
+
+def test_the_child_gets_the_same_arguments():
+    import argparse
+
+    from precisionlab.cli import run_cmd
+    from precisionlab.cli._supervise import _child_argv
+
+    parser = argparse.ArgumentParser()
+    run_cmd.add_arguments(parser)
+    argv = ["x.toml", "--out", "o", "--set", "train.steps=2", "--set", "seed=1", "--quiet"]
+    argv += ["--coordinator", "h:1", "--num-processes", "2", "--process-id", "1"]
+    args = parser.parse_args(argv)
+    spec = run_cmd.distributed_spec(args)
+    assert spec == ("h:1", 2, 1, 60)
+    child = _child_argv(args, spec)
+    assert child[:4] == [sys.executable, "-m", "precisionlab", "run"]
+    again = parser.parse_args(child[4:])
+    assert vars(again) == {**vars(args), "timeout": "60"}
