@@ -3,7 +3,7 @@
 When a process of a multi-process JAX run dies, the runtime's coordination service notices the
 missing heartbeats and aborts every survivor from C++ (``LOG(FATAL)``: a multi-line report and
 SIGABRT), which Python cannot catch. So the command the user starts (:func:`supervise`, which
-does not import JAX) runs the real work in a child process (:func:`child`, the same command
+never starts a JAX backend) runs the real work in a child process (:func:`child`, the same command
 with ``PRECISIONLAB_DIST_CHILD=1``), passes its output through without the runtime's log lines,
 and turns such an abort into one error line and exit status 1; the runtime's lines are kept in a
 log file named in that line. The child dies with its supervisor (``PR_SET_PDEATHSIG`` on

@@ -65,7 +65,7 @@ def _int(text: str, name: str) -> int:
 def distributed_spec(args: argparse.Namespace) -> tuple[str, int, int, int] | None:
     """``(coordinator, num_processes, process_id, timeout_s)`` from the flags (else the
     environment), or None for a single-process run; UsageError for a partial or bad spec."""
-    from precisionlab.train.distributed import _check
+    from precisionlab._text import check_processes
 
     given = {}
     for key, env in ENV.items():
@@ -86,7 +86,7 @@ def distributed_spec(args: argparse.Namespace) -> tuple[str, int, int, int] | No
         _int(args.timeout, "--timeout"),
     )
     try:
-        _check(*spec)
+        check_processes(*spec)
     except ValueError as err:
         raise UsageError(
             str(err)

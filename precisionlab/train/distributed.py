@@ -11,20 +11,23 @@ take every decision that depends on files from it (:func:`broadcast_json`,
 :func:`broadcast_tree`, :func:`restore_checkpoint`), so they never read or write the run
 directory. On CPU the cross-process collectives use gloo.
 
-A process that dies stops sending heartbeats; after ``timeout_s`` the coordination service
-aborts the survivors (a C++ fatal error, not a Python exception). ``precisionlab run`` runs the
-training in a child process and turns that abort into one error line (see
-:mod:`precisionlab.cli.run_cmd`).
+When a process dies, a collective waiting on it may fail at once (gloo: connection reset, a
+``JaxRuntimeError``, see :func:`lost_peer`); otherwise its heartbeats stop, and after
+``timeout_s`` the coordination service aborts the survivors (a C++ fatal error, not a Python
+exception). ``precisionlab run`` trains in a child process and turns either into one error
+line (:mod:`precisionlab.cli._supervise`).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import jax
 import numpy as np
+
+from precisionlab._text import check_processes
+from precisionlab.train.checkpoint import latest_checkpoint, load_checkpoint
 
 __all__ = [
     "broadcast_json",
@@ -32,39 +35,10 @@ __all__ = [
     "initialize",
     "is_main",
     "lost_peer",
-    "parse_address",
     "process_count",
     "process_index",
     "restore_checkpoint",
 ]
-
-_HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)$")
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """``"HOST:PORT"`` (``"[::1]:PORT"`` for IPv6) -> ``(host, port)``; ValueError otherwise."""
-    if not isinstance(address, str) or ":" not in address:
-        raise ValueError(f"coordinator address must be HOST:PORT, got {address!r}")
-    host, _, port = address.rpartition(":")
-    if not host or not _HOST.match(host):
-        raise ValueError(f"coordinator address {address!r}: bad host {host!r}")
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f"coordinator address {address!r}: port must be 1..65535, got {port!r}")
-    return host, int(port)
-
-
-def _check(coordinator: str, num_processes: Any, process_id: Any, timeout_s: Any) -> None:
-    parse_address(coordinator)
-    for name, value, low in (("num_processes", num_processes, 1), ("timeout_s", timeout_s, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    if isinstance(process_id, bool) or not isinstance(process_id, int):
-        raise ValueError(f"process_id must be an int, got {process_id!r}")
-    if not 0 <= process_id < num_processes:
-        raise ValueError(
-            f"process_id must be in [0, {num_processes - 1}] for {num_processes} processes, "
-            f"got {process_id}"
-        )
 
 
 def initialize(coordinator: str, num_processes: int, process_id: int, *, timeout_s: int = 60):
@@ -76,7 +50,7 @@ def initialize(coordinator: str, num_processes: int, process_id: int, *, timeout
     as dead (the survivors are then aborted) and the shutdown barrier. Selects gloo for
     collectives across CPU processes.
     """
-    _check(coordinator, num_processes, process_id, timeout_s)
+    check_processes(coordinator, num_processes, process_id, timeout_s)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         coordinator_address=coordinator,
@@ -157,8 +131,6 @@ def restore_checkpoint(directory: Any, template: Any) -> tuple[Any, int, dict[st
     In a distributed run only process 0 reads the directory; the others receive its state
     bit for bit (:func:`broadcast_tree`) and never look at their file system.
     """
-    from precisionlab.train.checkpoint import latest_checkpoint, load_checkpoint
-
     if jax.process_count() == 1:
         if latest_checkpoint(directory) is None:
             return None
