@@ -317,3 +317,64 @@ def test_the_child_gets_the_same_arguments():
     assert child[:4] == [sys.executable, "-m", "precisionlab", "run"]
     again = parser.parse_args(child[4:])
     assert vars(again) == {**vars(args), "timeout": "60"}
+
+
+BROADCAST = """
+import json, sys
+import ml_dtypes, numpy as np
+from precisionlab.train import distributed, save_checkpoint
+
+port, index, ckpt = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+distributed.initialize(f"localhost:{port}", 2, index, timeout_s=60)
+main = distributed.is_main()
+# process 0's values; the other process holds different ones of the same shapes
+bf16 = ml_dtypes.bfloat16
+tree = {
+    "z": np.array([-0.0, np.nan, np.inf, 1e-45], np.float32) if main else np.ones(4, np.float32),
+    "b": np.array([1.5, -0.0, 3.0], bf16) if main else np.zeros(3, bf16),
+    "k": np.array([7, 2**31 + 5], np.uint32) if main else np.zeros(2, np.uint32),
+    "f": np.array([True, False, True]) if main else np.zeros(3, bool),
+}
+got = distributed.broadcast_tree(tree)
+plan = {"zeta": 1, "alpha": [2.5, "x"], "mid": None} if main else None
+got_plan = distributed.broadcast_json(plan)
+template = {"w": np.zeros(5, np.float32), "n": np.zeros((), np.int32)}
+if main:
+    state = {"w": np.array([-0.0, 1, 2, 3, 4], np.float32), "n": np.int32(9)}
+    save_checkpoint(ckpt, state, step=3, extra={"a": 1})
+restored = distributed.restore_checkpoint(ckpt if main else ckpt + "-absent", template)
+hexes = lambda t: {k: [v.dtype.name, v.tobytes().hex()] for k, v in t.items()}
+print("RESULT", json.dumps([hexes(got), list(got_plan), got_plan, hexes(restored[0]),
+                            list(restored[1:])]))
+"""
+
+
+def test_broadcasts_are_bit_exact_and_keep_key_order(tmp_path):
+    """Two processes (1 device each): process 0's pytree (-0.0, NaN, bfloat16, uint32 above
+    2^31, bool), JSON plan (keys in their order) and checkpoint reach process 1 bit for bit;
+    process 1 reads no file (it is given a directory that does not exist)."""
+    port = _free_port()
+    env = _env(1)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", BROADCAST, str(port), str(i), str(tmp_path / "ckpt")],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in (0, 1)
+    ]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
+    results = [next(x for x in o.splitlines() if x.startswith("RESULT ")) for o, _ in outs]
+    assert results[0] == results[1]
+    got, keys, plan, restored, meta = json.loads(results[1][len("RESULT ") :])
+    assert keys == ["zeta", "alpha", "mid"] and plan["alpha"] == [2.5, "x"]
+    # little-endian bytes: -0.0, the default NaN, inf, the smallest subnormal
+    assert got["z"] == ["float32", "00000080" + "0000c07f" + "0000807f" + "01000000"]
+    assert got["k"] == ["uint32", "07000000" + "05000080"]
+    assert got["f"] == ["bool", "010001"]
+    assert got["b"] == ["bfloat16", "c03f" + "0080" + "4040"]  # 1.5, -0.0, 3.0
+    assert restored["w"][1].startswith("00000080") and restored["n"] == ["int32", "09000000"]
+    assert meta == [3, {"a": 1}]
