@@ -385,3 +385,15 @@ def test_broadcasts_are_bit_exact_and_keep_key_order(tmp_path):
     assert got["b"] == ["bfloat16", "c03f" + "0080" + "4040"]  # 1.5, -0.0, 3.0
     assert restored["w"][1].startswith("00000080") and restored["n"] == ["int32", "09000000"]
     assert meta == [3, {"a": 1}]
+
+
+@pytest.mark.slow  # about 20 s: two processes start JAX
+def test_other_kinds_are_refused_by_every_process(tmp_path):
+    config = tmp_path / "survey.toml"
+    config.write_text('kind = "survey"\n[survey]\nformats = ["bf16"]\nsize = 64\n')
+    procs, dirs = _start_pair(tmp_path, [str(config), "--out", "run", "--quiet"], timeout=60)
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 2, err
+        assert err.splitlines()[-1].startswith("precisionlab run: error: several processes run")
+    assert sorted(p.name for p in dirs[1].iterdir()) == []

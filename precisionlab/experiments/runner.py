@@ -336,6 +336,7 @@ def _lead(experiment: Experiment, run_dir: Path) -> None:
                 "statuses": _statuses(experiment, run_dir),
             }
         )
+        _check_kind(experiment)
 
 
 def follow(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Path:
@@ -360,6 +361,7 @@ def follow(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Pat
     experiment = experiment_from_document(
         plan["document"], plan["source"], default_name=Path(plan["run_dir"]).name
     )
+    _check_kind(experiment)
     if [u.id for u in experiment.units] != plan["units"]:  # the units and their order
         raise ValueError(f"process {index} rebuilt other units than process 0's: a bug")
     if experiment.kind == "train":
@@ -371,3 +373,12 @@ def follow(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Pat
             # writes nothing: checkpoints come from process 0 (distributed.restore_checkpoint)
             train(unit.config, checkpoint_dir=ckpt, resume=bool(status), quiet=True)
     return Path(plan["run_dir"])
+
+
+def _check_kind(experiment: Experiment) -> None:
+    # every process raises this after the plan is sent, so none waits for the others
+    if experiment.kind != "train":
+        raise ValueError(
+            f"several processes run train experiments only; {experiment.source} is a "
+            f"{experiment.kind!r} experiment: run it in one process"
+        )
