@@ -350,16 +350,24 @@ if main:
     state = {"w": np.array([-0.0, 1, 2, 3, 4], np.float32), "n": np.int32(9)}
     save_checkpoint(ckpt, state, step=3, extra={"a": 1})
 restored = distributed.restore_checkpoint(ckpt if main else ckpt + "-absent", template)
+# a state holding NaN placed on both processes' devices (device_put's check would refuse it)
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+mesh = Mesh(np.asarray(jax.devices()), ("d",))
+nan = np.array([np.nan, -0.0], np.float32)
+placed = distributed.place({"x": nan}, NamedSharding(mesh, PartitionSpec()))
+placed = {"x": np.asarray(placed["x"])}
 hexes = lambda t: {k: [v.dtype.name, v.tobytes().hex()] for k, v in t.items()}
 print("RESULT", json.dumps([hexes(got), list(got_plan), got_plan, hexes(restored[0]),
-                            list(restored[1:])]))
+                            list(restored[1:]), hexes(placed)]))
 """
 
 
 def test_broadcasts_are_bit_exact_and_keep_key_order(tmp_path):
     """Two processes (1 device each): process 0's pytree (-0.0, NaN, bfloat16, uint32 above
     2^31, bool), JSON plan (keys in their order) and checkpoint reach process 1 bit for bit;
-    process 1 reads no file (it is given a directory that does not exist)."""
+    process 1 reads no file (it is given a directory that does not exist); a state holding NaN
+    is placed on both processes' devices."""
     port = _free_port()
     env = _env(1)
     procs = [
@@ -376,7 +384,8 @@ def test_broadcasts_are_bit_exact_and_keep_key_order(tmp_path):
     assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
     results = [next(x for x in o.splitlines() if x.startswith("RESULT ")) for o, _ in outs]
     assert results[0] == results[1]
-    got, keys, plan, restored, meta = json.loads(results[1][len("RESULT ") :])
+    got, keys, plan, restored, meta, placed = json.loads(results[1][len("RESULT ") :])
+    assert placed["x"] == ["float32", "0000c07f" + "00000080"]
     assert keys == ["zeta", "alpha", "mid"] and plan["alpha"] == [2.5, "x"]
     # little-endian bytes: -0.0, the default NaN, inf, the smallest subnormal
     assert got["z"] == ["float32", "00000080" + "0000c07f" + "0000807f" + "01000000"]

@@ -35,6 +35,7 @@ __all__ = [
     "initialize",
     "is_main",
     "lost_peer",
+    "place",
     "process_count",
     "process_index",
     "restore_checkpoint",
@@ -71,6 +72,22 @@ def lost_peer(err: BaseException) -> bool:
     """Whether ``err`` is a runtime error of a multi-process run: a collective with another
     process failed (gloo: "Connection reset by peer"), so the run, not a unit, has failed."""
     return jax.process_count() > 1 and isinstance(err, jax.errors.JaxRuntimeError)
+
+
+def place(tree: Any, sharding: Any) -> Any:
+    """``jax.device_put(tree, sharding)``, also for a sharding over several processes' devices:
+    there every process holds the same host values (the same deterministic batch, a state
+    received bit for bit) and places its own devices' parts of them. ``device_put`` would
+    first check that the values agree across processes, with an all-gather per leaf, and
+    that check fails on a NaN (NaN != NaN): the state of a diverged run."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(tree, sharding)
+
+    def one(x: Any) -> jax.Array:
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+    return jax.tree_util.tree_map(one, tree)
 
 
 def process_count() -> int:

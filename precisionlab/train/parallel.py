@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from precisionlab.train.distributed import place
+
 __all__ = ["AXIS", "data_parallel", "local_mesh", "replicate", "shard_batch"]
 
 AXIS = "data"
@@ -36,12 +38,12 @@ def shard_batch(batch: Any, mesh: Mesh) -> Any:
     for x in jax.tree_util.tree_leaves(batch):
         if np.shape(x)[0] % n:
             raise ValueError(f"batch size {np.shape(x)[0]} is not divisible by {n} devices")
-    return jax.device_put(batch, NamedSharding(mesh, PartitionSpec(AXIS)))
+    return place(batch, NamedSharding(mesh, PartitionSpec(AXIS)))
 
 
 def replicate(tree: Any, mesh: Mesh) -> Any:
     """Place every leaf of ``tree`` on all devices of the mesh."""
-    return jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
+    return place(tree, NamedSharding(mesh, PartitionSpec()))
 
 
 def data_parallel(grad_fn: Callable, mesh: Mesh, allreduce_dtype: Any = jnp.float32) -> Callable:
