@@ -216,7 +216,8 @@ def test_a_killed_run_resumes_to_the_single_process_result(tmp_path):
             assert time.monotonic() < deadline and procs[0].poll() is None
             time.sleep(0.05)
         procs[1].kill()
-        procs[0].communicate(timeout=120)
+        _, err = procs[0].communicate(timeout=120)
+        Path(err.splitlines()[-1].rsplit("(log: ", 1)[1].rstrip(")")).unlink()
     finally:
         for p in procs:
             if p.poll() is None:
