@@ -9,6 +9,7 @@ these without importing the CLI (and the CLI re-exports them).
   headers; numbers right-aligned by default. ANSI codes have zero display width
   (:func:`visible_len`).
 - :func:`fmt_value`: one number of a summary table in a named style (``g4``, ``pct``, ``pow2``...).
+- :func:`check_processes`: a multi-process run's ``HOST:PORT``, process count and index.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["UsageError", "fmt_value", "split_list", "table", "visible_len"]
+__all__ = ["UsageError", "check_processes", "fmt_value", "split_list", "table", "visible_len"]
 
 
 class UsageError(Exception):
@@ -119,3 +120,32 @@ def fmt_value(value: Any, how: str, row: dict[str, Any]) -> str:
             return f"2^{int(math.log2(value))}"
         return f"{value:.3g}"
     raise ValueError(f"unknown format {how!r}")
+
+
+_HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)$")
+
+
+def check_processes(coordinator: Any, num_processes: Any, process_id: Any, timeout_s: Any) -> None:
+    """ValueError naming the bad value unless ``coordinator`` is ``"HOST:PORT"`` (``"[::1]:PORT"``
+    for IPv6, port 1..65535), ``num_processes`` and ``timeout_s`` are ints >= 1 and
+    ``process_id`` is in ``[0, num_processes)`` (the arguments of a multi-process run; plain
+    Python, so the command line checks them without importing JAX)."""
+    if not isinstance(coordinator, str) or ":" not in coordinator:
+        raise ValueError(f"coordinator address must be HOST:PORT, got {coordinator!r}")
+    host, _, port = coordinator.rpartition(":")
+    if not host or not _HOST.match(host):
+        raise ValueError(f"coordinator address {coordinator!r}: bad host {host!r}")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(
+            f"coordinator address {coordinator!r}: port must be 1..65535, got {port!r}"
+        )
+    for name, value in (("num_processes", num_processes), ("timeout_s", timeout_s)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if isinstance(process_id, bool) or not isinstance(process_id, int):
+        raise ValueError(f"process_id must be an int, got {process_id!r}")
+    if not 0 <= process_id < num_processes:
+        raise ValueError(
+            f"process_id must be in [0, {num_processes - 1}] for {num_processes} processes, "
+            f"got {process_id}"
+        )

@@ -1,13 +1,28 @@
-"""``precisionlab run``: run an experiment file into a run directory, or resume one."""
+"""``precisionlab run``: run an experiment file into a run directory, or resume one.
+
+With ``--coordinator HOST:PORT --num-processes P --process-id I`` (or the environment variables
+``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``) the process joins a
+multi-process run (:mod:`precisionlab.train.distributed`); it then trains in a child process
+(see :mod:`precisionlab.cli._supervise`), so that the runtime's abort when another process dies
+becomes one error line.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from precisionlab.cli._common import UsageError
 
 HELP = "run an experiment (TOML) into a run directory; --resume DIR continues a killed run"
+
+#: The environment variables read when the flags are not given (the first is JAX's own).
+ENV = {
+    "coordinator": "JAX_COORDINATOR_ADDRESS",
+    "num_processes": "JAX_NUM_PROCESSES",
+    "process_id": "JAX_PROCESS_ID",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,24 +39,85 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     parser.add_argument("--no-report", action="store_true", help="skip report.md and plots")
+    group = parser.add_argument_group(
+        "multi-process training (all three, or none; or $JAX_COORDINATOR_ADDRESS, "
+        "$JAX_NUM_PROCESSES, $JAX_PROCESS_ID)"
+    )
+    group.add_argument("--coordinator", metavar="HOST:PORT", help="address process 0 listens on")
+    group.add_argument("--num-processes", metavar="P", help="number of processes")
+    group.add_argument("--process-id", metavar="I", help="this process's index, 0..P-1")
+    group.add_argument(
+        "--timeout",
+        metavar="SECONDS",
+        default="60",
+        help="wait at most this long for the processes to connect, and for a silent process "
+        "before the run fails (default 60)",
+    )
 
 
-def run(args: argparse.Namespace) -> int:
-    from precisionlab.experiments import report, runner
-    from precisionlab.experiments.summary import failed_units
+def _int(text: str, name: str) -> int:
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        raise UsageError(f"{name} must be an integer, got {text!r}") from None
 
+
+def distributed_spec(args: argparse.Namespace) -> tuple[str, int, int, int] | None:
+    """``(coordinator, num_processes, process_id, timeout_s)`` from the flags (else the
+    environment), or None for a single-process run; UsageError for a partial or bad spec."""
+    from precisionlab._text import check_processes
+
+    given = {}
+    for key, env in ENV.items():
+        value = getattr(args, key, None)
+        given[key] = value if value is not None else os.environ.get(env) or None
+    missing = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is None]
+    if len(missing) == len(given):
+        return None
+    if missing:
+        raise UsageError(
+            f"multi-process training needs --coordinator, --num-processes and --process-id "
+            f"(or {', '.join(ENV.values())}); missing: {', '.join(missing)}"
+        )
+    spec = (
+        str(given["coordinator"]),
+        _int(given["num_processes"], "--num-processes"),
+        _int(given["process_id"], "--process-id"),
+        _int(args.timeout, "--timeout"),
+    )
+    try:
+        check_processes(*spec)
+    except ValueError as err:
+        raise UsageError(
+            str(err)
+            .replace("num_processes", "--num-processes")
+            .replace("process_id", "--process-id")
+            .replace("timeout_s", "--timeout")
+        ) from None
+    return spec
+
+
+def _check_args(args: argparse.Namespace) -> None:
     if args.resume and args.config:
         raise UsageError("give either CONFIG or --resume DIR, not both")
-    if args.resume:
-        if args.overrides or args.out:
-            raise UsageError("--set and --out apply to a new run, not to --resume")
-        run_dir = runner.resume(args.resume, quiet=args.quiet)
-    elif args.config:
-        run_dir = runner.run_file(
-            args.config, out=args.out, overrides=args.overrides, quiet=args.quiet
-        )
-    else:
+    if args.resume and (args.overrides or args.out):
+        raise UsageError("--set and --out apply to a new run, not to --resume")
+    if not args.resume and not args.config:
         raise UsageError("give an experiment file (CONFIG) or --resume DIR")
+
+
+def _train(args: argparse.Namespace):
+    from precisionlab.experiments import runner
+
+    if args.resume:
+        return runner.resume(args.resume, quiet=args.quiet)
+    return runner.run_file(args.config, out=args.out, overrides=args.overrides, quiet=args.quiet)
+
+
+def _finish(args: argparse.Namespace, run_dir) -> int:
+    from precisionlab.experiments import report
+    from precisionlab.experiments.summary import failed_units
+
     failed = failed_units(run_dir)
     if args.no_report:
         print(run_dir)
@@ -53,3 +129,15 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write(f"{failed} variant(s) failed: see their error.log\n")
         return 1
     return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_args(args)
+    spec = distributed_spec(args)
+    if spec is None:
+        return _finish(args, _train(args))
+    from precisionlab.cli import _supervise
+
+    if os.environ.get(_supervise.CHILD_ENV) == "1":
+        return _supervise.child(args, spec, _train, _finish)
+    return _supervise.supervise(args, spec)

@@ -8,6 +8,11 @@ is rewritten atomically after every unit, so it is valid at any moment.
 Ctrl-C (``KeyboardInterrupt``) marks the run ``interrupted`` and re-raises: the unit that was
 running keeps status ``running`` and its checkpoints, and ``resume(run_dir)`` skips finished
 units and continues unfinished ones from their last checkpoint.
+
+In a multi-process run (:mod:`precisionlab.train.distributed`) process 0 runs the experiment as
+above and is the only writer; it sends its plan (experiment, run directory, unit statuses) to
+the other processes, which :func:`follow` it, training the same units from the same
+checkpoints and writing nothing.
 """
 
 from __future__ import annotations
@@ -27,9 +32,9 @@ from precisionlab.experiments.config import (
     load_experiment,
 )
 from precisionlab.experiments.summary import summarize_run, summarize_unit
-from precisionlab.train import ProgressHook
+from precisionlab.train import ProgressHook, distributed, train
 
-__all__ = ["DONE", "resume", "run_experiment", "run_file"]
+__all__ = ["DONE", "follow", "resume", "run_experiment", "run_file"]
 
 #: Unit statuses that resume does not redo.
 DONE = ("finished", "failed")
@@ -122,6 +127,7 @@ def run_experiment(
         previous.setdefault("resumed_with", []).append(env)
         env = previous
     store.write_json(env_path, env)
+    _lead(experiment, run_dir)
     try:
         if experiment.kind == "train":
             _run_train(experiment, run_dir, say=say, quiet=quiet)
@@ -181,12 +187,19 @@ def _run_other(experiment: Experiment, run_dir: Path, *, say: Printer, quiet: bo
 # --- the train kind --------------------------------------------------------------------
 
 
+def _statuses(experiment: Experiment, run_dir: Path) -> list[dict[str, Any]]:
+    if experiment.kind != "train":
+        return []
+    out = []
+    for unit in experiment.units:
+        status_path = run_dir / "variants" / unit.id / "status.json"
+        out.append(store.read_json(status_path) if status_path.exists() else {})
+    return out
+
+
 def _run_train(experiment: Experiment, run_dir: Path, *, say: Printer, quiet: bool) -> None:
     units = experiment.units
-    statuses = []
-    for unit in units:
-        status_path = run_dir / "variants" / unit.id / "status.json"
-        statuses.append(store.read_json(status_path) if status_path.exists() else {})
+    statuses = _statuses(experiment, run_dir)
     bar = _overall_bar(experiment, statuses, quiet)
     try:
         for i, (unit, status) in enumerate(zip(units, statuses, strict=True)):
@@ -264,6 +277,7 @@ def _run_unit(
         hist_writer.write(row)
 
     start = time.perf_counter()
+    fatal = None
     try:
         result = train_kind.run_unit(
             unit.config,
@@ -281,9 +295,15 @@ def _run_unit(
         store.write_json(status_path, status)
         raise
     except Exception as err:
+        if distributed.lost_peer(err):  # not the unit's failure: keep it running (resumable)
+            status["wall_time_s"] += time.perf_counter() - start
+            store.write_json(status_path, status)
+            raise
         (unit_dir / "error.log").write_text(traceback.format_exc(), encoding="utf-8")
         status.update({"status": "failed", "error": f"{type(err).__name__}: {err}"})
         say(f"  failed: {status['error']} (traceback in {unit_dir / 'error.log'})")
+        # several processes: the others cannot go on alone (see follow); end the run
+        fatal = err if distributed.process_count() > 1 else None
     finally:
         for w in (writer, hist_writer):
             if w is not None:
@@ -294,3 +314,71 @@ def _run_unit(
     status["ended"] = _now()
     status["summary"] = summarize_unit(unit, unit_dir, status)
     store.write_json(status_path, status)
+    if fatal is not None:
+        raise fatal
+
+
+# --- multi-process runs ----------------------------------------------------------------
+
+
+def _lead(experiment: Experiment, run_dir: Path) -> None:
+    """In a multi-process run, send process 0's plan (experiment, run directory, unit
+    statuses) to the other processes (:func:`follow`); nothing to do in a single process."""
+    if distributed.process_count() > 1:
+        print(f"process 0: run directory: {run_dir}", file=sys.stderr, flush=True)
+        distributed.broadcast_json(
+            {
+                "run_dir": str(run_dir),
+                "source": experiment.source,
+                "document": experiment.document,
+                "resolved": experiment.resolved,
+                "units": [u.id for u in experiment.units],
+                "statuses": _statuses(experiment, run_dir),
+            }
+        )
+        _check_kind(experiment)
+
+
+def follow(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Path:
+    """Run a process other than 0 of a multi-process run: train the units process 0 trains,
+    from process 0's plan and checkpoints, writing nothing; returns process 0's run directory.
+
+    ``path`` and ``overrides`` (None for ``--resume``) are this process's experiment: it must
+    resolve to process 0's (ValueError otherwise). A unit that fails ends the run (the
+    processes would otherwise wait for each other in different collectives).
+    """
+    import json
+
+    mine = None if path is None else load_experiment(path, overrides)
+    plan = distributed.broadcast_json(None)
+    index = distributed.process_index()
+    if mine is not None and json.dumps(mine.resolved) != json.dumps(plan["resolved"]):
+        raise ValueError(
+            f"process {index} resolved {mine.source} differently than process 0: start every "
+            "process with the same experiment file and --set options"
+        )
+    print(f"process {index}: run directory: {plan['run_dir']}", file=sys.stderr, flush=True)
+    experiment = experiment_from_document(
+        plan["document"], plan["source"], default_name=Path(plan["run_dir"]).name
+    )
+    _check_kind(experiment)
+    if [u.id for u in experiment.units] != plan["units"]:  # the units and their order
+        raise ValueError(f"process {index} rebuilt other units than process 0's: a bug")
+    if experiment.kind == "train":
+        for unit, status in zip(experiment.units, plan["statuses"], strict=True):
+            if status.get("status") in DONE:
+                continue
+            unit_dir = Path(plan["run_dir"]) / "variants" / unit.id
+            ckpt = unit_dir / "checkpoints" if unit.config.checkpoint_interval else None
+            # writes nothing: checkpoints come from process 0 (distributed.restore_checkpoint)
+            train(unit.config, checkpoint_dir=ckpt, resume=bool(status), quiet=True)
+    return Path(plan["run_dir"])
+
+
+def _check_kind(experiment: Experiment) -> None:
+    # every process raises this after the plan is sent, so none waits for the others
+    if experiment.kind != "train":
+        raise ValueError(
+            f"several processes run train experiments only; {experiment.source} is a "
+            f"{experiment.kind!r} experiment: run it in one process"
+        )

@@ -112,7 +112,8 @@ def environment() -> dict[str, Any]:
         "precisionlab": _version("precisionlab"),
         "backend": jax.default_backend(),
         "device_kind": devices[0].device_kind if devices else None,
-        "device_count": len(devices),
+        "device_count": len(devices),  # of all processes in a multi-process run
+        "process_count": jax.process_count(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 

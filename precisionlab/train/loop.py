@@ -26,7 +26,7 @@ import optax
 from precisionlab._io import from_json_float
 from precisionlab.mixed.loss_scale import nonfinite_leaf_names
 from precisionlab.mixed.policy import Policy, cast_floating, get_policy
-from precisionlab.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from precisionlab.train.checkpoint import save_checkpoint
 from precisionlab.train.config import (
     DIVERGENCE_ACTIONS,
     TrainConfig,
@@ -34,6 +34,7 @@ from precisionlab.train.config import (
     check_loss_weight,
 )
 from precisionlab.train.data import Dataset, make_data
+from precisionlab.train.distributed import is_main, restore_checkpoint
 from precisionlab.train.meters import hist_edges
 from precisionlab.train.models import Model, make_model
 from precisionlab.train.optim import make_optimizer, make_schedule
@@ -471,8 +472,12 @@ def train_loop(
         recipe_probe = jax.jit(recipe_probe_fn)
 
     agg, start = Aggregates(), 0
-    if resume and checkpoint_dir is not None and latest_checkpoint(checkpoint_dir) is not None:
-        state, start, extra = load_checkpoint(checkpoint_dir, state)
+    # In a multi-process run, process 0 reads the checkpoint and the others receive it.
+    found = None
+    if resume and checkpoint_dir is not None:
+        found = restore_checkpoint(checkpoint_dir, state)
+    if found is not None:
+        state, start, extra = found
         agg = Aggregates.from_dict(extra.get("aggregates", {}))
     # The step donates its state: copy it so the caller's params stay alive.
     state = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), state)
@@ -488,7 +493,7 @@ def train_loop(
     all_hooks += list(hooks)
     if progress if progress is not None else sys.stderr.isatty():
         all_hooks.append(ProgressHook.for_run(loop.steps, start, desc))
-    if checkpoint_dir is not None:
+    if checkpoint_dir is not None and is_main():  # only process 0 writes
         all_hooks.append(CheckpointHook(checkpoint_dir, loop.checkpoint_interval))
 
     def stopped() -> bool:
@@ -637,7 +642,8 @@ def build(config: TrainConfig) -> TrainSetup:
         storage=precision.storage,
         microbatches=config.microbatches,
         seed=config.seed,
-        data_parallel=config.data_parallel,
+        # several processes train one model: data parallel over all their devices
+        data_parallel=config.data_parallel or jax.process_count() > 1,
         allreduce_dtype=precision.allreduce_dtype,
         zero_stage=config.zero_stage,
         report_leaves=config.report_leaves,

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from precisionlab.train.distributed import place
+
 __all__ = [
     "AXIS",
     "ZERO_STAGES",
@@ -45,8 +47,9 @@ ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 
 
 def local_mesh(num_devices: int | None = None) -> Mesh:
-    """A 1-D mesh over the first ``num_devices`` local devices (default: all)."""
-    devices = jax.local_devices()
+    """A 1-D mesh over the first ``num_devices`` devices (default: all); in a multi-process run
+    (:mod:`precisionlab.train.distributed`) these are all processes' devices."""
+    devices = jax.devices()
     n = len(devices) if num_devices is None else int(num_devices)
     if not 1 <= n <= len(devices):
         raise ValueError(f"num_devices must be in [1, {len(devices)}], got {num_devices!r}")
@@ -59,12 +62,12 @@ def shard_batch(batch: Any, mesh: Mesh) -> Any:
     for x in jax.tree_util.tree_leaves(batch):
         if np.shape(x)[0] % n:
             raise ValueError(f"batch size {np.shape(x)[0]} is not divisible by {n} devices")
-    return jax.device_put(batch, NamedSharding(mesh, PartitionSpec(AXIS)))
+    return place(batch, NamedSharding(mesh, PartitionSpec(AXIS)))
 
 
 def replicate(tree: Any, mesh: Mesh) -> Any:
     """Place every leaf of ``tree`` on all devices of the mesh."""
-    return jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
+    return place(tree, NamedSharding(mesh, PartitionSpec()))
 
 
 def shard_axis(shape: tuple[int, ...], n: int) -> int | None:
@@ -140,7 +143,8 @@ def place_state(state: Any, mesh: Mesh, zero_stage: int = 0) -> Any:
     """Put a TrainState on the mesh in the layout of ``zero_stage`` (0: replicated). Full
     arrays in (a fresh state, a loaded checkpoint: any device count wrote it), shards out."""
     layout = ZeroLayout(mesh, zero_stage)
-    return jax.device_put(state, layout.state_shardings(state))
+    # leaf by leaf through distributed.place: also right on a mesh spanning several processes
+    return jax.tree_util.tree_map(place, state, layout.state_shardings(state))
 
 
 def data_parallel(
