@@ -16,6 +16,9 @@ overflow are forced at op boundaries and the policy's float32 list is honoured.
 Knobs for precision experiments: ``init_scale`` (multiplies every initial weight's std),
 ``use_layernorm`` (False removes the normalisation: activations can grow), ``act_scale``
 (multiplies pre-activations), ``remat`` (``jax.checkpoint`` around each block),
+``scan_layers`` / ``remat_every`` / ``remat_policy`` (mlp, transformer: the identical layers
+stacked and run under ``lax.scan``, checkpointed every K layers, see
+:mod:`precisionlab.train.layers`; the mlp's first layer, of another shape, stays unrolled),
 ``outlier_channels`` / ``outlier_scale`` (transformer: the first channels of every block's
 normalised inputs to the qkv and fc1 matmuls multiplied by the scale, the outlier features
 LLM.int8() reports in large models, for low-precision matmul recipes). The loss is
@@ -35,6 +38,7 @@ import numpy as np
 from precisionlab.mixed import ops
 from precisionlab.mixed.policy import Policy, get_policy
 from precisionlab.train import conv as _conv
+from precisionlab.train.layers import check_scan_options, per_layer_options, scan_layers
 
 __all__ = ["MLP", "MODELS", "Model", "Transformer", "make_model", "model_data_kind"]
 
@@ -50,6 +54,22 @@ def _check_int(name: str, value: Any, low: int) -> None:
 def _check_pos(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise ValueError(f"{name} must be a number > 0, got {value!r}")
+
+
+def _check_scan(model: Any, n_stacked: int) -> None:
+    check_scan_options(
+        scan=model.scan_layers,
+        remat_every=model.remat_every,
+        policy=model.remat_policy,
+        remat=model.remat,
+        n_layers=n_stacked if model.scan_layers else None,
+    )
+    per_layer = per_layer_options(model) if model.scan_layers else []
+    if per_layer:
+        raise ValueError(
+            f"scan_layers stacks identical layers, but {', '.join(per_layer)} set per-layer "
+            "options; use the unrolled layers (scan_layers=False)"
+        )
 
 
 class _Gen:
@@ -172,6 +192,9 @@ class MLP(Model):
     act_scale: float = 1.0
     use_layernorm: bool = False
     remat: bool = False
+    scan_layers: bool = False
+    remat_every: int = 0
+    remat_policy: str = "nothing_saveable"
 
     name = "mlp"
     data_kind = "classification"
@@ -187,6 +210,7 @@ class MLP(Model):
             raise ValueError(
                 f"unknown activation {self.activation!r}; allowed: {', '.join(_ACTIVATIONS)}"
             )
+        _check_scan(self, self.depth - 1)  # layer 0 (in_dim -> width) is not stacked
 
     def _init(self, gen: _Gen) -> dict[str, Any]:
         keys = gen.split(self.depth + 1)
@@ -233,13 +257,33 @@ class MLP(Model):
                 z = ops.boundary(z * jnp.asarray(self.act_scale, z.dtype), pol, enforce=enforce)
             return z, self._act(z, pol, enforce)
 
-        run = jax.checkpoint(block) if self.remat else block
-        for i, layer in enumerate(params["hidden"]):
-            z, h = run(layer, h)
+        def record(i: int, z: jax.Array, h: jax.Array) -> None:
             acts[f"layer{i}/pre"] = z
             if self.activation == "gelu":  # tanh-GELU's x**3 overflows float16 first (|x| > 40)
                 acts[f"layer{i}/gelu_cubic"] = z**3
             acts[f"layer{i}/out"] = h
+
+        run = jax.checkpoint(block) if self.remat else block
+        unrolled = params["hidden"][:1] if self.scan_layers else params["hidden"]
+        for i, layer in enumerate(unrolled):
+            z, h = run(layer, h)
+            record(i, z, h)
+        if self.scan_layers and len(params["hidden"]) > 1:
+
+            def body(layer, h):
+                z, h = block(layer, h)
+                return h, ((z, h) if capture else None)
+
+            h, ys = scan_layers(
+                body,
+                params["hidden"][1:],
+                h,
+                remat_every=self.remat_every,
+                policy=self.remat_policy,
+                what="hidden layer",
+            )
+            for i in range(1, len(params["hidden"]) if capture else 1):
+                record(i, ys[0][i - 1], ys[1][i - 1])
         logits = ops.dense(h, params["out"]["w"], params["out"]["b"], policy=pol, enforce=enforce)
         acts["logits"] = logits
         logits = pol.cast_to_output(logits)
@@ -271,6 +315,9 @@ class Transformer(Model):
     remat: bool = False
     outlier_channels: int = 0
     outlier_scale: float = 100.0
+    scan_layers: bool = False
+    remat_every: int = 0
+    remat_policy: str = "nothing_saveable"
 
     name = "transformer"
     data_kind = "lm"
@@ -286,6 +333,7 @@ class Transformer(Model):
         _check_int("outlier_channels", self.outlier_channels, 0)
         if self.outlier_channels > self.d_model:
             raise ValueError(f"outlier_channels {self.outlier_channels} > d_model {self.d_model}")
+        _check_scan(self, self.depth)
 
     def _outliers(self, h: jax.Array, pol: Policy, enforce: bool) -> jax.Array:
         # A few channels x outlier_scale in every token (LLM.int8(): systematic outlier features).
@@ -391,12 +439,30 @@ class Transformer(Model):
             a["resid"] = x
             return x, a
 
-        run = jax.checkpoint(block) if self.remat else block
-        for i, blk in enumerate(params["blocks"]):
-            acts[f"block{i}/input"] = x
-            x, a = run(blk, x)
-            for n, v in a.items():
-                acts[f"block{i}/{n}"] = v
+        if self.scan_layers:
+
+            def body(blk, x_in):
+                x_out, a = block(blk, x_in)
+                return x_out, ({"input": x_in, **a} if capture else None)
+
+            x, ys = scan_layers(
+                body,
+                params["blocks"],
+                x,
+                remat_every=self.remat_every,
+                policy=self.remat_policy,
+                what="block",
+            )
+            for i in range(len(params["blocks"]) if capture else 0):
+                for n, v in ys.items():
+                    acts[f"block{i}/{n}"] = v[i]
+        else:
+            run = jax.checkpoint(block) if self.remat else block
+            for i, blk in enumerate(params["blocks"]):
+                acts[f"block{i}/input"] = x
+                x, a = run(blk, x)
+                for n, v in a.items():
+                    acts[f"block{i}/{n}"] = v
         if self.use_layernorm:
             x = ops.layer_norm(
                 x, params["ln_f_scale"], params["ln_f_bias"], policy=pol, enforce=enforce
