@@ -20,6 +20,7 @@ from precisionlab.mixed.loss_scale import LossScale, parse_loss_scale
 from precisionlab.mixed.policy import FP32_OPS, Policy, get_policy, parse_dtype
 from precisionlab.mixed.storage import Storage
 from precisionlab.train.data import DATASETS, data_kind
+from precisionlab.train.layers import REMAT_POLICIES, check_scan_options
 from precisionlab.train.models import MODELS, model_data_kind
 from precisionlab.train.optim import OPTIMIZER_FIELDS, OPTIMIZERS, SCHEDULES
 from precisionlab.train.recipe import TrainRecipe, parse_recipe
@@ -106,6 +107,9 @@ TRAIN_FIELDS: dict[str, Field] = {
     "data_parallel": Field(bool, False),
     "allreduce_dtype": Field(str, None, check=_dtype, nullable=True),
     "remat": Field(bool, False),
+    "scan_layers": Field(bool, False),
+    "remat_every": Field(int, 0, low=0, high=2**16, why="2**16 layers"),
+    "remat_policy": Field(str, "nothing_saveable", choices=REMAT_POLICIES),
     "report_leaves": Field(bool, False),
     "progress": Field(bool, None, nullable=True),
     "loss_weight": Field(
@@ -182,7 +186,10 @@ class TrainConfig:
       histograms of log2|grad| and log2|activation| every N steps), shadow (fp32 shadow pass at
       hist steps, or every ``shadow_interval`` steps if > 0), data_parallel (shard the batch over
       all local devices), allreduce_dtype (dtype of the gradient all-reduce, None = float32),
-      remat (jax.checkpoint each model block), report_leaves (name the non-finite gradient
+      remat (jax.checkpoint each model block), scan_layers (mlp, transformer: identical layers
+      stacked under ``lax.scan``), remat_every (with scan_layers: ``jax.checkpoint`` groups of
+      K layers, 0 = off: activation memory O(N/K) + O(K)), remat_policy (what a checkpointed
+      group saves: a name in ``REMAT_POLICIES``), report_leaves (name the non-finite gradient
       leaves of skipped steps), progress (tqdm bar; None = only on a tty).
     Loss:
       loss_weight: multiplies the training loss before differentiation, as a loss averaged over
@@ -228,6 +235,9 @@ class TrainConfig:
     data_parallel: bool = False
     allreduce_dtype: str | None = None
     remat: bool = False
+    scan_layers: bool = False
+    remat_every: int = 0
+    remat_policy: str = "nothing_saveable"
     report_leaves: bool = False
     progress: bool | None = None
     loss_weight: float = 1.0
@@ -254,9 +264,33 @@ class TrainConfig:
                 f"model {self.model!r} needs a {needs} dataset, but data {self.data!r} is {has}; "
                 f"allowed: {', '.join(d for d in DATASETS if data_kind(d) == needs)}"
             )
+        self._check_scan()
         fields = OPTIMIZER_FIELDS[self.optimizer]
         validate_table(self.optimizer_kwargs, fields, "optimizer_kwargs", defaults=False)
         object.__setattr__(self, "_precision", self._parse_precision())
+
+    def _check_scan(self) -> None:
+        # Checked here, not only when the model is built, so a bad file fails before any run.
+        try:
+            check_scan_options(
+                scan=self.scan_layers,
+                remat_every=self.remat_every,
+                policy=self.remat_policy,
+                remat=self.remat,
+            )
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        if self.scan_layers and self.model not in ("mlp", "transformer"):
+            raise ConfigError(
+                f"scan_layers: the {self.model!r} model's layers differ in shape; "
+                "allowed: mlp, transformer"
+            )
+        if self.scan_layers and self.recipe is not None:
+            raise ConfigError(
+                "scan_layers with a recipe: a recipe scales each layer's matmuls separately "
+                "(its sites and state are per layer), under scan one site serves all layers; "
+                "use the unrolled layers"
+            )
 
     def _parse_precision(self) -> Precision:
         def parse(key: str, fn: Any, *args: Any, **kwargs: Any) -> Any:

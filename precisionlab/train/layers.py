@@ -6,8 +6,9 @@ elimination merges the recomputation back into the forward pass and nothing is s
 checkpointed scan body cannot be merged, so the saving is real on every backend.
 
 :func:`scan_layers` runs ``body(layer, h) -> (h, y)`` over a list of layers whose params have
-the same structure, shapes and dtypes: the params are stacked (leaves ``[N, ...]``, a copy
-inside the step), then
+the same structure, shapes and dtypes, stacked (leaves ``[N, ...]``: the models keep them so
+with ``scan_layers``, one leaf per kind of weight whatever the depth, so the step compiles in
+a time independent of N), then
 
 - ``remat_every == 0``: one ``lax.scan`` over the N layers (every layer's residuals saved);
 - ``remat_every == K``: a scan over ``N // K`` groups of K layers, each group under
@@ -29,6 +30,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = [
     "REMAT_POLICIES",
@@ -37,6 +39,7 @@ __all__ = [
     "remat_policy",
     "scan_layers",
     "stack_layers",
+    "unstack_layers",
 ]
 
 #: Names of the ``jax.checkpoint_policies`` a checkpointed group may use: what the forward pass
@@ -97,7 +100,8 @@ def per_layer_options(model: Any) -> list[str]:
 
 
 def stack_layers(layers: Sequence[Any], what: str = "layer") -> Any:
-    """Stack the params of ``layers`` leafwise (leaves ``[N, ...]``).
+    """Stack the params of ``layers`` leafwise (leaves ``[N, ...]``; numpy arrays and
+    ``jax.ShapeDtypeStruct`` leaves stay on the host: no computation).
 
     Raises:
       ValueError: naming the first layer whose structure, shape or dtype differs from layer 0.
@@ -120,27 +124,43 @@ def stack_layers(layers: Sequence[Any], what: str = "layer") -> Any:
                     f"{list(a.shape)}, not {b.dtype}{list(b.shape)}; scan_layers needs "
                     "identical layers"
                 )
-    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *layers)
+    return jax.tree_util.tree_map(_stack, *layers)
+
+
+def _stack(*xs: Any) -> Any:
+    if isinstance(xs[0], jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype)
+    if all(isinstance(x, np.ndarray) for x in xs):
+        return np.stack(xs)
+    return jnp.stack(xs)
+
+
+def unstack_layers(stacked: Any) -> list[Any]:
+    """The inverse of :func:`stack_layers`: a list of the N layers of a stacked pytree."""
+    leaves = jax.tree_util.tree_leaves(stacked)
+    n = leaves[0].shape[0] if leaves else 0
+    return [jax.tree_util.tree_map(lambda a, i=i: a[i], stacked) for i in range(n)]
 
 
 def scan_layers(
     body: Callable[[Any, jax.Array], tuple[jax.Array, Any]],
-    layers: Sequence[Any],
+    layers: Sequence[Any] | Any,
     h: jax.Array,
     *,
     remat_every: int = 0,
     policy: str = "nothing_saveable",
     what: str = "layer",
 ) -> tuple[jax.Array, Any]:
-    """``h`` through ``body(layer, h) -> (h, y)`` for each of ``layers`` in order, under
-    ``lax.scan``; returns ``(h, ys)`` with ``ys`` stacked ``[N, ...]`` (see module docstring).
+    """``h`` through ``body(layer, h) -> (h, y)`` for each layer in order, under ``lax.scan``;
+    returns ``(h, ys)`` with ``ys`` stacked ``[N, ...]`` (see module docstring).
 
-    ``remat_every``: K >= 1 checkpoints groups of K layers (0: off), ``policy`` names what a
-    group saves (:data:`REMAT_POLICIES`).
+    ``layers``: stacked params (leaves ``[N, ...]``) or a list of per-layer params (stacked
+    here, a copy inside the step). ``remat_every``: K >= 1 checkpoints groups of K layers
+    (0: off); ``policy`` names what a group saves (:data:`REMAT_POLICIES`).
     """
-    n = len(layers)
+    stacked = stack_layers(layers, what) if isinstance(layers, list | tuple) else layers
+    n = jax.tree_util.tree_leaves(stacked)[0].shape[0]
     check_scan_options(scan=True, remat_every=remat_every, policy=policy, n_layers=n)
-    stacked = stack_layers(layers, what)
 
     def step(carry: jax.Array, layer: Any) -> tuple[jax.Array, Any]:
         return body(layer, carry)

@@ -609,6 +609,10 @@ def build(config: TrainConfig) -> TrainSetup:
     model_kwargs = {**data.model_kwargs(), **config.model_kwargs}
     if config.remat:
         model_kwargs["remat"] = True
+    if config.scan_layers:
+        model_kwargs.update(
+            scan_layers=True, remat_every=config.remat_every, remat_policy=config.remat_policy
+        )
     model = make_model(config.model, **model_kwargs)
     sched = dict(steps=config.steps, warmup_steps=config.warmup_steps)
     optimizer = make_optimizer(

@@ -38,7 +38,13 @@ import numpy as np
 from precisionlab.mixed import ops
 from precisionlab.mixed.policy import Policy, get_policy
 from precisionlab.train import conv as _conv
-from precisionlab.train.layers import check_scan_options, per_layer_options, scan_layers
+from precisionlab.train.layers import (
+    check_scan_options,
+    per_layer_options,
+    scan_layers,
+    stack_layers,
+    unstack_layers,
+)
 
 __all__ = ["MLP", "MODELS", "Model", "Transformer", "make_model", "model_data_kind"]
 
@@ -70,6 +76,18 @@ def _check_scan(model: Any, n_stacked: int) -> None:
             f"scan_layers stacks identical layers, but {', '.join(per_layer)} set per-layer "
             "options; use the unrolled layers (scan_layers=False)"
         )
+
+
+def _stack_init(layers: list[Any], what: str) -> Any:
+    # Stacked on the host (numpy), so init still needs no compilation.
+    def host(a: Any) -> Any:
+        return a if isinstance(a, jax.ShapeDtypeStruct) else np.asarray(a)
+
+    def device(a: Any) -> Any:
+        return a if isinstance(a, jax.ShapeDtypeStruct) else jnp.asarray(a)
+
+    stacked = stack_layers([jax.tree_util.tree_map(host, x) for x in layers], what)
+    return jax.tree_util.tree_map(device, stacked)
 
 
 class _Gen:
@@ -233,7 +251,26 @@ class MLP(Model):
             "w": _normal(keys[-1], (fan_in, self.num_classes), self.init_scale / math.sqrt(fan_in)),
             "b": jnp.zeros((self.num_classes,), jnp.float32),
         }
-        return {"hidden": hidden, "out": out}
+        return self.stack_params({"hidden": hidden, "out": out}) if self.scan_layers else {
+            "hidden": hidden,
+            "out": out,
+        }
+
+    def stack_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Params in the ``scan_layers`` layout: hidden layers 1.. stacked under
+        ``"hidden_stack"`` (leaves ``[depth - 1, ...]``); layer 0 stays in ``"hidden"``."""
+        if "hidden_stack" in params or len(params["hidden"]) < 2:
+            return params
+        rest = _stack_init(list(params["hidden"][1:]), "hidden layer")
+        return {**params, "hidden": list(params["hidden"][:1]), "hidden_stack": rest}
+
+    def unstack_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The inverse of :meth:`stack_params`: one dict per hidden layer in ``"hidden"``."""
+        if "hidden_stack" not in params:
+            return params
+        out = {k: v for k, v in params.items() if k != "hidden_stack"}
+        out["hidden"] = list(params["hidden"]) + unstack_layers(params["hidden_stack"])
+        return out
 
     def _act(self, h: jax.Array, pol: Policy, enforce: bool) -> jax.Array:
         if self.activation == "relu":
@@ -264,11 +301,15 @@ class MLP(Model):
             acts[f"layer{i}/out"] = h
 
         run = jax.checkpoint(block) if self.remat else block
-        unrolled = params["hidden"][:1] if self.scan_layers else params["hidden"]
+        if self.scan_layers:
+            unrolled = params["hidden"][:1]
+            stacked = params.get("hidden_stack", list(params["hidden"][1:]))
+        else:
+            unrolled = self.unstack_params(params)["hidden"]
         for i, layer in enumerate(unrolled):
             z, h = run(layer, h)
             record(i, z, h)
-        if self.scan_layers and len(params["hidden"]) > 1:
+        if self.scan_layers and self.depth > 1:
 
             def body(layer, h):
                 z, h = block(layer, h)
@@ -276,13 +317,13 @@ class MLP(Model):
 
             h, ys = scan_layers(
                 body,
-                params["hidden"][1:],
+                stacked,
                 h,
                 remat_every=self.remat_every,
                 policy=self.remat_policy,
                 what="hidden layer",
             )
-            for i in range(1, len(params["hidden"]) if capture else 1):
+            for i in range(1, self.depth if capture else 1):
                 record(i, ys[0][i - 1], ys[1][i - 1])
         logits = ops.dense(h, params["out"]["w"], params["out"]["b"], policy=pol, enforce=enforce)
         acts["logits"] = logits
@@ -368,13 +409,26 @@ class Transformer(Model):
         params = {
             "embed": _normal(keys[0], (self.vocab_size, d), s * 0.5),
             "pos": _normal(keys[1], (self.seq_len, d), s * 0.1),
-            "blocks": blocks,
+            "blocks": _stack_init(blocks, "block") if self.scan_layers else blocks,
             "unembed": _normal(keys[2], (d, self.vocab_size), s / math.sqrt(d)),
         }
         if self.use_layernorm:
             params["ln_f_scale"] = jnp.ones((d,), jnp.float32)
             params["ln_f_bias"] = jnp.zeros((d,), jnp.float32)
         return params
+
+    def stack_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Params in the ``scan_layers`` layout: ``"blocks"`` one dict of leaves
+        ``[depth, ...]`` instead of a list of ``depth`` dicts."""
+        if not isinstance(params["blocks"], list | tuple):
+            return params
+        return {**params, "blocks": _stack_init(list(params["blocks"]), "block")}
+
+    def unstack_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The inverse of :meth:`stack_params`: ``"blocks"`` a list of per-block dicts."""
+        if isinstance(params["blocks"], list | tuple):
+            return params
+        return {**params, "blocks": unstack_layers(params["blocks"])}
 
     def _norm(self, x, p, name, pol, enforce):
         if not self.use_layernorm:
@@ -458,7 +512,7 @@ class Transformer(Model):
                     acts[f"block{i}/{n}"] = v[i]
         else:
             run = jax.checkpoint(block) if self.remat else block
-            for i, blk in enumerate(params["blocks"]):
+            for i, blk in enumerate(self.unstack_params(params)["blocks"]):
                 acts[f"block{i}/input"] = x
                 x, a = run(blk, x)
                 for n, v in a.items():
