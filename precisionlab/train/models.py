@@ -251,14 +251,8 @@ class MLP(Model):
             "w": _normal(keys[-1], (fan_in, self.num_classes), self.init_scale / math.sqrt(fan_in)),
             "b": jnp.zeros((self.num_classes,), jnp.float32),
         }
-        return (
-            self.stack_params({"hidden": hidden, "out": out})
-            if self.scan_layers
-            else {
-                "hidden": hidden,
-                "out": out,
-            }
-        )
+        params = {"hidden": hidden, "out": out}
+        return self.stack_params(params) if self.scan_layers else params
 
     def stack_params(self, params: dict[str, Any]) -> dict[str, Any]:
         """Params in the ``scan_layers`` layout: hidden layers 1.. stacked under
