@@ -17,8 +17,10 @@ a time independent of N), then
   recomputes one group at a time (K layers of residuals): memory ``O(N/K) + O(K)``, least
   near ``K = sqrt(N)``, for one extra forward pass.
 
-The arithmetic of each layer is the same as unrolled, so outputs and gradients equal the
-unrolled path bitwise (tested). Per-layer ``y`` outputs come back stacked ``[N, ...]``; pass
+The arithmetic of each layer is the same as unrolled. Results equal the unrolled path bitwise
+where XLA emits the same reductions (tested for the relu MLP); with LayerNorm, attention or a
+16-bit compute dtype XLA may sum a reduction in another order inside the loop body, and results
+then agree to a few roundings of the compute dtype (tested). Per-layer ``y`` outputs come back stacked ``[N, ...]``; pass
 ``None`` when they are not wanted, or the scan keeps them (and their memory) alive.
 """
 
