@@ -12,6 +12,7 @@ from types import ModuleType
 
 from precisionlab import survey
 from precisionlab.experiments import train_kind
+from precisionlab.memory import checkpointing as checkpointing_experiment
 from precisionlab.memory import experiment as memory_experiment
 
 __all__ = ["KINDS", "load", "names_text"]
@@ -21,6 +22,7 @@ KINDS: dict[str, ModuleType] = {
     "train": train_kind,
     "survey": survey,
     "memory": memory_experiment,
+    "checkpointing": checkpointing_experiment,
 }
 
 

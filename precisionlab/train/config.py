@@ -20,6 +20,7 @@ from precisionlab.mixed.loss_scale import LossScale, parse_loss_scale
 from precisionlab.mixed.policy import FP32_OPS, Policy, get_policy, parse_dtype
 from precisionlab.mixed.storage import Storage
 from precisionlab.train.data import DATASETS, data_kind
+from precisionlab.train.layers import REMAT_POLICIES, check_scan_options
 from precisionlab.train.models import MODELS, layer_names, model_data_kind, resolve_layers
 from precisionlab.train.optim import OPTIMIZER_FIELDS, OPTIMIZERS, SCHEDULES
 from precisionlab.train.recipe import TrainRecipe, parse_recipe
@@ -108,6 +109,9 @@ TRAIN_FIELDS: dict[str, Field] = {
     "allreduce_dtype": Field(str, None, check=_dtype, nullable=True),
     "zero_stage": Field(int, 0, choices=(0, 1, 2, 3), doc="ZeRO stage; needs data_parallel"),
     "remat": Field(bool, False),
+    "scan_layers": Field(bool, False),
+    "remat_every": Field(int, 0, low=0, high=2**16, why="2**16 layers"),
+    "remat_policy": Field(str, "nothing_saveable", choices=REMAT_POLICIES),
     "report_leaves": Field(bool, False),
     "progress": Field(bool, None, nullable=True),
     "loss_weight": Field(
@@ -190,7 +194,10 @@ class TrainConfig:
       all local devices), allreduce_dtype (dtype of the gradient all-reduce, None = float32),
       zero_stage (ZeRO over the data-parallel devices, needs data_parallel: 1 shards the
       optimizer state, 2 also the gradients, 3 also the params; see ``train.parallel``),
-      remat (jax.checkpoint each model block), report_leaves (name the non-finite gradient
+      remat (jax.checkpoint each model block), scan_layers (mlp, transformer: identical layers
+      stacked under ``lax.scan``), remat_every (with scan_layers: ``jax.checkpoint`` groups of
+      K layers, 0 = off: activation memory O(N/K) + O(K)), remat_policy (what a checkpointed
+      group saves: a name in ``REMAT_POLICIES``), report_leaves (name the non-finite gradient
       leaves of skipped steps), progress (tqdm bar; None = only on a tty).
     Loss:
       loss_weight: multiplies the training loss before differentiation, as a loss averaged over
@@ -239,6 +246,9 @@ class TrainConfig:
     allreduce_dtype: str | None = None
     zero_stage: int = 0
     remat: bool = False
+    scan_layers: bool = False
+    remat_every: int = 0
+    remat_policy: str = "nothing_saveable"
     report_leaves: bool = False
     progress: bool | None = None
     loss_weight: float = 1.0
@@ -274,9 +284,33 @@ class TrainConfig:
                 f"model {self.model!r} needs a {needs} dataset, but data {self.data!r} is {has}; "
                 f"allowed: {', '.join(d for d in DATASETS if data_kind(d) == needs)}"
             )
+        self._check_scan()
         fields = OPTIMIZER_FIELDS[self.optimizer]
         validate_table(self.optimizer_kwargs, fields, "optimizer_kwargs", defaults=False)
         object.__setattr__(self, "_precision", self._parse_precision())
+
+    def _check_scan(self) -> None:
+        # Checked here, not only when the model is built, so a bad file fails before any run.
+        try:
+            check_scan_options(
+                scan=self.scan_layers,
+                remat_every=self.remat_every,
+                policy=self.remat_policy,
+                remat=self.remat,
+            )
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        if self.scan_layers and self.model not in ("mlp", "transformer"):
+            raise ConfigError(
+                f"scan_layers: the {self.model!r} model's layers differ in shape; "
+                "allowed: mlp, transformer"
+            )
+        if self.scan_layers and self.recipe is not None:
+            raise ConfigError(
+                "scan_layers with a recipe: a recipe scales each layer's matmuls separately "
+                "(its sites and state are per layer), under scan one site serves all layers; "
+                "use the unrolled layers"
+            )
 
     def _parse_precision(self) -> Precision:
         def parse(key: str, fn: Any, *args: Any, **kwargs: Any) -> Any:

@@ -625,6 +625,10 @@ def build(config: TrainConfig) -> TrainSetup:
         model_kwargs["remat"] = True
     if config.high_precision:
         model_kwargs["high_precision"] = config.high_precision
+    if config.scan_layers:
+        model_kwargs.update(
+            scan_layers=True, remat_every=config.remat_every, remat_policy=config.remat_policy
+        )
     model = make_model(config.model, **model_kwargs)
     sched = dict(steps=config.steps, warmup_steps=config.warmup_steps)
     optimizer = make_optimizer(

@@ -16,6 +16,9 @@ overflow are forced at op boundaries and the policy's float32 list is honoured.
 Knobs for precision experiments: ``init_scale`` (multiplies every initial weight's std),
 ``use_layernorm`` (False removes the normalisation: activations can grow), ``act_scale``
 (multiplies pre-activations), ``remat`` (``jax.checkpoint`` around each block),
+``scan_layers`` / ``remat_every`` / ``remat_policy`` (mlp, transformer: the identical layers
+stacked and run under ``lax.scan``, checkpointed every K layers, see
+:mod:`precisionlab.train.layers`; the mlp's first layer, of another shape, stays unrolled),
 ``outlier_channels`` / ``outlier_scale`` (transformer: the first channels of every block's
 normalised inputs to the qkv and fc1 matmuls multiplied by the scale, the outlier features
 LLM.int8() reports in large models, for low-precision matmul recipes). The loss is
@@ -47,6 +50,13 @@ import numpy as np
 from precisionlab.mixed import ops
 from precisionlab.mixed.policy import Policy, get_policy
 from precisionlab.train import conv as _conv
+from precisionlab.train.layers import (
+    check_scan_options,
+    per_layer_options,
+    scan_layers,
+    stack_layers,
+    unstack_layers,
+)
 
 __all__ = [
     "MLP",
@@ -89,6 +99,34 @@ def _check_layers(model: Model, names: Any) -> tuple[str, ...]:
             f"{model.name!r}; layers: {', '.join(allowed)}"
         )
     return tuple(names)
+
+
+def _check_scan(model: Any, n_stacked: int) -> None:
+    check_scan_options(
+        scan=model.scan_layers,
+        remat_every=model.remat_every,
+        policy=model.remat_policy,
+        remat=model.remat,
+        n_layers=n_stacked if model.scan_layers else None,
+    )
+    per_layer = per_layer_options(model) if model.scan_layers else []
+    if per_layer:
+        raise ValueError(
+            f"scan_layers stacks identical layers, but {', '.join(per_layer)} set per-layer "
+            "options; use the unrolled layers (scan_layers=False)"
+        )
+
+
+def _stack_init(layers: list[Any], what: str) -> Any:
+    # Stacked on the host (numpy), so init still needs no compilation.
+    def host(a: Any) -> Any:
+        return a if isinstance(a, jax.ShapeDtypeStruct) else np.asarray(a)
+
+    def device(a: Any) -> Any:
+        return a if isinstance(a, jax.ShapeDtypeStruct) else jnp.asarray(a)
+
+    stacked = stack_layers([jax.tree_util.tree_map(host, x) for x in layers], what)
+    return jax.tree_util.tree_map(device, stacked)
 
 
 class _Gen:
@@ -226,6 +264,9 @@ class MLP(Model):
     high_precision: tuple[str, ...] = ()
     overflow_layer: int = -1
     overflow_scale: float = 2.0**20
+    scan_layers: bool = False
+    remat_every: int = 0
+    remat_policy: str = "nothing_saveable"
 
     name = "mlp"
     data_kind = "classification"
@@ -248,6 +289,12 @@ class MLP(Model):
                 f"got {self.overflow_layer!r}"
             )
         object.__setattr__(self, "high_precision", _check_layers(self, self.high_precision))
+        _check_scan(self, self.depth - 1)  # layer 0 (in_dim -> width) is not stacked
+        if self.scan_layers and self.overflow_layer >= 1:
+            raise ValueError(
+                f"overflow_layer {self.overflow_layer} is a stacked layer under scan_layers; "
+                "use the unrolled layers (scan_layers=False)"
+            )
 
     def layer_names(self) -> tuple[str, ...]:
         return (*(f"layer{i}" for i in range(self.depth)), "out")
@@ -276,7 +323,24 @@ class MLP(Model):
             "w": _normal(keys[-1], (fan_in, self.num_classes), self.init_scale / math.sqrt(fan_in)),
             "b": jnp.zeros((self.num_classes,), jnp.float32),
         }
-        return {"hidden": hidden, "out": out}
+        params = {"hidden": hidden, "out": out}
+        return self.stack_params(params) if self.scan_layers else params
+
+    def stack_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Params in the ``scan_layers`` layout: hidden layers 1.. stacked under
+        ``"hidden_stack"`` (leaves ``[depth - 1, ...]``); layer 0 stays in ``"hidden"``."""
+        if "hidden_stack" in params or len(params["hidden"]) < 2:
+            return params
+        rest = _stack_init(list(params["hidden"][1:]), "hidden layer")
+        return {**params, "hidden": list(params["hidden"][:1]), "hidden_stack": rest}
+
+    def unstack_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The inverse of :meth:`stack_params`: one dict per hidden layer in ``"hidden"``."""
+        if "hidden_stack" not in params:
+            return params
+        out = {k: v for k, v in params.items() if k != "hidden_stack"}
+        out["hidden"] = list(params["hidden"]) + unstack_layers(params["hidden_stack"])
+        return out
 
     def _act(self, h: jax.Array, pol: Policy, enforce: bool) -> jax.Array:
         if self.activation == "relu":
@@ -305,15 +369,39 @@ class MLP(Model):
                 return z, ops.boundary(a, pol, enforce=enforce)
             return z, self._act(z, pol, enforce)
 
-        for i, layer in enumerate(params["hidden"]):
-            lp = self._layer_policy(f"layer{i}", pol)
-            fn = partial(block, pol=lp, overflow=i == self.overflow_layer)
-            with jax.named_scope(f"layer{i}"):
-                z, h = (jax.checkpoint(fn) if self.remat else fn)(layer, h)
+        def record(i: int, z: jax.Array, h: jax.Array) -> None:
             acts[f"layer{i}/pre"] = z
             if self.activation == "gelu":  # tanh-GELU's x**3 overflows float16 first (|x| > 40)
                 acts[f"layer{i}/gelu_cubic"] = z**3
             acts[f"layer{i}/out"] = h
+
+        if self.scan_layers:
+            unrolled = params["hidden"][:1]
+            stacked = params.get("hidden_stack", list(params["hidden"][1:]))
+        else:
+            unrolled = self.unstack_params(params)["hidden"]
+        for i, layer in enumerate(unrolled):
+            lp = self._layer_policy(f"layer{i}", pol)
+            fn = partial(block, pol=lp, overflow=i == self.overflow_layer)
+            with jax.named_scope(f"layer{i}"):
+                z, h = (jax.checkpoint(fn) if self.remat else fn)(layer, h)
+            record(i, z, h)
+        if self.scan_layers and self.depth > 1:
+
+            def body(layer, h):
+                z, h = block(layer, h)
+                return h, ((z, h) if capture else None)
+
+            h, ys = scan_layers(
+                body,
+                stacked,
+                h,
+                remat_every=self.remat_every,
+                policy=self.remat_policy,
+                what="hidden layer",
+            )
+            for i in range(1, self.depth if capture else 1):
+                record(i, ys[0][i - 1], ys[1][i - 1])
         with jax.named_scope("out"):
             lp = self._layer_policy("out", pol)
             logits = ops.dense(
@@ -350,6 +438,9 @@ class Transformer(Model):
     outlier_channels: int = 0
     outlier_scale: float = 100.0
     high_precision: tuple[str, ...] = ()
+    scan_layers: bool = False
+    remat_every: int = 0
+    remat_policy: str = "nothing_saveable"
 
     name = "transformer"
     data_kind = "lm"
@@ -372,6 +463,7 @@ class Transformer(Model):
 
     def layer_params(self, name: str) -> str:
         return "['unembed']" if name == "unembed" else f"['blocks'][{int(name[5:])}]"
+        _check_scan(self, self.depth)
 
     def _outliers(self, h: jax.Array, pol: Policy, enforce: bool) -> jax.Array:
         # A few channels x outlier_scale in every token (LLM.int8(): systematic outlier features).
@@ -406,13 +498,26 @@ class Transformer(Model):
         params = {
             "embed": _normal(keys[0], (self.vocab_size, d), s * 0.5),
             "pos": _normal(keys[1], (self.seq_len, d), s * 0.1),
-            "blocks": blocks,
+            "blocks": _stack_init(blocks, "block") if self.scan_layers else blocks,
             "unembed": _normal(keys[2], (d, self.vocab_size), s / math.sqrt(d)),
         }
         if self.use_layernorm:
             params["ln_f_scale"] = jnp.ones((d,), jnp.float32)
             params["ln_f_bias"] = jnp.zeros((d,), jnp.float32)
         return params
+
+    def stack_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Params in the ``scan_layers`` layout: ``"blocks"`` one dict of leaves
+        ``[depth, ...]`` instead of a list of ``depth`` dicts."""
+        if not isinstance(params["blocks"], list | tuple):
+            return params
+        return {**params, "blocks": _stack_init(list(params["blocks"]), "block")}
+
+    def unstack_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The inverse of :meth:`stack_params`: ``"blocks"`` a list of per-block dicts."""
+        if isinstance(params["blocks"], list | tuple):
+            return params
+        return {**params, "blocks": unstack_layers(params["blocks"])}
 
     def _norm(self, x, p, name, pol, enforce):
         if not self.use_layernorm:
@@ -478,13 +583,31 @@ class Transformer(Model):
             a["resid"] = x
             return x, a
 
-        for i, blk in enumerate(params["blocks"]):
-            acts[f"block{i}/input"] = x
-            fn = partial(block, pol=self._layer_policy(f"block{i}", pol))
-            with jax.named_scope(f"block{i}"):
-                x, a = (jax.checkpoint(fn) if self.remat else fn)(blk, x)
-            for n, v in a.items():
-                acts[f"block{i}/{n}"] = v
+        if self.scan_layers:
+
+            def body(blk, x_in):
+                x_out, a = block(blk, x_in)
+                return x_out, ({"input": x_in, **a} if capture else None)
+
+            x, ys = scan_layers(
+                body,
+                params["blocks"],
+                x,
+                remat_every=self.remat_every,
+                policy=self.remat_policy,
+                what="block",
+            )
+            for i in range(len(params["blocks"]) if capture else 0):
+                for n, v in ys.items():
+                    acts[f"block{i}/{n}"] = v[i]
+        else:
+            for i, blk in enumerate(self.unstack_params(params)["blocks"]):
+                acts[f"block{i}/input"] = x
+                fn = partial(block, pol=self._layer_policy(f"block{i}", pol))
+                with jax.named_scope(f"block{i}"):
+                    x, a = (jax.checkpoint(fn) if self.remat else fn)(blk, x)
+                for n, v in a.items():
+                    acts[f"block{i}/{n}"] = v
         if self.use_layernorm:
             x = ops.layer_norm(
                 x, params["ln_f_scale"], params["ln_f_bias"], policy=pol, enforce=enforce
