@@ -207,3 +207,11 @@ def test_train_config_errors(table, match):
 def test_remat_policies_exist_in_jax():
     for name in REMAT_POLICIES:
         assert callable(getattr(jax.checkpoint_policies, name))
+
+
+def test_high_precision_layers_and_overflow_knob_refuse_stacking():
+    with pytest.raises(ValueError, match="scan_layers stacks identical layers"):
+        make_model("mlp", **TINY["mlp"], scan_layers=True, high_precision=("layer2",))
+    with pytest.raises(ValueError, match="overflow_layer 2 is a stacked layer"):
+        make_model("mlp", **TINY["mlp"], scan_layers=True, overflow_layer=2)
+    make_model("mlp", **TINY["mlp"], scan_layers=True, overflow_layer=0)  # layer 0 is unrolled

@@ -457,13 +457,13 @@ class Transformer(Model):
         if self.outlier_channels > self.d_model:
             raise ValueError(f"outlier_channels {self.outlier_channels} > d_model {self.d_model}")
         object.__setattr__(self, "high_precision", _check_layers(self, self.high_precision))
+        _check_scan(self, self.depth)
 
     def layer_names(self) -> tuple[str, ...]:
         return (*(f"block{i}" for i in range(self.depth)), "unembed")
 
     def layer_params(self, name: str) -> str:
         return "['unembed']" if name == "unembed" else f"['blocks'][{int(name[5:])}]"
-        _check_scan(self, self.depth)
 
     def _outliers(self, h: jax.Array, pol: Policy, enforce: bool) -> jax.Array:
         # A few channels x outlier_scale in every token (LLM.int8(): systematic outlier features).
