@@ -10,8 +10,8 @@ Measured (3 seeds, shapes below):
 - MXFP8 floor scales saturate 0.7-0.8% of the output gradients of a matmul, rceil none;
 - a 14-bit accumulator truncating, K = 4096 positive products: 3.5% max relative error
   against the float32-accumulated recipe; promoted to float32 every 128 products: 0.03%;
-- relative gradient error of a 2-layer MLP against float32: MXFP4 0.25, NVFP4 0.20,
-  MXFP8 0.05 (current, HYBRID: 0.06).
+- relative error of the gradient of one tanh layer (64 x 64) against float32: MXFP4 0.22-0.23,
+  NVFP4 0.21-0.22, MXFP8 0.05.
 """
 
 from __future__ import annotations
@@ -109,29 +109,26 @@ def test_narrow_accumulator_costs_accuracy_that_promotion_recovers():
         assert e_trunc > 0.01 and e_promote < 1e-3 and e_trunc > 20 * e_promote
 
 
-def _mlp_loss(p, x, y):
-    return jnp.mean((jax.nn.gelu(x @ p["w1"]) @ p["w2"] - y) ** 2)
+def _layer_loss(p, x, y):
+    return jnp.mean((jnp.tanh(x @ p["w1"]) - y) ** 2)
 
 
 def _recipe_loss(recipe):
-    applied = recipes.apply(_mlp_loss, recipe)
+    applied = recipes.apply(_layer_loss, recipe)
     return lambda p, x, y, key: applied(p, x, y, key=key)
 
 
 def test_4bit_gradients_are_further_from_high_precision_than_8bit():
     names = ("mxfp8", "mxfp4", "nvfp4")
     grads = {n: jax.jit(jax.grad(_recipe_loss(recipes.get_recipe(n)))) for n in names}
-    ref = jax.jit(jax.grad(_mlp_loss))
+    ref = jax.jit(jax.grad(_layer_loss))
 
     def flat(g):
         return np.concatenate([np.asarray(v, np.float64).ravel() for v in jax.tree.leaves(g)])
 
     for seed in SEEDS:
         k = jax.random.split(jax.random.PRNGKey(seed), 5)
-        p = {
-            "w1": jax.random.normal(k[0], (64, 128)) / 8,
-            "w2": jax.random.normal(k[1], (128, 64)) / 11,
-        }
+        p = {"w1": jax.random.normal(k[0], (64, 64)) / 8}
         x, y = jax.random.normal(k[2], (64, 64)), jax.random.normal(k[3], (64, 64))
         g0 = flat(ref(p, x, y))
         err = {
