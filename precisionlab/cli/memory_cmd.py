@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.list_presets:
         _setup(args)  # the other flags are still checked: a bad value is an error, not ignored
+        _recipe(args)
         if args.budget:
             from precisionlab.memory.units import parse_size
 
