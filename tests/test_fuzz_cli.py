@@ -135,6 +135,7 @@ MEMORY = _flags(
         "--zero-stage": numbers,
         "--dp": numbers,
         "--budget": st.one_of(st.sampled_from(["80GiB", "1TB", "16 GB"]), value),
+        "--recipe": st.one_of(st.sampled_from(["mxfp8", "nvfp4", "delayed", "bf16"]), value),
         "--dropout": None,
         "--json": None,
         "--list-presets": None,

@@ -17,6 +17,7 @@ def test_the_notebooks_are_there():
         "01_bit_layouts.ipynb",
         "02_downcast_and_quantization_error.ipynb",
         "03_fp16_vs_bf16_training.ipynb",
+        "04_fp8_recipes.ipynb",
         "05_where_precision_breaks.ipynb",
         "06_your_own_model.ipynb",
     ]

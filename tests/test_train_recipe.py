@@ -182,7 +182,9 @@ def test_fp8_recipes_experiment_validates_and_cli_errors_are_one_line(capsys):
 
     path = Path(__file__).parent.parent / "experiments" / "fp8_recipes.toml"
     exp = load_experiment(path)
-    assert exp.kind == "train" and len(exp.units) == 19
+    assert exp.kind == "train" and len(exp.units) == 13
+    outliers = load_experiment(path.with_name("fp8_recipes_outliers.toml"))
+    assert outliers.kind == "train" and len(outliers.units) == 6
     assert main(["run", str(path), "--set", "variant.current.recipe=mxfp9", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "unknown recipe 'mxfp9'" in err and "(current).recipe" in err

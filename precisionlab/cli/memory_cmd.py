@@ -35,6 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     setup.add_argument("--zero-stage", type=int, default=0, metavar="S", help="ZeRO stage 0-3")
     setup.add_argument("--dp", type=int, default=1, metavar="N", help="data-parallel devices")
     setup.add_argument("--dropout", action="store_true", help="count dropout masks")
+    setup.add_argument(
+        "--recipe",
+        help="low-precision matmul recipe (mxfp8, nvfp4, delayed, ...): count its FP8/FP4 "
+        "copies, scales and amax history; with --measure, applied to every variant",
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--budget", help="memory per device, e.g. 80GiB: does it fit?")
     out.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -45,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.list_presets:
         _setup(args)  # the other flags are still checked: a bad value is an error, not ignored
+        _recipe(args)
         if args.budget:
             from precisionlab.memory.units import parse_size
 
@@ -157,8 +163,14 @@ def _estimate(args: argparse.Namespace, model: Any) -> int:
     from precisionlab.memory.units import parse_size
 
     setup = _setup(args)
+    recipe = _recipe(args)
     budget = parse_size(args.budget) if args.budget else None
     breakdown = estimate(model, setup)
+    extra = None
+    if recipe is not None:
+        from precisionlab.memory.recipe import model_gemms, recipe_memory
+
+        extra = recipe_memory(recipe, model_gemms(model, setup))
     result = fit(model, setup, budget) if budget is not None else None
     if args.json:
         doc: dict[str, Any] = {
@@ -180,14 +192,62 @@ def _estimate(args: argparse.Namespace, model: Any) -> int:
         }
         if result is not None:
             doc["budget"] = result.to_dict()
+        if extra is not None:
+            doc["recipe"] = {**extra.to_dict(), "total_with_recipe": breakdown.total + extra.total}
         print(json.dumps(doc, indent=2))
         return _budget_status(result)
     lines = [*_describe(model, setup), "", *_table(breakdown, setup)]
+    if extra is not None:
+        lines += ["", *_recipe_table(extra, breakdown, recipe, model, setup)]
     if result is not None:
         lines.append("")
         lines.extend(_fit_lines(result, args.budget))
     sys.stdout.write("\n".join(lines) + "\n")
     return _budget_status(result)
+
+
+def _recipe(args: argparse.Namespace) -> Any:
+    """The recipe named by ``--recipe`` (parsed once, here), or None."""
+    if not args.recipe:
+        return None
+    from precisionlab.recipes import get_recipe
+
+    return get_recipe(args.recipe)
+
+
+def _recipe_table(extra: Any, breakdown: Any, recipe: Any, model: Any, setup: Any) -> list[str]:
+    from precisionlab.memory.recipe import bits_per_element
+
+    seq = setup.seq or model.seq_len
+    tokens = (setup.batch // setup.microbatches) * seq
+    d = model.d_model
+    bits = " / ".join(f"{bits_per_element(recipe, k, r, d):.4g}" for k, r in
+                      (("x", tokens), ("w", d), ("g", tokens)))  # fmt: skip
+    n = breakdown.n_params
+    lines = [
+        f"recipe {extra.recipe}: bits per element x / w / g {bits}",
+        "what it adds on the linear layers (qkv, proj, fc1, fc2), as hardware stores it:",
+    ]
+    total = breakdown.total + extra.total
+    for name, value in [*extra.rows(), ("total with recipe", total)]:
+        lines.append(
+            f"{name:<46} {value:>17,} {value / 1e9:>9.2f} {value / 2**30:>10.2f} {value / n:>11.4g}"
+        )
+    return lines
+
+
+def _measured_recipe_lines(rec: dict[str, Any]) -> list[str]:
+    hw = rec["hardware"]
+    return [
+        f"  recipe {hw['recipe']}: arguments include its state ({rec['state_bytes']:,} bytes, "
+        "estimated exactly above)",
+        f"    hardware copies, estimated (XLA cannot see them: the emulation keeps the "
+        f"high-precision operands): weights {hw['weight_codes'] + hw['weight_scales']:,}, "
+        f"saved {hw['saved_codes'] + hw['saved_scales']:,}, transient {hw['transient']:,} bytes",
+        f"    emulation, measured: temporaries {rec['temporaries']:,} bytes against "
+        f"{rec['temporaries_without']:,} without the recipe "
+        f"({rec['temporaries'] - rec['temporaries_without']:+,}: float32 fake-quantized copies)",
+    ]
 
 
 def _budget_status(result: Any) -> int:
@@ -250,10 +310,14 @@ def _measure(args: argparse.Namespace) -> int:
         from precisionlab.memory.zero import measure_zero_table
 
         _zero_devices(args.dp)
+    if args.recipe:
+        _recipe(args)  # a bad name is one error line before anything compiles
     seen: set[str] = set()
     reports = []
     for unit in experiment.units:
         table = {k: v for k, v in unit.params.items() if k in fields}
+        if args.recipe:
+            table["recipe"] = args.recipe
         # Variants that differ only in what does not change memory are measured once.
         same = {k: v for k, v in table.items() if k not in ("steps", "seed", "lr", "loss_weight")}
         key = json.dumps(same, sort_keys=True, default=str)
@@ -280,6 +344,8 @@ def _measure(args: argparse.Namespace) -> int:
             ratio = row["ratio"]
             text = "-" if ratio is None or math.isnan(ratio) else f"{ratio:.3f}"
             print(f"  {row['name']:<14} {row['estimated']:>14,} {row['measured']:>14,} {text:>8}")
+        if rep.get("recipe"):
+            print(*_measured_recipe_lines(rep["recipe"]), sep="\n")
         print(f"  backend {rep['backend']}, {rep['flops']:.3g} FLOPs per step")
     return 0
 

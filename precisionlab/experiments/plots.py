@@ -413,4 +413,13 @@ def write_plots(data: dict[str, Any], plot_dir: Path) -> list[tuple[str, Path]]:
         "hist_act.png",
         _plot_hist(units, "act_hist", plot_dir / "hist_act.png", what="log2|activation|"),
     )
+    from precisionlab.experiments.recipe_plots import plot_recipe_groups
+
+    add(
+        "Matmul recipes: % of elements saturated and % of nonzero elements flushed to zero "
+        "after quantization, per tensor group (x activations, w weights, g output gradients), "
+        "at the histogram steps (symmetric-log axis, linear below 0.01%).",
+        "recipe_groups.png",
+        plot_recipe_groups(units, plot_dir / "recipe_groups.png"),
+    )
     return written

@@ -196,9 +196,12 @@ def measure_train_table(table: dict[str, Any], where: str = "train") -> dict[str
         storage=storage,
         microbatches=cfg.microbatches,
         seed=cfg.seed,
+        recipe=setup.options.recipe,
     )
-    step_fn, state, _ = build_step(setup.loss_fn, setup.params, setup.optimizer, options)
     batch = example_batch(model, cfg.batch_size)
+    step_fn, state, _ = build_step(
+        setup.loss_fn, setup.params, setup.optimizer, options, example_batch=batch
+    )
     got = measure(step_fn, state, batch, donate_argnums=(0,), run=False)
 
     n = param_count(model)
@@ -208,6 +211,10 @@ def measure_train_table(table: dict[str, Any], where: str = "train") -> dict[str
     kahan = p_bytes if cfg.update_rounding == "kahan" else 0
     scalars = _scalars(state)
     batch_bytes = tree_bytes(batch)
+    recipe_info = None
+    if options.recipe is not None:
+        recipe_info = _recipe_part(table, where, options.recipe, model, cfg, state, got)
+        scalars += recipe_info["state_bytes"]
     arguments = p_bytes + opt_bytes + kahan + scalars + batch_bytes
     metrics = jax.eval_shape(step_fn, state, batch)[1]
     n_out = len(jax.tree_util.tree_leaves(state)) + len(jax.tree_util.tree_leaves(metrics))
@@ -237,9 +244,38 @@ def measure_train_table(table: dict[str, Any], where: str = "train") -> dict[str
         "description": (
             f"{cfg.model} ({n:,} params), batch {cfg.batch_size}, {policy}, {cfg.optimizer}, "
             f"loss scale {cfg.loss_scale}, {cfg.microbatches} micro-batch(es)"
+            + (f", recipe {recipe_info['hardware']['recipe']}" if recipe_info else "")
         ),
         "rows": rows,
         "flops": got.flops or 0.0,
         "backend": got.backend,
         "n_params": n,
+        "recipe": recipe_info,
+    }
+
+
+def _recipe_part(table, where, train_recipe, model, cfg, state, got) -> dict[str, Any]:
+    """A recipe step's extra memory: its state in the arguments (delayed scaling: float32
+    (L + 2) x 3 per matmul site, counted from the model's matmuls; with include/exclude, from
+    the sites the state holds), the copies hardware would keep (:mod:`.recipe`), and XLA's
+    temporaries of the same step without the recipe, measured for the difference."""
+    from precisionlab.memory.recipe import builtin_gemms, recipe_memory
+
+    recipe = train_recipe.recipe
+    gemms = builtin_gemms(model, cfg.batch_size // cfg.microbatches)
+    if train_recipe.include is not None or train_recipe.exclude:
+        n_sites = len(state.recipe_state or {})
+    else:
+        n_sites = len(gemms)
+    history = getattr(recipe, "amax_history_len", None)
+    state_bytes = n_sites * 4 * 3 * (history + 2) if train_recipe.stateful else 0
+    plain = {k: v for k, v in table.items() if k != "recipe"}
+    without = measure_train_table(plain, where)
+    return {
+        "state_bytes": state_bytes,
+        "hardware": recipe_memory(recipe, gemms).to_dict(),
+        "temporaries": got.temporaries,
+        "temporaries_without": next(
+            r["measured"] for r in without["rows"] if r["name"] == "temporaries"
+        ),
     }
