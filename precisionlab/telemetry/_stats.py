@@ -38,7 +38,15 @@ from jax import lax
 from precisionlab.quant import pow2
 from precisionlab.telemetry._targets import Target, magnitude_bits, parse_targets, quantize_target
 
-__all__ = ["TensorStats", "combine", "derive", "reduce_over", "tensor_stats", "to_dict"]
+__all__ = [
+    "TensorStats",
+    "combine",
+    "derive",
+    "reduce_over",
+    "stats_of_many",
+    "tensor_stats",
+    "to_dict",
+]
 
 _INF_BITS = np.uint32(0x7F800000)
 _EMPTY_K = pow2.ZERO_LOG2  # normaliser exponent of a tensor without nonzero finite values
@@ -143,6 +151,31 @@ def _stats(x: jax.Array, ts: tuple[Target, ...]) -> TensorStats:
         power_n=jnp.sum(jnp.square(xn)), overflow=stack_i[0], saturate=stack_i[1],
         underflow=stack_i[2], subnormal=stack_i[3], poisoned=stack_i[4], noise_n=noise,
     )  # fmt: skip
+
+
+def stats_of_many(tensors: dict, targets=()) -> dict:
+    """``{key: tensor_stats(x, targets)}`` for a dict of float arrays, batched: tensors of
+    the same ``(rows, K)`` layout (the last axis kept, the others flattened) are stacked and
+    share one vmapped computation, so a program with many tensors stays small (XLA compiles
+    one copy of the statistics per layout, not per tensor). Same results as one
+    :func:`tensor_stats` call per tensor."""
+    ts = parse_targets(targets)
+    groups: dict[tuple[int, ...], list] = {}
+    for key, x in tensors.items():
+        x = jnp.asarray(x)
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"stats_of_many takes float arrays, got {x.dtype} for {key!r}")
+        x2 = _as_rows(x)
+        groups.setdefault(x2.shape, []).append((key, x2))
+    out = {}
+    for items in groups.values():
+        if len(items) == 1:
+            out[items[0][0]] = _stats(items[0][1], ts)
+            continue
+        s = jax.vmap(lambda v: _stats(v, ts))(jnp.stack([x2 for _, x2 in items]))
+        for i, (key, _) in enumerate(items):
+            out[key] = jax.tree.map(lambda v, i=i: v[i], s)
+    return {key: out[key] for key in tensors}
 
 
 # --- combining ---------------------------------------------------------------------------

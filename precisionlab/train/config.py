@@ -23,6 +23,7 @@ from precisionlab.train.data import DATASETS, data_kind
 from precisionlab.train.models import MODELS, model_data_kind
 from precisionlab.train.optim import OPTIMIZER_FIELDS, OPTIMIZERS, SCHEDULES
 from precisionlab.train.recipe import TrainRecipe, parse_recipe
+from precisionlab.train.telemetry import TELEMETRY_FIELDS
 
 __all__ = [
     "BATCH_SIZE_MAX",
@@ -60,6 +61,11 @@ def _dtype(text: str) -> str:
 def _recipe(value: Any) -> Any:
     parse_recipe(value)
     return value
+
+
+def _telemetry(table: dict[str, Any]) -> dict[str, Any]:
+    validate_table(table, TELEMETRY_FIELDS, "telemetry", defaults=False)
+    return table
 
 
 def _steps(n: int, why: str = "the step counter is an int32") -> Field:
@@ -108,6 +114,7 @@ TRAIN_FIELDS: dict[str, Field] = {
     "remat": Field(bool, False),
     "report_leaves": Field(bool, False),
     "progress": Field(bool, None, nullable=True),
+    "telemetry": Field(dict, None, nullable=True, check=_telemetry, doc="numerics telemetry"),
     "loss_weight": Field(
         float,
         1.0,
@@ -190,6 +197,12 @@ class TrainConfig:
         model's are, e.g. below float16's range; Adam is invariant to it up to its ``eps``);
         recorded losses (per-step ``loss``, ``final_loss``) stay the plain loss; evaluation uses
         the plain loss. 1.0 = off (bitwise the unweighted run).
+    Telemetry:
+      telemetry: None (off; TOML: ``{enabled = false}``) or a table: ``interval`` (every N
+        steps; 0 = auto, max(10, steps // 10)), ``targets`` (what-if formats and recipes,
+        default ``["fp16", "bf16", "e4m3:tensor"]``), ``matmuls`` and ``state`` (which
+        statistics), ``enabled``; see :mod:`precisionlab.train.telemetry`. Experiments turn it
+        on by default (``{}``).
     """
 
     model: str = "mlp"
@@ -231,6 +244,7 @@ class TrainConfig:
     report_leaves: bool = False
     progress: bool | None = None
     loss_weight: float = 1.0
+    telemetry: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # The one validation of a config: every field against TRAIN_FIELDS, then the rules that

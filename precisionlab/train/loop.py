@@ -37,6 +37,7 @@ from precisionlab.train.data import Dataset, make_data
 from precisionlab.train.meters import hist_edges
 from precisionlab.train.models import Model, make_model
 from precisionlab.train.optim import make_optimizer, make_schedule
+from precisionlab.train.telemetry import parse_telemetry, telemetry_rows
 from precisionlab.train.step import (
     StepOptions,
     TrainState,
@@ -512,8 +513,14 @@ def train_loop(
 
                 rmetrics = recipe_metrics(recipe_probe(state, batch))
             state, metrics = jstep(state, batch)
+            tel = metrics.pop("telemetry", None)
             step += 1
             rec = _record(metrics, step, params, loop.loss_weight)
+            if tel is not None and options.telemetry.due(step - 1):
+                # one row per layer and tensor (see precisionlab.train.telemetry)
+                rec["telemetry"] = telemetry_rows(
+                    jax.device_get(tel), step, options.telemetry.targets
+                )
             if lr_schedule is not None:
                 rec["lr"] = float(lr_schedule(step - 1 - agg.skipped_steps))
             rec["step_time_s"] = time.perf_counter() - ts
@@ -630,6 +637,7 @@ def build(config: TrainConfig) -> TrainSetup:
         allreduce_dtype=precision.allreduce_dtype,
         report_leaves=config.report_leaves,
         recipe=precision.recipe,
+        telemetry=parse_telemetry(config.telemetry, config.steps),
     )
     loop = LoopOptions(
         steps=config.steps,

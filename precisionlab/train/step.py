@@ -200,6 +200,8 @@ class StepOptions:
       report_leaves: add ``finite_leaves`` (bool[n_float_leaves]) to the metrics.
       recipe: a :class:`~precisionlab.train.recipe.TrainRecipe` (or None): every matmul of the
         loss function goes through it (see :func:`build_step`).
+      telemetry: a :class:`~precisionlab.train.telemetry.Telemetry` (or None): the step's
+        metrics get ``"telemetry"``, statistics of every matmul and state leaf every N steps.
     """
 
     policy: Policy = dataclasses.field(default_factory=Policy)
@@ -213,6 +215,7 @@ class StepOptions:
     allreduce_dtype: np.dtype = dataclasses.field(default_factory=lambda: np.dtype(np.float32))
     report_leaves: bool = False
     recipe: TrainRecipe | None = None
+    telemetry: Any = None
 
     def __post_init__(self) -> None:
         if self.recipe is not None and not isinstance(self.recipe, TrainRecipe):
@@ -360,6 +363,14 @@ def build_step(
 
         mesh = local_mesh(None if opts.data_parallel is True else int(opts.data_parallel))
         grad_fn = data_parallel(grad_fn, mesh, opts.allreduce_dtype)
+    telemetry_fn = None
+    if opts.telemetry is not None:
+        from precisionlab.train.telemetry import make_telemetry_fn
+
+        telemetry_fn = make_telemetry_fn(
+            normalize_loss_fn(loss_fn), pol, opts.telemetry, microbatches=opts.microbatches,
+            mesh=mesh,
+        )  # fmt: skip
 
     def update(params_s, opt_state, storage_state, g32, key):
         p32 = cast_floating(params_s, jnp.float32)
@@ -399,6 +410,10 @@ def build_step(
         }
         if opts.report_leaves:
             metrics["finite_leaves"] = jnp.stack(flags) if flags else jnp.ones((0,), bool)
+        if telemetry_fn is not None:  # before the update: the state this step's grads came from
+            metrics["telemetry"] = telemetry_fn(
+                state.params, state.opt_state, ls, g32, batch, state.step
+            )
         new_state = TrainState(
             step=state.step + 1,
             params=new[0],
