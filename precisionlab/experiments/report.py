@@ -165,7 +165,8 @@ def write_report(run_dir: str | Path, *, plots: bool = True) -> tuple[Path, str]
     from precisionlab.experiments.telemetry_views import telemetry_report
 
     want_plots = plots and resolved.get("report", {}).get("plots", True)
-    lines += telemetry_report(run_dir, summary["variants"], run_dir / "plots" if want_plots else None)
+    plot_dir = run_dir / "plots" if want_plots else None
+    lines += telemetry_report(run_dir, summary["variants"], plot_dir)
     lines += ["## Setup", ""]
     if resolved:
         base = resolved.get("train", {})

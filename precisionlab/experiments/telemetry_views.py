@@ -13,6 +13,7 @@ telemetry_rows`: one per step, layer and tensor) and writes:
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from precisionlab.experiments import store
 
-__all__ = ["summarize_telemetry", "telemetry_report", "telemetry_scalars", "WORST"]
+__all__ = ["WORST", "summarize_telemetry", "telemetry_report", "telemetry_scalars"]
 
 #: Number of worst (layer, tensor, target) entries kept in the summary.
 WORST = 5
@@ -33,11 +34,18 @@ def _label(row: dict[str, Any]) -> str:
     return f"{row['kind']}:{row['layer']}"
 
 
+def _tag(name: str) -> str:
+    """A TensorBoard-safe name: ``"['hidden'][0]['w']"`` -> ``"hidden.0.w"``,
+    ``"dot_general[3]"`` -> ``"dot_general.3"`` (TensorBoard replaces other characters)."""
+    return re.sub(r"\['?([^'\]]*)'?\]", r".\1", name).strip(".")
+
+
 def telemetry_scalars(board: Any, rows: list[dict[str, Any]]) -> None:
     """Write a step's rows to a TensorBoard writer: amax, dynamic range and, per target, the
-    underflow and overflow fractions."""
+    underflow and overflow fractions, as ``telemetry/KIND/LAYER[/TENSOR]/[TARGET/]STAT``
+    (``telemetry/matmul/dot_general.0/grad/fp16/underflow``)."""
     for row in rows:
-        tag = f"telemetry/{row['kind']}/{row['layer']}"
+        tag = f"telemetry/{row['kind']}/{_tag(row['layer'])}"
         tag += f"/{row['tensor']}" if row["tensor"] else ""
         step = int(row["step"])
         for key in ("amax", "dynamic_range"):
@@ -168,10 +176,14 @@ def _ranges(rows, targets, path: Path, title: str) -> bool:
         if t.scaling != "none" or f.name in shown:
             continue  # scaled targets move the tensor into the range: no fixed band
         shown.add(f.name)
-        sub, norm, top = math.log2(f.smallest_subnormal), math.log2(f.smallest_normal), math.log2(f.max)
+        sub, norm, top = (
+            math.log2(f.smallest_subnormal),
+            math.log2(f.smallest_normal),
+            math.log2(f.max),
+        )
         ax.axvspan(sub, norm, color=c, alpha=0.08, lw=0)
-        ax.axvspan(norm, top, color=c, alpha=0.15, lw=0,
-                   label=f"{t.name}: subnormal 2^{sub:.0f}.., normal 2^{norm:.0f}..2^{top:.1f}")  # fmt: skip
+        label = f"{t.name}: subnormal 2^{sub:.0f}.., normal 2^{norm:.0f}..2^{top:.1f}"
+        ax.axvspan(norm, top, color=c, alpha=0.15, lw=0, label=label)
         ax.axvline(sub, color=c, ls=":", lw=1)
         ax.axvline(top, color=c, ls="-", lw=1)
     ax.set_yticks(range(len(labels)), labels, fontsize=7)
@@ -214,7 +226,9 @@ def telemetry_report(
             lines += ["| tensor | target | fraction | step |", "|---|---|---|---|"]
             for e in worst:
                 name = _label(e)
-                lines.append(f"| {name} | {e['target']} | {_fmt_pct(e['fraction'])} | {e['step']} |")
+                lines.append(
+                    f"| {name} | {e['target']} | {_fmt_pct(e['fraction'])} | {e['step']} |"
+                )
             lines.append("")
         if plot_dir is not None:
             rows = store.read_jsonl(Path(run_dir) / "variants" / str(uid) / "telemetry.jsonl")

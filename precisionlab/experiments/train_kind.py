@@ -97,7 +97,8 @@ def run_unit(
     hooks: Sequence[Hook] = (),
 ) -> dict[str, Any]:
     """Train one unit; every step's metrics go to ``on_step``, histograms to ``on_hist``,
-    telemetry rows (a list per telemetry step) to ``on_telemetry``, then ``hooks`` run (the runner's progress bar). ``label`` names the unit (for messages).
+    telemetry rows (a list per telemetry step) to ``on_telemetry``, then ``hooks`` run (the
+    runner's progress bar). ``label`` names the unit (for messages).
 
     Returns the JSON-able final result (eval loss and metric, divergence, ...).
     """

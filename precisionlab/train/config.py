@@ -23,7 +23,7 @@ from precisionlab.train.data import DATASETS, data_kind
 from precisionlab.train.models import MODELS, model_data_kind
 from precisionlab.train.optim import OPTIMIZER_FIELDS, OPTIMIZERS, SCHEDULES
 from precisionlab.train.recipe import TrainRecipe, parse_recipe
-from precisionlab.train.telemetry import TELEMETRY_FIELDS
+from precisionlab.train.telemetry import TELEMETRY_FIELDS, parse_telemetry
 
 __all__ = [
     "BATCH_SIZE_MAX",
@@ -270,6 +270,7 @@ class TrainConfig:
             )
         fields = OPTIMIZER_FIELDS[self.optimizer]
         validate_table(self.optimizer_kwargs, fields, "optimizer_kwargs", defaults=False)
+        parse_telemetry(self.telemetry, self.steps)  # a ConfigError naming telemetry.KEY
         object.__setattr__(self, "_precision", self._parse_precision())
 
     def _parse_precision(self) -> Precision:

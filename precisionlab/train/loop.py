@@ -448,6 +448,7 @@ def train_loop(
             batches = itertools.chain([example], peek)
     step_fn, state, mesh = build_step(loss_fn, params, optimizer, options, example)
     jstep = jax.jit(step_fn, donate_argnums=0)
+    telemetry_names = getattr(step_fn, "telemetry_names", {})  # filled when the step is traced
     probe = None
     if loop.hist_interval or (shadow_loss_fn is not None and loop.shadow_interval):
         probe_fn = make_probe_fn(
@@ -519,7 +520,7 @@ def train_loop(
             if tel is not None and options.telemetry.due(step - 1):
                 # one row per layer and tensor (see precisionlab.train.telemetry)
                 rec["telemetry"] = telemetry_rows(
-                    jax.device_get(tel), step, options.telemetry.targets
+                    jax.device_get(tel), telemetry_names, step, options.telemetry.targets
                 )
             if lr_schedule is not None:
                 rec["lr"] = float(lr_schedule(step - 1 - agg.skipped_steps))

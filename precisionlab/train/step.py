@@ -429,6 +429,7 @@ def build_step(
         )
         return new_state, metrics
 
+    step_fn.telemetry_names = getattr(telemetry_fn, "names", {})  # type: ignore[attr-defined]
     return TrainStep(step_fn, state, mesh)
 
 

@@ -34,7 +34,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from precisionlab._schema import INT32_MAX, Field, validate_table
-from precisionlab.mixed.loss_scale import LossScale
 from precisionlab.mixed.policy import Policy, cast_floating
 from precisionlab.telemetry import (
     TensorStats,
@@ -44,7 +43,7 @@ from precisionlab.telemetry import (
     observe,
     parse_targets,
     reduce_over,
-    stats_of_many,
+    stacked_stats,
     tensor_stats,
 )
 
@@ -125,23 +124,14 @@ def parse_telemetry(table: dict[str, Any] | None, steps: int) -> Telemetry | Non
     )
 
 
-def _empty(stats: Any) -> Any:
-    """The identity of :func:`combine` for statistics shaped like ``stats``."""
-
-    def one(s: TensorStats) -> TensorStats:
-        t = s.overflow.shape[-1]
-        e = tensor_stats(jnp.zeros((0,), jnp.float32), ())
-        pad = lambda v: jnp.zeros((t,), v.dtype)  # noqa: E731
-        return e._replace(
-            overflow=pad(e.overflow), saturate=pad(e.saturate), underflow=pad(e.underflow),
-            subnormal=pad(e.subnormal), poisoned=pad(e.poisoned), noise_n=pad(e.noise_n),
-        )  # fmt: skip
-
-    return jax.tree.map(one, stats, is_leaf=lambda x: isinstance(x, TensorStats))
-
-
-def _map_stats(fn: Callable, *trees: Any) -> Any:
-    return jax.tree.map(fn, *trees, is_leaf=lambda x: isinstance(x, TensorStats))
+def _empty(s: TensorStats) -> TensorStats:
+    """The identity of :func:`combine` for stacked statistics shaped like ``s``."""
+    e = tensor_stats(jnp.zeros((0,), jnp.float32), ())
+    n, t = s.n.shape[0], s.overflow.shape[-1]
+    fields = {f: jnp.broadcast_to(getattr(e, f), (n,)) for f in e._fields}
+    for f in ("overflow", "saturate", "underflow", "subnormal", "poisoned", "noise_n"):
+        fields[f] = jnp.zeros((n, t), getattr(e, f).dtype)
+    return TensorStats(**fields)
 
 
 def make_telemetry_fn(
@@ -151,14 +141,20 @@ def make_telemetry_fn(
     *,
     microbatches: int = 1,
     mesh: Any = None,
-) -> Callable[[Any, Any, LossScale, Any, Any], dict[str, Any]]:
+    dump: bool = False,
+) -> Callable[..., dict[str, TensorStats]]:
     """``fn(params_stored, opt_state, loss_scale, grads32, batch, step) -> stats``, the
-    step's telemetry: ``{"matmul": {site: {"lhs", "rhs", "out", "grad"}}, "param": {path:
-    ...}, "grad": {...}, "opt_state": {...}}`` of :class:`TensorStats` (zeros on the steps
-    ``telemetry.interval`` skips). ``loss_fn(params, batch) -> (loss, aux)`` as the step
-    differentiates it (aux is ignored); ``mesh``: the data-parallel mesh (the batch is
-    sharded over its axis) or None."""
+    step's telemetry: ``{"matmul": TensorStats, "state": TensorStats}``, each stacked over
+    its tensors (see :func:`precisionlab.telemetry.stacked_stats`; zeros on the steps
+    ``telemetry.interval`` skips), named by ``fn.names`` once traced: ``{"matmul": [(site,
+    "lhs" | "rhs" | "out" | "grad"), ...], "state": [("param" | "grad" | "opt_state", leaf
+    path), ...]}``. ``loss_fn(params, batch) -> (loss, aux)`` as the step differentiates it
+    (aux is ignored); ``mesh``: the data-parallel mesh (the batch is sharded over its axis) or
+    None. ``dump`` (one device, one micro-batch): ``stats["tensors"]`` also holds the tensors
+    themselves (``{"matmul": [...], "state": [...]}``, in ``names`` order), computed in the
+    same program as their statistics, for checks against an independent recount."""
     targets = telemetry.targets
+    names: dict[str, list] = {}
 
     def scaled(p, b, ls):
         loss, _ = loss_fn(p, b)
@@ -166,11 +162,21 @@ def make_telemetry_fn(
 
     vg = observe(scaled, targets).value_and_grad(0, tensors=True)
 
-    def one(pc, b, ls):
+    def matmul_tensors(pc, b, ls) -> list:
         tensors = vg(pc, b, ls)[2]
-        flat = {(site, k): v for site, d in tensors.items() for k, v in d.items()}
-        st = stats_of_many(flat, targets)  # one compiled copy per layout, not per tensor
-        return {site: {k: st[(site, k)] for k in d} for site, d in tensors.items()}
+        order = ("lhs", "rhs", "out", "grad")
+        flat = {
+            (site, k): tensors[site][k]
+            for site in sorted(tensors, key=lambda n: int(n.rsplit("[", 1)[1].rstrip("]")))
+            for k in order
+            if k in tensors[site]
+        }
+        names["matmul"] = list(flat)
+        return list(flat.values())
+
+    def one(pc, b, ls):
+        # one program for all tensors: hundreds of separate statistics compile slowly
+        return stacked_stats(matmul_tensors(pc, b, ls), targets)
 
     def matmul_stats(pc, batch, ls):
         if microbatches == 1:
@@ -182,7 +188,7 @@ def make_telemetry_fn(
         init = _empty(jax.eval_shape(lambda b: one(pc, b, ls), first))
 
         def body(acc, b):
-            return _map_stats(combine, acc, one(pc, b, ls)), None
+            return jax.vmap(combine)(acc, one(pc, b, ls)), None
 
         return jax.lax.scan(body, init, micro)[0]
 
@@ -192,10 +198,10 @@ def make_telemetry_fn(
         from precisionlab.train.parallel import AXIS
 
         def per_device(pc, batch, ls):
-            return _map_stats(lambda s: reduce_over(s, AXIS), matmul_stats(pc, batch, ls))
+            return jax.vmap(lambda s: reduce_over(s, AXIS))(matmul_stats(pc, batch, ls))
 
         rep = PartitionSpec()
-        matmul_stats = jax.shard_map(  # noqa: F811 (the data-parallel version)
+        matmul_stats = jax.shard_map(
             per_device,
             mesh=mesh,
             in_specs=(rep, PartitionSpec(AXIS), rep),
@@ -203,24 +209,44 @@ def make_telemetry_fn(
             check_vma=False,
         )
 
+    def state_tensors(params_s, opt_state, g32) -> list:
+        flat = {}
+        for kind, tree in (("param", params_s), ("grad", g32), ("opt_state", opt_state)):
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+                if jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating):
+                    flat[(kind, jax.tree_util.keystr(path))] = leaf
+        names["state"] = list(flat)
+        return list(flat.values())
+
     def compute(params_s, opt_state, ls, g32, batch):
-        out: dict[str, Any] = {}
-        if telemetry.matmuls:
-            out["matmul"] = matmul_stats(cast_floating(params_s, policy.compute_dtype), batch, ls)
-        if telemetry.state:
-            flat = {}
-            for kind, tree in (("param", params_s), ("grad", g32), ("opt_state", opt_state)):
-                out[kind] = {}
-                for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-                    if jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating):
-                        flat[(kind, jax.tree_util.keystr(path))] = leaf
-            for (kind, path), st in stats_of_many(flat, targets).items():
-                out[kind][path] = st
+        pc = cast_floating(params_s, policy.compute_dtype)
+        mm = telemetry.matmuls
+        st = state_tensors(params_s, opt_state, g32) if telemetry.state else []
+        if not mm:
+            names["matmul"] = []
+        if mm and microbatches == 1 and mesh is None:
+            # the whole batch's tensors and the state's in one program (half the code)
+            xs = matmul_tensors(pc, batch, ls)
+            if not xs and not st:
+                return {}
+            both = stacked_stats(xs + st, targets)
+            out = {"matmul": jax.tree.map(lambda v: v[: len(xs)], both)} if xs else {}
+            if st:
+                out["state"] = jax.tree.map(lambda v: v[len(xs) :], both)
+            if dump:
+                out["tensors"] = {"matmul": xs, "state": st}
+            return out
+        out = {}
+        if mm:
+            out["matmul"] = matmul_stats(pc, batch, ls)
+        if st:
+            out["state"] = stacked_stats(st, targets)
         return out
 
     def fn(params_s, opt_state, ls, g32, batch, step):
         return every(telemetry.interval, step, compute, params_s, opt_state, ls, g32, batch)
 
+    fn.names = names  # type: ignore[attr-defined]
     return fn
 
 
@@ -234,9 +260,12 @@ def _num(v: Any) -> float | None:
     return None if math.isnan(v) else v
 
 
-def telemetry_rows(stats: dict[str, Any], step: int, targets: tuple[str, ...]) -> list[dict]:
-    """One JSON row per layer and tensor of a step's statistics (host values), in the order
-    matmuls (by site), params, grads, optimizer state (by leaf path)::
+def telemetry_rows(
+    stats: dict[str, Any], names: dict[str, list], step: int, targets: tuple[str, ...]
+) -> list[dict]:
+    """One JSON row per layer and tensor of a step's statistics (host values of
+    :func:`make_telemetry_fn`'s output, named by its ``names``), matmuls first (by site),
+    then params, grads and optimizer state (by leaf path)::
 
         {"step", "kind": "matmul" | "param" | "grad" | "opt_state", "layer": site name or
          leaf path, "tensor": "lhs" | "rhs" | "out" | "grad" (matmuls; "" otherwise),
@@ -248,35 +277,29 @@ def telemetry_rows(stats: dict[str, Any], step: int, targets: tuple[str, ...]) -
     Fractions of ``targets`` are of the finite nonzero elements (exact quotients of the
     counts); values undefined for a tensor (no nonzero element) are None.
     """
-    names = [t.name for t in parse_targets(targets)]
-    keyed: list[tuple[str, str, str, TensorStats]] = []
-    for site, tensors in stats.get("matmul", {}).items():
-        for tensor in ("lhs", "rhs", "out", "grad"):
-            if tensor in tensors:
-                keyed.append(("matmul", site, tensor, tensors[tensor]))
-    for kind in ("param", "grad", "opt_state"):
-        for path, s in stats.get(kind, {}).items():
-            keyed.append((kind, path, "", s))
-    if not keyed:
-        return []
-    stacked = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *[k[3] for k in keyed])
-    derived = {k: np.asarray(v) for k, v in jax.vmap(derive)(stacked).items()}
+    tnames = [t.name for t in parse_targets(targets)]
     rows = []
-    for i, (kind, layer, tensor, _) in enumerate(keyed):
-        row: dict[str, Any] = {"step": step, "kind": kind, "layer": layer, "tensor": tensor}
-        counts = {k: int(np.asarray(getattr(stacked, k))[i]) for k in _COUNTS}
-        row.update(counts)
-        for key in ("amax", "amin_nonzero", "dynamic_range", "mean", "std"):
-            row[key] = _num(derived[key][i])
-        n, nz = max(counts["n"], 1), max(counts["n_nonzero"], 1)
-        row["frac_zero"] = counts["n_zero"] / n
-        row["frac_nonfinite"] = (counts["n_nan"] + counts["n_inf"]) / n
-        row["targets"] = {
-            name: {
-                **{k: int(np.asarray(getattr(stacked, k))[i, j]) / nz for k in _PER_TARGET},
-                "sqnr_db": _num(derived["sqnr_db"][i, j]),
+    for group in ("matmul", "state"):
+        if group not in stats:
+            continue
+        st = TensorStats(*(np.asarray(v) for v in stats[group]))
+        derived = {k: np.asarray(v) for k, v in jax.vmap(derive)(st).items()}
+        for i, key in enumerate(names[group]):
+            kind, layer, tensor = ("matmul", *key) if group == "matmul" else (*key, "")
+            row: dict[str, Any] = {"step": step, "kind": kind, "layer": layer, "tensor": tensor}
+            counts = {k: int(getattr(st, k)[i]) for k in _COUNTS}
+            row.update(counts)
+            for k in ("amax", "amin_nonzero", "dynamic_range", "mean", "std"):
+                row[k] = _num(derived[k][i])
+            n, nz = max(counts["n"], 1), max(counts["n_nonzero"], 1)
+            row["frac_zero"] = counts["n_zero"] / n
+            row["frac_nonfinite"] = (counts["n_nan"] + counts["n_inf"]) / n
+            row["targets"] = {
+                name: {
+                    **{k: int(getattr(st, k)[i, j]) / nz for k in _PER_TARGET},
+                    "sqnr_db": _num(derived["sqnr_db"][i, j]),
+                }
+                for j, name in enumerate(tnames)
             }
-            for j, name in enumerate(names)
-        }
-        rows.append(row)
+            rows.append(row)
     return rows
