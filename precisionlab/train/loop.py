@@ -37,7 +37,6 @@ from precisionlab.train.data import Dataset, make_data
 from precisionlab.train.meters import hist_edges
 from precisionlab.train.models import Model, make_model
 from precisionlab.train.optim import make_optimizer, make_schedule
-from precisionlab.train.telemetry import parse_telemetry, telemetry_rows
 from precisionlab.train.step import (
     StepOptions,
     TrainState,
@@ -45,6 +44,7 @@ from precisionlab.train.step import (
     make_probe_fn,
     normalize_loss_fn,
 )
+from precisionlab.train.telemetry import parse_telemetry, telemetry_rows
 
 __all__ = [
     "Aggregates",

@@ -255,6 +255,10 @@ _PER_TARGET = ("overflow", "saturate", "underflow", "subnormal", "poisoned")
 _COUNTS = ("n", "n_nan", "n_inf", "n_zero", "n_nonzero")
 
 
+#: ``derive`` of stacked statistics, compiled once per (tensors, targets) shape per process.
+_derive_stacked = jax.jit(jax.vmap(derive))
+
+
 def _num(v: Any) -> float | None:
     v = float(v)
     return None if math.isnan(v) else v
@@ -283,7 +287,7 @@ def telemetry_rows(
         if group not in stats:
             continue
         st = TensorStats(*(np.asarray(v) for v in stats[group]))
-        derived = {k: np.asarray(v) for k, v in jax.vmap(derive)(st).items()}
+        derived = {k: np.asarray(v) for k, v in _derive_stacked(st).items()}
         for i, key in enumerate(names[group]):
             kind, layer, tensor = ("matmul", *key) if group == "matmul" else (*key, "")
             row: dict[str, Any] = {"step": step, "kind": kind, "layer": layer, "tensor": tensor}
