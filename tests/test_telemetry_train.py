@@ -265,13 +265,20 @@ DP_SCRIPT = textwrap.dedent(
         assert len(one) == len(other)
         for a, b in zip(one, other):
             assert (a["kind"], a["layer"], a["tensor"]) == (b["kind"], b["layer"], b["tensor"])
-            if a["tensor"] == "grad" and other is micro:
-                continue  # a micro-batch's loss is its own mean: cotangents x4
-            for k in ("n", "n_zero", "n_nonzero", "amax", "amin_nonzero"):
-                assert a[k] == b[k], (a["layer"], a["tensor"], k, a[k], b[k])
-            for k in ("mean", "std"):
-                assert np.isclose(a[k], b[k], rtol=1e-4, atol=1e-7), (a["layer"], k, a[k], b[k])
-            assert a["targets"]["fp16"]["underflow"] == b["targets"]["fp16"]["underflow"]
+            if a["tensor"] == "grad":
+                continue  # each shard's / micro-batch's loss is its own mean: cotangents x4
+            # the weight operand is the same on every shard / micro-batch: counted 4 times
+            copies = 4 if a["tensor"] == "rhs" else 1
+            # (matmuls on a shard round like the whole batch's only up to float32 blocking)
+            assert a["n"] * copies == b["n"], (a["layer"], a["tensor"], a["n"], b["n"])
+            assert abs(a["n_zero"] * copies - b["n_zero"]) <= 2 * copies, (a, b)
+            for k, rtol in (("amax", 1e-4), ("amin_nonzero", 1e-2), ("mean", 1e-4), ("std", 1e-4)):
+                if a[k] is None or b[k] is None:
+                    assert a[k] == b[k], (a["layer"], k, a[k], b[k])
+                    continue
+                assert np.isclose(a[k], b[k], rtol=rtol, atol=1e-7), (a["layer"], k, a[k], b[k])
+            ua, ub = a["targets"]["fp16"]["underflow"], b["targets"]["fp16"]["underflow"]
+            assert abs(ua - ub) <= 2 / a["n"], (a["layer"], a["tensor"], ua, ub)
     print("OK")
     """
 )

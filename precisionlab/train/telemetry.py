@@ -128,8 +128,9 @@ def _empty(s: TensorStats) -> TensorStats:
     """The identity of :func:`combine` for stacked statistics shaped like ``s``."""
     e = tensor_stats(jnp.zeros((0,), jnp.float32), ())
     n, t = s.n.shape[0], s.overflow.shape[-1]
-    fields = {f: jnp.broadcast_to(getattr(e, f), (n,)) for f in e._fields}
-    for f in ("overflow", "saturate", "underflow", "subnormal", "poisoned", "noise_n"):
+    per = ("overflow", "saturate", "underflow", "subnormal", "poisoned", "noise_n")
+    fields = {f: jnp.broadcast_to(getattr(e, f), (n,)) for f in e._fields if f not in per}
+    for f in per:
         fields[f] = jnp.zeros((n, t), getattr(e, f).dtype)
     return TensorStats(**fields)
 
@@ -178,12 +179,11 @@ def make_telemetry_fn(
         # one program for all tensors: hundreds of separate statistics compile slowly
         return stacked_stats(matmul_tensors(pc, b, ls), targets)
 
-    def matmul_stats(pc, batch, ls):
+    def local_stats(pc, batch, ls):
         if microbatches == 1:
             return one(pc, batch, ls)
-        from precisionlab.train.step import split_micro
-
-        micro = split_micro(batch, microbatches)
+        # [B, ...] -> [microbatches, B // microbatches, ...], as the step splits it
+        micro = jax.tree.map(lambda x: x.reshape(microbatches, -1, *x.shape[1:]), batch)
         first = jax.tree.map(lambda x: x[0], micro)
         init = _empty(jax.eval_shape(lambda b: one(pc, b, ls), first))
 
@@ -192,13 +192,14 @@ def make_telemetry_fn(
 
         return jax.lax.scan(body, init, micro)[0]
 
+    matmul_stats = local_stats
     if mesh is not None:
         from jax.sharding import PartitionSpec
 
         from precisionlab.train.parallel import AXIS
 
         def per_device(pc, batch, ls):
-            return jax.vmap(lambda s: reduce_over(s, AXIS))(matmul_stats(pc, batch, ls))
+            return jax.vmap(lambda s: reduce_over(s, AXIS))(local_stats(pc, batch, ls))
 
         rep = PartitionSpec()
         matmul_stats = jax.shard_map(
