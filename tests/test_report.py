@@ -35,7 +35,9 @@ settings = ["two"]
 EDGES = list(range(-64, 33))
 
 
-def fake_run_unit(cfg, unit_dir, *, on_step, on_hist, resume, quiet, label, hooks=()):
+def fake_run_unit(
+    cfg, unit_dir, *, on_step, on_hist, resume, quiet, label, hooks=(), on_telemetry=None
+):
     if "broken" in label:
         raise ValueError("broken on purpose")
     params = cfg.to_dict()

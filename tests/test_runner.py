@@ -34,7 +34,9 @@ name = "last"
 """
 
 
-def fake_run_unit(cfg, unit_dir, *, on_step, on_hist, resume, quiet, label, hooks=()):
+def fake_run_unit(
+    cfg, unit_dir, *, on_step, on_hist, resume, quiet, label, hooks=(), on_telemetry=None
+):
     """A stand-in trainer: a decreasing loss; 'boom' raises at step 5, 'nan' diverges."""
     for step in range(1, cfg.steps + 1):
         if label == "boom" and step == 5:

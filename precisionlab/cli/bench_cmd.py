@@ -5,13 +5,19 @@ from __future__ import annotations
 import argparse
 import pathlib
 
-from precisionlab.bench import codecs, quant, recipes, train
+from precisionlab.bench import codecs, quant, recipes, telemetry, train
 from precisionlab.cli._common import UsageError
 
 HELP = "benchmarks against peers (ml_dtypes, gfloat, jmp), printed as ratios"
 
 # Benchmark name -> its module; each defines HELP, add_arguments and run.
-BENCHES = {"codecs": codecs, "quant": quant, "train": train, "recipes": recipes}
+BENCHES = {
+    "codecs": codecs,
+    "quant": quant,
+    "train": train,
+    "recipes": recipes,
+    "telemetry": telemetry,
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

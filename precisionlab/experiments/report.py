@@ -162,6 +162,11 @@ def write_report(run_dir: str | Path, *, plots: bool = True) -> tuple[Path, str]
             lines += ["## Plots", ""]
         for caption, path in written:
             lines += [f"![{caption}]({path.relative_to(run_dir).as_posix()})", "", caption, ""]
+    from precisionlab.experiments.telemetry_views import telemetry_report
+
+    want_plots = plots and resolved.get("report", {}).get("plots", True)
+    plot_dir = run_dir / "plots" if want_plots else None
+    lines += telemetry_report(run_dir, summary["variants"], plot_dir)
     lines += ["## Setup", ""]
     if resolved:
         base = resolved.get("train", {})

@@ -32,6 +32,7 @@ from precisionlab.experiments.config import (
     load_experiment,
 )
 from precisionlab.experiments.summary import summarize_run, summarize_unit
+from precisionlab.experiments.telemetry_views import telemetry_scalars
 from precisionlab.train import ProgressHook, distributed, train
 
 __all__ = ["DONE", "follow", "resume", "run_experiment", "run_file"]
@@ -249,23 +250,27 @@ def _run_unit(
     store.write_json(status_path, status)
     metrics_path = unit_dir / "metrics.jsonl"
     hist_path = unit_dir / "hist.jsonl"
+    tel_path = unit_dir / "telemetry.jsonl"
     if not resuming:
         metrics_path.unlink(missing_ok=True)
         hist_path.unlink(missing_ok=True)
+        tel_path.unlink(missing_ok=True)
     writer: store.JsonlWriter | None = None
     hist_writer: store.JsonlWriter | None = None
+    tel_writer: store.JsonlWriter | None = None
     board = store.tensorboard_writer(unit_dir / "tb")
 
     def on_step(row: dict[str, Any]) -> None:
-        nonlocal writer, hist_writer
+        nonlocal writer, hist_writer, tel_writer
         if writer is None:
             # A resumed unit restarts at its last checkpoint: drop rows recorded after it,
             # and a line torn by a kill, before appending.
             step = int(row.get("step", 0))
-            for path in (metrics_path, hist_path):
+            for path in (metrics_path, hist_path, tel_path):
                 store.resume_jsonl(path, step)
             writer = store.JsonlWriter(metrics_path)
             hist_writer = store.JsonlWriter(hist_path)
+            tel_writer = store.JsonlWriter(tel_path)
         writer.write(row)
         if board is not None:
             for key, value in row.items():
@@ -276,6 +281,13 @@ def _run_unit(
         assert hist_writer is not None, "histograms come after their step's metrics"
         hist_writer.write(row)
 
+    def on_telemetry(rows: list[dict[str, Any]]) -> None:
+        assert tel_writer is not None, "telemetry comes after its step's metrics"
+        for row in rows:
+            tel_writer.write(row)
+        if board is not None:
+            telemetry_scalars(board, rows)
+
     start = time.perf_counter()
     fatal = None
     try:
@@ -284,6 +296,7 @@ def _run_unit(
             unit_dir,
             on_step=on_step,
             on_hist=on_hist,
+            on_telemetry=on_telemetry,
             resume=resuming,
             quiet=True,  # the run's own bar (``hooks``) shows the progress
             label=unit.name,
@@ -305,7 +318,7 @@ def _run_unit(
         # several processes: the others cannot go on alone (see follow); end the run
         fatal = err if distributed.process_count() > 1 else None
     finally:
-        for w in (writer, hist_writer):
+        for w in (writer, hist_writer, tel_writer):
             if w is not None:
                 w.close()
         if board is not None:

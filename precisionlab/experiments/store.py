@@ -8,7 +8,8 @@ Layout of a run directory::
     summary.json        per-unit results and per-group mean/std (atomic, rewritten as units end)
     variants/<id>/      per unit: metrics.jsonl (one JSON object per step, appended and
                         flushed), status.json, data.json (the dataset's describe(): options,
-                        corpus files and content hash), hist.jsonl, error.log, checkpoints/
+                        corpus files and content hash), hist.jsonl, telemetry.jsonl (one
+                        row per telemetry step, layer and tensor), error.log, checkpoints/
     report.md, plots/   written by :mod:`precisionlab.experiments.report`
     variants/<id>/tb/   TensorBoard event files, only if ``tensorboardX`` is installed
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from precisionlab.experiments import store
+from precisionlab.experiments.telemetry_views import summarize_telemetry
 
 __all__ = [
     "FINAL_WINDOW",
@@ -55,6 +56,7 @@ SUMMARY_KEYS = (
     "mean_underflow_fraction",
     "wall_time_s",
     "recipe_metrics",
+    "telemetry",
 )
 
 #: Numeric keys averaged (mean and std) over the seeds of a group.
@@ -128,6 +130,8 @@ def summarize_unit(unit: Any, unit_dir: Path, status: dict[str, Any]) -> dict[st
         "wall_time_s": status.get("wall_time_s"),
         # recipe runs with hist_interval: {group: {stat: value}} (precisionlab.train.recipe_metrics)
         "recipe_metrics": result.get("recipe_metrics"),
+        # telemetry.jsonl's worst layers (precisionlab.experiments.telemetry_views)
+        "telemetry": summarize_telemetry(unit_dir),
     }
 
 

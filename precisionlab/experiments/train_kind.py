@@ -33,6 +33,8 @@ def config(table: dict[str, Any], where: str) -> TrainConfig:
     ``where.key`` otherwise); model and data options are checked by building their (cheap)
     descriptions, so a bad ``model_kwargs`` / ``data_kwargs`` key fails now, not when its
     variant starts."""
+    if "telemetry" not in table:  # on by default in experiments (``{enabled = false}``: off)
+        table = {**table, "telemetry": {}}
     try:
         cfg = TrainConfig.from_dict(table, where)
     except (ValueError, TypeError) as err:
@@ -70,7 +72,7 @@ def metric_row(metrics: dict[str, Any]) -> dict[str, Any]:
     are left out (histograms go to ``hist.jsonl``)."""
     row = {}
     for key, value in metrics.items():
-        if key in _HIST_KEYS or isinstance(value, dict):
+        if key in _HIST_KEYS or key == "telemetry" or isinstance(value, dict):
             continue
         if isinstance(value, list | tuple):
             row[key] = [str(v) for v in value]
@@ -88,13 +90,15 @@ def run_unit(
     *,
     on_step: Callable[[dict[str, Any]], None],
     on_hist: Callable[[dict[str, Any]], None],
+    on_telemetry: Callable[[list[dict[str, Any]]], None] | None = None,
     resume: bool,
     quiet: bool,
     label: str = "",
     hooks: Sequence[Hook] = (),
 ) -> dict[str, Any]:
-    """Train one unit; every step's metrics go to ``on_step``, histograms to ``on_hist``, then
-    ``hooks`` run (the runner's progress bar). ``label`` names the unit (for messages).
+    """Train one unit; every step's metrics go to ``on_step``, histograms to ``on_hist``,
+    telemetry rows (a list per telemetry step) to ``on_telemetry``, then ``hooks`` run (the
+    runner's progress bar). ``label`` names the unit (for messages).
 
     Returns the JSON-able final result (eval loss and metric, divergence, ...).
     """
@@ -104,6 +108,8 @@ def run_unit(
         hists = {k: metrics[k] for k in _HIST_KEYS if k in metrics}
         if hists:
             on_hist({"step": metrics.get("step"), **hists})
+        if on_telemetry is not None and metrics.get("telemetry"):
+            on_telemetry(metrics["telemetry"])  # one row per layer and tensor
 
     # What the unit trains on (the text corpus's file list and content hash, the digits split,
     # a generated set's options), so runs on different machines can be compared.

@@ -4,7 +4,8 @@
   non-finites, and for each target format or recipe (``"e4m3"``, ``"e4m3:tensor"``,
   ``"bf16"``, ``"mxfp8"``, ...) the fractions that would overflow, saturate, underflow or
   land in subnormals and the SQNR of the quantized copy; :func:`derive` / :func:`to_dict`
-  finish them, :func:`combine` / :func:`reduce_over` merge shards exactly.
+  finish them, :func:`combine` / :func:`reduce_over` merge shards exactly;
+  :func:`stacked_stats` / :func:`stats_of_many`: many tensors in one small program.
 - :func:`observe`: any JAX function with statistics of every matmul's operands, output and
   (with :meth:`Observed.value_and_grad`) output cotangent, keyed by the interception site
   names of :mod:`precisionlab.intercept`; :func:`tree_stats` for params, grads, optimizer
@@ -18,6 +19,8 @@ from precisionlab.telemetry._stats import (
     combine,
     derive,
     reduce_over,
+    stacked_stats,
+    stats_of_many,
     tensor_stats,
     to_dict,
 )
@@ -34,6 +37,8 @@ __all__ = [
     "observe",
     "parse_targets",
     "reduce_over",
+    "stacked_stats",
+    "stats_of_many",
     "tensor_stats",
     "to_dict",
     "tree_stats",

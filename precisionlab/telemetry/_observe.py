@@ -47,8 +47,8 @@ def _is_float(x) -> bool:
 class _StatsRule:
     primitives = ("dot_general",)
 
-    def __init__(self, targets, record: frozenset, sink: dict):
-        self.targets, self.record, self.sink = targets, record, sink
+    def __init__(self, targets, record: frozenset, sink: dict, stat=tensor_stats):
+        self.targets, self.record, self.sink, self.stat = targets, record, sink, stat
 
     def apply(self, ctx: Context, lhs, rhs, *, dimension_numbers, **params) -> list:
         out = ctx.original(lhs, rhs)[0]
@@ -56,9 +56,9 @@ class _StatsRule:
         if name in self.record and _is_float(lhs) and _is_float(rhs) and _is_float(out):
             (lc, rc), (lb, rb) = dimension_numbers
             self.sink[name] = {
-                "lhs": tensor_stats(_contraction_last(lhs, lc, lb), self.targets),
-                "rhs": tensor_stats(_contraction_last(rhs, rc, rb), self.targets),
-                "out": tensor_stats(out, self.targets),
+                "lhs": self.stat(_contraction_last(lhs, lc, lb), self.targets),
+                "rhs": self.stat(_contraction_last(rhs, rc, rb), self.targets),
+                "out": self.stat(out, self.targets),
             }
             if ctx.state is not None:
                 out = out + ctx.state.astype(out.dtype)
@@ -85,8 +85,8 @@ class Observed:
         self.include, self.exclude = include, exclude
         self.__wrapped__ = fn
 
-    def _intercepted(self, record=frozenset(), sink=None):
-        rule = _StatsRule(self.targets, record, {} if sink is None else sink)
+    def _intercepted(self, record=frozenset(), sink=None, stat=tensor_stats):
+        rule = _StatsRule(self.targets, record, {} if sink is None else sink, stat)
         return intercept(self.fn, rule, include=self.include, exclude=self.exclude)
 
     def _plan(self, args, kwargs) -> tuple[list[Site], list[Site]]:
@@ -112,12 +112,15 @@ class Observed:
         return out, dict(sink)
 
     def value_and_grad(
-        self, argnums: int | Sequence[int] = 0, has_aux: bool = False
+        self, argnums: int | Sequence[int] = 0, has_aux: bool = False, *, tensors: bool = False
     ) -> Callable[..., tuple[Any, Any, dict]]:
         """``f(*args, **kwargs) -> (value, grads, stats)``: ``jax.value_and_grad(fn,
         argnums, has_aux)``'s value and gradients (unchanged) plus per-site statistics with
-        ``"grad"``: the output cotangent's."""
+        ``"grad"``: the output cotangent's. ``tensors=True`` gives the tensors themselves
+        (float, laid out as their statistics would be: operands ``(rows, K)``) instead of
+        their statistics, for a caller that batches the statistics of many tensors."""
         nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+        stat = (lambda x, _: x) if tensors else tensor_stats
 
         def f(*args, **kwargs):
             ok, _ = self._plan(args, kwargs)
@@ -125,7 +128,7 @@ class Observed:
 
             def run(pr, *a):
                 sink: dict = {}
-                inter = self._intercepted(frozenset(pr), sink)
+                inter = self._intercepted(frozenset(pr), sink, stat)
                 out = inter.call_with_state(pr, *a, **kwargs)
                 if has_aux:
                     return out[0], (out[1], dict(sink))
@@ -136,7 +139,7 @@ class Observed:
             stats = {k: dict(v) for k, v in fwd.items()}
             for name, ct in grads[0].items():
                 if name in stats:
-                    stats[name]["grad"] = tensor_stats(ct, self.targets)
+                    stats[name]["grad"] = stat(ct, self.targets)
             g = grads[1] if isinstance(argnums, int) else tuple(grads[1:])
             return ((value, aux) if has_aux else value), g, stats
 

@@ -36,9 +36,25 @@ import numpy as np
 from jax import lax
 
 from precisionlab.quant import pow2
-from precisionlab.telemetry._targets import Target, magnitude_bits, parse_targets, quantize_target
+from precisionlab.recipes import _scaling as S
+from precisionlab.telemetry._targets import (
+    _EPS,
+    Target,
+    magnitude_bits,
+    parse_targets,
+    quantize_target,
+)
 
-__all__ = ["TensorStats", "combine", "derive", "reduce_over", "tensor_stats", "to_dict"]
+__all__ = [
+    "TensorStats",
+    "combine",
+    "derive",
+    "reduce_over",
+    "stacked_stats",
+    "stats_of_many",
+    "tensor_stats",
+    "to_dict",
+]
 
 _INF_BITS = np.uint32(0x7F800000)
 _EMPTY_K = pow2.ZERO_LOG2  # normaliser exponent of a tensor without nonzero finite values
@@ -142,6 +158,190 @@ def _stats(x: jax.Array, ts: tuple[Target, ...]) -> TensorStats:
         amin=lax.bitcast_convert_type(amin_b, jnp.float32), k=k, mean_n=mean_n, m2_n=m2_n,
         power_n=jnp.sum(jnp.square(xn)), overflow=stack_i[0], saturate=stack_i[1],
         underflow=stack_i[2], subnormal=stack_i[3], poisoned=stack_i[4], noise_n=noise,
+    )  # fmt: skip
+
+
+_CHUNK = 512  # elements per row of the concatenated buffer of stats_of_many
+
+
+def stats_of_many(tensors: dict, targets=()) -> dict:
+    """``{key: tensor_stats(x, targets)}`` for a dict of float arrays: :func:`stacked_stats`
+    split per key (inside ``jit`` prefer :func:`stacked_stats` itself: a program with
+    hundreds of small outputs compiles several times slower)."""
+    keys = list(tensors)
+    st = stacked_stats([tensors[k] for k in keys], targets)
+    return {k: jax.tree.map(lambda v, j=j: v[j], st) for j, k in enumerate(keys)}
+
+
+def stacked_stats(xs, targets=()) -> TensorStats:
+    """The statistics of every tensor of ``xs`` (a sequence of float arrays of any shapes),
+    stacked: each field gets a leading axis of ``len(xs)`` (``TensorStats(*fields)[i]`` is
+    ``tensor_stats(xs[i], targets)``), in one program whose size does not grow with the
+    number of tensors.
+
+    The tensors are concatenated (each padded to whole rows of 512 elements) and every
+    element-wise step (bit tests, normalisation, the per-element and per-tensor targets' casts)
+    runs once over the buffer; per-tensor results are segment reductions of per-row partial
+    sums. Row, block and MX targets, which depend on each tensor's last axis, are computed per
+    layout (tensors of the same ``(rows, K)`` share one vmapped copy). Counts, extremes and
+    ``k`` equal :func:`tensor_stats`'s exactly; the float sums are added in another order
+    (float32 rounding). Use :func:`combine` / :func:`reduce_over` under ``jax.vmap``."""
+    ts = parse_targets(targets)
+    xs = [jnp.asarray(x) for x in xs]
+    for i, x in enumerate(xs):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"stacked_stats takes float arrays, got {x.dtype} at position {i}")
+    if not xs:
+        raise ValueError("stacked_stats needs at least one tensor")
+    flat = tuple(t for t in ts if t.scaling in ("none", "tensor"))
+    base = _segmented(xs, flat)
+    per = tuple(t for t in ts if t.scaling not in ("none", "tensor"))
+    if not per:
+        return base
+    laid = _by_layout(xs, base.k, per)
+    ia, ib = iter(range(len(flat))), iter(range(len(per)))
+    order = [("a", next(ia)) if t.scaling in ("none", "tensor") else ("b", next(ib)) for t in ts]
+    cols = {}
+    for name in ("overflow", "saturate", "underflow", "subnormal", "poisoned", "noise_n"):
+        a, b = getattr(base, name), getattr(laid, name)
+        cols[name] = jnp.stack([(a if w == "a" else b)[:, j] for w, j in order], axis=1)
+    return base._replace(**cols)
+
+
+def _segmented(xs: list[jax.Array], ts: tuple[Target, ...]) -> TensorStats:
+    """Stacked (leading axis: tensor) TensorStats of ``xs`` for element/tensor targets."""
+    sizes = [int(np.prod(x.shape)) for x in xs]
+    rows = [max(1, -(-n // _CHUNK)) for n in sizes]
+    pieces = [
+        jnp.pad(x.astype(jnp.float32).reshape(-1), (0, r * _CHUNK - n))
+        for x, n, r in zip(xs, sizes, rows, strict=True)
+    ]
+    xc = jnp.concatenate(pieces).reshape(-1, _CHUNK)
+    seg = np.repeat(np.arange(len(xs), dtype=np.int32), rows)
+    fill = np.concatenate(
+        [
+            np.minimum(np.maximum(n - _CHUNK * np.arange(r), 0), _CHUNK)
+            for n, r in zip(sizes, rows, strict=True)
+        ]
+    ).astype(np.int32)
+    nseg = len(xs)
+    valid = jnp.arange(_CHUNK, dtype=np.int32)[None, :] < jnp.asarray(fill)[:, None]
+    # Segment reductions of the per-row partials as dense (tensors x rows) masks: XLA compiles
+    # them far faster than scatters (and the rows are few: 512 elements each).
+    onehot = jnp.asarray(seg)[None, :] == jnp.arange(nseg, dtype=np.int32)[:, None]
+
+    def ssum(v):
+        return jnp.sum(jnp.where(onehot, v[None, :], jnp.zeros((), v.dtype)), axis=1)
+
+    def smax(v):
+        return jnp.max(jnp.where(onehot, v[None, :], jnp.zeros((), v.dtype)), axis=1)
+
+    def smin(v):
+        return jnp.min(jnp.where(onehot, v[None, :], _INF_BITS), axis=1)
+
+    b = magnitude_bits(xc)
+    finite = valid & (b < _INF_BITS)
+    nan = valid & (b > _INF_BITS)
+    zero = valid & (b == 0)
+    nonzero = finite & (b != 0)
+    amax_b = smax(jnp.max(jnp.where(finite, b, 0), axis=1))
+    amin_b = smin(jnp.min(jnp.where(nonzero, b, _INF_BITS), axis=1))
+    amax = lax.bitcast_convert_type(amax_b, jnp.float32)
+    k = pow2.floor_log2(amax)
+    k_rows = k[seg][:, None]
+    xn = pow2.ldexp(jnp.where(finite, xc, 0.0), jnp.broadcast_to(-k_rows, xc.shape))
+    counts = [finite, nan, zero, nonzero, valid]
+    n_f, n_nan, n_zero, n_nz, n = (ssum(jnp.sum(c, axis=1, dtype=jnp.int32)) for c in counts)
+    mean_n = ssum(jnp.sum(xn, axis=1)) / jnp.maximum(n_f, 1).astype(jnp.float32)
+    m2_n = ssum(jnp.sum(jnp.where(finite, jnp.square(xn - mean_n[seg][:, None]), 0.0), axis=1))
+    power_n = ssum(jnp.sum(jnp.square(xn), axis=1))
+    # the amax a recipe's tensorwise scale sees (NaN wins over inf, as in recipes._scaling.amax)
+    amax_nan = smax(jnp.max(jnp.where(valid, b, 0), axis=1))
+    per = []
+    for t in ts:
+        if t.scaling == "none":
+            q = S.round_elements(xc, t.fmt)
+            scaled, values = xc, q
+        else:
+            sc, _ = S.scale_from_amax(
+                lax.bitcast_convert_type(amax_nan, jnp.float32), t.fmt.max, eps=_EPS,
+                pow2_scales=False,
+            )  # fmt: skip
+            s_rows = sc[seg][:, None]
+            scaled = jnp.where(jnp.isnan(s_rows), jnp.float32(jnp.nan), xc * s_rows)
+            q = S.round_elements(scaled, t.fmt)
+            values = q * (jnp.float32(1.0) / s_rows)
+        c = _counts_rows(scaled, q, values, finite, nonzero, xn, k_rows, t, ssum)
+        if t.scaling == "tensor":
+            # a NaN scale poisons every nonzero element and nothing else (set per tensor:
+            # XLA on CPU flushes subnormal lanes in some fusions of the element-wise path)
+            bad_seg = jnp.isnan(sc)
+            c = [jnp.where(bad_seg, 0, v) for v in c[:4]] + [jnp.where(bad_seg, n_nz, c[4]), c[5]]
+        per.append(c)
+    cols = list(zip(*per, strict=True)) if per else [()] * 6
+    stack_i = [jnp.stack(c, axis=1) if c else jnp.zeros((nseg, 0), jnp.int32) for c in cols[:5]]
+    noise = jnp.stack(cols[5], axis=1) if cols[5] else jnp.zeros((nseg, 0), jnp.float32)
+    return TensorStats(
+        n=n, n_nan=n_nan, n_inf=n - n_f - n_nan, n_zero=n_zero, n_nonzero=n_nz, amax=amax,
+        amin=lax.bitcast_convert_type(amin_b, jnp.float32), k=k, mean_n=mean_n, m2_n=m2_n,
+        power_n=power_n, overflow=stack_i[0], saturate=stack_i[1], underflow=stack_i[2],
+        subnormal=stack_i[3], poisoned=stack_i[4], noise_n=noise,
+    )  # fmt: skip
+
+
+def _counts_rows(scaled, elems, values, finite, nonzero, xn, k_rows, t: Target, ssum) -> list:
+    """Per-tensor target counts (as :func:`_target_counts`) over the concatenated rows."""
+    bits = magnitude_bits(elems)
+    thr, tie = t.overflow_threshold
+    thr_bits = np.float32(thr).view(np.uint32)
+    sb = magnitude_bits(scaled)
+    past = (sb > thr_bits) | ((sb == thr_bits) if tie else False)
+    max_bits = np.float32(t.fmt.max).view(np.uint32)
+    small_bits = np.float32(t.fmt.smallest_normal).view(np.uint32)
+    masks = [
+        nonzero & past & (sb < _INF_BITS),
+        nonzero & (bits == max_bits),
+        nonzero & (bits == 0),
+        nonzero & (bits > 0) & (bits < small_bits),
+        nonzero & (bits > _INF_BITS),
+    ]
+    out = [ssum(jnp.sum(m, axis=1, dtype=jnp.int32)) for m in masks]
+    qn = pow2.ldexp(jnp.where(finite, values, 0.0), jnp.broadcast_to(-k_rows, xn.shape))
+    out.append(ssum(jnp.sum(jnp.where(finite, jnp.square(xn - qn), 0.0), axis=1)))
+    return out
+
+
+def _by_layout(xs: list[jax.Array], k: jax.Array, ts: tuple[Target, ...]) -> TensorStats:
+    """Per-target counts of layout-dependent targets, stacked like :func:`_segmented`'s (only
+    the per-target fields are meaningful); tensors of one layout share a vmapped copy."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    rows2 = [_as_rows(x) for x in xs]
+    for i, x2 in enumerate(rows2):
+        groups.setdefault(x2.shape, []).append(i)
+    results: dict[int, list] = {}
+
+    def one(x2, kk):
+        b = magnitude_bits(x2)
+        finite = b < _INF_BITS
+        nonzero = finite & (b != 0)
+        xn = pow2.ldexp(jnp.where(finite, x2, 0.0), jnp.broadcast_to(-kk, x2.shape))
+        return [_target_counts(x2, finite, nonzero, xn, kk, t) for t in ts]
+
+    for idx in groups.values():
+        stacked = jnp.stack([rows2[i] for i in idx])
+        res = jax.vmap(one)(stacked, k[np.asarray(idx)])
+        for j, i in enumerate(idx):
+            results[i] = jax.tree.map(lambda v, j=j: v[j], res)
+    cols = [
+        jnp.stack([jnp.stack([results[i][t][c] for t in range(len(ts))]) for i in range(len(xs))])
+        for c in range(6)
+    ]
+    zeros = jnp.zeros((len(xs),), jnp.int32)
+    return TensorStats(
+        n=zeros, n_nan=zeros, n_inf=zeros, n_zero=zeros, n_nonzero=zeros, amax=k * 0.0,
+        amin=k * 0.0, k=k, mean_n=k * 0.0, m2_n=k * 0.0, power_n=k * 0.0, overflow=cols[0],
+        saturate=cols[1], underflow=cols[2], subnormal=cols[3], poisoned=cols[4],
+        noise_n=cols[5].astype(jnp.float32),
     )  # fmt: skip
 
 

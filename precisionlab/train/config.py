@@ -24,6 +24,7 @@ from precisionlab.train.layers import REMAT_POLICIES, check_scan_options
 from precisionlab.train.models import MODELS, layer_names, model_data_kind, resolve_layers
 from precisionlab.train.optim import OPTIMIZER_FIELDS, OPTIMIZERS, SCHEDULES
 from precisionlab.train.recipe import TrainRecipe, parse_recipe
+from precisionlab.train.telemetry import TELEMETRY_FIELDS, parse_telemetry
 
 __all__ = [
     "BATCH_SIZE_MAX",
@@ -61,6 +62,11 @@ def _dtype(text: str) -> str:
 def _recipe(value: Any) -> Any:
     parse_recipe(value)
     return value
+
+
+def _telemetry(table: dict[str, Any]) -> dict[str, Any]:
+    validate_table(table, TELEMETRY_FIELDS, "telemetry", defaults=False)
+    return table
 
 
 def _steps(n: int, why: str = "the step counter is an int32") -> Field:
@@ -114,6 +120,7 @@ TRAIN_FIELDS: dict[str, Field] = {
     "remat_policy": Field(str, "nothing_saveable", choices=REMAT_POLICIES),
     "report_leaves": Field(bool, False),
     "progress": Field(bool, None, nullable=True),
+    "telemetry": Field(dict, None, nullable=True, check=_telemetry, doc="numerics telemetry"),
     "loss_weight": Field(
         float,
         1.0,
@@ -205,6 +212,12 @@ class TrainConfig:
         model's are, e.g. below float16's range; Adam is invariant to it up to its ``eps``);
         recorded losses (per-step ``loss``, ``final_loss``) stay the plain loss; evaluation uses
         the plain loss. 1.0 = off (bitwise the unweighted run).
+    Telemetry:
+      telemetry: None (off; TOML: ``{enabled = false}``) or a table: ``interval`` (every N
+        steps; 0 = auto, max(10, steps // 10)), ``targets`` (what-if formats and recipes,
+        default ``["fp16", "bf16", "e4m3:tensor"]``), ``matmuls`` and ``state`` (which
+        statistics), ``enabled``; see :mod:`precisionlab.train.telemetry`. Experiments turn it
+        on by default (``{}``).
     """
 
     model: str = "mlp"
@@ -252,6 +265,7 @@ class TrainConfig:
     report_leaves: bool = False
     progress: bool | None = None
     loss_weight: float = 1.0
+    telemetry: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # The one validation of a config: every field against TRAIN_FIELDS, then the rules that
@@ -287,6 +301,7 @@ class TrainConfig:
         self._check_scan()
         fields = OPTIMIZER_FIELDS[self.optimizer]
         validate_table(self.optimizer_kwargs, fields, "optimizer_kwargs", defaults=False)
+        parse_telemetry(self.telemetry, self.steps)  # a ConfigError naming telemetry.KEY
         object.__setattr__(self, "_precision", self._parse_precision())
 
     def _check_scan(self) -> None:

@@ -20,8 +20,9 @@ a time independent of N), then
 The arithmetic of each layer is the same as unrolled. Results equal the unrolled path bitwise
 where XLA emits the same reductions (tested for the relu MLP); with LayerNorm, attention or a
 16-bit compute dtype XLA may sum a reduction in another order inside the loop body, and results
-then agree to a few roundings of the compute dtype (tested). Per-layer ``y`` outputs come back stacked ``[N, ...]``; pass
-``None`` when they are not wanted, or the scan keeps them (and their memory) alive.
+then agree to a few roundings of the compute dtype (tested). Per-layer ``y`` outputs come back
+stacked ``[N, ...]``; pass ``None`` when they are not wanted, or the scan keeps them (and their
+memory) alive.
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ from precisionlab.train.step import (
     make_probe_fn,
     normalize_loss_fn,
 )
+from precisionlab.train.telemetry import parse_telemetry, telemetry_rows
 
 __all__ = [
     "Aggregates",
@@ -448,6 +449,7 @@ def train_loop(
             batches = itertools.chain([example], peek)
     step_fn, state, mesh = build_step(loss_fn, params, optimizer, options, example)
     jstep = jax.jit(step_fn, donate_argnums=0)
+    telemetry_names = getattr(step_fn, "telemetry_names", {})  # filled when the step is traced
     probe = None
     if loop.hist_interval or (shadow_loss_fn is not None and loop.shadow_interval):
         probe_fn = make_probe_fn(
@@ -517,8 +519,14 @@ def train_loop(
 
                 rmetrics = recipe_metrics(recipe_probe(state, batch))
             state, metrics = jstep(state, batch)
+            tel = metrics.pop("telemetry", None)
             step += 1
             rec = _record(metrics, step, params, loop.loss_weight)
+            if tel is not None and options.telemetry.due(step - 1):
+                # one row per layer and tensor (see precisionlab.train.telemetry)
+                rec["telemetry"] = telemetry_rows(
+                    jax.device_get(tel), telemetry_names, step, options.telemetry.targets
+                )
             if lr_schedule is not None:
                 rec["lr"] = float(lr_schedule(step - 1 - agg.skipped_steps))
             rec["step_time_s"] = time.perf_counter() - ts
@@ -653,6 +661,7 @@ def build(config: TrainConfig) -> TrainSetup:
         report_leaves=config.report_leaves,
         recipe=_recipe_without(precision.recipe, config.high_precision),
         fp32_params=tuple(model.layer_params(n) for n in config.high_precision),
+        telemetry=parse_telemetry(config.telemetry, config.steps),
     )
     loop = LoopOptions(
         steps=config.steps,

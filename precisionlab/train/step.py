@@ -220,6 +220,8 @@ class StepOptions:
       fp32_params: ``jax.tree_util.keystr`` prefixes of params handed to the loss in float32
         rather than the compute dtype (layers kept in high precision: their gradients stay
         float32 too).
+      telemetry: a :class:`~precisionlab.train.telemetry.Telemetry` (or None): the step's
+        metrics get ``"telemetry"``, statistics of every matmul and state leaf every N steps.
     """
 
     policy: Policy = dataclasses.field(default_factory=Policy)
@@ -235,6 +237,7 @@ class StepOptions:
     recipe: TrainRecipe | None = None
     zero_stage: int = 0
     fp32_params: tuple[str, ...] = ()
+    telemetry: Any = None
 
     def __post_init__(self) -> None:
         if self.recipe is not None and not isinstance(self.recipe, TrainRecipe):
@@ -398,6 +401,14 @@ def build_step(
         if opts.zero_stage:
             # (shardings of the state, of a params-like tree split over the devices)
             zero = (layout.state_shardings(state), layout.split(params_stored))
+    telemetry_fn = None
+    if opts.telemetry is not None:
+        from precisionlab.train.telemetry import make_telemetry_fn
+
+        telemetry_fn = make_telemetry_fn(
+            normalize_loss_fn(loss_fn), pol, opts.telemetry, microbatches=opts.microbatches,
+            mesh=mesh,
+        )  # fmt: skip
 
     def update(params_s, opt_state, storage_state, g32, key):
         if zero is not None:  # each device updates its slice (ZeRO); elementwise: same values
@@ -439,6 +450,10 @@ def build_step(
         }
         if opts.report_leaves:
             metrics["finite_leaves"] = jnp.stack(flags) if flags else jnp.ones((0,), bool)
+        if telemetry_fn is not None:  # before the update: the state this step's grads came from
+            metrics["telemetry"] = telemetry_fn(
+                state.params, state.opt_state, ls, g32, batch, state.step
+            )
         new_state = TrainState(
             step=state.step + 1,
             params=new[0],
@@ -456,6 +471,7 @@ def build_step(
             new_state = jax.lax.with_sharding_constraint(new_state, zero[0])
         return new_state, metrics
 
+    step_fn.telemetry_names = getattr(telemetry_fn, "names", {})  # type: ignore[attr-defined]
     return TrainStep(step_fn, state, mesh)
 
 
