@@ -120,7 +120,6 @@ TRAIN_FIELDS: dict[str, Field] = {
     "remat_policy": Field(str, "nothing_saveable", choices=REMAT_POLICIES),
     "report_leaves": Field(bool, False),
     "progress": Field(bool, None, nullable=True),
-    "telemetry": Field(dict, None, nullable=True, check=_telemetry, doc="numerics telemetry"),
     "loss_weight": Field(
         float,
         1.0,
@@ -128,6 +127,7 @@ TRAIN_FIELDS: dict[str, Field] = {
         high=FLOAT32_MAX,
         why="the float32 max: it scales a float32 loss",
     ),
+    "telemetry": Field(dict, None, nullable=True, check=_telemetry, doc="numerics telemetry"),
 }
 
 
