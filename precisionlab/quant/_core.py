@@ -322,14 +322,15 @@ def inside_mask(y: jax.Array, sc: Scale, spec: QuantSpec) -> jax.Array:
 def _amax(xg, axes):
     """max |x| per group, float32; NaN in a group gives NaN.
 
-    Taken on the magnitude bits (an unsigned max orders non-negative floats like their
-    values, NaN above inf) because XLA's CPU float max reduce drops NaN on larger arrays
-    (openxla/xla#21461). A strided reduce_window ran faster alone but slowed the whole MX and
-    per-block fake_quant by a third (measured in one process): kept as a reduce.
+    XLA's CPU float max reduce drops NaN once arrays are large (openxla/xla#21461), so the
+    NaN is found by its own reduce. Measured on 1024x4096 float32 (idle 2-core x86): the float
+    max alone 0.53 ms (NaN lost), with the isnan reduce 1.39 ms, an unsigned max of the
+    magnitude bits 2.70 ms. A strided reduce_window ran faster alone but slowed the whole MX and
+    per-block fake_quant by a third: kept as a reduce.
     """
-    b = jax.lax.bitcast_convert_type(xg, jnp.uint32) & np.uint32(0x7FFFFFFF)
-    m = jnp.max(b, axis=axes, keepdims=True)
-    return jax.lax.bitcast_convert_type(m, jnp.float32)
+    m = jnp.max(jnp.abs(xg), axis=axes, keepdims=True)
+    nan = jnp.any(jnp.isnan(xg), axis=axes, keepdims=True)
+    return jnp.where(nan, jnp.float32(jnp.nan), m)
 
 
 def _min_max(xg, axes):
