@@ -23,7 +23,7 @@ def test_bad_count(capsys):
     with pytest.raises(SystemExit) as info:
         main(["bench", "train", "--repeats", "0"])
     assert info.value.code == 2
-    assert "must be >= 1" in capsys.readouterr().err
+    assert "need an integer >= 1, got '0'" in capsys.readouterr().err
 
 
 @pytest.mark.slow

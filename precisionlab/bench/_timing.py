@@ -15,6 +15,7 @@ machine and on whatever else runs on it, so take the best of several repeats.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -23,7 +24,14 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-__all__ = ["Timing", "copy_bandwidth", "minor_faults", "time_call", "time_interleaved"]
+__all__ = [
+    "Timing",
+    "copy_bandwidth",
+    "minor_faults",
+    "positive_int",
+    "time_call",
+    "time_interleaved",
+]
 
 
 class Timing(NamedTuple):
@@ -36,6 +44,17 @@ class Timing(NamedTuple):
     def rate(self, count: float) -> float:
         """``count`` per second at the best time (e.g. elements/s)."""
         return count / self.best if self.best > 0 else float("inf")
+
+
+def positive_int(text: str) -> int:
+    """argparse type of the bench flags that count (sizes, steps, repeats): an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"need an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"need an integer >= 1, got {text!r}")
+    return value
 
 
 def time_call(

@@ -43,6 +43,7 @@ from precisionlab._text import UsageError, split_list, table
 from precisionlab.bench._timing import (
     copy_kernel,
     minor_faults,
+    positive_int,
     time_call,
     time_interleaved,
     xla_copy_kernel,
@@ -88,19 +89,9 @@ def _size(text: str) -> int:
     return value
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"need an integer >= 1, got {text!r}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", type=_size, default=1 << 24, help="elements (default 2^24)")
-    parser.add_argument("--repeats", type=_positive, default=5, help="timed runs, best kept")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs, best kept")
     parser.add_argument(
         "--formats",
         default=",".join(DEFAULT_FORMATS),

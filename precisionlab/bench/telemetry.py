@@ -27,7 +27,7 @@ import optax
 
 from precisionlab import _io
 from precisionlab._text import UsageError, table
-from precisionlab.bench._timing import time_interleaved
+from precisionlab.bench._timing import positive_int, time_interleaved
 from precisionlab.train import StepOptions, build_step, make_data, make_model
 from precisionlab.train.telemetry import DEFAULT_TARGETS, Telemetry, telemetry_rows
 
@@ -36,30 +36,20 @@ HELP = "train-step time with numerics telemetry every N steps vs without (ratio,
 MODELS = ("mlp", "transformer")
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an int: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", action="append", choices=MODELS, default=None,
         help="built-in model (repeatable; default: mlp and transformer)",
     )  # fmt: skip
-    parser.add_argument("--batch", type=_positive, default=128, help="batch size (default 128)")
+    parser.add_argument("--batch", type=positive_int, default=128, help="batch size (default 128)")
     parser.add_argument(
-        "--interval", type=_positive, default=10, help="telemetry every N steps (default 10)"
+        "--interval", type=positive_int, default=10, help="telemetry every N steps (default 10)"
     )
     parser.add_argument(
-        "--steps", type=_positive, default=20, help="steps per timed chunk (default 20)"
+        "--steps", type=positive_int, default=20, help="steps per timed chunk (default 20)"
     )
     parser.add_argument(
-        "--repeats", type=_positive, default=5, help="timed rounds, best kept (default 5)"
+        "--repeats", type=positive_int, default=5, help="timed rounds, best kept (default 5)"
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON to OUT")
