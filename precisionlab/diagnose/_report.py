@@ -59,6 +59,16 @@ def _num(x: float, fmt: str = ".3g") -> str:
     return "inf" if x == math.inf else "nan" if math.isnan(x) else format(x, fmt)
 
 
+def _save(fig: Any, run_dir: Path, name: str) -> Path:
+    """Write ``fig`` to ``run_dir/plots/name`` (90 dpi) and close it; the path written."""
+    fig.tight_layout()
+    (run_dir / "plots").mkdir(exist_ok=True)
+    path = run_dir / "plots" / name
+    fig.savefig(path, dpi=90)
+    _plt().close(fig)
+    return path
+
+
 def write_compare(run_dir: Path, result: Any, *, plots: bool = True) -> tuple[Path, str]:
     """report.md and a layer x step heatmap of the largest relative difference."""
     r = result
@@ -107,12 +117,12 @@ def write_compare(run_dir: Path, result: Any, *, plots: bool = True) -> tuple[Pa
         ax.set_xlabel("step")
         ax.set_title(f"log10 largest relative difference, {r.other} vs {r.ref}")
         fig.colorbar(im, ax=ax)
-        fig.tight_layout()
-        (run_dir / "plots").mkdir(exist_ok=True)
-        path = run_dir / "plots" / "compare_heatmap.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        pics.append(("largest relative difference per layer and step", path))
+        pics.append(
+            (
+                "largest relative difference per layer and step",
+                _save(fig, run_dir, "compare_heatmap.png"),
+            )
+        )
     return _finish(run_dir, "compare", r, lines, pics), text
 
 
@@ -173,12 +183,9 @@ def write_bisect(run_dir: Path, result: Any, *, plots: bool = True) -> tuple[Pat
         ax.invert_yaxis()
         ax.set_xlabel("final loss")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        (run_dir / "plots").mkdir(exist_ok=True)
-        path = run_dir / "plots" / "bisect_runs.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        pics.append(("final loss of every run (green: pass)", path))
+        pics.append(
+            ("final loss of every run (green: pass)", _save(fig, run_dir, "bisect_runs.png"))
+        )
     return _finish(run_dir, "bisect", r, lines, pics), text
 
 
@@ -236,10 +243,5 @@ def write_autoswitch(run_dir: Path, result: Any, *, plots: bool = True) -> tuple
         ax.set_xlabel("step")
         ax.set_ylabel("training loss")
         ax.set_title("loss; red lines: a matmul switched to high precision")
-        fig.tight_layout()
-        (run_dir / "plots").mkdir(exist_ok=True)
-        path = run_dir / "plots" / "autoswitch_loss.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        pics.append(("training loss and switch steps", path))
+        pics.append(("training loss and switch steps", _save(fig, run_dir, "autoswitch_loss.png")))
     return _finish(run_dir, "autoswitch", r, lines, pics), text
