@@ -38,6 +38,10 @@ OPTIONS (after ``run`` or ``run-only``; shell-quoted):
     --replace OLD NEW   replace the text OLD by NEW in the block before running it
                         (repeatable), e.g. ``--replace steps=300 steps=20`` in a Python snippet.
     --status N          the exit status every command of the block must return (default 0).
+    --rtol R            numbers in the output may differ from those shown by a relative R (the
+                        text around them must match exactly): for results whose last digit
+                        depends on the CPU's vector unit (XLA emits different code for AVX2
+                        and AVX-512), e.g. a loss after 20 fp8 training steps.
     --slow              run the example only under ``-m slow``.
 """
 
@@ -118,6 +122,7 @@ class Options:
     replace: list[tuple[str, str]]
     status: int
     slow: bool
+    rtol: float = 0.0
 
 
 def parse_options(words: list[str], where: str) -> Options:
@@ -133,6 +138,8 @@ def parse_options(words: list[str], where: str) -> Options:
                 opts.status = int(next(it))
             elif word == "--slow":
                 opts.slow = True
+            elif word == "--rtol":
+                opts.rtol = float(next(it))
             else:
                 raise ValueError(f"unknown option {word!r}")
         except StopIteration:
@@ -161,8 +168,24 @@ def commands(block: Block) -> list[tuple[str, str]]:
     return [(cmd, out) for cmd, out in pairs]
 
 
-def matches(expected: str, got: str) -> bool:
-    """Line by line, trailing whitespace ignored; a line ``...`` matches any lines."""
+_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+def _same_line(exp: str, have: str, rtol: float) -> bool:
+    if exp == have or rtol == 0.0:
+        return exp == have
+    if _NUMBER.split(exp) != _NUMBER.split(have):
+        return False
+    a, b = _NUMBER.findall(exp), _NUMBER.findall(have)
+    return len(a) == len(b) and all(
+        abs(float(x) - float(y)) <= rtol * max(abs(float(x)), abs(float(y)))
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def matches(expected: str, got: str, rtol: float = 0.0) -> bool:
+    """Line by line, trailing whitespace ignored; a line ``...`` matches any lines; with
+    ``rtol``, numbers may differ by that relative amount (the text between them may not)."""
     exp = [ln.rstrip() for ln in expected.rstrip("\n").splitlines()]
     have = [ln.rstrip() for ln in got.rstrip("\n").splitlines()]
 
@@ -171,7 +194,7 @@ def matches(expected: str, got: str) -> bool:
             return j == len(have)
         if exp[i] == "...":
             return any(match(i + 1, k) for k in range(j, len(have) + 1))
-        return j < len(have) and exp[i] == have[j] and match(i + 1, j + 1)
+        return j < len(have) and _same_line(exp[i], have[j], rtol) and match(i + 1, j + 1)
 
     return match(0, 0)
 
@@ -279,13 +302,13 @@ def test_readme_example(block: Block, sandbox):
     if block.lang in _PYTHON:
         got = run_python(text, block.id)
         if compare:
-            assert matches(block.output, got), f"{block.id}: printed\n{got}"
+            assert matches(block.output, got, opts.rtol), f"{block.id}: printed\n{got}"
         return
     for cmd, expected in commands(dataclasses.replace(block, text=text)):
         status, got = run_command(cmd, opts)
         assert status == opts.status, f"{block.id}: `{cmd}` exited {status}:\n{got[-3000:]}"
         if compare:
-            assert matches(expected, got), f"{block.id}: `{cmd}` printed\n{got}"
+            assert matches(expected, got, opts.rtol), f"{block.id}: `{cmd}` printed\n{got}"
 
 
 # --- the harness itself ----------------------------------------------------------------------
@@ -320,6 +343,11 @@ def test_parser_classifies_markers_and_outputs():
 def test_matches_and_commands():
     assert matches("a\n...\nd\n", "a\nb\nc\nd")
     assert matches("a\n...\n", "a")
+    assert matches("loss 2.238, 6 of 8\n", "loss 2.239, 6 of 8", rtol=1e-3)
+    assert not matches("loss 2.238, 6 of 8\n", "loss 2.239, 6 of 8")
+    assert not matches("loss 2.238, 6 of 8\n", "loss 2.248, 6 of 8", rtol=1e-3)
+    assert not matches("loss 2.238, 6 of 8\n", "loss 2.238, 5 of 8", rtol=1e-3)
+    assert not matches("loss 2.238, 6 of 8\n", "cost 2.238, 6 of 8", rtol=1e-3)
     assert not matches("a\nb", "a\nc")
     assert not matches("a", "a\nb")
     block = Block(1, "console", "$ precisionlab a \\\n  --b\nout1\n$ precisionlab c  # note\nout2")
