@@ -9,7 +9,25 @@ line; ``include``/``exclude`` pick which are replaced. The result composes with 
 ``grad`` and ``vmap``.
 """
 
-from precisionlab.intercept._interpret import Context, Intercepted, Rule, intercept
+from precisionlab.intercept._interpret import (
+    Aux,
+    Context,
+    Emit,
+    Intercepted,
+    PerIteration,
+    Rule,
+    intercept,
+)
 from precisionlab.intercept._sites import Site, select
 
-__all__ = ["Context", "Intercepted", "Rule", "Site", "intercept", "select"]
+__all__ = [
+    "Aux",
+    "Context",
+    "Emit",
+    "Intercepted",
+    "PerIteration",
+    "Rule",
+    "Site",
+    "intercept",
+    "select",
+]

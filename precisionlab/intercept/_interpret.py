@@ -11,6 +11,21 @@ was. Because the re-evaluation emits ordinary JAX operations, the result compose
 Other higher-order primitives (``shard_map``, ``custom_linear_solve``, ...) are bound as
 they are: operations inside them are neither replaced nor listed.
 
+Auxiliary outputs: a rule may return :class:`Emit` (the outputs plus an ``aux`` pytree, e.g.
+statistics). :meth:`Intercepted.call_with_aux` threads every site's ``aux`` out of the
+constructs it re-evaluates, as an :class:`Aux` (``value``, ``valid``): a site inside a ``scan``
+gives its per-iteration values stacked (leading axis: the iteration, ``xs`` order also for
+``reverse=True``; nested scans add one axis each, outermost first); inside a ``while_loop``
+the first ``while_capacity`` iterations, stacked the same way (later iterations are not
+recorded; ``valid`` marks the filled slots); inside a ``cond``/``switch`` branch the value of
+the branch that ran and zeros for the others (``valid`` False); ``checkpoint`` regions and
+calls pass it out as extra outputs. Rules that never emit leave the program as it was.
+
+Per-iteration state: a state entry wrapped in :class:`PerIteration` holds one value per
+iteration of the site's enclosing loops (leading axes as for ``aux``) and is sliced, so each
+iteration sees its own value and its gradient comes back stacked (not max-combined as a plain
+entry's does): the output cotangent of a matmul inside a scan, iteration by iteration.
+
 Custom derivatives: a ``custom_jvp``/``custom_vjp`` function that *contains* a matched
 operation is re-evaluated from its primal program, so its custom rule is dropped there (the
 replaced operation brings its own derivative); functions without matched operations keep
@@ -31,7 +46,7 @@ from jax import lax
 
 from precisionlab.intercept._sites import Site, select
 
-__all__ = ["Context", "Intercepted", "Rule", "intercept"]
+__all__ = ["Aux", "Context", "Emit", "Intercepted", "PerIteration", "Rule", "intercept"]
 
 #: Higher-order primitives whose sub-programs are searched for matches.
 _CALLS = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call")
@@ -51,6 +66,34 @@ _SUBPROGRAMS = {
 _LOOPS = ("scan", "while")
 
 
+class Emit(NamedTuple):
+    """What a rule returns to pass values out besides the primitive's ``outputs`` (a list,
+    as :meth:`Rule.apply` returns): ``aux``, any pytree of arrays (the same structure and
+    shapes on every call of the site), collected by :meth:`Intercepted.call_with_aux`."""
+
+    outputs: list
+    aux: Any
+
+
+class Aux(NamedTuple):
+    """A site's auxiliary output (see the module docstring). ``value``: the pytree the rule
+    emitted, each leaf with one leading axis per enclosing loop (scan length, or the
+    ``while_capacity`` of a while loop), outermost first; ``valid``: bool, the loop axes'
+    shape: whether that entry was emitted (False: an untaken ``cond`` branch or an unused
+    while slot, whose ``value`` is zeros)."""
+
+    value: Any
+    valid: jax.Array
+
+
+class PerIteration(NamedTuple):
+    """A state entry holding one value per iteration of the site's enclosing loops (leading
+    axes: the scan lengths, outermost first), sliced per iteration; its gradient is stacked
+    the same way (a plain entry is broadcast, with a max-combined gradient)."""
+
+    value: Any
+
+
 class Context(NamedTuple):
     """What a rule sees besides the operands.
 
@@ -59,7 +102,8 @@ class Context(NamedTuple):
     passed to :meth:`Intercepted.call_with_state` (None if absent). Inside a ``scan`` each
     iteration sees its own slice of a broadcast copy whose gradient is the **max** over
     iterations (not the sum), so statistics returned through the state's cotangent (the
-    delayed-scaling amax) combine correctly. ``loop_indices``: int32 iteration counters of the
+    delayed-scaling amax) combine correctly; a :class:`PerIteration` entry arrives sliced
+    (its ``value`` for this iteration, unwrapped). ``loop_indices``: int32 iteration counters of the
     enclosing loops (outermost first), for per-iteration randomness. ``key``: the PRNG key
     passed to the call (or None).
     """
@@ -92,12 +136,15 @@ class Rule(Protocol):
 
     ``primitives``: names of the primitives it replaces (``("dot_general",)``).
     ``apply(ctx, *operands, **params)``: the replacement's outputs as a list (one per output
-    of the primitive), with the primitive's avals.
+    of the primitive), with the primitive's avals, or an :class:`Emit` of that list and
+    auxiliary values.
     """
 
     primitives: tuple[str, ...]
 
-    def apply(self, ctx: Context, *operands: jax.Array, **params: Any) -> list[jax.Array]: ...
+    def apply(
+        self, ctx: Context, *operands: jax.Array, **params: Any
+    ) -> list[jax.Array] | Emit: ...
 
 
 # --- static walk ---------------------------------------------------------------------------
@@ -128,7 +175,7 @@ def _where(eqn) -> str:
         return ""
 
 
-def _walk(jaxpr, path, scope, loops, prims, out: list[Site]) -> None:
+def _walk(jaxpr, path, scope, loops, prims, out: list[Site], within=()) -> None:
     for i, eqn in enumerate(jaxpr.eqns):
         name = eqn.primitive.name
         stack = str(eqn.source_info.name_stack)
@@ -145,6 +192,7 @@ def _walk(jaxpr, path, scope, loops, prims, out: list[Site]) -> None:
                     out_shapes=tuple(tuple(v.aval.shape) for v in eqn.outvars),
                     dtype=str(eqn.invars[0].aval.dtype),
                     path=(*path, i),
+                    within=within,
                 )
             )
             continue
@@ -152,8 +200,10 @@ def _walk(jaxpr, path, scope, loops, prims, out: list[Site]) -> None:
         if name in ("jit", "pjit") and eqn.params.get("name"):
             inner = "/".join(p for p in (here, eqn.params["name"]) if p)
         inner_loops = loops + ((name,) if name in _LOOPS else ())
+        kind = "checkpoint" if name == "remat2" else name
+        inner_within = within + ((kind,) if name not in _CALLS else ())
         for k, sub in enumerate(_subjaxprs(eqn)):
-            _walk(_open(sub)[0], (*path, i, k), inner, inner_loops, prims, out)
+            _walk(_open(sub)[0], (*path, i, k), inner, inner_loops, prims, out, inner_within)
 
 
 # --- evaluation ----------------------------------------------------------------------------
@@ -192,15 +242,32 @@ def _source_context(eqn):
     return source_info_util.user_context(eqn.source_info.traceback, name_stack=stack)
 
 
+def _slice_state(state: dict, keys, index) -> dict:
+    """``state`` with the :class:`PerIteration` entries in ``keys`` sliced at ``index``."""
+    return {
+        k: PerIteration(jax.tree.map(lambda a: a[index], v.value))
+        if k in keys and isinstance(v, PerIteration)
+        else v
+        for k, v in state.items()
+    }
+
+
+def _zeros_like(tree):
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
+
+
 @dataclasses.dataclass
 class _Run:
     rule: Rule
     sites: dict[tuple[int, ...], Site]  # selected sites by path
     prefixes: frozenset  # paths of sub-programs that hold a selected site
     key: jax.Array | None
+    while_capacity: int = 16
 
-    def eval(self, jaxpr, consts, args, path, state, loops) -> list:
+    def eval(self, jaxpr, consts, args, path, state, loops) -> tuple[list, dict[str, Aux]]:
+        """The program's outputs and the :class:`Aux` of every site under it that emitted."""
         env: dict = {}
+        aux: dict[str, Aux] = {}
 
         def read(v):
             return v.val if isinstance(v, jex.core.Literal) else env[v]
@@ -214,12 +281,20 @@ class _Run:
             here = (*path, i)
             if here in self.sites:
                 site = self.sites[here]
-                ctx = Context(site, state.get(site.name), loops, self.key, eqn)
+                st = state.get(site.name)
+                if isinstance(st, PerIteration):
+                    st = st.value
+                ctx = Context(site, st, loops, self.key, eqn)
                 with _source_context(eqn):
-                    outs = list(self.rule.apply(ctx, *invals, **eqn.params))
+                    res = self.rule.apply(ctx, *invals, **eqn.params)
+                if isinstance(res, Emit):
+                    aux[site.name] = Aux(res.aux, jnp.bool_(True))
+                    res = res.outputs
+                outs = list(res)
             elif here in self.prefixes:
                 with _source_context(eqn):
-                    outs = self.higher_order(eqn, invals, here, state, loops)
+                    outs, sub_aux = self.higher_order(eqn, invals, here, state, loops)
+                aux.update(sub_aux)
             else:
                 with _source_context(eqn):
                     ans = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
@@ -227,37 +302,75 @@ class _Run:
             for v, o in zip(eqn.outvars, outs, strict=True):
                 if not isinstance(v, jex.core.DropVar):
                     env[v] = o
-        return [read(v) for v in jaxpr.outvars]
+        return [read(v) for v in jaxpr.outvars], aux
 
     def _sub(self, closed, path, state, loops) -> Callable:
         jaxpr, consts = _open(closed)
         return lambda *a: self.eval(jaxpr, consts, list(a), path, state, loops)
 
-    def _loop_state(self, path, state, n):
-        """Broadcast (gradient: max) the states of sites under ``path`` along a scan."""
-        inner = {s.name for p, s in self.sites.items() if p[: len(path)] == path}
-        return {k: _broadcast_state(v, n) for k, v in state.items() if k in inner}
+    def _inner(self, path) -> set[str]:
+        return {s.name for p, s in self.sites.items() if p[: len(path)] == path}
 
-    def higher_order(self, eqn, invals, path, state, loops) -> list:
+    def _loop_state(self, path, state, n):
+        """Broadcast (gradient: max) the plain states of sites under ``path`` along a scan;
+        :class:`PerIteration` states go in as they are (the scan slices them)."""
+        inner = self._inner(path)
+        out = {}
+        for k, v in state.items():
+            if k not in inner:
+                continue
+            if isinstance(v, PerIteration):
+                for a in jax.tree.leaves(v.value):
+                    if not a.shape or a.shape[0] != n:
+                        raise ValueError(
+                            f"PerIteration state of {k}: leading axis {a.shape[:1]} does not "
+                            f"match the scan's {n} iterations"
+                        )
+                out[k] = v
+            else:
+                out[k] = _broadcast_state(v, n)
+        return out
+
+    def higher_order(self, eqn, invals, path, state, loops) -> tuple[list, dict]:
         name, p = eqn.primitive.name, eqn.params
         if name in _CALLS:
             key = "jaxpr" if name in ("jit", "pjit") else "call_jaxpr"
             return self._sub(p[key], (*path, 0), state, loops)(*invals)
         if name in ("remat2", "checkpoint"):
             f = self._sub(p["jaxpr"], (*path, 0), state, loops)
-            return list(
-                jax.checkpoint(f, prevent_cse=p["prevent_cse"], policy=p["policy"])(*invals)
-            )
+            outs, aux = jax.checkpoint(f, prevent_cse=p["prevent_cse"], policy=p["policy"])(*invals)
+            return list(outs), aux
         if name == "cond":
-            branches = [self._sub(b, (*path, k), state, loops) for k, b in enumerate(p["branches"])]
-            return list(lax.switch(invals[0], branches, *invals[1:]))
+            return self._cond(p, invals, path, state, loops)
         if name == "scan":
             return self._scan(p, invals, path, state, loops)
         if name == "while":
             return self._while(p, invals, path, state, loops)
         raise NotImplementedError(f"interception inside {name} is not supported")
 
-    def _scan(self, p, invals, path, state, loops) -> list:
+    def _cond(self, p, invals, path, state, loops) -> tuple[list, dict]:
+        subs = [self._sub(b, (*path, k), state, loops) for k, b in enumerate(p["branches"])]
+        ops = invals[1:]
+        if len(subs) == 1:
+            return subs[0](*ops)
+        # every branch returns every branch's aux: its own, and zeros (valid False) for others
+        shapes = [jax.eval_shape(f, *ops)[1] for f in subs]
+
+        def branch(k):
+            def run(*a):
+                outs, aux = subs[k](*a)
+                full = {}
+                for j, sh in enumerate(shapes):
+                    for site, x in sh.items():
+                        full[site] = aux[site] if j == k else _zeros_like(x)
+                return outs, full
+
+            return run
+
+        outs, aux = lax.switch(invals[0], [branch(k) for k in range(len(subs))], *ops)
+        return list(outs), aux
+
+    def _scan(self, p, invals, path, state, loops) -> tuple[list, dict]:
         nc, ncarry, n = p["num_consts"], p["num_carry"], p["length"]
         consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
         jaxpr, jconsts = _open(p["jaxpr"])
@@ -267,32 +380,43 @@ class _Run:
             i, c = carry
             xs_i, st_i = x
             st = {**state, **st_i}
-            outs = self.eval(jaxpr, jconsts, [*consts, *c, *xs_i], (*path, 0), st, (*loops, i))
-            return (i + 1, outs[:ncarry]), outs[ncarry:]
+            outs, aux = self.eval(jaxpr, jconsts, [*consts, *c, *xs_i], (*path, 0), st, (*loops, i))
+            return (i + 1, outs[:ncarry]), (outs[ncarry:], aux)
 
-        (_, carry), ys = lax.scan(
+        (_, carry), (ys, aux) = lax.scan(
             body, (jnp.int32(0), list(init)), (list(xs), loop_state), length=n,
             reverse=p["reverse"], unroll=p["unroll"],
         )  # fmt: skip
-        return [*carry, *ys]
+        return [*carry, *ys], aux
 
-    def _while(self, p, invals, path, state, loops) -> list:
+    def _while(self, p, invals, path, state, loops) -> tuple[list, dict]:
         cn, bn = p["cond_nconsts"], p["body_nconsts"]
         cconsts, bconsts, init = invals[:cn], invals[cn : cn + bn], invals[cn + bn :]
         cond_j, cond_c = _open(p["cond_jaxpr"])
         body_j, body_c = _open(p["body_jaxpr"])
+        cap = self.while_capacity
+        inner = self._inner(path)
+
+        def run_body(i, c):
+            st = _slice_state(state, inner, jnp.minimum(i, cap - 1))
+            return self.eval(body_j, body_c, [*bconsts, *c], (*path, 0), st, (*loops, i))
+
+        shapes = jax.eval_shape(run_body, jnp.int32(0), list(init))[1]
+        buf0 = jax.tree.map(lambda a: jnp.zeros((cap, *a.shape), a.dtype), shapes)
 
         def cond(carry):
-            _, c = carry
+            _, c, _ = carry
             return jex.core.jaxpr_as_fun(jex.core.ClosedJaxpr(cond_j, cond_c))(*cconsts, *c)[0]
 
         def body(carry):
-            i, c = carry
-            outs = self.eval(body_j, body_c, [*bconsts, *c], (*path, 0), state, (*loops, i))
-            return i + 1, outs
+            i, c, buf = carry
+            outs, aux = run_body(i, c)
+            # iterations past the capacity are dropped (mode="drop": an out-of-range write)
+            buf = jax.tree.map(lambda b, a: b.at[i].set(a, mode="drop"), buf, aux)
+            return i + 1, outs, buf
 
-        _, out = lax.while_loop(cond, body, (jnp.int32(0), list(init)))
-        return list(out)
+        _, out, buf = lax.while_loop(cond, body, (jnp.int32(0), list(init), buf0))
+        return list(out), buf
 
 
 def _prefixes(paths) -> frozenset:
@@ -317,7 +441,7 @@ def _abstract(x) -> jax.ShapeDtypeStruct:
 class Intercepted:
     """``fn`` with the rule's primitives replaced; see :func:`intercept`."""
 
-    def __init__(self, fn, rule: Rule, include, exclude):
+    def __init__(self, fn, rule: Rule, include, exclude, while_capacity: int = 16):
         if not callable(fn):
             raise TypeError(f"intercept needs a callable, got {type(fn).__name__}")
         prims = getattr(rule, "primitives", None)
@@ -330,6 +454,11 @@ class Intercepted:
         self.fn, self.rule = fn, rule
         self.include = None if include is None else tuple(include)
         self.exclude = tuple(exclude)
+        if isinstance(while_capacity, bool) or not isinstance(while_capacity, int):
+            raise TypeError(f"while_capacity must be an int >= 1, got {while_capacity!r}")
+        if while_capacity < 1:
+            raise ValueError(f"while_capacity must be an int >= 1, got {while_capacity!r}")
+        self.while_capacity = while_capacity
         self.__wrapped__ = fn
 
     def _trace(self, args, kwargs):
@@ -367,15 +496,16 @@ class Intercepted:
         head = f"{len(sites)} matched ({', '.join(self.rule.primitives)}), {n} replaced"
         return "\n".join([head, *(s.describe() for s in sites)])
 
-    def call_with_state(
+    def call_with_aux(
         self,
         state: Mapping[str, Any] | None,
         *args,
         key: jax.Array | None = None,
         **kwargs,
-    ) -> Any:
-        """Run ``fn(*args, **kwargs)`` with the replacements; ``state`` maps site names to
-        the pytrees the rule reads (``ctx.state``); ``key`` seeds ``ctx.site_key()``."""
+    ) -> tuple[Any, dict[str, Aux]]:
+        """``(fn(*args, **kwargs), aux)`` with the replacements: ``aux`` maps the name of
+        each site whose rule returned an :class:`Emit` to its :class:`Aux` (see the module
+        docstring); ``state`` and ``key`` as in :meth:`call_with_state`."""
         closed, out_shape, dyn = self._trace(args, kwargs)
         sites = self._sites(closed)
         state = dict(state or {})
@@ -386,9 +516,21 @@ class Intercepted:
                 f"matched: {', '.join(s.name for s in sites) or 'none'}"
             )
         chosen = {s.path: s for s in sites if s.selected}
-        run = _Run(self.rule, chosen, _prefixes(chosen), key)
-        outs = run.eval(closed.jaxpr, closed.consts, dyn, (), state, ())
-        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+        run = _Run(self.rule, chosen, _prefixes(chosen), key, self.while_capacity)
+        outs, aux = run.eval(closed.jaxpr, closed.consts, dyn, (), state, ())
+        return jax.tree.unflatten(jax.tree.structure(out_shape), outs), aux
+
+    def call_with_state(
+        self,
+        state: Mapping[str, Any] | None,
+        *args,
+        key: jax.Array | None = None,
+        **kwargs,
+    ) -> Any:
+        """Run ``fn(*args, **kwargs)`` with the replacements; ``state`` maps site names to
+        the pytrees the rule reads (``ctx.state``; a :class:`PerIteration` entry is sliced
+        per loop iteration); ``key`` seeds ``ctx.site_key()``."""
+        return self.call_with_aux(state, *args, key=key, **kwargs)[0]
 
     def __call__(self, *args, **kwargs) -> Any:
         return self.call_with_state(None, *args, **kwargs)
@@ -400,6 +542,7 @@ def intercept(
     *,
     include: Sequence[int | str] | int | str | None = None,
     exclude: Sequence[int | str] | int | str = (),
+    while_capacity: int = 16,
 ) -> Intercepted:
     """``fn`` with every matched primitive replaced by ``rule.apply``.
 
@@ -411,9 +554,12 @@ def intercept(
       include: positions, names or glob patterns of the matched operations to replace
         (default: all); see :func:`precisionlab.intercept.select`.
       exclude: the same, left as they are (``exclude=(0, -1)`` keeps the first and last).
+      while_capacity: how many iterations of a ``while_loop`` the auxiliary outputs of
+        :meth:`Intercepted.call_with_aux` keep (static int >= 1; later ones are dropped).
 
     Returns:
       An :class:`Intercepted`: call it like ``fn``; ``.sites(...)`` / ``.report(...)`` list
-      the matched operations; ``.call_with_state(state, ...)`` passes per-site state.
+      the matched operations; ``.call_with_state(state, ...)`` passes per-site state;
+      ``.call_with_aux(state, ...)`` also returns the rule's auxiliary outputs.
     """
-    return Intercepted(fn, rule, include, exclude)
+    return Intercepted(fn, rule, include, exclude, while_capacity)

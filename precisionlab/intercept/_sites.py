@@ -25,6 +25,8 @@ class Site:
       in_shapes / out_shapes / dtype: operand and result shapes, the first operand's dtype.
       path: equation indices from the root (the interpreter's key).
       selected: whether the include/exclude selection kept it (False: left as it was).
+      within: every enclosing higher-order construct other than calls (``jit``, custom
+        derivatives), outermost first (``("scan", "checkpoint", "scan")``, ``("cond",)``).
     """
 
     index: int
@@ -37,6 +39,7 @@ class Site:
     dtype: str
     path: tuple[int, ...]
     selected: bool = True
+    within: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
