@@ -175,7 +175,7 @@ def _where(eqn) -> str:
         return ""
 
 
-def _walk(jaxpr, path, scope, loops, prims, out: list[Site], within=()) -> None:
+def _walk(jaxpr, path, scope, loops, prims, out: list[Site], within=(), lengths=()) -> None:
     for i, eqn in enumerate(jaxpr.eqns):
         name = eqn.primitive.name
         stack = str(eqn.source_info.name_stack)
@@ -193,6 +193,7 @@ def _walk(jaxpr, path, scope, loops, prims, out: list[Site], within=()) -> None:
                     dtype=str(eqn.invars[0].aval.dtype),
                     path=(*path, i),
                     within=within,
+                    lengths=lengths,
                 )
             )
             continue
@@ -200,10 +201,16 @@ def _walk(jaxpr, path, scope, loops, prims, out: list[Site], within=()) -> None:
         if name in ("jit", "pjit") and eqn.params.get("name"):
             inner = "/".join(p for p in (here, eqn.params["name"]) if p)
         inner_loops = loops + ((name,) if name in _LOOPS else ())
+        inner_lengths = lengths + (
+            (eqn.params["length"],) if name == "scan" else (None,) if name == "while" else ()
+        )
         kind = "checkpoint" if name == "remat2" else name
         inner_within = within + ((kind,) if name not in _CALLS else ())
         for k, sub in enumerate(_subjaxprs(eqn)):
-            _walk(_open(sub)[0], (*path, i, k), inner, inner_loops, prims, out, inner_within)
+            _walk(
+                _open(sub)[0], (*path, i, k), inner, inner_loops, prims, out, inner_within,
+                inner_lengths,
+            )  # fmt: skip
 
 
 # --- evaluation ----------------------------------------------------------------------------

@@ -27,6 +27,8 @@ class Site:
       selected: whether the include/exclude selection kept it (False: left as it was).
       within: every enclosing higher-order construct other than calls (``jit``, custom
         derivatives), outermost first (``("scan", "checkpoint", "scan")``, ``("cond",)``).
+      lengths: the iteration count of each enclosing loop of ``loops`` (None for a
+        ``while_loop``), outermost first: the leading axes of a per-iteration value.
     """
 
     index: int
@@ -40,6 +42,7 @@ class Site:
     path: tuple[int, ...]
     selected: bool = True
     within: tuple[str, ...] = ()
+    lengths: tuple[int | None, ...] = ()
 
     @property
     def name(self) -> str:

@@ -11,8 +11,16 @@ last (batch and free axes flattened into rows), so row, block and MX targets sca
 contraction axis as a recipe's forward GEMM does; the output and its cotangent keep their
 last axis (``N``: the contraction axis of the data-gradient GEMM).
 
-Sites inside ``scan``/``while`` bodies, ``cond`` branches and ``checkpoint`` regions are not
-observed yet (their values live in a nested trace); :meth:`Observed.skipped` lists them.
+Sites inside ``scan``/``while`` bodies, ``cond`` branches and ``checkpoint`` regions are
+observed too: the rule returns its statistics through the interception layer's output channel
+(:class:`precisionlab.intercept.Emit`), which threads them out of every construct. A site inside
+a ``scan`` gives one entry per iteration (each statistic's leaves get a leading axis per
+enclosing loop, outermost first: a scanned stack of layers gives one entry per layer), and its
+cotangent is observed per iteration too (a :class:`~precisionlab.intercept.PerIteration`
+probe). Inside a ``while_loop`` the first ``while_capacity`` iterations are kept, without
+``"grad"`` (reverse-mode differentiation does not run through a while loop). A site under a
+``cond`` or ``while`` also gets ``"valid"`` (bool, the loop axes' shape): False where its
+branch did not run or the while slot is unused (its statistics are then of zeros).
 """
 
 from __future__ import annotations
@@ -25,8 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from precisionlab.intercept import Context, Site, intercept
-from precisionlab.intercept._interpret import _CALLS, _open, _subjaxprs
+from precisionlab.intercept import Context, Emit, PerIteration, Site, intercept
 from precisionlab.telemetry._stats import TensorStats, tensor_stats
 from precisionlab.telemetry._targets import parse_targets
 
@@ -47,99 +54,126 @@ def _is_float(x) -> bool:
 class _StatsRule:
     primitives = ("dot_general",)
 
-    def __init__(self, targets, record: frozenset, sink: dict, stat=tensor_stats):
-        self.targets, self.record, self.sink, self.stat = targets, record, sink, stat
+    def __init__(self, targets, record: frozenset, stat=tensor_stats):
+        self.targets, self.record, self.stat = targets, record, stat
 
-    def apply(self, ctx: Context, lhs, rhs, *, dimension_numbers, **params) -> list:
+    def apply(self, ctx: Context, lhs, rhs, *, dimension_numbers, **params) -> list | Emit:
         out = ctx.original(lhs, rhs)[0]
         name = ctx.site.name
         if name in self.record and _is_float(lhs) and _is_float(rhs) and _is_float(out):
             (lc, rc), (lb, rb) = dimension_numbers
-            self.sink[name] = {
+            stats = {
                 "lhs": self.stat(_contraction_last(lhs, lc, lb), self.targets),
                 "rhs": self.stat(_contraction_last(rhs, rc, rb), self.targets),
                 "out": self.stat(out, self.targets),
             }
             if ctx.state is not None:
                 out = out + ctx.state.astype(out.dtype)
+            return Emit([out], stats)
         return [out]
 
 
-def _inlined(closed, site: Site) -> bool:
-    """Whether the site sits at the top level or only inside calls the interpreter inlines
-    (jit, custom_jvp/vjp), i.e. its values live in the caller's trace."""
-    jaxpr, path = closed.jaxpr, site.path
-    for j in range(0, len(path) - 1, 2):
-        eqn = jaxpr.eqns[path[j]]
-        if eqn.primitive.name not in _CALLS:
-            return False
-        jaxpr = _open(_subjaxprs(eqn)[path[j + 1]])[0]
-    return True
+def _probed(site: Site) -> bool:
+    """Whether the site's output cotangent can be observed: not inside a while loop (JAX
+    does not differentiate through one in reverse mode)."""
+    return "while" not in site.within
+
+
+def _probe(site: Site):
+    """The ``-0.0`` probe of a site's output: one per iteration of its enclosing scans."""
+    zero = jnp.full((*site.lengths, *site.out_shapes[0]), -0.0, jnp.float32)
+    return PerIteration(zero) if site.lengths else zero
+
+
+def _per_iteration(fn: Callable, n_axes: int) -> Callable:
+    for _ in range(n_axes):
+        fn = jax.vmap(fn)
+    return fn
+
+
+def _collect(aux: dict, sites: dict[str, Site]) -> dict[str, dict]:
+    out = {}
+    for name, a in aux.items():
+        out[name] = dict(a.value)
+        if {"cond", "while"} & set(sites[name].within):
+            out[name]["valid"] = a.valid
+    return out
 
 
 class Observed:
     """``fn`` with its matmuls observed; see :func:`observe`."""
 
-    def __init__(self, fn, targets, include, exclude):
+    def __init__(self, fn, targets, include, exclude, while_capacity=16):
         self.fn, self.targets = fn, parse_targets(targets)
         self.include, self.exclude = include, exclude
+        self.while_capacity = while_capacity
         self.__wrapped__ = fn
 
-    def _intercepted(self, record=frozenset(), sink=None, stat=tensor_stats):
-        rule = _StatsRule(self.targets, record, {} if sink is None else sink, stat)
-        return intercept(self.fn, rule, include=self.include, exclude=self.exclude)
+    def _intercepted(self, record=frozenset(), stat=tensor_stats):
+        rule = _StatsRule(self.targets, record, stat)
+        return intercept(
+            self.fn, rule, include=self.include, exclude=self.exclude,
+            while_capacity=self.while_capacity,
+        )  # fmt: skip
 
     def _plan(self, args, kwargs) -> tuple[list[Site], list[Site]]:
         inter = self._intercepted()
         closed, _, _ = inter._trace(args, kwargs)
         sites = [s for s in inter._sites(closed) if s.selected]
-        ok = [s for s in sites if _inlined(closed, s)]
-        return ok, [s for s in sites if s not in ok]
+        # every construct the interception layer finds is observed; none is skipped today
+        return sites, []
 
     def sites(self, *args, **kwargs) -> list[Site]:
-        """The observed matmuls (selected, outside loops, conds and checkpoints)."""
+        """The observed matmuls (selected), inside loops, conds and checkpoints too."""
         return self._plan(args, kwargs)[0]
 
     def skipped(self, *args, **kwargs) -> list[Site]:
-        """Selected matmuls not observed (inside scan/while/cond/checkpoint)."""
+        """Selected matmuls not observed: none since loops, conds and checkpoints are
+        (operations inside ``shard_map`` and other unsupported constructs are not matched)."""
         return self._plan(args, kwargs)[1]
 
     def __call__(self, *args, **kwargs) -> tuple[Any, dict[str, dict[str, TensorStats]]]:
-        """``(fn(*args, **kwargs), {site: {"lhs", "rhs", "out": TensorStats}})``."""
+        """``(fn(*args, **kwargs), {site: {"lhs", "rhs", "out": TensorStats[, "valid"]}})``
+        (per-iteration statistics of sites inside loops: see the module docstring)."""
         ok, _ = self._plan(args, kwargs)
-        sink: dict = {}
-        out = self._intercepted(frozenset(s.name for s in ok), sink)(*args, **kwargs)
-        return out, dict(sink)
+        inter = self._intercepted(frozenset(s.name for s in ok))
+        out, aux = inter.call_with_aux(None, *args, **kwargs)
+        return out, _collect(aux, {s.name: s for s in ok})
 
     def value_and_grad(
         self, argnums: int | Sequence[int] = 0, has_aux: bool = False, *, tensors: bool = False
     ) -> Callable[..., tuple[Any, Any, dict]]:
         """``f(*args, **kwargs) -> (value, grads, stats)``: ``jax.value_and_grad(fn,
         argnums, has_aux)``'s value and gradients (unchanged) plus per-site statistics with
-        ``"grad"``: the output cotangent's. ``tensors=True`` gives the tensors themselves
-        (float, laid out as their statistics would be: operands ``(rows, K)``) instead of
+        ``"grad"``: the output cotangent's (per iteration inside a scan; none inside a while
+        loop). ``tensors=True`` gives the tensors themselves (float, laid out as their
+        statistics would be: operands ``(rows, K)``, with the loop axes in front) instead of
         their statistics, for a caller that batches the statistics of many tensors."""
         nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
         stat = (lambda x, _: x) if tensors else tensor_stats
 
         def f(*args, **kwargs):
             ok, _ = self._plan(args, kwargs)
-            probes = {s.name: jnp.full(s.out_shapes[0], -0.0, jnp.float32) for s in ok}
+            by_name = {s.name: s for s in ok}
+            probes = {s.name: _probe(s) for s in ok if _probed(s)}
 
             def run(pr, *a):
-                sink: dict = {}
-                inter = self._intercepted(frozenset(pr), sink, stat)
-                out = inter.call_with_state(pr, *a, **kwargs)
+                inter = self._intercepted(frozenset(by_name), stat)
+                out, aux = inter.call_with_aux(pr, *a, **kwargs)
                 if has_aux:
-                    return out[0], (out[1], dict(sink))
-                return out, (None, dict(sink))
+                    return out[0], (out[1], aux)
+                return out, (None, aux)
 
             vg = jax.value_and_grad(run, argnums=(0, *(n + 1 for n in nums)), has_aux=True)
             (value, (aux, fwd)), grads = vg(probes, *args)
-            stats = {k: dict(v) for k, v in fwd.items()}
+            stats = _collect(fwd, by_name)
             for name, ct in grads[0].items():
                 if name in stats:
-                    stats[name]["grad"] = stat(ct, self.targets)
+                    ct = ct.value if isinstance(ct, PerIteration) else ct
+                    n_axes = len(by_name[name].lengths)
+                    stats[name]["grad"] = _per_iteration(lambda t: stat(t, self.targets), n_axes)(
+                        ct
+                    )
             g = grads[1] if isinstance(argnums, int) else tuple(grads[1:])
             return ((value, aux) if has_aux else value), g, stats
 
@@ -152,6 +186,7 @@ def observe(
     *,
     include: Sequence[int | str] | int | str | None = None,
     exclude: Sequence[int | str] | int | str = (),
+    while_capacity: int = 16,
 ) -> Observed:
     """``fn`` with statistics of every matched ``dot_general`` (matmul, einsum, dense layer).
 
@@ -160,14 +195,16 @@ def observe(
       targets: static target names for the per-format counts (see :func:`tensor_stats`).
       include / exclude: which matmuls to observe, as in :func:`precisionlab.intercept.intercept`
         (positions, names ``"dot_general[3]"``, or glob patterns on the scope).
+      while_capacity: iterations of a ``while_loop`` observed (the first ones; static).
 
     Returns:
       An :class:`Observed`: ``obs(*args)`` gives ``(out, stats)``;
       ``obs.value_and_grad(argnums)(*args)`` gives ``(value, grads, stats)`` with the output
       cotangents' statistics too. ``stats`` maps site names to ``{"lhs", "rhs", "out"[,
-      "grad"]}`` :class:`TensorStats`. Computations are unchanged (bit for bit).
+      "grad"]}`` :class:`TensorStats` (``"valid"`` too under a cond or while loop), with one
+      leading axis per enclosing loop. Computations are unchanged (bit for bit).
     """
-    return Observed(fn, targets, include, exclude)
+    return Observed(fn, targets, include, exclude, while_capacity)
 
 
 def tree_stats(tree: Any, targets: Sequence[str] | str = ()) -> dict[str, TensorStats]:
