@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import re
 from collections.abc import Sequence
 
 __all__ = ["Site", "select"]
+
+#: A scope part naming the layer of each iteration of a scan over stacked layers:
+#: ``"layer{1+i}"`` (flat iteration ``i`` runs ``layer{1 + i}``), see ``train.layers``.
+_TEMPLATE = re.compile(r"^(.*)\{(\d+)\+i\}$")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,6 +53,24 @@ class Site:
     def name(self) -> str:
         """``"dot_general[3]"``: the primitive and its index."""
         return f"{self.primitive}[{self.index}]"
+
+    def layer(self, iteration: int | None = None, names: Sequence[str] = ()) -> str:
+        """The model layer the site belongs to (at flat ``iteration`` of its loops, row-major
+        over :attr:`lengths`, for a site inside a scan over stacked layers).
+
+        A scope part ``"name{k+i}"`` (:func:`precisionlab.train.layers.scan_layers` with a
+        ``scope``) gives ``f"name{k + iteration}"``; otherwise the first scope part among
+        ``names`` (when given), else the first scope part, else the site's name; inside a
+        loop without such a template ``"@{iteration}"`` is appended (``"dot_general[1]@3"``).
+        """
+        parts = [p for p in self.scope.split("/") if p]
+        for part in parts:
+            m = _TEMPLATE.match(part)
+            if m:
+                return part if iteration is None else f"{m[1]}{int(m[2]) + iteration}"
+        named = [p for p in parts if p in names] if names else parts
+        base = named[0] if named else self.name
+        return base if iteration is None or not self.loops else f"{base}@{iteration}"
 
     def describe(self) -> str:
         """One line: name, scope, shapes, loops, source, and whether it is replaced."""

@@ -153,24 +153,33 @@ def scan_layers(
     remat_every: int = 0,
     policy: str = "nothing_saveable",
     what: str = "layer",
+    scope: str | None = None,
+    first: int = 0,
 ) -> tuple[jax.Array, Any]:
     """``h`` through ``body(layer, h) -> (h, y)`` for each layer in order, under ``lax.scan``;
     returns ``(h, ys)`` with ``ys`` stacked ``[N, ...]`` (see module docstring).
 
     ``layers``: stacked params (leaves ``[N, ...]``) or a list of per-layer params (stacked
     here, a copy inside the step). ``remat_every``: K >= 1 checkpoints groups of K layers
-    (0: off); ``policy`` names what a group saves (:data:`REMAT_POLICIES`).
+    (0: off); ``policy`` names what a group saves (:data:`REMAT_POLICIES`). ``scope``: the
+    body runs under ``jax.named_scope(f"{scope}{{{n}+i}}")`` (``"layer{1+i}"``), the template
+    :meth:`precisionlab.intercept.Site.layer` turns into the name of the layer an iteration
+    runs (``"layer3"``: ``scope`` and ``first`` plus the layer's position in the stack).
     """
     stacked = stack_layers(layers, what) if isinstance(layers, list | tuple) else layers
     n = jax.tree_util.tree_leaves(stacked)[0].shape[0]
     check_scan_options(scan=True, remat_every=remat_every, policy=policy, n_layers=n)
 
-    def step(carry: jax.Array, layer: Any) -> tuple[jax.Array, Any]:
-        return body(layer, carry)
+    def runner(start: int) -> Callable[[jax.Array, Any], tuple[jax.Array, Any]]:
+        def step(carry: jax.Array, layer: Any) -> tuple[jax.Array, Any]:
+            if scope is None:
+                return body(layer, carry)
+            with jax.named_scope(f"{scope}{{{start}+i}}"):  # flat iteration i: layer start + i
+                return body(layer, carry)
 
-    def run(carry: jax.Array, group: Any) -> tuple[jax.Array, Any]:
-        return jax.lax.scan(step, carry, group)
+        return lambda carry, group: jax.lax.scan(step, carry, group)
 
+    run = runner(first)
     if not remat_every:
         return run(h, stacked)
     k = remat_every
@@ -183,6 +192,7 @@ def scan_layers(
     h, ys = jax.lax.scan(run_ck, h, jax.tree_util.tree_map(grouped, stacked))
     ys = jax.tree_util.tree_map(lambda y: y.reshape(groups * k, *y.shape[2:]), ys)
     if rest:
-        h, ys_rest = run_ck(h, jax.tree_util.tree_map(lambda a: a[groups * k :], stacked))
+        run_rest = jax.checkpoint(runner(first + groups * k), policy=remat_policy(policy))
+        h, ys_rest = run_rest(h, jax.tree_util.tree_map(lambda a: a[groups * k :], stacked))
         ys = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b]), ys, ys_rest)
     return h, ys

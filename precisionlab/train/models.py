@@ -399,6 +399,8 @@ class MLP(Model):
                 remat_every=self.remat_every,
                 policy=self.remat_policy,
                 what="hidden layer",
+                scope="layer",
+                first=1,
             )
             for i in range(1, self.depth if capture else 1):
                 record(i, ys[0][i - 1], ys[1][i - 1])
@@ -596,6 +598,7 @@ class Transformer(Model):
                 remat_every=self.remat_every,
                 policy=self.remat_policy,
                 what="block",
+                scope="block",
             )
             for i in range(len(params["blocks"]) if capture else 0):
                 for n, v in ys.items():
