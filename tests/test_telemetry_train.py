@@ -107,10 +107,10 @@ def test_underflow_fractions_equal_a_numpy_recount(policy):
         jax.jit(fn)(params, opt_state, setup.options.loss_scale, g32, batch, jnp.int32(0))
     )
     rows = telemetry_rows(out, fn.names, 1, tel.targets)
-    grads = {r["layer"]: r for r in rows if r["kind"] == "matmul" and r["tensor"] == "grad"}
+    grads = {r["site"]: r for r in rows if r["kind"] == "matmul" and r["tensor"] == "grad"}
     dumped = {
         site: np.asarray(x, np.float32)
-        for (site, t), x in zip(fn.names["matmul"], out["tensors"]["matmul"], strict=True)
+        for (site, t, _), x in zip(fn.names["matmul"], out["tensors"]["matmul"], strict=True)
         if t == "grad"
     }
     assert sorted(grads) == sorted(dumped) and len(dumped) == 3
@@ -136,7 +136,7 @@ def test_underflow_fractions_equal_a_numpy_recount(policy):
     ]
     for r in looped:
         if r["kind"] == "matmul" and r["tensor"] == "grad":
-            ref = grads[r["layer"]]
+            ref = grads[r["site"]]
             assert r["n_zero"] == ref["n_zero"]
             assert r["amax"] == pytest.approx(ref["amax"], rel=1e-6)
             u, v = r["targets"]["fp16"]["underflow"], ref["targets"]["fp16"]["underflow"]
@@ -196,7 +196,7 @@ def test_experiment_writes_telemetry_jsonl_summary_tensorboard_and_report(tmp_pa
     fracs = [e["fraction"] for e in worst]
     assert fracs == sorted(fracs, reverse=True)
     tags = _events(unit / "tb")
-    assert "telemetry/matmul/dot_general.0/grad/amax" in tags
+    assert "telemetry/matmul/layer0/dot_general.0/grad/amax" in tags
     assert "telemetry/grad/out.w/fp16/underflow" in tags
     assert "telemetry/opt_state/0.mu.hidden.1.w/dynamic_range" in tags
     report.write_report(run_dir)
@@ -310,7 +310,7 @@ def test_outlier_features_flag_tensorwise_scaling_not_blockwise():
         telemetry={"interval": 1, "targets": targets, "state": False}, progress=False,
     )  # fmt: skip
     rows = train(cfg, quiet=True).metrics[0]["telemetry"]
-    lhs = {r["layer"]: r["targets"] for r in rows if r["tensor"] == "lhs"}
+    lhs = {r["site"]: r["targets"] for r in rows if r["tensor"] == "lhs"}
 
     def lost(t):
         return t["underflow"] + t["subnormal"]

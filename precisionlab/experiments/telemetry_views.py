@@ -28,10 +28,23 @@ WORST = 5
 
 
 def _label(row: dict[str, Any]) -> str:
-    """``"dot_general[2].grad"`` for a matmul tensor, ``"grad:['w']"`` for a state leaf."""
+    """``"layer3:dot_general[2].grad"`` for a matmul tensor (model layer and interception
+    site, as ``precisionlab diagnose`` names it; ``"dot_general[2].grad"`` in rows written
+    before rows named the layer), ``"grad:['w']"`` for a state leaf."""
     if row["kind"] == "matmul":
-        return f"{row['layer']}.{row['tensor']}"
+        site = row.get("site")
+        head = f"{row['layer']}:{site}" if site and site != row["layer"] else row["layer"]
+        return f"{head}.{row['tensor']}"
     return f"{row['kind']}:{row['layer']}"
+
+
+def _where(row: dict[str, Any]) -> dict[str, Any]:
+    """The naming fields of a row: kind, layer, site (matmul rows that have one), tensor."""
+    out = {"kind": row["kind"], "layer": row["layer"]}
+    if row.get("site"):
+        out["site"] = row["site"]
+    out["tensor"] = row["tensor"]
+    return out
 
 
 def _tag(name: str) -> str:
@@ -43,9 +56,12 @@ def _tag(name: str) -> str:
 def telemetry_scalars(board: Any, rows: list[dict[str, Any]]) -> None:
     """Write a step's rows to a TensorBoard writer: amax, dynamic range and, per target, the
     underflow and overflow fractions, as ``telemetry/KIND/LAYER[/TENSOR]/[TARGET/]STAT``
-    (``telemetry/matmul/dot_general.0/grad/fp16/underflow``)."""
+    (``telemetry/matmul/layer0/dot_general.0/grad/fp16/underflow``: a matmul's LAYER is its
+    model layer and interception site)."""
     for row in rows:
         tag = f"telemetry/{row['kind']}/{_tag(row['layer'])}"
+        if row.get("site") and row["site"] != row["layer"]:
+            tag += f"/{_tag(row['site'])}"
         tag += f"/{row['tensor']}" if row["tensor"] else ""
         step = int(row["step"])
         for key in ("amax", "dynamic_range"):
@@ -70,12 +86,9 @@ def _worst(rows: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
             v = st.get(key)
             if not v:
                 continue
-            k = (row["kind"], row["layer"], row["tensor"], target)
+            k = (row["kind"], row["layer"], row.get("site"), row["tensor"], target)
             if k not in best or v > best[k]["fraction"]:
-                best[k] = {
-                    "kind": row["kind"], "layer": row["layer"], "tensor": row["tensor"],
-                    "target": target, "fraction": v, "step": row["step"],
-                }  # fmt: skip
+                best[k] = {**_where(row), "target": target, "fraction": v, "step": row["step"]}
     return sorted(best.values(), key=lambda e: -e["fraction"])[:WORST]
 
 
@@ -83,24 +96,21 @@ def summarize_telemetry(unit_dir: Path) -> dict[str, Any] | None:
     """The ``telemetry`` entry of a unit's summary, None without telemetry:
 
     ``steps`` (the steps with statistics), ``targets`` (their names), ``worst_underflow`` /
-    ``worst_overflow`` (at most :data:`WORST` entries ``{kind, layer, tensor, target,
-    fraction, step}``: the largest fraction of a tensor's finite nonzero elements that the
-    target would flush to zero / overflow, over the steps, largest first; matmul tensors and
-    gradient leaves, not the stored params and optimizer state),
-    ``widest_dynamic_range`` (``{kind, layer, tensor, binades, step}``: log2 amax - log2 of
-    the smallest nonzero magnitude, widest first)."""
+    ``worst_overflow`` (at most :data:`WORST` entries ``{kind, layer, [site,] tensor,
+    target, fraction, step}``: the largest fraction of a tensor's finite nonzero elements
+    that the target would flush to zero / overflow, over the steps, largest first; matmul
+    tensors and gradient leaves, not the stored params and optimizer state; ``site``: a
+    matmul's interception site), ``widest_dynamic_range`` (``{kind, layer, [site,] tensor,
+    binades, step}``: log2 amax - log2 of the smallest nonzero magnitude, widest first)."""
     rows = store.read_jsonl(Path(unit_dir) / "telemetry.jsonl")
     if not rows:
         return None
     widest: dict[tuple, dict[str, Any]] = {}
     for row in rows:
         dr = row.get("dynamic_range")
-        k = (row["kind"], row["layer"], row["tensor"])
+        k = (row["kind"], row["layer"], row.get("site"), row["tensor"])
         if dr is not None and (k not in widest or dr > widest[k]["binades"]):
-            widest[k] = {
-                "kind": row["kind"], "layer": row["layer"], "tensor": row["tensor"],
-                "binades": dr, "step": row["step"],
-            }  # fmt: skip
+            widest[k] = {**_where(row), "binades": dr, "step": row["step"]}
     return {
         "steps": sorted({int(r["step"]) for r in rows}),
         "targets": list(rows[0].get("targets", {})),
@@ -246,6 +256,7 @@ def telemetry_report(
     if lines:
         lines = ["## Numerics telemetry", "",
                  "Matmul operands (lhs, rhs), outputs (out) and output gradients (grad) by "
-                 "interception site, and gradient leaves (grad:PATH); fractions are of the "
+                 "model layer and interception site (LAYER:SITE), and gradient leaves "
+                 "(grad:PATH); fractions are of the "
                  "finite nonzero elements.", "", *lines]  # fmt: skip
     return lines

@@ -16,8 +16,12 @@ those of data-parallel shards with :func:`~precisionlab.telemetry.reduce_over`, 
 the statistics of the whole batch. The observed pass is a second forward and backward pass
 (the step's own pass is left as it was, bit for bit): with a recipe it observes the
 compute-dtype tensors the recipe would quantize, and the targets say what the recipe does to
-them. Matmuls inside ``scan``/``while``/``cond``/``checkpoint`` (``remat = true``) are not
-observed (see :meth:`precisionlab.telemetry.Observed.skipped`).
+them. Matmuls inside ``scan``/``while``/``cond``/``checkpoint`` are observed too: a site inside
+a scan over stacked layers (``scan_layers = true``, with or without ``remat_every``) gives one
+entry per iteration, i.e. per layer, so a scanned model has the same rows as unrolled (an
+untaken ``cond`` branch or an unused while slot gives statistics of zeros). Matmul rows name
+the model layer (``layer3``, from the site's named scope, see
+:meth:`precisionlab.intercept.Site.layer`) and the interception site (``dot_general[1]``).
 
 :func:`telemetry_rows` turns a step's statistics into JSON rows (one per layer and tensor).
 """
@@ -135,6 +139,21 @@ def _empty(s: TensorStats) -> TensorStats:
     return TensorStats(**fields)
 
 
+def _per_layer(site: Any, tensors: dict[str, jax.Array]) -> dict[tuple, jax.Array]:
+    """``{(site, tensor, layer): tensor}`` of one site's observed tensors, one entry per
+    iteration of its loops (leading axes, flattened row-major: a scanned layer each)."""
+    out = {}
+    roles = [k for k in ("lhs", "rhs", "out", "grad") if k in tensors]
+    n_loops = len(site.loops)
+    loop_shape = tensors["out"].shape[:n_loops]
+    for i in range(math.prod(loop_shape)):
+        idx = np.unravel_index(i, loop_shape) if n_loops else ()
+        layer = site.layer(i if n_loops else None)
+        for k in roles:
+            out[(site.name, k, layer)] = tensors[k][tuple(int(j) for j in idx)]
+    return out
+
+
 def make_telemetry_fn(
     loss_fn: Callable,
     policy: Policy,
@@ -148,10 +167,11 @@ def make_telemetry_fn(
     step's telemetry: ``{"matmul": TensorStats, "state": TensorStats}``, each stacked over
     its tensors (see :func:`precisionlab.telemetry.stacked_stats`; zeros on the steps
     ``telemetry.interval`` skips), named by ``fn.names`` once traced: ``{"matmul": [(site,
-    "lhs" | "rhs" | "out" | "grad"), ...], "state": [("param" | "grad" | "opt_state", leaf
-    path), ...]}``. ``loss_fn(params, batch) -> (loss, aux)`` as the step differentiates it
-    (aux is ignored); ``mesh``: the data-parallel mesh (the batch is sharded over its axis) or
-    None. ``dump`` (one device, one micro-batch): ``stats["tensors"]`` also holds the tensors
+    "lhs" | "rhs" | "out" | "grad", layer), ...], "state": [("param" | "grad" | "opt_state",
+    leaf path), ...]}`` (a site inside a scan over layers: one entry per layer).
+    ``loss_fn(params, batch) -> (loss, aux)`` as the step differentiates it (aux is
+    ignored); ``mesh``: the data-parallel mesh (the batch is sharded over its axis) or None.
+    ``dump`` (one device, one micro-batch): ``stats["tensors"]`` also holds the tensors
     themselves (``{"matmul": [...], "state": [...]}``, in ``names`` order), computed in the
     same program as their statistics, for checks against an independent recount."""
     targets = telemetry.targets
@@ -161,17 +181,15 @@ def make_telemetry_fn(
         loss, _ = loss_fn(p, b)
         return ls.scale(loss)
 
-    vg = observe(scaled, targets).value_and_grad(0, tensors=True)
+    obs = observe(scaled, targets)
+    vg = obs.value_and_grad(0, tensors=True)
 
     def matmul_tensors(pc, b, ls) -> list:
         tensors = vg(pc, b, ls)[2]
-        order = ("lhs", "rhs", "out", "grad")
-        flat = {
-            (site, k): tensors[site][k]
-            for site in sorted(tensors, key=lambda n: int(n.rsplit("[", 1)[1].rstrip("]")))
-            for k in order
-            if k in tensors[site]
-        }
+        flat = {}
+        for site in obs.sites(pc, b, ls):  # program order
+            if site.name in tensors:
+                flat.update(_per_layer(site, tensors[site.name]))
         names["matmul"] = list(flat)
         return list(flat.values())
 
@@ -272,8 +290,10 @@ def telemetry_rows(
     :func:`make_telemetry_fn`'s output, named by its ``names``), matmuls first (by site),
     then params, grads and optimizer state (by leaf path)::
 
-        {"step", "kind": "matmul" | "param" | "grad" | "opt_state", "layer": site name or
-         leaf path, "tensor": "lhs" | "rhs" | "out" | "grad" (matmuls; "" otherwise),
+        {"step", "kind": "matmul" | "param" | "grad" | "opt_state", "layer": the model
+         layer (matmuls: "layer3", see Site.layer) or leaf path, "site": the interception
+         site ("dot_general[1]"; matmuls only), "tensor": "lhs" | "rhs" | "out" | "grad"
+         (matmuls; "" otherwise),
          "n", "n_nan", "n_inf", "n_zero", "n_nonzero", "amax", "amin_nonzero",
          "dynamic_range", "mean", "std", "frac_zero", "frac_nonfinite",
          "targets": {name: {"overflow", "saturate", "underflow", "subnormal", "poisoned",
@@ -290,8 +310,12 @@ def telemetry_rows(
         st = TensorStats(*(np.asarray(v) for v in stats[group]))
         derived = {k: np.asarray(v) for k, v in _derive_stacked(st).items()}
         for i, key in enumerate(names[group]):
-            kind, layer, tensor = ("matmul", *key) if group == "matmul" else (*key, "")
-            row: dict[str, Any] = {"step": step, "kind": kind, "layer": layer, "tensor": tensor}
+            if group == "matmul":
+                site, tensor, layer = key
+                row: dict[str, Any] = {"step": step, "kind": "matmul", "layer": layer}
+                row.update(site=site, tensor=tensor)
+            else:
+                row = {"step": step, "kind": key[0], "layer": key[1], "tensor": ""}
             counts = {k: int(getattr(st, k)[i]) for k in _COUNTS}
             row.update(counts)
             for k in ("amax", "amin_nonzero", "dynamic_range", "mean", "std"):

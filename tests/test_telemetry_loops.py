@@ -1,0 +1,121 @@
+"""Telemetry of matmuls inside scan / cond / checkpoint / while_loop: a scanned layer stack
+gives per-layer statistics equal to the same model written unrolled, and per-iteration output
+cotangents equal to a numpy recount of jax.grad of the unrolled model."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax import lax
+
+from precisionlab import telemetry as T
+
+TARGETS = ("fp16", "bf16")
+L = 4
+# weights spread so the output cotangents of the deep layers underflow fp16 somewhat
+WS = jax.random.normal(jax.random.PRNGKey(0), (L, 8, 8)) * jnp.float32(0.05)
+X = jax.random.normal(jax.random.PRNGKey(1), (6, 8))
+
+
+def _unrolled(ws, x, probes=None):
+    h = x
+    for i in range(L):
+        z = h @ ws[i]
+        if probes is not None:
+            z = z + probes[i]
+        h = jnp.maximum(z, 0.0) + 1e-3 * z
+    return jnp.sum(h) * jnp.float32(1e-3)
+
+
+def _scanned(ws, x, remat=False):
+    def body(h, w):
+        z = h @ w
+        return jnp.maximum(z, 0.0) + 1e-3 * z, None
+
+    body = jax.checkpoint(body) if remat else body
+    return jnp.sum(lax.scan(body, x, ws)[0]) * jnp.float32(1e-3)
+
+
+def _at(stats, i):
+    return jax.tree.map(lambda a: a[i], stats)
+
+
+def _same(a, b):
+    """Counts, amax and amin exactly; sums (mean, std, SQNR) to float32 rounding: XLA may
+    reduce in another order inside a loop body than outside."""
+    da, db = T.to_dict(a, TARGETS), T.to_dict(b, TARGETS)
+    for k in ("n", "n_zero", "n_nonzero", "n_nan", "n_inf", "amax", "amin_nonzero"):
+        assert da[k] == db[k], k
+    for k in ("mean", "std"):
+        np.testing.assert_allclose(da[k], db[k], rtol=1e-5, atol=1e-12)
+    for name in TARGETS:
+        ta, tb = da["targets"][name], db["targets"][name]
+        for k in ("overflow", "saturate", "underflow", "subnormal", "poisoned"):
+            assert ta[k] == tb[k], (name, k)
+        np.testing.assert_allclose(ta["sqnr_db"], tb["sqnr_db"], rtol=1e-5)
+
+
+def _recount(x: np.ndarray) -> dict:
+    x = np.asarray(x, np.float32)
+    nz = x != 0
+    out = {"n_zero": int((~nz).sum()), "amax": float(np.abs(x).max())}
+    for name, dt in (("fp16", np.float16), ("bf16", ml_dtypes.bfloat16)):
+        out[name] = int((nz & (x.astype(dt) == 0)).sum())
+    return out
+
+
+def test_scanned_stack_equals_unrolled_per_layer_with_grads():
+    vg_s = jax.jit(T.observe(_scanned, TARGETS).value_and_grad(0))
+    vg_u = jax.jit(T.observe(_unrolled, TARGETS).value_and_grad(0))
+    v_s, _, st_s = vg_s(WS, X)
+    v_u, _, st_u = vg_u(WS, X)
+    assert set(st_s) == {"dot_general[0]"} and len(st_u) == L
+    np.testing.assert_allclose(v_s, v_u, rtol=1e-6)
+    s = st_s["dot_general[0]"]
+    assert s["grad"].n.shape == (L,)
+    for i in range(L):  # the same arithmetic per layer: the same statistics, exactly
+        for role in ("lhs", "rhs", "out", "grad"):
+            _same(_at(s[role], i), st_u[f"dot_general[{i}]"][role])
+    # the cotangents per layer against a numpy recount of jax.grad of the unrolled model
+    probes = jnp.zeros((L, 6, 8))
+    cts = np.asarray(jax.jit(jax.grad(lambda p: _unrolled(WS, X, p)))(probes))
+    under = 0
+    for i in range(L):
+        got, want = T.to_dict(_at(s["grad"], i), TARGETS), _recount(cts[i])
+        assert got["n_zero"] == want["n_zero"] and got["amax"] == want["amax"]
+        for name in TARGETS:
+            n = round(got["targets"][name]["underflow"] * got["n_nonzero"])
+            assert n == want[name], (i, name)
+        under += want["fp16"]
+    assert under > 0  # the comparison above was not vacuous
+
+
+def test_remat_scan_and_cond_and_while():
+    # a checkpointed scan body: the same statistics as without checkpoint
+    _, st = jax.jit(T.observe(_scanned, TARGETS))(WS, X)
+    _, st_r = jax.jit(T.observe(lambda w, x: _scanned(w, x, remat=True), TARGETS))(WS, X)
+    jax.tree.map(np.testing.assert_array_equal, st_r, st)
+
+    def branchy(ws, x):
+        return lax.cond(jnp.sum(x) > 0, lambda x: x @ ws[0], lambda x: x @ ws[1], x).sum()
+
+    for sign in (1.0, -1.0):
+        x = jnp.abs(X) * sign
+        _, st = jax.jit(T.observe(branchy, TARGETS))(WS, x)
+        taken, other = ("dot_general[1]", "dot_general[0]")[:: int(sign)]
+        assert bool(st[taken]["valid"]) and not bool(st[other]["valid"])
+        _same(st[taken]["out"], T.tensor_stats(x @ WS[0 if sign > 0 else 1], TARGETS))
+
+    def loop(ws, x):
+        return lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] @ ws[0]), (0, x))[1]
+
+    _, st = jax.jit(T.observe(loop, TARGETS, while_capacity=4))(WS, X)
+    w = st["dot_general[0]"]
+    assert w["valid"].tolist() == [True, True, True, False]
+    h = X
+    for i in range(3):
+        h = h @ WS[0]
+        _same(_at(w["out"], i), T.tensor_stats(h, TARGETS))
+    # while loops are not differentiated in reverse mode: statistics without "grad"
+    fn = T.observe(lambda w, x, v: jnp.sum(loop(w, x)) + jnp.sum(v), TARGETS)
+    assert "grad" not in fn.value_and_grad(2)(WS, X, jnp.ones(2))[2]["dot_general[0]"]
