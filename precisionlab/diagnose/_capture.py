@@ -7,6 +7,11 @@ matmul's operands (``lhs``, ``rhs``), output (``out``) and output cotangent (``g
 activations (``act:pre``, ...) and the loss. Cotangents are divided by the variant's loss
 weight and loss scale, so two variants' gradients are in the same units; :attr:`grad_scale`
 keeps the factor (what the variant's compute dtype actually held is ``grad * grad_scale``).
+
+Matmuls inside a scan over stacked layers (``scan_layers``, with or without ``remat_every``)
+are captured per iteration, i.e. per layer, under the layer's name (``layer3:dot_general[1]
+.out``, see :meth:`precisionlab.intercept.Site.layer`); matmuls under a ``cond`` or a
+``while_loop`` (no built-in model has them) are not captured.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from precisionlab.intercept import Context, intercept
+from precisionlab.intercept import Context, Emit, PerIteration, Site, intercept
 from precisionlab.recipes import dot_general as recipe_dot
 from precisionlab.train import TrainSetup
 from precisionlab.train.step import cast_compute
@@ -48,12 +53,14 @@ class Tensor:
 class _Record:
     primitives = ("dot_general",)
 
-    def __init__(self, recipe, selected: frozenset, rstate: Any, sink: dict):
-        self.recipe, self.selected, self.rstate, self.sink = recipe, selected, rstate, sink
+    def __init__(self, recipe, selected: frozenset, rstate: Any):
+        self.recipe, self.selected, self.rstate = recipe, selected, rstate
 
-    def apply(self, ctx: Context, lhs, rhs, *, dimension_numbers, **params) -> list:
+    def apply(self, ctx: Context, lhs, rhs, *, dimension_numbers, **params) -> list | Emit:
         name = ctx.site.name
         if str(lhs.dtype) not in _FLOATS or str(rhs.dtype) not in _FLOATS:
+            return ctx.original(lhs, rhs)
+        if not _captured(ctx.site):
             return ctx.original(lhs, rhs)
         if self.recipe is not None and name in self.selected:
             out = recipe_dot(
@@ -64,10 +71,30 @@ class _Record:
             )  # fmt: skip
         else:
             out = ctx.original(lhs, rhs)[0]
-        self.sink[name] = {"lhs": lhs, "rhs": rhs, "out": out}
+        tensors = {"lhs": lhs, "rhs": rhs, "out": out}
         if ctx.state is not None:
             out = out + ctx.state.astype(out.dtype)
-        return [out]
+        return Emit([out], tensors)
+
+
+def _captured(site: Site) -> bool:
+    """Captured sites: at the top level, in calls, checkpoints and scans (not cond, while)."""
+    return not {"cond", "while"} & set(site.within)
+
+
+def _probe(site: Site):
+    zero = jnp.full((*site.lengths, *site.out_shapes[0]), -0.0, jnp.float32)
+    return PerIteration(zero) if site.lengths else zero
+
+
+def _iterations(site: Site) -> list[tuple[int, tuple[int, ...]]]:
+    """(flat iteration, index into the loop axes) of each iteration of a captured site."""
+    if not site.lengths:
+        return [(0, ())]
+    return [
+        (i, tuple(int(j) for j in np.unravel_index(i, site.lengths)))
+        for i in range(int(np.prod(site.lengths)))
+    ]
 
 
 #: Where the built-in models' captured activations come in a layer (unknown names last).
@@ -79,13 +106,6 @@ def _act_rank(key: str) -> tuple[int, str]:
     return (_ACT_ORDER.index(name) if name in _ACT_ORDER else len(_ACT_ORDER), key)
 
 
-def _layer_of(scope: str, names: tuple[str, ...]) -> str:
-    for part in scope.split("/"):
-        if part in names:
-            return part
-    return scope or "-"
-
-
 class Capture:
     """Captures of one variant (see the module docstring); ``capture(state, batch)`` gives
     ``{Tensor.key: float32 ndarray}``; :attr:`tensors` lists them in causal order."""
@@ -94,6 +114,8 @@ class Capture:
         cfg, pol = setup.config, setup.policy
         if setup.model.remat:
             raise ValueError("diagnose runs models without remat (the numerics are the same)")
+        # sites captured, and (site, iteration index, layer) of each captured tensor
+        self._entries: list[tuple[Site, tuple[int, ...], str]] = []
         self.setup, self.policy = setup, pol
         self.compute_dtype = np.dtype(pol.compute_dtype)
         self.layers = setup.model.layer_names()
@@ -102,7 +124,6 @@ class Capture:
         self.recipe = setup.options.recipe
         self._loss = setup.model.loss_fn(pol, capture=True, enforce=cfg.enforce_numerics)
         self.tensors: list[Tensor] = []
-        self._sites: list = []
         self._fn = jax.jit(self._run)
 
     def _scaled(self, p, batch):
@@ -114,27 +135,30 @@ class Capture:
         selected: frozenset = frozenset()
         if self.recipe is not None:  # the matmuls the variant's recipe replaces
             sel = intercept(
-                self._scaled, _Record(None, selected, None, {}),
+                self._scaled, _Record(None, selected, None),
                 include=self.recipe.include, exclude=self.recipe.exclude,
             )  # fmt: skip
             selected = frozenset(s.name for s in sel.sites(pc, batch) if s.selected)
 
-        def make(sink):
-            return intercept(self._scaled, _Record(self.recipe, selected, rstate, sink))
-
-        sites = [s for s in make({}).sites(pc, batch) if not s.loops]
-        self._sites = sites
-        probes = {s.name: jnp.full(s.out_shapes[0], -0.0, jnp.float32) for s in sites}
+        inter = intercept(self._scaled, _Record(self.recipe, selected, rstate))
+        sites = [s for s in inter.sites(pc, batch) if _captured(s)]
+        self._entries = [
+            (s, idx, s.layer(i if s.lengths else None, self.layers))
+            for s in sites
+            for i, idx in _iterations(s)
+        ]
+        probes = {s.name: _probe(s) for s in sites}
 
         def run(pr, p):
-            sink: dict = {}
-            out = make(sink).call_with_state(pr, p, batch)
-            loss, aux = out
+            (loss, aux), tensors = inter.call_with_aux(pr, p, batch)
+            sink = {k: a.value for k, a in tensors.items()}
             return loss_scale.scale(loss), (loss, aux["activations"], sink)
 
         (_, (loss, acts, sink)), cts = jax.value_and_grad(run, has_aux=True)(probes, pc)
         unscale = jnp.float32(self.loss_weight) * loss_scale.loss_scale.astype(jnp.float32)
-        grads = {k: v / unscale for k, v in cts.items()}
+        grads = {
+            k: (v.value if isinstance(v, PerIteration) else v) / unscale for k, v in cts.items()
+        }
         return loss / jnp.float32(self.loss_weight), acts, sink, grads, unscale
 
     def __call__(self, state: Any, batch: Any) -> dict[str, np.ndarray]:
@@ -145,13 +169,13 @@ class Capture:
         if not self.tensors:
             self.tensors = self._order(acts, sink)
         out: dict[str, np.ndarray] = {"-:loss": np.asarray(loss, np.float32)}
-        for s in self._sites:
-            layer = _layer_of(s.scope, self.layers)
+        for s, idx, layer in self._entries:
             for part in ("lhs", "rhs", "out"):
                 if s.name in sink:
-                    out[f"{layer}:{s.name}.{part}"] = np.asarray(sink[s.name][part], np.float32)
+                    x = sink[s.name][part][idx]
+                    out[f"{layer}:{s.name}.{part}"] = np.asarray(x, np.float32)
             if s.name in grads:
-                out[f"{layer}:{s.name}.grad"] = np.asarray(grads[s.name], np.float32)
+                out[f"{layer}:{s.name}.grad"] = np.asarray(grads[s.name][idx], np.float32)
         for k, v in acts.items():
             out[f"{self._act_layer(k)}:act:{k.split('/')[-1]}"] = np.asarray(v, np.float32)
         return out
@@ -163,8 +187,8 @@ class Capture:
     def _order(self, acts: dict, sink: dict) -> list[Tensor]:
         fwd: list[Tensor] = []
         for layer in self.layers:
-            for s in self._sites:
-                if _layer_of(s.scope, self.layers) == layer and s.name in sink:
+            for s, _, where in self._entries:
+                if where == layer and s.name in sink:
                     kinds = (("lhs", "operand"), ("rhs", "operand"), ("out", "output"))
                     fwd += [Tensor(layer, f"{s.name}.{p}", k, 0) for p, k in kinds]
             for k in sorted(acts, key=_act_rank):  # jit returns dicts in sorted key order
@@ -172,8 +196,8 @@ class Capture:
                     fwd.append(Tensor(layer, f"act:{k.split('/')[-1]}", "activation", 0))
         fwd.append(Tensor("-", "loss", "loss", 0))
         bwd = [
-            Tensor(_layer_of(s.scope, self.layers), f"{s.name}.grad", "grad", 0)
-            for s in reversed(self._sites)
+            Tensor(layer, f"{s.name}.grad", "grad", 0)
+            for s, _, layer in reversed(self._entries)
             if s.name in sink
         ]
         return [dataclasses.replace(t, order=i) for i, t in enumerate(fwd + bwd)]

@@ -75,11 +75,19 @@ def with_layers_high(config: TrainConfig, layers: Sequence[str], **changes) -> T
 
 def check(mode: str, units: Sequence[Unit], options: object) -> None:
     """The errors a diagnosis would meet later, raised before any run: a ``--layers`` pattern
-    matching no layer (bisect), a variant without a recipe (autoswitch)."""
+    matching no layer (bisect), stacked layers (bisect: it returns single layers to high
+    precision, which stacked identical layers cannot), a variant without a recipe
+    (autoswitch)."""
     from precisionlab.train.models import layer_names, resolve_layers
 
     cfg = units[0].config
     layers = getattr(options, "layers", ())
+    stacked = [u.name for u in units if u.config.scan_layers]
+    if mode == "bisect" and stacked:
+        raise ValueError(
+            f"--bisect returns single layers to high precision, but {stacked[0]!r} stacks its "
+            "layers (scan_layers = true): run it with --set train.scan_layers=false"
+        )
     if mode == "bisect" and layers:
         resolve_layers(layers, layer_names(cfg.model, cfg.model_kwargs), "--layers pattern")
     if mode == "autoswitch" and cfg.precision.recipe is None:

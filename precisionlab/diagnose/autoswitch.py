@@ -262,7 +262,7 @@ def autoswitch(
     rows = []
     for name, st in jax.device_get(result.state.recipe_state).items():
         s = sites[name]
-        layer = next((p for p in s.scope.split("/") if p in layers), s.scope or "-")
+        layer = s.layer(names=layers)
         switched = bool(st["switched"] > 0)
         rows.append(
             {
