@@ -36,7 +36,7 @@ def _by_layer(rows: list[dict]) -> dict[tuple, dict]:
 def test_scan_layers_telemetry_rows_equal_the_unrolled_rows():
     base = dict(
         model="mlp", model_kwargs={"width": 16, "depth": 5, "activation": "tanh"},
-        loss_weight=2.0**-12, batch_size=16, steps=1, progress=False,
+        loss_weight=2.0**-16, batch_size=16, steps=1, progress=False,
         telemetry={"interval": 1, "targets": ["fp16", "e4m3:tensor"], "state": False},
     )  # fmt: skip
     runs = {}

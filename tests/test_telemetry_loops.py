@@ -4,14 +4,14 @@ cotangents equal to a numpy recount of jax.grad of the unrolled model."""
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
+import pytest
 from jax import lax
 
 from precisionlab import telemetry as T
 
-TARGETS = ("fp16", "bf16")
-L = 4
+TARGETS = ("fp16",)
+L = 3
 # weights spread so the output cotangents of the deep layers underflow fp16 somewhat
 WS = jax.random.normal(jax.random.PRNGKey(0), (L, 8, 8)) * jnp.float32(0.05)
 X = jax.random.normal(jax.random.PRNGKey(1), (6, 8))
@@ -59,23 +59,27 @@ def _recount(x: np.ndarray) -> dict:
     x = np.asarray(x, np.float32)
     nz = x != 0
     out = {"n_zero": int((~nz).sum()), "amax": float(np.abs(x).max())}
-    for name, dt in (("fp16", np.float16), ("bf16", ml_dtypes.bfloat16)):
-        out[name] = int((nz & (x.astype(dt) == 0)).sum())
+    out["fp16"] = int((nz & (x.astype(np.float16) == 0)).sum())  # numpy rounds to nearest even
     return out
 
 
 def test_scanned_stack_equals_unrolled_per_layer_with_grads():
     vg_s = jax.jit(T.observe(_scanned, TARGETS).value_and_grad(0))
-    vg_u = jax.jit(T.observe(_unrolled, TARGETS).value_and_grad(0))
+    vg_u = jax.jit(T.observe(_unrolled, TARGETS).value_and_grad(0, tensors=True))
     v_s, _, st_s = vg_s(WS, X)
-    v_u, _, st_u = vg_u(WS, X)
-    assert set(st_s) == {"dot_general[0]"} and len(st_u) == L
+    v_u, _, tensors = vg_u(WS, X)
+    assert set(st_s) == {"dot_general[0]"} and len(tensors) == L
     np.testing.assert_allclose(v_s, v_u, rtol=1e-6)
     s = st_s["dot_general[0]"]
     assert s["grad"].n.shape == (L,)
-    for i in range(L):  # the same arithmetic per layer: the same statistics, exactly
-        for role in ("lhs", "rhs", "out", "grad"):
-            _same(_at(s[role], i), st_u[f"dot_general[{i}]"][role])
+    # the unrolled model's tensors, their statistics in one program (cheap to compile)
+    roles = ("lhs", "rhs", "out", "grad")
+    ref = T.stacked_stats(
+        [tensors[f"dot_general[{i}]"][r] for i in range(L) for r in roles], TARGETS
+    )
+    for i in range(L):  # the same arithmetic per layer: the same statistics
+        for k, role in enumerate(roles):
+            _same(_at(s[role], i), _at(ref, i * len(roles) + k))
     # the cotangents per layer against a numpy recount of jax.grad of the unrolled model
     probes = jnp.zeros((L, 6, 8))
     cts = np.asarray(jax.jit(jax.grad(lambda p: _unrolled(WS, X, p)))(probes))
@@ -83,13 +87,14 @@ def test_scanned_stack_equals_unrolled_per_layer_with_grads():
     for i in range(L):
         got, want = T.to_dict(_at(s["grad"], i), TARGETS), _recount(cts[i])
         assert got["n_zero"] == want["n_zero"] and got["amax"] == want["amax"]
-        for name in TARGETS:
-            n = round(got["targets"][name]["underflow"] * got["n_nonzero"])
-            assert n == want[name], (i, name)
+        n = round(got["targets"]["fp16"]["underflow"] * got["n_nonzero"])
+        assert n == want["fp16"], i
         under += want["fp16"]
     assert under > 0  # the comparison above was not vacuous
 
 
+@pytest.mark.slow  # ~8 statistics programs to compile (the interception-level checks of these
+# constructs, without statistics, run by default in test_intercept_loops.py)
 def test_remat_scan_and_cond_and_while():
     # a checkpointed scan body: the same statistics as without checkpoint
     _, st = jax.jit(T.observe(_scanned, TARGETS))(WS, X)
@@ -99,9 +104,10 @@ def test_remat_scan_and_cond_and_while():
     def branchy(ws, x):
         return lax.cond(jnp.sum(x) > 0, lambda x: x @ ws[0], lambda x: x @ ws[1], x).sum()
 
+    obs = jax.jit(T.observe(branchy, TARGETS))
     for sign in (1.0, -1.0):
         x = jnp.abs(X) * sign
-        _, st = jax.jit(T.observe(branchy, TARGETS))(WS, x)
+        _, st = obs(WS, x)
         taken, other = ("dot_general[1]", "dot_general[0]")[:: int(sign)]
         assert bool(st[taken]["valid"]) and not bool(st[other]["valid"])
         _same(st[taken]["out"], T.tensor_stats(x @ WS[0 if sign > 0 else 1], TARGETS))
