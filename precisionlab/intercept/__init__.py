@@ -6,7 +6,9 @@ low-precision matmul recipes), recursing into ``jit``, custom-derivative functio
 ``while_loop``, ``cond`` and ``checkpoint``. Each match is a :class:`Site` with a stable
 name (``"dot_general[3]"``), its scope (``jax.named_scope`` and ``jit`` names) and source
 line; ``include``/``exclude`` pick which are replaced. The result composes with ``jit``,
-``grad`` and ``vmap``.
+``grad`` and ``vmap``. A rule may also return auxiliary values (:class:`Emit`), which
+:meth:`Intercepted.call_with_aux` threads out of loops (stacked per iteration), conds and
+checkpoints as :class:`Aux`; :class:`PerIteration` state is sliced per loop iteration.
 """
 
 from precisionlab.intercept._interpret import (
