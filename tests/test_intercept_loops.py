@@ -116,7 +116,7 @@ def test_per_iteration_state_gradient_is_stacked_not_max():
         inter.call_with_state({"dot_general[0]": PerIteration(jnp.zeros((3, 2, 3)))}, W, X)
 
 
-def test_rules_without_emit_give_no_aux_and_the_same_program():
+def test_rules_without_emit_give_no_aux_and_the_same_result():
     class Keep:
         primitives = ("dot_general",)
 
