@@ -2,6 +2,8 @@
 gives per-layer statistics equal to the same model written unrolled, and per-iteration output
 cotangents equal to a numpy recount of jax.grad of the unrolled model."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -125,3 +127,29 @@ def test_remat_scan_and_cond_and_while():
     # while loops are not differentiated in reverse mode: statistics without "grad"
     fn = T.observe(lambda w, x, v: jnp.sum(loop(w, x)) + jnp.sum(v), TARGETS)
     assert "grad" not in fn.value_and_grad(2)(WS, X, jnp.ones(2))[2]["dot_general[0]"]
+
+
+def test_views_name_layer_and_site_and_still_read_rows_without_a_site(tmp_path):
+    from precisionlab.experiments import telemetry_views as views
+
+    def row(step, layer, site, tensor, under):
+        r = {"step": step, "kind": "matmul", "layer": layer, "tensor": tensor,
+             "dynamic_range": 3.0 * under, "targets": {"fp16": {"underflow": under,
+                                                                "overflow": 0.0}}}  # fmt: skip
+        return {**r, "site": site} if site else r
+
+    rows = [
+        row(1, "dot_general[0]", None, "grad", 0.25),  # written before rows named the layer
+        row(3, "layer1", "dot_general[1]", "grad", 0.5),
+        row(3, "layer2", "dot_general[1]", "grad", 0.75),  # the same site, a stacked layer
+    ]
+    (tmp_path / "telemetry.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summ = views.summarize_telemetry(tmp_path)
+    worst = summ["worst_underflow"]
+    assert [(e["layer"], e.get("site"), e["fraction"]) for e in worst] == [
+        ("layer2", "dot_general[1]", 0.75), ("layer1", "dot_general[1]", 0.5),
+        ("dot_general[0]", None, 0.25),
+    ]  # fmt: skip
+    assert [views._label(r) for r in rows] == [
+        "dot_general[0].grad", "layer1:dot_general[1].grad", "layer2:dot_general[1].grad",
+    ]  # fmt: skip
