@@ -148,12 +148,14 @@ class Observed:
         ``"grad"``: the output cotangent's (per iteration inside a scan; none inside a while
         loop). ``tensors=True`` gives the tensors themselves (float, laid out as their
         statistics would be: operands ``(rows, K)``, with the loop axes in front) instead of
-        their statistics, for a caller that batches the statistics of many tensors."""
+        their statistics, for a caller that batches the statistics of many tensors.
+        ``f.sites``: the observed :class:`Site` list of the last call (set when it traces)."""
         nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
         stat = (lambda x, _: x) if tensors else tensor_stats
 
         def f(*args, **kwargs):
             ok, _ = self._plan(args, kwargs)
+            f.sites = ok  # type: ignore[attr-defined]
             by_name = {s.name: s for s in ok}
             probes = {s.name: _probe(s) for s in ok if _probed(s)}
 
@@ -177,6 +179,7 @@ class Observed:
             g = grads[1] if isinstance(argnums, int) else tuple(grads[1:])
             return ((value, aux) if has_aux else value), g, stats
 
+        f.sites = []  # type: ignore[attr-defined]
         return f
 
 

@@ -181,13 +181,12 @@ def make_telemetry_fn(
         loss, _ = loss_fn(p, b)
         return ls.scale(loss)
 
-    obs = observe(scaled, targets)
-    vg = obs.value_and_grad(0, tensors=True)
+    vg = observe(scaled, targets).value_and_grad(0, tensors=True)
 
     def matmul_tensors(pc, b, ls) -> list:
         tensors = vg(pc, b, ls)[2]
         flat = {}
-        for site in obs.sites(pc, b, ls):  # program order
+        for site in vg.sites:  # program order
             if site.name in tensors:
                 flat.update(_per_layer(site, tensors[site.name]))
         names["matmul"] = list(flat)
