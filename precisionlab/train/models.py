@@ -101,6 +101,20 @@ def _check_layers(model: Model, names: Any) -> tuple[str, ...]:
     return tuple(names)
 
 
+def _check_scales(model: Model, *extra: str) -> None:
+    """The positive scales every model has (``init_scale``, ``act_scale``) and ``extra``."""
+    for n in ("init_scale", "act_scale", *extra):
+        _check_pos(n, getattr(model, n))
+
+
+def _check_layout(model: Model, n_stacked: int | None) -> None:
+    """``high_precision`` (normalized to a tuple of layer names) and, unless ``n_stacked`` is
+    None (a model without ``scan_layers``), the scan options over ``n_stacked`` layers."""
+    object.__setattr__(model, "high_precision", _check_layers(model, model.high_precision))
+    if n_stacked is not None:
+        _check_scan(model, n_stacked)
+
+
 def _check_scan(model: Any, n_stacked: int) -> None:
     check_scan_options(
         scan=model.scan_layers,
@@ -276,20 +290,17 @@ class MLP(Model):
             _check_int(n, getattr(self, n), 1)
         _check_int("num_classes", self.num_classes, 2)
         _check_int("depth", self.depth, 1)
-        _check_pos("init_scale", self.init_scale)
-        _check_pos("act_scale", self.act_scale)
+        _check_scales(self, "overflow_scale")
         if self.activation not in _ACTIVATIONS:
             raise ValueError(
                 f"unknown activation {self.activation!r}; allowed: {', '.join(_ACTIVATIONS)}"
             )
-        _check_pos("overflow_scale", self.overflow_scale)
         if not isinstance(self.overflow_layer, int) or not -1 <= self.overflow_layer < self.depth:
             raise ValueError(
                 f"overflow_layer must be -1 (off) or a hidden layer 0..{self.depth - 1}, "
                 f"got {self.overflow_layer!r}"
             )
-        object.__setattr__(self, "high_precision", _check_layers(self, self.high_precision))
-        _check_scan(self, self.depth - 1)  # layer 0 (in_dim -> width) is not stacked
+        _check_layout(self, self.depth - 1)  # layer 0 (in_dim -> width) is not stacked
         if self.scan_layers and self.overflow_layer >= 1:
             raise ValueError(
                 f"overflow_layer {self.overflow_layer} is a stacked layer under scan_layers; "
@@ -450,14 +461,11 @@ class Transformer(Model):
             _check_int(n, getattr(self, n), 1)
         if self.d_model % self.heads:
             raise ValueError(f"d_model {self.d_model} must be divisible by heads {self.heads}")
-        _check_pos("init_scale", self.init_scale)
-        _check_pos("act_scale", self.act_scale)
-        _check_pos("outlier_scale", self.outlier_scale)
+        _check_scales(self, "outlier_scale")
         _check_int("outlier_channels", self.outlier_channels, 0)
         if self.outlier_channels > self.d_model:
             raise ValueError(f"outlier_channels {self.outlier_channels} > d_model {self.d_model}")
-        object.__setattr__(self, "high_precision", _check_layers(self, self.high_precision))
-        _check_scan(self, self.depth)
+        _check_layout(self, self.depth)
 
     def layer_names(self) -> tuple[str, ...]:
         return (*(f"block{i}" for i in range(self.depth)), "unembed")
@@ -649,10 +657,9 @@ class ConvNet(Model):
         for n in ("in_dim", "width", "depth"):
             _check_int(n, getattr(self, n), 1)
         _check_int("num_classes", self.num_classes, 2)
-        _check_pos("init_scale", self.init_scale)
-        _check_pos("act_scale", self.act_scale)
+        _check_scales(self)
         _conv.check(self)
-        object.__setattr__(self, "high_precision", _check_layers(self, self.high_precision))
+        _check_layout(self, None)  # no scan_layers
 
     def layer_names(self) -> tuple[str, ...]:
         return (*(f"conv{i}" for i in range(self.depth)), "out")
