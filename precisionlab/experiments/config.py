@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from precisionlab._schema import ConfigError, Field, coerce, validate_table
+from precisionlab._schema import ConfigError, Field, coerce, read_toml, validate_table
 from precisionlab.experiments import kinds, train_kind
 from precisionlab.experiments.store import safe_name
 
@@ -200,13 +200,9 @@ def load_experiment(path: str | Path, overrides: Sequence[str] = ()) -> Experime
     """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        doc = read_toml(path)
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such experiment file") from None
-    try:
-        doc = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{path}: not valid TOML: {err}") from None
     doc = apply_overrides(doc, overrides)
     return experiment_from_document(doc, str(path), default_name=path.stem)
 
