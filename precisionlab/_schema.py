@@ -225,3 +225,5 @@ def read_toml(path: str | os.PathLike[str], what: str = "experiment file") -> di
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: not valid TOML: {err}") from None
+    except ValueError as err:  # an int past Python's 4300-digit limit for str -> int
+        raise ConfigError(f"{path}: {str(err).split('; use sys.')[0]}") from None

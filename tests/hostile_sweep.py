@@ -64,7 +64,7 @@ def tiny(extra: str = "", diag: str = "") -> str:
 def _files(work: Path) -> None:
     """The files the cases name, in the scratch directory."""
     (work / "tiny.toml").write_text(tiny())
-    (work / "adir.toml").mkdir()
+    (work / "adir.toml").mkdir(exist_ok=True)
     (work / "binary.toml").write_bytes(bytes(range(256)) * 64)
     (work / "badtoml.toml").write_text('kind = "train"\n[train\nsteps = 2\n')
     (work / "huge.toml").write_text(tiny() + "# " + "x" * (64 << 20) + "\n")
@@ -187,7 +187,7 @@ def cases() -> dict[str, list[str]]:
         mode = ["--compare", "a", "b"] if key != "nan" and key != "neg" else ["--bisect", "b", "a"]
         mode = ["--autoswitch", "r"] if key in ("type", "inf") else mode
         c[f"diagnose_table_{key}"] = ["diagnose", f"diag_{key}.toml", "--quiet", *mode]
-    for v in ("afile", "afile/sub", "/nonexistent/x", "/proc/x", "", "/dev/null"):
+    for v in ("afile", "afile/sub", "/proc/self/x", "/proc/x", "", "/dev/null", "/", "."):
         c[f"diagnose_out_{v}"] = [*CMP, "--out", v]
     # memory
     for flag in ("--zero-stage", "--dp", "--batch", "--seq", "--microbatches",
@@ -267,7 +267,7 @@ def cases() -> dict[str, list[str]]:
         ]  # fmt: skip
     for f in ("adir.toml", "binary.toml", "badtoml.toml", "huge.toml", "utf16.toml"):
         c[f"run_file_{f}"] = ["run", f, "--quiet", "--no-report"]
-    for v in ("afile", "afile/sub", "/nonexistent/x", "", "/dev/null", "/proc/x"):
+    for v in ("afile", "afile/sub", "/proc/self/x", "", "/dev/null", "/proc/x", " "):
         c[f"run_out_{v}"] = [*RUN, "--out", v]
     # bench
     for bench, flags in {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 
@@ -14,7 +15,16 @@ MAX_LINE = 400
 _QUOTED = re.compile(rf"'[^']{{{MAX_ECHO},}}'|\"[^\"]{{{MAX_ECHO},}}\"")
 
 
-__all__ = ["MAX_ECHO", "Parser", "UsageError", "one_line", "shorten", "split_list", "stdout_is_tty"]
+__all__ = [
+    "MAX_ECHO",
+    "Parser",
+    "UsageError",
+    "check_out_dir",
+    "one_line",
+    "shorten",
+    "split_list",
+    "stdout_is_tty",
+]
 
 
 class Parser(argparse.ArgumentParser):
@@ -40,3 +50,18 @@ def one_line(message: str) -> str:
 
 def stdout_is_tty() -> bool:
     return sys.stdout.isatty()
+
+
+def check_out_dir(out: str | None, *, new: bool = False) -> None:
+    """UsageError unless ``out`` (a ``--out DIR`` flag; None: not given) can name a run
+    directory: not empty text (it would mean the current directory), not an existing file, and
+    with ``new`` not an existing directory that holds anything (a run directory is checked
+    file by file, so ``--out /`` would walk the whole disk)."""
+    if out is None:
+        return
+    if not out.strip():
+        raise UsageError(f"--out {out!r}: empty; name a run directory")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"--out {shorten(out)}: exists and is not a directory")
+    if new and os.path.isdir(out) and os.listdir(out):
+        raise UsageError(f"--out {shorten(out)}: the directory is not empty; name a new one")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from precisionlab.cli._common import UsageError
+from precisionlab.cli._common import UsageError, check_out_dir
 
 HELP = "find the layer and step where precision breaks: --compare, --bisect or --autoswitch"
 
@@ -92,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             "give one of --compare REF OTHER, --bisect FAIL PASS, --autoswitch VARIANT"
         )
+    check_out_dir(args.out, new=True)
     names = [args.autoswitch] if mode == "autoswitch" else list(getattr(args, mode))
     experiment, units = d.load_units(args.config, names, args.overrides)
     options = _options(args, mode, experiment.resolved.get("diagnose", {}))

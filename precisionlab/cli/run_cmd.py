@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-from precisionlab.cli._common import UsageError
+from precisionlab.cli._common import UsageError, check_out_dir
 
 HELP = "run an experiment (TOML) into a run directory; --resume DIR continues a killed run"
 
@@ -110,6 +110,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError("--set and --out apply to a new run, not to --resume")
     if not args.resume and not args.config:
         raise UsageError("give an experiment file (CONFIG) or --resume DIR")
+    check_out_dir(args.out)
 
 
 def _train(args: argparse.Namespace):

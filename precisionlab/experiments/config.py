@@ -123,11 +123,13 @@ def parse_override(text: str) -> tuple[list[str], str]:
     return keys, value.strip()
 
 
-def _literal(value: str) -> Any:
+def _literal(value: str, text: str) -> Any:
     try:
         return tomllib.loads(f"v = {value}")["v"]
     except tomllib.TOMLDecodeError:
         return value
+    except ValueError as err:  # an int past Python's 4300-digit limit for str -> int
+        raise ConfigError(f"--set {text!r}: {err}".split("; use sys.")[0]) from None
 
 
 def _field_for(doc: Mapping[str, Any], keys: Sequence[str]) -> Field | None:
@@ -159,7 +161,7 @@ def apply_overrides(doc: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
         elif field is not None and field.type is list and field.item is str and "[" not in raw:
             value = [item.strip() for item in raw.split(",") if item.strip()]
         else:
-            value = _literal(raw)
+            value = _literal(raw, text)
         node: Any = doc
         walked: list[str] = []
         for key in keys[:-1]:
@@ -182,7 +184,7 @@ def _pick_variant(items: list, key: str, text: str) -> dict:
     for item in items:
         if isinstance(item, dict) and item.get("name") == key:
             return item
-    if key.isdigit() and int(key) < len(items):
+    if key.isascii() and key.isdigit() and len(key) < 10 and int(key) < len(items):
         return items[int(key)]
     names = [str(item.get("name")) for item in items if isinstance(item, dict)]
     raise ConfigError(f"--set {text!r}: no variant {key!r}; variants: {', '.join(names)}")

@@ -73,9 +73,16 @@ MODELS: tuple[str, ...] = ("mlp", "transformer", "conv")
 _ACTIVATIONS = ("relu", "gelu", "tanh")
 
 
-def _check_int(name: str, value: Any, low: int) -> None:
+#: Most layers a built-in model has (as ``precisionlab.memory``'s presets): beyond it the layer
+#: names alone would take seconds to list, and the model could not be a lab experiment.
+MAX_DEPTH = 2**16
+
+
+def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be an int <= {high}, got {value!r}")
 
 
 def _check_pos(name: str, value: Any) -> None:
@@ -289,7 +296,7 @@ class MLP(Model):
         for n in ("in_dim", "width"):
             _check_int(n, getattr(self, n), 1)
         _check_int("num_classes", self.num_classes, 2)
-        _check_int("depth", self.depth, 1)
+        _check_int("depth", self.depth, 1, MAX_DEPTH)
         _check_scales(self, "overflow_scale")
         if self.activation not in _ACTIVATIONS:
             raise ValueError(
@@ -457,8 +464,9 @@ class Transformer(Model):
     data_kind = "lm"
 
     def __post_init__(self) -> None:
-        for n in ("vocab_size", "seq_len", "d_model", "depth", "heads", "mlp_ratio"):
+        for n in ("vocab_size", "seq_len", "d_model", "heads", "mlp_ratio"):
             _check_int(n, getattr(self, n), 1)
+        _check_int("depth", self.depth, 1, MAX_DEPTH)
         if self.d_model % self.heads:
             raise ValueError(f"d_model {self.d_model} must be divisible by heads {self.heads}")
         _check_scales(self, "outlier_scale")
@@ -654,8 +662,9 @@ class ConvNet(Model):
     data_kind = "classification"
 
     def __post_init__(self) -> None:
-        for n in ("in_dim", "width", "depth"):
+        for n in ("in_dim", "width"):
             _check_int(n, getattr(self, n), 1)
+        _check_int("depth", self.depth, 1, MAX_DEPTH)
         _check_int("num_classes", self.num_classes, 2)
         _check_scales(self)
         _conv.check(self)
@@ -718,7 +727,7 @@ def layer_names(name: str, model_kwargs: dict[str, Any] | None = None) -> tuple[
         raise ValueError(f"unknown model {name!r}; allowed: {', '.join(MODELS)}")
     fields = {f.name: f.default for f in dataclasses.fields(_BUILDERS[name])}
     depth = (model_kwargs or {}).get("depth", fields["depth"])
-    _check_int("depth", depth, 1)
+    _check_int("depth", depth, 1, MAX_DEPTH)
     prefix, last = {"mlp": ("layer", "out"), "transformer": ("block", "unembed")}.get(
         name, ("conv", "out")
     )
