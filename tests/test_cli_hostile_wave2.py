@@ -45,6 +45,8 @@ def _cli(capsys, argv: list[str], limit_s: int = 30) -> str:
     signal.alarm(limit_s)
     try:
         status = main(argv)
+    except SystemExit as exit_:  # argparse's errors (a flag's type)
+        status = exit_.code
     except _Hang:
         pytest.fail(f"no answer within {limit_s} s: precisionlab {' '.join(argv)[:300]}")
     finally:
@@ -52,7 +54,9 @@ def _cli(capsys, argv: list[str], limit_s: int = 30) -> str:
         signal.signal(signal.SIGALRM, previous)
     out, err = capsys.readouterr()
     assert status == 2, (status, out[-2000:], err[-2000:])
-    assert err.startswith(f"precisionlab {argv[0]}: error: ") and err.count("\n") == 1, err
+    head = err.split(": error: ")[0]  # argparse names the subcommand: bench recipes
+    assert head in (f"precisionlab {argv[0]}", f"precisionlab {' '.join(argv[:2])}"), err
+    assert err.count("\n") == 1, err
     assert "Traceback" not in out + err
     return err
 
@@ -158,3 +162,21 @@ def test_diagnose_out_is_a_new_or_empty_directory(work, capsys, out):
 def test_memory_empty_recipe_is_unknown_not_none(work, capsys, where):
     err = _cli(capsys, ["memory", *where, "--recipe", ""])
     assert "unknown recipe ''" in err
+
+
+# --- bench: flags checked before anything compiles ----------------------------------------------
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["recipes", "--layers", "1" + "0" * 18], "<= 2147483647"),  # an XLA abort (status -6)
+        (["recipes", "--vocab", "100000000"], "params (--layers"),  # > 2**64 random bits
+        (["recipes", "--seq", "100000"], "attention scores"),
+        (["recipes", "--recipes", ","], "name at least one recipe"),  # ran nothing, status 0
+        (["recipes", "--repeats", "1001"], "<= 1000"),  # 1e18 rounds: a hang
+        (["train", "--steps", "1" + "0" * 18], "<= 1000"),
+        (["telemetry", "--interval", "1" + "0" * 18], "<= 2147483647"),  # jit OverflowError
+    ],
+)
+def test_bench_bad_sizes_and_repeats_are_one_line(capsys, argv, message):
+    err = _cli(capsys, ["bench", *argv])
+    assert message in err, err
