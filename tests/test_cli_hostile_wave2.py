@@ -180,3 +180,17 @@ def test_memory_empty_recipe_is_unknown_not_none(work, capsys, where):
 def test_bench_bad_sizes_and_repeats_are_one_line(capsys, argv, message):
     err = _cli(capsys, ["bench", *argv])
     assert message in err, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["diagnose", "tiny.toml", "--compare", "a", "b", "--threshold", "-inf"], "got -inf"),
+        (["diagnose", "tiny.toml", "--bisect", "b", "a", "--tolerance", "-nan"], "got nan"),
+        (["memory", "--preset", "gpt3-small", "--budget", "-1GiB"], "malformed size '-1GiB'"),
+    ],
+)
+def test_negative_looking_values_reach_their_check(work, capsys, argv, message):
+    # argparse took them for flags: "expected one argument", which hid what was wrong
+    err = _cli(capsys, argv)
+    assert message in err, err

@@ -28,7 +28,14 @@ __all__ = [
 
 
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line on stderr and exit status 2."""
+    """An ArgumentParser whose errors are one line on stderr and exit status 2, and which reads
+    ``-inf``, ``-nan``, ``-1e3`` and ``-1GiB`` as values (argparse takes only ``-1`` and ``-1.5``
+    so, and said "expected one argument" for ``--threshold -inf``, hiding what is wrong)."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        # argparse's own hook (no precisionlab flag looks like a negative number)
+        self._negative_number_matcher = re.compile(r"^-(\d|\.\d|inf|nan)", re.IGNORECASE)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         sys.stderr.write(f"{self.prog}: error: {one_line(message)}\n")
