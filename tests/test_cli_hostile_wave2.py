@@ -188,9 +188,13 @@ def test_bench_bad_sizes_and_repeats_are_one_line(capsys, argv, message):
         (["diagnose", "tiny.toml", "--compare", "a", "b", "--threshold", "-inf"], "got -inf"),
         (["diagnose", "tiny.toml", "--bisect", "b", "a", "--tolerance", "-nan"], "got nan"),
         (["memory", "--preset", "gpt3-small", "--budget", "-1GiB"], "malformed size '-1GiB'"),
+        # diagnose's flags in the ranges of the file's [diagnose] table (these ran, or trained)
+        (["diagnose", "tiny.toml", "--bisect", "b", "a", "--tail", BIG[:19]], "--tail: must be"),
+        (["diagnose", "tiny.toml", "--compare", "a", "b", "--every", BIG[:19]], "--every: must"),
+        (["diagnose", "tiny.toml", "--compare", "a", "b", "--steps", str(2**31)], "--steps: must"),
     ],
 )
-def test_negative_looking_values_reach_their_check(work, capsys, argv, message):
-    # argparse took them for flags: "expected one argument", which hid what was wrong
+def test_flag_values_are_checked_with_their_names(work, capsys, argv, message):
+    # -inf and -1GiB: argparse took them for flags ("expected one argument"), hiding the cause
     err = _cli(capsys, argv)
     assert message in err, err
