@@ -68,18 +68,19 @@ def _options(args: argparse.Namespace, mode: str, defaults: dict) -> object:
     """The typed options of ``mode`` from the file's ``[diagnose]`` table (``defaults``)
     overridden by the flags (ValueError for bad values)."""
     from precisionlab import diagnose as d
-    from precisionlab._schema import INT32_MAX, Field, coerce
+    from precisionlab._schema import coerce
     from precisionlab.experiments.config import DIAGNOSE_SCHEMA
 
     given = {k: v for k, v in defaults.items() if _ONLY.get(k) == mode}
     for flag, owner in _ONLY.items():
         if getattr(args, flag) is not None and owner != mode:
             raise UsageError(f"--{flag} applies to --{owner}, not --{mode}")
-    # The flags in the ranges of the file's [diagnose] table (--tail 1e18 passed before).
-    count = Field(int, 1, low=1, high=INT32_MAX, why="an int32")
-    for key, field in {**DIAGNOSE_SCHEMA, "every": count, "steps": count}.items():
+    # The counting flags in the range of the file's [diagnose] tail (--tail 1e18 passed); the
+    # options check the thresholds.
+    count = DIAGNOSE_SCHEMA["tail"]
+    for key in ("tail", "every", "steps"):
         if getattr(args, key, None) is not None:
-            coerce(getattr(args, key), field, f"--{key}")
+            coerce(getattr(args, key), count, f"--{key}")
     given.update({k: getattr(args, k) for k in _ONLY if getattr(args, k) is not None})
     given["steps"] = args.steps
     if mode == "compare":
