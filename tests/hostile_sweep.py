@@ -30,6 +30,7 @@ MEMORY_LIMIT = 8 << 30  # address space per case: a runaway read fails here, not
 def _limit_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
 
+
 TINY = """
 kind = "train"
 name = "tiny"
@@ -101,7 +102,9 @@ MUTATED = {
     "ckpt_remat_neg": ("checkpointing.toml", "remat_every = [1, 2,", "remat_every = [-1, 2,"),
     "ckpt_remat_huge": ("checkpointing.toml", "remat_every = [1, 2,", "remat_every = [99999, 2,"),
     "ckpt_micro_zero": ("checkpointing.toml", "microbatches = [1, 2,", "microbatches = [0, 2,"),
-    "ckpt_policy": ("checkpointing.toml", 'remat_policy = "nothing_saveable"', 'remat_policy = "x"'),
+    "ckpt_policy": (
+        "checkpointing.toml", 'remat_policy = "nothing_saveable"', 'remat_policy = "x"'
+    ),
     "ckpt_depth_huge": ("checkpointing.toml", "depth = 32,", "depth = 100000000,"),
     "ckpt_batch_huge": ("checkpointing.toml", "batch_size = 2048", "batch_size = 1000000000000"),
     "ckpt_plots": ("checkpointing.toml", "plots = true", 'plots = "yes"'),
@@ -128,10 +131,10 @@ MUTATED = {
                           "outlier_channels = 1000000"),
     "fp8_outlier_scale": ("fp8_recipes_outliers.toml", "outlier_scale = 100.0",
                           "outlier_scale = nan"),
-    "broken_layer_overflow": ("broken_layer.toml", "overflow_layer = 4", "overflow_layer = 99"),
+    "broken_layer_overflow": ("broken_layer.toml", "overflow_layer = 4 }", "overflow_layer = 99 }"),
     "broken_layer_threshold": ("broken_layer.toml", "threshold = 0.1", "threshold = nan"),
     "broken_layer_tail": ("broken_layer.toml", "tail = 10 ", "tail = 0 "),
-    "broken_layer_width": ("broken_layer.toml", "width = 32", "width = 1000000000000"),
+    "broken_layer_width": ("broken_layer.toml", "width = 32,", "width = 1000000000000,"),
     "real_data_warmup": ("real_data.toml", "warmup_steps = 20", "warmup_steps = -20"),
     "real_data_data": ("real_data.toml", 'data = "text"', 'data = "../../etc/passwd"'),
     "real_data_seq": ("real_data.toml", "seq_len = 64", "seq_len = 1000000000000"),
@@ -243,9 +246,10 @@ def cases() -> dict[str, list[str]]:
         "train.telemetry.bogus=1", "train.telemetry.enabled=maybe", "train.telemetry.matmuls=7",
         'train.telemetry.state=["x"]', "train.scan_layers=yes", "train.scan_layers=1",
         "train.remat_every=-1", "train.remat_every=1e400", f"train.remat_every={BIG}",
-        "train.remat_every=2", "train.remat_policy=nope", "train.remat_policy=", 
+        "train.remat_every=2", "train.remat_policy=nope", "train.remat_policy=",
         "train.zero_stage=4", "train.zero_stage=-1", "train.zero_stage=true",
-        "train.zero_stage=1", "train.zero_stage=1.0", "train.recipe=nope", 'train.recipe={name="nope"}',
+        "train.zero_stage=1", "train.zero_stage=1.0", "train.recipe=nope",
+        'train.recipe={name="nope"}',
         'train.recipe={name="delayed",amax_history_len=-1}',
         f'train.recipe={{name="delayed",amax_history_len={BIG}}}',
         'train.recipe={name="current",bogus=1}', "train.recipe=[1]",
@@ -346,7 +350,7 @@ def main() -> int:
             return name, argv, code, out, err
 
         with concurrent.futures.ThreadPoolExecutor(args.j) as pool:
-            for name, argv, code, out, err in pool.map(one, chosen.items()):
+            for name, argv, code, _out, err in pool.map(one, chosen.items()):
                 problems = classify(code, err)
                 last = (err.strip().splitlines() or [""])[-1][:160]
                 if problems:
