@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import stat
+import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -18,11 +21,13 @@ __all__ = [
     "FLOAT32_MAX",
     "FLOAT32_TINY",
     "INT32_MAX",
+    "MAX_FILE_BYTES",
     "REQUIRED",
     "ConfigError",
     "Field",
     "coerce",
     "describe_type",
+    "read_toml",
     "validate_table",
 ]
 
@@ -32,6 +37,11 @@ FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.401298464324817e-45
 #: Largest int32 (the trainer's step counter is an int32).
 INT32_MAX = 2**31 - 1
+
+
+#: Largest configuration file read: an experiment is a few KB of TOML; past this it is not one
+#: (and reading /dev/zero must end).
+MAX_FILE_BYTES = 4 << 20
 
 
 class _Required:
@@ -186,3 +196,34 @@ def validate_table(
                 raise ConfigError(f"{where}: missing required key {key!r} ({field.doc})")
             out[key] = field.default
     return out
+
+
+def read_toml(path: str | os.PathLike[str], what: str = "experiment file") -> dict[str, Any]:
+    """The document of the TOML file ``path``; ConfigError naming the file unless it is a
+    regular file of at most :data:`MAX_FILE_BYTES` bytes of UTF-8 TOML (a directory, a device,
+    a FIFO (opened without waiting for a writer), a binary or a huge file is one error line).
+    FileNotFoundError and other OSErrors (no permission) pass through."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise ConfigError(f"{path}: is a directory, not an {what}")
+        if not stat.S_ISREG(mode):
+            raise ConfigError(f"{path}: not a regular file (a device, FIFO or socket)")
+        data = os.read(fd, MAX_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_FILE_BYTES:
+        raise ConfigError(
+            f"{path}: larger than {MAX_FILE_BYTES >> 20} MiB; an {what} is a small TOML file"
+        )
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}); an {what} is TOML") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: not valid TOML: {err}") from None
+    except ValueError as err:  # an int past Python's 4300-digit limit for str -> int
+        raise ConfigError(f"{path}: {str(err).split('; use sys.')[0]}") from None

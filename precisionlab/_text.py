@@ -123,25 +123,35 @@ def fmt_value(value: Any, how: str, row: dict[str, Any]) -> str:
 
 
 _HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)$")
+#: Longest host name (RFC 1035: 253 characters); a longer one is refused before any lookup.
+_HOST_MAX = 253
+#: JAX takes the process count and the timeout as C++ ints (int32).
+_PROCESSES_MAX = 2**31 - 1
 
 
 def check_processes(coordinator: Any, num_processes: Any, process_id: Any, timeout_s: Any) -> None:
     """ValueError naming the bad value unless ``coordinator`` is ``"HOST:PORT"`` (``"[::1]:PORT"``
-    for IPv6, port 1..65535), ``num_processes`` and ``timeout_s`` are ints >= 1 and
-    ``process_id`` is in ``[0, num_processes)`` (the arguments of a multi-process run; plain
-    Python, so the command line checks them without importing JAX)."""
+    for IPv6, port 1..65535, host at most 253 characters), ``num_processes`` and ``timeout_s``
+    are ints in [1, 2**31 - 1] and ``process_id`` is in ``[0, num_processes)`` (the arguments
+    of a multi-process run; plain Python, so the command line checks them without importing
+    JAX)."""
     if not isinstance(coordinator, str) or ":" not in coordinator:
         raise ValueError(f"coordinator address must be HOST:PORT, got {coordinator!r}")
     host, _, port = coordinator.rpartition(":")
-    if not host or not _HOST.match(host):
-        raise ValueError(f"coordinator address {coordinator!r}: bad host {host!r}")
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
+    if not host or len(host) > _HOST_MAX or not _HOST.match(host):
+        raise ValueError(
+            f"coordinator address {coordinator!r}: bad host {host!r} (a name or address of at "
+            f"most {_HOST_MAX} characters)"
+        )
+    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
         raise ValueError(
             f"coordinator address {coordinator!r}: port must be 1..65535, got {port!r}"
         )
     for name, value in (("num_processes", num_processes), ("timeout_s", timeout_s)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if value > _PROCESSES_MAX:
+            raise ValueError(f"{name} must be an int <= {_PROCESSES_MAX} (int32), got {value!r}")
     if isinstance(process_id, bool) or not isinstance(process_id, int):
         raise ValueError(f"process_id must be an int, got {process_id!r}")
     if not 0 <= process_id < num_processes:

@@ -1,4 +1,5 @@
-"""Estimate vs XLA for the built-in models of precisionlab.train and their real train step.
+"""Estimate vs XLA for the built-in models (mlp, transformer, conv) of precisionlab.train and
+their real train step.
 
 Arguments and outputs must match exactly. Temporaries: measured / estimated within [0.6, 1.6]
 with float32 compute; with bf16/fp16 compute the CPU backend keeps float32 intermediates (its
@@ -30,6 +31,10 @@ from precisionlab.train import make_model
         ("mlp", {"use_layernorm": True, "depth": 3, "width": 64}),
         ("transformer", {}),
         ("transformer", {"use_layernorm": False, "depth": 3, "d_model": 32, "heads": 2}),
+        ("conv", {}),
+        ("conv", {"depth": 3, "width": 8}),
+        ("conv", {"in_dim": 36, "num_classes": 3}),
+        ("conv", {"in_dim": 49, "depth": 1}),
     ],
 )
 def test_param_count_from_sizes_matches_the_pytree(name, kw):
@@ -52,6 +57,7 @@ def test_transformer_spec():
         transformer_spec(make_model("mlp"))
 
 
+TEACHER64 = {"data": "teacher", "data_kwargs": {"in_dim": 64}}  # the conv model's 8x8 images
 TABLES = [
     {"model": "mlp", "batch_size": 64},
     pytest.param(
@@ -81,6 +87,27 @@ TABLES = [
         },
         marks=pytest.mark.slow,
     ),
+    {"model": "conv", "batch_size": 64, **TEACHER64},
+    pytest.param(
+        {
+            "model": "conv",
+            "batch_size": 64,
+            "policy": "p=f32,c=bf16",
+            "loss_scale": "dynamic",
+            **TEACHER64,
+        },
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
+        {
+            "model": "conv",
+            "batch_size": 32,
+            "model_kwargs": {"depth": 3, "width": 8},
+            "microbatches": 2,
+            **TEACHER64,
+        },
+        marks=pytest.mark.slow,
+    ),
 ]
 
 
@@ -95,7 +122,9 @@ def test_real_train_step_arguments_and_outputs_match_xla(table):
     assert 0.6 <= rows["temporaries"]["ratio"] <= high, rows
 
 
-@pytest.mark.parametrize("name", ["mlp", "transformer"])
+@pytest.mark.parametrize(
+    "name", ["mlp", "transformer", pytest.param("conv", marks=pytest.mark.slow)]
+)
 def test_plain_step_around_the_builtin_loss(name):
     kw = {"vocab_size": 32, "seq_len": 32} if name == "transformer" else {}
     model = make_model(name, **kw)
@@ -106,9 +135,10 @@ def test_plain_step_around_the_builtin_loss(name):
     assert 0.6 <= got.temporaries / est.temporaries <= 1.6
 
 
-def test_activation_bytes_halve_with_16_bit_compute_except_float32_ops():
-    model = make_model("mlp", width=128, depth=2)
-    f32 = activation_bytes(model, 64, "f32")
-    bf16 = activation_bytes(model, 64, "p=f32,c=bf16")
-    logits = 64 * 10 * 4  # float32 logits in both
+@pytest.mark.parametrize(("name", "batch"), [("mlp", 64), ("conv", 32)])
+def test_activation_bytes_halve_with_16_bit_compute_except_float32_ops(name, batch):
+    model = make_model(name, width=128 if name == "mlp" else 8, depth=2)
+    f32 = activation_bytes(model, batch, "f32")
+    bf16 = activation_bytes(model, batch, "p=f32,c=bf16")
+    logits = batch * 10 * 4  # float32 logits in both
     assert (bf16 - logits) * 2 == f32 - logits

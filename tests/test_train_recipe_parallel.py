@@ -6,9 +6,6 @@ shard: about 4x the full batch's).
 Runs in a subprocess: the device count must be set (XLA_FLAGS) before jax is imported.
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 
 SCRIPT = textwrap.dedent(
@@ -47,12 +44,5 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_delayed_recipe_four_devices_match_one():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().endswith("OK")
+def test_delayed_recipe_four_devices_match_one(run_on_host_devices):
+    run_on_host_devices(SCRIPT, devices=4)

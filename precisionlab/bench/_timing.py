@@ -29,6 +29,7 @@ __all__ = [
     "copy_bandwidth",
     "minor_faults",
     "positive_int",
+    "repeats_int",
     "time_call",
     "time_interleaved",
 ]
@@ -46,15 +47,35 @@ class Timing(NamedTuple):
         return count / self.best if self.best > 0 else float("inf")
 
 
-def positive_int(text: str) -> int:
-    """argparse type of the bench flags that count (sizes, steps, repeats): an int >= 1."""
+#: Most a bench flag that counts takes (JAX reads sizes and step numbers as int32).
+INT_MAX = 2**31 - 1
+#: Most timed rounds (or steps per timed chunk) a benchmark runs: a benchmark takes minutes;
+#: 1e18 rounds would never end.
+REPEATS_MAX = 1000
+
+
+def _int_in(text: str, high: int, why: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"need an integer >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"need an integer >= 1, got {text!r}")
+    if value > high:
+        raise argparse.ArgumentTypeError(f"need an integer <= {high} ({why}), got {text[:40]!r}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type of the bench flags that count (sizes, steps, repeats): an int in
+    [1, 2**31 - 1]."""
+    return _int_in(text, INT_MAX, "an int32")
+
+
+def repeats_int(text: str) -> int:
+    """argparse type of the bench flags that repeat timed work (rounds, steps per timed chunk):
+    an int in [1, :data:`REPEATS_MAX`]."""
+    return _int_in(text, REPEATS_MAX, "a benchmark takes minutes")
 
 
 def time_call(

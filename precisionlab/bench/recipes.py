@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from precisionlab.bench._timing import time_interleaved
+from precisionlab.bench._timing import positive_int, repeats_int, time_interleaved
 
 HELP = "transformer step time and peak memory under each matmul recipe vs bf16/fp32 (ratios)"
 
@@ -37,13 +37,14 @@ _TARGET = {"current": 1.5, "delayed": 1.5, "rowwise": 1.5, "rowwise_with_gw_hp":
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipes", help=f"comma-separated (default: {','.join(DEFAULT_RECIPES)})")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
-    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
-    parser.add_argument("--d-model", type=int, default=256, help="model width (default 256)")
-    parser.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
-    parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
-    parser.add_argument("--vocab", type=int, default=512, help="vocabulary (default 512)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed rounds (best of)")
+    count = positive_int
+    parser.add_argument("--batch", type=count, default=8, help="sequences per step (default 8)")
+    parser.add_argument("--seq", type=count, default=128, help="tokens per sequence (default 128)")
+    parser.add_argument("--d-model", type=count, default=256, help="model width (default 256)")
+    parser.add_argument("--layers", type=count, default=2, help="transformer blocks (default 2)")
+    parser.add_argument("--heads", type=count, default=4, help="attention heads (default 4)")
+    parser.add_argument("--vocab", type=count, default=512, help="vocabulary (default 512)")
+    parser.add_argument("--repeats", type=repeats_int, default=5, help="timed rounds (best of)")
     parser.add_argument(
         "--accumulator", action="store_true",
         help="print the accumulator error-vs-K table instead of step times",
@@ -202,6 +203,28 @@ def _print_accumulator(rows) -> None:
         print(f"{r['K']:>6} " + " ".join(f"{r[c]:>26.2e}" for c in cols))
 
 
+#: Most elements of one of the benchmark's tensors: past int32 indexing, and 8 GiB of float32.
+_ELEMENTS_MAX = 2**31 - 1
+
+
+def _check_sizes(args: argparse.Namespace) -> None:
+    """UsageError when the flags ask for a tensor past :data:`_ELEMENTS_MAX` elements (a random
+    init of over 2**64 bits, or an XLA shape overflow, was a traceback or an abort)."""
+    from precisionlab._text import UsageError
+
+    b, t, d, v = args.batch, args.seq, args.d_model, args.vocab
+    sizes = {
+        "params (--layers x 12 x --d-model^2 + (2 x --vocab + --seq) x --d-model)": (
+            args.layers * 12 * d * d + (2 * v + t) * d
+        ),
+        "activations (--batch x --seq x max(4 x --d-model, --vocab))": b * t * max(4 * d, v),
+        "attention scores (--batch x --heads x --seq^2)": b * args.heads * t * t,
+    }
+    for what, n in sizes.items():
+        if n > _ELEMENTS_MAX:
+            raise UsageError(f"{what} = {n:,} elements; at most {_ELEMENTS_MAX:,} (2**31 - 1)")
+
+
 def run(args: argparse.Namespace) -> int:
     from precisionlab._text import UsageError, split_list
     from precisionlab.recipes import RECIPE_NAMES
@@ -212,11 +235,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     names = list(DEFAULT_RECIPES) if args.recipes is None else split_list(args.recipes)
     bad = [n for n in names if n not in (*RECIPE_NAMES, PLAIN)]
+    allowed = f"allowed: {PLAIN}, {', '.join(RECIPE_NAMES)}"
+    if not names:
+        raise UsageError(f"--recipes: name at least one recipe; {allowed}")
     if bad:
-        raise UsageError(f"unknown recipe {bad[0]!r}; allowed: {PLAIN}, {', '.join(RECIPE_NAMES)}")
-    for k in ("batch", "seq", "d_model", "layers", "heads", "vocab", "repeats"):
-        if getattr(args, k) < 1:
-            raise UsageError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(args, k)}")
+        raise UsageError(f"unknown recipe {bad[0]!r}; {allowed}")
+    _check_sizes(args)
     if args.d_model % args.heads:
         raise UsageError(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
     rows = measure(

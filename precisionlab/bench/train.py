@@ -36,7 +36,7 @@ import optax
 
 from precisionlab import _io
 from precisionlab._text import UsageError, table
-from precisionlab.bench._timing import positive_int, time_interleaved
+from precisionlab.bench._timing import positive_int, repeats_int, time_interleaved
 from precisionlab.mixed import get_policy
 from precisionlab.train import make_data, make_model, make_train_step
 
@@ -57,10 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="mlp", help="built-in model: mlp, transformer or conv")
     parser.add_argument("--batch", type=positive_int, default=128, help="batch size (default 128)")
     parser.add_argument(
-        "--steps", type=positive_int, default=20, help="steps per timed chunk (default 20)"
+        "--steps", type=repeats_int, default=20, help="steps per timed chunk (default 20)"
     )
     parser.add_argument(
-        "--repeats", type=positive_int, default=7, help="timed rounds, best kept (default 7)"
+        "--repeats", type=repeats_int, default=7, help="timed rounds, best kept (default 7)"
     )
     parser.add_argument(
         "--compute", default="bfloat16", help="compute dtype of (b)-(d): bfloat16 or float16"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 
@@ -14,11 +15,27 @@ MAX_LINE = 400
 _QUOTED = re.compile(rf"'[^']{{{MAX_ECHO},}}'|\"[^\"]{{{MAX_ECHO},}}\"")
 
 
-__all__ = ["MAX_ECHO", "Parser", "UsageError", "one_line", "shorten", "split_list", "stdout_is_tty"]
+__all__ = [
+    "MAX_ECHO",
+    "Parser",
+    "UsageError",
+    "check_out_dir",
+    "one_line",
+    "shorten",
+    "split_list",
+    "stdout_is_tty",
+]
 
 
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line on stderr and exit status 2."""
+    """An ArgumentParser whose errors are one line on stderr and exit status 2, and which reads
+    ``-inf``, ``-nan``, ``-1e3`` and ``-1GiB`` as values (argparse takes only ``-1`` and ``-1.5``
+    so, and said "expected one argument" for ``--threshold -inf``, hiding what is wrong)."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        # argparse's own hook (no precisionlab flag looks like a negative number)
+        self._negative_number_matcher = re.compile(r"^-(\d|\.\d|inf|nan)", re.IGNORECASE)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         sys.stderr.write(f"{self.prog}: error: {one_line(message)}\n")
@@ -40,3 +57,18 @@ def one_line(message: str) -> str:
 
 def stdout_is_tty() -> bool:
     return sys.stdout.isatty()
+
+
+def check_out_dir(out: str | None, *, new: bool = False) -> None:
+    """UsageError unless ``out`` (a ``--out DIR`` flag; None: not given) can name a run
+    directory: not empty text (it would mean the current directory), not an existing file, and
+    with ``new`` not an existing directory that holds anything (a run directory is checked
+    file by file, so ``--out /`` would walk the whole disk)."""
+    if out is None:
+        return
+    if not out.strip():
+        raise UsageError(f"--out {out!r}: empty; name a run directory")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"--out {shorten(out)}: exists and is not a directory")
+    if new and os.path.isdir(out) and os.listdir(out):
+        raise UsageError(f"--out {shorten(out)}: the directory is not empty; name a new one")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from precisionlab.cli._common import UsageError
+from precisionlab.cli._common import UsageError, check_out_dir
 
 HELP = "find the layer and step where precision breaks: --compare, --bisect or --autoswitch"
 
@@ -68,11 +68,19 @@ def _options(args: argparse.Namespace, mode: str, defaults: dict) -> object:
     """The typed options of ``mode`` from the file's ``[diagnose]`` table (``defaults``)
     overridden by the flags (ValueError for bad values)."""
     from precisionlab import diagnose as d
+    from precisionlab._schema import coerce
+    from precisionlab.experiments.config import DIAGNOSE_SCHEMA
 
     given = {k: v for k, v in defaults.items() if _ONLY.get(k) == mode}
     for flag, owner in _ONLY.items():
         if getattr(args, flag) is not None and owner != mode:
             raise UsageError(f"--{flag} applies to --{owner}, not --{mode}")
+    # The counting flags in the range of the file's [diagnose] tail (--tail 1e18 passed); the
+    # options check the thresholds.
+    count = DIAGNOSE_SCHEMA["tail"]
+    for key in ("tail", "every", "steps"):
+        if getattr(args, key, None) is not None:
+            coerce(getattr(args, key), count, f"--{key}")
     given.update({k: getattr(args, k) for k in _ONLY if getattr(args, k) is not None})
     given["steps"] = args.steps
     if mode == "compare":
@@ -92,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             "give one of --compare REF OTHER, --bisect FAIL PASS, --autoswitch VARIANT"
         )
+    check_out_dir(args.out, new=True)
     names = [args.autoswitch] if mode == "autoswitch" else list(getattr(args, mode))
     experiment, units = d.load_units(args.config, names, args.overrides)
     options = _options(args, mode, experiment.resolved.get("diagnose", {}))

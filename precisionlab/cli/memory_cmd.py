@@ -208,7 +208,7 @@ def _estimate(args: argparse.Namespace, model: Any) -> int:
 
 def _recipe(args: argparse.Namespace) -> Any:
     """The recipe named by ``--recipe`` (parsed once, here), or None."""
-    if not args.recipe:
+    if args.recipe is None:
         return None
     from precisionlab.recipes import get_recipe
 
@@ -310,7 +310,7 @@ def _measure(args: argparse.Namespace) -> int:
         from precisionlab.memory.zero import measure_zero_table
 
         _zero_devices(args.dp)
-    if args.recipe:
+    if args.recipe is not None:
         _recipe(args)  # a bad name is one error line before anything compiles
     seen: set[str] = set()
     reports = []

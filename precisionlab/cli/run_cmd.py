@@ -13,15 +13,23 @@ import argparse
 import os
 import sys
 
-from precisionlab.cli._common import UsageError
+from precisionlab.cli._common import UsageError, check_out_dir
 
 HELP = "run an experiment (TOML) into a run directory; --resume DIR continues a killed run"
 
-#: The environment variables read when the flags are not given (the first is JAX's own).
-ENV = {
-    "coordinator": "JAX_COORDINATOR_ADDRESS",
-    "num_processes": "JAX_NUM_PROCESSES",
-    "process_id": "JAX_PROCESS_ID",
+#: The multi-process flags: key -> (the environment variable read when the flag is not given
+#: (the first is JAX's own), metavar, help).
+_PROCESS_FLAGS = {
+    "coordinator": ("JAX_COORDINATOR_ADDRESS", "HOST:PORT", "address process 0 listens on"),
+    "num_processes": ("JAX_NUM_PROCESSES", "P", "number of processes"),
+    "process_id": ("JAX_PROCESS_ID", "I", "this process's index, 0..P-1"),
+}
+ENV = {key: env for key, (env, _, _) in _PROCESS_FLAGS.items()}
+#: check_processes's integer arguments, in its order -> the flags that give them
+_FLAG_OF = {
+    "num_processes": "--num-processes",
+    "process_id": "--process-id",
+    "timeout_s": "--timeout",
 }
 
 
@@ -40,12 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     parser.add_argument("--no-report", action="store_true", help="skip report.md and plots")
     group = parser.add_argument_group(
-        "multi-process training (all three, or none; or $JAX_COORDINATOR_ADDRESS, "
-        "$JAX_NUM_PROCESSES, $JAX_PROCESS_ID)"
+        "multi-process training (all three, or none; or "
+        + ", ".join(f"${env}" for env in ENV.values())
+        + ")"
     )
-    group.add_argument("--coordinator", metavar="HOST:PORT", help="address process 0 listens on")
-    group.add_argument("--num-processes", metavar="P", help="number of processes")
-    group.add_argument("--process-id", metavar="I", help="this process's index, 0..P-1")
+    for key, (_, metavar, text) in _PROCESS_FLAGS.items():
+        group.add_argument(_flag(key), metavar=metavar, help=text)
     group.add_argument(
         "--timeout",
         metavar="SECONDS",
@@ -53,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="wait at most this long for the processes to connect, and for a silent process "
         "before the run fails (default 60)",
     )
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
 
 
 def _int(text: str, name: str) -> int:
@@ -71,7 +83,7 @@ def distributed_spec(args: argparse.Namespace) -> tuple[str, int, int, int] | No
     for key, env in ENV.items():
         value = getattr(args, key, None)
         given[key] = value if value is not None else os.environ.get(env) or None
-    missing = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is None]
+    missing = [_flag(k) for k, v in given.items() if v is None]
     if len(missing) == len(given):
         return None
     if missing:
@@ -79,21 +91,15 @@ def distributed_spec(args: argparse.Namespace) -> tuple[str, int, int, int] | No
             f"multi-process training needs --coordinator, --num-processes and --process-id "
             f"(or {', '.join(ENV.values())}); missing: {', '.join(missing)}"
         )
-    spec = (
-        str(given["coordinator"]),
-        _int(given["num_processes"], "--num-processes"),
-        _int(given["process_id"], "--process-id"),
-        _int(args.timeout, "--timeout"),
-    )
+    values = {**given, "timeout_s": args.timeout}
+    spec = (str(values["coordinator"]), *(_int(values[k], flag) for k, flag in _FLAG_OF.items()))
     try:
         check_processes(*spec)
     except ValueError as err:
-        raise UsageError(
-            str(err)
-            .replace("num_processes", "--num-processes")
-            .replace("process_id", "--process-id")
-            .replace("timeout_s", "--timeout")
-        ) from None
+        message = str(err)
+        for key, flag in _FLAG_OF.items():
+            message = message.replace(key, flag)
+        raise UsageError(message) from None
     return spec
 
 
@@ -104,6 +110,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError("--set and --out apply to a new run, not to --resume")
     if not args.resume and not args.config:
         raise UsageError("give an experiment file (CONFIG) or --resume DIR")
+    check_out_dir(args.out)
 
 
 def _train(args: argparse.Namespace):

@@ -7,9 +7,9 @@ import json
 import math
 import os
 import pathlib
-import tomllib
 
 from precisionlab import survey
+from precisionlab._schema import read_toml
 from precisionlab.cli._common import UsageError, split_list
 
 HELP = "error of each format (int8, fp8, MX, ...) on synthetic or your own tensors, side by side"
@@ -46,11 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _from_config(path: str) -> dict:
     p = pathlib.Path(path)
     try:
-        doc = tomllib.loads(p.read_text())
+        doc = read_toml(p)
     except FileNotFoundError:
         raise UsageError(f"--config {path}: no such file") from None
-    except tomllib.TOMLDecodeError as err:
-        raise UsageError(f"--config {path}: not valid TOML ({err})") from None
+    except ValueError as err:
+        raise UsageError(f"--config {err}") from None
     unknown = [k for k in doc if k not in _TOP_KEYS]
     if unknown:
         raise UsageError(f"{path}: unknown key {unknown[0]!r}; allowed: {', '.join(_TOP_KEYS)}")

@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from precisionlab._schema import ConfigError, Field, coerce, validate_table
+from precisionlab._schema import ConfigError, Field, coerce, read_toml, validate_table
 from precisionlab.experiments import kinds, train_kind
 from precisionlab.experiments.store import safe_name
 
@@ -123,11 +123,13 @@ def parse_override(text: str) -> tuple[list[str], str]:
     return keys, value.strip()
 
 
-def _literal(value: str) -> Any:
+def _literal(value: str, text: str) -> Any:
     try:
         return tomllib.loads(f"v = {value}")["v"]
     except tomllib.TOMLDecodeError:
         return value
+    except ValueError as err:  # an int past Python's 4300-digit limit for str -> int
+        raise ConfigError(f"--set {text!r}: {err}".split("; use sys.")[0]) from None
 
 
 def _field_for(doc: Mapping[str, Any], keys: Sequence[str]) -> Field | None:
@@ -159,7 +161,7 @@ def apply_overrides(doc: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
         elif field is not None and field.type is list and field.item is str and "[" not in raw:
             value = [item.strip() for item in raw.split(",") if item.strip()]
         else:
-            value = _literal(raw)
+            value = _literal(raw, text)
         node: Any = doc
         walked: list[str] = []
         for key in keys[:-1]:
@@ -182,7 +184,7 @@ def _pick_variant(items: list, key: str, text: str) -> dict:
     for item in items:
         if isinstance(item, dict) and item.get("name") == key:
             return item
-    if key.isdigit() and int(key) < len(items):
+    if key.isascii() and key.isdigit() and len(key) < 10 and int(key) < len(items):
         return items[int(key)]
     names = [str(item.get("name")) for item in items if isinstance(item, dict)]
     raise ConfigError(f"--set {text!r}: no variant {key!r}; variants: {', '.join(names)}")
@@ -200,13 +202,9 @@ def load_experiment(path: str | Path, overrides: Sequence[str] = ()) -> Experime
     """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        doc = read_toml(path)
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such experiment file") from None
-    try:
-        doc = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{path}: not valid TOML: {err}") from None
     doc = apply_overrides(doc, overrides)
     return experiment_from_document(doc, str(path), default_name=path.stem)
 

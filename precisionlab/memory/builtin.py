@@ -173,6 +173,30 @@ def _scalars(tree: Any) -> int:
     )
 
 
+def _table_step_options(cfg: Any, setup: Any, *, dp: int = 0, zero_stage: int = 0) -> Any:
+    """The ``StepOptions`` the memory measurements compile for a ``TrainConfig`` ``cfg`` and
+    its ``precisionlab.train.build(cfg)`` ``setup``: the setup's policy, loss scale, storage and
+    recipe, ``cfg``'s micro-batches and seed, and with ``dp`` devices data parallel with ZeRO
+    ``zero_stage`` and the setup's all-reduce dtype (no telemetry, no float32 layers)."""
+    from precisionlab.train import StepOptions
+
+    opts = setup.options
+    parallel: dict[str, Any] = {}
+    if dp:
+        parallel = dict(
+            data_parallel=dp, zero_stage=zero_stage, allreduce_dtype=opts.allreduce_dtype
+        )
+    return StepOptions(
+        policy=setup.policy,
+        loss_scale=opts.loss_scale,
+        storage=opts.storage,
+        microbatches=cfg.microbatches,
+        seed=cfg.seed,
+        recipe=opts.recipe,
+        **parallel,
+    )
+
+
 def measure_train_table(table: dict[str, Any], where: str = "train") -> dict[str, Any]:
     """Estimate vs XLA for the train step of a resolved ``[train]`` table.
 
@@ -185,19 +209,12 @@ def measure_train_table(table: dict[str, Any], where: str = "train") -> dict[str
     params, the activations of one micro-batch, with micro-batches an accumulator, and float32
     working copies of params and optimizer moments stored below float32.
     """
-    from precisionlab.train import StepOptions, TrainConfig, build, build_step
+    from precisionlab.train import TrainConfig, build, build_step
 
     cfg = TrainConfig.from_dict(dict(table), where)
     setup = build(cfg)
     model, policy, storage = setup.model, setup.policy, setup.options.storage
-    options = StepOptions(
-        policy=policy,
-        loss_scale=setup.options.loss_scale,
-        storage=storage,
-        microbatches=cfg.microbatches,
-        seed=cfg.seed,
-        recipe=setup.options.recipe,
-    )
+    options = _table_step_options(cfg, setup)
     batch = example_batch(model, cfg.batch_size)
     step_fn, state, _ = build_step(
         setup.loss_fn, setup.params, setup.optimizer, options, example_batch=batch

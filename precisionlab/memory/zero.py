@@ -114,8 +114,14 @@ def measure_zero_table(
     """
     import jax.numpy as jnp
 
-    from precisionlab.memory.builtin import _scalars, activation_bytes, example_batch, param_count
-    from precisionlab.train import StepOptions, TrainConfig, build, build_step
+    from precisionlab.memory.builtin import (
+        _scalars,
+        _table_step_options,
+        activation_bytes,
+        example_batch,
+        param_count,
+    )
+    from precisionlab.train import TrainConfig, build, build_step
     from precisionlab.train.parallel import place_state, shard_batch
 
     if len(jax.local_devices()) < dp:
@@ -131,17 +137,7 @@ def measure_zero_table(
         )
     setup = build(cfg)
     model, policy, storage = setup.model, setup.policy, setup.options.storage
-    options = StepOptions(
-        policy=policy,
-        loss_scale=setup.options.loss_scale,
-        storage=storage,
-        microbatches=cfg.microbatches,
-        seed=cfg.seed,
-        data_parallel=dp,
-        zero_stage=zero_stage,
-        allreduce_dtype=setup.options.allreduce_dtype,
-        recipe=setup.options.recipe,
-    )
+    options = _table_step_options(cfg, setup, dp=dp, zero_stage=zero_stage)
     batch = example_batch(model, cfg.batch_size)
     step_fn, state, mesh = build_step(setup.loss_fn, setup.params, setup.optimizer, options, batch)
     state = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), state)

@@ -73,9 +73,16 @@ MODELS: tuple[str, ...] = ("mlp", "transformer", "conv")
 _ACTIVATIONS = ("relu", "gelu", "tanh")
 
 
-def _check_int(name: str, value: Any, low: int) -> None:
+#: Most layers a built-in model has (as ``precisionlab.memory``'s presets): beyond it the layer
+#: names alone would take seconds to list, and the model could not be a lab experiment.
+MAX_DEPTH = 2**16
+
+
+def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be an int <= {high}, got {value!r}")
 
 
 def _check_pos(name: str, value: Any) -> None:
@@ -99,6 +106,20 @@ def _check_layers(model: Model, names: Any) -> tuple[str, ...]:
             f"{model.name!r}; layers: {', '.join(allowed)}"
         )
     return tuple(names)
+
+
+def _check_scales(model: Model, *extra: str) -> None:
+    """The positive scales every model has (``init_scale``, ``act_scale``) and ``extra``."""
+    for n in ("init_scale", "act_scale", *extra):
+        _check_pos(n, getattr(model, n))
+
+
+def _check_layout(model: Model, n_stacked: int | None) -> None:
+    """``high_precision`` (normalized to a tuple of layer names) and, unless ``n_stacked`` is
+    None (a model without ``scan_layers``), the scan options over ``n_stacked`` layers."""
+    object.__setattr__(model, "high_precision", _check_layers(model, model.high_precision))
+    if n_stacked is not None:
+        _check_scan(model, n_stacked)
 
 
 def _check_scan(model: Any, n_stacked: int) -> None:
@@ -275,21 +296,18 @@ class MLP(Model):
         for n in ("in_dim", "width"):
             _check_int(n, getattr(self, n), 1)
         _check_int("num_classes", self.num_classes, 2)
-        _check_int("depth", self.depth, 1)
-        _check_pos("init_scale", self.init_scale)
-        _check_pos("act_scale", self.act_scale)
+        _check_int("depth", self.depth, 1, MAX_DEPTH)
+        _check_scales(self, "overflow_scale")
         if self.activation not in _ACTIVATIONS:
             raise ValueError(
                 f"unknown activation {self.activation!r}; allowed: {', '.join(_ACTIVATIONS)}"
             )
-        _check_pos("overflow_scale", self.overflow_scale)
         if not isinstance(self.overflow_layer, int) or not -1 <= self.overflow_layer < self.depth:
             raise ValueError(
                 f"overflow_layer must be -1 (off) or a hidden layer 0..{self.depth - 1}, "
                 f"got {self.overflow_layer!r}"
             )
-        object.__setattr__(self, "high_precision", _check_layers(self, self.high_precision))
-        _check_scan(self, self.depth - 1)  # layer 0 (in_dim -> width) is not stacked
+        _check_layout(self, self.depth - 1)  # layer 0 (in_dim -> width) is not stacked
         if self.scan_layers and self.overflow_layer >= 1:
             raise ValueError(
                 f"overflow_layer {self.overflow_layer} is a stacked layer under scan_layers; "
@@ -448,18 +466,16 @@ class Transformer(Model):
     data_kind = "lm"
 
     def __post_init__(self) -> None:
-        for n in ("vocab_size", "seq_len", "d_model", "depth", "heads", "mlp_ratio"):
+        for n in ("vocab_size", "seq_len", "d_model", "heads", "mlp_ratio"):
             _check_int(n, getattr(self, n), 1)
+        _check_int("depth", self.depth, 1, MAX_DEPTH)
         if self.d_model % self.heads:
             raise ValueError(f"d_model {self.d_model} must be divisible by heads {self.heads}")
-        _check_pos("init_scale", self.init_scale)
-        _check_pos("act_scale", self.act_scale)
-        _check_pos("outlier_scale", self.outlier_scale)
+        _check_scales(self, "outlier_scale")
         _check_int("outlier_channels", self.outlier_channels, 0)
         if self.outlier_channels > self.d_model:
             raise ValueError(f"outlier_channels {self.outlier_channels} > d_model {self.d_model}")
-        object.__setattr__(self, "high_precision", _check_layers(self, self.high_precision))
-        _check_scan(self, self.depth)
+        _check_layout(self, self.depth)
 
     def layer_names(self) -> tuple[str, ...]:
         return (*(f"block{i}" for i in range(self.depth)), "unembed")
@@ -649,13 +665,13 @@ class ConvNet(Model):
     data_kind = "classification"
 
     def __post_init__(self) -> None:
-        for n in ("in_dim", "width", "depth"):
+        for n in ("in_dim", "width"):
             _check_int(n, getattr(self, n), 1)
+        _check_int("depth", self.depth, 1, MAX_DEPTH)
         _check_int("num_classes", self.num_classes, 2)
-        _check_pos("init_scale", self.init_scale)
-        _check_pos("act_scale", self.act_scale)
+        _check_scales(self)
         _conv.check(self)
-        object.__setattr__(self, "high_precision", _check_layers(self, self.high_precision))
+        _check_layout(self, None)  # no scan_layers
 
     def layer_names(self) -> tuple[str, ...]:
         return (*(f"conv{i}" for i in range(self.depth)), "out")
@@ -714,7 +730,7 @@ def layer_names(name: str, model_kwargs: dict[str, Any] | None = None) -> tuple[
         raise ValueError(f"unknown model {name!r}; allowed: {', '.join(MODELS)}")
     fields = {f.name: f.default for f in dataclasses.fields(_BUILDERS[name])}
     depth = (model_kwargs or {}).get("depth", fields["depth"])
-    _check_int("depth", depth, 1)
+    _check_int("depth", depth, 1, MAX_DEPTH)
     prefix, last = {"mlp": ("layer", "out"), "transformer": ("block", "unembed")}.get(
         name, ("conv", "out")
     )
