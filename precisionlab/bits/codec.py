@@ -1,4 +1,4 @@
-"""Vectorized, jittable codecs built from integer and bit operations (and one float addition).
+"""Vectorized, jittable codecs built from integer and bit operations (and a few float ones).
 
 Every conversion goes through one core, :func:`_pack`: a value given as sign, an unsigned
 integer significand ``m`` and a power-of-two exponent ``e2`` (value = m * 2**e2) is rounded
@@ -6,10 +6,11 @@ to a target format and packed into its code. Encoding parses the input float's b
 into that form; decoding parses a code of the format and packs it into float32 (or
 float64). No float comparison and almost no float arithmetic runs on the codec path: XLA on
 CPU flushes float32 subnormals in both, and ``lax.reduce_precision`` only knows IEEE-style
-formats. The one exception, in the nearest-even fast paths from float32, is an addition of a
+formats. The exceptions, in the nearest-even fast paths from float32: an addition of a
 power of two whose unit in the last place is the target's quantum (the FPU then rounds to
-nearest-even); its operands and sum are float32 normals, and a flushed float32-subnormal input
-rounds to zero either way.
+nearest-even), whose operands and sum are float32 normals (a flushed float32-subnormal input
+rounds to zero either way); and, into small integers, a clamp by float32 compares against
+the integer limits, whose outcome flushing cannot change.
 
 The conventions where formats leave a choice are those of :mod:`precisionlab.bits.reference`.
 """
