@@ -40,6 +40,8 @@ def test_bench_json_structure_and_agreement(capsys, tmp_path):
         assert row["ratio_peer"] == pytest.approx(row["precisionlab"] / row["peer"])
         assert 0 < row["copy_fraction"]
         assert row["mismatches"] == 0  # precisionlab agrees with ml_dtypes / numpy rint+clip
+        assert row["floor"] > 0  # the one-operation XLA kernel timed alongside
+        assert row["floor_fraction"] == pytest.approx(row["precisionlab"] / row["floor"])
         if row["format"] == "int8":
             assert row["peer_name"] == "numpy" and row["gfloat"] is None
         else:
@@ -54,7 +56,14 @@ def test_bench_text_table(capsys):
     assert main(["bench", "codecs", *TINY, "--formats", "bf16,e2m1"]) == 0
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if line.startswith("format"))
-    for column in ("precisionlab M/s", "peer M/s", "vs peer", "vs gfloat", "of copy bw"):
+    for column in (
+        "precisionlab M/s",
+        "peer M/s",
+        "vs peer",
+        "vs gfloat",
+        "of copy bw",
+        "of floor",
+    ):
         assert column in header
     assert "copy bandwidth" in out and "targets (issue 2):" in out
     assert sum(line.startswith(("bfloat16", "float4_e2m1fn")) for line in out.splitlines()) == 4
@@ -113,6 +122,7 @@ def test_bench_whole_array_json_structure_and_agreement(capsys):
         assert row["ratio_jit_peer"] == pytest.approx(row["jit"] / row["peer"])
         assert row["mismatches"] == 0  # the public call agrees with the peer's astype
         assert row["faults"] >= -1 and row["jit_faults"] >= -1 and row["peer_faults"] >= -1
+        assert row["floor_fraction"] == pytest.approx(row["jit"] / row["floor"])
 
 
 def test_bench_whole_array_text_table(capsys):
@@ -120,6 +130,7 @@ def test_bench_whole_array_text_table(capsys):
     assert main([*argv, "--formats", "e5m2", "--markdown"]) == 0
     out = capsys.readouterr().out
     assert "| format | op | public M/s | jit M/s |" in out
+    assert "| of copy bw | jit of floor | faults/call |" in out
     assert sum(line.startswith("| float8_e5m2 | ") for line in out.splitlines()) == 2
     assert "targets (issue 17, public and jitted calls):" in out
 

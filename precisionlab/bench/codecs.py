@@ -19,6 +19,14 @@ memcpy and a jitted XLA copy, both into preallocated buffers). The engines and t
 run interleaved, one call each per round, best of ``--repeats`` rounds, so
 ratios compare runs under the same load. Every precisionlab result is also checked
 code-for-code against the peer.
+
+A third reference, "XLA floor", is a jitted kernel with the codec's memory traffic and a
+single operation per element (the float32 bits truncated to the code's width; a code
+zero-extended to float32's width), run the same way (chunks into donated buffers, or whole
+arrays with fresh outputs) and timed alongside: what any XLA conversion of these shapes
+reaches on this machine and load. "of floor" is precisionlab's rate over it (the jitted
+call's in the whole-array mode): near 100%, the conversion's arithmetic is not what bounds
+it.
 """
 
 from __future__ import annotations
@@ -178,6 +186,37 @@ def precisionlab_engine(fmt: Format, xs: list[jax.Array], codes: list[jax.Array]
     return Engine("precisionlab", run_encode, run_decode)
 
 
+def _floor_encode(x: jax.Array, fmt: Format) -> jax.Array:
+    """float32 in, a code of ``fmt``'s width out, one operation: the bits truncated."""
+    return jax.lax.bitcast_convert_type(x, jnp.uint32).astype(fmt.code_dtype)
+
+
+def _floor_decode(c: jax.Array) -> jax.Array:
+    """A code in, float32 out, one operation: the code zero-extended (a bit pattern)."""
+    return jax.lax.bitcast_convert_type(c.astype(jnp.uint32), jnp.float32)
+
+
+def floor_engine(fmt: Format, xs: list[jax.Array], codes: list[jax.Array]) -> Engine:
+    """The XLA floor of :func:`precisionlab_engine`: the same chunks and donated buffers,
+    one operation per element (no valid conversion; a bound, not a peer)."""
+    enc = jax.jit(lambda x, out: _floor_encode(x, fmt), donate_argnums=1, keep_unused=True)
+    dec = jax.jit(lambda c, out: _floor_decode(c), donate_argnums=1, keep_unused=True)
+    enc_out = [jnp.zeros(x.shape, fmt.code_dtype) for x in xs]
+    dec_out = [jnp.zeros(c.shape, jnp.float32) for c in codes]
+
+    def run_encode() -> list:
+        for i, x in enumerate(xs):
+            enc_out[i] = enc(x, enc_out[i])
+        return list(enc_out)
+
+    def run_decode() -> list:
+        for i, c in enumerate(codes):
+            dec_out[i] = dec(c, dec_out[i])
+        return list(dec_out)
+
+    return Engine("xla floor", run_encode, run_decode)
+
+
 def _ml_dtype(fmt: Format) -> np.dtype | None:
     if isinstance(fmt, IntFormat):
         return None
@@ -239,11 +278,15 @@ def precisionlab_whole_array(fmt: Format, x: jax.Array, codes: jax.Array) -> dic
     ``codes``, each returning a fresh array: name -> zero-argument callable."""
     jit_encode = jax.jit(lambda v: encode(v, fmt))
     jit_decode = jax.jit(lambda c: decode(c, fmt, dtype=jnp.float32))
+    floor_encode = jax.jit(lambda v: _floor_encode(v, fmt))
+    floor_decode = jax.jit(_floor_decode)
     return {
         "encode": lambda: encode(x, fmt),
         "jit_encode": lambda: jit_encode(x),
+        "floor_encode": lambda: floor_encode(x),
         "decode": lambda: decode(codes, fmt, dtype=jnp.float32),
         "jit_decode": lambda: jit_decode(codes),
+        "floor_decode": lambda: floor_decode(codes),
     }
 
 
@@ -344,6 +387,8 @@ class Row:
     faults: int | None = None  # whole-array: minor page faults in one call (public, jit, peer)
     jit_faults: int | None = None
     peer_faults: int | None = None
+    floor: float | None = None  # the XLA floor kernel's rate (one op per element, same bytes)
+    floor_fraction: float | None = None  # precisionlab's (whole-array: jit's) rate over floor
 
 
 def _code_bytes(fmt: Format) -> int:
@@ -372,12 +417,17 @@ def bench_whole_array(fmt: Format, x: np.ndarray, *, repeats: int) -> tuple[list
         ours = _as_values([fns["decode"]()])
         mismatch["decode"] = _mismatches(ours, _as_values(peer.decode()))
     t = time_interleaved(fns, repeats=repeats)
-    faults = {name: minor_faults(fn) for name, fn in fns.items() if "copy" not in name}
+    faults = {
+        name: minor_faults(fn)
+        for name, fn in fns.items()
+        if "copy" not in name and "floor" not in name
+    }
     bandwidth = max(t["copy"].rate(moved), t["xla_copy"].rate(xla_moved))
     bpe = 4 + _code_bytes(fmt)
     rows = []
     for op in ("encode", "decode"):
         ours_rate, jit_rate = t[op].rate(n), t[f"jit_{op}"].rate(n)
+        floor_rate = t[f"floor_{op}"].rate(n)
         peer_rate = None if peer is None else t[f"peer_{op}"].rate(n)
         rows.append(
             Row(
@@ -398,6 +448,8 @@ def bench_whole_array(fmt: Format, x: np.ndarray, *, repeats: int) -> tuple[list
                 faults=faults[op],
                 jit_faults=faults[f"jit_{op}"],
                 peer_faults=None if peer is None else faults[f"peer_{op}"],
+                floor=floor_rate,
+                floor_fraction=jit_rate / floor_rate,
             )
         )
     return rows, bandwidth
@@ -424,11 +476,14 @@ def bench_format(
     first = precisionlab_engine(fmt, dev_x, [])
     codes = _as_codes(fmt, first.encode()).astype(fmt.code_dtype)
     host_codes = _split(codes, chunk)
-    ours = precisionlab_engine(fmt, dev_x, [jax.device_put(c) for c in host_codes])
+    ours_codes = [jax.device_put(c) for c in host_codes]
+    ours = precisionlab_engine(fmt, dev_x, ours_codes)
     peer = peer_engine(fmt, host_x, host_codes)
     copy, moved = copy_kernel()
     xla_copy, xla_moved = xla_copy_kernel()
+    floor = floor_engine(fmt, dev_x, ours_codes)
     fns = {"encode": ours.encode, "decode": ours.decode, "copy": copy, "xla_copy": xla_copy}
+    fns |= {"floor_encode": floor.encode, "floor_decode": floor.decode}
     enc_mismatch = dec_mismatch = None
     if peer is not None:
         enc_mismatch = _mismatches(codes, _as_codes(fmt, peer.encode()).astype(codes.dtype))
@@ -449,6 +504,7 @@ def bench_format(
     rows = []
     for op, gf_rate, mism in (("encode", gf_enc, enc_mismatch), ("decode", gf_dec, dec_mismatch)):
         ours_rate = t[op].rate(n)
+        floor_rate = t[f"floor_{op}"].rate(n)
         peer_rate = None if peer is None else t[f"peer_{op}"].rate(n)
         rows.append(
             Row(
@@ -463,6 +519,8 @@ def bench_format(
                 bytes_per_element=bpe,
                 copy_fraction=ours_rate * bpe / bandwidth,
                 mismatches=mism,
+                floor=floor_rate,
+                floor_fraction=ours_rate / floor_rate,
             )
         )
     return rows, bandwidth
@@ -505,6 +563,10 @@ def _x(ratio: float | None) -> str:
     return "-" if ratio is None else f"{ratio:,.1f}x"
 
 
+def _pct(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.0f}%"
+
+
 def render_whole_array(rows: list[Row], markdown: bool = False) -> str:
     """The whole-array results table, aligned plain text or a markdown table."""
     body = [
@@ -518,6 +580,7 @@ def render_whole_array(rows: list[Row], markdown: bool = False) -> str:
             _x(r.ratio_peer),
             _x(r.ratio_jit_peer),
             f"{100 * r.copy_fraction:.0f}%",
+            _pct(r.floor_fraction),
             " / ".join(
                 "-" if f is None else str(f) for f in (r.faults, r.jit_faults, r.peer_faults)
             ),
@@ -526,14 +589,14 @@ def render_whole_array(rows: list[Row], markdown: bool = False) -> str:
         for r in rows
     ]
     headers = ["format", "op", "public M/s", "jit M/s", "peer", "peer M/s", "public vs peer"]
-    headers += ["jit vs peer", "of copy bw", "faults/call", "mismatches"]
+    headers += ["jit vs peer", "of copy bw", "jit of floor", "faults/call", "mismatches"]
     if markdown:
-        rule = "|---|---|--:|--:|---|--:|--:|--:|--:|--:|--:|"
+        rule = "|---|---|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|"
         return "\n".join(
             ["| " + " | ".join(headers) + " |", rule]
             + ["| " + " | ".join(row) + " |" for row in body]
         )
-    return table(body, headers, align="llrrlrrrrrr")
+    return table(body, headers, align="llrrlrrrrrrr")
 
 
 def render(rows: list[Row], markdown: bool = False) -> str:
@@ -551,16 +614,20 @@ def render(rows: list[Row], markdown: bool = False) -> str:
             _m(r.gfloat),
             _x(r.ratio_gfloat),
             f"{100 * r.copy_fraction:.0f}%",
+            _pct(r.floor_fraction),
             "-" if r.mismatches is None else str(r.mismatches),
         ]
         for r in rows
     ]
     headers = ["format", "op", "precisionlab M/s", "peer", "peer M/s", "vs peer"]
-    headers += ["gfloat M/s", "vs gfloat", "of copy bw", "mismatches"]
+    headers += ["gfloat M/s", "vs gfloat", "of copy bw", "of floor", "mismatches"]
     if markdown:
-        lines = ["| " + " | ".join(headers) + " |", "|---|---|--:|---|--:|--:|--:|--:|--:|--:|"]
-        return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in body])
-    return table(body, headers, align="llrlrrrrrr")
+        rule = "|---|---|--:|---|--:|--:|--:|--:|--:|--:|--:|"
+        return "\n".join(
+            ["| " + " | ".join(headers) + " |", rule]
+            + ["| " + " | ".join(row) + " |" for row in body]
+        )
+    return table(body, headers, align="llrlrrrrrrr")
 
 
 # The issues' targets on CPU: (description, threshold, values of a row, formats it covers).
@@ -717,14 +784,17 @@ def run(args: argparse.Namespace) -> int:
             "M/s: million elements per second (best of the repeats); public: precisionlab.encode"
             "/decode; jit: a jitted whole-array call;\nvs peer: precisionlab's rate over the "
             "peer's astype; of copy bw: the public call's bytes read + written per second over "
-            "a plain copy's\ninto a preallocated buffer; faults/call: minor page faults in one "
+            "a plain copy's\ninto a preallocated buffer; jit of floor: the jitted call's rate "
+            "over a one-operation XLA kernel\nwith the same bytes in and out (fresh outputs); "
+            "faults/call: minor page faults in one "
             "call (public / jit / peer); mismatches: against the peer."
         )
         return 0
     print(
         "M/s: million elements per second (best of the repeats); vs peer / vs gfloat: "
         "precisionlab's rate over theirs;\nof copy bw: precisionlab's bytes read + written per "
-        "second over a plain copy's\n(numpy or XLA, the faster, timed alongside); mismatches: "
-        "codes (encode) or values (decode) differing from the peer."
+        "second over a plain copy's\n(numpy or XLA, the faster, timed alongside); of floor: "
+        "precisionlab's rate over a one-operation XLA kernel\nwith the same bytes in and out, "
+        "timed alongside; mismatches: codes (encode) or values (decode) differing from the peer."
     )
     return 0
