@@ -175,6 +175,9 @@ def test_memory_empty_recipe_is_unknown_not_none(work, capsys, where):
         (["recipes", "--repeats", "1001"], "<= 1000"),  # 1e18 rounds: a hang
         (["train", "--steps", "1" + "0" * 18], "<= 1000"),
         (["telemetry", "--interval", "1" + "0" * 18], "<= 2147483647"),  # jit OverflowError
+        (["codecs", "--repeats", "1" + "0" * 18], "<= 1000"),  # a hang
+        (["codecs", "--size", "1" + "0" * 18], "<= 2^30"),  # numpy MemoryError traceback
+        (["codecs", "--size", "2^99999999999"], "not a size"),  # 1 << 10**11: a hang
     ],
 )
 def test_bench_bad_sizes_and_repeats_are_one_line(capsys, argv, message):

@@ -51,7 +51,7 @@ from precisionlab._text import UsageError, split_list, table
 from precisionlab.bench._timing import (
     copy_kernel,
     minor_faults,
-    positive_int,
+    repeats_int,
     time_call,
     time_interleaved,
     xla_copy_kernel,
@@ -77,10 +77,16 @@ _GFLOAT_NAMES = {
 }
 
 
+#: Most elements a codec bench takes: 4 GiB of float32 input (its outputs and the peers' come
+#: on top).
+SIZE_MAX = 1 << 30
+
+
 def _size(text: str) -> int:
-    """``16777216``, ``2^24``, ``2**24`` or ``16M`` (binary multiples K, M, G) -> int >= 1."""
+    """``16777216``, ``2^24``, ``2**24`` or ``16M`` (binary multiples K, M, G) -> an int in
+    [1, :data:`SIZE_MAX`]."""
     s = text.strip().lower().replace("_", "")
-    match = re.fullmatch(r"2(?:\^|\*\*)(\d+)", s)
+    match = re.fullmatch(r"2(?:\^|\*\*)(\d{1,4})", s)
     try:
         if match:
             value = 1 << int(match.group(1))
@@ -94,12 +100,14 @@ def _size(text: str) -> int:
         ) from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"size must be >= 1, got {text!r}")
+    if value > SIZE_MAX:
+        raise argparse.ArgumentTypeError(f"size must be <= 2^30, got {text[:40]!r}")
     return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", type=_size, default=1 << 24, help="elements (default 2^24)")
-    parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs, best kept")
+    parser.add_argument("--repeats", type=repeats_int, default=5, help="timed runs, best kept")
     parser.add_argument(
         "--formats",
         default=",".join(DEFAULT_FORMATS),
