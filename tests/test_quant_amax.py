@@ -62,7 +62,7 @@ def _ftz(x: np.ndarray) -> np.ndarray:
 
 
 def _grouped_input(fmt, kwargs, shape=(1024, 4096)):
-    """Input with NaNs laid out by group of ``spec``, and the grouped view's axes."""
+    """The spec of (fmt, kwargs) and an input with NaNs laid out by its groups."""
     spec = resolve(len(shape), fmt, **kwargs)
     if spec.granularity == "block" and shape[-1] % spec.block_size == 0 and spec.axis == 1:
         x = _with_nans(shape, spec.block_size, shape[0] * shape[1] // spec.block_size)
