@@ -176,6 +176,9 @@ def test_memory_empty_recipe_is_unknown_not_none(work, capsys, where):
         (["train", "--steps", "1" + "0" * 18], "<= 1000"),
         (["telemetry", "--interval", "1" + "0" * 18], "<= 2147483647"),  # jit OverflowError
         (["codecs", "--repeats", "1" + "0" * 18], "<= 1000"),  # a hang
+        (["quant", "--repeats", "1" + "0" * 18], "<= 1000"),  # a hang
+        (["quant", "--rows", "1" + "0" * 18], "<= 2147483647"),  # "array is too big"
+        (["quant", "--rows", "65536", "--cols", "65536"], "at most 2^28 elements"),
         (["codecs", "--size", "1" + "0" * 18], "<= 2^30"),  # numpy MemoryError traceback
         (["codecs", "--size", "2^99999999999"], "not a size"),  # 1 << 10**11: a hang
     ],

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from precisionlab.bench._timing import Timing, time_interleaved
+from precisionlab.bench._timing import Timing, positive_int, repeats_int, time_interleaved
 from precisionlab.bits._alloc import apply_malloc_tuning, malloc_tuning
 from precisionlab.quant import _core, fake_quant
 from precisionlab.quant._spec import resolve
@@ -45,9 +45,13 @@ CASES: dict[str, tuple[dict, object]] = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rows", type=int, default=1024, help="input rows (default 1024)")
-    parser.add_argument("--cols", type=int, default=4096, help="input columns (default 4096)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed calls per case (best)")
+    parser.add_argument("--rows", type=positive_int, default=1024, help="input rows (default 1024)")
+    parser.add_argument(
+        "--cols", type=positive_int, default=4096, help="input columns (default 4096)"
+    )
+    parser.add_argument(
+        "--repeats", type=repeats_int, default=5, help="timed calls per case (best)"
+    )
     parser.add_argument("--cases", help=f"comma-separated subset of: {', '.join(CASES)}")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument(
@@ -133,6 +137,10 @@ def measure(rows: int, cols: int, repeats: int, cases: list[str]) -> list[dict]:
     return results
 
 
+#: Most input elements: 1 GiB of float32 (fake_quant's output and the astype's come on top).
+_ELEMENTS_MAX = 1 << 28
+
+
 def run(args: argparse.Namespace) -> int:
     from precisionlab._text import UsageError, split_list
 
@@ -140,9 +148,11 @@ def run(args: argparse.Namespace) -> int:
     bad = [c for c in cases if c not in CASES]
     if bad:
         raise UsageError(f"unknown case {bad[0]!r}; allowed: {', '.join(CASES)}")
-    for k in ("rows", "cols", "repeats"):
-        if getattr(args, k) < 1:
-            raise UsageError(f"--{k} must be >= 1, got {getattr(args, k)}")
+    if args.rows * args.cols > _ELEMENTS_MAX:
+        raise UsageError(
+            f"--rows x --cols must be at most 2^28 elements (1 GiB of float32), got "
+            f"{args.rows} x {args.cols}"
+        )
     if args.malloc_tuning:
         apply_malloc_tuning()  # before the first computation, so XLA's threads see it
     results = measure(args.rows, args.cols, args.repeats, cases)
