@@ -71,7 +71,7 @@ def _same(a: list, b: list) -> None:
             )
 
 
-@pytest.mark.slow  # two compiles of a recipe step per recipe (~20 s each on 2 cores)
+@pytest.mark.slow  # two compiles of a recipe step per recipe: 15 s to 4 min each on 2 loaded cores
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r if isinstance(r, str) else str(r))
 def test_recipe_runs_are_bit_identical_with_telemetry_on_and_off(recipe):
     config = TrainConfig(**FP8, steps=3, recipe=recipe)
