@@ -270,7 +270,6 @@ def _run_unit(
                 store.resume_jsonl(path, step)
             writer = store.JsonlWriter(metrics_path)
             hist_writer = store.JsonlWriter(hist_path)
-            tel_writer = store.JsonlWriter(tel_path)
         writer.write(row)
         if board is not None:
             for key, value in row.items():
@@ -282,7 +281,10 @@ def _run_unit(
         hist_writer.write(row)
 
     def on_telemetry(rows: list[dict[str, Any]]) -> None:
-        assert tel_writer is not None, "telemetry comes after its step's metrics"
+        nonlocal tel_writer
+        assert writer is not None, "telemetry comes after its step's metrics"
+        if tel_writer is None:  # opened at the first rows: no file when telemetry is off
+            tel_writer = store.JsonlWriter(tel_path)
         for row in rows:
             tel_writer.write(row)
         if board is not None:

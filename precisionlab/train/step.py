@@ -429,6 +429,12 @@ def build_step(
         g32 = ls.unscale(g_scaled)
         if grads_dtype != np.dtype(jnp.float32):
             g32 = cast_floating(cast_floating(g32, grads_dtype), jnp.float32)
+        if rec is not None:
+            # Telemetry reads g32 (a lax.cond operand): without the barrier, XLA fuses the
+            # recipe's wgrad transpose into Adam's moment update in one program and not in
+            # the other, and LLVM contracts a different product of that update into an FMA
+            # (last bits of nu). Materialised here in both, the update compiles the same.
+            g32 = jax.lax.optimization_barrier(g32)
         grad_norm, finite, flags = _grad_norm_and_flags(g32)
         old = (state.params, state.opt_state, state.storage_state)
         if not opts.skips:
