@@ -112,6 +112,9 @@ def test_a_config_that_is_not_a_toml_file_is_one_line(work, capsys, command, nam
         ("variant.\u00b2.lr=1", "no variant '\u00b2'"),  # isdigit() but not int()
         (f"variant.{BIG}.lr=1", "no variant '999"),
         ("train.model_kwargs.depth=100000000", "depth must be an int <= 65536"),  # hung
+        # a string flag was truthy ("no" turned the Hadamard transform on); a huge history
+        ('train.recipe={name="nvfp4",hadamard="no"}', "hadamard must be true or false"),
+        ('train.recipe={name="delayed",amax_history_len=1000000000000}', "1..65536"),
     ],
 )
 def test_bad_set_is_one_line(work, capsys, override, message):

@@ -67,6 +67,10 @@ class Recipe:
     promote_every: int | None = None
 
     def __post_init__(self):
+        for f in dataclasses.fields(self):
+            # a TOML string "no" would be truthy: flags must be real booleans
+            if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
+                raise ValueError(f"{f.name} must be true or false, got {getattr(self, f.name)!r}")
         b = self.accumulate_bits
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 23):
             raise ValueError(f"accumulate_bits must be an int in 1..23 or None, got {b!r}")
@@ -151,11 +155,14 @@ class Delayed(Recipe):
                 f"unknown amax_compute_algo {self.amax_compute_algo!r}; allowed: max, most_recent"
             )
         if isinstance(self.amax_history_len, bool) or not (
-            isinstance(self.amax_history_len, int) and self.amax_history_len >= 1
+            isinstance(self.amax_history_len, int) and 1 <= self.amax_history_len <= 1 << 16
         ):
-            raise ValueError(f"amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
-        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
-            raise ValueError(f"margin must be an int >= 0, got {self.margin!r}")
+            raise ValueError(
+                f"amax_history_len must be an int in 1..65536, got {self.amax_history_len!r}"
+            )
+        m = self.margin
+        if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= 127:
+            raise ValueError(f"margin must be an int in 0..127 (binades), got {m!r}")
 
     def fmt(self, kind: str) -> FloatFormat:
         return _fp8_formats(self.fp8_format)[kind]
@@ -337,8 +344,8 @@ class NVFP4(_Blocked):
 
 
 def _check_block(b) -> None:
-    if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-        raise ValueError(f"block must be a positive int, got {b!r}")
+    if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 1 << 16:
+        raise ValueError(f"block must be an int in 1..65536, got {b!r}")
 
 
 _PRESETS = {
