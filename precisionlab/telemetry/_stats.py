@@ -286,7 +286,7 @@ def _segmented(xs: list[jax.Array], ts: tuple[Target, ...]) -> TensorStats:
         q = round_to_format(scaled_of(t), t.fmt)
         return q if t.scaling == "none" else q * (jnp.float32(1.0) / scales[t][seg][:, None])
 
-    # Per target: overflow, saturate, underflow, subnormal counts, in one integer pass.
+    # Per target: overflow, saturate, underflow, subnormal, poisoned counts, one integer pass.
     items = []
     for t in ts:
         thr = count_thresholds(t.fmt)
@@ -305,19 +305,18 @@ def _segmented(xs: list[jax.Array], ts: tuple[Target, ...]) -> TensorStats:
     ok = valid & finite
 
     def sums(fast: bool, xc):
-        if fast:
-            scale_n = lambda v: v * inv_rows  # noqa: E731
-        else:
-            scale_n = lambda v: pow2.ldexp(v, jnp.broadcast_to(-k_rows, v.shape))  # noqa: E731
         x0 = jnp.where(ok, xc, 0.0)
-        xn = scale_n(x0) if fast else lax.optimization_barrier(scale_n(x0))
+        copies = [jnp.where(ok, copy_of(t), 0.0) for t in ts]
+        if fast:  # each copy scaled inside its own reduction
+            xn, qns = x0 * inv_rows, [c * inv_rows for c in copies]
+        else:  # one ldexp over all of them, stacked (a smaller program)
+            vn = pow2.ldexp(jnp.stack([x0, *copies]), jnp.broadcast_to(-k_rows, xc.shape))
+            xn, qns = vn[0], list(vn[1:])
         (mean_n,) = seg_reduce([jnp.sum(xn, axis=1)], jnp.sum)
         mean_n = mean_n / jnp.maximum(n_f, 1).astype(jnp.float32)
         dev = jnp.where(ok, jnp.square(xn - mean_n[seg][:, None]), 0.0)
         rows = [jnp.sum(dev, axis=1), jnp.sum(jnp.square(xn), axis=1)]
-        for t in ts:
-            d = xn - scale_n(jnp.where(ok, copy_of(t), 0.0))
-            rows.append(jnp.sum(jnp.square(d), axis=1))
+        rows += [jnp.sum(jnp.square(xn - qn), axis=1) for qn in qns]
         m2_n, power_n, *noise = seg_reduce(rows, jnp.sum)
         return mean_n, m2_n, power_n, noise
 
@@ -325,14 +324,12 @@ def _segmented(xs: list[jax.Array], ts: tuple[Target, ...]) -> TensorStats:
     mean_n, m2_n, power_n, noise = lax.cond(fast, partial(sums, True), partial(sums, False), xc)
     per = []
     for j, t in enumerate(ts):
-        c = tcounts[4 * j : 4 * j + 4]
+        c = tcounts[5 * j : 5 * j + 5]
         if t.scaling == "tensor":
             # a NaN scale poisons every nonzero element and nothing else (set per tensor:
             # XLA on CPU flushes subnormal lanes in some fusions of the element-wise path)
             bad_seg = jnp.isnan(scales[t])
-            c = [*(jnp.where(bad_seg, 0, v) for v in c), jnp.where(bad_seg, n_nz, 0)]
-        else:  # a plain saturating cast of a finite value is finite
-            c = [*c, jnp.zeros_like(n)]
+            c = [*(jnp.where(bad_seg, 0, v) for v in c[:4]), jnp.where(bad_seg, n_nz, c[4])]
         per.append([*c, noise[j]])
     cols = list(zip(*per, strict=True)) if per else [()] * 6
     stack_i = [jnp.stack(c, axis=1) if c else jnp.zeros((nseg, 0), jnp.int32) for c in cols[:5]]
@@ -363,7 +360,7 @@ def _int_rows(items: list) -> list:
 
 
 def _count_items(scaled, nonzero, t: Target, thr: tuple) -> list:
-    """Overflow, saturate, underflow and subnormal masks of one target (for
+    """Overflow, saturate, underflow, subnormal and poisoned masks of one target (for
     :func:`_int_rows`) from the scaled magnitudes against the format's exact thresholds
     (:func:`count_thresholds`): no cast needed."""
     under, normal, sat = thr
@@ -373,9 +370,10 @@ def _count_items(scaled, nonzero, t: Target, thr: tuple) -> list:
     past = (sb >= o_bits) if tie else (sb > o_bits)
     masks = [
         nonzero & past & (sb < int(_INF_BITS)),
-        nonzero & (sb >= sat),
+        nonzero & (sb >= sat) & (sb <= int(_INF_BITS)),  # inf saturates
         nonzero & (sb <= under),
         nonzero & (sb > under) & (sb < normal),
+        nonzero & (sb > int(_INF_BITS)),  # NaN: x * scale is 0 * inf (a flushed subnormal)
     ]
     return [(m, "add") for m in masks]
 
@@ -395,6 +393,7 @@ def _count_items_cast(scaled, elems, nonzero, t: Target) -> list:
         nonzero & (bits == max_bits),
         nonzero & (bits == 0),
         nonzero & (bits > 0) & (bits < small_bits),
+        nonzero & (bits > int(_INF_BITS)),
     ]
     return [(m, "add") for m in masks]
 
