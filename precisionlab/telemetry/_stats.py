@@ -22,6 +22,12 @@ Conventions:
   ``underflow`` (quantized to +-0), ``subnormal`` (a nonzero subnormal of the format),
   ``poisoned`` (the copy is NaN: a NaN/inf in the element's scaling group), and the squared
   error of the dequantized copy for the SQNR.
+- Cost (:func:`stacked_stats`): the counts of plain and tensorwise targets compare the scaled
+  magnitudes' bits with each format's exact thresholds (no cast), all counts and extremes
+  are one integer reduction over the elements, and the quantized copies come from
+  :func:`~precisionlab.telemetry._targets.round_to_format` (a few float or bit operations,
+  bit for bit the recipes' encode and decode); ``tests/test_telemetry_fast.py`` checks them
+  against the exact-cast path.
 """
 
 from __future__ import annotations
