@@ -15,8 +15,10 @@ A target names an element format and a scaling:
 - aliases ``"current"`` (``e4m3:tensor``), ``"rowwise"`` (``e4m3:row``), ``"blockwise"``
   (``e4m3:block``).
 
-The quantized copy is computed with the recipes' own quantizers
-(:mod:`precisionlab.recipes`), so it is exactly what the recipe's GEMM would multiply.
+The quantized copy follows the recipes' scale rules (:mod:`precisionlab.recipes`), with the
+element cast done by :func:`round_to_format` (a few float or bit operations per element, bit
+for bit the recipes' integer encode and decode, which :func:`quantize_target_exact` uses and
+the tests compare with), so it is exactly what the recipe's GEMM would multiply.
 """
 
 from __future__ import annotations
