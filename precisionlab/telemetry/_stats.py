@@ -22,6 +22,12 @@ Conventions:
   ``underflow`` (quantized to +-0), ``subnormal`` (a nonzero subnormal of the format),
   ``poisoned`` (the copy is NaN: a NaN/inf in the element's scaling group), and the squared
   error of the dequantized copy for the SQNR.
+- Cost (:func:`stacked_stats`): the counts of plain and tensorwise targets compare the scaled
+  magnitudes' bits with each format's exact thresholds (no cast), all counts and extremes
+  are one integer reduction over the elements, and the quantized copies come from
+  :func:`~precisionlab.telemetry._targets.round_to_format` (a few float or bit operations,
+  bit for bit the recipes' encode and decode); ``tests/test_telemetry_fast.py`` checks them
+  against the exact-cast path.
 """
 
 from __future__ import annotations
@@ -40,9 +46,11 @@ from precisionlab.recipes import _scaling as S
 from precisionlab.telemetry._targets import (
     _EPS,
     Target,
+    count_thresholds,
     magnitude_bits,
     parse_targets,
     quantize_target,
+    round_to_format,
 )
 
 __all__ = [
@@ -230,85 +238,175 @@ def _segmented(xs: list[jax.Array], ts: tuple[Target, ...]) -> TensorStats:
     # them far faster than scatters (and the rows are few: 512 elements each).
     onehot = jnp.asarray(seg)[None, :] == jnp.arange(nseg, dtype=np.int32)[:, None]
 
-    def ssum(v):
-        return jnp.sum(jnp.where(onehot, v[None, :], jnp.zeros((), v.dtype)), axis=1)
+    def seg_reduce(vs: list, op) -> list:  # (R,) row partials -> (nseg,) per tensor
+        if not vs:
+            return []
+        v = jnp.stack(vs)[:, None, :]
+        init = int(_INF_BITS) if op is jnp.min else 0
+        return list(op(jnp.where(onehot[None], v, jnp.asarray(init, v.dtype)), axis=2))
 
-    def smax(v):
-        return jnp.max(jnp.where(onehot, v[None, :], jnp.zeros((), v.dtype)), axis=1)
-
-    def smin(v):
-        return jnp.min(jnp.where(onehot, v[None, :], _INF_BITS), axis=1)
-
-    b = magnitude_bits(xc)
-    finite = valid & (b < _INF_BITS)
-    nan = valid & (b > _INF_BITS)
-    zero = valid & (b == 0)
+    # One integer pass over the elements for extremes and counts (an integer reduction
+    # fuses with its element-wise producer on CPU; a float one reads a materialized array).
+    # Signed int32 magnitude bits: |x| < 2**31, and x86 has no unsigned vector compare.
+    b = lax.bitcast_convert_type(magnitude_bits(xc), jnp.int32)
+    inf_b = int(_INF_BITS)
+    finite = b < inf_b
     nonzero = finite & (b != 0)
-    amax_b = smax(jnp.max(jnp.where(finite, b, 0), axis=1))
-    amin_b = smin(jnp.min(jnp.where(nonzero, b, _INF_BITS), axis=1))
+    amax_r, amin_r, amax_nan_r, nan_r, inf_r, zero_r, tiny_r = _int_rows(
+        [
+            (jnp.where(finite, b, 0), "max"),
+            (jnp.where(nonzero, b, inf_b), "min"),
+            (b, "max"),  # the amax a tensorwise scale sees: NaN wins over inf
+            (b > inf_b, "add"),
+            (b == inf_b, "add"),
+            (b == 0, "add"),  # the padding included (subtracted below)
+            (nonzero & (b < 0x00800000), "add"),  # float32 subnormals
+        ]
+    )
+    amax_b, amax_nan = seg_reduce([amax_r, amax_nan_r], jnp.max)
+    (amin_b,) = seg_reduce([amin_r], jnp.min)
+    n_nan, n_inf, n_zero = seg_reduce([nan_r, inf_r, zero_r], jnp.sum)
+    n = jnp.asarray(np.asarray(sizes, np.int32))
+    pad = np.bincount(seg, weights=_CHUNK - fill, minlength=nseg).astype(np.int32)
+    n_zero = n_zero - jnp.asarray(pad)
+    n_f = n - n_nan - n_inf
+    n_nz = n_f - n_zero
     amax = lax.bitcast_convert_type(amax_b, jnp.float32)
     k = pow2.floor_log2(amax)
     k_rows = k[seg][:, None]
-    xn = pow2.ldexp(jnp.where(finite, xc, 0.0), jnp.broadcast_to(-k_rows, xc.shape))
-    counts = [finite, nan, zero, nonzero, valid]
-    n_f, n_nan, n_zero, n_nz, n = (ssum(jnp.sum(c, axis=1, dtype=jnp.int32)) for c in counts)
-    mean_n = ssum(jnp.sum(xn, axis=1)) / jnp.maximum(n_f, 1).astype(jnp.float32)
-    m2_n = ssum(jnp.sum(jnp.where(finite, jnp.square(xn - mean_n[seg][:, None]), 0.0), axis=1))
-    power_n = ssum(jnp.sum(jnp.square(xn), axis=1))
-    # the amax a recipe's tensorwise scale sees (NaN wins over inf, as in recipes._scaling.amax)
-    amax_nan = smax(jnp.max(jnp.where(valid, b, 0), axis=1))
-    per = []
+    scales = {}
     for t in ts:
-        if t.scaling == "none":
-            q = S.round_elements(xc, t.fmt)
-            scaled, values = xc, q
-        else:
-            sc, _ = S.scale_from_amax(
+        if t.scaling == "tensor":
+            scales[t] = S.scale_from_amax(
                 lax.bitcast_convert_type(amax_nan, jnp.float32), t.fmt.max, eps=_EPS,
                 pow2_scales=False,
-            )  # fmt: skip
-            s_rows = sc[seg][:, None]
-            scaled = jnp.where(jnp.isnan(s_rows), jnp.float32(jnp.nan), xc * s_rows)
-            q = S.round_elements(scaled, t.fmt)
-            values = q * (jnp.float32(1.0) / s_rows)
-        c = _counts_rows(scaled, q, values, finite, nonzero, xn, k_rows, t, ssum)
+            )[0]  # fmt: skip
+
+    def scaled_of(t):
+        if t.scaling == "none":
+            return xc
+        s_rows = scales[t][seg][:, None]
+        return jnp.where(jnp.isnan(s_rows), jnp.float32(jnp.nan), xc * s_rows)
+
+    def copy_of(t):  # the dequantized copy the recipe's GEMM would multiply
+        q = round_to_format(scaled_of(t), t.fmt)
+        return q if t.scaling == "none" else q * (jnp.float32(1.0) / scales[t][seg][:, None])
+
+    # Per target: overflow, saturate, underflow, subnormal, poisoned counts, one integer pass.
+    items = []
+    for t in ts:
+        thr = count_thresholds(t.fmt)
+        if thr is None:
+            items += _count_items_cast(scaled_of(t), copy_of(t), nonzero, t)
+        else:
+            items += _count_items(scaled_of(t), nonzero, t, thr)
+    tcounts = seg_reduce(_int_rows(items), jnp.sum) if items else []
+
+    # Moments and squared errors in units of 2**k. Where every 2**-k is a normal float32
+    # and no input is a float32 subnormal, a float multiply by 2**-k gives what the exact
+    # ldexp gives (results below float32's normal range flush on CPU, and flush again in
+    # the sums anyway); otherwise the integer ldexp, computed once (one cond per buffer).
+    k_ok = (k == pow2.ZERO_LOG2) | ((k >= -126) & (k <= 126))
+    inv_rows = _pow2_const(jnp.clip(-k, -126, 126))[seg][:, None]
+    ok = valid & finite
+
+    def sums(fast: bool, xc):
+        x0 = jnp.where(ok, xc, 0.0)
+        copies = [jnp.where(ok, copy_of(t), 0.0) for t in ts]
+        if fast:  # each copy scaled inside its own reduction
+            xn, qns = x0 * inv_rows, [c * inv_rows for c in copies]
+        else:  # one ldexp over all of them, stacked (a smaller program)
+            vn = pow2.ldexp(jnp.stack([x0, *copies]), jnp.broadcast_to(-k_rows, xc.shape))
+            xn, qns = vn[0], list(vn[1:])
+        (mean_n,) = seg_reduce([jnp.sum(xn, axis=1)], jnp.sum)
+        mean_n = mean_n / jnp.maximum(n_f, 1).astype(jnp.float32)
+        dev = jnp.where(ok, jnp.square(xn - mean_n[seg][:, None]), 0.0)
+        rows = [jnp.sum(dev, axis=1), jnp.sum(jnp.square(xn), axis=1)]
+        rows += [jnp.sum(jnp.square(xn - qn), axis=1) for qn in qns]
+        m2_n, power_n, *noise = seg_reduce(rows, jnp.sum)
+        return mean_n, m2_n, power_n, noise
+
+    fast = (jnp.sum(tiny_r) == 0) & jnp.all(k_ok)
+    mean_n, m2_n, power_n, noise = lax.cond(fast, partial(sums, True), partial(sums, False), xc)
+    per = []
+    for j, t in enumerate(ts):
+        c = tcounts[5 * j : 5 * j + 5]
         if t.scaling == "tensor":
             # a NaN scale poisons every nonzero element and nothing else (set per tensor:
             # XLA on CPU flushes subnormal lanes in some fusions of the element-wise path)
-            bad_seg = jnp.isnan(sc)
-            c = [jnp.where(bad_seg, 0, v) for v in c[:4]] + [jnp.where(bad_seg, n_nz, c[4]), c[5]]
-        per.append(c)
+            bad_seg = jnp.isnan(scales[t])
+            c = [*(jnp.where(bad_seg, 0, v) for v in c[:4]), jnp.where(bad_seg, n_nz, c[4])]
+        per.append([*c, noise[j]])
     cols = list(zip(*per, strict=True)) if per else [()] * 6
     stack_i = [jnp.stack(c, axis=1) if c else jnp.zeros((nseg, 0), jnp.int32) for c in cols[:5]]
     noise = jnp.stack(cols[5], axis=1) if cols[5] else jnp.zeros((nseg, 0), jnp.float32)
     return TensorStats(
-        n=n, n_nan=n_nan, n_inf=n - n_f - n_nan, n_zero=n_zero, n_nonzero=n_nz, amax=amax,
+        n=n, n_nan=n_nan, n_inf=n_inf, n_zero=n_zero, n_nonzero=n_nz, amax=amax,
         amin=lax.bitcast_convert_type(amin_b, jnp.float32), k=k, mean_n=mean_n, m2_n=m2_n,
         power_n=power_n, overflow=stack_i[0], saturate=stack_i[1], underflow=stack_i[2],
         subnormal=stack_i[3], poisoned=stack_i[4], noise_n=noise,
     )  # fmt: skip
 
 
-def _counts_rows(scaled, elems, values, finite, nonzero, xn, k_rows, t: Target, ssum) -> list:
-    """Per-tensor target counts (as :func:`_target_counts`) over the concatenated rows."""
-    bits = magnitude_bits(elems)
-    thr, tie = t.overflow_threshold
-    thr_bits = np.float32(thr).view(np.uint32)
-    sb = magnitude_bits(scaled)
-    past = (sb > thr_bits) | ((sb == thr_bits) if tie else False)
-    max_bits = np.float32(t.fmt.max).view(np.uint32)
-    small_bits = np.float32(t.fmt.smallest_normal).view(np.uint32)
+_INT_OPS = {"add": (lax.add, 0), "max": (lax.max, 0), "min": (lax.min, int(_INF_BITS))}
+
+
+def _int_rows(items: list) -> list:
+    """Row reductions (axis 1) of (R, 512) int32 or bool arrays, each with its op ("add",
+    "max" of non-negative values, "min" of values <= the inf bits), in one variadic reduce:
+    one pass over the elements (integer reductions fuse with their producers on CPU)."""
+    arrs = [jnp.asarray(a).astype(jnp.int32) for a, _ in items]
+    ops = [_INT_OPS[o] for _, o in items]
+
+    def body(a, b):
+        return [f(u, v) for (f, _), u, v in zip(ops, a, b, strict=True)]
+
+    inits = [jnp.int32(init) for _, init in ops]
+    return list(lax.reduce(arrs, inits, body, (1,)))
+
+
+def _count_items(scaled, nonzero, t: Target, thr: tuple) -> list:
+    """Overflow, saturate, underflow, subnormal and poisoned masks of one target (for
+    :func:`_int_rows`) from the scaled magnitudes against the format's exact thresholds
+    (:func:`count_thresholds`): no cast needed."""
+    under, normal, sat = thr
+    sb = lax.bitcast_convert_type(magnitude_bits(scaled), jnp.int32)
+    o_thr, tie = t.overflow_threshold
+    o_bits = int(np.float32(o_thr).view(np.uint32))
+    past = (sb >= o_bits) if tie else (sb > o_bits)
     masks = [
-        nonzero & past & (sb < _INF_BITS),
+        nonzero & past & (sb < int(_INF_BITS)),
+        nonzero & (sb >= sat) & (sb <= int(_INF_BITS)),  # inf saturates
+        nonzero & (sb <= under),
+        nonzero & (sb > under) & (sb < normal),
+        nonzero & (sb > int(_INF_BITS)),  # NaN: x * scale is 0 * inf (a flushed subnormal)
+    ]
+    return [(m, "add") for m in masks]
+
+
+def _count_items_cast(scaled, elems, nonzero, t: Target) -> list:
+    """As :func:`_count_items`, from the cast values (formats without thresholds)."""
+    i32 = partial(lax.bitcast_convert_type, new_dtype=jnp.int32)
+    bits = i32(magnitude_bits(elems))
+    thr, tie = t.overflow_threshold
+    thr_bits = int(np.float32(thr).view(np.uint32))
+    sb = i32(magnitude_bits(scaled))
+    past = (sb >= thr_bits) if tie else (sb > thr_bits)
+    max_bits = int(np.float32(t.fmt.max).view(np.uint32))
+    small_bits = int(np.float32(t.fmt.smallest_normal).view(np.uint32))
+    masks = [
+        nonzero & past & (sb < int(_INF_BITS)),
         nonzero & (bits == max_bits),
         nonzero & (bits == 0),
         nonzero & (bits > 0) & (bits < small_bits),
-        nonzero & (bits > _INF_BITS),
+        nonzero & (bits > int(_INF_BITS)),
     ]
-    out = [ssum(jnp.sum(m, axis=1, dtype=jnp.int32)) for m in masks]
-    qn = pow2.ldexp(jnp.where(finite, values, 0.0), jnp.broadcast_to(-k_rows, xn.shape))
-    out.append(ssum(jnp.sum(jnp.where(finite, jnp.square(xn - qn), 0.0), axis=1)))
-    return out
+    return [(m, "add") for m in masks]
+
+
+def _pow2_const(e: jax.Array) -> jax.Array:
+    """float32 2**e for int32 e in [-126, 127], built from the exponent field."""
+    return lax.bitcast_convert_type((e + 127).astype(jnp.uint32) << 23, jnp.float32)
 
 
 def _by_layout(xs: list[jax.Array], k: jax.Array, ts: tuple[Target, ...]) -> TensorStats:

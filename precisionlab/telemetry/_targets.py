@@ -15,22 +15,28 @@ A target names an element format and a scaling:
 - aliases ``"current"`` (``e4m3:tensor``), ``"rowwise"`` (``e4m3:row``), ``"blockwise"``
   (``e4m3:block``).
 
-The quantized copy is computed with the recipes' own quantizers
-(:mod:`precisionlab.recipes`), so it is exactly what the recipe's GEMM would multiply.
+The quantized copy follows the recipes' scale rules (:mod:`precisionlab.recipes`), with the
+element cast done by :func:`round_to_format` (a few float or bit operations per element, bit
+for bit the recipes' integer encode and decode, which :func:`quantize_target_exact` uses and
+the tests compare with), so it is exactly what the recipe's GEMM would multiply.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import re
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from precisionlab.formats import FloatFormat, get_format
+from precisionlab.formats import FloatFormat, Specials, get_format
 from precisionlab.quant import pow2
+from precisionlab.quant._core import _pow2_exponent
 from precisionlab.recipes import MX, get_recipe
 from precisionlab.recipes import _scaling as S
 
@@ -112,8 +118,10 @@ def parse_targets(targets) -> tuple[Target, ...]:
 
 class Quantized(NamedTuple):
     """A target's view of a float32 (R, K) tensor: ``scaled`` (x times its scale, the values
-    the element cast rounds), ``elems`` (the element-format values, saturated) and
-    ``values`` (the dequantized copy the GEMM would multiply), all float32 (R, K)."""
+    the element cast rounds; :func:`quantize_target` may flush float32 subnormals there, as
+    the recipes' power-of-two scaling does: they never overflow), ``elems`` (the
+    element-format values, saturated) and ``values`` (the dequantized copy the GEMM would
+    multiply), all float32 (R, K)."""
 
     scaled: jax.Array
     elems: jax.Array
@@ -126,7 +134,53 @@ def _pad(x: jax.Array, mult: int) -> jax.Array:
 
 
 def quantize_target(x2: jax.Array, t: Target) -> Quantized:
-    """Quantize a float32 (R, K) tensor as ``t`` says (along K)."""
+    """Quantize a float32 (R, K) tensor as ``t`` says (along K): the recipes' scale rules
+    with :func:`round_to_format` for the element cast (bit for bit
+    :func:`quantize_target_exact`, which casts with the recipes' own quantizers)."""
+    r, k = x2.shape
+    if t.scaling == "none":
+        q = round_to_format(x2, t.fmt)
+        return Quantized(x2, q, q)
+    if _fast_mode(t.fmt) == "exact":
+        return quantize_target_exact(x2, t)
+    x3 = _pad(x2, t.block if t.scaling in ("block", "mx") else 1)[None]
+    nan = jnp.float32(jnp.nan)
+    if t.scaling == "tensor":
+        s, _ = S.scale_from_amax(S.amax(x3, None), t.fmt.max, eps=_EPS, pow2_scales=False)
+        scaled = jnp.where(jnp.isnan(s), nan, x3 * s)
+        q = round_to_format(scaled, t.fmt)
+        values = q * (jnp.float32(1.0) / s)
+    elif t.scaling == "row":
+        s, e = S.scale_from_amax(S.amax(x3, -1), t.fmt.max, eps=_EPS, pow2_scales=True)
+        scaled = jnp.where(jnp.isnan(s), nan, S.mul_pow2(x3, e))
+        q = round_to_format(scaled, t.fmt)
+        values = q * jnp.where(jnp.isnan(s), s, pow2.pow2(-e))
+    elif t.scaling == "block":
+        s, e = S.scale_from_amax(
+            S._block_amax(x3, t.block, False), t.fmt.max, eps=0.0, pow2_scales=True
+        )
+        scaled = jnp.where(jnp.isnan(s), nan, S.mul_pow2(x3, e))
+        q = round_to_format(scaled, t.fmt)
+        values = jnp.where(jnp.isnan(s), nan, S.mul_pow2(q, -e))
+    else:
+        g = S._blocks_1d(x3, t.block)
+        a = S.amax(g, -1)
+        e = _pow2_exponent(a, float(t.fmt.max), t.fmt.emax, t.rule, t.fmt.mantissa_bits)
+        bad = ~S._finite(a)
+        e = jnp.where(bad, 0, e)
+        y = jnp.where(bad, nan, S.mul_pow2(g, -e))
+        q = round_to_format(y, t.fmt).reshape(x3.shape)
+        eb = jnp.broadcast_to(e, g.shape).reshape(x3.shape)
+        badb = jnp.broadcast_to(bad, g.shape).reshape(x3.shape)
+        values = jnp.where(badb, nan, S.mul_pow2(q, eb))
+        scaled = jnp.where(badb, nan, pow2.ldexp(x3, -eb))
+    out = (scaled, q, values)
+    return Quantized(*(jnp.broadcast_to(v, x3.shape)[0, :r, :k] for v in out))
+
+
+def quantize_target_exact(x2: jax.Array, t: Target) -> Quantized:
+    """Quantize a float32 (R, K) tensor as ``t`` says (along K) with the recipes' own
+    quantizers (integer encode and decode): the reference of :func:`quantize_target`."""
     r, k = x2.shape
     if t.scaling == "none":
         q = S.round_elements(x2, t.fmt)
@@ -160,3 +214,96 @@ def _times_pow2(x3: jax.Array, s: jax.Array) -> jax.Array:
 def magnitude_bits(x: jax.Array) -> jax.Array:
     """uint32 bits of |x| (float32): ordered like the magnitudes, subnormals exact."""
     return lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32) & jnp.uint32(0x7FFFFFFF)
+
+
+# --- fast round to a format ---------------------------------------------------------------
+def _fast_mode(fmt: FloatFormat) -> str:
+    """How :func:`round_to_format` rounds to ``fmt``: ``"bits"`` (float32's exponent range:
+    round the float32 bit pattern's fraction), ``"float"`` (float arithmetic on an exact
+    power-of-two grid), or ``"exact"`` (the recipes' integer encode and decode)."""
+    m, lo, hi = fmt.mantissa_bits, fmt.emin, fmt.emax
+    if not fmt.subnormals or m > 23 or fmt.max > float(np.finfo(np.float32).max):
+        return "exact"
+    if lo == -126 and hi == 127:
+        return "bits"
+    # every power of two of the grid (2**(e - m), 2**(m - e) for emin <= e <= emax + 1) is a
+    # normal float32, and a float32 subnormal (flushed to zero on CPU) rounds to zero anyway
+    if lo - m >= -125 and m - lo <= 127 and hi + 1 - m <= 127 and m - hi - 1 >= -126:
+        return "float"
+    return "exact"
+
+
+def _pow2_const(e: jax.Array) -> jax.Array:
+    """float32 2**e for int32 e in the normal range, built from the exponent field."""
+    return lax.bitcast_convert_type(((e + 127).astype(jnp.uint32)) << 23, jnp.float32)
+
+
+def round_to_format(y: jax.Array, fmt: FloatFormat) -> jax.Array:
+    """float32 ``y`` rounded to ``fmt`` (nearest even), saturated to +-max, NaN kept: the
+    values of :func:`precisionlab.recipes._scaling.round_elements` (the same bits, up to the
+    sign of zero), in a few float or integer operations per element instead of an encode
+    and a decode. Formats outside float32's range or without subnormals use the encoder."""
+    y = jnp.asarray(y, jnp.float32)
+    mode = _fast_mode(fmt)
+    if mode == "exact":
+        return S.round_elements(y, fmt)
+    b = lax.bitcast_convert_type(y, jnp.uint32)
+    mag = b & jnp.uint32(0x7FFFFFFF)
+    max_bits = jnp.uint32(np.float32(fmt.max).view(np.uint32))
+    if mode == "bits":
+        shift = 23 - fmt.mantissa_bits
+        if shift:
+            half = jnp.uint32((1 << (shift - 1)) - 1)
+            lsb = (mag >> shift) & jnp.uint32(1)
+            r = (mag + half + lsb) & jnp.uint32(~((1 << shift) - 1) & 0xFFFFFFFF)
+        else:
+            r = mag
+        nan = mag > jnp.uint32(0x7F800000)
+        r = jnp.where(nan, 0 if fmt.specials is Specials.NONE else mag, jnp.minimum(r, max_bits))
+        return lax.bitcast_convert_type(r | (b & jnp.uint32(0x80000000)), jnp.float32)
+    m = fmt.mantissa_bits
+    a = lax.bitcast_convert_type(mag, jnp.float32)
+    e = ((mag >> 23).astype(jnp.int32)) - 127  # floor(log2 a) for normal a
+    e = jnp.clip(e, fmt.emin, fmt.emax + 1)
+    q = jnp.round(a * _pow2_const(m - e)) * _pow2_const(e - m)
+    q = jnp.minimum(q, jnp.float32(fmt.max))  # NaN stays NaN (jnp.minimum propagates it)
+    if fmt.specials is Specials.NONE:  # no NaN code: the encoder writes NaN as zero
+        q = jnp.where(jnp.isnan(q), jnp.float32(0.0), q)
+    return lax.bitcast_convert_type(
+        lax.bitcast_convert_type(q, jnp.uint32) | (b & jnp.uint32(0x80000000)), jnp.float32
+    )
+
+
+def _round_magnitude(v: float, fmt: FloatFormat) -> float:
+    """Python reference: a float32 magnitude ``v`` rounded to ``fmt`` (nearest even,
+    saturating), exact in float64 for the formats :func:`_fast_mode` accepts."""
+    if v == 0.0:
+        return 0.0
+    e = max(math.frexp(v)[1] - 1, fmt.emin)
+    ulp = math.ldexp(1.0, e - fmt.mantissa_bits)
+    return min(round(v / ulp) * ulp, fmt.max)  # round(): ties to even
+
+
+@functools.cache
+def count_thresholds(fmt: FloatFormat) -> tuple[int, int, int] | None:
+    """(U, N, M) on float32 magnitude bit patterns: a magnitude with bits ``<= U`` rounds
+    to zero in ``fmt``, ``>= N`` to a normal value, ``>= M`` to the max (saturated), so
+    counts need no cast. None for formats that :func:`round_to_format` casts exactly."""
+    if _fast_mode(fmt) == "exact":
+        return None
+
+    def first(pred) -> int:  # smallest finite float32 bit pattern where pred holds
+        lo, hi = 0, 0x7F800000
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if pred(float(np.uint32(mid).view(np.float32))):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    r = functools.partial(_round_magnitude, fmt=fmt)
+    under = first(lambda v: r(v) > 0.0) - 1
+    normal = first(lambda v: r(v) >= fmt.smallest_normal)
+    sat = first(lambda v: r(v) >= fmt.max)
+    return under, normal, sat
