@@ -179,6 +179,9 @@ def test_memory_empty_recipe_is_unknown_not_none(work, capsys, where):
         (["train", "--steps", "1" + "0" * 18], "<= 1000"),
         (["telemetry", "--interval", "1" + "0" * 18], "<= 2147483647"),  # jit OverflowError
         (["codecs", "--repeats", "1" + "0" * 18], "<= 1000"),  # a hang
+        (["telemetry", "--repeats", "1" + "0" * 18], "<= 1000"),  # a hang
+        (["telemetry", "--steps", "1" + "0" * 18], "<= 1000"),  # a hang
+        (["telemetry", "--batch", "1000000000"], "--batch must be at most 65536"),
         (["quant", "--repeats", "1" + "0" * 18], "<= 1000"),  # a hang
         (["quant", "--rows", "1" + "0" * 18], "<= 2147483647"),  # "array is too big"
         (["quant", "--rows", "65536", "--cols", "65536"], "at most 2^28 elements"),

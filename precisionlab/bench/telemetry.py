@@ -27,7 +27,7 @@ import optax
 
 from precisionlab import _io
 from precisionlab._text import UsageError, table
-from precisionlab.bench._timing import positive_int, time_interleaved
+from precisionlab.bench._timing import positive_int, repeats_int, time_interleaved
 from precisionlab.train import StepOptions, build_step, make_data, make_model
 from precisionlab.train.telemetry import DEFAULT_TARGETS, Telemetry, telemetry_rows
 
@@ -46,10 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--interval", type=positive_int, default=10, help="telemetry every N steps (default 10)"
     )
     parser.add_argument(
-        "--steps", type=positive_int, default=20, help="steps per timed chunk (default 20)"
+        "--steps", type=repeats_int, default=20, help="steps per timed chunk (default 20)"
     )
     parser.add_argument(
-        "--repeats", type=positive_int, default=5, help="timed rounds, best kept (default 5)"
+        "--repeats", type=repeats_int, default=5, help="timed rounds, best kept (default 5)"
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON to OUT")
@@ -147,8 +147,14 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join([head, table(rows, cols, align="lrrrrrl")])
 
 
+#: Largest batch: the transformer's activations at 65,536 sequences take gigabytes already.
+_BATCH_MAX = 1 << 16
+
+
 def run(args: argparse.Namespace) -> int:
     models = tuple(dict.fromkeys(args.model)) if args.model else MODELS
+    if args.batch > _BATCH_MAX:
+        raise UsageError(f"--batch must be at most {_BATCH_MAX}, got {args.batch}")
     result = measure(models, args.batch, args.interval, args.steps, args.repeats)
     if args.out is not None:
         _io.write_json(args.out, result)
