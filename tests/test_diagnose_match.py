@@ -65,3 +65,32 @@ def test_compare_unrolled_with_scanned_finds_the_unrolled_break():
         assert (r.first.step, r.first.layer, r.first.kind) == (u.first.step, u.first.layer, "grad")
         assert r.first.rel == pytest.approx(u.first.rel, rel=1e-5), name
         assert {(c.layer, c.kind) for c in r.at_step} == {(c.layer, c.kind) for c in u.at_step}
+
+
+def test_nothing_paired_is_an_error_and_shape_mismatches_are_listed():
+    from types import SimpleNamespace
+
+    from precisionlab.diagnose.compare import _pair
+
+    def runner(ts):
+        return SimpleNamespace(capture=SimpleNamespace(tensors=ts, uncaptured=[]))
+
+    a = [_mm("layer0", 0, 0, "out", "output"), Tensor("-", "loss", "loss", 1, "-:loss")]
+    b = [_mm("block0", 0, 0, "out", "output"), Tensor("-", "loss", "loss", 1, "-:loss")]
+    arrays = {"layer0:dot_general[0].out": [[1.0]], "block0:dot_general[0].out": [[1.0]]}
+    with pytest.raises(ValueError, match="no tensor of B matches one of A"):
+        _pair(runner(a), runner(b), arrays, arrays, "A", "B", print)
+    said = []
+    big = {"layer0:dot_general[0].out": [[1.0, 2.0]], "-:loss": 1.0}
+    small = {"layer0:dot_general[0].out": [[1.0]], "-:loss": 1.0}
+    with pytest.raises(ValueError):  # the only matmul pair differs in shape: only the loss left
+        _pair(runner(a), runner(a), big, small, "A", "B", said.append)
+    c = [*a, _mm("layer1", 1, 0, "out", "output")]
+    arr = {**small, "layer1:dot_general[1].out": [[3.0]]}
+    pairs, unmatched = _pair(runner(c), runner(c), {**arr, **big}, arr, "A", "B", said.append)
+    assert [t.key for t, _ in pairs] == ["-:loss", "layer1:dot_general[1].out"]  # a's order
+    assert unmatched == [
+        "ref layer0:dot_general[0].out (shape differs)",
+        "other layer0:dot_general[0].out (shape differs)",
+    ]
+    assert said and said[-1].startswith("not compared (no counterpart in the other variant)")
