@@ -25,6 +25,7 @@ from precisionlab.diagnose.compare import (
     CompareResult,
     Crossing,
     compare,
+    match_tensors,
     relative_difference,
 )
 
@@ -43,6 +44,7 @@ __all__ = [
     "check",
     "compare",
     "load_units",
+    "match_tensors",
     "open_run",
     "pick",
     "relative_difference",

@@ -10,8 +10,14 @@ keeps the factor (what the variant's compute dtype actually held is ``grad * gra
 
 Matmuls inside a scan over stacked layers (``scan_layers``, with or without ``remat_every``)
 are captured per iteration, i.e. per layer, under the layer's name (``layer3:dot_general[1]
-.out``, see :meth:`precisionlab.intercept.Site.layer`); matmuls under a ``cond`` or a
-``while_loop`` (no built-in model has them) are not captured.
+.out``, see :meth:`precisionlab.intercept.Site.layer`). Matmuls under a ``cond``/``switch``
+are captured in the steps where their branch runs (an untaken branch's entry is left out of
+that step's captures); matmuls inside a ``while_loop`` are not (reverse mode does not
+differentiate through one; :attr:`Capture.uncaptured` names them, and compare says so).
+
+Each matmul tensor also gets a :attr:`Tensor.match` name that does not depend on how the
+layers were traced: ``LAYER:matmul[K].PART``, K the matmul's position among the layer's
+matmuls in program order, so a scanned variant's tensors pair with an unrolled one's.
 """
 
 from __future__ import annotations
@@ -38,12 +44,15 @@ class Tensor:
     """Where a captured tensor lives: ``layer`` (the model's layer name), ``name`` (``"dot_general
     [3].grad"``, ``"act:pre"``, ``"loss"``), ``kind`` (``"operand"``, ``"output"``,
     ``"activation"``, ``"loss"``, ``"grad"``) and ``order`` (causal: forward in program order,
-    then the loss, then cotangents in reverse)."""
+    then the loss, then cotangents in reverse). ``match``: the name that pairs it with another
+    variant's tensor (``"layer3:matmul[1].grad"``: the layer's second matmul; the key for
+    activations and the loss), the same whether the layers were unrolled or scanned."""
 
     layer: str
     name: str
     kind: str
     order: int
+    match: str = ""
 
     @property
     def key(self) -> str:
@@ -78,8 +87,9 @@ class _Record:
 
 
 def _captured(site: Site) -> bool:
-    """Captured sites: at the top level, in calls, checkpoints and scans (not cond, while)."""
-    return not {"cond", "while"} & set(site.within)
+    """Captured sites: at the top level, in calls, checkpoints, scans and conds (not inside a
+    while loop, which reverse mode does not differentiate through)."""
+    return "while" not in site.within
 
 
 def _probe(site: Site):
@@ -114,8 +124,10 @@ class Capture:
         cfg, pol = setup.config, setup.policy
         if setup.model.remat:
             raise ValueError("diagnose runs models without remat (the numerics are the same)")
-        # sites captured, and (site, iteration index, layer) of each captured tensor
-        self._entries: list[tuple[Site, tuple[int, ...], str]] = []
+        # (site, iteration index, layer, position among the layer's matmuls) of each capture
+        self._entries: list[tuple[Site, tuple[int, ...], str, int]] = []
+        #: matmuls not captured (inside a while loop), by site name
+        self.uncaptured: list[str] = []
         self.setup, self.policy = setup, pol
         self.compute_dtype = np.dtype(pol.compute_dtype)
         self.layers = setup.model.layer_names()
@@ -141,17 +153,21 @@ class Capture:
             selected = frozenset(s.name for s in sel.sites(pc, batch) if s.selected)
 
         inter = intercept(self._scaled, _Record(self.recipe, selected, rstate))
-        sites = [s for s in inter.sites(pc, batch) if _captured(s)]
-        self._entries = [
-            (s, idx, s.layer(i if s.lengths else None, self.layers))
-            for s in sites
-            for i, idx in _iterations(s)
-        ]
+        all_sites = inter.sites(pc, batch)
+        sites = [s for s in all_sites if _captured(s)]
+        self.uncaptured = [s.name for s in all_sites if not _captured(s)]
+        seen: dict[str, int] = {}
+        self._entries = []
+        for s in sites:
+            for i, idx in _iterations(s):
+                layer = s.layer(i if s.lengths else None, self.layers)
+                self._entries.append((s, idx, layer, seen.get(layer, 0)))
+                seen[layer] = seen.get(layer, 0) + 1
         probes = {s.name: _probe(s) for s in sites}
 
         def run(pr, p):
             (loss, aux), tensors = inter.call_with_aux(pr, p, batch)
-            sink = {k: a.value for k, a in tensors.items()}
+            sink = {k: {**a.value, "valid": a.valid} for k, a in tensors.items()}
             return loss_scale.scale(loss), (loss, aux["activations"], sink)
 
         (_, (loss, acts, sink)), cts = jax.value_and_grad(run, has_aux=True)(probes, pc)
@@ -169,7 +185,9 @@ class Capture:
         if not self.tensors:
             self.tensors = self._order(acts, sink)
         out: dict[str, np.ndarray] = {"-:loss": np.asarray(loss, np.float32)}
-        for s, idx, layer in self._entries:
+        for s, idx, layer, _ in self._entries:
+            if s.name in sink and not bool(np.asarray(sink[s.name]["valid"])[idx]):
+                continue  # a cond branch that did not run this step: nothing to capture
             for part in ("lhs", "rhs", "out"):
                 if s.name in sink:
                     x = sink[s.name][part][idx]
@@ -187,17 +205,21 @@ class Capture:
     def _order(self, acts: dict, sink: dict) -> list[Tensor]:
         fwd: list[Tensor] = []
         for layer in self.layers:
-            for s, _, where in self._entries:
+            for s, _, where, k in self._entries:
                 if where == layer and s.name in sink:
                     kinds = (("lhs", "operand"), ("rhs", "operand"), ("out", "output"))
-                    fwd += [Tensor(layer, f"{s.name}.{p}", k, 0) for p, k in kinds]
+                    fwd += [
+                        Tensor(layer, f"{s.name}.{p}", kd, 0, f"{layer}:matmul[{k}].{p}")
+                        for p, kd in kinds
+                    ]
             for k in sorted(acts, key=_act_rank):  # jit returns dicts in sorted key order
                 if self._act_layer(k) == layer:
-                    fwd.append(Tensor(layer, f"act:{k.split('/')[-1]}", "activation", 0))
-        fwd.append(Tensor("-", "loss", "loss", 0))
+                    name = f"act:{k.split('/')[-1]}"
+                    fwd.append(Tensor(layer, name, "activation", 0, f"{layer}:{name}"))
+        fwd.append(Tensor("-", "loss", "loss", 0, "-:loss"))
         bwd = [
-            Tensor(layer, f"{s.name}.grad", "grad", 0)
-            for s, _, layer in reversed(self._entries)
+            Tensor(layer, f"{s.name}.grad", "grad", 0, f"{layer}:matmul[{k}].grad")
+            for s, _, layer, k in reversed(self._entries)
             if s.name in sink
         ]
         return [dataclasses.replace(t, order=i) for i, t in enumerate(fwd + bwd)]

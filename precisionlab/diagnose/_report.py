@@ -88,8 +88,19 @@ def write_compare(run_dir: Path, result: Any, *, plots: bool = True) -> tuple[Pa
     rows = [[str(c.step), c.layer, c.tensor, _num(c.rel), c.explain] for c in r.at_step[:12]]
     hdr = ["step", "layer", "tensor", "rel. diff", "statistics"]
     uf = [[k, f"{v:.1%}"] for k, v in r.grad_underflow.items()]
-    text = "\n".join([head, *answer])
+    missing = []
+    unmatched = getattr(r, "unmatched", [])
+    if unmatched:
+        missing.append(
+            f"not compared: {len(unmatched)} tensor(s) without a counterpart in the other "
+            f"variant: {', '.join(unmatched)}"
+        )
+    if getattr(r, "uncaptured", []):
+        missing.append(f"not captured (inside a while_loop): {', '.join(r.uncaptured)}")
+    text = "\n".join([head, *answer, *missing])
     lines = [f"# diagnose --compare: {r.ref} vs {r.other}", "", head, "", *answer, ""]
+    if missing:
+        lines += [*missing, ""]
     if rows:
         lines += [
             f"Tensors over the threshold at step {r.at_step[0].step} (largest first, 12 at most):",

@@ -11,6 +11,13 @@ layer where it starts, not on the layers its infinities reach),
 explained by the statistics of the reference tensor in the second variant's compute dtype
 (:func:`precisionlab.telemetry.tensor_stats`: the fractions that overflow or underflow there,
 cotangents taken at the second variant's loss weight times loss scale).
+
+Tensors are paired by model layer and role, not by interception site
+(:func:`match_tensors`): a variant with ``scan_layers`` (one site serves every stacked
+layer) compares with an unrolled one. Tensors without a counterpart in the other variant
+are listed in :attr:`CompareResult.unmatched` (and the report); when none pairs at all,
+compare raises ``ValueError``. A ``cond`` branch that ran in one variant and not in the
+other at a compared step is a crossing (relative difference inf).
 """
 
 from __future__ import annotations
@@ -30,7 +37,14 @@ from precisionlab.telemetry import tensor_stats, to_dict
 from precisionlab.train import build, build_step, make_data
 from precisionlab.train.step import normalize_loss_fn
 
-__all__ = ["CompareOptions", "CompareResult", "Crossing", "compare", "relative_difference"]
+__all__ = [
+    "CompareOptions",
+    "CompareResult",
+    "Crossing",
+    "compare",
+    "match_tensors",
+    "relative_difference",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -75,7 +89,9 @@ class CompareResult:
     largest relative difference at each compared step (``compared_steps``). grad_underflow: per
     layer, the fraction of the reference's output cotangents (at ``other``'s scale) that
     underflow in ``other``'s compute dtype at the first crossing's step (or the last step).
-    dtype: ``other``'s compute dtype."""
+    dtype: ``other``'s compute dtype. unmatched: ``"ref LAYER:NAME"`` / ``"other LAYER:NAME"``
+    of each tensor with no counterpart in the other variant (not compared). uncaptured: the
+    matmuls neither variant's capture can see (inside a ``while_loop``), ``"ref SITE"``."""
 
     ref: str
     other: str
@@ -87,6 +103,29 @@ class CompareResult:
     heat: dict[str, list[float]]
     grad_underflow: dict[str, float]
     dtype: str
+    unmatched: list[str] = dataclasses.field(default_factory=list)
+    uncaptured: list[str] = dataclasses.field(default_factory=list)
+
+
+def match_tensors(a: list[Tensor], b: list[Tensor]) -> tuple[list[tuple[Tensor, Tensor]], list]:
+    """Pairs ``(a's tensor, b's tensor)`` with the same :attr:`Tensor.match` (layer, role and
+    position among the layer's matmuls), in ``a``'s order, and the unpaired ones as
+    ``"ref LAYER:NAME"`` / ``"other LAYER:NAME"`` (a name twice in one list pairs nothing)."""
+
+    def index(ts: list[Tensor]) -> dict[str, Tensor | None]:
+        out: dict[str, Tensor | None] = {}
+        for t in ts:
+            m = t.match or t.key
+            out[m] = None if m in out else t  # ambiguous: pairs nothing
+        return out
+
+    ia, ib = index(a), index(b)
+    pairs = [(t, ib[m]) for m, t in ia.items() if t is not None and ib.get(m) is not None]
+    paired_a = {id(t) for t, _ in pairs}
+    paired_b = {id(u) for _, u in pairs}
+    unmatched = [f"ref {t.key}" for t in a if id(t) not in paired_a]
+    unmatched += [f"other {t.key}" for t in b if id(t) not in paired_b]
+    return pairs, unmatched
 
 
 def relative_difference(a: np.ndarray, b: np.ndarray) -> float:
@@ -203,20 +242,31 @@ def compare(
     compared: list[int] = []
     at_step: list[Crossing] = []
     last: tuple = ()
+    pairs: list[tuple[Tensor, Tensor]] | None = None
+    unmatched: list[str] = []
     batch, step = first_batch, 0
     while step < steps:
         if step % options.every == 0:
             ta, tb = ra.capture(ra.state, batch), rb.capture(rb.state, batch)
+            if pairs is None:
+                pairs, unmatched = _pair(ra, rb, ta, tb, ref.name, other.name, say)
             compared.append(step + 1)
             worst: dict[str, float] = {}
-            for t in ra.capture.tensors:
-                if t.key not in ta or t.key not in tb:
+            for t, u in pairs:
+                if t.key not in ta and u.key not in tb:
+                    continue  # a cond branch that ran in neither variant
+                if t.key not in ta or u.key not in tb:
+                    ran = other.name if t.key not in ta else ref.name
+                    text = f"{t.layer}'s {t.name} ran in {ran} only (a cond took another branch)"
+                    at_step.append(
+                        Crossing(step + 1, t.layer, t.name, t.kind, math.inf, text, {}, t.order)
+                    )
                     continue
-                rel = relative_difference(ta[t.key], tb[t.key])
+                rel = relative_difference(ta[t.key], tb[u.key])
                 if not math.isnan(rel):
                     worst[t.layer] = max(worst.get(t.layer, 0.0), rel)
                 if rel > options.threshold:
-                    text, stats = _explain(t, ta[t.key], tb[t.key], rb, other.name)
+                    text, stats = _explain(t, ta[t.key], tb[u.key], rb, other.name)
                     at_step.append(
                         Crossing(step + 1, t.layer, t.name, t.kind, rel, text, stats, t.order)
                     )
@@ -233,9 +283,9 @@ def compare(
             batch = next(batches)
     ta, tb = last
     underflow = {}
-    for t in ra.capture.tensors:
-        if t.kind == "grad" and t.key in ta:
-            _, st = _explain(t, ta[t.key], tb[t.key], rb, other.name)
+    for t, u in pairs or []:
+        if t.kind == "grad" and t.key in ta and u.key in tb:
+            _, st = _explain(t, ta[t.key], tb[u.key], rb, other.name)
             underflow[t.layer] = max(underflow.get(t.layer, 0.0), st["underflow"])
     if dump is not None:
         arrays = {f"ref/{k}": v for k, v in ta.items()}
@@ -256,4 +306,30 @@ def compare(
         heat={k: v for k, v in heat.items() if any(not math.isnan(x) for x in v)},
         grad_underflow=underflow,
         dtype=str(rb.capture.compute_dtype),
+        unmatched=unmatched,
+        uncaptured=[f"ref {n}" for n in ra.capture.uncaptured]
+        + [f"other {n}" for n in rb.capture.uncaptured],
     )
+
+
+def _pair(ra: _Runner, rb: _Runner, ta: dict, tb: dict, na: str, nb: str, say: Callable) -> tuple:
+    """The tensor pairs of two variants (same match name and shape) and the unpaired ones;
+    ``ValueError`` when nothing pairs."""
+    pairs, unmatched = match_tensors(ra.capture.tensors, rb.capture.tensors)
+    kept = []
+    for t, u in pairs:
+        if t.key in ta and u.key in tb and np.shape(ta[t.key]) != np.shape(tb[u.key]):
+            unmatched += [f"ref {t.key} (shape differs)", f"other {u.key} (shape differs)"]
+        else:
+            kept.append((t, u))
+    if not [p for p in kept if p[0].kind != "loss"] and (ra.capture.tensors or rb.capture.tensors):
+        raise ValueError(
+            f"no tensor of {nb} matches one of {na} by layer and role "
+            f"({len(ra.capture.tensors)} vs {len(rb.capture.tensors)} tensors): nothing to compare"
+        )
+    if unmatched:
+        say(f"not compared (no counterpart in the other variant): {', '.join(unmatched)}")
+    for name, cap in ((na, ra.capture), (nb, rb.capture)):
+        if cap.uncaptured:
+            say(f"{name}: {len(cap.uncaptured)} matmul(s) inside a while_loop not captured")
+    return kept, unmatched

@@ -18,8 +18,11 @@ the statistics of the whole batch. The observed pass is a second forward and bac
 compute-dtype tensors the recipe would quantize, and the targets say what the recipe does to
 them. Matmuls inside ``scan``/``while``/``cond``/``checkpoint`` are observed too: a site inside
 a scan over stacked layers (``scan_layers = true``, with or without ``remat_every``) gives one
-entry per iteration, i.e. per layer, so a scanned model has the same rows as unrolled (an
-untaken ``cond`` branch or an unused while slot gives statistics of zeros). Matmul rows name
+entry per iteration, i.e. per layer, so a scanned model has the same rows as unrolled. An
+untaken ``cond`` branch or an unused while slot gives no row: its statistics are the empty
+identity of :func:`~precisionlab.telemetry.combine` (``n == 0``; across micro-batches and shards
+only the ones where the branch ran count), and :func:`telemetry_rows` leaves out matmul entries
+with no element. Matmul rows name
 the model layer (``layer3``, from the site's named scope, see
 :meth:`precisionlab.intercept.Site.layer`) and the interception site (``dot_general[1]``).
 
@@ -139,19 +142,33 @@ def _empty(s: TensorStats) -> TensorStats:
     return TensorStats(**fields)
 
 
-def _per_layer(site: Any, tensors: dict[str, jax.Array]) -> dict[tuple, jax.Array]:
-    """``{(site, tensor, layer): tensor}`` of one site's observed tensors, one entry per
-    iteration of its loops (leading axes, flattened row-major: a scanned layer each)."""
+def _per_layer(site: Any, tensors: dict[str, Any]) -> dict[tuple, tuple]:
+    """``{(site, tensor, layer): (tensor, valid)}`` of one site's observed tensors, one entry
+    per iteration of its loops (leading axes, flattened row-major: a scanned layer each);
+    ``valid``: bool scalar, False for an untaken ``cond`` branch or an unused while slot."""
     out = {}
     roles = [k for k in ("lhs", "rhs", "out", "grad") if k in tensors]
     n_loops = len(site.loops)
     loop_shape = tensors["out"].shape[:n_loops]
+    valid = tensors.get("valid")
     for i in range(math.prod(loop_shape)):
-        idx = np.unravel_index(i, loop_shape) if n_loops else ()
+        idx = tuple(int(j) for j in np.unravel_index(i, loop_shape)) if n_loops else ()
         layer = site.layer(i if n_loops else None)
+        ok = jnp.bool_(True) if valid is None else jnp.asarray(valid)[idx]
         for k in roles:
-            out[(site.name, k, layer)] = tensors[k][tuple(int(j) for j in idx)]
+            out[(site.name, k, layer)] = (tensors[k][idx], ok)
     return out
+
+
+def _masked(stats: TensorStats, valid: list) -> TensorStats:
+    """Stacked statistics with the invalid entries' replaced by the empty identity (n == 0)."""
+    if not valid:
+        return stats
+    ok = jnp.stack(valid)
+    empty = _empty(stats)
+    return jax.tree.map(
+        lambda s, e: jnp.where(ok.reshape(-1, *(1,) * (s.ndim - 1)), s, e), stats, empty
+    )
 
 
 def make_telemetry_fn(
@@ -183,18 +200,20 @@ def make_telemetry_fn(
 
     vg = observe(scaled, targets).value_and_grad(0, tensors=True)
 
-    def matmul_tensors(pc, b, ls) -> list:
+    def matmul_tensors(pc, b, ls) -> tuple[list, list]:
+        """(tensors, valid flags), in ``names["matmul"]`` order."""
         tensors = vg(pc, b, ls)[2]
         flat = {}
         for site in vg.sites:  # program order
             if site.name in tensors:
                 flat.update(_per_layer(site, tensors[site.name]))
         names["matmul"] = list(flat)
-        return list(flat.values())
+        return [x for x, _ in flat.values()], [ok for _, ok in flat.values()]
 
     def one(pc, b, ls):
         # one program for all tensors: hundreds of separate statistics compile slowly
-        return stacked_stats(matmul_tensors(pc, b, ls), targets)
+        xs, valid = matmul_tensors(pc, b, ls)
+        return _masked(stacked_stats(xs, targets), valid)
 
     def local_stats(pc, batch, ls):
         if microbatches == 1:
@@ -244,11 +263,12 @@ def make_telemetry_fn(
             names["matmul"] = []
         if mm and microbatches == 1 and mesh is None:
             # the whole batch's tensors and the state's in one program (half the code)
-            xs = matmul_tensors(pc, batch, ls)
+            xs, valid = matmul_tensors(pc, batch, ls)
             if not xs and not st:
                 return {}
             both = stacked_stats(xs + st, targets)
-            out = {"matmul": jax.tree.map(lambda v: v[: len(xs)], both)} if xs else {}
+            mm_stats = _masked(jax.tree.map(lambda v: v[: len(xs)], both), valid)
+            out = {"matmul": mm_stats} if xs else {}
             if st:
                 out["state"] = jax.tree.map(lambda v: v[len(xs) :], both)
             if dump:
@@ -287,7 +307,8 @@ def telemetry_rows(
 ) -> list[dict]:
     """One JSON row per layer and tensor of a step's statistics (host values of
     :func:`make_telemetry_fn`'s output, named by its ``names``), matmuls first (by site),
-    then params, grads and optimizer state (by leaf path)::
+    then params, grads and optimizer state (by leaf path); a matmul entry with no element
+    (a ``cond`` branch that did not run, an unused while slot) gives no row::
 
         {"step", "kind": "matmul" | "param" | "grad" | "opt_state", "layer": the model
          layer (matmuls: "layer3", see Site.layer) or leaf path, "site": the interception
@@ -309,6 +330,8 @@ def telemetry_rows(
         st = TensorStats(*(np.asarray(v) for v in stats[group]))
         derived = {k: np.asarray(v) for k, v in _derive_stacked(st).items()}
         for i, key in enumerate(names[group]):
+            if group == "matmul" and int(st.n[i]) == 0:
+                continue  # an untaken cond branch or an unused while slot: no row
             if group == "matmul":
                 site, tensor, layer = key
                 row: dict[str, Any] = {"step": step, "kind": "matmul", "layer": layer}
