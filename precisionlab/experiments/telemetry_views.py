@@ -157,11 +157,12 @@ def _heatmap(rows, targets, path: Path, title: str) -> bool:
     labels = list(dict.fromkeys(_label(r) for r in rows))
     h = max(3.0, 0.22 * len(labels) + 1.5)
     fig, left = _figure(12.0, h * len(targets), labels)
-    top_in, bottom_in = 0.35, 0.55
-    fig.subplots_adjust(left=left, right=0.9, wspace=0.05, hspace=(top_in + bottom_in) / h,
+    top_in, bottom_in = 0.35, 0.55  # title; step ticks and label (bottom row)
+    fig.subplots_adjust(left=left, right=0.9, wspace=0.05, hspace=top_in / h,
                         top=1 - top_in / (h * len(targets)),
                         bottom=bottom_in / (h * len(targets)))  # fmt: skip
-    axes = fig.subplots(len(targets), 2, squeeze=False, sharey=True)
+    # every panel has the same layers and steps: shared axes, labelled on the outer panels
+    axes = fig.subplots(len(targets), 2, squeeze=False, sharex=True, sharey=True)
     im = None
     for i, target in enumerate(targets):
         for j, key in enumerate(("underflow", "overflow")):
@@ -169,12 +170,14 @@ def _heatmap(rows, targets, path: Path, title: str) -> bool:
             labels, steps, grid = _grid(rows, target, key)
             im = ax.imshow(100 * grid, aspect="auto", cmap="magma", vmin=0, vmax=100,
                            interpolation="nearest")  # fmt: skip
-            if j == 0:
-                ax.set_yticks(range(len(labels)), labels, fontsize=_LABEL_PT)
-            ticks = np.linspace(0, len(steps) - 1, min(len(steps), 8)).round().astype(int)
-            ax.set_xticks(ticks, [str(steps[t]) for t in ticks], fontsize=_LABEL_PT)
-            ax.set_xlabel("step", fontsize=8)
             ax.set_title(f"{title}: % {key} under {target}", fontsize=9)
+    axes[0][0].set_yticks(range(len(labels)), labels)
+    ticks = np.linspace(0, len(steps) - 1, min(len(steps), 8)).round().astype(int)
+    axes[0][0].set_xticks(ticks, [str(steps[t]) for t in ticks])
+    for ax in axes.flat:
+        ax.tick_params(labelsize=_LABEL_PT)
+    for ax in axes[-1]:
+        ax.set_xlabel("step", fontsize=8)
     cax = fig.add_axes((0.92, bottom_in / (h * len(targets)), 0.015, 0.8 / len(targets)))
     fig.colorbar(im, cax=cax, label="% of finite nonzero elements (every panel)")
     fig.savefig(path, dpi=_DPI)
