@@ -152,7 +152,7 @@ def _figure(width: float, height: float, labels: list[str]):
 def _heatmap(rows, targets, path: Path, title: str) -> bool:
     """One figure per unit: for every target a row of two layer x step heatmaps (underflow,
     overflow %), the layer names on the left column only, one colour scale for all."""
-    if not targets:
+    if not targets or not rows:
         return False
     labels = list(dict.fromkeys(_label(r) for r in rows))
     h = max(3.0, 0.22 * len(labels) + 1.5)
