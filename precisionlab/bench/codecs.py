@@ -169,15 +169,15 @@ class Engine:
     decode: Callable[[], list]
 
 
-def precisionlab_engine(fmt: Format, xs: list[jax.Array], codes: list[jax.Array]) -> Engine:
-    """precisionlab's jitted encode/decode over device chunks ``xs`` (float32) and
-    ``codes``, writing into donated output buffers of the same shapes."""
+def _chunked_engine(
+    name: str, encode_fn, decode_fn, fmt: Format, xs: list[jax.Array], codes: list[jax.Array]
+) -> Engine:
+    """``encode_fn`` (float32 -> code) and ``decode_fn`` (code -> float32), jitted, over
+    device chunks ``xs`` and ``codes``, writing into donated output buffers of their shapes."""
     # The donated argument is never read: it only hands its buffer over to the output.
     # keep_unused, or jit prunes it and the output gets a fresh buffer (page faults).
-    enc = jax.jit(lambda x, out: encode(x, fmt), donate_argnums=1, keep_unused=True)
-    dec = jax.jit(
-        lambda c, out: decode(c, fmt, dtype=jnp.float32), donate_argnums=1, keep_unused=True
-    )
+    enc = jax.jit(lambda x, out: encode_fn(x), donate_argnums=1, keep_unused=True)
+    dec = jax.jit(lambda c, out: decode_fn(c), donate_argnums=1, keep_unused=True)
     enc_out = [jnp.zeros(x.shape, fmt.code_dtype) for x in xs]
     dec_out = [jnp.zeros(c.shape, jnp.float32) for c in codes]
 
@@ -191,7 +191,18 @@ def precisionlab_engine(fmt: Format, xs: list[jax.Array], codes: list[jax.Array]
             dec_out[i] = dec(c, dec_out[i])
         return list(dec_out)
 
-    return Engine("precisionlab", run_encode, run_decode)
+    return Engine(name, run_encode, run_decode)
+
+
+def precisionlab_engine(fmt: Format, xs: list[jax.Array], codes: list[jax.Array]) -> Engine:
+    """precisionlab's jitted encode/decode over device chunks ``xs`` (float32) and
+    ``codes``, writing into donated output buffers of the same shapes."""
+    return _chunked_engine(
+        "precisionlab",
+        lambda x: encode(x, fmt),
+        lambda c: decode(c, fmt, dtype=jnp.float32),
+        fmt, xs, codes,
+    )  # fmt: skip
 
 
 def _floor_encode(x: jax.Array, fmt: Format) -> jax.Array:
@@ -207,22 +218,9 @@ def _floor_decode(c: jax.Array) -> jax.Array:
 def floor_engine(fmt: Format, xs: list[jax.Array], codes: list[jax.Array]) -> Engine:
     """The XLA floor of :func:`precisionlab_engine`: the same chunks and donated buffers,
     one operation per element (no valid conversion; a bound, not a peer)."""
-    enc = jax.jit(lambda x, out: _floor_encode(x, fmt), donate_argnums=1, keep_unused=True)
-    dec = jax.jit(lambda c, out: _floor_decode(c), donate_argnums=1, keep_unused=True)
-    enc_out = [jnp.zeros(x.shape, fmt.code_dtype) for x in xs]
-    dec_out = [jnp.zeros(c.shape, jnp.float32) for c in codes]
-
-    def run_encode() -> list:
-        for i, x in enumerate(xs):
-            enc_out[i] = enc(x, enc_out[i])
-        return list(enc_out)
-
-    def run_decode() -> list:
-        for i, c in enumerate(codes):
-            dec_out[i] = dec(c, dec_out[i])
-        return list(dec_out)
-
-    return Engine("xla floor", run_encode, run_decode)
+    return _chunked_engine(
+        "xla floor", lambda x: _floor_encode(x, fmt), _floor_decode, fmt, xs, codes
+    )
 
 
 def _ml_dtype(fmt: Format) -> np.dtype | None:
