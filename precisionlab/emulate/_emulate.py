@@ -32,40 +32,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from precisionlab.intercept import Context, Intercepted, Site, intercept
+from precisionlab.intercept import Context, Intercepted, Site, boundary, intercept
 from precisionlab.mixed.numerics import enforce
 from precisionlab.mixed.policy import Policy, get_policy
 
 __all__ = ["Emulated", "emulate"]
-
-# Higher-order primitives the interceptor re-evaluates (their sub-programs are emulated).
-_HIGHER_ORDER = frozenset(
-    {
-        "jit",
-        "pjit",
-        "closed_call",
-        "core_call",
-        "custom_jvp_call",
-        "custom_vjp_call",
-        "remat2",
-        "checkpoint",
-        "scan",
-        "while",
-        "cond",
-    }
-)
-# First-order primitives whose params hold a small combiner program (a scatter's update, a
-# general reduction's computation): emulated as a whole, their result rounded once.
-_COMBINERS = frozenset(
-    {"reduce", "reduce_window", "select_and_scatter", "select_and_scatter_add",
-     "select_and_gather_add"}
-)  # fmt: skip
-
 
 # Operations whose result is exactly representable when their operands are (they move, select or
 # compare values, or change only the sign): their results need no rounding.
@@ -93,22 +68,9 @@ def _exact(eqn) -> bool:
     return name in _EXACT
 
 
-def _first_order_with_program(name: str) -> bool:
-    return name.startswith("scatter") or name in _COMBINERS
-
-
 def _is_float(x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
     return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
-
-
-def _subprograms(eqn) -> list:
-    out = []
-    for v in eqn.params.values():
-        for item in v if isinstance(v, (tuple, list)) else (v,):
-            if isinstance(item, (jex.core.ClosedJaxpr, jex.core.Jaxpr)):
-                out.append(item)
-    return out
 
 
 def _has_float(eqn) -> bool:
@@ -117,20 +79,20 @@ def _has_float(eqn) -> bool:
 
 
 def _collect(jaxpr, found: set[str]) -> None:
-    """Names of the first-order primitives with a floating operand or result, recursively;
-    NotImplementedError for a higher-order primitive the interceptor cannot enter."""
+    """Names of the first-order primitives with a floating operand or result, recursively
+    (every first-order primitive: one emulate has no special rule for, such as jax 0.11's
+    ``one_minus_square``, is rounded by the generic rule for its output dtype);
+    UnsupportedPrimitive for a higher-order primitive the interceptor cannot enter."""
     for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        subs = [] if _first_order_with_program(name) else _subprograms(eqn)
-        if subs and name not in _HIGHER_ORDER:
-            raise NotImplementedError(
-                f"emulate cannot enter {name!r} (its operations would run unrounded); "
-                f"supported: {', '.join(sorted(_HIGHER_ORDER))}"
+        subs = boundary.subprograms(eqn)
+        if subs and boundary.kind(eqn.primitive) is None:
+            raise boundary.unsupported(
+                f"the floating-point operations of {eqn.primitive.name!r}", eqn, "rounded"
             )
         for sub in subs:
-            _collect(sub.jaxpr if isinstance(sub, jex.core.ClosedJaxpr) else sub, found)
+            _collect(boundary.open_jaxpr(sub)[0], found)
         if not subs and _has_float(eqn):
-            found.add(name)
+            found.add(eqn.primitive.name)
 
 
 def _narrow_dot(lhs, rhs, dimension_numbers, bits: int) -> jax.Array:
@@ -175,6 +137,7 @@ class _RoundRule:
     dtype: np.dtype
     primitives: tuple[str, ...]
     accumulate_bits: int | None
+    emits = False  # never an Emit: without state or key, sub-programs are rewritten by type
     reduce_fp32: bool
     backward: bool = False
     # Values already rounded in this trace, by id (the reference keeps the id unique).
@@ -196,9 +159,7 @@ class _RoundRule:
         elif name == "reduce_sum" and (self.backward or not self.reduce_fp32):
             outs = [_reduce_rounded(ins[0], params["axes"], self.dtype)]
         else:
-            prim = eqn.primitive
-            out = prim.bind(*ins, **prim.get_bind_params(params))
-            outs = list(out) if prim.multiple_results else [out]
+            outs = boundary.bind(eqn.primitive, params, *ins)
             if _exact(eqn):
                 for y in outs:
                     self.rounded[id(y)] = y
@@ -226,8 +187,7 @@ def _with_rounded_vjp(rule: _RoundRule, eqn) -> Callable:
     floats_in = [_is_float(v.aval) for v in eqn.invars]
 
     def bare(*xs):
-        out = prim.bind(*xs, **prim.get_bind_params(eqn.params))
-        return tuple(out) if prim.multiple_results else (out,)
+        return tuple(boundary.bind(prim, eqn.params, *xs))
 
     @jax.custom_vjp
     def op(*xs):
@@ -246,28 +206,6 @@ def _with_rounded_vjp(rule: _RoundRule, eqn) -> Callable:
 
     op.defvjp(fwd, bwd)
     return op
-
-
-def _is_array(x: Any) -> bool:
-    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
-        return True
-    return hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, type)
-
-
-def _trace(fn: Callable, args: tuple, kwargs: dict) -> Any:
-    """``fn``'s jaxpr with the array leaves of the arguments traced and the other leaves
-    static (closed over), as :func:`precisionlab.intercept.intercept` traces it."""
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    dyn = [i for i, x in enumerate(leaves) if _is_array(x)]
-
-    def flat(*values):
-        full = list(leaves)
-        for i, v in zip(dyn, values, strict=True):
-            full[i] = v
-        a, k = jax.tree.unflatten(treedef, full)
-        return fn(*a, **k)
-
-    return jax.make_jaxpr(flat)(*[leaves[i] for i in dyn])
 
 
 class Emulated:
@@ -290,7 +228,7 @@ class Emulated:
         self.__wrapped__ = fn
 
     def _intercepted(self, args, kwargs) -> tuple[Intercepted, _RoundRule]:
-        closed = _trace(self.fn, args, kwargs)
+        closed = boundary.trace(self.fn, args, kwargs)[0]
         found: set[str] = set()
         _collect(closed.jaxpr, found)
         rule = _RoundRule(

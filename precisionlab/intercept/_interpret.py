@@ -9,7 +9,16 @@ was. Because the re-evaluation emits ordinary JAX operations, the result compose
 ``jit``, ``grad``, ``vmap`` and ``remat`` like any JAX function.
 
 Other higher-order primitives (``shard_map``, ``custom_linear_solve``, ...) are bound as
-they are: operations inside them are neither replaced nor listed.
+they are when nothing selected sits inside them; their operations are listed (``within``
+names the primitive), and a selected one raises
+:class:`~precisionlab.intercept.boundary.UnsupportedPrimitive` naming the site, the primitive
+and the JAX version, rather than running unreplaced.
+
+Plain replacement: a rule whose ``emits`` attribute is False, called without state or key,
+is applied by type: every sub-program of an equation that holds a selected site is rewritten
+and the primitive bound again with its own parameters (:func:`boundary.rebind`), without
+reading what ``scan`` or ``while`` mean; the per-primitive adapters below serve the stateful
+paths (state, :class:`PerIteration`, :class:`Emit`/:class:`Aux`, per-iteration keys).
 
 Auxiliary outputs: a rule may return :class:`Emit` (the outputs plus an ``aux`` pytree, e.g.
 statistics). :meth:`Intercepted.call_with_aux` threads every site's ``aux`` out of the
@@ -40,29 +49,15 @@ from functools import partial
 from typing import Any, NamedTuple, Protocol
 
 import jax
-import jax.extend as jex
 import jax.numpy as jnp
 from jax import lax
 
+from precisionlab.intercept import boundary
 from precisionlab.intercept._sites import Site, select
 
 __all__ = ["Aux", "Context", "Emit", "Intercepted", "PerIteration", "Rule", "intercept"]
 
-#: Higher-order primitives whose sub-programs are searched for matches.
-_CALLS = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call")
-_SUBPROGRAMS = {
-    "jit": ("jaxpr",),
-    "pjit": ("jaxpr",),
-    "closed_call": ("call_jaxpr",),
-    "core_call": ("call_jaxpr",),
-    "custom_jvp_call": ("call_jaxpr",),
-    "custom_vjp_call": ("call_jaxpr",),
-    "remat2": ("jaxpr",),
-    "checkpoint": ("jaxpr",),
-    "scan": ("jaxpr",),
-    "while": ("body_jaxpr",),
-    "cond": ("branches",),
-}
+#: The loop kinds (their sites run once per iteration).
 _LOOPS = ("scan", "while")
 
 
@@ -117,9 +112,7 @@ class Context(NamedTuple):
     def original(self, *operands: jax.Array) -> list[jax.Array]:
         """The matched primitive applied to ``operands`` as the program had it (a rule that
         post-processes the result, e.g. rounds it to a format, starts from this)."""
-        prim = self.eqn.primitive
-        out = prim.bind(*operands, **prim.get_bind_params(self.eqn.params))
-        return list(out) if prim.multiple_results else [out]
+        return boundary.bind(self.eqn.primitive, self.eqn.params, *operands)
 
     def site_key(self) -> jax.Array | None:
         """A key distinct per site and per loop iteration (None without a key)."""
@@ -138,6 +131,9 @@ class Rule(Protocol):
     ``apply(ctx, *operands, **params)``: the replacement's outputs as a list (one per output
     of the primitive), with the primitive's avals, or an :class:`Emit` of that list and
     auxiliary values.
+    ``emits`` (optional, default True): False promises the rule never returns an
+    :class:`Emit`; a call without state or key is then rewritten by type (see the module
+    docstring), and ``ctx.loop_indices`` is empty there.
     """
 
     primitives: tuple[str, ...]
@@ -148,37 +144,14 @@ class Rule(Protocol):
 
 
 # --- static walk ---------------------------------------------------------------------------
-def _subjaxprs(eqn) -> list:
-    out = []
-    for key in _SUBPROGRAMS.get(eqn.primitive.name, ()):
-        v = eqn.params[key]
-        out.extend(v if isinstance(v, (tuple, list)) else [v])
-    return out
-
-
-def _open(j) -> tuple[Any, Sequence[Any]]:
-    """(open jaxpr, consts) of a ClosedJaxpr or an open Jaxpr."""
-    if isinstance(j, jex.core.ClosedJaxpr):
-        return j.jaxpr, j.consts
-    return j, ()
-
-
-def _where(eqn) -> str:
-    try:  # source_info_util is private; a missing location is harmless
-        from jax._src import source_info_util
-
-        fr = source_info_util.user_frame(eqn.source_info.traceback)
-        if fr is None:
-            return ""
-        return f"{fr.file_name.rsplit('/', 1)[-1]}:{fr.start_line} ({fr.function_name})"
-    except Exception:
-        return ""
-
-
-def _walk(jaxpr, path, scope, loops, prims, out: list[Site], within=(), lengths=()) -> None:
+def _walk(
+    jaxpr, path, scope, loops, prims, out: list[Site], within=(), lengths=(), unknown=None
+) -> None:
+    """Append a :class:`Site` per matched equation under ``jaxpr`` (depth first); ``unknown``
+    collects the paths of higher-order primitives the interpreter does not know."""
     for i, eqn in enumerate(jaxpr.eqns):
         name = eqn.primitive.name
-        stack = str(eqn.source_info.name_stack)
+        stack = boundary.name_stack(eqn)
         here = "/".join(p for p in (scope, stack) if p)
         if name in prims:
             out.append(
@@ -186,7 +159,7 @@ def _walk(jaxpr, path, scope, loops, prims, out: list[Site], within=(), lengths=
                     index=len(out),
                     primitive=name,
                     scope=here,
-                    where=_where(eqn),
+                    where=boundary.where(eqn),
                     loops=loops,
                     in_shapes=tuple(tuple(v.aval.shape) for v in eqn.invars),
                     out_shapes=tuple(tuple(v.aval.shape) for v in eqn.outvars),
@@ -197,19 +170,20 @@ def _walk(jaxpr, path, scope, loops, prims, out: list[Site], within=(), lengths=
                 )
             )
             continue
-        inner = here
-        if name in ("jit", "pjit") and eqn.params.get("name"):
-            inner = "/".join(p for p in (here, eqn.params["name"]) if p)
-        inner_loops = loops + ((name,) if name in _LOOPS else ())
-        inner_lengths = lengths + (
-            (eqn.params["length"],) if name == "scan" else (None,) if name == "while" else ()
-        )
-        kind = "checkpoint" if name == "remat2" else name
-        inner_within = within + ((kind,) if name not in _CALLS else ())
-        for k, sub in enumerate(_subjaxprs(eqn)):
+        subs = boundary.subprograms(eqn)
+        if not subs:
+            continue
+        kind = boundary.kind(eqn.primitive)
+        if kind is None and unknown is not None:
+            unknown[(*path, i)] = name
+        inner = "/".join(p for p in (here, boundary.call_name(eqn)) if p)
+        inner_loops = loops + ((kind,) if kind in _LOOPS else ())
+        inner_lengths = lengths + ((boundary.loop_length(eqn),) if kind in _LOOPS else ())
+        inner_within = within + (() if kind in boundary.CALLS else (kind or name,))
+        for k, sub in enumerate(subs):
             _walk(
-                _open(sub)[0], (*path, i, k), inner, inner_loops, prims, out, inner_within,
-                inner_lengths,
+                boundary.open_jaxpr(sub)[0], (*path, i, k), inner, inner_loops, prims, out,
+                inner_within, inner_lengths, unknown,
             )  # fmt: skip
 
 
@@ -240,15 +214,6 @@ def _broadcast_state(state, n: int):
     return jax.tree.map(one, state)
 
 
-def _source_context(eqn):
-    """Re-emit the equation under its original name stack and source line (as
-    ``jax.core.eval_jaxpr`` does), so nested interpretation keeps scope names."""
-    from jax._src import source_info_util  # private, as in jax.core.eval_jaxpr
-
-    stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    return source_info_util.user_context(eqn.source_info.traceback, name_stack=stack)
-
-
 def _slice_state(state: dict, keys, index) -> dict:
     """``state`` with the :class:`PerIteration` entries in ``keys`` sliced at ``index``."""
     return {
@@ -270,6 +235,7 @@ class _Run:
     prefixes: frozenset  # paths of sub-programs that hold a selected site
     key: jax.Array | None
     while_capacity: int = 16
+    plain: bool = False  # rewrite sub-programs by type (no state, aux or key to thread)
 
     def eval(self, jaxpr, consts, args, path, state, loops) -> tuple[list, dict[str, Aux]]:
         """The program's outputs and the :class:`Aux` of every site under it that emitted."""
@@ -277,7 +243,7 @@ class _Run:
         aux: dict[str, Aux] = {}
 
         def read(v):
-            return v.val if isinstance(v, jex.core.Literal) else env[v]
+            return v.val if boundary.is_literal(v) else env[v]
 
         for v, c in zip(jaxpr.constvars, consts, strict=True):
             env[v] = c
@@ -292,27 +258,25 @@ class _Run:
                 if isinstance(st, PerIteration):
                     st = st.value
                 ctx = Context(site, st, loops, self.key, eqn)
-                with _source_context(eqn):
+                with boundary.source_context(eqn):
                     res = self.rule.apply(ctx, *invals, **eqn.params)
                 if isinstance(res, Emit):
                     aux[site.name] = Aux(res.aux, jnp.bool_(True))
                     res = res.outputs
                 outs = list(res)
             elif here in self.prefixes:
-                with _source_context(eqn):
+                with boundary.source_context(eqn):
                     outs, sub_aux = self.higher_order(eqn, invals, here, state, loops)
                 aux.update(sub_aux)
             else:
-                with _source_context(eqn):
-                    ans = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-                outs = list(ans) if eqn.primitive.multiple_results else [ans]
+                with boundary.source_context(eqn):
+                    outs = boundary.bind(eqn.primitive, eqn.params, *invals)
             for v, o in zip(eqn.outvars, outs, strict=True):
-                if not isinstance(v, jex.core.DropVar):
-                    env[v] = o
+                env[v] = o  # a dropped output's variable is never read
         return [read(v) for v in jaxpr.outvars], aux
 
     def _sub(self, closed, path, state, loops) -> Callable:
-        jaxpr, consts = _open(closed)
+        jaxpr, consts = boundary.open_jaxpr(closed)
         return lambda *a: self.eval(jaxpr, consts, list(a), path, state, loops)
 
     def _inner(self, path) -> set[str]:
@@ -339,24 +303,58 @@ class _Run:
         return out
 
     def higher_order(self, eqn, invals, path, state, loops) -> tuple[list, dict]:
-        name, p = eqn.primitive.name, eqn.params
-        if name in _CALLS:
-            key = "jaxpr" if name in ("jit", "pjit") else "call_jaxpr"
-            return self._sub(p[key], (*path, 0), state, loops)(*invals)
-        if name in ("remat2", "checkpoint"):
-            f = self._sub(p["jaxpr"], (*path, 0), state, loops)
-            outs, aux = jax.checkpoint(f, prevent_cse=p["prevent_cse"], policy=p["policy"])(*invals)
+        kind = boundary.kind(eqn.primitive)
+        if kind is None:
+            inside = sorted(s.name for p, s in self.sites.items() if p[: len(path)] == path)
+            raise boundary.unsupported(", ".join(inside), eqn)
+        if kind in boundary.CALLS:
+            # inlined: a custom_jvp/vjp holding a replaced operation loses its custom rule
+            return self._sub(boundary.call_program(eqn), (*path, 0), state, loops)(*invals)
+        if self.plain:
+            outs = self._rewrite(eqn, invals, path, loops)
+            if outs is not None:
+                return outs, {}
+        p = eqn.params
+        if kind == "checkpoint":
+            prog, prevent_cse, policy = boundary.checkpoint_parts(p)
+            f = self._sub(prog, (*path, 0), state, loops)
+            outs, aux = jax.checkpoint(f, prevent_cse=prevent_cse, policy=policy)(*invals)
             return list(outs), aux
-        if name == "cond":
+        if kind == "cond":
             return self._cond(p, invals, path, state, loops)
-        if name == "scan":
+        if kind == "scan":
             return self._scan(p, invals, path, state, loops)
-        if name == "while":
-            return self._while(p, invals, path, state, loops)
-        raise NotImplementedError(f"interception inside {name} is not supported")
+        return self._while(p, invals, path, state, loops)
+
+    def _rewrite(self, eqn, invals, path, loops) -> list | None:
+        """``eqn`` bound again with every sub-program holding a selected site re-traced through
+        the rule (None when a program cannot be re-expressed: the adapter then runs it)."""
+
+        class _Retry(Exception):
+            pass
+
+        def transform(prog, k):
+            sub = (*path, k)
+            if sub not in self.prefixes:
+                return prog
+            jaxpr, consts = boundary.open_jaxpr(prog)
+
+            def run(*a):
+                return self.eval(jaxpr, consts, list(a), sub, {}, loops)[0]
+
+            new = boundary.retrace(run, prog)
+            if new is None:
+                raise _Retry
+            return new
+
+        try:
+            return boundary.rebind(eqn, invals, transform)
+        except _Retry:
+            return None
 
     def _cond(self, p, invals, path, state, loops) -> tuple[list, dict]:
-        subs = [self._sub(b, (*path, k), state, loops) for k, b in enumerate(p["branches"])]
+        branches = boundary.cond_branches(p)
+        subs = [self._sub(b, (*path, k), state, loops) for k, b in enumerate(branches)]
         ops = invals[1:]
         if len(subs) == 1:
             return subs[0](*ops)
@@ -378,9 +376,10 @@ class _Run:
         return list(outs), aux
 
     def _scan(self, p, invals, path, state, loops) -> tuple[list, dict]:
-        nc, ncarry, n = p["num_consts"], p["num_carry"], p["length"]
+        split = boundary.scan_split(p)
+        nc, ncarry, n = split.n_consts, split.n_carry, split.length
         consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
-        jaxpr, jconsts = _open(p["jaxpr"])
+        jaxpr, jconsts = boundary.open_jaxpr(split.jaxpr)
         loop_state = self._loop_state(path, state, n)
 
         def body(carry, x):
@@ -392,28 +391,30 @@ class _Run:
 
         (_, carry), (ys, aux) = lax.scan(
             body, (jnp.int32(0), list(init)), (list(xs), loop_state), length=n,
-            reverse=p["reverse"], unroll=p["unroll"],
+            reverse=split.reverse, unroll=split.unroll,
         )  # fmt: skip
         return [*carry, *ys], aux
 
     def _while(self, p, invals, path, state, loops) -> tuple[list, dict]:
-        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        parts = boundary.while_parts(p)
+        cn, bn = parts.cond_nconsts, parts.body_nconsts
         cconsts, bconsts, init = invals[:cn], invals[cn : cn + bn], invals[cn + bn :]
-        cond_j, cond_c = _open(p["cond_jaxpr"])
-        body_j, body_c = _open(p["body_jaxpr"])
+        cond_j, cond_c = boundary.open_jaxpr(parts.cond_jaxpr)
+        body_j, body_c = boundary.open_jaxpr(parts.body_jaxpr)
+        body_path = (*path, boundary.while_body_index(p))
         cap = self.while_capacity
         inner = self._inner(path)
 
         def run_body(i, c):
             st = _slice_state(state, inner, jnp.minimum(i, cap - 1))
-            return self.eval(body_j, body_c, [*bconsts, *c], (*path, 0), st, (*loops, i))
+            return self.eval(body_j, body_c, [*bconsts, *c], body_path, st, (*loops, i))
 
         shapes = jax.eval_shape(run_body, jnp.int32(0), list(init))[1]
         buf0 = jax.tree.map(lambda a: jnp.zeros((cap, *a.shape), a.dtype), shapes)
 
         def cond(carry):
             _, c, _ = carry
-            return jex.core.jaxpr_as_fun(jex.core.ClosedJaxpr(cond_j, cond_c))(*cconsts, *c)[0]
+            return boundary.jaxpr_as_fun(cond_j, cond_c)(*cconsts, *c)[0]
 
         def body(carry):
             i, c, buf = carry
@@ -432,17 +433,6 @@ def _prefixes(paths) -> frozenset:
         for k in range(1, len(p)):
             out.add(p[:k])
     return frozenset(out)
-
-
-def _is_dynamic(x) -> bool:
-    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or (
-        hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, type)
-    )
-
-
-def _abstract(x) -> jax.ShapeDtypeStruct:
-    aval = jax.typeof(x) if not isinstance(x, jax.ShapeDtypeStruct) else x
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
 
 
 class Intercepted:
@@ -469,26 +459,16 @@ class Intercepted:
         self.__wrapped__ = fn
 
     def _trace(self, args, kwargs):
-        leaves, treedef = jax.tree.flatten((args, kwargs))
-        dyn = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
+        return boundary.trace(self.fn, args, kwargs)
 
-        def flat(*d):
-            full = list(leaves)
-            for i, v in zip(dyn, d, strict=True):
-                full[i] = v
-            a, kw = jax.tree.unflatten(treedef, full)
-            return self.fn(*a, **kw)
-
-        closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(
-            *[_abstract(leaves[i]) for i in dyn]
-        )
-        dyn_vals = [leaves[i] for i in dyn]
-        return closed, out_shape, dyn_vals
+    def _walk(self, closed) -> tuple[list[Site], dict]:
+        found: list[Site] = []
+        unknown: dict = {}
+        _walk(closed.jaxpr, (), "", (), tuple(self.rule.primitives), found, unknown=unknown)
+        return select(found, self.include, self.exclude), unknown
 
     def _sites(self, closed) -> list[Site]:
-        found: list[Site] = []
-        _walk(closed.jaxpr, (), "", (), tuple(self.rule.primitives), found)
-        return select(found, self.include, self.exclude)
+        return self._walk(closed)[0]
 
     def sites(self, *args, **kwargs) -> list[Site]:
         """Every matched operation of ``fn`` on these arguments, in program order, with
@@ -514,7 +494,7 @@ class Intercepted:
         each site whose rule returned an :class:`Emit` to its :class:`Aux` (see the module
         docstring); ``state`` and ``key`` as in :meth:`call_with_state`."""
         closed, out_shape, dyn = self._trace(args, kwargs)
-        sites = self._sites(closed)
+        sites, foreign = self._walk(closed)
         state = dict(state or {})
         unknown = set(state) - {s.name for s in sites}
         if unknown:
@@ -523,7 +503,12 @@ class Intercepted:
                 f"matched: {', '.join(s.name for s in sites) or 'none'}"
             )
         chosen = {s.path: s for s in sites if s.selected}
-        run = _Run(self.rule, chosen, _prefixes(chosen), key, self.while_capacity)
+        for path, name in foreign.items():
+            inside = [s.name for p, s in chosen.items() if p[: len(path)] == path]
+            if inside:
+                raise boundary.unsupported(", ".join(inside), name)
+        plain = getattr(self.rule, "emits", True) is False and key is None and not state
+        run = _Run(self.rule, chosen, _prefixes(chosen), key, self.while_capacity, plain)
         outs, aux = run.eval(closed.jaxpr, closed.consts, dyn, (), state, ())
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs), aux
 

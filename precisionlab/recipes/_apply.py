@@ -76,6 +76,7 @@ class _DotRule:
     recipe: Recipe
     weight: str
     primitives: tuple[str, ...] = ("dot_general",)
+    emits = False  # never an Emit: a stateless call without a key is rewritten by type
 
     def apply(self, ctx: Context, lhs, rhs, *, dimension_numbers, **params) -> list:
         pet = params.get("preferred_element_type")

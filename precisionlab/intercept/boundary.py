@@ -1,0 +1,457 @@
+"""The one place precisionlab reads JAX's internals (jaxprs, primitives and their parameters).
+
+Everything else (the interpreter in :mod:`precisionlab.intercept`, emulate, recipes, telemetry,
+diagnose, train) goes through these functions, so a JAX release that renames a primitive or a
+parameter is met here, once.
+
+What it owns:
+
+- the supported versions (:data:`LOWEST`, :data:`HIGHEST_CHECKED`) and :func:`check_version`;
+- primitive identities: :func:`kind` maps a primitive to one of :data:`KINDS` by the object
+  JAX exports (``jax.extend.core.primitives``, ``jax.lax``); a name is used only for the
+  primitives a JAX version does not export (``pjit`` before 0.7, ``core_call``);
+- parameter keys: :func:`scan_split` (``ft_in`` since jax 0.11, ``num_consts``/``num_carry``
+  before), :func:`while_parts`, :func:`cond_branches`, :func:`checkpoint_parts`,
+  :func:`call_program`, :func:`call_name`, :func:`loop_length`;
+- sub-programs by type: :func:`subprograms` (every ClosedJaxpr/Jaxpr valued parameter, tuples
+  of them included) and :func:`rebind` (the primitive bound again with those replaced);
+- the bind-parameter protocol (:func:`bind`: ``get_bind_params`` returns the parameters since
+  jax 0.9.2, a ``(subfuns, params)`` tuple before);
+- source information (:func:`where`, :func:`source_context`, :func:`name_stack`): optional,
+  guarded (a JAX without ``source_info_util`` loses line numbers, nothing else);
+- tracing: :func:`trace` (a function with array leaves abstract, other leaves static).
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import re
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.extend as jex
+
+__all__ = [
+    "HIGHEST_CHECKED",
+    "KINDS",
+    "LOWEST",
+    "ScanSplit",
+    "UnsupportedPrimitive",
+    "WhileParts",
+    "bind",
+    "call_name",
+    "call_program",
+    "check_version",
+    "checkpoint_parts",
+    "cond_branches",
+    "is_combiner",
+    "is_literal",
+    "kind",
+    "loop_length",
+    "name_stack",
+    "open_jaxpr",
+    "rebind",
+    "retrace",
+    "scan_split",
+    "source_context",
+    "subprograms",
+    "trace",
+    "unsupported",
+    "where",
+    "while_parts",
+]
+
+#: The lowest JAX this project works on (CI runs the interception, recipes, emulate and
+#: telemetry tests on it) and the highest it has been checked against (the whole default suite
+#: ran on 0.10.2; the recorded parameters of jax 0.11.2 are replayed by the tests).
+LOWEST = "0.7.0"
+HIGHEST_CHECKED = "0.11.2"
+
+#: The higher-order primitives the interpreter understands.
+KINDS = ("jit", "call", "custom_jvp", "custom_vjp", "checkpoint", "scan", "while", "cond")
+#: Kinds that are calls: their program runs once, inlined (no loop, no branch).
+CALLS = frozenset({"jit", "call", "custom_jvp", "custom_vjp"})
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(m) for m in re.findall(r"\d+", text)[:3])
+
+
+_checked: dict[str, bool] = {}
+
+
+def check_version(version: str | None = None) -> None:
+    """RuntimeError, one line, when ``version`` (default: the installed jax) is older than
+    :data:`LOWEST`. Checked once per version."""
+    version = jax.__version__ if version is None else version
+    if version in _checked:
+        return
+    if _version_tuple(version) < _version_tuple(LOWEST):
+        raise RuntimeError(
+            f"precisionlab supports jax >= {LOWEST} (checked up to {HIGHEST_CHECKED}); "
+            f"this is jax {version}: pip install -U 'jax>={LOWEST}' 'jaxlib>={LOWEST}'"
+        )
+    _checked[version] = True
+
+
+# --- primitive identities ------------------------------------------------------------------
+_EXPORTERS = (jex.core.primitives, jax.lax)
+
+
+def _exported(attrs: Sequence[str]) -> tuple[Any, ...]:
+    out: list[Any] = []
+    for module in _EXPORTERS:
+        for a in attrs:
+            p = getattr(module, a, None)
+            if isinstance(p, jex.core.Primitive) and p not in out:
+                out.append(p)
+    return tuple(out)
+
+
+class _Identity:
+    """Primitives by object where JAX exports them; a fallback name matches only when no
+    exported primitive carries that name (a primitive this JAX version does not export)."""
+
+    def __init__(self, attrs: Sequence[str], names: Sequence[str]):
+        self.objects = _exported(attrs)
+        exported_names = {p.name for p in self.objects}
+        self.names = frozenset(n for n in names if n not in exported_names)
+
+    def __contains__(self, prim: Any) -> bool:
+        return any(prim is p for p in self.objects) or getattr(prim, "name", None) in self.names
+
+
+_IDENTITIES: dict[str, _Identity] = {
+    "jit": _Identity(("jit_p", "pjit_p"), ("jit", "pjit")),
+    # closed_call is named eval_jaxpr at JAX's head (the same object)
+    "call": _Identity(
+        ("closed_call_p", "call_p", "eval_jaxpr_p", "core_call_p"),
+        ("closed_call", "core_call", "call", "eval_jaxpr"),
+    ),
+    "custom_jvp": _Identity(("custom_jvp_call_p",), ("custom_jvp_call",)),
+    "custom_vjp": _Identity(
+        ("custom_vjp_call_p", "custom_vjp_call_jaxpr_p"),
+        ("custom_vjp_call", "custom_vjp_call_jaxpr"),
+    ),
+    "checkpoint": _Identity(("remat_p", "checkpoint_p"), ("remat2", "checkpoint")),
+    "scan": _Identity(("scan_p",), ("scan",)),
+    "while": _Identity(("while_p",), ("while",)),
+    "cond": _Identity(("cond_p",), ("cond",)),
+}
+
+# First-order primitives whose parameters hold a small combiner program (a reduction's or a
+# scatter's update computation): operations in their own right, never entered.
+_COMBINER_NAMES = (
+    "reduce", "reduce_window", "select_and_scatter", "select_and_scatter_add",
+    "select_and_gather_add", "scatter", "scatter_add", "scatter_sub", "scatter_mul",
+    "scatter_min", "scatter_max", "scatter_apply",
+)  # fmt: skip
+_COMBINERS = _Identity(tuple(f"{n}_p" for n in _COMBINER_NAMES), _COMBINER_NAMES)
+
+
+def kind(prim: Any) -> str | None:
+    """The kind of a higher-order primitive the interpreter understands (one of
+    :data:`KINDS`), or None (first-order, or a higher-order primitive it does not know)."""
+    for k, ident in _IDENTITIES.items():
+        if prim in ident:
+            return k
+    return None
+
+
+def is_combiner(eqn: Any) -> bool:
+    """Whether ``eqn`` is a first-order primitive whose parameters hold a combiner program
+    (``reduce``, ``scatter_add``, ...): not a construct to enter."""
+    return eqn.primitive in _COMBINERS
+
+
+# --- sub-programs by type ------------------------------------------------------------------
+def _is_jaxpr(x: Any) -> bool:
+    return isinstance(x, (jex.core.ClosedJaxpr, jex.core.Jaxpr))
+
+
+def _program_params(params: dict) -> Iterator[tuple[str, int | None, Any]]:
+    """(key, position in a tuple or None, program) for every jaxpr-valued parameter, keys in
+    sorted order (stable whatever order JAX built the dict in)."""
+    for key in sorted(params):
+        v = params[key]
+        if _is_jaxpr(v):
+            yield key, None, v
+        elif isinstance(v, (tuple, list)):
+            for j, x in enumerate(v):
+                if _is_jaxpr(x):
+                    yield key, j, x
+
+
+def subprograms(eqn: Any) -> list[Any]:
+    """Every sub-program (ClosedJaxpr or Jaxpr) in ``eqn``'s parameters, found by type; empty
+    for a combiner (:func:`is_combiner`). Position ``k`` in this list is the sub-program's index
+    in :attr:`precisionlab.intercept.Site.path`."""
+    if is_combiner(eqn):
+        return []
+    return [p for _, _, p in _program_params(eqn.params)]
+
+
+def rebind(eqn: Any, args: Sequence[Any], transform: Callable[[Any, int], Any]) -> list:
+    """``eqn``'s primitive bound on ``args`` with its own parameters, each sub-program ``p``
+    (the ``k``-th of :func:`subprograms`) replaced by ``transform(p, k)``: a rewrite that needs
+    no knowledge of what the primitive means."""
+    params = dict(eqn.params)
+    for k, (key, j, prog) in enumerate(list(_program_params(eqn.params))):
+        new = transform(prog, k)
+        if j is None:
+            params[key] = new
+        else:
+            orig = eqn.params[key]
+            seq = list(params[key])
+            seq[j] = new
+            params[key] = orig._make(seq) if hasattr(orig, "_make") else type(orig)(seq)
+    return bind(eqn.primitive, params, *args)
+
+
+def open_jaxpr(j: Any) -> tuple[Any, Sequence[Any]]:
+    """(open jaxpr, consts) of a ClosedJaxpr or an open Jaxpr."""
+    if isinstance(j, jex.core.ClosedJaxpr):
+        return j.jaxpr, j.consts
+    return j, ()
+
+
+def retrace(fn: Callable, like: Any) -> Any | None:
+    """``fn`` traced on the input types of the program ``like``, as a program of ``like``'s
+    type (ClosedJaxpr or open Jaxpr); None when an open Jaxpr is asked for and the trace
+    captured constants (an open Jaxpr cannot hold them)."""
+    jaxpr, _ = open_jaxpr(like)
+    specs = [_spec(v.aval) for v in jaxpr.invars]
+    closed = jax.make_jaxpr(fn)(*specs)
+    if isinstance(like, jex.core.ClosedJaxpr):
+        return closed
+    if closed.consts:
+        return None
+    return closed.jaxpr
+
+
+def is_literal(v: Any) -> bool:
+    """Whether a jaxpr operand is a literal (read its ``.val``) rather than a variable."""
+    return isinstance(v, jex.core.Literal)
+
+
+def jaxpr_as_fun(jaxpr: Any, consts: Sequence[Any]) -> Callable:
+    """The open ``jaxpr`` with ``consts`` as a function of its inputs (outputs: a list)."""
+    return jex.core.jaxpr_as_fun(jex.core.ClosedJaxpr(jaxpr, list(consts)))
+
+
+# --- the bind-parameter protocol -----------------------------------------------------------
+def bind(prim: Any, params: dict, *args: Any) -> list:
+    """``prim`` applied to ``args`` with the parameters an equation records, as a list of
+    outputs. ``get_bind_params`` returns the parameters (jax >= 0.9.2) or a
+    ``(subfuns, params)`` tuple (earlier: the sub-functions go before the operands)."""
+    got = prim.get_bind_params(params)
+    if isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], dict):
+        subfuns, bind_params = got
+        out = prim.bind(*subfuns, *args, **bind_params)
+    else:
+        out = prim.bind(*args, **got)
+    return list(out) if prim.multiple_results else [out]
+
+
+# --- parameter keys of the higher-order primitives -----------------------------------------
+def _leaf_count(tree: Any) -> int:
+    """Leaves of one group of scan's ``ft_in``: a FlatTree (``len``), or its recorded form,
+    nested tuples whose leaves are the entries (``(None, None)``)."""
+    if isinstance(tree, (tuple, list)):
+        return sum(_leaf_count(t) for t in tree)
+    if hasattr(tree, "unpack") and hasattr(tree, "__len__"):
+        return len(tree)
+    return 1
+
+
+class ScanSplit(NamedTuple):
+    """How a ``scan`` equation's operands split (consts, carry, xs) and how it runs."""
+
+    n_consts: int
+    n_carry: int
+    length: int
+    reverse: bool
+    unroll: Any
+    jaxpr: Any  # the body (ClosedJaxpr): consts, carry, x in; carry, y out
+
+
+def scan_split(params: dict) -> ScanSplit:
+    """Read a ``scan`` equation's parameters: ``ft_in`` (jax >= 0.11: a flat tree of
+    (consts, carry, xs) groups) when present, else ``num_consts``/``num_carry``."""
+    if "ft_in" in params:
+        ft = params["ft_in"]
+        groups = ft.unpack() if hasattr(ft, "unpack") else tuple(ft)
+        if len(groups) != 3:
+            raise NotImplementedError(
+                f"scan's ft_in has {len(groups)} groups, expected 3 (consts, carry, xs) "
+                f"(jax {jax.__version__})"
+            )
+        n_consts, n_carry = _leaf_count(groups[0]), _leaf_count(groups[1])
+    else:
+        n_consts, n_carry = params["num_consts"], params["num_carry"]
+    return ScanSplit(
+        int(n_consts), int(n_carry), int(params["length"]), bool(params["reverse"]),
+        params.get("unroll", 1), params["jaxpr"],
+    )  # fmt: skip
+
+
+class WhileParts(NamedTuple):
+    """A ``while`` equation: operands are cond consts, body consts, then the carry."""
+
+    cond_nconsts: int
+    body_nconsts: int
+    cond_jaxpr: Any
+    body_jaxpr: Any
+
+
+def while_parts(params: dict) -> WhileParts:
+    """Read a ``while`` equation's parameters."""
+    return WhileParts(
+        int(params["cond_nconsts"]), int(params["body_nconsts"]),
+        params["cond_jaxpr"], params["body_jaxpr"],
+    )  # fmt: skip
+
+
+def while_body_index(params: dict) -> int:
+    """The body's position among :func:`subprograms` of a ``while`` equation."""
+    keys = [key for key, _, _ in _program_params(params)]
+    return keys.index("body_jaxpr")
+
+
+def cond_branches(params: dict) -> tuple[Any, ...]:
+    """A ``cond`` equation's branches (operand 0 is the branch index, the rest the branches'
+    operands); positions among :func:`subprograms` are the branch numbers."""
+    return tuple(params["branches"])
+
+
+def checkpoint_parts(params: dict) -> tuple[Any, bool, Any]:
+    """(program, prevent_cse, policy) of a ``checkpoint``/``remat`` equation."""
+    return params["jaxpr"], bool(params.get("prevent_cse", True)), params.get("policy")
+
+
+def call_program(eqn: Any) -> Any:
+    """The program a call (jit, closed_call, custom_jvp/vjp) runs on all its operands: its one
+    jaxpr-valued parameter (``jaxpr``, ``call_jaxpr`` or ``fun_jaxpr`` across versions)."""
+    progs = [p for _, _, p in _program_params(eqn.params)]
+    if len(progs) != 1:
+        raise NotImplementedError(
+            f"{eqn.primitive.name} has {len(progs)} programs in its parameters, expected one "
+            f"(jax {jax.__version__})"
+        )
+    return progs[0]
+
+
+def call_name(eqn: Any) -> str:
+    """The function name a ``jit`` equation records ("" for other primitives)."""
+    if kind(eqn.primitive) != "jit":
+        return ""
+    return str(eqn.params.get("name") or "")
+
+
+def loop_length(eqn: Any) -> int | None:
+    """The iteration count of a ``scan`` (None for a ``while``)."""
+    return scan_split(eqn.params).length if kind(eqn.primitive) == "scan" else None
+
+
+# --- errors --------------------------------------------------------------------------------
+class UnsupportedPrimitive(NotImplementedError):
+    """A selected operation sits inside a higher-order primitive the interpreter does not know."""
+
+
+def unsupported(site: str, eqn_or_name: Any, what: str = "replaced") -> UnsupportedPrimitive:
+    """The error for a selected operation ``site`` inside an unknown higher-order primitive."""
+    name = getattr(getattr(eqn_or_name, "primitive", None), "name", None) or str(eqn_or_name)
+    return UnsupportedPrimitive(
+        f"{site} sits inside {name!r}, a higher-order primitive precisionlab does not know "
+        f"(jax {jax.__version__}; known: {', '.join(KINDS)}), so it would not be {what}: "
+        f"exclude it (exclude=[{site!r}]), move it out of {name}, or report the primitive"
+    )
+
+
+# --- source information (optional) --------------------------------------------------------
+try:  # private to JAX: used for line numbers and scope names only, so guarded
+    from jax._src import source_info_util as _siu
+except Exception:  # pragma: no cover - a JAX without it loses source lines only
+    _siu = None
+
+
+def name_stack(eqn: Any) -> str:
+    """The ``jax.named_scope`` names an equation was traced under ("" if unknown)."""
+    try:
+        return str(eqn.source_info.name_stack)
+    except Exception:
+        return ""
+
+
+def where(eqn: Any) -> str:
+    """The user's source line of an equation (``"model.py:42 (fn)"``), or ""."""
+    try:
+        fr = _siu.user_frame(eqn.source_info.traceback)
+        if fr is None:
+            return ""
+        return f"{fr.file_name.rsplit('/', 1)[-1]}:{fr.start_line} ({fr.function_name})"
+    except Exception:
+        return ""
+
+
+def source_context(eqn: Any) -> contextlib.AbstractContextManager:
+    """A context re-emitting operations under ``eqn``'s name stack and source line (as
+    ``jax.core.eval_jaxpr`` does); a no-op where JAX lacks the means."""
+    try:
+        stack = _siu.current_name_stack() + eqn.source_info.name_stack
+        return _siu.user_context(eqn.source_info.traceback, name_stack=stack)
+    except Exception:
+        return contextlib.nullcontext()
+
+
+# --- tracing -------------------------------------------------------------------------------
+def is_array(x: Any) -> bool:
+    """Whether a pytree leaf is traced (an array or ShapeDtypeStruct) rather than static."""
+    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+        return True
+    return hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, type)
+
+
+def _typeof(x: Any) -> Any:
+    typeof = getattr(jax, "typeof", None)  # jax >= 0.5.3
+    if typeof is not None:
+        return typeof(x)
+    return jax.api_util.shaped_abstractify(x)  # pragma: no cover - older jax
+
+
+def _spec(aval: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
+
+
+def abstract(x: Any) -> jax.ShapeDtypeStruct:
+    """The shape, dtype and weak type of an array (a ShapeDtypeStruct as it is)."""
+    return _spec(x if isinstance(x, jax.ShapeDtypeStruct) else _typeof(x))
+
+
+def trace(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, Any, list]:
+    """``(closed jaxpr, output shapes, traced leaves)`` of ``fn(*args, **kwargs)``: the array
+    leaves of the arguments are traced (abstractly: the caller's tracers never enter the trace),
+    the other leaves are static (closed over), as ``jax.jit`` with static arguments."""
+    check_version()
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    dyn = [i for i, x in enumerate(leaves) if is_array(x)]
+
+    def flat(*values):
+        full = list(leaves)
+        for i, v in zip(dyn, values, strict=True):
+            full[i] = v
+        a, kw = jax.tree.unflatten(treedef, full)
+        return fn(*a, **kw)
+
+    closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(
+        *[abstract(leaves[i]) for i in dyn]
+    )
+    return closed, out_shape, [leaves[i] for i in dyn]
+
+
+def parse_recorded(text: str) -> Any:
+    """A recorded parameter's text (``"((), (None,), (None,))"``) as a Python value: the form
+    the replay tests feed :func:`scan_split`."""
+    return ast.literal_eval(text)
