@@ -126,13 +126,26 @@ def test_bad_step_arguments_raise(kw, match):
         stack_step(**{"n_layers": 8, "d_model": 8, "batch": 16, **kw})
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="documents the CPU backend")
+def _flops(compiled) -> float:
+    """FLOPs of a compiled step: ``cost_analysis()`` is a dict (newer jax) or a list of one
+    dict per computation (older)."""
+    cost = compiled.cost_analysis()
+    costs = cost if isinstance(cost, (list, tuple)) else [cost]
+    return float(sum(c["flops"] for c in costs))
+
+
 def test_cpu_undoes_checkpointing_of_unrolled_layers():
     # Why stack_step scans: on CPU, XLA drops jax.checkpoint's optimization barriers and CSE
     # merges the recomputation back into the forward pass, so checkpointing unrolled layers
     # saves nothing (and costs no FLOPs). If this starts failing, XLA changed: good news.
     import jax.numpy as jnp
 
+    backend = jax.default_backend()  # at run time: what this test's compilations target
+    if backend != "cpu":
+        pytest.skip(
+            f"the claim (memory/steps.py's reason to scan) is about XLA's CPU backend; this run "
+            f"compiles for {backend!r}, where the barriers are kept"
+        )
     n, d = 8, 64
     ws = [jnp.full((d, d), 0.01, jnp.float32) for _ in range(n)]
     x = jnp.ones((256, d), jnp.float32)
@@ -148,9 +161,12 @@ def test_cpu_undoes_checkpointing_of_unrolled_layers():
 
     plain = jax.jit(jax.grad(lambda w, x: loss(w, x, False))).lower(ws, x).compile()
     remat = jax.jit(jax.grad(lambda w, x: loss(w, x, True))).lower(ws, x).compile()
+    # jax asked for the barriers ...
     assert (
         "optimization_barrier"
         in jax.jit(jax.grad(lambda w, x: loss(w, x, True))).lower(ws, x).as_text()
     )
-    assert remat.memory_analysis().temp_size_in_bytes == plain.memory_analysis().temp_size_in_bytes
-    assert remat.cost_analysis()["flops"] == plain.cost_analysis()["flops"]
+    # ... and the CPU compilation saves no temporaries and recomputes nothing
+    saved = plain.memory_analysis().temp_size_in_bytes - remat.memory_analysis().temp_size_in_bytes
+    assert saved <= 0, f"checkpointing saved {saved} bytes on CPU (jax {jax.__version__})"
+    assert _flops(remat) <= _flops(plain), f"recomputation kept on CPU (jax {jax.__version__})"

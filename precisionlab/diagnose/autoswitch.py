@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from precisionlab.experiments.config import Unit
-from precisionlab.intercept import Context, intercept
-from precisionlab.recipes import WEIGHT_OPERANDS
+from precisionlab.intercept import Context, Site, intercept
+from precisionlab.recipes import WEIGHT_OPERANDS, AppliedRecipe
 from precisionlab.recipes import dot_general as recipe_dot
 from precisionlab.train import build, train
 from precisionlab.train.recipe import TrainRecipe
@@ -131,7 +131,7 @@ class _SwitchRule:
 
 
 class _Switched:
-    """What the train step needs from a recipe (see ``precisionlab.recipes.Applied``)."""
+    """What the train step needs from a recipe: an :class:`~precisionlab.recipes.AppliedRecipe`."""
 
     def __init__(self, fn, spec: AutoSwitchRecipe):
         self.fn, self.spec = fn, spec
@@ -140,7 +140,7 @@ class _Switched:
         rule = _SwitchRule(self.spec.recipe, "rhs", sink)
         return intercept(self.fn, rule, include=self.spec.include, exclude=self.spec.exclude)
 
-    def sites(self, *args, **kwargs) -> list:
+    def sites(self, *args, **kwargs) -> list[Site]:
         return self._intercepted({}).sites(*args, **kwargs)
 
     def init_state(self, *args, **kwargs) -> dict[str, Any]:
@@ -157,7 +157,9 @@ class _Switched:
                 }
         return state
 
-    def value_and_grad(self, argnums: int = 0, has_aux: bool = False) -> Callable:
+    def value_and_grad(
+        self, argnums: int | Sequence[int] = 0, has_aux: bool = False
+    ) -> Callable[..., tuple[Any, Any, dict]]:
         if argnums != 0:
             raise ValueError("autoswitch differentiates the first argument only")
 
@@ -211,7 +213,7 @@ class AutoSwitchRecipe(TrainRecipe):
     def stateful(self) -> bool:
         return True
 
-    def apply(self, fn: Any) -> Any:  # type: ignore[override]
+    def apply(self, fn: Any) -> AppliedRecipe:
         if self.recipe.stateful:
             raise ValueError(
                 f"autoswitch needs a stateless recipe; {self.recipe.name!r} keeps its own state"

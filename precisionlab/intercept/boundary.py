@@ -388,7 +388,10 @@ def name_stack(eqn: Any) -> str:
 def where(eqn: Any) -> str:
     """The user's source line of an equation (``"model.py:42 (fn)"``), or ""."""
     try:
-        fr = _siu.user_frame(eqn.source_info.traceback)
+        try:  # jax >= 0.7 takes the traceback, earlier versions the source info
+            fr = _siu.user_frame(eqn.source_info.traceback)
+        except AttributeError:
+            fr = _siu.user_frame(eqn.source_info)
         if fr is None:
             return ""
         return f"{fr.file_name.rsplit('/', 1)[-1]}:{fr.start_line} ({fr.function_name})"

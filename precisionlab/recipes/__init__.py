@@ -9,6 +9,9 @@
   custom VJP quantizing the fprop, dgrad and wgrad GEMMs' operands as the recipe says.
 - :func:`apply`: any JAX function with its matmuls quantized (a jaxpr interpreter,
   :mod:`precisionlab.intercept`), with include/exclude and delayed-scaling state.
+- :class:`RecipeSpec` / :class:`AppliedRecipe`: the contract a training recipe and its applied
+  form keep (``stateful``, ``apply``; ``sites``, ``init_state``, ``value_and_grad``,
+  ``update_state``), kept by ``train.TrainRecipe`` and ``diagnose``'s ``AutoSwitchRecipe``.
 - :func:`accumulate`: the m-bit accumulator emulation (``accumulate_bits``,
   ``promote_every`` on every recipe).
 """
@@ -22,6 +25,7 @@ from precisionlab.recipes._apply import (
     init_site_state,
     update_site_state,
 )
+from precisionlab.recipes._contract import AppliedRecipe, RecipeSpec
 from precisionlab.recipes._dot import WEIGHT_OPERANDS, dot_general, matmul
 from precisionlab.recipes._recipes import (
     MX,
@@ -42,10 +46,12 @@ __all__ = [
     "RECIPE_NAMES",
     "WEIGHT_OPERANDS",
     "Applied",
+    "AppliedRecipe",
     "Blockwise",
     "Current",
     "Delayed",
     "Recipe",
+    "RecipeSpec",
     "Reference",
     "Rowwise",
     "accumulate",

@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from precisionlab.recipes import RECIPE_NAMES, Applied, Recipe, apply, get_recipe
+from precisionlab.recipes import RECIPE_NAMES, AppliedRecipe, Recipe, apply, get_recipe
 
 __all__ = ["RECIPE_TABLE_KEYS", "TrainRecipe", "parse_recipe"]
 
@@ -56,8 +56,10 @@ class TrainRecipe:
         """Whether the recipe keeps state across steps (delayed scaling's amax history)."""
         return self.recipe.stateful
 
-    def apply(self, fn: Any) -> Applied:
-        """``fn`` with the recipe applied (see :func:`precisionlab.recipes.apply`)."""
+    def apply(self, fn: Any) -> AppliedRecipe:
+        """``fn`` with the recipe applied (see :func:`precisionlab.recipes.apply`): an
+        :class:`~precisionlab.recipes.AppliedRecipe` (the :class:`~precisionlab.recipes.RecipeSpec`
+        contract)."""
         return apply(fn, self.recipe, include=self.include, exclude=self.exclude)
 
 
