@@ -333,3 +333,13 @@ def test_unsupported_jax_version_says_the_range_in_one_line(monkeypatch):
     monkeypatch.setattr(jax, "__version__", "0.4.1")
     with pytest.raises(RuntimeError, match=re.escape(f"jax >= {boundary.LOWEST}")):
         intercept(lambda x: x @ W, _Double())(X)
+
+
+def test_declared_floor_matches_pyproject_and_this_jax():
+    import tomllib
+
+    pyproject = pathlib.Path(__file__).parent.parent / "pyproject.toml"
+    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    assert f"jax>={boundary.LOWEST}" in deps and f"jaxlib>={boundary.LOWEST}" in deps
+    version = tuple(int(p) for p in re.findall(r"\d+", jax.__version__)[:3])
+    assert version >= tuple(int(p) for p in boundary.LOWEST.split("."))

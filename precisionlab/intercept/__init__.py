@@ -9,6 +9,11 @@ line; ``include``/``exclude`` pick which are replaced. The result composes with 
 ``grad`` and ``vmap``. A rule may also return auxiliary values (:class:`Emit`), which
 :meth:`Intercepted.call_with_aux` threads out of loops (stacked per iteration), conds and
 checkpoints as :class:`Aux`; :class:`PerIteration` state is sliced per loop iteration.
+
+:mod:`precisionlab.intercept.boundary` is the one module that reads JAX's internals (primitive
+identities, parameter keys, the bind protocol, source information); a selected operation inside
+a higher-order primitive it does not know raises
+:class:`~precisionlab.intercept.boundary.UnsupportedPrimitive`.
 """
 
 from precisionlab.intercept._interpret import (
