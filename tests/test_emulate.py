@@ -146,7 +146,8 @@ def test_flax_nnx_model_matches_the_builtin_forward():
     class Net(nnx.Module):
         def __init__(self, rngs):
             dims = [MODEL.in_dim] + [MODEL.width] * MODEL.depth + [MODEL.num_classes]
-            self.layers = nnx.List(
+            # nnx.List since flax 0.12 (jax >= 0.7); a plain list of modules before
+            self.layers = getattr(nnx, "List", list)(
                 [nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(dims)]
             )
 

@@ -66,7 +66,7 @@ __all__ = [
 #: The lowest JAX this project works on (CI runs the interception, recipes, emulate and
 #: telemetry tests on it) and the highest it has been checked against (the whole default suite
 #: ran on 0.10.2; the recorded parameters of jax 0.11.2 are replayed by the tests).
-LOWEST = "0.4.35"
+LOWEST = "0.6.2"
 HIGHEST_CHECKED = "0.11.2"
 
 #: The higher-order primitives the interpreter understands.
