@@ -417,20 +417,13 @@ def is_array(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, type)
 
 
-def _typeof(x: Any) -> Any:
-    typeof = getattr(jax, "typeof", None)  # jax >= 0.5.3
-    if typeof is not None:
-        return typeof(x)
-    return jax.api_util.shaped_abstractify(x)  # pragma: no cover - older jax
-
-
 def _spec(aval: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
 
 
 def abstract(x: Any) -> jax.ShapeDtypeStruct:
     """The shape, dtype and weak type of an array (a ShapeDtypeStruct as it is)."""
-    return _spec(x if isinstance(x, jax.ShapeDtypeStruct) else _typeof(x))
+    return _spec(x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x))
 
 
 def trace(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, Any, list]:
