@@ -213,7 +213,16 @@ def test_replay_every_recorded_higher_order_primitive_has_a_kind():
     for name in with_programs:
         # a primitive this JAX does not export (jit before 0.7) is known by its name
         prim = by_name.get(name) or jex.core.Primitive(name)
-        assert boundary.kind(prim) is not None, name
+        kind = boundary.kind(prim)
+        assert kind is not None, name
+        programs = [k for k, v in recorded[name].items() if v.lstrip("(").startswith("{ lambda")]
+        if kind in boundary.CALLS:  # call_program needs exactly one program parameter
+            assert len(programs) == 1, (name, programs)
+    # scan's split is in ft_in/ft_out now; the other constructs keep the keys the adapters read
+    assert {"ft_in", "ft_out", "length", "reverse", "unroll", "jaxpr"} == set(recorded["scan"])
+    assert {"cond_nconsts", "body_nconsts", "cond_jaxpr", "body_jaxpr"} <= set(recorded["while"])
+    assert {"jaxpr", "prevent_cse", "policy"} <= set(recorded["remat2"])
+    assert "branches" in recorded["cond"]
 
 
 class _OneMinusSquare:
@@ -343,3 +352,18 @@ def test_declared_floor_matches_pyproject_and_this_jax():
     assert f"jax>={boundary.LOWEST}" in deps and f"jaxlib>={boundary.LOWEST}" in deps
     version = tuple(int(p) for p in re.findall(r"\d+", jax.__version__)[:3])
     assert version >= tuple(int(p) for p in boundary.LOWEST.split("."))
+
+
+def test_matmul_in_a_while_condition_is_replaced_or_refused_never_skipped():
+    def f(x):
+        return jax.lax.while_loop(lambda c: (c @ W).sum() < 10, lambda c: c * 1.5 + 0.1, x)
+
+    def want(x, factor):
+        while (factor * (x @ W)).sum() < 10:
+            x = x * 1.5 + 0.1
+        return x
+
+    assert not np.allclose(want(X, 2.0), want(X, 1.0))  # the replacement changes the result
+    np.testing.assert_allclose(intercept(f, _PlainDouble())(X), want(X, 2.0), rtol=1e-6)
+    with pytest.raises(NotImplementedError, match=r"dot_general\[0\] sits in a while_loop's"):
+        intercept(f, _Double())(X)

@@ -402,6 +402,14 @@ class _Run:
         cond_j, cond_c = boundary.open_jaxpr(parts.cond_jaxpr)
         body_j, body_c = boundary.open_jaxpr(parts.body_jaxpr)
         body_path = (*path, boundary.while_body_index(p))
+        cond_path = (*path, boundary.while_cond_index(p))
+        in_cond = sorted(s.name for q, s in self.sites.items() if q[: len(cond_path)] == cond_path)
+        if in_cond:  # the condition runs as it is here: its operations would not be replaced
+            raise NotImplementedError(
+                f"{', '.join(in_cond)} sits in a while_loop's condition, where state and "
+                f"auxiliary outputs cannot be threaded: exclude it (exclude={in_cond!r}) or "
+                "compute it in the loop body"
+            )
         cap = self.while_capacity
         inner = self._inner(path)
 

@@ -60,6 +60,8 @@ __all__ = [
     "trace",
     "unsupported",
     "where",
+    "while_body_index",
+    "while_cond_index",
     "while_parts",
 ]
 
@@ -318,6 +320,12 @@ def while_body_index(params: dict) -> int:
     """The body's position among :func:`subprograms` of a ``while`` equation."""
     keys = [key for key, _, _ in _program_params(params)]
     return keys.index("body_jaxpr")
+
+
+def while_cond_index(params: dict) -> int:
+    """The condition's position among :func:`subprograms` of a ``while`` equation."""
+    keys = [key for key, _, _ in _program_params(params)]
+    return keys.index("cond_jaxpr")
 
 
 def cond_branches(params: dict) -> tuple[Any, ...]:
