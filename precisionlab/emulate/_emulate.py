@@ -37,6 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from precisionlab.emulate import _matmul, _model, _simplify
+from precisionlab.emulate._simplify import Folds
 from precisionlab.intercept import Context, Intercepted, Site, intercept
 from precisionlab.mixed.numerics import enforce
 from precisionlab.mixed.policy import Policy, get_policy
@@ -133,6 +135,19 @@ def _collect(jaxpr, found: set[str]) -> None:
             found.add(name)
 
 
+def _computes_in(jaxpr, dtype: np.dtype) -> bool:
+    """Whether any floating value of ``jaxpr`` (or its sub-programs) has ``dtype``: the
+    program is then typed in the compute dtype itself, and its float32 values are deliberate."""
+    for eqn in jaxpr.eqns:
+        for v in (*eqn.invars, *eqn.outvars):
+            if _is_float(v.aval) and np.dtype(v.aval.dtype) == dtype:
+                return True
+        for sub in _subprograms(eqn):
+            if _computes_in(sub.jaxpr if isinstance(sub, jex.core.ClosedJaxpr) else sub, dtype):
+                return True
+    return any(_is_float(v.aval) and np.dtype(v.aval.dtype) == dtype for v in jaxpr.invars)
+
+
 def _narrow_dot(lhs, rhs, dimension_numbers, bits: int) -> jax.Array:
     """``dot_general`` of float32 operands with an m-bit accumulator (recipes.accumulate)."""
     from precisionlab.recipes import accumulate
@@ -163,13 +178,15 @@ def _reduce_rounded(x: jax.Array, axes: Sequence[int], dtype: np.dtype) -> jax.A
 
 @dataclasses.dataclass
 class _RoundRule:
-    """The interceptor rule: round operands (once) and results to ``dtype``.
+    """The interceptor rule: each operation computed as XLA's GPU backend would
+    (:mod:`precisionlab.emulate._model`), its result rounded to its target dtype.
 
-    Forward operations with a floating operand and result become ``custom_vjp`` functions whose
-    backward pass (the primitive's own VJP) is run through this rule again, with
-    ``backward=True``: each backward operation is rounded, and a backward reduction (the
-    transpose of a broadcast: a bias gradient) rounds every partial sum, as the reduction a
-    16-bit program's autodiff emits is typed in the 16-bit format.
+    The target of a floating value: its own dtype where that is narrower than float32; for a
+    float32 (or wider) value, the compute ``dtype`` unless ``program_typed`` (the program
+    itself computes in the compute dtype, so its float32 operations are deliberate upcasts,
+    kept). Forward operations with a floating operand and result become ``custom_vjp``
+    functions whose backward pass (the primitive's own VJP) is run through this rule again,
+    with ``backward=True``.
     """
 
     dtype: np.dtype
@@ -177,24 +194,71 @@ class _RoundRule:
     accumulate_bits: int | None
     reduce_fp32: bool
     backward: bool = False
+    program_typed: bool = False
     # Values already rounded in this trace, by id (the reference keeps the id unique).
     rounded: dict[int, Any] = dataclasses.field(default_factory=dict)
+    folds: Folds = dataclasses.field(default_factory=Folds)
+
+    def target(self, aval: Any) -> np.dtype | None:
+        """The dtype a value of ``aval`` is rounded to (None: left as computed)."""
+        if not _is_float(aval):
+            return None
+        own = np.dtype(aval.dtype)
+        if own.itemsize < 4:
+            return own
+        return None if self.program_typed else np.dtype(self.dtype)
+
+    def _rnd(self, x: Any, aval: Any) -> Any:
+        """``x`` rounded to ``aval``'s own narrow dtype, then (policy mode) to the compute
+        dtype; returned in ``aval``'s dtype."""
+        y = jnp.asarray(x)
+        own = np.dtype(aval.dtype)
+        if own.itemsize < 4:
+            y = enforce(y.astype(jnp.promote_types(own, jnp.float32)), own)
+        if not self.program_typed:
+            y = enforce(y, self.dtype)
+        return y.astype(own)
 
     def _round(self, x: Any, aval: Any) -> Any:
-        if not _is_float(aval) or id(x) in self.rounded:
+        if self.target(aval) is None or id(x) in self.rounded:
             return x
-        y = enforce(jnp.asarray(x, aval.dtype), self.dtype)
+        y = self._rnd(x, aval)
         self.rounded[id(y)] = y
         return y
+
+    def _model(self, eqn, ins: list) -> list | None:
+        """The operation as XLA:GPU computes it, where that differs from binding the primitive
+        on CPU and rounding (None: bind and round)."""
+        name, params = eqn.primitive.name, eqn.params
+        out_aval = eqn.outvars[0].aval if eqn.outvars else None
+        tgt = self.target(out_aval) if out_aval is not None else None
+        if tgt is None:
+            return None
+        narrow = _model.is_narrow(tgt) and (self.program_typed or self.dtype == tgt)
+        if name in _model.TABLED and narrow and _model.is_narrow(tgt):
+            return [_model.tabled_unary(name, ins[0], tgt)]
+        if name == "integer_pow":
+            return [_model.integer_power(ins[0], params["y"], lambda v: self._rnd(v, out_aval))]
+        if name == "div" and _is_float(out_aval):
+            return [self._rnd(_model.divide(ins[0], ins[1]), out_aval)]
+        return None
 
     def _compute(self, eqn, ins: list) -> list:
         """The primitive on rounded operands, results rounded."""
         name, params = eqn.primitive.name, eqn.params
-        if self.accumulate_bits is not None and name == "dot_general":
+        modelled = None if self.backward and name == "div" else self._model(eqn, ins)
+        if modelled is not None:
+            outs = modelled
+        elif self.accumulate_bits is not None and name == "dot_general":
             out = _narrow_dot(ins[0], ins[1], params["dimension_numbers"], self.accumulate_bits)
             outs = [out.astype(eqn.outvars[0].aval.dtype)]
-        elif name == "reduce_sum" and (self.backward or not self.reduce_fp32):
-            outs = [_reduce_rounded(ins[0], params["axes"], self.dtype)]
+        elif name == "dot_general" and _is_float(eqn.outvars[0].aval):
+            outs = [_matmul.float32_once(ins[0], ins[1], params, eqn.outvars[0].aval.dtype)]
+        elif name == "reduce_sum" and (self.backward or not self.reduce_fp32) and (
+            self.target(eqn.outvars[0].aval) is not None
+        ):
+            tgt = self.target(eqn.outvars[0].aval)
+            outs = [_reduce_rounded(ins[0], params["axes"], tgt)]
         else:
             prim = eqn.primitive
             out = prim.bind(*ins, **prim.get_bind_params(params))
@@ -205,8 +269,63 @@ class _RoundRule:
                 return outs
         return [self._round(y, v.aval) for y, v in zip(outs, eqn.outvars, strict=True)]
 
+    def _simplified(self, eqn, operands: tuple) -> list | None:
+        """XLA's constant folding (:mod:`precisionlab.emulate._simplify`) of a forward
+        ``mul``/``div``/``add``/``sub`` with a literal operand; None where none applies."""
+        name = eqn.primitive.name
+        if self.backward or name not in ("mul", "div", "add", "sub") or len(eqn.invars) != 2:
+            return None
+        aval = eqn.outvars[0].aval
+        tgt = self.target(aval)
+        if tgt is None or not _model.is_narrow(tgt):
+            return None
+        lits = [isinstance(v, jex.core.Literal) for v in eqn.invars]
+        if lits[0] == lits[1] or (name in ("div", "sub") and lits[0]):
+            return None
+        c = _simplify.constant(operands[lits.index(True)])
+        if c is None:
+            return None
+        a = operands[lits.index(False)]
+        a_aval = eqn.invars[lits.index(False)].aval
+        if tuple(a_aval.shape) != tuple(aval.shape):
+            return None
+        if name in ("mul", "div"):
+            kind, c = "mul", (c if name == "mul" else _simplify.reciprocal(c, tgt))
+        else:
+            kind, c = "add", (c if name == "add" else -c)
+        made = self.folds.of(a)
+        if made is not None and made[0] == kind:
+            a, c = made[1], _simplify.fold(kind, made[2], c, tgt)
+        elif name in ("mul", "add"):
+            return None  # nothing to fold: the operation as written
+        identity = 1.0 if kind == "mul" else 0.0
+        if c == identity:
+            out = a
+        else:
+            k = jnp.asarray(c, jnp.float32)
+            wide = jnp.asarray(a).astype(jnp.float32)
+            out = self._rnd(wide * k if kind == "mul" else wide + k, aval)
+            self.rounded[id(out)] = out
+        self.folds.note(out, kind, a, c)
+        return [out]
+
+    def _note_fold(self, eqn, operands: tuple, ins: list, outs: list) -> None:
+        name = eqn.primitive.name
+        if self.backward or name not in ("mul", "add") or len(eqn.invars) != 2:
+            return
+        lits = [isinstance(v, jex.core.Literal) for v in eqn.invars]
+        if lits[0] == lits[1]:
+            return
+        c = _simplify.constant(operands[lits.index(True)])
+        a_aval = eqn.invars[lits.index(False)].aval
+        if c is not None and tuple(a_aval.shape) == tuple(eqn.outvars[0].aval.shape):
+            self.folds.note(outs[0], name, ins[lits.index(False)], c)
+
     def apply(self, ctx: Context, *operands: Any, **params: Any) -> list:
         eqn = ctx.eqn
+        simplified = self._simplified(eqn, operands)
+        if simplified is not None:
+            return simplified
         ins = [self._round(x, v.aval) for x, v in zip(operands, eqn.invars, strict=True)]
         differentiable = any(_is_float(v.aval) for v in eqn.invars) and any(
             _is_float(v.aval) for v in eqn.outvars
@@ -216,6 +335,7 @@ class _RoundRule:
         outs = _with_rounded_vjp(self, eqn)(*ins)
         for y in outs:
             self.rounded[id(y)] = y
+        self._note_fold(eqn, operands, ins, list(outs))
         return list(outs)
 
 
@@ -238,9 +358,15 @@ def _with_rounded_vjp(rule: _RoundRule, eqn) -> Callable:
 
     def bwd(xs, cts):
         def back(xs, cts):
+            if prim.name == "tanh":  # jax >= 0.11's VJP: ct * one_minus_square(tanh x), which
+                t = lax.tanh(xs[0])  # XLA computes as (1 - t) * (1 + t)
+                return (cts[0] * ((1 - t) * (1 + t)),)
             return jax.vjp(bare, *xs)[1](cts)
 
-        em = Emulated(back, rule.dtype, (), rule.accumulate_bits, rule.reduce_fp32, True)
+        em = Emulated(
+            back, rule.dtype, (), rule.accumulate_bits, rule.reduce_fp32, True,
+            program_typed=rule.program_typed,
+        )  # fmt: skip
         grads = em._call(xs, (xs, tuple(cts)), {})  # the residuals were rounded in the forward
         return tuple(g if f else None for g, f in zip(grads, floats_in, strict=True))
 
@@ -282,7 +408,9 @@ class Emulated:
         accumulate_bits: int | None,
         reduce_fp32: bool = True,
         backward: bool = False,
+        program_typed: bool | None = None,
     ):
+        self.program_typed = program_typed
         self.fn, self.dtype, self.keep = fn, dtype, keep
         self.accumulate_bits, self.reduce_fp32, self.backward = (
             accumulate_bits, reduce_fp32, backward,
@@ -293,9 +421,12 @@ class Emulated:
         closed = _trace(self.fn, args, kwargs)
         found: set[str] = set()
         _collect(closed.jaxpr, found)
+        typed = self.program_typed
+        if typed is None:
+            typed = _computes_in(closed.jaxpr, np.dtype(self.dtype))
         rule = _RoundRule(
             self.dtype, tuple(sorted(found)) or ("add",), self.accumulate_bits,
-            self.reduce_fp32, self.backward,
+            self.reduce_fp32, self.backward, typed,
         )  # fmt: skip
         return intercept(self.fn, rule, exclude=self.keep), rule
 
@@ -320,6 +451,7 @@ class Emulated:
             return fn(*args, **kwargs)
         finally:
             rule.rounded.clear()
+            rule.folds.clear()
 
 
 def emulate(
