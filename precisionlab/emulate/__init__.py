@@ -9,6 +9,7 @@ between fused operations. Built on :mod:`precisionlab.intercept` and the roundin
 :mod:`precisionlab.mixed.numerics` (the built-in models' forced numerics).
 """
 
+from precisionlab.emulate._check import CheckReport, OpDiff, check
 from precisionlab.emulate._emulate import Emulated, emulate
 
-__all__ = ["Emulated", "emulate"]
+__all__ = ["CheckReport", "Emulated", "OpDiff", "check", "emulate"]
