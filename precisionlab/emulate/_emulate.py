@@ -198,6 +198,9 @@ class _RoundRule:
     # Values already rounded in this trace, by id (the reference keeps the id unique).
     rounded: dict[int, Any] = dataclasses.field(default_factory=dict)
     folds: Folds = dataclasses.field(default_factory=Folds)
+    # Cotangents known to be ``ct * c`` (by the backward of a multiply by a literal), for the
+    # backward passes of this trace's operations to fold as XLA does.
+    bwd_folds: Folds = dataclasses.field(default_factory=Folds)
 
     def target(self, aval: Any) -> np.dtype | None:
         """The dtype a value of ``aval`` is rounded to (None: left as computed)."""
@@ -357,6 +360,10 @@ def _with_rounded_vjp(rule: _RoundRule, eqn) -> Callable:
         return op(*xs), xs
 
     def bwd(xs, cts):
+        scaled = _scaled_cotangent(rule, eqn, xs, cts)
+        if scaled is not None:
+            return scaled
+
         def back(xs, cts):
             if prim.name == "tanh":  # jax >= 0.11's VJP: ct * one_minus_square(tanh x), which
                 t = lax.tanh(xs[0])  # XLA computes as (1 - t) * (1 + t)
@@ -372,6 +379,43 @@ def _with_rounded_vjp(rule: _RoundRule, eqn) -> Callable:
 
     op.defvjp(fwd, bwd)
     return op
+
+
+def _scaled_cotangent(rule: _RoundRule, eqn, xs: tuple, cts: tuple) -> tuple | None:
+    """The backward pass of ``a * c`` or ``a / c`` (c a scalar literal) as XLA:GPU computes
+    it: ``ct * c`` (``ct * (1/c)`` for a division, the reciprocal rounded), with the constant
+    folded into the one that made ``ct`` where ``ct`` is itself ``b * c1`` (the GPU gradient
+    of gelu's ``0.0447 * (0.798 * ...)`` multiplies once, by the folded constant). None for
+    any other operation."""
+    name = eqn.primitive.name
+    if name not in ("mul", "div") or len(eqn.invars) != 2 or len(cts) != 1:
+        return None
+    lits = [isinstance(v, jex.core.Literal) for v in eqn.invars]
+    if lits[0] == lits[1] or (name == "div" and lits[0]):
+        return None
+    i = lits.index(False)
+    aval = eqn.invars[i].aval
+    tgt = rule.target(aval)
+    c = _simplify.constant(eqn.invars[1 - i].val)
+    if (
+        c is None or tgt is None or not _model.is_narrow(tgt)
+        or tuple(aval.shape) != tuple(eqn.outvars[0].aval.shape)
+    ):  # fmt: skip
+        return None
+    if name == "div":
+        c = _simplify.reciprocal(c, tgt)
+    ct = cts[0]
+    made = rule.bwd_folds.of(ct)
+    base = ct
+    if made is not None and made[0] == "mul":
+        base, c = made[1], _simplify.fold("mul", made[2], c, tgt)
+    wide = jnp.asarray(base).astype(jnp.float32) * jnp.asarray(c, jnp.float32)
+    g = rule._rnd(wide, aval)
+    rule.bwd_folds.note(g, "mul", base, c)
+    grads: list = [None, None]
+    grads[i] = g
+    grads[1 - i] = jnp.zeros_like(xs[1 - i])
+    return tuple(grads)
 
 
 def _is_array(x: Any) -> bool:
