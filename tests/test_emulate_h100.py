@@ -119,3 +119,18 @@ def test_mlp_weight_gradient_matches_the_h100():
 # tensor-core model lands; docs/guides/emulate.md has the table).
 MLP_FORWARD_RATE = 0.993
 MLP_GRAD_RATE = 0.82
+
+
+def test_the_matmul_model_is_pluggable_and_names_are_checked():
+    a = jnp.ones((2, 3), jnp.float16)
+    seen = []
+
+    def model(lhs, rhs, params, dtype):  # a stand-in tensor-core model: counts its calls
+        seen.append((lhs.shape, rhs.shape, np.dtype(dtype).name))
+        return jnp.full((lhs.shape[0], rhs.shape[1]), 7.0, dtype)
+
+    out = emulate(jnp.matmul, "c=f16", hardware=model)(a, a.T)
+    assert np.all(np.asarray(out) == 7.0) and seen == [((2, 3), (3, 2), "float16")]
+    assert np.all(np.asarray(emulate(jnp.matmul, "c=f16")(a, a.T)) == 3.0)
+    with pytest.raises(ValueError, match="hardware must be one of float32"):
+        emulate(jnp.matmul, "c=f16", hardware="h200")

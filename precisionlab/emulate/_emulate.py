@@ -201,6 +201,7 @@ class _RoundRule:
     # Cotangents known to be ``ct * c`` (by the backward of a multiply by a literal), for the
     # backward passes of this trace's operations to fold as XLA does.
     bwd_folds: Folds = dataclasses.field(default_factory=Folds)
+    matmul: Callable = _matmul.float32_once
 
     def target(self, aval: Any) -> np.dtype | None:
         """The dtype a value of ``aval`` is rounded to (None: left as computed)."""
@@ -256,7 +257,7 @@ class _RoundRule:
             out = _narrow_dot(ins[0], ins[1], params["dimension_numbers"], self.accumulate_bits)
             outs = [out.astype(eqn.outvars[0].aval.dtype)]
         elif name == "dot_general" and _is_float(eqn.outvars[0].aval):
-            outs = [_matmul.float32_once(ins[0], ins[1], params, eqn.outvars[0].aval.dtype)]
+            outs = [self.matmul(ins[0], ins[1], params, eqn.outvars[0].aval.dtype)]
         elif name == "reduce_sum" and (self.backward or not self.reduce_fp32) and (
             self.target(eqn.outvars[0].aval) is not None
         ):
@@ -372,7 +373,7 @@ def _with_rounded_vjp(rule: _RoundRule, eqn) -> Callable:
 
         em = Emulated(
             back, rule.dtype, (), rule.accumulate_bits, rule.reduce_fp32, True,
-            program_typed=rule.program_typed,
+            program_typed=rule.program_typed, matmul=rule.matmul,
         )  # fmt: skip
         grads = em._call(xs, (xs, tuple(cts)), {})  # the residuals were rounded in the forward
         return tuple(g if f else None for g, f in zip(grads, floats_in, strict=True))
@@ -453,8 +454,9 @@ class Emulated:
         reduce_fp32: bool = True,
         backward: bool = False,
         program_typed: bool | None = None,
+        matmul: Callable = _matmul.float32_once,
     ):
-        self.program_typed = program_typed
+        self.program_typed, self.matmul = program_typed, matmul
         self.fn, self.dtype, self.keep = fn, dtype, keep
         self.accumulate_bits, self.reduce_fp32, self.backward = (
             accumulate_bits, reduce_fp32, backward,
@@ -470,7 +472,7 @@ class Emulated:
             typed = _computes_in(closed.jaxpr, np.dtype(self.dtype))
         rule = _RoundRule(
             self.dtype, tuple(sorted(found)) or ("add",), self.accumulate_bits,
-            self.reduce_fp32, self.backward, typed,
+            self.reduce_fp32, self.backward, typed, matmul=self.matmul,
         )  # fmt: skip
         return intercept(self.fn, rule, exclude=self.keep), rule
 
@@ -504,9 +506,13 @@ def emulate(
     *,
     keep: Sequence[int | str] | str = (),
     accumulate_bits: int | None = None,
+    hardware: str | Callable = "float32",
 ) -> Emulated:
-    """``fn`` with each floating-point operation's operands and result rounded to the compute
-    format, as 16-bit hardware computes it (see the module docstring).
+    """``fn`` computed as XLA's GPU backend computes it, on any machine: each floating-point
+    operation's result rounded to the dtype the program gives it (a 16-bit program's float32
+    upcasts kept; a float32 program's results rounded to the policy's compute format),
+    transcendental functions correctly rounded, XLA's constant folding applied
+    (docs/guides/emulate.md states the model and its measured agreement with an H100).
 
     Args:
       fn: any JAX-traceable function: a Flax linen ``model.apply``, an NNX or Equinox module's
@@ -522,6 +528,9 @@ def emulate(
       accumulate_bits: None (default): matmuls accumulate in float32 and round once; an int m
         in 1..23: ``dot_general`` partial sums are rounded to m mantissa bits after every
         product (:func:`precisionlab.recipes.accumulate`; a sequential scan, slow).
+      hardware: the matmul model: ``"float32"`` (default: products exact, float32
+        accumulation, rounded once to the result dtype) or a callable
+        ``(lhs, rhs, dot_general params, result dtype) -> result`` (a tensor-core model).
 
     Returns:
       An :class:`Emulated`: call it like ``fn``; ``.report(...)`` lists the operations.
@@ -539,4 +548,7 @@ def emulate(
         )
     if isinstance(keep, (str, int)):
         keep = (keep,)
-    return Emulated(fn, pol.compute_dtype, tuple(keep), accumulate_bits, "reduce" in pol.fp32_ops)
+    return Emulated(
+        fn, pol.compute_dtype, tuple(keep), accumulate_bits, "reduce" in pol.fp32_ops,
+        matmul=_matmul.resolve(hardware),
+    )  # fmt: skip

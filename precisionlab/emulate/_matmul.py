@@ -11,15 +11,18 @@ of a 64x4096x64 GEMM, but the float32 accumulator itself only for 9% (float16) /
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["HARDWARE", "float32_once"]
+__all__ = ["HARDWARE", "MatmulModel", "float32_once", "resolve"]
 
-HARDWARE = ("float32",)
+#: ``(lhs, rhs, dot_general params, result dtype) -> result``: operands hold values of the
+#: program's (or policy's) 16-bit format; the result is rounded to the result dtype by emulate.
+MatmulModel = Callable[[jax.Array, jax.Array, dict[str, Any], Any], jax.Array]
 
 
 def float32_once(lhs: jax.Array, rhs: jax.Array, params: dict[str, Any], out_dtype) -> jax.Array:
@@ -32,3 +35,18 @@ def float32_once(lhs: jax.Array, rhs: jax.Array, params: dict[str, Any], out_dty
         preferred_element_type=jnp.promote_types(out_dtype, jnp.float32),
     )
     return out.astype(out_dtype)
+
+
+HARDWARE: dict[str, MatmulModel] = {"float32": float32_once}
+
+
+def resolve(hardware: str | MatmulModel) -> MatmulModel:
+    """The matmul model named ``hardware`` (a key of :data:`HARDWARE`), or a callable one."""
+    if callable(hardware):
+        return hardware
+    if isinstance(hardware, str) and hardware in HARDWARE:
+        return HARDWARE[hardware]
+    raise ValueError(
+        f"hardware must be one of {', '.join(HARDWARE)} or a callable "
+        f"(lhs, rhs, dot_general params, dtype) -> array; got {hardware!r}"
+    )
