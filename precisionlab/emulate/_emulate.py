@@ -1,28 +1,32 @@
-"""``emulate(fn, policy)``: every floating-point operation of ``fn`` rounded to a compute format.
+"""``emulate(fn, policy)``: every floating-point operation of ``fn`` computed as XLA's GPU
+backend computes it.
 
 How it works: ``fn`` is traced to a jaxpr and re-evaluated by :mod:`precisionlab.intercept`
-with one rule matched on every first-order primitive of the program. The rule rounds the
-operation's floating operands to the compute format (once: a value an earlier operation already
-rounded is not rounded again), binds the primitive as the program had it, and rounds its
-floating results (:func:`precisionlab.mixed.numerics.enforce`, the same rounding the built-in
-models apply at every op boundary: ``lax.reduce_precision``, which XLA never elides, with
-float16's subnormals kept, or the project's codec for float8_e4m3fn).
+with one rule matched on every first-order primitive of the program. The rule computes the
+operation as :mod:`precisionlab.emulate._model` says XLA:GPU does (correctly rounded
+transcendentals, ``integer_pow`` as rounded multiplies, true division; matmuls through the
+``hardware=`` model of :mod:`precisionlab.emulate._matmul`), applies XLA's constant folding
+(:mod:`precisionlab.emulate._simplify`), and rounds each floating result to its target dtype
+(:func:`precisionlab.mixed.numerics.enforce`: ``lax.reduce_precision``, which XLA never
+elides, with float16's subnormals kept, or the project's codec for float8_e4m3fn). The target
+is the value's own dtype where that is 16 bits or narrower; a float32 value keeps float32 in
+a program that computes in the compute dtype itself (its deliberate upcasts, e.g.
+``jnp.mean``'s float32 sum), and is rounded to the compute dtype in a float32 program emulated
+under a 16-bit policy. Operands are rounded to their targets too (once: a value an earlier
+operation already rounded is not rounded again).
 
 Arrays keep the dtypes the program gives them: a float32 program emulated under ``c=bf16``
-computes on float32 arrays that hold bfloat16 values. Each elementwise operation therefore runs
-in float32 on exactly representable operands and is rounded once, which is what a 16-bit GPU
-kernel computes (+, -, *, / and sqrt correctly rounded: float32 has more than twice the
-mantissa bits of bfloat16 or float16, plus two). Matmuls and convolutions accumulate in float32
-and round once (``accumulate_bits`` narrows the accumulator); forward reductions accumulate in
-float32 and round once while the policy keeps ``reduce`` in float32 (its default), else every
-partial sum is rounded.
+computes on float32 arrays that hold bfloat16 values. Forward reductions in float32 stay
+float32 (rounded once where the result is rounded) while the policy keeps ``reduce`` in
+float32 (its default), else every partial sum is rounded.
 
 The backward pass: every operation with a floating operand and result is a ``custom_vjp``
-whose backward pass is the primitive's own VJP run under the same rule, so each backward
+whose backward pass is the primitive's own VJP run under the same rule (``tanh``'s as jax 0.11
+writes it; a multiply by a literal folds its constant as XLA does), so each backward
 operation is rounded too; a backward reduction (the transpose of a broadcast, e.g. a bias
-gradient) rounds every partial sum, as the reduction a 16-bit program's autodiff emits is typed
-in the 16-bit format. The contributions of a value's several uses are summed by JAX and rounded
-once, where the next backward operation takes them. Forward-mode autodiff is therefore refused.
+gradient) typed in a 16-bit format rounds every partial sum. The contributions of a value's
+several uses are summed by JAX and rounded once, where the next backward operation takes
+them. Forward-mode autodiff is therefore refused.
 """
 
 from __future__ import annotations
@@ -250,7 +254,7 @@ class _RoundRule:
     def _compute(self, eqn, ins: list) -> list:
         """The primitive on rounded operands, results rounded."""
         name, params = eqn.primitive.name, eqn.params
-        modelled = None if self.backward and name == "div" else self._model(eqn, ins)
+        modelled = self._model(eqn, ins)
         if modelled is not None:
             outs = modelled
         elif self.accumulate_bits is not None and name == "dot_general":
