@@ -242,9 +242,10 @@ class _RoundRule:
         tgt = self.target(out_aval) if out_aval is not None else None
         if tgt is None:
             return None
-        narrow = _model.is_narrow(tgt) and (self.program_typed or self.dtype == tgt)
-        if name in _model.TABLED and narrow and _model.is_narrow(tgt):
+        if name in _model.TABLED and _model.is_narrow(tgt):
             return [_model.tabled_unary(name, ins[0], tgt)]
+        if name == "logistic" and _model.is_narrow(tgt):
+            return [_model.logistic(ins[0], tgt, lambda v: self._rnd(v, out_aval))]
         if name == "integer_pow":
             return [_model.integer_power(ins[0], params["y"], lambda v: self._rnd(v, out_aval))]
         if name == "div" and _is_float(out_aval):

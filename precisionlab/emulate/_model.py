@@ -12,6 +12,8 @@ Established against an H100 (jax/jaxlib 0.11.2, captures in tests/data/h100_emul
   approximations (``exp`` of XLA:CPU is off by an ulp now and then) would otherwise show
   through at the 16-bit rounding;
 - ``integer_pow`` is the chain of multiplies JAX lowers it to, each rounded;
+- ``logistic`` (``jax.nn.sigmoid``) is ``1 / (1 + exp(-x))``, each operation rounded: XLA's
+  LogisticExpander pass rewrites it so on the GPU (from XLA's pipeline; no capture checks it);
 - a division is a true division: XLA:CPU rewrites ``a / broadcast(b)`` into ``a * (1/b)``,
   XLA:GPU does not (softmax's normaliser), so the divisor is hidden behind an
   ``optimization_barrier`` here.
@@ -29,7 +31,7 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
-__all__ = ["TABLED", "divide", "integer_power", "is_narrow", "tabled_unary"]
+__all__ = ["TABLED", "divide", "integer_power", "is_narrow", "logistic", "tabled_unary"]
 
 
 def _vec(f: Callable[[float], float]) -> Callable[[np.ndarray], np.ndarray]:
@@ -53,7 +55,6 @@ TABLED: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "log": np.log,
     "log1p": np.log1p,
     "tanh": np.tanh,
-    "logistic": lambda x: 0.5 * (1.0 + np.tanh(0.5 * x)),
     "sin": np.sin,
     "cos": np.cos,
     "tan": np.tan,
@@ -123,3 +124,11 @@ def divide(a: jax.Array, b: jax.Array) -> jax.Array:
     a32 = jnp.broadcast_to(a.astype(jnp.float32), shape)
     b32 = lax.optimization_barrier(jnp.broadcast_to(b.astype(jnp.float32), shape))
     return a32 / b32
+
+
+def logistic(x: jax.Array, dtype, rnd: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """``1 / (1 + exp(-x))`` with ``exp`` correctly rounded to the 16-bit ``dtype`` and the
+    sum and the quotient rounded by ``rnd`` (XLA's LogisticExpander)."""
+    e = tabled_unary("exp", -x, dtype)
+    d = rnd(e.astype(jnp.float32) + 1.0)
+    return rnd(divide(jnp.ones_like(d, jnp.float32), d))
