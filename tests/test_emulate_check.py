@@ -65,6 +65,11 @@ def test_cli_lists_differing_operations(tmp_path, capsys):
     assert "5 of 7 operations differ under c=f16; first: div[2]" in capsys.readouterr().out
 
 
+def _write(tmp_path, name: str, text: str) -> str:
+    (tmp_path / name).write_text(text)
+    return str(tmp_path / name)
+
+
 def test_cli_refuses_bad_targets_in_one_line(tmp_path, capsys):
     path = _module(tmp_path)
     for argv, needle in (
@@ -72,6 +77,8 @@ def test_cli_refuses_bad_targets_in_one_line(tmp_path, capsys):
         ([str(tmp_path / "missing.py")], "no such file"),
         (["model.txt"], "name a Python file"),
         ([path, "--policy", "c=f17"], "unknown dtype 'f17'"),
+        ([_write(tmp_path, "broken.py", "def model(:\n")], "importing it failed: SyntaxError"),
+        ([_write(tmp_path, "noinputs.py", "def model(x):\n    return x\n")], "define inputs()"),
     ):
         assert main(["emulate-check", *argv]) == 2
         err = capsys.readouterr().err

@@ -43,6 +43,9 @@ def _load(target: str) -> tuple[Any, tuple]:
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
     try:
         spec.loader.exec_module(module)
+    except Exception as err:  # the user's file: say what failed, in one line
+        why = f"{type(err).__name__}: {err}"
+        raise UsageError(f"{shorten(path)}: importing it failed: {why}") from err
     finally:
         sys.path.pop(0)
     fn = getattr(module, func, None)
@@ -54,7 +57,11 @@ def _load(target: str) -> tuple[Any, tuple]:
     make = getattr(module, INPUTS, None)
     if not callable(make):
         raise UsageError(f"{shorten(path)}: define {INPUTS}() returning the arguments of {func}")
-    args = make()
+    try:
+        args = make()
+    except Exception as err:
+        why = f"{type(err).__name__}: {err}"
+        raise UsageError(f"{shorten(path)}: {INPUTS}() failed: {why}") from err
     return fn, args if isinstance(args, tuple) else (args,)
 
 
@@ -64,7 +71,10 @@ def run(args: argparse.Namespace) -> int:
 
     get_policy(args.policy)  # a bad policy: one line, before importing the user's file
     fn, inputs = _load(args.target)
-    report = check(fn, args.policy, *inputs)
+    try:
+        report = check(fn, args.policy, *inputs)
+    except NotImplementedError as err:  # an operation emulate cannot enter, named
+        raise UsageError(str(err)) from None
     if args.json:
         from dataclasses import asdict
 
