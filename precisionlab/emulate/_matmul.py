@@ -1,7 +1,8 @@
 """Matmul models for emulate (``emulate(..., hardware=...)``).
 
-``"float32"`` (the default and, for now, the only model): products exact, accumulated in
-float32 and rounded once to the result dtype. A tensor-core model (Hopper's 16-product steps
+``"float32"`` (the default and, for now, the only model): products exact (a 16-bit product
+fits float32), summed in float32 in XLA:CPU's order, the sum rounded once to the result
+dtype. A tensor-core model (Hopper's 16-product steps
 truncated to float32, with XLA's Triton schedule) belongs to :mod:`precisionlab.hardware`; when
 that lands it plugs in here as ``hardware="h100"``. Measured against an H100 (16-bit GEMMs
 through XLA, jax 0.11.2): the float32 model gives the H100's float16-rounded outputs for 99.9%
