@@ -20,6 +20,7 @@ from precisionlab.cli import (
     compare_cmd,
     conformance_cmd,
     diagnose_cmd,
+    emulate_check_cmd,
     env_cmd,
     formats_cmd,
     memory_cmd,
@@ -46,6 +47,7 @@ COMMANDS: dict[str, ModuleType] = {
     "bench": bench_cmd,
     "conformance": conformance_cmd,
     "diagnose": diagnose_cmd,
+    "emulate-check": emulate_check_cmd,
 }
 
 

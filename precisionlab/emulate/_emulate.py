@@ -1,28 +1,32 @@
-"""``emulate(fn, policy)``: every floating-point operation of ``fn`` rounded to a compute format.
+"""``emulate(fn, policy)``: every floating-point operation of ``fn`` computed as XLA's GPU
+backend computes it.
 
 How it works: ``fn`` is traced to a jaxpr and re-evaluated by :mod:`precisionlab.intercept`
-with one rule matched on every first-order primitive of the program. The rule rounds the
-operation's floating operands to the compute format (once: a value an earlier operation already
-rounded is not rounded again), binds the primitive as the program had it, and rounds its
-floating results (:func:`precisionlab.mixed.numerics.enforce`, the same rounding the built-in
-models apply at every op boundary: ``lax.reduce_precision``, which XLA never elides, with
-float16's subnormals kept, or the project's codec for float8_e4m3fn).
+with one rule matched on every first-order primitive of the program. The rule computes the
+operation as :mod:`precisionlab.emulate._model` says XLA:GPU does (correctly rounded
+transcendentals, ``integer_pow`` as rounded multiplies, true division; matmuls through the
+``hardware=`` model of :mod:`precisionlab.emulate._matmul`), applies XLA's constant folding
+(:mod:`precisionlab.emulate._simplify`), and rounds each floating result to its target dtype
+(:func:`precisionlab.mixed.numerics.enforce`: ``lax.reduce_precision``, which XLA never
+elides, with float16's subnormals kept, or the project's codec for float8_e4m3fn). The target
+is the value's own dtype where that is 16 bits or narrower; a float32 value keeps float32 in
+a program that computes in the compute dtype itself (its deliberate upcasts, e.g.
+``jnp.mean``'s float32 sum), and is rounded to the compute dtype in a float32 program emulated
+under a 16-bit policy. Operands are rounded to their targets too (once: a value an earlier
+operation already rounded is not rounded again).
 
 Arrays keep the dtypes the program gives them: a float32 program emulated under ``c=bf16``
-computes on float32 arrays that hold bfloat16 values. Each elementwise operation therefore runs
-in float32 on exactly representable operands and is rounded once, which is what a 16-bit GPU
-kernel computes (+, -, *, / and sqrt correctly rounded: float32 has more than twice the
-mantissa bits of bfloat16 or float16, plus two). Matmuls and convolutions accumulate in float32
-and round once (``accumulate_bits`` narrows the accumulator); forward reductions accumulate in
-float32 and round once while the policy keeps ``reduce`` in float32 (its default), else every
-partial sum is rounded.
+computes on float32 arrays that hold bfloat16 values. Forward reductions in float32 stay
+float32 (rounded once where the result is rounded) while the policy keeps ``reduce`` in
+float32 (its default), else every partial sum is rounded.
 
 The backward pass: every operation with a floating operand and result is a ``custom_vjp``
-whose backward pass is the primitive's own VJP run under the same rule, so each backward
+whose backward pass is the primitive's own VJP run under the same rule (``tanh``'s as jax 0.11
+writes it; a multiply by a literal folds its constant as XLA does), so each backward
 operation is rounded too; a backward reduction (the transpose of a broadcast, e.g. a bias
-gradient) rounds every partial sum, as the reduction a 16-bit program's autodiff emits is typed
-in the 16-bit format. The contributions of a value's several uses are summed by JAX and rounded
-once, where the next backward operation takes them. Forward-mode autodiff is therefore refused.
+gradient) typed in a 16-bit format rounds every partial sum. The contributions of a value's
+several uses are summed by JAX and rounded once, where the next backward operation takes
+them. Forward-mode autodiff is therefore refused.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from precisionlab.emulate import _matmul, _model, _simplify
+from precisionlab.emulate._simplify import Folds
 from precisionlab.intercept import Context, Intercepted, Site, boundary, intercept
 from precisionlab.mixed.numerics import enforce
 from precisionlab.mixed.policy import Policy, get_policy
@@ -95,6 +101,19 @@ def _collect(jaxpr, found: set[str]) -> None:
             found.add(eqn.primitive.name)
 
 
+def _computes_in(jaxpr, dtype: np.dtype) -> bool:
+    """Whether any floating value of ``jaxpr`` (or its sub-programs) has ``dtype``: the
+    program is then typed in the compute dtype itself, and its float32 values are deliberate."""
+    for eqn in jaxpr.eqns:
+        for v in (*eqn.invars, *eqn.outvars):
+            if _is_float(v.aval) and np.dtype(v.aval.dtype) == dtype:
+                return True
+        for sub in boundary.subprograms(eqn):
+            if _computes_in(boundary.open_jaxpr(sub)[0], dtype):
+                return True
+    return any(_is_float(v.aval) and np.dtype(v.aval.dtype) == dtype for v in jaxpr.invars)
+
+
 def _narrow_dot(lhs, rhs, dimension_numbers, bits: int) -> jax.Array:
     """``dot_general`` of float32 operands with an m-bit accumulator (recipes.accumulate)."""
     from precisionlab.recipes import accumulate
@@ -125,13 +144,15 @@ def _reduce_rounded(x: jax.Array, axes: Sequence[int], dtype: np.dtype) -> jax.A
 
 @dataclasses.dataclass
 class _RoundRule:
-    """The interceptor rule: round operands (once) and results to ``dtype``.
+    """The interceptor rule: each operation computed as XLA's GPU backend would
+    (:mod:`precisionlab.emulate._model`), its result rounded to its target dtype.
 
-    Forward operations with a floating operand and result become ``custom_vjp`` functions whose
-    backward pass (the primitive's own VJP) is run through this rule again, with
-    ``backward=True``: each backward operation is rounded, and a backward reduction (the
-    transpose of a broadcast: a bias gradient) rounds every partial sum, as the reduction a
-    16-bit program's autodiff emits is typed in the 16-bit format.
+    The target of a floating value: its own dtype where that is narrower than float32; for a
+    float32 (or wider) value, the compute ``dtype`` unless ``program_typed`` (the program
+    itself computes in the compute dtype, so its float32 operations are deliberate upcasts,
+    kept). Forward operations with a floating operand and result become ``custom_vjp``
+    functions whose backward pass (the primitive's own VJP) is run through this rule again,
+    with ``backward=True``.
     """
 
     dtype: np.dtype
@@ -140,24 +161,76 @@ class _RoundRule:
     emits = False  # never an Emit: without state or key, sub-programs are rewritten by type
     reduce_fp32: bool
     backward: bool = False
+    program_typed: bool = False
     # Values already rounded in this trace, by id (the reference keeps the id unique).
     rounded: dict[int, Any] = dataclasses.field(default_factory=dict)
+    folds: Folds = dataclasses.field(default_factory=Folds)
+    # Cotangents known to be ``ct * c`` (by the backward of a multiply by a literal), for the
+    # backward passes of this trace's operations to fold as XLA does.
+    bwd_folds: Folds = dataclasses.field(default_factory=Folds)
+    matmul: Callable = _matmul.float32_once
+
+    def target(self, aval: Any) -> np.dtype | None:
+        """The dtype a value of ``aval`` is rounded to (None: left as computed)."""
+        if not _is_float(aval):
+            return None
+        own = np.dtype(aval.dtype)
+        if own.itemsize < 4:
+            return own
+        return None if self.program_typed else np.dtype(self.dtype)
+
+    def _rnd(self, x: Any, aval: Any) -> Any:
+        """``x`` rounded to ``aval``'s own narrow dtype, then (policy mode) to the compute
+        dtype; returned in ``aval``'s dtype."""
+        y = jnp.asarray(x)
+        own = np.dtype(aval.dtype)
+        if own.itemsize < 4:
+            y = enforce(y.astype(jnp.promote_types(own, jnp.float32)), own)
+        if not self.program_typed:
+            y = enforce(y, self.dtype)
+        return y.astype(own)
 
     def _round(self, x: Any, aval: Any) -> Any:
-        if not _is_float(aval) or id(x) in self.rounded:
+        if self.target(aval) is None or id(x) in self.rounded:
             return x
-        y = enforce(jnp.asarray(x, aval.dtype), self.dtype)
+        y = self._rnd(x, aval)
         self.rounded[id(y)] = y
         return y
+
+    def _model(self, eqn, ins: list) -> list | None:
+        """The operation as XLA:GPU computes it, where that differs from binding the primitive
+        on CPU and rounding (None: bind and round)."""
+        name, params = eqn.primitive.name, eqn.params
+        out_aval = eqn.outvars[0].aval if eqn.outvars else None
+        tgt = self.target(out_aval) if out_aval is not None else None
+        if tgt is None:
+            return None
+        if name in _model.TABLED and _model.is_narrow(tgt):
+            return [_model.tabled_unary(name, ins[0], tgt)]
+        if name == "logistic" and _model.is_narrow(tgt):
+            return [_model.logistic(ins[0], tgt, lambda v: self._rnd(v, out_aval))]
+        if name == "integer_pow":
+            return [_model.integer_power(ins[0], params["y"], lambda v: self._rnd(v, out_aval))]
+        if name == "div" and _is_float(out_aval):
+            return [self._rnd(_model.divide(ins[0], ins[1]), out_aval)]
+        return None
 
     def _compute(self, eqn, ins: list) -> list:
         """The primitive on rounded operands, results rounded."""
         name, params = eqn.primitive.name, eqn.params
-        if self.accumulate_bits is not None and name == "dot_general":
+        modelled = self._model(eqn, ins)
+        if modelled is not None:
+            outs = modelled
+        elif self.accumulate_bits is not None and name == "dot_general":
             out = _narrow_dot(ins[0], ins[1], params["dimension_numbers"], self.accumulate_bits)
             outs = [out.astype(eqn.outvars[0].aval.dtype)]
-        elif name == "reduce_sum" and (self.backward or not self.reduce_fp32):
-            outs = [_reduce_rounded(ins[0], params["axes"], self.dtype)]
+        elif name == "dot_general" and _is_float(eqn.outvars[0].aval):
+            outs = [self.matmul(ins[0], ins[1], params, eqn.outvars[0].aval.dtype)]
+        elif name == "reduce_sum" and (self.backward or not self.reduce_fp32) and (
+            self.target(eqn.outvars[0].aval) is not None
+        ):
+            tgt = self.target(eqn.outvars[0].aval)
+            outs = [_reduce_rounded(ins[0], params["axes"], tgt)]
         else:
             outs = boundary.bind(eqn.primitive, params, *ins)
             if _exact(eqn):
@@ -166,8 +239,63 @@ class _RoundRule:
                 return outs
         return [self._round(y, v.aval) for y, v in zip(outs, eqn.outvars, strict=True)]
 
+    def _simplified(self, eqn, operands: tuple) -> list | None:
+        """XLA's constant folding (:mod:`precisionlab.emulate._simplify`) of a forward
+        ``mul``/``div``/``add``/``sub`` with a literal operand; None where none applies."""
+        name = eqn.primitive.name
+        if self.backward or name not in ("mul", "div", "add", "sub") or len(eqn.invars) != 2:
+            return None
+        aval = eqn.outvars[0].aval
+        tgt = self.target(aval)
+        if tgt is None or not _model.is_narrow(tgt):
+            return None
+        lits = [boundary.is_literal(v) for v in eqn.invars]
+        if lits[0] == lits[1] or (name in ("div", "sub") and lits[0]):
+            return None
+        c = _simplify.constant(operands[lits.index(True)])
+        if c is None:
+            return None
+        a = operands[lits.index(False)]
+        a_aval = eqn.invars[lits.index(False)].aval
+        if tuple(a_aval.shape) != tuple(aval.shape):
+            return None
+        if name in ("mul", "div"):
+            kind, c = "mul", (c if name == "mul" else _simplify.reciprocal(c, tgt))
+        else:
+            kind, c = "add", (c if name == "add" else -c)
+        made = self.folds.of(a)
+        if made is not None and made[0] == kind:
+            a, c = made[1], _simplify.fold(kind, made[2], c, tgt)
+        elif name in ("mul", "add"):
+            return None  # nothing to fold: the operation as written
+        identity = 1.0 if kind == "mul" else 0.0
+        if c == identity:
+            out = a
+        else:
+            k = jnp.asarray(c, jnp.float32)
+            wide = jnp.asarray(a).astype(jnp.float32)
+            out = self._rnd(wide * k if kind == "mul" else wide + k, aval)
+            self.rounded[id(out)] = out
+        self.folds.note(out, kind, a, c)
+        return [out]
+
+    def _note_fold(self, eqn, operands: tuple, ins: list, outs: list) -> None:
+        name = eqn.primitive.name
+        if self.backward or name not in ("mul", "add") or len(eqn.invars) != 2:
+            return
+        lits = [boundary.is_literal(v) for v in eqn.invars]
+        if lits[0] == lits[1]:
+            return
+        c = _simplify.constant(operands[lits.index(True)])
+        a_aval = eqn.invars[lits.index(False)].aval
+        if c is not None and tuple(a_aval.shape) == tuple(eqn.outvars[0].aval.shape):
+            self.folds.note(outs[0], name, ins[lits.index(False)], c)
+
     def apply(self, ctx: Context, *operands: Any, **params: Any) -> list:
         eqn = ctx.eqn
+        simplified = self._simplified(eqn, operands)
+        if simplified is not None:
+            return simplified
         ins = [self._round(x, v.aval) for x, v in zip(operands, eqn.invars, strict=True)]
         differentiable = any(_is_float(v.aval) for v in eqn.invars) and any(
             _is_float(v.aval) for v in eqn.outvars
@@ -177,6 +305,7 @@ class _RoundRule:
         outs = _with_rounded_vjp(self, eqn)(*ins)
         for y in outs:
             self.rounded[id(y)] = y
+        self._note_fold(eqn, operands, ins, list(outs))
         return list(outs)
 
 
@@ -197,15 +326,62 @@ def _with_rounded_vjp(rule: _RoundRule, eqn) -> Callable:
         return op(*xs), xs
 
     def bwd(xs, cts):
+        scaled = _scaled_cotangent(rule, eqn, xs, cts)
+        if scaled is not None:
+            return scaled
+
         def back(xs, cts):
+            if prim.name == "tanh":  # jax >= 0.11's VJP: ct * one_minus_square(tanh x), which
+                t = lax.tanh(xs[0])  # XLA computes as (1 - t) * (1 + t)
+                return (cts[0] * ((1 - t) * (1 + t)),)
             return jax.vjp(bare, *xs)[1](cts)
 
-        em = Emulated(back, rule.dtype, (), rule.accumulate_bits, rule.reduce_fp32, True)
+        em = Emulated(
+            back, rule.dtype, (), rule.accumulate_bits, rule.reduce_fp32, True,
+            program_typed=rule.program_typed, matmul=rule.matmul,
+        )  # fmt: skip
         grads = em._call(xs, (xs, tuple(cts)), {})  # the residuals were rounded in the forward
         return tuple(g if f else None for g, f in zip(grads, floats_in, strict=True))
 
     op.defvjp(fwd, bwd)
     return op
+
+
+def _scaled_cotangent(rule: _RoundRule, eqn, xs: tuple, cts: tuple) -> tuple | None:
+    """The backward pass of ``a * c`` or ``a / c`` (c a scalar literal) as XLA:GPU computes
+    it: ``ct * c`` (``ct * (1/c)`` for a division, the reciprocal rounded), with the constant
+    folded into the one that made ``ct`` where ``ct`` is itself ``b * c1`` (the GPU gradient
+    of gelu's ``0.0447 * (0.798 * ...)`` multiplies once, by the folded constant). None for
+    any other operation."""
+    name = eqn.primitive.name
+    if name not in ("mul", "div") or len(eqn.invars) != 2 or len(cts) != 1:
+        return None
+    lits = [boundary.is_literal(v) for v in eqn.invars]
+    if lits[0] == lits[1] or (name == "div" and lits[0]):
+        return None
+    i = lits.index(False)
+    aval = eqn.invars[i].aval
+    tgt = rule.target(aval)
+    c = _simplify.constant(eqn.invars[1 - i].val)
+    if (
+        c is None or tgt is None or not _model.is_narrow(tgt)
+        or tuple(aval.shape) != tuple(eqn.outvars[0].aval.shape)
+    ):  # fmt: skip
+        return None
+    if name == "div":
+        c = _simplify.reciprocal(c, tgt)
+    ct = cts[0]
+    made = rule.bwd_folds.of(ct)
+    base = ct
+    if made is not None and made[0] == "mul":
+        base, c = made[1], _simplify.fold("mul", made[2], c, tgt)
+    wide = jnp.asarray(base).astype(jnp.float32) * jnp.asarray(c, jnp.float32)
+    g = rule._rnd(wide, aval)
+    rule.bwd_folds.note(g, "mul", base, c)
+    grads: list = [None, None]
+    grads[i] = g
+    grads[1 - i] = jnp.zeros_like(xs[1 - i])
+    return tuple(grads)
 
 
 class Emulated:
@@ -220,7 +396,10 @@ class Emulated:
         accumulate_bits: int | None,
         reduce_fp32: bool = True,
         backward: bool = False,
+        program_typed: bool | None = None,
+        matmul: Callable = _matmul.float32_once,
     ):
+        self.program_typed, self.matmul = program_typed, matmul
         self.fn, self.dtype, self.keep = fn, dtype, keep
         self.accumulate_bits, self.reduce_fp32, self.backward = (
             accumulate_bits, reduce_fp32, backward,
@@ -231,9 +410,12 @@ class Emulated:
         closed = boundary.trace(self.fn, args, kwargs)[0]
         found: set[str] = set()
         _collect(closed.jaxpr, found)
+        typed = self.program_typed
+        if typed is None:
+            typed = _computes_in(closed.jaxpr, np.dtype(self.dtype))
         rule = _RoundRule(
             self.dtype, tuple(sorted(found)) or ("add",), self.accumulate_bits,
-            self.reduce_fp32, self.backward,
+            self.reduce_fp32, self.backward, typed, matmul=self.matmul,
         )  # fmt: skip
         return intercept(self.fn, rule, exclude=self.keep), rule
 
@@ -258,6 +440,7 @@ class Emulated:
             return fn(*args, **kwargs)
         finally:
             rule.rounded.clear()
+            rule.folds.clear()
 
 
 def emulate(
@@ -266,9 +449,13 @@ def emulate(
     *,
     keep: Sequence[int | str] | str = (),
     accumulate_bits: int | None = None,
+    hardware: str | Callable = "float32",
 ) -> Emulated:
-    """``fn`` with each floating-point operation's operands and result rounded to the compute
-    format, as 16-bit hardware computes it (see the module docstring).
+    """``fn`` computed as XLA's GPU backend computes it, on any machine: each floating-point
+    operation's result rounded to the dtype the program gives it (a 16-bit program's float32
+    upcasts kept; a float32 program's results rounded to the policy's compute format),
+    transcendental functions correctly rounded, XLA's constant folding applied
+    (docs/guides/emulate.md states the model and its measured agreement with an H100).
 
     Args:
       fn: any JAX-traceable function: a Flax linen ``model.apply``, an NNX or Equinox module's
@@ -284,6 +471,9 @@ def emulate(
       accumulate_bits: None (default): matmuls accumulate in float32 and round once; an int m
         in 1..23: ``dot_general`` partial sums are rounded to m mantissa bits after every
         product (:func:`precisionlab.recipes.accumulate`; a sequential scan, slow).
+      hardware: the matmul model: ``"float32"`` (default: products exact, float32
+        accumulation, rounded once to the result dtype) or a callable
+        ``(lhs, rhs, dot_general params, result dtype) -> result`` (a tensor-core model).
 
     Returns:
       An :class:`Emulated`: call it like ``fn``; ``.report(...)`` lists the operations.
@@ -301,4 +491,7 @@ def emulate(
         )
     if isinstance(keep, (str, int)):
         keep = (keep,)
-    return Emulated(fn, pol.compute_dtype, tuple(keep), accumulate_bits, "reduce" in pol.fp32_ops)
+    return Emulated(
+        fn, pol.compute_dtype, tuple(keep), accumulate_bits, "reduce" in pol.fp32_ops,
+        matmul=_matmul.resolve(hardware),
+    )  # fmt: skip
