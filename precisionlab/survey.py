@@ -28,7 +28,7 @@ from precisionlab.bits import ROUNDING_MODES, parse_rounding
 from precisionlab.formats import FloatFormat, get_format
 from precisionlab.metrics import error_report, format_table
 from precisionlab.quant import dequantize, element_scales, get_mx_format, quantize
-from precisionlab.quant._spec import _parse_format, _parse_scale
+from precisionlab.quant.spec import parse_format, parse_scale
 
 __all__ = [
     "DEFAULTS",
@@ -258,7 +258,7 @@ def parse_granularity(text: str) -> tuple[int | None, int | None]:
 
 
 def _check_format(name: str) -> None:
-    _parse_format(name)
+    parse_format(name)
 
 
 def _quant_args(fmt_name: str, granularity: str, scale: str) -> dict:
@@ -390,7 +390,7 @@ def validate(section: dict, where: str = "survey") -> dict:
     except ValueError as err:
         raise ValueError(f"{where}.granularity: {err}") from None
     try:
-        _parse_scale(out["scale"], get_format("int8"))
+        parse_scale(out["scale"], get_format("int8"))
     except ValueError as err:
         raise ValueError(f"{where}.scale: {err}") from None
     try:

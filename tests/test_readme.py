@@ -19,8 +19,9 @@ What is run:
   followed directly by a plain ``` block holding its exact stdout.
 
 ``python tests/test_readme.py --update [FILE ...]`` reruns every ``run`` example (of the files
-named, or of all of them) and rewrites the outputs shown from what they print now (blocks whose expected output uses ``...`` are
-left alone and listed); review the diff before committing.
+named, or of all of them) and rewrites the outputs shown from what they print now (blocks
+whose expected output uses ``...`` are left alone and listed); review the diff before
+committing.
 
 Each example runs in its own temporary directory, which holds links to the repository's
 ``experiments/``, ``notebooks/`` and ``docs/``, so relative paths work and nothing is written
