@@ -1,8 +1,9 @@
 """Sphinx configuration of precisionlab's documentation.
 
-Build (offline, warnings are errors): ``python -m sphinx -W --keep-going -b html docs docs/_build/html``
-(see docs/contributing.md). The reference pages under ``reference/`` are generated at build time
-from the code by ``_ext/precisionlab_docs.py``; the notebooks are rendered, never executed.
+Build (offline, warnings are errors), from the repository root:
+``python -m sphinx -W --keep-going -b html docs docs/_build/html`` (see docs/contributing.md).
+The reference pages under ``reference/`` are generated at build time from the code by
+``_ext/precisionlab_docs.py``; the notebooks are rendered, never executed.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import precisionlab  # noqa: E402
 
 project = "precisionlab"
 author = "the precisionlab developers"
-copyright = "the precisionlab developers"  # noqa: A001
+copyright = "the precisionlab developers"
 release = version = precisionlab.__version__
 
 extensions = [
@@ -43,9 +44,10 @@ nb_execution_mode = "off"
 # Every cross-reference must resolve (a missing one is a warning, so an error under -W), but
 # the types of other libraries are not documented here.
 nitpicky = True
+_OTHERS = "jax|jaxlib|numpy|np|jnp|optax|ml_dtypes|flax|equinox|jmp|orbax|matplotlib"
 nitpick_ignore_regex = [
-    (r"py:.*", r"(jax|jaxlib|numpy|np|jnp|optax|ml_dtypes|flax|equinox|jmp|orbax|matplotlib)(\..*)?"),
-    (r"py:.*", r"(Array|ArrayLike|PyTree|DTypeLike|Any|Callable|Sequence|Mapping|Iterable|Iterator)"),
+    (r"py:.*", rf"({_OTHERS})(\..*)?"),
+    (r"py:.*", r"(Array|ArrayLike|PyTree|DTypeLike|Any|Callable|Sequence|Mapping|Iterable)"),
     (r"py:.*", r"(collections|typing|types|pathlib|os|io|argparse|dataclasses|enum)\..*"),
     (r"py:.*", r"(Path|ModuleType|Enum|IntEnum|NamedTuple|Protocol|TextIO)"),
 ]
@@ -56,6 +58,11 @@ autodoc_default_options = {"members": True, "undoc-members": False, "show-inheri
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_ivar = True  # Attributes: as fields, not as duplicate attribute entries
+# TrainConfig's docstring groups its fields under these headings, each a "key: meaning" list
+napoleon_custom_sections = [
+    (name, "params_style")
+    for name in ("Model and data", "Optimizer", "Precision", "Loop", "Loss", "Telemetry")
+]
 
 html_theme = "furo"
 html_title = f"precisionlab {release}"

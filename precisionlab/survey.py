@@ -45,10 +45,13 @@ __all__ = [
     "validate",
 ]
 
+#: The experiment kind this module runs.
 KIND = "survey"
+#: The named input distributions (DF, LO and HI are numbers).
 DISTRIBUTIONS = ("normal", "laplace", "uniform", "student_t:DF", "loguniform:LO:HI")
 DEFAULT_FORMATS = ["int8", "int4", "e4m3fn", "e5m2", "bf16", "fp16", "mxfp8_e4m3", "mxfp4"]
 DEFAULT_DISTS = ["normal", "laplace", "student_t:3", "loguniform:-20:10"]
+#: The ``[survey]`` table's defaults.
 DEFAULTS: dict = {
     "formats": DEFAULT_FORMATS,
     "dists": DEFAULT_DISTS,
@@ -70,6 +73,7 @@ FIELDS: dict[str, Field] = {
     "seed": Field(int, 0, low=0),
     "input": Field(str, None, nullable=True),
 }
+#: The columns of a survey row (and of its table).
 SUMMARY_COLUMNS = [
     "format",
     "granularity",

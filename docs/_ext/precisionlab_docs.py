@@ -20,6 +20,7 @@ import inspect
 import io
 import os
 import pkgutil
+import re
 import types
 from pathlib import Path
 
@@ -76,7 +77,7 @@ def _attr_doc(namespace: str, name: str) -> str | None:
     for candidate in candidates:
         try:
             docs = ModuleAnalyzer.for_module(candidate).find_attr_docs()
-        except Exception:  # noqa: S112 - a module without source: try the next
+        except Exception:
             continue
         lines = docs.get(("", name))
         if lines:
@@ -84,9 +85,26 @@ def _attr_doc(namespace: str, name: str) -> str | None:
     return None
 
 
+#: short name -> [(namespace, full name)] of every object the API pages document
+TARGETS: dict[str, list[tuple[str, str]]] = {}
+
+
+def _paragraphs(doc: str) -> list[str]:
+    """A ``#:`` comment as reST paragraphs: its lines joined (they are wrapped prose)."""
+    out, current = [], []
+    for line in [*doc.splitlines(), ""]:
+        if line.strip():
+            current.append(line.strip())
+        elif current:
+            out.append(" ".join(current))
+            current = []
+    return out
+
+
 def _api_pages(app: Sphinx) -> None:
     sections = read_api_list()
     sections.pop("internal", None)
+    TARGETS.clear()
     out = DOCS / "reference" / "api"
     documented: dict[int, str] = {}  # id(object) -> the full name it is documented under
     # the top-level namespace re-exports names of the others: document them there first
@@ -111,11 +129,13 @@ def _api_pages(app: Sphinx) -> None:
                     logger.warning(f"undocumented public class {full}: give it a docstring")
                 lines += [f".. autoclass:: {full}", ""]
                 documented[id(obj)] = full
+                TARGETS.setdefault(name, []).append((namespace, full))
             elif inspect.isroutine(obj) and not isinstance(obj, types.UnionType):
                 if not (obj.__doc__ or "").strip():
                     logger.warning(f"undocumented public function {full}: give it a docstring")
                 lines += [f".. autofunction:: {full}", ""]
                 documented[id(obj)] = full
+                TARGETS.setdefault(name, []).append((namespace, full))
             elif inspect.ismodule(obj):
                 doc = (inspect.getdoc(obj) or "").strip().splitlines()
                 if not doc:
@@ -128,8 +148,10 @@ def _api_pages(app: Sphinx) -> None:
                 if not doc:
                     logger.warning(f"undocumented public constant {full}: add a '#:' comment")
                     doc = ""
-                lines += [f".. py:data:: {full}", ""]
-                lines += ["   " + ln if ln else "" for ln in doc.splitlines()] + [""]
+                lines += [f".. py:data:: {name}", ""]
+                for paragraph in _paragraphs(doc):
+                    lines += ["   " + paragraph, ""]
+                TARGETS.setdefault(name, []).append((namespace, full))
         pages[namespace] = "\n".join(lines) + "\n"
     for namespace, text in pages.items():
         _write(out / f"{namespace}.rst", text)
@@ -138,7 +160,7 @@ def _api_pages(app: Sphinx) -> None:
             stale.unlink()
 
 
-# --- the command line ------------------------------------------------------------------------------
+# --- the command line -------------------------------------------------------------------------
 def _help(parser: argparse.ArgumentParser) -> str:
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
@@ -161,7 +183,7 @@ def _cli_page() -> str:
     try:
         parser, _ = _build_parser()
         lines = [*_title("Command-line reference"),
-                 "Generated from the ``argparse`` parsers of :py:mod:`precisionlab.cli` "
+                 "Generated from the ``argparse`` parsers of ``precisionlab.cli`` "
                  "(``precisionlab COMMAND --help`` prints the same).", ""]
         lines += ["::", ""] + ["   " + ln for ln in _help(parser).splitlines()] + [""]
 
@@ -180,7 +202,7 @@ def _cli_page() -> str:
     return "\n".join(lines) + "\n"
 
 
-# --- the experiment files --------------------------------------------------------------------------
+# --- the experiment files ---------------------------------------------------------------------
 def _cell(text: str) -> str:
     return " ".join(str(text).split()) or "\\-"
 
@@ -222,7 +244,7 @@ def _experiment_page() -> str:
     undocumented: list[str] = []
     lines = [*_title("Experiment-file reference"),
              "Every key of every table of an experiment file, generated from the schema tables "
-             "that validate them (:py:mod:`precisionlab._schema` fields), so this page and the "
+             "that validate them (``precisionlab._schema`` fields), so this page and the "
              "checks cannot disagree. How the tables combine (settings, variants, grids, "
              "seeds) is told in :doc:`../guides/experiments`. A key that is not listed is an "
              "error, never ignored.", ""]
@@ -253,6 +275,105 @@ def generate(app: Sphinx) -> None:
     _write(DOCS / "reference" / "experiment-file.rst", text)
 
 
+def _resolve(app, env, node, contnode):
+    """A docstring names an object by its defining module (``precisionlab.bits.rounding.X``)
+    or unqualified (``X``, meaning the module's own); the API pages document it under its
+    public namespace. Resolve to that page when exactly one public name fits."""
+    if node.get("refdomain") != "py":
+        return None
+    target = node["reftarget"].lstrip("~.")
+    module, _, short = target.rpartition(".")
+    candidates = TARGETS.get(short, [])
+    if not candidates:
+        return _exists(node, target, contnode)
+    here = module or node.get("py:module") or ""
+    fitting = [c for c in candidates if here == c[0] or here.startswith(c[0] + ".")]
+    if not fitting and not module:
+        fitting = candidates if len({c[1] for c in candidates}) == 1 else []
+    if not fitting:
+        return _exists(node, target, contnode)
+    namespace, full = max(fitting, key=lambda c: len(c[0]))  # the nearest namespace
+    from sphinx.util.nodes import make_refnode
+
+    return make_refnode(app.builder, node["refdoc"], f"reference/api/{namespace}", full,
+                        contnode, full)
+
+
+def _lookup(dotted: str):
+    """The object named ``precisionlab.a.b.name`` (a module or an attribute path), or None."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            return None
+        return obj
+    return None
+
+
+def _exists(node, target: str, contnode):
+    """A correct reference to a precisionlab object outside the public API reference (a
+    private module, an internal class) is shown as plain code, unlinked; a reference to
+    nothing still warns."""
+    if target.startswith("precisionlab"):
+        return contnode if _lookup(target) is not None else None
+    context = node.get("py:module") or ""
+    if not context.startswith("precisionlab"):
+        return None
+    module = importlib.import_module(context)
+    places = [context]
+    if hasattr(module, "__path__"):
+        places += [m.name for m in pkgutil.walk_packages(module.__path__, context + ".")
+                   if not m.name.endswith("__main__")]
+    for place in places:
+        if _lookup(f"{place}.{target}") is not None:
+            return contnode
+    head, _, rest = target.partition(".")
+    for _, full in TARGETS.get(head, []):  # Site.describe: Site is public elsewhere
+        if rest and _lookup(f"{full}.{rest}") is not None:
+            return contnode
+    return None
+
+
+_SUBST = re.compile(r"(?<![\\`\w|])\|([^|`\s][^|`]*?)\|(?![`\w|])")
+_POWER = re.compile(r"(?<=[\w)(])\*\*(?=[\w(-])")
+_LITERAL = re.compile(r"(``.*?``|`[^`]*`)")
+_JOINED_PARAMS = re.compile(r"^(\s+)(\w+(?: / \w+)+):")
+
+
+def _escape(line: str) -> str:
+    """Outside inline literals: ``|x|`` is not a substitution, ``2**16`` is not bold."""
+    parts = _LITERAL.split(line)
+    for i in range(0, len(parts), 2):
+        parts[i] = _POWER.sub(r"\\*\\*", _SUBST.sub(r"\\|\1\\|", parts[i]))
+    return "".join(parts)
+
+
+def _plain_docstrings(app, what, name, obj, options, lines) -> None:
+    """Docstrings are written as plain text with reST literals; keep their math literal, and
+    read ``a / b: ...`` argument entries as ``a, b: ...``."""
+    for i, line in enumerate(lines):
+        line = _JOINED_PARAMS.sub(lambda m: m.group(1) + m.group(2).replace(" / ", ", ") + ":",
+                                  line)
+        lines[i] = _escape(line)
+
+
+def _property_summary(app, what, name, obj, options, lines) -> None:
+    """Napoleon reads a property's first line ``Text: more`` as ``type: description``; these
+    docstrings mean a sentence, so the colon becomes a dash before napoleon runs."""
+    if what in ("property", "attribute") and lines and ": " in lines[0]:
+        if not lines[0].lstrip().startswith(":"):
+            lines[0] = lines[0].replace(": ", " - ", 1)
+
+
 def setup(app: Sphinx) -> dict:
     app.connect("builder-inited", generate)
+    app.connect("autodoc-process-docstring", _property_summary, priority=400)
+    app.connect("autodoc-process-docstring", _plain_docstrings, priority=300)
+    app.connect("missing-reference", _resolve)
     return {"version": "1", "parallel_read_safe": True}

@@ -16,7 +16,9 @@ from precisionlab.quant.qarray import SCALE_FORMATS
 
 __all__ = ["SCALE_METHODS", "SCHEMES", "QuantSpec", "resolve"]
 
+#: Quantization schemes: a symmetric range, or an integer zero point from min/max.
 SCHEMES = ("symmetric", "asymmetric")
+#: How the scale is chosen (``auto``: ``none`` for floats of 16 bits or more, else ``amax``).
 SCALE_METHODS = ("auto", "amax", "percentile:<p>", "mse", "none")
 #: Clipping ratios the "mse" scale search tries: 1.0 down to 0.01, geometrically spaced
 #: (heavy-tailed tensors at 4 bits want clip values far below amax).

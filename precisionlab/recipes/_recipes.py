@@ -361,6 +361,7 @@ _PRESETS = {
     "bf16": (Reference, {"dtype": "bfloat16"}),
     "fp32": (Reference, {"dtype": "float32"}),
 }
+#: The names :func:`get_recipe` accepts.
 RECIPE_NAMES: tuple[str, ...] = tuple(_PRESETS)
 
 

@@ -42,6 +42,7 @@ from precisionlab.recipes import scaling as S
 
 __all__ = ["SCALINGS", "Target", "parse_targets"]
 
+#: How a telemetry target scales a tensor before the what-if cast.
 SCALINGS = ("none", "tensor", "row", "block", "mx")
 _ALIASES = {"current": "e4m3:tensor", "rowwise": "e4m3:row", "blockwise": "e4m3:block"}
 _MX_NAMES = ("mxfp8", "mxfp6", "mxfp4")

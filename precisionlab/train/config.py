@@ -37,7 +37,9 @@ __all__ = [
     "check_loss_weight",
 ]
 
+#: How updates are rounded into low-precision parameters.
 UPDATE_ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic", "kahan")
+#: What a run does when the loss diverges.
 DIVERGENCE_ACTIONS: tuple[str, ...] = ("stop", "continue")
 #: Largest batch accepted: a batch of the built-in data is at least 4 bytes x 2**24 = 64 MiB
 #: per feature; beyond that it cannot be a laptop-scale experiment.
