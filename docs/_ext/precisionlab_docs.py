@@ -121,8 +121,13 @@ def _api_pages(app: Sphinx) -> None:
             full = f"{namespace}.{name}"
             routine = inspect.isroutine(obj) or inspect.isclass(obj)
             if routine and id(obj) in documented:
-                lines += [f".. py:data:: {full}", "   :no-index:", "",
-                          f"   The same object as :py:obj:`{documented[id(obj)]}`.", ""]
+                lines += [
+                    f".. py:data:: {full}",
+                    "   :no-index:",
+                    "",
+                    f"   The same object as :py:obj:`{documented[id(obj)]}`.",
+                    "",
+                ]
                 continue
             if inspect.isclass(obj):
                 if not (obj.__doc__ or "").strip():
@@ -140,9 +145,13 @@ def _api_pages(app: Sphinx) -> None:
                 doc = (inspect.getdoc(obj) or "").strip().splitlines()
                 if not doc:
                     logger.warning(f"undocumented public module {full}: give it a docstring")
-                lines += [f".. py:data:: {full}", "   :no-index:", "",
-                          f"   The module :py:mod:`{obj.__name__}`"
-                          + (f": {doc[0]}" if doc else "."), ""]
+                lines += [
+                    f".. py:data:: {full}",
+                    "   :no-index:",
+                    "",
+                    f"   The module :py:mod:`{obj.__name__}`" + (f": {doc[0]}" if doc else "."),
+                    "",
+                ]
             else:
                 doc = _attr_doc(namespace, name)
                 if not doc:
@@ -182,9 +191,12 @@ def _cli_page() -> str:
     os.environ["COLUMNS"] = "100"  # argparse wraps to the terminal; the page is fixed width
     try:
         parser, _ = _build_parser()
-        lines = [*_title("Command-line reference"),
-                 "Generated from the ``argparse`` parsers of ``precisionlab.cli`` "
-                 "(``precisionlab COMMAND --help`` prints the same).", ""]
+        lines = [
+            *_title("Command-line reference"),
+            "Generated from the ``argparse`` parsers of ``precisionlab.cli`` "
+            "(``precisionlab COMMAND --help`` prints the same).",
+            "",
+        ]
         lines += ["::", ""] + ["   " + ln for ln in _help(parser).splitlines()] + [""]
 
         def walk(p: argparse.ArgumentParser, prog: str, level: str) -> None:
@@ -210,8 +222,17 @@ def _cell(text: str) -> str:
 def _schema_table(schema, undocumented: list[str], where: str) -> list[str]:
     from precisionlab._schema import REQUIRED, _range_text, describe_type
 
-    lines = [".. list-table::", "   :header-rows: 1", "   :widths: 18 10 14 28 30", "",
-             "   * - key", "     - type", "     - default", "     - allowed", "     - meaning"]
+    lines = [
+        ".. list-table::",
+        "   :header-rows: 1",
+        "   :widths: 18 10 14 28 30",
+        "",
+        "   * - key",
+        "     - type",
+        "     - default",
+        "     - allowed",
+        "     - meaning",
+    ]
     for key, field in schema.items():
         if field.default is REQUIRED:
             default = "required"
@@ -226,9 +247,13 @@ def _schema_table(schema, undocumented: list[str], where: str) -> list[str]:
         if not doc:
             undocumented.append(f"{where}.{key}")
         typ = "a name or table" if field.type is object else describe_type(field)
-        lines += [f"   * - ``{key}``", f"     - {_cell(typ)}", f"     - {_cell(default)}",
-                  f"     - {_cell(' '.join(x for x in (allowed_text, bounds) if x))}",
-                  f"     - {_cell(doc)}"]
+        lines += [
+            f"   * - ``{key}``",
+            f"     - {_cell(typ)}",
+            f"     - {_cell(default)}",
+            f"     - {_cell(' '.join(x for x in (allowed_text, bounds) if x))}",
+            f"     - {_cell(doc)}",
+        ]
     return [*lines, ""]
 
 
@@ -242,28 +267,30 @@ def _experiment_page() -> str:
     from precisionlab.train.telemetry import TELEMETRY_FIELDS
 
     undocumented: list[str] = []
-    lines = [*_title("Experiment-file reference"),
-             "Every key of every table of an experiment file, generated from the schema tables "
-             "that validate them (``precisionlab._schema`` fields), so this page and the "
-             "checks cannot disagree. How the tables combine (settings, variants, grids, "
-             "seeds) is told in :doc:`../guides/experiments`. A key that is not listed is an "
-             "error, never ignored.", ""]
+    lines = [
+        *_title("Experiment-file reference"),
+        "Every key of every table of an experiment file, generated from the schema tables "
+        "that validate them (``precisionlab._schema`` fields), so this page and the "
+        "checks cannot disagree. How the tables combine (settings, variants, grids, "
+        "seeds) is told in :doc:`../guides/experiments`. A key that is not listed is an "
+        "error, never ignored.",
+        "",
+    ]
     tables = [
-        ("Top level of a ``kind = \"train\"`` file", "top", config._train_top_schema()),
+        ('Top level of a ``kind = "train"`` file', "top", config._train_top_schema()),
         ("``[train]``", "train", TRAIN_FIELDS),
         ("``[train.telemetry]``", "train.telemetry", TELEMETRY_FIELDS),
         ("``[report]``", "report", config.REPORT_SCHEMA),
         ("``[diagnose]``", "diagnose", config.DIAGNOSE_SCHEMA),
-        ("``[survey]`` (``kind = \"survey\"``)", "survey", survey.FIELDS),
-        ("``[memory]`` (``kind = \"memory\"``)", "memory", memory.FIELDS),
-        ("``[checkpointing]`` (``kind = \"checkpointing\"``)", "checkpointing",
-         checkpointing.FIELDS),
+        ('``[survey]`` (``kind = "survey"``)', "survey", survey.FIELDS),
+        ('``[memory]`` (``kind = "memory"``)', "memory", memory.FIELDS),
+        ('``[checkpointing]`` (``kind = "checkpointing"``)', "checkpointing", checkpointing.FIELDS),
     ]
     for title, where, schema in tables:
         lines += _title(title, "-") + _schema_table(schema, undocumented, where)
     lines += _title("``optimizer_kwargs``, by optimizer", "-")
     for name, schema in OPTIMIZER_FIELDS.items():
-        lines += _title(f"``optimizer = \"{name}\"``", "~")
+        lines += _title(f'``optimizer = "{name}"``', "~")
         lines += _schema_table(schema, undocumented, f"optimizer_kwargs[{name}]")
     return "\n".join(lines) + "\n", undocumented
 
@@ -295,8 +322,9 @@ def _resolve(app, env, node, contnode):
     namespace, full = max(fitting, key=lambda c: len(c[0]))  # the nearest namespace
     from sphinx.util.nodes import make_refnode
 
-    return make_refnode(app.builder, node["refdoc"], f"reference/api/{namespace}", full,
-                        contnode, full)
+    return make_refnode(
+        app.builder, node["refdoc"], f"reference/api/{namespace}", full, contnode, full
+    )
 
 
 def _lookup(dotted: str):
@@ -328,8 +356,11 @@ def _exists(node, target: str, contnode):
     module = importlib.import_module(context)
     places = [context]
     if hasattr(module, "__path__"):
-        places += [m.name for m in pkgutil.walk_packages(module.__path__, context + ".")
-                   if not m.name.endswith("__main__")]
+        places += [
+            m.name
+            for m in pkgutil.walk_packages(module.__path__, context + ".")
+            if not m.name.endswith("__main__")
+        ]
     for place in places:
         if _lookup(f"{place}.{target}") is not None:
             return contnode
@@ -358,8 +389,9 @@ def _plain_docstrings(app, what, name, obj, options, lines) -> None:
     """Docstrings are written as plain text with reST literals; keep their math literal, and
     read ``a / b: ...`` argument entries as ``a, b: ...``."""
     for i, line in enumerate(lines):
-        line = _JOINED_PARAMS.sub(lambda m: m.group(1) + m.group(2).replace(" / ", ", ") + ":",
-                                  line)
+        line = _JOINED_PARAMS.sub(
+            lambda m: m.group(1) + m.group(2).replace(" / ", ", ") + ":", line
+        )
         lines[i] = _escape(line)
 
 
