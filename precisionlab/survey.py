@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from precisionlab import _io
-from precisionlab._schema import Field, validate_table
+from precisionlab._schema import Field, validate_table, with_docs
 from precisionlab.bits import ROUNDING_MODES, parse_rounding
 from precisionlab.formats import FloatFormat, get_format
 from precisionlab.metrics import error_report, format_table
@@ -73,6 +73,19 @@ FIELDS: dict[str, Field] = {
     "seed": Field(int, 0, low=0),
     "input": Field(str, None, nullable=True),
 }
+FIELDS = with_docs(
+    FIELDS,
+    {
+        "formats": "formats to survey (any format name or MX format)",
+        "dists": "input distributions (``DISTRIBUTIONS``)",
+        "granularity": "tensor, channel:AXIS or block:B",
+        "scale": "auto, amax, mse, percentile:P or none",
+        "rounding": "rounding mode",
+        "size": "elements per synthetic input",
+        "seed": "random seed",
+        "input": "a .npy or .npz tensor file to survey instead of the distributions",
+    },
+)
 #: The columns of a survey row (and of its table).
 SUMMARY_COLUMNS = [
     "format",

@@ -94,8 +94,8 @@ def test_every_module_under_the_package_is_reviewed():
 def _private_imports(path: Path) -> list[str]:
     """``from precisionlab.X._y import ...``, ``from precisionlab.X import _y`` and
     ``from precisionlab.X.y import _z`` where X is not the importing file's own package."""
-    rel = path.relative_to(ROOT).with_suffix("")
-    parts = rel.parts
+    rel = path.relative_to(ROOT)
+    parts = rel.with_suffix("").parts
     own = parts[1] if len(parts) > 2 else None  # precisionlab/<own>/... ; None for top files
     found = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -130,3 +130,28 @@ def test_no_package_imports_another_packages_private_names():
             if not any(f"precisionlab.{s}" in hit.split(": ", 1)[1].split()[1] for s in shared):
                 found.append(hit)
     assert not found, "imports of another package's private names:\n" + "\n".join(found)
+
+
+def test_every_experiment_file_key_has_its_one_description():
+    """The experiment-file reference is generated from the schema tables: each key's meaning
+    is its Field's ``doc`` (set with ``_schema.with_docs``), written nowhere else."""
+    from precisionlab import survey
+    from precisionlab.experiments import config
+    from precisionlab.memory import checkpointing
+    from precisionlab.memory import experiment as memory
+    from precisionlab.train.config import TRAIN_FIELDS
+    from precisionlab.train.telemetry import TELEMETRY_FIELDS
+
+    tables = {
+        "top": config._train_top_schema(),
+        "train": TRAIN_FIELDS,
+        "train.telemetry": TELEMETRY_FIELDS,
+        "report": config.REPORT_SCHEMA,
+        "diagnose": config.DIAGNOSE_SCHEMA,
+        "survey": survey.FIELDS,
+        "memory": memory.FIELDS,
+        "checkpointing": checkpointing.FIELDS,
+    }
+    missing = [f"[{t}] {key}" for t, schema in tables.items() for key, f in schema.items()
+               if not f.doc.strip()]  # fmt: skip
+    assert not missing, f"experiment-file keys without a doc (give their Field one): {missing}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import inspect
 import io
@@ -289,16 +290,27 @@ def _experiment_page() -> str:
     for title, where, schema in tables:
         lines += _title(title, "-") + _schema_table(schema, undocumented, where)
     lines += _title("``optimizer_kwargs``, by optimizer", "-")
+    lines += [
+        "Each key is the keyword of the same name of the optax constructor of the optimizer "
+        "(``optax.NAME``), passed through; dtype and mask options are not exposed.",
+        "",
+    ]
     for name, schema in OPTIMIZER_FIELDS.items():
         lines += _title(f'``optimizer = "{name}"``', "~")
-        lines += _schema_table(schema, undocumented, f"optimizer_kwargs[{name}]")
+        described = {
+            key: dataclasses.replace(field, doc=field.doc or f"``optax.{name}(..., {key}=)``")
+            for key, field in schema.items()
+        }
+        lines += _schema_table(described, undocumented, f"optimizer_kwargs[{name}]")
     return "\n".join(lines) + "\n", undocumented
 
 
 def generate(app: Sphinx) -> None:
     _api_pages(app)
     _write(DOCS / "reference" / "cli.rst", _cli_page())
-    text, _undocumented = _experiment_page()
+    text, undocumented = _experiment_page()
+    for key in undocumented:
+        logger.warning(f"experiment-file key {key} has no doc: give its Field a doc (with_docs)")
     _write(DOCS / "reference" / "experiment-file.rst", text)
 
 
