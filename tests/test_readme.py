@@ -265,6 +265,7 @@ def sandbox(tmp_path, monkeypatch):
             (tmp_path / name).symlink_to(ROOT / name)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("NO_COLOR", "1")
+    monkeypatch.setenv("COLUMNS", "80")  # argparse and tables wrap as without a terminal (CI)
     monkeypatch.delenv("PRECISIONLAB_DEBUG", raising=False)
     return tmp_path
 
@@ -362,6 +363,16 @@ def test_parser_classifies_markers_and_outputs():
     assert blocks[2].options == ["installs"]
 
 
+def test_docs_pages_are_scanned():
+    files = [str(p.relative_to(ROOT)) for p in example_files()]
+    assert files[0] == "README.md" and "docs/getting-started/cli-tour.md" in files
+    assert not [f for f in files if "/_" in f or f.startswith("docs/notebooks")]
+    sources = {b.source for b in EXAMPLES}
+    assert "docs/guides/formats.md" in sources and "README.md" in sources
+    ids = [b.id for b in EXAMPLES]
+    assert len(ids) == len(set(ids))
+
+
 def test_matches_and_commands():
     assert matches("a\n...\nd\n", "a\nb\nc\nd")
     assert matches("a\n...\n", "a")
@@ -444,4 +455,5 @@ if __name__ == "__main__":
     if sys.argv[1:2] != ["--update"]:
         sys.exit("usage: python tests/test_readme.py --update [FILE ...]")
     os.environ["NO_COLOR"] = "1"
+    os.environ["COLUMNS"] = "80"
     update_readme(sys.argv[2:])
