@@ -2,7 +2,7 @@
 
 At ``builder-inited`` it writes (under ``docs/reference/``, git-ignored):
 
-- ``api/<namespace>.rst``: one page per namespace of ``reference/public_api.txt`` (the reviewed
+- ``api.rst`` and ``api/<namespace>.rst``: one page per namespace of ``reference/public_api.txt`` (the reviewed
   public API), each name documented from its docstring once, where it is first listed; a
   public name without a docstring (or, for a constant, without a ``#:`` comment) is a warning,
   which ``-W`` makes an error;
@@ -123,7 +123,7 @@ def _api_pages(app: Sphinx) -> None:
             routine = inspect.isroutine(obj) or inspect.isclass(obj)
             if routine and id(obj) in documented:
                 lines += [
-                    f".. py:data:: {full}",
+                    f".. py:data:: {name}",
                     "   :no-index:",
                     "",
                     f"   The same object as :py:obj:`{documented[id(obj)]}`.",
@@ -147,7 +147,7 @@ def _api_pages(app: Sphinx) -> None:
                 if not doc:
                     logger.warning(f"undocumented public module {full}: give it a docstring")
                 lines += [
-                    f".. py:data:: {full}",
+                    f".. py:data:: {name}",
                     "   :no-index:",
                     "",
                     f"   The module :py:mod:`{obj.__name__}`" + (f": {doc[0]}" if doc else "."),
@@ -165,6 +165,21 @@ def _api_pages(app: Sphinx) -> None:
         pages[namespace] = "\n".join(lines) + "\n"
     for namespace, text in pages.items():
         _write(out / f"{namespace}.rst", text)
+    index = [
+        *_title("Python API"),
+        "The public API: what a user imports, one page per namespace, each generated from the "
+        "docstrings. It is the list in ``docs/reference/public_api.txt``; every other module or "
+        "name is private (a module whose name starts with ``_``, or a name no namespace below "
+        "re-exports) and may change without notice. ``tests/test_public_api.py`` keeps the "
+        "list and the code's ``__all__`` equal (see :doc:`../contributing`).",
+        "",
+        ".. toctree::",
+        "   :maxdepth: 1",
+        "",
+        *[f"   api/{namespace}" for namespace in sections],
+        "",
+    ]
+    _write(DOCS / "reference" / "api.rst", "\n".join(index))
     for stale in out.glob("*.rst"):
         if stale.stem not in pages:
             stale.unlink()
