@@ -2,10 +2,10 @@
 
 At ``builder-inited`` it writes (under ``docs/reference/``, git-ignored):
 
-- ``api.rst`` and ``api/<namespace>.rst``: one page per namespace of ``reference/public_api.txt`` (the reviewed
-  public API), each name documented from its docstring once, where it is first listed; a
-  public name without a docstring (or, for a constant, without a ``#:`` comment) is a warning,
-  which ``-W`` makes an error;
+- ``api.rst`` and ``api/<namespace>.rst``: one page per namespace of
+  ``reference/public_api.txt`` (the reviewed public API), each name documented from its
+  docstring once, where it is first listed; a public name without a docstring (or, for a
+  constant, without a ``#:`` comment) is a warning, which ``-W`` makes an error;
 - ``cli.rst``: every ``precisionlab`` subcommand's ``--help``, from the argparse parsers;
 - ``experiment-file.rst``: every key of every experiment-file table, from the schema tables
   (:mod:`precisionlab._schema` fields: type, default, allowed values, range, description).
