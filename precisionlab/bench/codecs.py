@@ -134,7 +134,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument(
-        "--markdown", action="store_true", help="print the table as markdown (for the README)"
+        "--markdown", action="store_true", help="print the table as markdown (for the docs)"
     )
     parser.add_argument(
         "--out",
