@@ -232,7 +232,7 @@ def _cli_page() -> str:
 
 # --- the experiment files ---------------------------------------------------------------------
 def _cell(text: str) -> str:
-    return " ".join(str(text).split()) or "\\-"
+    return _escape(" ".join(str(text).split())) or "\\-"
 
 
 def _schema_table(schema, undocumented: list[str], where: str) -> list[str]:
