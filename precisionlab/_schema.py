@@ -29,6 +29,7 @@ __all__ = [
     "describe_type",
     "read_toml",
     "validate_table",
+    "with_docs",
 ]
 
 #: Largest finite float32 (a value above it becomes inf when the trainer casts it).
@@ -164,6 +165,19 @@ def _check_range(value: float, field: Field, where: str) -> None:
     if not ok:
         bounds = _range_text(field)
         raise ConfigError(f"{where}: must be {kind}{' ' + bounds if bounds else ''}, got {value!r}")
+
+
+def with_docs(schema: Mapping[str, Field], docs: Mapping[str, str]) -> dict[str, Field]:
+    """``schema`` with each key's ``doc`` set from ``docs`` (key -> one line), the meaning
+    that messages and the experiment-file reference show; a key of ``docs`` that is not in
+    ``schema`` is a ValueError (a renamed field must not keep a stale description)."""
+    unknown = [key for key in docs if key not in schema]
+    if unknown:
+        raise ValueError(f"with_docs: keys not in the schema: {', '.join(unknown)}")
+    return {
+        key: dataclasses.replace(field, doc=docs[key]) if key in docs else field
+        for key, field in schema.items()
+    }
 
 
 def validate_table(

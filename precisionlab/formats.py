@@ -360,6 +360,7 @@ class IntFormat:
         return self.name
 
 
+#: Any format: a :class:`FloatFormat` or an :class:`IntFormat`.
 Format = FloatFormat | IntFormat
 
 

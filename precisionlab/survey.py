@@ -23,12 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from precisionlab import _io
-from precisionlab._schema import Field, validate_table
+from precisionlab._schema import Field, validate_table, with_docs
 from precisionlab.bits import ROUNDING_MODES, parse_rounding
 from precisionlab.formats import FloatFormat, get_format
 from precisionlab.metrics import error_report, format_table
 from precisionlab.quant import dequantize, element_scales, get_mx_format, quantize
-from precisionlab.quant._spec import _parse_format, _parse_scale
+from precisionlab.quant.spec import parse_format, parse_scale
 
 __all__ = [
     "DEFAULTS",
@@ -45,10 +45,13 @@ __all__ = [
     "validate",
 ]
 
+#: The experiment kind this module runs.
 KIND = "survey"
+#: The named input distributions (DF, LO and HI are numbers).
 DISTRIBUTIONS = ("normal", "laplace", "uniform", "student_t:DF", "loguniform:LO:HI")
 DEFAULT_FORMATS = ["int8", "int4", "e4m3fn", "e5m2", "bf16", "fp16", "mxfp8_e4m3", "mxfp4"]
 DEFAULT_DISTS = ["normal", "laplace", "student_t:3", "loguniform:-20:10"]
+#: The ``[survey]`` table's defaults.
 DEFAULTS: dict = {
     "formats": DEFAULT_FORMATS,
     "dists": DEFAULT_DISTS,
@@ -70,6 +73,20 @@ FIELDS: dict[str, Field] = {
     "seed": Field(int, 0, low=0),
     "input": Field(str, None, nullable=True),
 }
+FIELDS = with_docs(
+    FIELDS,
+    {
+        "formats": "formats to survey (any format name or MX format)",
+        "dists": "input distributions (``DISTRIBUTIONS``)",
+        "granularity": "tensor, channel:AXIS or block:B",
+        "scale": "auto, amax, mse, percentile:P or none",
+        "rounding": "rounding mode",
+        "size": "elements per synthetic input",
+        "seed": "random seed",
+        "input": "a .npy or .npz tensor file to survey instead of the distributions",
+    },
+)
+#: The columns of a survey row (and of its table).
 SUMMARY_COLUMNS = [
     "format",
     "granularity",
@@ -258,7 +275,7 @@ def parse_granularity(text: str) -> tuple[int | None, int | None]:
 
 
 def _check_format(name: str) -> None:
-    _parse_format(name)
+    parse_format(name)
 
 
 def _quant_args(fmt_name: str, granularity: str, scale: str) -> dict:
@@ -390,7 +407,7 @@ def validate(section: dict, where: str = "survey") -> dict:
     except ValueError as err:
         raise ValueError(f"{where}.granularity: {err}") from None
     try:
-        _parse_scale(out["scale"], get_format("int8"))
+        parse_scale(out["scale"], get_format("int8"))
     except ValueError as err:
         raise ValueError(f"{where}.scale: {err}") from None
     try:

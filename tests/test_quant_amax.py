@@ -1,4 +1,4 @@
-"""The per-group statistics (``_core._amax``, ``_core._min_max``) against numpy, NaN first.
+"""The per-group statistics (``core.group_amax``, ``core._min_max``) against numpy, NaN first.
 
 XLA's CPU float max/min reduce drops NaN once arrays are large (openxla/xla#21461): under
 jit, a reduce over a (64, 8, 32) array holding one NaN can return 1.0. The group statistics
@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from precisionlab.quant import _core, fake_quant
-from precisionlab.quant._spec import resolve
+from precisionlab.quant import core, fake_quant
+from precisionlab.quant.spec import resolve
 
 F32 = np.float32
 # NaN payloads: quiet, negative quiet, signalling, all-ones mantissa, negative signalling.
@@ -78,8 +78,8 @@ def _grouped_input(fmt, kwargs, shape=(1024, 4096)):
 @pytest.mark.parametrize("fmt,kwargs", SPECS)
 def test_amax_equals_numpy_at_bench_size(fmt, kwargs):
     spec, x = _grouped_input(fmt, kwargs)
-    xg, axes = jax.jit(lambda v: _core.to_groups(v, spec)[0])(x), _core.to_groups(x, spec)[1]
-    got = np.asarray(jax.jit(lambda v: _core._amax(*_core.to_groups(v, spec)))(x))
+    xg, axes = jax.jit(lambda v: core.to_groups(v, spec)[0])(x), core.to_groups(x, spec)[1]
+    got = np.asarray(jax.jit(lambda v: core.group_amax(*core.to_groups(v, spec)))(x))
     want = np.max(np.abs(_ftz(np.asarray(xg))), axis=axes, keepdims=True)
     assert (np.isnan(want).any() and not np.isnan(want).all()) or spec.granularity == "tensor"
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
@@ -93,8 +93,8 @@ def test_min_max_equals_numpy_at_bench_size(axis, block):
     if block:
         kwargs["block_size"] = block
     spec, x = _grouped_input("uint8", kwargs, shape=(512, 2048))
-    xg, axes = _core.to_groups(jnp.asarray(x), spec)
-    lo, hi = jax.jit(lambda v: _core._min_max(*_core.to_groups(v, spec)))(x)
+    xg, axes = core.to_groups(jnp.asarray(x), spec)
+    lo, hi = jax.jit(lambda v: core._min_max(*core.to_groups(v, spec)))(x)
     xg = _ftz(np.asarray(xg))
     with np.errstate(invalid="ignore"):
         want_lo = np.minimum(np.min(xg, axis=axes, keepdims=True), F32(0))
@@ -108,7 +108,7 @@ def test_small_and_bench_size_agree_on_a_nan_at_each_lane():
     """One NaN per block of 32 at each offset 0..31, in arrays from tiny to bench size: the
     block holding it, and only that block, has NaN amax (the bug depended on the size)."""
     spec = resolve(2, "mxfp8_e4m3")
-    amax = jax.jit(lambda v: _core._amax(*_core.to_groups(v, spec)))
+    amax = jax.jit(lambda v: core.group_amax(*core.to_groups(v, spec)))
     for rows in (1, 8, 64, 1024):
         x = np.ones((rows, 4096), F32)
         x[::2, ::32] = 2.0  # the block's max beside its NaN, in every other row
@@ -131,9 +131,9 @@ def test_fake_quant_nan_groups(fmt, kwargs):
     if spec.granularity == "tensor":
         assert np.isnan(got).all()
         return
-    xg, axes = _core.to_groups(jnp.asarray(x), spec)
+    xg, axes = core.to_groups(jnp.asarray(x), spec)
     bad_g = np.isnan(np.asarray(xg)).any(axis=axes, keepdims=True)
-    bad = np.asarray(_core.from_groups(jnp.broadcast_to(bad_g, xg.shape), spec, x.shape))
+    bad = np.asarray(core.from_groups(jnp.broadcast_to(bad_g, xg.shape), spec, x.shape))
     clean = np.asarray(f(np.where(bad, F32(0), x)))
     np.testing.assert_array_equal(np.isnan(got), bad | np.isnan(clean))
     ok = ~bad

@@ -1,4 +1,4 @@
-"""fake_quant's one-pass pipeline (``_core.fake_values``) against the reference paths.
+"""fake_quant's one-pass pipeline (``core.fake_values``) against the reference paths.
 
 The references are fake_quant's former forward (scale, round, unscale as three steps, each
 with its own choice between float multiply and exact ldexp) and, for finite inputs,
@@ -20,8 +20,8 @@ import pytest
 from hypothesis import given, settings
 
 from precisionlab.bits import ROUNDING_MODES
-from precisionlab.quant import MX_FORMATS, SCALE_RULES, _core, dequantize, fake_quant, quantize
-from precisionlab.quant._spec import resolve
+from precisionlab.quant import MX_FORMATS, SCALE_RULES, core, dequantize, fake_quant, quantize
+from precisionlab.quant.spec import resolve
 
 F32 = np.float32
 ROWS, COLS = 6, 96  # 3 MX blocks per row; ragged for block_size 64
@@ -82,10 +82,10 @@ def _extreme_rows(seed: int) -> np.ndarray:
 def _three_steps(x, key, spec):
     """fake_quant's forward as it was before the fused pipeline: scale, round and unscale as
     three steps, each power-of-two step with its own cond (the steps quantize uses)."""
-    xg, sc = _core.choose_scale(x, spec)
-    y = _core.apply_scale(xg, sc, spec)
-    values = _core.round_elements(y, sc, spec, key, codes=False)
-    return _core.from_groups(_core.unapply_scale(values, sc, spec), spec, x.shape)
+    xg, sc = core.choose_scale(x, spec)
+    y = core.apply_scale(xg, sc, spec)
+    values = core.round_elements(y, sc, spec, key, codes=False)
+    return core.from_groups(core.unapply_scale(values, sc, spec), spec, x.shape)
 
 
 def _check(x, fmt, key=None, **kw):
@@ -182,9 +182,9 @@ def test_both_pow2_branches_are_taken():
     cases = ((_special_rows(0, False), True), (_special_rows(0), False), (_extreme_rows(1), False))
     for x, want in cases:
         spec = resolve(2, "mxfp8_e4m3")
-        _, sc = _core.choose_scale(jnp.asarray(x), spec)
+        _, sc = core.choose_scale(jnp.asarray(x), spec)
         e = np.asarray(sc.e)
-        assert bool(np.all((e >= _core._FAST_E_MIN) & (e <= _core._FAST_E_MAX))) == want
+        assert bool(np.all((e >= core._FAST_E_MIN) & (e <= core._FAST_E_MAX))) == want
 
 
 def test_one_pass_after_the_reduce():
@@ -259,7 +259,7 @@ def test_int_grid_rounding_equals_codec(name, full_range):
     spec = resolve(1, name, full_range=full_range)
     x = jnp.asarray(_boundary_float32())
     yc = jnp.clip(x, spec.qmin, spec.qmax)
-    got = jax.jit(_core.round_int_grid)(yc)
+    got = jax.jit(core.round_int_grid)(yc)
     want = jax.jit(lambda v: round_to_format(v, get_format(name)))(yc)
     assert_same_bits(got, want)
     assert not np.isnan(np.asarray(got)).any()
@@ -277,7 +277,7 @@ def test_int_grid_rounding_equals_codec_on_every_float32(name, full_range):
     def mismatches(start):
         x = jax.lax.bitcast_convert_type(start + jnp.arange(n, dtype=jnp.uint32), jnp.float32)
         yc = jnp.clip(x, spec.qmin, spec.qmax)
-        a = jax.lax.bitcast_convert_type(_core.round_int_grid(yc), jnp.uint32)
+        a = jax.lax.bitcast_convert_type(core.round_int_grid(yc), jnp.uint32)
         b = jax.lax.bitcast_convert_type(round_to_format(yc, fmt), jnp.uint32)
         return jnp.sum(a != b)
 

@@ -1,4 +1,5 @@
-"""Every example in README.md runs, and shows what it prints.
+"""Every example in README.md and in the documentation pages (``docs/**/*.md``) runs, and shows
+what it prints.
 
 Marker convention: an HTML comment on the line just before a fence classifies the example.
 
@@ -17,9 +18,10 @@ What is run:
 - a ```python block: executed in this process in a fresh namespace; with ``run`` it must be
   followed directly by a plain ``` block holding its exact stdout.
 
-``python tests/test_readme.py --update`` reruns every ``run`` example and rewrites the outputs
-shown in README.md from what they print now (blocks whose expected output uses ``...`` are
-left alone and listed); review the diff before committing.
+``python tests/test_readme.py --update [FILE ...]`` reruns every ``run`` example (of the files
+named, or of all of them) and rewrites the outputs shown from what they print now (blocks
+whose expected output uses ``...`` are left alone and listed); review the diff before
+committing.
 
 Each example runs in its own temporary directory, which holds links to the repository's
 ``experiments/``, ``notebooks/`` and ``docs/``, so relative paths work and nothing is written
@@ -61,6 +63,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 LINKED = ("experiments", "notebooks", "docs")
 
 _FENCE = re.compile(r"^(`{3,})\s*([\w+-]*)\s*$")
@@ -79,13 +82,26 @@ class Block:
     output: str | None = None  # the plain block following a python block
     end: int = 0  # 0-based index of the closing fence
     output_end: int = 0  # 0-based index of the output block's closing fence
+    source: str = "README.md"  # the file, relative to the repository root
 
     @property
     def id(self) -> str:
-        return f"README.md:{self.line}-{self.lang or 'plain'}"
+        return f"{self.source}:{self.line}-{self.lang or 'plain'}"
 
 
-def parse_readme(text: str) -> list[Block]:
+def example_files() -> list[Path]:
+    """README.md and every Markdown page of the documentation (not its build or generated
+    parts, whose names start with ``_``)."""
+    pages = [
+        p
+        for p in sorted(DOCS.rglob("*.md"))
+        if not any(part.startswith("_") for part in p.relative_to(DOCS).parts)
+        and not p.relative_to(DOCS).parts[0] == "notebooks"  # a link to ../notebooks
+    ]
+    return [README, *pages]
+
+
+def parse_readme(text: str, source: str = "README.md") -> list[Block]:
     """Every fenced block of ``text`` with its marker; python outputs attached."""
     lines = text.splitlines()
     blocks: list[Block] = []
@@ -99,7 +115,9 @@ def parse_readme(text: str) -> list[Block]:
         end = i + 1
         while end < len(lines) and lines[end].strip() != ticks:
             end += 1
-        block = Block(line=i + 1, lang=lang, text="\n".join(lines[i + 1 : end]), end=end)
+        block = Block(
+            line=i + 1, lang=lang, text="\n".join(lines[i + 1 : end]), end=end, source=source
+        )
         marker = _MARKER.match(lines[i - 1]) if i > 0 else None
         if marker:
             block.marker = marker.group(1)
@@ -247,11 +265,16 @@ def sandbox(tmp_path, monkeypatch):
             (tmp_path / name).symlink_to(ROOT / name)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("NO_COLOR", "1")
+    monkeypatch.setenv("COLUMNS", "80")  # argparse and tables wrap as without a terminal (CI)
     monkeypatch.delenv("PRECISIONLAB_DEBUG", raising=False)
     return tmp_path
 
 
-BLOCKS = parse_readme(README.read_text(encoding="utf-8"))
+BLOCKS = [
+    block
+    for path in example_files()
+    for block in parse_readme(path.read_text(encoding="utf-8"), str(path.relative_to(ROOT)))
+]
 EXAMPLES = [
     b
     for b in BLOCKS
@@ -274,7 +297,7 @@ def _params():
 def test_every_example_is_classified():
     unmarked = [b.id for b in EXAMPLES if b.marker is None]
     assert not unmarked, (
-        "README examples without a '<!-- readme: run|run-only|skip REASON -->' marker on the "
+        "examples without a '<!-- readme: run|run-only|skip REASON -->' marker on the "
         f"line before the fence: {unmarked}"
     )
     for block in EXAMPLES:
@@ -340,6 +363,16 @@ def test_parser_classifies_markers_and_outputs():
     assert blocks[2].options == ["installs"]
 
 
+def test_docs_pages_are_scanned():
+    files = [str(p.relative_to(ROOT)) for p in example_files()]
+    assert files[0] == "README.md" and "docs/getting-started/cli-tour.md" in files
+    assert not [f for f in files if "/_" in f or f.startswith("docs/notebooks")]
+    sources = {b.source for b in EXAMPLES}
+    assert "docs/guides/formats.md" in sources and "README.md" in sources
+    ids = [b.id for b in EXAMPLES]
+    assert len(ids) == len(set(ids))
+
+
 def test_matches_and_commands():
     assert matches("a\n...\nd\n", "a\nb\nc\nd")
     assert matches("a\n...\n", "a")
@@ -364,13 +397,27 @@ def test_matches_and_commands():
 
 
 # --- regeneration -----------------------------------------------------------------------------
-def update_readme() -> None:
-    """Rewrite the outputs of ``run`` examples in README.md from real runs."""
+def update_readme(files: list[str] | None = None) -> None:
+    """Rewrite the outputs of ``run`` examples from real runs, file by file."""
+    chosen = [str(p.relative_to(ROOT)) for p in example_files()]
+    if files:
+        wanted = {str(Path(f).resolve().relative_to(ROOT)) for f in files}
+        unknown = wanted - set(chosen)
+        if unknown:
+            sys.exit(f"not an example file: {', '.join(sorted(unknown))}")
+        chosen = [c for c in chosen if c in wanted]
+    for source in chosen:
+        _update_file(source)
+
+
+def _update_file(source: str) -> None:
     import tempfile
 
-    lines = README.read_text(encoding="utf-8").splitlines()
+    path = ROOT / source
+    lines = path.read_text(encoding="utf-8").splitlines()
     kept = []
-    for block in reversed([b for b in EXAMPLES if b.marker == "run"]):
+    examples = [b for b in EXAMPLES if b.source == source and b.marker == "run"]
+    for block in reversed(examples):
         opts = parse_options(block.options, block.id)
         with tempfile.TemporaryDirectory() as tmp:
             for name in LINKED:
@@ -399,13 +446,14 @@ def update_readme() -> None:
                 lines[block.line : block.end] = body
             finally:
                 os.chdir(cwd)
-    README.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     if kept:
         print("left alone (expected output uses '...'):", ", ".join(reversed(kept)))
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] != ["--update"]:
-        sys.exit("usage: python tests/test_readme.py --update")
+    if sys.argv[1:2] != ["--update"]:
+        sys.exit("usage: python tests/test_readme.py --update [FILE ...]")
     os.environ["NO_COLOR"] = "1"
-    update_readme()
+    os.environ["COLUMNS"] = "80"
+    update_readme(sys.argv[2:])

@@ -323,9 +323,10 @@ def test_real_data_experiment_validates():
 
 @pytest.mark.slow
 def test_real_data_digits_mlp_outcomes(tmp_path):
-    """The README's digits-mlp claims, at the shipped steps: swamping in pure bf16 with
-    round-to-nearest, cured by stochastic rounding; fp16 without scaling matches fp32 (no
-    harmful underflow); no overflow (no skipped step, the dynamic scale never backs off)."""
+    """The digits-mlp claims of docs/guides/real-data.md, at the shipped steps: swamping in
+    pure bf16 with round-to-nearest, cured by stochastic rounding; fp16 without scaling
+    matches fp32 (no harmful underflow); no overflow (no skipped step, the dynamic scale never
+    backs off)."""
     pytest.importorskip("sklearn")
     from precisionlab.experiments import runner, store
 

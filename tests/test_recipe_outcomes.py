@@ -1,7 +1,7 @@
 """What experiments/fp8_recipes*.toml claims, asserted where it is robust: on direct
 measurements of the recipes (one tensor, one matmul, one gradient) over several seeds, not on
 one noisy training run (at 150 steps the loss gaps between 8-bit recipes are the size of
-run-to-run noise; see the README).
+run-to-run noise; see docs/guides/training-with-recipes.md).
 
 Measured (3 seeds, shapes below):
 - with 8 outlier channels x100 in a heavy-tailed (256, 128) tensor, current (tensorwise)

@@ -57,7 +57,7 @@ from precisionlab.bench._timing import (
     xla_copy_kernel,
 )
 from precisionlab.bits import decode, encode
-from precisionlab.bits._alloc import apply_malloc_tuning, malloc_tuning
+from precisionlab.bits.alloc import apply_malloc_tuning, malloc_tuning
 from precisionlab.formats import FloatFormat, Format, IntFormat, get_format
 
 HELP = "encode/decode throughput vs ml_dtypes and gfloat, as ratios and % of copy bandwidth"
@@ -130,11 +130,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--malloc-tuning",
         action="store_true",
-        help="apply precisionlab's opt-in glibc malloc settings first (see bits._alloc)",
+        help="apply precisionlab's opt-in glibc malloc settings first (see bits.alloc)",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument(
-        "--markdown", action="store_true", help="print the table as markdown (for the README)"
+        "--markdown", action="store_true", help="print the table as markdown (for the docs)"
     )
     parser.add_argument(
         "--out",
@@ -549,7 +549,7 @@ def machine() -> dict:
         "jax": jax.__version__,
         "ml_dtypes": ml_dtypes.__version__,
         "python": platform.python_version(),
-        # glibc malloc settings applied in this process (see precisionlab.bits._alloc).
+        # glibc malloc settings applied in this process (see precisionlab.bits.alloc).
         "malloc_tuning": malloc_tuning(),
         # Other processes share the cores: the 1-minute load average says how busy they were.
         "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,

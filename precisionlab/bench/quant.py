@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from precisionlab.bench._timing import Timing, positive_int, repeats_int, time_interleaved
-from precisionlab.bits._alloc import apply_malloc_tuning, malloc_tuning
-from precisionlab.quant import _core, fake_quant
-from precisionlab.quant._spec import resolve
+from precisionlab.bits.alloc import apply_malloc_tuning, malloc_tuning
+from precisionlab.quant import core, fake_quant
+from precisionlab.quant.spec import resolve
 
 HELP = "fake_quant throughput vs an XLA astype round trip to the same width (ratio)"
 
@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--malloc-tuning",
         action="store_true",
-        help="apply precisionlab's opt-in glibc malloc settings first (see bits._alloc): "
+        help="apply precisionlab's opt-in glibc malloc settings first (see bits.alloc): "
         "without them each call's fresh 16 MiB output may be page-faulted in, a cost both "
         "peers pay unevenly",
     )
@@ -95,8 +95,8 @@ def _amax_pass(kwargs: dict):
 
     @jax.jit
     def f(x):
-        xg, axes = _core.to_groups(x, resolve(x.ndim, kwargs["fmt"], **kw))
-        return _core._amax(xg, axes)
+        xg, axes = core.to_groups(x, resolve(x.ndim, kwargs["fmt"], **kw))
+        return core.group_amax(xg, axes)
 
     return f
 

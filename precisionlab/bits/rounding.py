@@ -30,6 +30,7 @@ class Rounding(StrEnum):
     STOCHASTIC = "stochastic"
 
 
+#: The rounding mode names the codecs accept (the values of :class:`Rounding`).
 ROUNDING_MODES: tuple[str, ...] = tuple(mode.value for mode in Rounding)
 
 

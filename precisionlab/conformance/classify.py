@@ -29,6 +29,7 @@ from precisionlab.formats import Format
 
 __all__ = ["CATEGORIES", "RULES", "Rule", "classify"]
 
+#: How a disagreement with the exact reference is classified.
 CATEGORIES = ("violation", "convention", "undefined")
 
 
@@ -38,6 +39,7 @@ class Rule(NamedTuple):
     spec: str  # key of precisionlab.conformance.spec.SPECS; "<mode>" means the mode's clause
 
 
+#: The specification rules a conversion is judged by, by name.
 RULES: dict[str, Rule] = {
     "nan-no-encoding": Rule("undefined", "NaN into a format without NaN", "mx-fp6-fp4"),
     "nan-not-nan": Rule("violation", "NaN did not convert to NaN", "ieee-6.2"),

@@ -32,7 +32,9 @@ __all__ = [
     "run_conformance",
 ]
 
+#: The libraries checked by default (those not installed are skipped).
 DEFAULT_LIBS = ("ml_dtypes", "xla", "numpy", "gfloat", "torch")
+#: The source dtypes converted from by default.
 DEFAULT_SOURCES = ("float32", "float64")
 EXAMPLES = 3
 

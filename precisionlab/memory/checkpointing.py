@@ -46,7 +46,7 @@ import jax
 import numpy as np
 
 from precisionlab import _io
-from precisionlab._schema import Field, validate_table
+from precisionlab._schema import Field, validate_table, with_docs
 from precisionlab._text import table as text_table
 
 __all__ = [
@@ -88,6 +88,16 @@ FIELDS: dict[str, Field] = {
     "plots": Field(bool, True),
     "models": Field(dict, {}, doc="name -> a [train] table"),
 }
+FIELDS = with_docs(
+    FIELDS,
+    {
+        "remat_every": "checkpoint intervals K measured (capped at the stacked layer count)",
+        "remat_policy": "what a checkpointed group saves",
+        "microbatches": "micro-batch counts measured (each must divide the model's batch_size)",
+        "repeats": "timed steps per point (best of); 0: no timing",
+        "plots": "write one PNG per model",
+    },
+)
 
 
 def _config(table: dict[str, Any], where: str, **overrides: Any) -> Any:

@@ -39,8 +39,8 @@ __all__ = [
     "tree_bytes",
 ]
 
-# Optimizer -> (moments stored per parameter, int32 step counters). optax's adam/adamw keep mu and
-# nu and a count; lion keeps mu and a count; sgd with momentum keeps a trace; plain sgd nothing.
+#: Optimizer -> (moments stored per parameter, int32 step counters). optax's adam/adamw keep mu and
+#: nu and a count; lion keeps mu and a count; sgd with momentum keeps a trace; plain sgd nothing.
 OPTIMIZERS: dict[str, tuple[int, int]] = {
     "sgd": (0, 0),
     "momentum": (1, 0),

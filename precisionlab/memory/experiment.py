@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from precisionlab import _io
-from precisionlab._schema import Field, validate_table
+from precisionlab._schema import Field, validate_table, with_docs
 from precisionlab.memory.estimate import (
     OPTIMIZERS,
     TrainSetup,
@@ -75,6 +75,23 @@ FIELDS: dict[str, Field] = {
     "measure_microbatches": Field(list, DEFAULTS["measure_microbatches"], item=int),
     "plots": Field(bool, DEFAULTS["plots"]),
 }
+FIELDS = with_docs(
+    FIELDS,
+    {
+        "preset": "model of the estimated sweeps (a preset name)",
+        "policies": "precision policies compared (bytes per parameter per policy)",
+        "optimizer": "optimizer whose state is counted",
+        "batch": "sequences per step",
+        "seq": "sequence length (0: the model's context length)",
+        "checkpoint_intervals": "K of the memory-vs-K sweep ([] = 1 .. the layer count)",
+        "measure": "also measure a real jitted step vs K with XLA",
+        "measure_layers": "layers of the measured residual stack",
+        "measure_d_model": "width of the measured residual stack",
+        "measure_batch": "batch of the measured residual stack",
+        "measure_microbatches": "gradient accumulation sweep of the measured step",
+        "plots": "write PNG plots",
+    },
+)
 
 
 def _type_ok(value: Any, kind: type) -> bool:

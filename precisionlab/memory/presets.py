@@ -37,8 +37,8 @@ def _gpt3(
     )
 
 
-# Table 2.1 of Brown et al. 2020, row by row: n_params, n_layers, d_model, n_heads, d_head,
-# batch size (tokens), learning rate.
+#: Table 2.1 of Brown et al. 2020, row by row: n_params, n_layers, d_model, n_heads, d_head,
+#: batch size (tokens), learning rate.
 PRESETS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (

@@ -10,7 +10,7 @@ import re
 
 __all__ = ["UNITS", "format_size", "parse_size"]
 
-# Unit name -> bytes. Decimal units are powers of 1000, binary units (with an "i") powers of 1024.
+#: Unit name -> bytes. Decimal units are powers of 1000, binary units (with an "i") powers of 1024.
 UNITS: dict[str, int] = {
     "B": 1,
     "KB": 10**3,

@@ -35,6 +35,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+#: The loss-scale kinds a config names (``static`` also as a number).
 LOSS_SCALE_KINDS: tuple[str, ...] = ("none", "static", "dynamic")
 
 

@@ -32,7 +32,7 @@ __all__ = [
 
 T = TypeVar("T")
 
-# Ops that a policy may keep in float32 (names used by precisionlab.mixed.ops).
+#: Ops that a policy may keep in float32 (names used by precisionlab.mixed.ops).
 FP32_OPS: tuple[str, ...] = (
     "softmax",
     "layer_norm",
@@ -40,7 +40,7 @@ FP32_OPS: tuple[str, ...] = (
     "reduce",
     "matmul_accumulate",
 )
-# Kept in float32 by default: the mixed-precision practice of Micikevicius et al. 2018.
+#: Kept in float32 by default: the mixed-precision practice of Micikevicius et al. 2018.
 DEFAULT_FP32_OPS: frozenset[str] = frozenset(
     {"softmax", "layer_norm", "cross_entropy", "reduce", "matmul_accumulate"}
 )

@@ -36,7 +36,9 @@ __all__ = [
     "store_opt_state",
 ]
 
+#: How an update is applied to low-precision parameters.
 UPDATE_MODES: tuple[str, ...] = ("nearest", "stochastic", "kahan")
+#: The dtypes optimizer state may be stored in.
 OPT_STATE_DTYPES: tuple[str, ...] = (
     "float32",
     "bfloat16",
@@ -226,6 +228,7 @@ def apply_updates(
     - stochastic: ``round_stochastic(p + u)``; one key per leaf from ``key``.
     - kahan: ``y = u - c; t = round(p + y); c = round((t - p) - y); p = t`` with float32
       arithmetic and ``c`` stored in the param dtype (Zamirai et al. 2020).
+
     Params at float32 or wider are updated as ``p + u`` whatever the mode.
     Returns the new params (same dtypes) and storage state.
     """

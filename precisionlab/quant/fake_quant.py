@@ -7,9 +7,9 @@ from functools import lru_cache
 import jax
 import jax.numpy as jnp
 
-from precisionlab.quant import _core
-from precisionlab.quant._spec import QuantSpec, resolve
+from precisionlab.quant import core
 from precisionlab.quant.quantize import _check_key, check_input
+from precisionlab.quant.spec import QuantSpec, resolve
 
 __all__ = ["STE_MODES", "fake_quant"]
 
@@ -21,13 +21,13 @@ STE_MODES = ("clipped", "identity")
 def _forward(x: jax.Array, key, spec: QuantSpec, with_mask: bool):
     """x_hat (x's dtype) and, ``with_mask``, the bool mask of elements inside the
     representable range (computed in the same pass, only where a gradient is taken)."""
-    xg, sc = _core.choose_scale(jax.lax.stop_gradient(x), spec)
+    xg, sc = core.choose_scale(jax.lax.stop_gradient(x), spec)
     if not with_mask:
-        values = _core.fake_values(xg, sc, spec, key)
-        return _core.from_groups(values, spec, x.shape).astype(x.dtype)
-    values, inside = _core.fake_values(xg, sc, spec, key, with_mask=True)
-    x_hat = _core.from_groups(values, spec, x.shape)
-    return x_hat.astype(x.dtype), _core.from_groups(inside, spec, x.shape)
+        values = core.fake_values(xg, sc, spec, key)
+        return core.from_groups(values, spec, x.shape).astype(x.dtype)
+    values, inside = core.fake_values(xg, sc, spec, key, with_mask=True)
+    x_hat = core.from_groups(values, spec, x.shape)
+    return x_hat.astype(x.dtype), core.from_groups(inside, spec, x.shape)
 
 
 @lru_cache(maxsize=256)

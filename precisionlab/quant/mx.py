@@ -23,6 +23,7 @@ from precisionlab.formats import FORMATS, FloatFormat, Format, IntFormat
 
 __all__ = ["MX_BLOCK_SIZE", "MX_FORMATS", "SCALE_RULES", "MXFormat", "get_mx_format"]
 
+#: Elements sharing one E8M0 scale in the OCP MX v1.0 formats.
 MX_BLOCK_SIZE = 32
 #: Power-of-two scale rules (one vocabulary for quant and precisionlab.recipes):
 #: "floor": OCP MX v1.0 section 6.3, X = 2**(floor(log2 amax) - emax_elem); elements above
@@ -79,6 +80,7 @@ class MXFormat:
         return self.name
 
 
+#: The OCP MX v1.0 formats by name (``mxfp8_e4m3``, ..., ``mxint8``).
 MX_FORMATS: dict[str, MXFormat] = {
     f.name: f
     for f in (

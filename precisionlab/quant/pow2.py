@@ -14,13 +14,25 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["ceil_log2", "ceil_log2_ratio", "floor_log2", "ldexp", "pow2", "round_to_exponent"]
+__all__ = [
+    "SCALE_EXPONENT_MAX",
+    "SCALE_EXPONENT_MIN",
+    "ceil_log2",
+    "ceil_log2_ratio",
+    "floor_log2",
+    "ldexp",
+    "pow2",
+    "round_to_exponent",
+    "scale_exponent",
+]
 
 _SIGN = 0x80000000
 _MANT = 0x007FFFFF
 _HIDDEN = 0x00800000
 #: floor_log2 of zero: below every float32 exponent, so clamping sends it to the minimum.
 ZERO_LOG2 = -1000
+#: The exponent range of every power-of-two scale: E8M0's, 2^-127 .. 2^127.
+SCALE_EXPONENT_MIN, SCALE_EXPONENT_MAX = -127, 127
 
 
 def _bits(x: jax.Array) -> jax.Array:
@@ -129,3 +141,27 @@ def pow2(k: jax.Array) -> jax.Array:
     """float32 ``2**k`` for int32 ``k`` (subnormal for k < -126, 0 below -149, inf above 127)."""
     k = jnp.asarray(k, jnp.int32)
     return ldexp(jnp.ones(k.shape, jnp.float32), k)
+
+
+def scale_exponent(
+    c: jax.Array, target: float, emax_target: int, rule: str, mbits: int = 0
+) -> jax.Array:
+    """Exponent of the power-of-two scale mapping clip value ``c`` near ``target``.
+
+    floor: floor(log2 c) - emax_target (OCP MX rule; elements above target saturate).
+    ceil:  ceil(log2 c) - emax_target (torchao CEIL).
+    rceil: ceil(log2(c / target)) (TE / cuBLAS; never saturates).
+    even:  floor rule on c rounded to ``mbits`` mantissa bits (torchao EVEN).
+    All exact on the bits (XLA on CPU flushes float32 subnormals in float arithmetic).
+    """
+    if rule == "floor":
+        e = floor_log2(c) - emax_target
+    elif rule == "ceil":
+        e = ceil_log2(c) - emax_target
+    elif rule == "even":
+        e = floor_log2(round_to_exponent(c, mbits)) - emax_target
+    else:
+        e = ceil_log2_ratio(c, target)
+    zero = floor_log2(c) == ZERO_LOG2
+    e = jnp.where(zero, SCALE_EXPONENT_MIN, e)
+    return jnp.clip(e, SCALE_EXPONENT_MIN, SCALE_EXPONENT_MAX).astype(jnp.int32)

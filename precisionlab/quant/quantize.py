@@ -10,10 +10,10 @@ import jax.numpy as jnp
 
 from precisionlab.bits import decode, encode
 from precisionlab.formats import FORMATS
-from precisionlab.quant import _core, pow2
-from precisionlab.quant._spec import QuantSpec, resolve
+from precisionlab.quant import core, pow2
 from precisionlab.quant.pack import pack, unpack
 from precisionlab.quant.qarray import QArray
+from precisionlab.quant.spec import QuantSpec, resolve
 
 __all__ = ["dequantize", "quantize"]
 
@@ -32,7 +32,7 @@ def check_input(x) -> jax.Array:
     return x
 
 
-def _stored_scales(sc: _core.Scale, spec: QuantSpec) -> jax.Array:
+def _stored_scales(sc: core.Scale, spec: QuantSpec) -> jax.Array:
     if spec.pow2:
         value = pow2.pow2(sc.e)
         if sc.bad is not None:
@@ -43,24 +43,24 @@ def _stored_scales(sc: _core.Scale, spec: QuantSpec) -> jax.Array:
     else:
         stored = sc.s
     full = jnp.broadcast_to(stored, _group_shape(sc))
-    return _core.store_groups(full, spec)
+    return core.store_groups(full, spec)
 
 
-def _group_shape(sc: _core.Scale) -> tuple[int, ...]:
+def _group_shape(sc: core.Scale) -> tuple[int, ...]:
     ref = sc.e if sc.e is not None else sc.s
     return ref.shape
 
 
 @partial(jax.jit, static_argnames=("spec", "packed"))
 def _quantize(x, key, *, spec: QuantSpec, packed: bool):
-    xg, sc = _core.choose_scale(x, spec)
-    y = _core.apply_scale(xg, sc, spec)
-    codes = _core.from_groups(_core.round_elements(y, sc, spec, key, codes=True), spec, x.shape)
+    xg, sc = core.choose_scale(x, spec)
+    y = core.apply_scale(xg, sc, spec)
+    codes = core.from_groups(core.round_elements(y, sc, spec, key, codes=True), spec, x.shape)
     if packed:
         codes = pack(codes.reshape(-1))
     zp = None
     if sc.zp is not None:
-        zp = _core.store_groups(jnp.broadcast_to(encode(sc.zp, spec.fmt), sc.zp.shape), spec)
+        zp = core.store_groups(jnp.broadcast_to(encode(sc.zp, spec.fmt), sc.zp.shape), spec)
     return codes, _stored_scales(sc, spec), zp
 
 
@@ -172,20 +172,20 @@ def spec_of(q: QArray) -> QuantSpec:
     )  # fmt: skip
 
 
-def loaded_scale(q: QArray, spec: QuantSpec) -> _core.Scale:
-    """The QArray's scales as a :class:`_core.Scale` on the grouped view."""
-    stored = _core.load_groups(q.scales, spec)
+def loaded_scale(q: QArray, spec: QuantSpec) -> core.Scale:
+    """The QArray's scales as a :class:`core.Scale` on the grouped view."""
+    stored = core.load_groups(q.scales, spec)
     zp = None
     if q.zero_points is not None:
-        zp = decode(_core.load_groups(q.zero_points, spec), spec.fmt)
+        zp = decode(core.load_groups(q.zero_points, spec), spec.fmt)
     if spec.pow2:
         value = decode(stored, _E8M0) if spec.scale_format == "e8m0" else stored
         bad = jnp.isnan(value)
         e = jnp.where(bad, 0, pow2.floor_log2(value)).astype(jnp.int32)
-        return _core.Scale(None, e, bad, zp, None)
-    if spec.scale_format in _core._SCALE16:
-        return _core.Scale(decode(stored, _core._SCALE16[spec.scale_format]), None, None, zp, None)
-    return _core.Scale(stored.astype(jnp.float32), None, None, zp, None)
+        return core.Scale(None, e, bad, zp, None)
+    if spec.scale_format in core._SCALE16:
+        return core.Scale(decode(stored, core._SCALE16[spec.scale_format]), None, None, zp, None)
+    return core.Scale(stored.astype(jnp.float32), None, None, zp, None)
 
 
 @partial(jax.jit, static_argnames=("dtype",))
@@ -195,11 +195,11 @@ def _dequantize(q: QArray, dtype):
     if q.packed:
         codes = unpack(codes, q.size).reshape(q.shape)
     values = decode(codes, spec.fmt)
-    vg, _ = _core.to_groups(values, spec)
+    vg, _ = core.to_groups(values, spec)
     sc = loaded_scale(q, spec)
     if sc.zp is not None:
         vg = vg - sc.zp
-    out = _core.from_groups(_core.unapply_scale(vg, sc, spec), spec, q.shape)
+    out = core.from_groups(core.unapply_scale(vg, sc, spec), spec, q.shape)
     return out.astype(dtype)
 
 
@@ -218,5 +218,5 @@ def element_scales(q: QArray) -> jax.Array:
     MXINT8's 2**-6), i.e. the size of one element-format unit in the input's units."""
     spec = spec_of(q)
     sc = loaded_scale(q, spec)
-    ones, _ = _core.to_groups(jnp.ones(q.shape, jnp.float32), spec)
-    return _core.from_groups(_core.unapply_scale(ones, sc, spec), spec, q.shape)
+    ones, _ = core.to_groups(jnp.ones(q.shape, jnp.float32), spec)
+    return core.from_groups(core.unapply_scale(ones, sc, spec), spec, q.shape)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from precisionlab.recipes import _scaling as S
+from precisionlab.recipes import scaling as S
 from precisionlab.recipes._accumulate import accumulate
 from precisionlab.recipes._recipes import NVFP4, Delayed, Recipe, get_recipe
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from precisionlab.formats import FORMATS, FloatFormat
 from precisionlab.quant.mx import SCALE_RULES
-from precisionlab.recipes import _scaling as S
+from precisionlab.recipes import scaling as S
 
 __all__ = [
     "MX",
@@ -314,7 +314,7 @@ class MX(_Blocked):
 class NVFP4(_Blocked):
     """NVFP4 (TE ``NVFP4BlockScaling``; NVIDIA, "Pretraining Large Language Models with
     NVFP4", 2025): E2M1 elements, ``block`` (16) elements along the contraction axis share
-    an E4M3 scale, plus one float32 scale per tensor (see :func:`_scaling.nvfp4` for the
+    an E4M3 scale, plus one float32 scale per tensor (see ``scaling.nvfp4`` for the
     float32 steps); weights use ``block`` x ``block`` tiles; gradients are rounded
     stochastically (``stochastic_gradients``; needs a key); ``hadamard``: both operands of
     the weight-gradient GEMM get the 16 x 16 random Hadamard transform
@@ -361,6 +361,7 @@ _PRESETS = {
     "bf16": (Reference, {"dtype": "bfloat16"}),
     "fp32": (Reference, {"dtype": "float32"}),
 }
+#: The names :func:`get_recipe` accepts.
 RECIPE_NAMES: tuple[str, ...] = tuple(_PRESETS)
 
 

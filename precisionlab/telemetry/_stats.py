@@ -42,7 +42,7 @@ import numpy as np
 from jax import lax
 
 from precisionlab.quant import pow2
-from precisionlab.recipes import _scaling as S
+from precisionlab.recipes import scaling as S
 from precisionlab.telemetry._targets import (
     _EPS,
     Target,

@@ -36,12 +36,13 @@ from jax import lax
 
 from precisionlab.formats import FloatFormat, Specials, get_format
 from precisionlab.quant import pow2
-from precisionlab.quant._core import _pow2_exponent
+from precisionlab.quant.pow2 import scale_exponent
 from precisionlab.recipes import MX, get_recipe
-from precisionlab.recipes import _scaling as S
+from precisionlab.recipes import scaling as S
 
 __all__ = ["SCALINGS", "Target", "parse_targets"]
 
+#: How a telemetry target scales a tensor before the what-if cast.
 SCALINGS = ("none", "tensor", "row", "block", "mx")
 _ALIASES = {"current": "e4m3:tensor", "rowwise": "e4m3:row", "blockwise": "e4m3:block"}
 _MX_NAMES = ("mxfp8", "mxfp6", "mxfp4")
@@ -157,16 +158,16 @@ def quantize_target(x2: jax.Array, t: Target) -> Quantized:
         values = q * jnp.where(jnp.isnan(s), s, pow2.pow2(-e))
     elif t.scaling == "block":
         s, e = S.scale_from_amax(
-            S._block_amax(x3, t.block, False), t.fmt.max, eps=0.0, pow2_scales=True
+            S.block_amax(x3, t.block, False), t.fmt.max, eps=0.0, pow2_scales=True
         )
         scaled = jnp.where(jnp.isnan(s), nan, S.mul_pow2(x3, e))
         q = round_to_format(scaled, t.fmt)
         values = jnp.where(jnp.isnan(s), nan, S.mul_pow2(q, -e))
     else:
-        g = S._blocks_1d(x3, t.block)
+        g = S.blocks_1d(x3, t.block)
         a = S.amax(g, -1)
-        e = _pow2_exponent(a, float(t.fmt.max), t.fmt.emax, t.rule, t.fmt.mantissa_bits)
-        bad = ~S._finite(a)
+        e = scale_exponent(a, float(t.fmt.max), t.fmt.emax, t.rule, t.fmt.mantissa_bits)
+        bad = ~S.is_finite(a)
         e = jnp.where(bad, 0, e)
         y = jnp.where(bad, nan, S.mul_pow2(g, -e))
         q = round_to_format(y, t.fmt).reshape(x3.shape)
@@ -240,7 +241,7 @@ def _pow2_const(e: jax.Array) -> jax.Array:
 
 def round_to_format(y: jax.Array, fmt: FloatFormat) -> jax.Array:
     """float32 ``y`` rounded to ``fmt`` (nearest even), saturated to +-max, NaN kept: the
-    values of :func:`precisionlab.recipes._scaling.round_elements` (the same bits, up to the
+    values of :func:`precisionlab.recipes.scaling.round_elements` (the same bits, up to the
     sign of zero), in a few float or integer operations per element instead of an encode
     and a decode. Formats outside float32's range or without subnormals use the encoder."""
     y = jnp.asarray(y, jnp.float32)

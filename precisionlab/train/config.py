@@ -15,6 +15,7 @@ from precisionlab._schema import (
     Field,
     coerce,
     validate_table,
+    with_docs,
 )
 from precisionlab.mixed.loss_scale import LossScale, parse_loss_scale
 from precisionlab.mixed.policy import FP32_OPS, Policy, get_policy, parse_dtype
@@ -37,7 +38,9 @@ __all__ = [
     "check_loss_weight",
 ]
 
+#: How updates are rounded into low-precision parameters.
 UPDATE_ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic", "kahan")
+#: What a run does when the loss diverges.
 DIVERGENCE_ACTIONS: tuple[str, ...] = ("stop", "continue")
 #: Largest batch accepted: a batch of the built-in data is at least 4 bytes x 2**24 = 64 MiB
 #: per feature; beyond that it cannot be a laptop-scale experiment.
@@ -130,6 +133,75 @@ TRAIN_FIELDS: dict[str, Field] = {
     "telemetry": Field(dict, None, nullable=True, check=_telemetry, doc="numerics telemetry"),
 }
 
+# What each key means: the one description, shown by the experiment-file reference.
+TRAIN_FIELDS = with_docs(
+    TRAIN_FIELDS,
+    {
+        "model": "the built-in model (``MODELS``)",
+        "model_kwargs": "the model's keyword arguments (see ``make_model``); its input and "
+        "output sizes are taken from the data unless given",
+        "data": "the built-in dataset (``DATASETS``)",
+        "data_kwargs": "the dataset's keyword arguments (see ``make_data``)",
+        "optimizer": "the optax optimizer (``OPTIMIZERS``)",
+        "lr": "peak learning rate",
+        "schedule": "learning-rate schedule (``SCHEDULES``)",
+        "warmup_steps": "steps of linear warm-up to the peak rate",
+        "weight_decay": "decoupled weight decay (adamw, sgd, lion; 0 = off)",
+        "grad_clip": "global-norm gradient clip (off when absent)",
+        "optimizer_kwargs": "extra keywords for the optax constructor (e.g. b1, b2, eps, "
+        "momentum; see optimizer_kwargs below)",
+        "policy": 'jmp-style precision policy, e.g. "p=f32,c=bf16,o=f32"',
+        "fp32_ops": "ops kept in float32 (absent: the default list, "
+        "``precisionlab.mixed.DEFAULT_FP32_OPS``)",
+        "loss_scale": '"none", "static:S" or "dynamic"',
+        "loss_scale_kwargs": "the loss scale's options: init_scale, growth_interval, "
+        "backoff_factor, growth_factor, min_scale, max_scale, dtype",
+        "params_dtype": "storage dtype of the params (absent: the policy's param dtype)",
+        "grads_dtype": "dtype the gradients are stored in and handed to the optimizer in",
+        "opt_state_dtype": 'optimizer-state storage: "float32", "bfloat16", "float16", '
+        '"float8_e4m3fn" or "float8_e5m2" (fp8 with a per-tensor float32 scale)',
+        "update_rounding": "how updates are applied to params stored below float32 "
+        "(``UPDATE_ROUNDINGS``)",
+        "enforce_numerics": "force the compute dtype's rounding and overflow at op boundaries "
+        "(``lax.reduce_precision``), so CPU runs round where a GPU would",
+        "recipe": "a low-precision matmul recipe for every matmul (off when absent): a name "
+        '("mxfp8", ``precisionlab.recipes.RECIPE_NAMES``) or a table with ``name``, the '
+        "recipe's fields and ``include``/``exclude`` (matmul positions, names or patterns)",
+        "high_precision_layers": 'layer names or glob patterns (["layer3", "block*"]) computed '
+        "in float32 with float32 params and gradients, excluded from the recipe; a pattern "
+        "matching no layer is an error",
+        "steps": "training steps",
+        "seed": "PRNG seed (parameters, data, stochastic rounding)",
+        "batch_size": "examples per step",
+        "microbatches": "gradient accumulation: micro-batches per step (must divide batch_size)",
+        "eval_interval": "evaluate every N steps (0 = only at the end)",
+        "eval_batches": "batches per evaluation",
+        "checkpoint_interval": "checkpoint every N steps (0 = off; needs a checkpoint directory)",
+        "divergence_k": "loss > k x running minimum (or non-finite) marks divergence (absent: "
+        "only non-finite)",
+        "divergence_action": 'on divergence: "stop" or "continue"',
+        "hist_interval": "histograms of log2|grad| and log2|activation| every N steps (0 = off)",
+        "shadow": "an fp32 shadow pass at histogram steps (or every shadow_interval steps)",
+        "shadow_interval": "shadow pass every N steps when > 0",
+        "data_parallel": "shard the batch over all local devices",
+        "allreduce_dtype": "dtype of the gradient all-reduce (absent: float32)",
+        "zero_stage": "ZeRO over the data-parallel devices (needs data_parallel): 1 shards the "
+        "optimizer state, 2 also the gradients, 3 also the params",
+        "remat": "``jax.checkpoint`` each model block",
+        "scan_layers": "identical layers stacked under ``lax.scan`` (mlp, transformer)",
+        "remat_every": "with scan_layers: checkpoint groups of K layers (0 = off): activation "
+        "memory O(N/K) + O(K)",
+        "remat_policy": "what a checkpointed group saves (``REMAT_POLICIES``)",
+        "report_leaves": "name the non-finite gradient leaves of skipped steps",
+        "progress": "tqdm progress bar (absent: only on a terminal)",
+        "loss_weight": "multiplies the training loss before differentiation, as a loss "
+        "averaged over 1/loss_weight times more tokens would; recorded and evaluated losses "
+        "stay plain; 1.0 = off",
+        "telemetry": "numerics telemetry (see [train.telemetry]); off when absent in Python, "
+        "on by default in experiment files",
+    },
+)
+
 
 #: The same fields without the parsing checks: a TrainConfig parses its policy, loss scale and
 #: dtype names once, into :class:`Precision` (the checks in TRAIN_FIELDS serve the experiment
@@ -160,64 +232,13 @@ class Precision:
 class TrainConfig:
     """Everything :func:`precisionlab.train.train` needs, as plain values.
 
-    Model and data:
-      model: a name in ``MODELS`` ("mlp", "transformer"); model_kwargs: its keyword arguments
-        (see ``make_model``). data: a name in ``DATASETS``; data_kwargs: its keyword arguments
-        (see ``make_data``). The model's input/output sizes are taken from the data unless given.
-    Optimizer:
-      optimizer: a name in ``OPTIMIZERS``; lr: peak learning rate; schedule: a name in
-      ``SCHEDULES``; warmup_steps; weight_decay (decoupled, for adamw/sgd/lion; 0 = off);
-      grad_clip: global-norm clip (None = off); optimizer_kwargs: extra keywords for the optax
-      constructor (e.g. b1, b2, eps, momentum).
-    Precision:
-      policy: jmp-style policy string ("p=f32,c=bf16,o=f32"); fp32_ops: ops kept in float32
-        (None = the default list, see ``precisionlab.mixed.FP32_OPS``).
-      loss_scale: "none" | "static:S" | "dynamic"; loss_scale_kwargs: e.g. init_scale,
-        growth_interval, backoff_factor, growth_factor, min_scale, max_scale, dtype.
-      params_dtype: storage dtype of the params (None = the policy's param dtype);
-      grads_dtype: dtype the gradients are stored/handed to the optimizer in;
-      opt_state_dtype: "float32" | "bfloat16" | "float16" | "float8_e4m3fn" | "float8_e5m2"
-        (fp8 stored with a per-tensor float32 scale);
-      update_rounding: how updates are applied to params stored below float32: one of
-        ``UPDATE_ROUNDINGS``.
-      enforce_numerics: force the compute dtype's rounding and overflow at op boundaries
-        (``lax.reduce_precision``), so CPU runs round where a GPU would.
-      recipe: a low-precision matmul recipe for every matmul of the model (None = off): a name
-        (``"mxfp8"``, see ``precisionlab.recipes.RECIPE_NAMES``) or a table with ``name``, the
-        recipe's fields (``scale_rule = "floor"``) and ``include`` / ``exclude`` (matmul
-        positions, names or patterns; excluded ones stay in the compute dtype), parsed into
-        ``config.precision.recipe`` (a :class:`~precisionlab.train.recipe.TrainRecipe`).
-      high_precision_layers: layer names or glob patterns (``["layer3", "block*"]``, see
-        ``Model.layer_names``) returned to high precision: computed in float32 with float32
-        params and gradients whatever the policy, and excluded from the recipe. A pattern that
-        matches no layer of the model is an error. Resolved into ``.high_precision`` (names).
-    Loop:
-      steps, seed, batch_size, microbatches (gradient accumulation; batch_size must divide),
-      eval_interval (0 = only at the end), eval_batches, checkpoint_interval (0 = off; needs a
-      checkpoint_dir), divergence_k (loss > k * running min, or non-finite, marks divergence;
-      None = only non-finite), divergence_action ("stop" | "continue"), hist_interval (0 = off:
-      histograms of log2|grad| and log2|activation| every N steps), shadow (fp32 shadow pass at
-      hist steps, or every ``shadow_interval`` steps if > 0), data_parallel (shard the batch over
-      all local devices), allreduce_dtype (dtype of the gradient all-reduce, None = float32),
-      zero_stage (ZeRO over the data-parallel devices, needs data_parallel: 1 shards the
-      optimizer state, 2 also the gradients, 3 also the params; see ``train.parallel``),
-      remat (jax.checkpoint each model block), scan_layers (mlp, transformer: identical layers
-      stacked under ``lax.scan``), remat_every (with scan_layers: ``jax.checkpoint`` groups of
-      K layers, 0 = off: activation memory O(N/K) + O(K)), remat_policy (what a checkpointed
-      group saves: a name in ``REMAT_POLICIES``), report_leaves (name the non-finite gradient
-      leaves of skipped steps), progress (tqdm bar; None = only on a tty).
-    Loss:
-      loss_weight: multiplies the training loss before differentiation, as a loss averaged over
-        1/loss_weight times more tokens would (this puts a small model's gradients where a large
-        model's are, e.g. below float16's range; Adam is invariant to it up to its ``eps``);
-        recorded losses (per-step ``loss``, ``final_loss``) stay the plain loss; evaluation uses
-        the plain loss. 1.0 = off (bitwise the unweighted run).
-    Telemetry:
-      telemetry: None (off; TOML: ``{enabled = false}``) or a table: ``interval`` (every N
-        steps; 0 = auto, max(10, steps // 10)), ``targets`` (what-if formats and recipes,
-        default ``["fp16", "bf16", "e4m3:tensor"]``), ``matmuls`` and ``state`` (which
-        statistics), ``enabled``; see :mod:`precisionlab.train.telemetry`. Experiments turn it
-        on by default (``{}``).
+    One field per key of an experiment file's ``[train]`` table, in the same order: its type,
+    default, allowed values, range and meaning are declared once, in :data:`TRAIN_FIELDS`
+    (the experiment-file reference of the documentation renders that table). The fields are
+    grouped as model and data (model, data and their kwargs), optimizer (optimizer to
+    optimizer_kwargs), precision (policy to high_precision_layers), loop (steps to progress),
+    loss (loss_weight) and telemetry. Making a config validates every field and parses the
+    policy, loss scale, storage dtypes and recipe once into :attr:`precision`.
     """
 
     model: str = "mlp"

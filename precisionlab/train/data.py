@@ -32,6 +32,7 @@ from precisionlab.train.text import TextData
 
 __all__ = ["DATASETS", "SPLITS", "Dataset", "MarkovData", "TeacherData", "data_kind", "make_data"]
 
+#: The built-in datasets :func:`make_data` makes.
 DATASETS: tuple[str, ...] = ("teacher", "markov", "text", "digits")
 
 

@@ -69,6 +69,7 @@ __all__ = [
     "resolve_layers",
 ]
 
+#: The built-in models :func:`make_model` builds.
 MODELS: tuple[str, ...] = ("mlp", "transformer", "conv")
 _ACTIVATIONS = ("relu", "gelu", "tanh")
 

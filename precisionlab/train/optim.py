@@ -10,7 +10,9 @@ from precisionlab._schema import FLOAT32_MAX, Field
 
 __all__ = ["OPTIMIZERS", "OPTIMIZER_FIELDS", "SCHEDULES", "make_optimizer", "make_schedule"]
 
+#: The optax optimizers a config names.
 OPTIMIZERS: tuple[str, ...] = ("sgd", "momentum", "adam", "adamw", "lion", "rmsprop")
+#: The learning-rate schedules a config names.
 SCHEDULES: tuple[str, ...] = ("constant", "cosine", "linear")
 
 _DECAY = Field(float, low=0.0, high=1.0)  # a moving-average coefficient

@@ -1,5 +1,8 @@
 """Scale rules and operand quantizers of the recipes, on (B, R, K) operands.
 
+Shared with telemetry (the same scale rules, so its what-if counts match the recipes); not
+part of the public API (docs/reference/public_api.txt): users import from ``precisionlab.recipes``.
+
 Every operand reaching a GEMM is laid out as ``(B, R, K)``: batch, kept rows, and the
 contraction axis last, so "along the contraction axis" is always the last axis. A quantizer
 returns a :class:`QOperand`: element values (exact float32 values of the element format),
@@ -24,7 +27,7 @@ from jax import lax
 from precisionlab.bits import decode, encode
 from precisionlab.formats import FORMATS, FloatFormat
 from precisionlab.quant import pow2
-from precisionlab.quant._core import _pow2_exponent
+from precisionlab.quant.pow2 import scale_exponent
 
 __all__ = ["QOperand", "amax", "block_pow2", "mx_blocks", "nvfp4", "per_row", "tensorwise"]
 
@@ -67,7 +70,7 @@ def _is_zero(a: jax.Array) -> jax.Array:
     return (lax.bitcast_convert_type(a, jnp.uint32) & _ABS) == 0
 
 
-def _finite(a: jax.Array) -> jax.Array:
+def is_finite(a: jax.Array) -> jax.Array:
     return (lax.bitcast_convert_type(a, jnp.uint32) & _ABS) < np.uint32(0x7F800000)
 
 
@@ -131,9 +134,9 @@ def scale_from_amax(a: jax.Array, fmt_max: float, *, eps: float, pow2_scales: bo
     s = _quotient_scale(a, fmt_max, eps)
     if eps == 0:
         s = jnp.where(_is_zero(a), jnp.float32(1.0), s)
-    bad = ~_finite(a)
+    bad = ~is_finite(a)
     if pow2_scales:
-        s = jnp.where(_finite(s), s, jnp.float32(np.ldexp(1.0, 127)))  # TE: 2**127 for inf
+        s = jnp.where(is_finite(s), s, jnp.float32(np.ldexp(1.0, 127)))  # TE: 2**127 for inf
         e = _pow2_floor(s)
         s = jnp.where(bad, jnp.float32(jnp.nan), pow2.pow2(e))
         return s, jnp.where(bad, 0, e)
@@ -180,23 +183,23 @@ def per_row(
 
 
 # --- blocks ------------------------------------------------------------------------------
-def _blocks_1d(x: jax.Array, b: int) -> jax.Array:
+def blocks_1d(x: jax.Array, b: int) -> jax.Array:
     *lead, k = x.shape
     return x.reshape(*lead, k // b, b)
 
 
-def _blocks_2d(x: jax.Array, b: int) -> jax.Array:
+def blocks_2d(x: jax.Array, b: int) -> jax.Array:
     bb, r, k = x.shape
     return x.reshape(bb, r // b, b, k // b, b)
 
 
-def _block_amax(x: jax.Array, block: int, two_d: bool) -> jax.Array:
+def block_amax(x: jax.Array, block: int, two_d: bool) -> jax.Array:
     """Per-element-broadcastable amax of 1 x block (along K) or block x block tiles."""
     if two_d:
-        g = _blocks_2d(x, block)
+        g = blocks_2d(x, block)
         a = amax(g, (2, 4))
         return jnp.broadcast_to(a, g.shape).reshape(x.shape)
-    g = _blocks_1d(x, block)
+    g = blocks_1d(x, block)
     return jnp.broadcast_to(amax(g, -1), g.shape).reshape(x.shape)
 
 
@@ -206,7 +209,7 @@ def block_pow2(
     """DeepSeek-V3 / TE Float8BlockScaling: per 1 x block (or block x block) tile, the scale
     ``s = 2**floor(log2(float32(fmt_max / amax)))``, amax 0 -> 1, inf quotient -> 2**127.
     Returns (operand, per-element s)."""
-    a = _block_amax(x, block, two_d)
+    a = block_amax(x, block, two_d)
     s, e = scale_from_amax(a, fmt.max, eps=0.0, pow2_scales=True)
     q = _apply(x, s, e, fmt, rounding, key)
     return QOperand(q, None, _inv(s, e), -e), s
@@ -219,10 +222,10 @@ def mx_blocks(
     :data:`precisionlab.quant.SCALE_RULES`), clamped to [-127, 127]; elements x / X rounded and
     saturated; a block holding inf/NaN gets the NaN scale. Returns (operand, X per element).
     """
-    g = _blocks_1d(x, block)
+    g = blocks_1d(x, block)
     a = amax(g, -1)
-    e = _pow2_exponent(a, float(fmt.max), fmt.emax, rule, fmt.mantissa_bits)
-    bad = ~_finite(a)
+    e = scale_exponent(a, float(fmt.max), fmt.emax, rule, fmt.mantissa_bits)
+    bad = ~is_finite(a)
     e = jnp.where(bad, 0, e)
     y = mul_pow2(g, -e)
     y = jnp.where(bad, jnp.float32(jnp.nan), y)
@@ -252,12 +255,12 @@ def nvfp4(
     """
     ga = amax(x, None)
     s_enc = jnp.where(_is_zero(ga), jnp.float32(1.0), _NV_GLOBAL / ga)
-    s_enc = jnp.where(_finite(ga), s_enc, jnp.float32(jnp.nan))
-    a = _block_amax(x, block, two_d)
+    s_enc = jnp.where(is_finite(ga), s_enc, jnp.float32(jnp.nan))
+    a = block_amax(x, block, two_d)
     sb = round_elements((a * _SIXTH) * s_enc, E4M3)
     zero = _is_zero(sb)
     y = x * jnp.where(zero, jnp.float32(0.0), s_enc / jnp.where(zero, 1.0, sb))
-    y = jnp.where(_finite(a), y, jnp.float32(jnp.nan))
+    y = jnp.where(is_finite(a), y, jnp.float32(jnp.nan))
     q = round_elements(y, _E2M1, rounding, key)
     return QOperand(q, (jnp.float32(1.0) / s_enc).reshape(1, 1, 1), sb), sb, s_enc
 
@@ -275,6 +278,6 @@ def hadamard_matrix(seed: int, n: int = 16) -> np.ndarray:
 def apply_hadamard(x: jax.Array, mat: np.ndarray) -> jax.Array:
     """Blocks of ``n`` along the last axis times the (n, n) matrix (float32, HIGHEST)."""
     n = mat.shape[0]
-    g = _blocks_1d(x, n)
+    g = blocks_1d(x, n)
     out = jnp.einsum("...j,jk->...k", g, jnp.asarray(mat), precision=lax.Precision.HIGHEST)
     return out.reshape(x.shape)

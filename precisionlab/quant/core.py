@@ -1,5 +1,8 @@
 """The arithmetic shared by quantize, dequantize and fake_quant, on grouped views.
 
+Shared with the benchmarks; not part of the public API (docs/reference/public_api.txt):
+users import from ``precisionlab.quant``.
+
 A grouped view of ``x`` is ``x`` itself (tensor and channel granularity; statistics reduce
 over the other axes with keepdims) or, for blocks, ``x`` with ``axis`` moved last, padded to
 whole blocks and reshaped to ``(..., n_blocks, block_size)``. Scales live in keepdims shape
@@ -18,10 +21,9 @@ import numpy as np
 from precisionlab.bits import encode, round_to_format
 from precisionlab.formats import FORMATS, FloatFormat, IntFormat
 from precisionlab.quant import pow2
-from precisionlab.quant._spec import MSE_GRID, MSE_MIN_RATIO, QuantSpec
+from precisionlab.quant.spec import MSE_GRID, MSE_MIN_RATIO, QuantSpec
 
 _SCALE16 = {"float16": FORMATS["float16"], "bfloat16": FORMATS["bfloat16"]}
-_EMIN_SCALE, _EMAX_SCALE = -127, 127  # the E8M0 range, used for every power-of-two scale
 
 
 # --- layout --------------------------------------------------------------------------------
@@ -87,30 +89,6 @@ class Scale(NamedTuple):
     s_codes: jax.Array | None
 
 
-def _pow2_exponent(
-    c: jax.Array, target: float, emax_target: int, rule: str, mbits: int = 0
-) -> jax.Array:
-    """Exponent of the power-of-two scale mapping clip value ``c`` near ``target``.
-
-    floor: floor(log2 c) - emax_target (OCP MX rule; elements above target saturate).
-    ceil:  ceil(log2 c) - emax_target (torchao CEIL).
-    rceil: ceil(log2(c / target)) (TE / cuBLAS; never saturates).
-    even:  floor rule on c rounded to ``mbits`` mantissa bits (torchao EVEN).
-    All exact on the bits (XLA on CPU flushes float32 subnormals in float arithmetic).
-    """
-    if rule == "floor":
-        e = pow2.floor_log2(c) - emax_target
-    elif rule == "ceil":
-        e = pow2.ceil_log2(c) - emax_target
-    elif rule == "even":
-        e = pow2.floor_log2(pow2.round_to_exponent(c, mbits)) - emax_target
-    else:
-        e = pow2.ceil_log2_ratio(c, target)
-    zero = pow2.floor_log2(c) == pow2.ZERO_LOG2
-    e = jnp.where(zero, _EMIN_SCALE, e)
-    return jnp.clip(e, _EMIN_SCALE, _EMAX_SCALE).astype(jnp.int32)
-
-
 def _mbits(spec: QuantSpec) -> int:
     """Mantissa bits of the element (for the "even" rule): a float's fraction bits; for an
     integer of b bits, b - 2 (the bits below the leading one of its largest magnitude)."""
@@ -160,14 +138,16 @@ def scale_from_clip(spec: QuantSpec, c=None, lo=None, hi=None) -> Scale:
     if spec.scheme == "symmetric":
         bad = ~jnp.isfinite(c) if spec.mx is not None else None
         if spec.pow2:
-            e = _pow2_exponent(c, spec.clip_target, spec.emax_target, spec.scale_rule, _mbits(spec))
+            e = pow2.scale_exponent(
+                c, spec.clip_target, spec.emax_target, spec.scale_rule, _mbits(spec)
+            )
             return Scale(None, e, bad, None, None)
         s, codes = _float_scale(_div_const(c, spec.clip_target), spec, zero=c == 0)
         return Scale(s, None, None, None, codes)
     qrange = spec.qmax - spec.qmin
     span = (hi - lo).astype(jnp.float32)
     if spec.pow2:
-        e = _pow2_exponent(
+        e = pow2.scale_exponent(
             span, qrange, int(np.floor(np.log2(qrange))), spec.scale_rule, _mbits(spec)
         )
         shifted = pow2.ldexp(lo, -e)
@@ -343,7 +323,7 @@ def _reduce_with_nan(xg, axes, parts):
     return tuple(jnp.where(nan, jnp.float32(jnp.nan), jnp.expand_dims(v, axes)) for v in vals)
 
 
-def _amax(xg, axes):
+def group_amax(xg, axes):
     """max |x| per group (keepdims), float32; NaN in a group gives NaN."""
     (m,) = _reduce_with_nan(xg, axes, ((jnp.abs, jnp.maximum),))
     return m
@@ -361,7 +341,7 @@ def _search_mse(xg, axes, spec: QuantSpec) -> Scale:
     ratios = jnp.asarray(np.geomspace(1.0, MSE_MIN_RATIO, MSE_GRID), jnp.float32)
     near = dataclasses.replace(spec, rounding="nearest_even")
     if spec.scheme == "symmetric":
-        base = (_amax(xg, axes),)
+        base = (group_amax(xg, axes),)
     else:
         base = _min_max(xg, axes)
 
@@ -415,6 +395,6 @@ def choose_scale(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, Scale]:
     if spec.scale == "none":
         return xg, scale_from_clip(spec)
     if spec.scheme == "symmetric":
-        return xg, scale_from_clip(spec, c=_amax(xg, axes))
+        return xg, scale_from_clip(spec, c=group_amax(xg, axes))
     lo, hi = _min_max(xg, axes)
     return xg, scale_from_clip(spec, lo=lo, hi=hi)

@@ -1,5 +1,7 @@
 """Keep large host buffers resident between calls (glibc malloc settings for XLA on CPU).
 
+Shared with the benchmarks; not part of the public API (docs/reference/public_api.txt).
+
 Why: XLA's CPU client allocates every output with ``malloc``. glibc serves blocks above
 32 MiB (and every block of a thread arena above 64 MiB) with a fresh ``mmap`` and unmaps it
 on ``free``, so each whole-array call that returns a 2^24-element float32 array first

@@ -1,4 +1,8 @@
-"""Eager validation of quantization arguments into one static, hashable spec."""
+"""Eager validation of quantization arguments into one static, hashable spec.
+
+Shared with the survey and the benchmarks; not part of the public API
+(docs/reference/public_api.txt): users import from ``precisionlab.quant``.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,9 @@ from precisionlab.quant.qarray import SCALE_FORMATS
 
 __all__ = ["SCALE_METHODS", "SCHEMES", "QuantSpec", "resolve"]
 
+#: Quantization schemes: a symmetric range, or an integer zero point from min/max.
 SCHEMES = ("symmetric", "asymmetric")
+#: How the scale is chosen (``auto``: ``none`` for floats of 16 bits or more, else ``amax``).
 SCALE_METHODS = ("auto", "amax", "percentile:<p>", "mse", "none")
 #: Clipping ratios the "mse" scale search tries: 1.0 down to 0.01, geometrically spaced
 #: (heavy-tailed tensors at 4 bits want clip values far below amax).
@@ -88,7 +94,7 @@ class QuantSpec:
         return self.mx if self.mx is not None else self.fmt
 
 
-def _parse_format(fmt) -> tuple[Format, MXFormat | None]:
+def parse_format(fmt) -> tuple[Format, MXFormat | None]:
     mx = get_mx_format(fmt)
     if mx is not None:
         return mx.element, mx
@@ -98,7 +104,7 @@ def _parse_format(fmt) -> tuple[Format, MXFormat | None]:
         raise ValueError(f"{err}; or an MX format: {', '.join(MX_FORMATS)}") from None
 
 
-def _parse_scale(scale: str | None, fmt: Format) -> tuple[str, float | None]:
+def parse_scale(scale: str | None, fmt: Format) -> tuple[str, float | None]:
     if scale is None or scale == "auto":
         wide_float = isinstance(fmt, FloatFormat) and fmt.bits >= 16
         return ("none" if wide_float else "amax"), None
@@ -132,7 +138,7 @@ def resolve(
     full_range: bool = False,
 ) -> QuantSpec:
     """Validate the arguments of quantize/fake_quant for an input of ``ndim`` axes."""
-    elem, mx = _parse_format(fmt)
+    elem, mx = parse_format(fmt)
     rounding = parse_rounding(rounding).value
     if axis is not None:
         if isinstance(axis, bool) or not isinstance(axis, int):
@@ -198,7 +204,7 @@ def resolve(
     if full_range and not (is_int and scheme == "symmetric"):
         raise ValueError("full_range applies to symmetric signed integer formats only")
 
-    method, p = _parse_scale(scale, elem)
+    method, p = parse_scale(scale, elem)
     if method == "none" and scheme == "asymmetric":
         raise ValueError("scale='none' cannot define a zero point: use amax, mse or percentile")
     scale_format = "float32" if scale_format is None else scale_format
