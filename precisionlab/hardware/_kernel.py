@@ -88,7 +88,8 @@ def _to_f32(neg, hi, lo, q, bits: int) -> jax.Array:
     drop = jnp.maximum(drop, -149 - q)  # below float32's smallest subnormal
     d_hi = jnp.clip(drop - 15, 0, 31)
     d_lo = jnp.clip(drop, 0, 31)
-    from_hi = jnp.where(drop >= 15, lax.shift_right_logical(hi, d_hi), hi << jnp.clip(15 - drop, 0, 15))
+    up = hi << jnp.clip(15 - drop, 0, 15)
+    from_hi = jnp.where(drop >= 15, lax.shift_right_logical(hi, d_hi), up)
     from_lo = jnp.where(drop >= 15, 0, lax.shift_right_logical(lo, d_lo))
     mant = jnp.where(drop >= 47, 0, from_hi | from_lo)
     e = q + drop
@@ -122,7 +123,7 @@ def step_apply(
     g = max(1, min(w, 1 << (MAX_F - f)))
     while w % g:
         g -= 1
-    parts = jnp.sum(t.reshape((w // g, g) + t.shape[1:]), axis=1)
+    parts = jnp.sum(t.reshape((w // g, g, *t.shape[1:])), axis=1)
     if step.accumulator_in_alignment:
         sc = big - ce + 23 - f
         ca = jnp.where(sc >= 0, _shr_tz(cm, jnp.maximum(sc, 0)), cm << jnp.clip(-sc, 0, 7))

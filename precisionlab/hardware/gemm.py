@@ -66,6 +66,7 @@ def _chain_all(a, b, res: Resolved) -> jax.Array:
     b = jnp.pad(b, ((0, kp - kk), (0, 0)))
     am, ae = _k.decode(a, _k.shift_for(step, pa, pb), flush)
     bm, be = _k.decode(b, 0, flush)
+
     # (nsteps, w, nslices, nblocks, M or N)
     def lay(x, r):
         x = x.reshape(r, nslices, nblocks, nsteps, w)

@@ -38,28 +38,76 @@ _16_HOPPER = Step(products=16, fraction_bits=25, result_bits=24)
 PROFILES: dict[str, Profile] = {
     f"{p.device}/{p.kind}": p
     for p in (
-        Profile("h100", "fp8", _FP8_HOPPER, "wgmma.m64nNk32 (e4m3/e5m2, f32 accumulator)",
-                f"{H100}; agrees with {KH} and {MS}", True),
-        Profile("h100", "16bit", _16_HOPPER, "wgmma.m64nNk16 (f16/bf16, f32 accumulator)",
-                f"{H100}; agrees with {KH} and {MS}", True),
-        Profile("a100", "16bit", Step(products=8, fraction_bits=24), "mma.m16n8k16 (two fused "
-                "8-product steps)", f"{MS}; {FASI}", False),
+        Profile(
+            "h100",
+            "fp8",
+            _FP8_HOPPER,
+            "wgmma.m64nNk32 (e4m3/e5m2, f32 accumulator)",
+            f"{H100}; agrees with {KH} and {MS}",
+            True,
+        ),
+        Profile(
+            "h100",
+            "16bit",
+            _16_HOPPER,
+            "wgmma.m64nNk16 (f16/bf16, f32 accumulator)",
+            f"{H100}; agrees with {KH} and {MS}",
+            True,
+        ),
+        Profile(
+            "a100",
+            "16bit",
+            Step(products=8, fraction_bits=24),
+            "mma.m16n8k16 (two fused 8-product steps)",
+            f"{MS}; {FASI}",
+            False,
+        ),
         Profile("a100", "fp8", None, "none (Ampere has no FP8 tensor cores)", MS, False),
-        Profile("v100", "16bit", Step(products=4, fraction_bits=23), "mma.m8n8k4 (f16 only)",
-                f"{FASI}; {MS}", False, "bfloat16 inputs are not supported by Volta"),
+        Profile(
+            "v100",
+            "16bit",
+            Step(products=4, fraction_bits=23),
+            "mma.m8n8k4 (f16 only)",
+            f"{FASI}; {MS}",
+            False,
+            "bfloat16 inputs are not supported by Volta",
+        ),
         Profile("v100", "fp8", None, "none (Volta has no FP8 tensor cores)", FASI, False),
-        Profile("l40s", "16bit", Step(products=8, fraction_bits=24), "mma.m16n8k16 (two fused "
-                "8-product steps)", MS, False),
-        Profile("l40s", "fp8", Step(products=16, fraction_bits=13, result_bits=14),
-                "mma.m16n8k32 e4m3/e5m2 (two fused 16-product steps, 13-bit accumulation)",
-                f"{MS}; {KH}", False),
-        Profile("b200", "16bit", Step(products=16, fraction_bits=25), "tcgen05.mma kind::f16",
-                f"{MS}; {KH}", False),
-        Profile("b200", "fp8", Step(products=32, fraction_bits=25), "tcgen05.mma kind::f8f6f4 "
-                "(also MXFP8 block-scaled: the E8M0 block scales add to the exponents)",
-                f"{MS}; {KH}", False,
-                "NVFP4/MXFP4 (kind::mxf4nvf4, 16-product exact groups, 35 fraction bits) is "
-                "described by MMA-Sim but not implemented here: it needs a 64-bit kernel"),
+        Profile(
+            "l40s",
+            "16bit",
+            Step(products=8, fraction_bits=24),
+            "mma.m16n8k16 (two fused 8-product steps)",
+            MS,
+            False,
+        ),
+        Profile(
+            "l40s",
+            "fp8",
+            Step(products=16, fraction_bits=13, result_bits=14),
+            "mma.m16n8k32 e4m3/e5m2 (two fused 16-product steps, 13-bit accumulation)",
+            f"{MS}; {KH}",
+            False,
+        ),
+        Profile(
+            "b200",
+            "16bit",
+            Step(products=16, fraction_bits=25),
+            "tcgen05.mma kind::f16",
+            f"{MS}; {KH}",
+            False,
+        ),
+        Profile(
+            "b200",
+            "fp8",
+            Step(products=32, fraction_bits=25),
+            "tcgen05.mma kind::f8f6f4 "
+            "(also MXFP8 block-scaled: the E8M0 block scales add to the exponents)",
+            f"{MS}; {KH}",
+            False,
+            "NVFP4/MXFP4 (kind::mxf4nvf4, 16-product exact groups, 35 fraction bits) is "
+            "described by MMA-Sim but not implemented here: it needs a 64-bit kernel",
+        ),
     )
 }
 

@@ -49,4 +49,6 @@ class Schedule:
                 f"(butterfly bit order), got {o!r}"
             )
         if self.upcast not in (None, "float16", "bfloat16"):
-            raise ValueError(f"Schedule.upcast must be None, 'float16' or 'bfloat16', got {self.upcast!r}")
+            raise ValueError(
+                f"Schedule.upcast must be None, 'float16' or 'bfloat16', got {self.upcast!r}"
+            )
