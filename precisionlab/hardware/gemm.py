@@ -67,23 +67,28 @@ def _chain_all(a, b, res: Resolved) -> jax.Array:
     am, ae = _k.decode(a, _k.shift_for(step, pa, pb), flush)
     bm, be = _k.decode(b, 0, flush)
 
-    # (nsteps, w, nslices, nblocks, M or N)
+    # (nslices, nblocks, nsteps, w, M or N): slices, then blocks, then steps, run in order
     def lay(x, r):
         x = x.reshape(r, nslices, nblocks, nsteps, w)
-        return jnp.transpose(x, (3, 4, 1, 2, 0))
+        return jnp.transpose(x, (1, 2, 3, 4, 0))
 
     am, ae = lay(am, m)[..., :, None], lay(ae, m)[..., :, None]
     bm, be = lay(bm.T, n)[..., None, :], lay(be.T, n)[..., None, :]
+    zero = jnp.zeros((m, n), jnp.float32)
 
-    def body(c, x):
+    def one_step(c, x):
         return _k.step_apply(*x, c, step, pa, pb), None
 
-    c0 = jnp.zeros((nslices, nblocks, m, n), jnp.float32)
-    acc, _ = lax.scan(body, c0, (am, ae, bm, be))
-    if nblocks > 1:  # restart: blocks added into a float32 register, in order
-        acc, _ = lax.scan(lambda s, x: (s + x, None), acc[:, 0], jnp.moveaxis(acc[:, 1:], 1, 0))
-    else:
-        acc = acc[:, 0]
+    def one_block(total, x):
+        c, _ = lax.scan(one_step, zero, x)
+        # restart: the block's chain is added into a float32 register, rounded to nearest
+        return (c if nblocks == 1 else total + c), None
+
+    def one_slice(_, x):
+        total, _ = lax.scan(one_block, zero, x)
+        return None, total
+
+    _, acc = lax.scan(one_slice, None, (am, ae, bm, be))
     return _reduce_slices(acc, sch)
 
 
