@@ -30,22 +30,32 @@ def _fp8(tag, bdt=E4):
 
 
 # --- cuBLASLt (torch._scaled_mm) ------------------------------------------------------------
-@pytest.mark.parametrize("k", [256, 1024, pytest.param(4096, marks=pytest.mark.slow),
-                               pytest.param(16384, marks=pytest.mark.slow)])  # fmt: skip
-@pytest.mark.parametrize("fast", [1, 0])
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("k,fast", [(256, 0), pytest.param(256, 1, marks=SLOW)]
+                         + [pytest.param(k, f, marks=SLOW) for k in (1024, 4096, 16384)
+                            for f in (1, 0)])  # fmt: skip
 def test_cublaslt_fp8_random(k, fast):
     a, b = DATA[f"fp8_a_{k}"].view(E4), DATA[f"fp8_b_{k}"].view(E4)
     y = hw.gemm(a, b, "h100", "cublaslt", fast_accumulation=bool(fast))
     assert _same(y, DATA[f"fp8_torch_fast{fast}_{k}"]) == 1.0
 
 
-def test_cublaslt_targeted_vectors():
-    """P1 (subnormal alignment), P2 (carry headroom), P3 (step boundaries)."""
+@SLOW
+def test_cublaslt_subnormal_and_carry_vectors():
+    """P1 (subnormal alignment), P2 (carry headroom)."""
     cases = ["P1"] + [f"P2_{x}_{k}" for x in (44, 45) for k in (32, 64)]
     for tag in cases:
         a, b = _fp8(tag, E5 if (tag == "P1" or "_45_" in tag) else E4)
         for fast in (1, 0):
-            assert _same(hw.gemm(a, b, fast_accumulation=bool(fast)), DATA[f"torch{fast}_{tag}"]) == 1
+            y = hw.gemm(a, b, fast_accumulation=bool(fast))
+            assert _same(y, DATA[f"torch{fast}_{tag}"]) == 1
+
+
+@SLOW
+def test_cublaslt_step_boundaries():
+    """P3: one large product at k = pos shows where the 32-k steps begin."""
     # the seven P3 vectors share shapes: one vmapped call
     tags = [f"P3_{p}" for p in (0, 15, 16, 31, 32, 33, 63)]
     a = np.stack([DATA["a_" + t] for t in tags]).view(E4)
@@ -55,7 +65,8 @@ def test_cublaslt_targeted_vectors():
         assert _same(y, np.stack([DATA[f"torch{fast}_{t}"] for t in tags])) == 1.0
 
 
-@pytest.mark.parametrize("out", ["f32", "bf16", "f16"])
+@pytest.mark.parametrize("out", ["f32", pytest.param("bf16", marks=SLOW),
+                                 pytest.param("f16", marks=SLOW)])  # fmt: skip
 def test_cublaslt_scaled_outputs(out):
     """P7: scale_a, scale_b and 16-bit outputs, fast accumulation on and off."""
     a, b = _fp8("P7")
@@ -78,6 +89,7 @@ def test_cublaslt_bias():
 
 
 # --- XLA (Triton GEMM fusions), schedules read from the compiled HLO -------------------------
+@SLOW
 def test_xla_targeted_single_chain():
     """K <= 64 at M = N = 16: one Triton chain of 16-bit steps on FP8 upcast to float16."""
     for tag in ["P1", "P2_44_32", "P2_45_64", "P3_0", "P3_33", "P3_63"]:
@@ -85,7 +97,7 @@ def test_xla_targeted_single_chain():
         assert _same(hw.gemm(a, b, library="xla"), DATA["xla_" + tag]) == 1.0
 
 
-@pytest.mark.parametrize("name", ["f16", "bf16"])
+@pytest.mark.parametrize("name", ["f16", pytest.param("bf16", marks=SLOW)])
 def test_xla_16bit_split_k(name):
     """P4 (32 x 4096 x 32): 32 slices of 128 (HLO), reduced in butterfly order (4, 2, 1, 0, 3)."""
     dt = np.float16 if name == "f16" else ml_dtypes.bfloat16
@@ -148,10 +160,12 @@ def _random_values(rng, dt, n):
     return np.where(np.isfinite(v.astype(np.float32)), v, dt(0)).astype(dt)
 
 
-@pytest.mark.parametrize("dt,bdt,device", [(E4, E4, "h100"), (E4, E5, "h100"),
-                                           (np.float16, np.float16, "h100"),
-                                           (ml_dtypes.bfloat16, ml_dtypes.bfloat16, "h100"),
-                                           (np.float16, np.float16, "a100")])  # fmt: skip
+@pytest.mark.parametrize("dt,bdt,device", [(E4, E5, "h100"), (np.float16, np.float16, "h100"),
+                                           pytest.param(E4, E4, "h100", marks=SLOW),
+                                           pytest.param(ml_dtypes.bfloat16, ml_dtypes.bfloat16,
+                                                        "h100", marks=SLOW),
+                                           pytest.param(np.float16, np.float16, "a100",
+                                                        marks=SLOW)])  # fmt: skip
 def test_vectorized_chain_matches_scalar_reference(dt, bdt, device):
     """Random codes (subnormals and zeros included), three chained steps, 64 vectors."""
     rng = np.random.default_rng(7)
@@ -167,8 +181,9 @@ def test_vectorized_chain_matches_scalar_reference(dt, bdt, device):
         c = 0.0
         for s in range(3):
             sl = slice(s * w, (s + 1) * w)
-            c = step_reference([float(x) for x in a[i, 0, sl].astype(np.float64)],
-                               [float(x) for x in b[i, sl, 0].astype(np.float64)], c, step, na, nb)  # fmt: skip
+            xs = [float(x) for x in a[i, 0, sl].astype(np.float64)]
+            ys = [float(x) for x in b[i, sl, 0].astype(np.float64)]
+            c = step_reference(xs, ys, c, step, na, nb)
         assert np.float32(got[i]).view(np.uint32) == np.float32(c).view(np.uint32), (i, got[i], c)
 
 
@@ -176,7 +191,9 @@ def test_reference_hand_example():
     """Hopper FP8: 2**-9 + 2**-4 * 2**-16 keeps only 2**-9 (the small addend is below the
     13-bit grid of the largest alignment exponent, emin = -6 for the subnormal)."""
     step = hw.get_profile("h100", "fp8").step
-    got = step_reference([2.0**-9, 2.0**-4], [1.0, 2.0**-16], 0.0, step, "float8_e4m3fn", "float8_e5m2")
+    got = step_reference(
+        [2.0**-9, 2.0**-4], [1.0, 2.0**-16], 0.0, step, "float8_e4m3fn", "float8_e5m2"
+    )
     assert got == 2.0**-9
 
 
