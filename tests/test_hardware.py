@@ -222,3 +222,22 @@ def test_jit_and_dot_general_batch():
     assert y.shape == (3, 4, 5)
     for i in range(3):
         assert _same(y[i], hw.gemm(x[i], w[i])) == 1.0
+
+
+# --- CLI -------------------------------------------------------------------------------------
+def test_cli_gemm_conformance_and_bench_usage(capsys):
+    from precisionlab.cli import main
+
+    assert main(["conformance", "--gemm", "--libs", "numpy"]) == 2
+    assert "--gemm takes only --seed and --json" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cli_gemm_conformance_runs(capsys):
+    from precisionlab.cli import main
+
+    assert main(["conformance", "--gemm"]) == 0
+    out = capsys.readouterr().out
+    assert "xla:cpu" in out and "h100-fast" in out
+    assert main(["bench", "hardware", "--m", "8", "--n", "8", "--k", "256", "--repeats", "1"]) == 0
+    assert "M products/s" in capsys.readouterr().out
