@@ -82,6 +82,7 @@ def test_cublaslt_scaled_outputs(out):
         assert _same(y, ref) == 1.0
 
 
+@SLOW
 def test_cublaslt_bias():
     a, b = _fp8("P7")
     y = hw.gemm(a, b, out_dtype=jnp.bfloat16, scale_a=0.375, scale_b=3.0, bias=DATA["P7_bias"])
