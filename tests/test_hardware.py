@@ -242,3 +242,15 @@ def test_cli_gemm_conformance_runs(capsys):
     assert "xla:cpu" in out and "h100-fast" in out
     assert main(["bench", "hardware", "--m", "8", "--n", "8", "--k", "256", "--repeats", "1"]) == 0
     assert "M products/s" in capsys.readouterr().out
+
+
+def test_dot_general_preset_and_contracting_dims():
+    """lhs contracted on its first axis, rhs on its last; preset= picks device and library."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((64, 3)).astype(np.float16)
+    w = rng.standard_normal((2, 64)).astype(np.float16)
+    y = hw.dot_general(x, w, (((0,), (1,)), ((), ())), preset="h100")
+    assert y.shape == (3, 2)
+    assert _same(y, hw.gemm(x.T, w.T, "h100", "cublaslt", False)) == 1.0
+    with pytest.raises(ValueError, match="unknown hardware preset"):
+        hw.dot_general(x, w, (((0,), (1,)), ((), ())), preset="h100-turbo")

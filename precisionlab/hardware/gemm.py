@@ -157,15 +157,22 @@ def gemm(
 
 
 def dot_general(
-    lhs: jax.Array, rhs: jax.Array, dimension_numbers, *, device: str = "h100",
-    library: str = "cublaslt", fast_accumulation: bool = True, out_dtype=jnp.float32,
-    **overrides,
+    lhs: jax.Array, rhs: jax.Array, dimension_numbers, *, preset: str | None = None,
+    device: str = "h100", library: str = "cublaslt", fast_accumulation: bool = True,
+    out_dtype=jnp.float32, **overrides,
 ) -> jax.Array:  # fmt: skip
     """``lax.dot_general(lhs, rhs, dimension_numbers)`` computed by :func:`gemm`.
 
     Output layout as ``lax.dot_general``: batch dims, then lhs free dims, then rhs free dims.
     Contracting dims are flattened into one K (in their listed order), batch dims are mapped.
+    ``preset`` (``"h100-fast"``, ``"h100"``, ... see :data:`PRESETS`) sets device, library
+    and fast_accumulation at once. ``out_dtype`` plays ``preferred_element_type``'s part.
     """
+    if preset is not None:
+        from precisionlab.hardware.presets import preset as _preset
+
+        kw = _preset(preset)
+        device, library, fast_accumulation = kw["device"], kw["library"], kw["fast_accumulation"]
     (lc, rc), (lb, rb) = dimension_numbers
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     lc, rc, lb, rb = (tuple(int(d) for d in x) for x in (lc, rc, lb, rb))
