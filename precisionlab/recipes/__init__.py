@@ -9,8 +9,10 @@
   custom VJP quantizing the fprop, dgrad and wgrad GEMMs' operands as the recipe says.
 - :func:`apply`: any JAX function with its matmuls quantized (a jaxpr interpreter,
   :mod:`precisionlab.intercept`), with include/exclude and delayed-scaling state.
-- :func:`accumulate`: the m-bit accumulator emulation (``accumulate_bits``,
-  ``promote_every`` on every recipe).
+- :func:`accumulate`: the sequential m-bit accumulator, a study model, not hardware
+  (``accumulate_bits``, ``promote_every`` on every recipe); ``accumulate="h100-fast"``,
+  ``"h100"``, ... on every recipe computes the GEMMs as that device does instead
+  (:mod:`precisionlab.hardware`).
 """
 
 from precisionlab.recipes._accumulate import accumulate
