@@ -21,7 +21,7 @@ LAYERS = [
     ("bits",),
     ("quant",),
     ("",),  # precisionlab/__init__.py: re-exports formats, bits and quant
-    ("metrics",),
+    ("metrics", "hardware"),
     ("survey",),
     ("mixed",),
     ("intercept", "recipes", "emulate"),

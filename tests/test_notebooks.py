@@ -20,6 +20,7 @@ def test_the_notebooks_are_there():
         "04_fp8_recipes.ipynb",
         "05_where_precision_breaks.ipynb",
         "06_your_own_model.ipynb",
+        "07_hardware_gemm.ipynb",
     ]
 
 

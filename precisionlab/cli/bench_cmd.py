@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 
-from precisionlab.bench import codecs, quant, recipes, telemetry, train
+from precisionlab.bench import codecs, hardware, quant, recipes, telemetry, train
 from precisionlab.cli._common import UsageError
 
 HELP = "benchmarks against peers (ml_dtypes, gfloat, jmp), printed as ratios"
@@ -17,6 +17,7 @@ BENCHES = {
     "train": train,
     "recipes": recipes,
     "telemetry": telemetry,
+    "hardware": hardware,
 }
 
 

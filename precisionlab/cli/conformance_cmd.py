@@ -39,6 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (0)")
     parser.add_argument("--json", action="store_true", help="print the full result as JSON")
     parser.add_argument("--out", metavar="DIR", help="directory for report.md and the JSON")
+    parser.add_argument(
+        "--gemm",
+        action="store_true",
+        help="instead: the GEMMs on this machine (XLA per backend, numpy, torch) beside the "
+        "tensor-core models of precisionlab.hardware (share of bit-identical outputs)",
+    )
 
 
 def _list(text: str | None, flag: str) -> list[str] | None:
@@ -50,9 +56,30 @@ def _list(text: str | None, flag: str) -> list[str] | None:
     return items
 
 
+def _run_gemm(args: argparse.Namespace) -> int:
+    from precisionlab.conformance.gemm import gemm_tables, run_gemm_conformance
+
+    res = run_gemm_conformance(seed=args.seed)
+    if args.json:
+        rows = [
+            {"gemm": i, "case": c, "model": m, "bit_identical": v}
+            for (i, c, m), v in res.share.items()
+        ]
+        print(json.dumps(rows, indent=1))
+        return 0
+    for title, table in gemm_tables(res):
+        print(f"{title}\n{table}\n")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from precisionlab.conformance import matrix_tables, run_conformance, to_json, write_report
     from precisionlab.experiments import store
+
+    if getattr(args, "gemm", False):
+        if args.libs or args.formats or args.sources or args.out:
+            raise UsageError("--gemm takes only --seed and --json")
+        return _run_gemm(args)
 
     libs = _list(args.libs, "--libs")
     formats = _list(args.formats, "--formats")

@@ -12,8 +12,10 @@
 - :class:`RecipeSpec` / :class:`AppliedRecipe`: the contract a training recipe and its applied
   form keep (``stateful``, ``apply``; ``sites``, ``init_state``, ``value_and_grad``,
   ``update_state``), kept by ``train.TrainRecipe`` and ``diagnose``'s ``AutoSwitchRecipe``.
-- :func:`accumulate`: the m-bit accumulator emulation (``accumulate_bits``,
-  ``promote_every`` on every recipe).
+- :func:`accumulate`: the sequential m-bit accumulator, a study model, not hardware
+  (``accumulate_bits``, ``promote_every`` on every recipe); ``accumulate="h100-fast"``,
+  ``"h100"``, ... on every recipe computes the GEMMs as that device does instead
+  (:mod:`precisionlab.hardware`).
 """
 
 from precisionlab.recipes._accumulate import accumulate

@@ -25,7 +25,9 @@ from jax import lax
 
 from precisionlab.recipes import scaling as S
 from precisionlab.recipes._accumulate import accumulate
-from precisionlab.recipes._recipes import NVFP4, Delayed, Recipe, get_recipe
+from precisionlab.recipes._recipes import NVFP4, Delayed, Recipe, Reference, get_recipe
+
+E4M3_NAME = "float8_e4m3fn"
 
 __all__ = ["WEIGHT_OPERANDS", "dot_general", "matmul"]
 
@@ -86,9 +88,40 @@ def _prepare(recipe: Recipe, t: jax.Array, kind: str, what: str) -> jax.Array:
     return t
 
 
-def _gemm(recipe: Recipe, qa: S.QOperand, qb: S.QOperand) -> jax.Array:
+def _element_dtype(recipe: Recipe, kind: str, q: S.QOperand):
+    """The dtype holding a quantized operand's elements exactly, for the hardware GEMM."""
+    if q.block_inv is not None:
+        raise ValueError(
+            f"accumulate={recipe.accumulate!r}: the {recipe.name} recipe scales blocks inside "
+            "the contraction; the hardware models cover per-tensor and per-row scaled GEMMs "
+            "(recipes delayed, current, rowwise, reference with dtype bfloat16)"
+        )
+    if isinstance(recipe, Reference):
+        if recipe.dtype != "bfloat16":
+            raise ValueError("accumulate= a hardware preset needs Reference(dtype='bfloat16')")
+        return jnp.bfloat16
+    fmt = recipe.fmt(kind) if hasattr(recipe, "fmt") else E4M3_NAME
+    return jnp.dtype(getattr(fmt, "name", fmt))
+
+
+def _hardware_gemm(recipe: Recipe, qa, qb, kinds) -> jax.Array:
+    from precisionlab import hardware
+
+    da = _element_dtype(recipe, kinds[0], qa)
+    db = _element_dtype(recipe, kinds[1], qb)
+    a, b = qa.elems.astype(da), qb.elems.astype(db)  # exact: the elements are format values
+    if jnp.dtype(da).itemsize != jnp.dtype(db).itemsize:
+        raise ValueError(f"hardware GEMM of {jnp.dtype(da).name} x {jnp.dtype(db).name}")
+    kw = hardware.preset(recipe.accumulate)
+    dn = (((2,), (2,)), ((0,), (0,)))
+    return hardware.dot_general(a, b, dn, **kw)
+
+
+def _gemm(recipe: Recipe, qa: S.QOperand, qb: S.QOperand, kinds=("x", "w")) -> jax.Array:
     a, b = qa.block_values(), qb.block_values()
-    if recipe.accumulate_bits is None:
+    if recipe.accumulate not in (None, "sequential"):
+        acc = _hardware_gemm(recipe, qa, qb, kinds)
+    elif recipe.accumulate_bits is None:
         acc = jnp.einsum(
             "bmk,bnk->bmn", a, b, precision=lax.Precision.HIGHEST,
             preferred_element_type=jnp.float32,
@@ -122,7 +155,7 @@ def quantized_gemm(
         b = S.apply_hadamard(_pad_to(b, -1, 16), h)
     qa = recipe.quantize(a, kinds[0], scale=scales[0], key=keys[0])
     qb = recipe.quantize(b, kinds[1], scale=scales[1], key=keys[1])
-    return _gemm(recipe, qa, qb)[:, :m, :n]
+    return _gemm(recipe, qa, qb, kinds)[:, :m, :n]
 
 
 # --- custom VJP ----------------------------------------------------------------------------

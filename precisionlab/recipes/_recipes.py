@@ -6,8 +6,14 @@ Every recipe quantizes the operands of the three GEMMs of a matmul (fprop ``y = 
 in dgrad, ``x^T`` and ``g^T`` in wgrad) is quantized from the high-precision tensor, not from
 its quantized copy (as Transformer Engine does for MXFP8).
 
-Common fields (accumulator emulation, see :mod:`precisionlab.recipes._accumulate`):
-``accumulate_bits`` (None: float32; m: partial sums kept to m mantissa bits),
+Common fields (accumulator emulation): ``accumulate`` (None: float32 products summed by XLA
+at HIGHEST precision, or the study model below when ``accumulate_bits`` is set; a hardware
+preset of :data:`precisionlab.hardware.PRESETS` such as ``"h100-fast"`` or ``"h100"``: the
+GEMM computed bit for bit as that device and library do, see :mod:`precisionlab.hardware`;
+``"sequential"``: the study model, named explicitly). The *sequential study model* (see
+:mod:`precisionlab.recipes._accumulate`; not hardware: no tensor core rounds after every
+product) is configured by ``accumulate_bits`` (None: float32; m: partial sums kept to m
+mantissa bits),
 ``accumulate_rounding`` (``"nearest_even"`` or ``"toward_zero"``) and ``promote_every``
 (None, or N: the narrow partial sum is added into a float32 accumulator every N products,
 as DeepSeek-V3 does with N = 128).
@@ -62,11 +68,28 @@ class Recipe:
 
     name: ClassVar[str] = "recipe"
     stateful: ClassVar[bool] = False
+    accumulate: str | None = None
     accumulate_bits: int | None = None
     accumulate_rounding: str = "nearest_even"
     promote_every: int | None = None
 
     def __post_init__(self):
+        acc = self.accumulate
+        if acc is not None:
+            from precisionlab.hardware import PRESETS as HW
+
+            if acc != "sequential" and acc not in HW:
+                raise ValueError(
+                    f"unknown accumulate {acc!r}; allowed: sequential (the study model, with "
+                    f"accumulate_bits) or a hardware preset: {', '.join(HW)}"
+                )
+            if acc == "sequential" and self.accumulate_bits is None:
+                raise ValueError("accumulate='sequential' needs accumulate_bits")
+            if acc != "sequential" and self.accumulate_bits is not None:
+                raise ValueError(
+                    f"accumulate={acc!r} (hardware) and accumulate_bits (the sequential study "
+                    "model) exclude each other"
+                )
         for f in dataclasses.fields(self):
             # a TOML string "no" would be truthy: flags must be real booleans
             if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):

@@ -1,0 +1,83 @@
+"""``precisionlab bench hardware``: emulated tensor-core products per second beside the plain
+float32 matmul of the same shape, in the same run (alternating rounds)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from precisionlab import hardware as hw
+from precisionlab.bench._timing import positive_int, repeats_int, time_interleaved
+
+HELP = "hardware GEMM models: emulated products/s vs a float32 matmul of the same shape"
+
+#: name -> (operand dtype, gemm keyword arguments)
+CASES: dict[str, tuple[object, dict]] = {
+    "h100-fast fp8": (ml_dtypes.float8_e4m3fn, {"fast_accumulation": True}),
+    "h100 fp8 (promote 128)": (ml_dtypes.float8_e4m3fn, {"fast_accumulation": False}),
+    "h100 float16": (np.float16, {}),
+    "h100 bfloat16": (ml_dtypes.bfloat16, {}),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--m", type=positive_int, default=256, help="rows of a (default 256)")
+    parser.add_argument("--n", type=positive_int, default=256, help="columns of b (default 256)")
+    parser.add_argument("--k", type=positive_int, default=2048, help="contraction (default 2048)")
+    parser.add_argument("--repeats", type=repeats_int, default=3, help="timed calls (best)")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def measure(m: int, n: int, k: int, repeats: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    out = []
+    f32 = jax.jit(lambda x, y: jnp.matmul(x.astype(jnp.float32), y.astype(jnp.float32)))
+    for name, (dt, kw) in CASES.items():
+        a = jnp.asarray(rng.standard_normal((m, k)).astype(dt))
+        b = jnp.asarray(rng.standard_normal((k, n)).astype(dt))
+        t = time_interleaved(
+            {
+                "model": lambda a=a, b=b, kw=kw: hw.gemm(a, b, **kw),
+                "f32": lambda a=a, b=b: f32(a, b),
+            },
+            repeats=repeats,
+        )
+        prod = m * n * k
+        out.append({
+            "case": name, "model_ms": t["model"].best * 1e3, "f32_ms": t["f32"].best * 1e3,
+            "model_Mproducts_s": prod / t["model"].best / 1e6,
+            "f32_Mproducts_s": prod / t["f32"].best / 1e6,
+        })  # fmt: skip
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.m * args.n * args.k > 2**34:
+        from precisionlab._text import UsageError
+
+        raise UsageError("--m x --n x --k must be at most 2^34 products")
+    res = measure(args.m, args.n, args.k, args.repeats)
+    if args.json:
+        print(json.dumps(res, indent=1))
+        return 0
+    dev = jax.devices()[0]
+    print(
+        f"hardware GEMM models, {args.m}x{args.k} @ {args.k}x{args.n} ({dev.platform}, "
+        f"{platform.processor() or platform.machine()}, jax {jax.__version__}, best of "
+        f"{args.repeats}, alternating with a float32 matmul)"
+    )
+    head = f"{'case':<24} {'model ms':>9} {'f32 ms':>8} {'M products/s':>13} {'f32 / model':>11}"
+    print(head)
+    print("-" * len(head))
+    for r in res:
+        print(
+            f"{r['case']:<24} {r['model_ms']:>9.1f} {r['f32_ms']:>8.2f} "
+            f"{r['model_Mproducts_s']:>13.0f} {r['model_ms'] / r['f32_ms']:>10.0f}x"
+        )
+    return 0

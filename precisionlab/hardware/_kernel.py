@@ -1,0 +1,144 @@
+"""The vectorized step: integer significands and exponents, int32 only (exact without x64).
+
+Operands are decoded once into a signed significand (pre-shifted left so that no addend ever
+needs a left shift) and an alignment exponent. A step over ``w`` products works on arrays laid
+out ``(w, ..., M, N)``: elementwise int32 arithmetic, a max and a sum over the leading axis.
+
+Bit budget (why int32 is enough): with ``L = max(0, F - pa - pb)`` the pre-shifted product
+magnitude is below ``2**(F + 2)`` (``F`` fraction bits, ``pa``/``pb`` the inputs' fraction
+bits), so groups of ``2**(28 - F)`` addends sum below ``2**30``; the group sums and the
+aligned accumulator are then added in two 15-bit limbs, exact for any ``w`` used here.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from precisionlab.hardware.step import Step
+
+__all__ = ["INPUT_FORMATS", "decode", "step_apply"]
+
+#: dtype name -> (fraction bits, exponent bits, bias, code dtype)
+INPUT_FORMATS = {
+    "float8_e4m3fn": (3, 4, 7, jnp.uint8),
+    "float8_e5m2": (2, 5, 15, jnp.uint8),
+    "float16": (10, 5, 15, jnp.uint16),
+    "bfloat16": (7, 8, 127, jnp.uint16),
+}
+ZERO_E = -(1 << 12)  # alignment exponent of a zero: far below any real one
+MAX_F = 28
+
+
+def shift_for(step: Step, pa: int, pb: int) -> int:
+    """Left pre-shift of the lhs significand so that every addend is a right shift."""
+    return max(0, step.fraction_bits - pa - pb)
+
+
+def decode(x: jax.Array, lshift: int, flush: bool) -> tuple[jax.Array, jax.Array]:
+    """Signed int32 significand (times ``2**lshift``) and int32 exponent of each element
+    (``x == m * 2**(e - p)`` with ``p`` fraction bits); zeros get exponent ``ZERO_E``."""
+    p, ebits, bias, code_t = INPUT_FORMATS[jnp.dtype(x.dtype).name]
+    code = lax.bitcast_convert_type(x, code_t).astype(jnp.int32)
+    width = 1 + ebits + p
+    sign = (code >> (width - 1)) & 1
+    ef = (code >> p) & ((1 << ebits) - 1)
+    mf = code & ((1 << p) - 1)
+    normal = ef != 0
+    m = jnp.where(normal, mf | (1 << p), 0 if flush else mf)
+    e = jnp.where(normal, ef - bias, 1 - bias)
+    e = jnp.where(m == 0, ZERO_E, e)
+    m = m << lshift
+    return jnp.where(sign == 1, -m, m), e
+
+
+def _decode_f32(c: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Signed 24-bit significand and exponent of float32 ``c`` (``c = m * 2**(e - 23)``)."""
+    bits = lax.bitcast_convert_type(c, jnp.int32)
+    ef = (bits >> 23) & 0xFF
+    mf = bits & 0x7FFFFF
+    m = jnp.where(ef != 0, mf | (1 << 23), mf)
+    e = jnp.where(ef != 0, ef - 127, -126)
+    e = jnp.where(m == 0, ZERO_E, e)
+    return jnp.where(bits < 0, -m, m), e
+
+
+def _shr_tz(x: jax.Array, s: jax.Array) -> jax.Array:
+    """``x / 2**s`` toward zero for int32 ``x`` (``|x| < 2**31``) and ``0 <= s``."""
+    s = jnp.minimum(s, 31)
+    mag = lax.shift_right_logical(jnp.abs(x), s)
+    return jnp.where(x < 0, -mag, mag)
+
+
+def _pow2(e: jax.Array) -> jax.Array:
+    """float32 ``2**e`` for int32 ``e`` in [-126, 127]."""
+    return lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
+
+
+def _bitlen(x: jax.Array) -> jax.Array:
+    return 32 - lax.clz(x)
+
+
+def _to_f32(neg, hi, lo, q, bits: int) -> jax.Array:
+    """float32 of ``+-(hi * 2**15 + lo) * 2**q`` (``hi >= 0``, ``0 <= lo < 2**15``) cut toward
+    zero to ``bits`` significant bits and to float32's subnormal grid."""
+    lead = jnp.where(hi > 0, 15 + _bitlen(hi), _bitlen(lo))  # bit length of the magnitude
+    drop = jnp.maximum(lead - bits, 0)
+    drop = jnp.maximum(drop, -149 - q)  # below float32's smallest subnormal
+    d_hi = jnp.clip(drop - 15, 0, 31)
+    d_lo = jnp.clip(drop, 0, 31)
+    up = hi << jnp.clip(15 - drop, 0, 15)
+    from_hi = jnp.where(drop >= 15, lax.shift_right_logical(hi, d_hi), up)
+    from_lo = jnp.where(drop >= 15, 0, lax.shift_right_logical(lo, d_lo))
+    mant = jnp.where(drop >= 47, 0, from_hi | from_lo)
+    e = q + drop
+    e1 = jnp.clip(e, -126, 127)
+    v = mant.astype(jnp.float32) * _pow2(e1) * _pow2(jnp.clip(e - e1, -126, 127))
+    return jnp.where(neg, -v, v)
+
+
+def step_apply(
+    am: jax.Array, ae: jax.Array, bm: jax.Array, be: jax.Array, c: jax.Array,
+    step: Step, pa: int, pb: int,
+) -> jax.Array:  # fmt: skip
+    """One step for every output: ``am``/``ae`` (w, ..., M, 1), ``bm``/``be`` (w, ..., 1, N)
+    decoded with :func:`decode`; ``c`` float32 (..., M, N). Returns float32 (..., M, N)."""
+    f = step.fraction_bits
+    if f > MAX_F:
+        raise ValueError(
+            f"Step.fraction_bits {f} exceeds the int32 kernel's {MAX_F} (a wider model, such "
+            "as Blackwell's 35-bit block-scaled FP4 step, is not implemented)"
+        )
+    w = am.shape[0]
+    k0 = pa + pb + shift_for(step, pa, pb) - f  # >= 0
+    es = ae + be
+    emax = jnp.max(es, axis=0)
+    if step.accumulator_in_alignment:
+        cm, ce = _decode_f32(c)
+        big = jnp.maximum(emax, ce)
+    else:
+        big = emax
+    t = _shr_tz(am * bm, big[None] - es + k0)
+    # groups of at most 8 addends: exact in int32, and XLA:CPU vectorizes short reductions best
+    g = max(1, min(w, 8, 1 << (MAX_F - f)))
+    while w % g:
+        g -= 1
+    parts = jnp.sum(t.reshape((w // g, g, *t.shape[1:])), axis=1)
+    if step.accumulator_in_alignment:
+        sc = big - ce + 23 - f
+        ca = jnp.where(sc >= 0, _shr_tz(cm, jnp.maximum(sc, 0)), cm << jnp.clip(-sc, 0, 7))
+        parts = jnp.concatenate([parts, ca[None]], axis=0)
+    # exact sum in two limbs: value = hi * 2**15 + lo
+    hi = jnp.sum(parts >> 15, axis=0)
+    lo = jnp.sum(parts & 0x7FFF, axis=0)
+    hi = hi + (lo >> 15)
+    lo = lo & 0x7FFF
+    neg = hi < 0
+    borrow = lo != 0
+    mhi = jnp.where(neg, -hi - borrow.astype(jnp.int32), hi)
+    mlo = jnp.where(neg & borrow, (1 << 15) - lo, lo)
+    out = _to_f32(neg, mhi, mlo, big - f, step.result_bits)
+    if step.accumulator_in_alignment:
+        return out
+    return c + out

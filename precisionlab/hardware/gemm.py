@@ -1,0 +1,191 @@
+"""``gemm`` and ``dot_general``: what a device's tensor cores and library return, exactly."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from precisionlab.hardware import _kernel as _k
+from precisionlab.hardware.presets import Resolved, resolve
+from precisionlab.hardware.schedule import Schedule
+
+__all__ = ["dot_general", "gemm"]
+
+_EIGHT = ("float8_e4m3fn", "float8_e5m2")
+_SIXTEEN = ("float16", "bfloat16")
+_OUT = ("float32", "float16", "bfloat16")
+
+
+def _kind(a_dtype, b_dtype) -> str:
+    na, nb = jnp.dtype(a_dtype).name, jnp.dtype(b_dtype).name
+    if na in _EIGHT and nb in _EIGHT:
+        return "fp8"
+    if na in _SIXTEEN and na == nb:
+        return "16bit"
+    raise ValueError(
+        f"unsupported operand dtypes {na} x {nb}; supported: 8-bit "
+        f"({' or '.join(_EIGHT)}, mixed allowed) or 16-bit ({' or '.join(_SIXTEEN)}, both the same)"
+    )
+
+
+def _chain_all(a, b, res: Resolved) -> jax.Array:
+    """float32 accumulators of ``a`` (M, K) x ``b`` (K, N) under ``res``."""
+    step, sch = res.step, res.schedule
+    if sch.upcast:
+        a, b = a.astype(sch.upcast), b.astype(sch.upcast)
+    m, kk = a.shape
+    n = b.shape[1]
+    w = step.products
+    pa = _k.INPUT_FORMATS[jnp.dtype(a.dtype).name][0]
+    pb = _k.INPUT_FORMATS[jnp.dtype(b.dtype).name][0]
+    flush = step.subnormal_inputs == "flush"
+    split = sch.split_k if (sch.split_k and kk >= sch.split_k_min_k) else None
+    block = sch.restart_every
+    unit = block or w
+    if unit % w:
+        raise ValueError(f"restart_every={block} is not a multiple of the step's {w} products")
+    if split and split % unit:
+        raise ValueError(f"split_k={split} is not a multiple of {unit} (restart/step width)")
+    slice_w = split or unit * max(1, math.ceil(kk / unit))
+    nslices = max(1, math.ceil(kk / slice_w))
+    if sch.split_order != "sequential" and nslices != 2 ** len(sch.split_order):
+        raise ValueError(
+            f"split_order {sch.split_order} needs {2 ** len(sch.split_order)} slices, K={kk} "
+            f"with split_k={split} gives {nslices}"
+        )
+    block_w = block or slice_w
+    nblocks = slice_w // block_w
+    nsteps = block_w // w
+    kp = nslices * slice_w
+    a = jnp.pad(a, ((0, 0), (0, kp - kk)))
+    b = jnp.pad(b, ((0, kp - kk), (0, 0)))
+    am, ae = _k.decode(a, _k.shift_for(step, pa, pb), flush)
+    bm, be = _k.decode(b, 0, flush)
+
+    # (nslices, nblocks, nsteps, w, M or N): slices, then blocks, then steps, run in order
+    def lay(x, r):
+        x = x.reshape(r, nslices, nblocks, nsteps, w)
+        return jnp.transpose(x, (1, 2, 3, 4, 0))
+
+    am, ae = lay(am, m)[..., :, None], lay(ae, m)[..., :, None]
+    bm, be = lay(bm.T, n)[..., None, :], lay(be.T, n)[..., None, :]
+    zero = jnp.zeros((m, n), jnp.float32)
+
+    def one_step(c, x):
+        return _k.step_apply(*x, c, step, pa, pb), None
+
+    def one_block(total, x):
+        c, _ = lax.scan(one_step, zero, x)
+        # restart: the block's chain is added into a float32 register, rounded to nearest
+        return (c if nblocks == 1 else total + c), None
+
+    def one_slice(_, x):
+        total, _ = lax.scan(one_block, zero, x)
+        return None, total
+
+    _, acc = lax.scan(one_slice, None, (am, ae, bm, be))
+    return _reduce_slices(acc, sch)
+
+
+def _reduce_slices(acc: jax.Array, sch: Schedule) -> jax.Array:
+    if acc.shape[0] == 1:
+        return acc[0]
+    if sch.split_order == "sequential":
+        out, _ = lax.scan(lambda s, x: (s + x, None), acc[0], acc[1:])
+        return out
+    nb = len(sch.split_order)
+    x = acc.reshape((2,) * nb + acc.shape[1:])  # axis j holds bit nb - 1 - j
+    for bit in sch.split_order:
+        ax = nb - 1 - bit
+        x = lax.index_in_dim(x, 0, ax) + lax.index_in_dim(x, 1, ax)
+    return x.reshape(acc.shape[1:])
+
+
+def _specials(a, b, acc):
+    """Inf/NaN: where the float32 product of the inputs is not finite, its value (the step
+    model covers finite values; specials follow IEEE arithmetic)."""
+    ref = jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32),
+                     precision=lax.Precision.HIGHEST)  # fmt: skip
+    return jnp.where(jnp.isfinite(ref), acc, ref)
+
+
+@partial(jax.jit, static_argnames=("device", "library", "fast_accumulation", "out_dtype", "ov"))
+def _gemm(a, b, scale_a, scale_b, bias, *, device, library, fast_accumulation, out_dtype, ov):
+    res = resolve(device, library, fast_accumulation, _kind(a.dtype, b.dtype), dict(ov))
+    acc = _specials(a, b, _chain_all(a, b, res))
+    if scale_a is not None or scale_b is not None:
+        sa = jnp.float32(1) if scale_a is None else jnp.asarray(scale_a, jnp.float32)
+        sb = jnp.float32(1) if scale_b is None else jnp.asarray(scale_b, jnp.float32)
+        acc = acc * (sa * sb)
+    if bias is not None:
+        acc = acc + jnp.asarray(bias, jnp.float32)
+    return acc.astype(out_dtype)
+
+
+def gemm(
+    a: jax.Array, b: jax.Array, device: str = "h100", library: str = "cublaslt",
+    fast_accumulation: bool = True, out_dtype=jnp.float32, *, scale_a=None, scale_b=None,
+    bias=None, **overrides,
+) -> jax.Array:  # fmt: skip
+    """``a @ b`` as ``device``'s tensor cores under ``library`` compute it, bit for bit.
+
+    a: (M, K), b: (K, N), 8-bit (float8_e4m3fn / float8_e5m2, mixed allowed) or 16-bit
+    (float16 or bfloat16, both the same). ``scale_a``/``scale_b``: float32 scalars
+    (``torch._scaled_mm``'s per-tensor scales); ``bias``: (N,) added in float32;
+    ``out_dtype``: float32, float16 or bfloat16 (rounded to nearest even).
+    ``overrides``: any :class:`Step` or :class:`Schedule` field (``fraction_bits=12``,
+    ``restart_every=64``, ``split_k=None``, ...). Pure and jittable; works under ``vmap``.
+    Unknown device, library, dtypes or override: ``ValueError`` listing what exists.
+    """
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"gemm needs a (M, K) and b (K, N); got {a.shape} and {b.shape}")
+    _kind(a.dtype, b.dtype)
+    od = jnp.dtype(out_dtype).name
+    if od not in _OUT:
+        raise ValueError(f"unsupported out_dtype {od}; supported: {', '.join(_OUT)}")
+    ov = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in overrides.items()))
+    # resolve eagerly, so that errors surface here with their message
+    resolve(device, library, fast_accumulation, _kind(a.dtype, b.dtype), dict(ov))
+    return _gemm(a, b, scale_a, scale_b, bias, device=device, library=library,
+                 fast_accumulation=bool(fast_accumulation), out_dtype=od, ov=ov)  # fmt: skip
+
+
+def dot_general(
+    lhs: jax.Array, rhs: jax.Array, dimension_numbers, *, preset: str | None = None,
+    device: str = "h100", library: str = "cublaslt", fast_accumulation: bool = True,
+    out_dtype=jnp.float32, **overrides,
+) -> jax.Array:  # fmt: skip
+    """``lax.dot_general(lhs, rhs, dimension_numbers)`` computed by :func:`gemm`.
+
+    Output layout as ``lax.dot_general``: batch dims, then lhs free dims, then rhs free dims.
+    Contracting dims are flattened into one K (in their listed order), batch dims are mapped.
+    ``preset`` (``"h100-fast"``, ``"h100"``, ... see :data:`PRESETS`) sets device, library
+    and fast_accumulation at once. ``out_dtype`` plays ``preferred_element_type``'s part.
+    """
+    if preset is not None:
+        from precisionlab.hardware.presets import preset as _preset
+
+        kw = _preset(preset)
+        device, library, fast_accumulation = kw["device"], kw["library"], kw["fast_accumulation"]
+    (lc, rc), (lb, rb) = dimension_numbers
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    lc, rc, lb, rb = (tuple(int(d) for d in x) for x in (lc, rc, lb, rb))
+    lf = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
+    rf = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
+    bshape = tuple(lhs.shape[d] for d in lb)
+    lfs = tuple(lhs.shape[d] for d in lf)
+    rfs = tuple(rhs.shape[d] for d in rf)
+    k = int(np.prod([lhs.shape[d] for d in lc], dtype=np.int64))
+    bsz = int(np.prod(bshape, dtype=np.int64))
+    a3 = jnp.transpose(lhs, (*lb, *lf, *lc)).reshape(bsz, -1, k)
+    b3 = jnp.transpose(rhs, (*rb, *rc, *rf)).reshape(bsz, k, -1)
+    f = partial(gemm, device=device, library=library, fast_accumulation=fast_accumulation,
+                out_dtype=out_dtype, **overrides)  # fmt: skip
+    y = jax.vmap(f)(a3, b3)
+    return y.reshape(bshape + lfs + rfs)

@@ -1,0 +1,136 @@
+"""Tensor-core profiles: each device's step for each input kind, with its source.
+
+``hardware_checked`` says whether precisionlab reproduced that device's outputs bit for bit
+(Hopper: the H100 captures in ``tests/data/h100_gemm.npz``); the other profiles follow the
+published models and have not been run against hardware by this project.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from precisionlab.hardware.step import Step
+
+__all__ = ["DEVICE_ALIASES", "PROFILES", "Profile", "get_profile"]
+
+KH = "Khattak and Mikaitis, Accurate Models of NVIDIA Tensor Cores, arXiv:2512.07004 (2025)"
+MS = "Xie et al., MMA-Sim, arXiv:2511.10909 (2025), github.com/microsoft/MMA-Sim"
+FASI = "Fasi, Higham, Mikaitis, Pranesh, Numerical behavior of NVIDIA tensor cores, PeerJ CS (2021)"
+H100 = "H100 captures (tests/data/h100_gemm.npz; cuBLASLt via torch 2.11, XLA via jax 0.11.2)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """A device's step for one input kind (``"fp8"`` or ``"16bit"``)."""
+
+    device: str
+    kind: str
+    step: Step | None  # None: the device has no such tensor-core instruction
+    instruction: str
+    source: str
+    hardware_checked: bool
+    note: str = ""
+
+
+_FP8_HOPPER = Step(products=32, fraction_bits=13, result_bits=14)
+_16_HOPPER = Step(products=16, fraction_bits=25, result_bits=24)
+
+PROFILES: dict[str, Profile] = {
+    f"{p.device}/{p.kind}": p
+    for p in (
+        Profile(
+            "h100",
+            "fp8",
+            _FP8_HOPPER,
+            "wgmma.m64nNk32 (e4m3/e5m2, f32 accumulator)",
+            f"{H100}; agrees with {KH} and {MS}",
+            True,
+        ),
+        Profile(
+            "h100",
+            "16bit",
+            _16_HOPPER,
+            "wgmma.m64nNk16 (f16/bf16, f32 accumulator)",
+            f"{H100}; agrees with {KH} and {MS}",
+            True,
+        ),
+        Profile(
+            "a100",
+            "16bit",
+            Step(products=8, fraction_bits=24),
+            "mma.m16n8k16 (two fused 8-product steps)",
+            f"{MS}; {FASI}",
+            False,
+        ),
+        Profile("a100", "fp8", None, "none (Ampere has no FP8 tensor cores)", MS, False),
+        Profile(
+            "v100",
+            "16bit",
+            Step(products=4, fraction_bits=23),
+            "mma.m8n8k4 (f16 only)",
+            f"{FASI}; {MS}",
+            False,
+            "bfloat16 inputs are not supported by Volta",
+        ),
+        Profile("v100", "fp8", None, "none (Volta has no FP8 tensor cores)", FASI, False),
+        Profile(
+            "l40s",
+            "16bit",
+            Step(products=8, fraction_bits=24),
+            "mma.m16n8k16 (two fused 8-product steps)",
+            MS,
+            False,
+        ),
+        Profile(
+            "l40s",
+            "fp8",
+            Step(products=16, fraction_bits=13, result_bits=14),
+            "mma.m16n8k32 e4m3/e5m2 (two fused 16-product steps, 13-bit accumulation)",
+            f"{MS}; {KH}",
+            False,
+        ),
+        Profile(
+            "b200",
+            "16bit",
+            Step(products=16, fraction_bits=25),
+            "tcgen05.mma kind::f16",
+            f"{MS}; {KH}",
+            False,
+        ),
+        Profile(
+            "b200",
+            "fp8",
+            Step(products=32, fraction_bits=25),
+            "tcgen05.mma kind::f8f6f4 "
+            "(also MXFP8 block-scaled: the E8M0 block scales add to the exponents)",
+            f"{MS}; {KH}",
+            False,
+            "NVFP4/MXFP4 (kind::mxf4nvf4, 16-product exact groups, 35 fraction bits) is "
+            "described by MMA-Sim but not implemented here: it needs a 64-bit kernel",
+        ),
+    )
+}
+
+DEVICE_ALIASES = {"hopper": "h100", "h800": "h100", "h200": "h100", "ampere": "a100",
+                  "volta": "v100", "ada": "l40s", "blackwell": "b200"}  # fmt: skip
+
+
+def devices() -> tuple[str, ...]:
+    return tuple(sorted({p.device for p in PROFILES.values()}))
+
+
+def get_profile(device: str, kind: str) -> Profile:
+    """The profile of ``device`` (name or alias) for ``kind``; ValueError listing what exists."""
+    dev = DEVICE_ALIASES.get(str(device).lower(), str(device).lower())
+    p = PROFILES.get(f"{dev}/{kind}")
+    if p is None:
+        known = ", ".join(devices())
+        aliases = ", ".join(f"{k}={v}" for k, v in sorted(DEVICE_ALIASES.items()))
+        raise ValueError(f"unknown device {device!r}; known: {known} (aliases: {aliases})")
+    if p.step is None:
+        have = [q.device for q in PROFILES.values() if q.kind == kind and q.step is not None]
+        raise ValueError(
+            f"{dev} has no {kind} tensor-core GEMM ({p.instruction}); devices with one: "
+            + ", ".join(sorted(have))
+        )
+    return p

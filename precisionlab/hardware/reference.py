@@ -1,0 +1,78 @@
+"""Scalar reference of one tensor-core step, with Python integers and fractions.
+
+Slow and obviously exact: the check for the vectorized int32 kernel (as :mod:`precisionlab.bits`
+keeps a scalar reference beside each codec). Values are Python floats exactly representable
+in their formats; the result is the float32 value as a Python float.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+from precisionlab.hardware.step import Step
+
+__all__ = ["EMIN", "step_reference"]
+
+#: smallest normal exponent of each input format
+EMIN = {"float8_e4m3fn": -6, "float8_e5m2": -14, "float16": -14, "bfloat16": -126}
+
+
+def _exp(x: float, emin: int) -> int:
+    return max(math.frexp(x)[1] - 1, emin)
+
+
+def _rn_f32(v: Fraction) -> float:
+    """``v`` rounded to nearest even float32 (inf beyond the range)."""
+    if v == 0:
+        return 0.0
+    sign = -1 if v < 0 else 1
+    v = abs(v)
+    e = max(math.floor(math.log2(v)) - 1, -200)
+    while Fraction(2) ** (e + 1) <= v:
+        e += 1
+    while Fraction(2) ** e > v:
+        e -= 1
+    q = max(e - 23, -149)
+    n = v / Fraction(2) ** q
+    fl = math.floor(n)
+    r = n - fl
+    if r > Fraction(1, 2) or (r == Fraction(1, 2) and fl % 2 == 1):
+        fl += 1
+    out = fl * Fraction(2) ** q
+    return sign * (math.inf if out >= Fraction(2) ** 128 else float(out))
+
+
+def step_reference(
+    a: list[float], b: list[float], c: float, step: Step, a_format: str, b_format: str
+) -> float:
+    """One step: ``c`` (float32 value) plus the products ``a[i] * b[i]`` as ``step`` computes."""
+    terms, exps = [], []
+    for x, y in zip(a, b, strict=True):
+        if step.subnormal_inputs == "flush":
+            x = 0.0 if abs(x) < 2.0 ** EMIN[a_format] else x
+            y = 0.0 if abs(y) < 2.0 ** EMIN[b_format] else y
+        if x == 0 or y == 0:
+            continue
+        terms.append(Fraction(x) * Fraction(y))
+        exps.append(_exp(x, EMIN[a_format]) + _exp(y, EMIN[b_format]))
+    join = step.accumulator_in_alignment and c != 0
+    if join:
+        terms.append(Fraction(c))
+        exps.append(_exp(c, -126))
+    if not terms:
+        return c if not step.accumulator_in_alignment else 0.0 * c + 0.0
+    big = max(exps)
+    unit = Fraction(2) ** (big - step.fraction_bits)
+    total = sum(math.trunc(t / unit) for t in terms)  # each addend cut toward zero
+    if total == 0:
+        s = 0.0
+    else:
+        drop = max(abs(total).bit_length() - step.result_bits, 0)
+        drop = max(drop, -149 - (big - step.fraction_bits))
+        mag = abs(total) >> drop
+        v = Fraction(mag) * unit * Fraction(2) ** drop
+        s = math.copysign(math.inf if v >= Fraction(2) ** 128 else float(v), total)
+    if step.accumulator_in_alignment:
+        return s
+    return _rn_f32(Fraction(c) + Fraction(s))
