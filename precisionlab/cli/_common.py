@@ -59,7 +59,7 @@ def stdout_is_tty() -> bool:
     return sys.stdout.isatty()
 
 
-def check_out_dir(out: str | None, *, new: bool = False) -> None:
+def check_out_dir(out: str | None, *, new: bool = False, force_hint: bool = False) -> None:
     """UsageError unless ``out`` (a ``--out DIR`` flag; None: not given) can name a run
     directory: not empty text (it would mean the current directory), not an existing file, and
     with ``new`` not an existing directory that holds anything (a run directory is checked
@@ -71,4 +71,7 @@ def check_out_dir(out: str | None, *, new: bool = False) -> None:
     if os.path.exists(out) and not os.path.isdir(out):
         raise UsageError(f"--out {shorten(out)}: exists and is not a directory")
     if new and os.path.isdir(out) and os.listdir(out):
-        raise UsageError(f"--out {shorten(out)}: the directory is not empty; name a new one")
+        raise UsageError(
+            f"--out {shorten(out)}: the directory is not empty; name a new one"
+            + (" or pass --force" if force_hint else "")
+        )

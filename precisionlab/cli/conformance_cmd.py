@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from precisionlab.cli._common import UsageError, split_list
+from precisionlab.cli._common import UsageError, check_out_dir, shorten, split_list
 
 HELP = "check ml_dtypes, XLA, numpy, gfloat, torch conversions against the exact reference"
 
@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (0)")
     parser.add_argument("--json", action="store_true", help="print the full result as JSON")
     parser.add_argument("--out", metavar="DIR", help="directory for report.md and the JSON")
+    parser.add_argument(
+        "--force", action="store_true", help="replace the results already in --out DIR"
+    )
 
 
 def _list(text: str | None, flag: str) -> list[str] | None:
@@ -47,21 +50,28 @@ def _list(text: str | None, flag: str) -> list[str] | None:
     items = split_list(text)
     if not items:
         raise UsageError(f"{flag} needs at least one name, got {text!r}")
-    return items
+    return list(dict.fromkeys(items))  # a name given twice counts once
 
 
 def run(args: argparse.Namespace) -> int:
     from precisionlab.conformance import matrix_tables, run_conformance, to_json, write_report
+    from precisionlab.conformance.report import existing_results
     from precisionlab.experiments import store
 
     libs = _list(args.libs, "--libs")
     formats = _list(args.formats, "--formats")
     sources = _list(args.sources, "--sources")
-    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
-        raise UsageError(f"--out {args.out!r} exists and is not a directory")
+    check_out_dir(args.out)
+    if args.out is not None and not args.force:
+        found = existing_results(Path(args.out))
+        if found:  # refused before the minutes of conversions, not after
+            raise UsageError(
+                f"--out {shorten(args.out)} already holds {', '.join(found)}; choose a new "
+                "directory or pass --force to replace them"
+            )
     result = run_conformance(libs, formats, sources, seed=args.seed)
     out_dir = Path(args.out) if args.out else store.new_run_dir(Path("runs"), "conformance")
-    path = write_report(result, out_dir)
+    path = write_report(result, out_dir, force=args.force)
     if args.json:
         data = store.to_jsonable(to_json(result))
         data["report"] = str(path)

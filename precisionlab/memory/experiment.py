@@ -146,7 +146,7 @@ def run(section: dict, out_dir: Path, *, quiet: bool = False) -> dict:
     """Run the sweeps of a validated ``[memory]`` table; returns the JSON-able summary."""
     cfg = validate(section, "memory")
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    _io.makedirs(out_dir)
     model = get_preset(cfg["preset"])
     seq = cfg["seq"] or None
     rows = _Rows(out_dir / "rows.jsonl")
@@ -288,7 +288,7 @@ def _plots(
     ax.set_ylim(0, max(bottom) * 1.15)
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(out_dir / "bytes_per_param.png", dpi=120)
+    _io.save_figure(fig, out_dir / "bytes_per_param.png", dpi=120)
     plt.close(fig)
     files.append("bytes_per_param.png")
 
@@ -320,7 +320,7 @@ def _plots(
     ax.set_title(f"{model.name}: activation memory vs checkpoint interval")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out_dir / "checkpoint_interval.png", dpi=120)
+    _io.save_figure(fig, out_dir / "checkpoint_interval.png", dpi=120)
     plt.close(fig)
     files.append("checkpoint_interval.png")
 
@@ -348,7 +348,7 @@ def _plots(
         ax.set_title(ck[0]["description"].split(",")[0] + ": measured vs estimated")
         ax.legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(out_dir / "measured_checkpoint.png", dpi=120)
+        _io.save_figure(fig, out_dir / "measured_checkpoint.png", dpi=120)
         plt.close(fig)
         files.append("measured_checkpoint.png")
     return files
