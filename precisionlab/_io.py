@@ -132,9 +132,9 @@ def _kind(mode: int) -> str:
 
 
 def _refuse(path: str | os.PathLike, mode: int, doing: str = "writes") -> UnsafePathError:
+    what = " (a new path or an existing file) or - for stdout" if doing == "writes" else ""
     return UnsafePathError(
-        f"{os.fspath(path)}: is {_kind(mode)}; precisionlab {doing} only regular files "
-        f"(a new path or an existing file){' or - for stdout' if doing == 'writes' else ''}"
+        f"{os.fspath(path)}: is {_kind(mode)}; precisionlab {doing} only regular files{what}"
     )
 
 

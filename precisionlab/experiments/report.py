@@ -120,7 +120,13 @@ def headers() -> list[str]:
 
 
 def write_report(run_dir: str | Path, *, plots: bool = True) -> tuple[Path, str]:
-    """Write ``report.md`` (and plots) for ``run_dir``; returns its path and the text table."""
+    """Write ``report.md`` (and plots) for ``run_dir``; returns its path and the text table.
+    No link inside ``run_dir`` is followed (:func:`precisionlab._io.confined`)."""
+    with store.confined(run_dir):
+        return _write_report(run_dir, plots=plots)
+
+
+def _write_report(run_dir: str | Path, *, plots: bool) -> tuple[Path, str]:
     data = load_run(run_dir)
     store.check_no_symlinks(Path(run_dir))  # report.md and plots/ must not land elsewhere
     run_dir = Path(run_dir)

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from precisionlab import _io
+from precisionlab.experiments import runfiles
 
 __all__ = [
     "JsonlWriter",
@@ -53,8 +54,9 @@ __all__ = [
 ]
 
 
-read_json = _io.read_json
-read_jsonl = _io.read_jsonl
+# every read of a run file is bounded and checked against its file's schema (runfiles)
+read_json = runfiles.read_json
+read_jsonl = runfiles.read_jsonl
 to_jsonable = _io.to_jsonable
 from_json_float = _io.from_json_float
 JsonlWriter = _io.JsonlWriter
