@@ -188,16 +188,32 @@ def _walk(dir_fd: int, parts: Iterable[str], where: str, create: bool) -> int:
     return dir_fd
 
 
+def _mkdirs(directory: str) -> None:
+    """``os.makedirs(directory, exist_ok=True)`` without recursion (2,000 components made
+    RecursionError there)."""
+    missing = []
+    head = directory
+    while head and not os.path.isdir(head):
+        missing.append(head)
+        parent = os.path.dirname(head)
+        if parent == head:
+            break
+        head = parent
+    for path in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path)
+
+
 def _dir_fd(directory: str, *, create: bool = False) -> int:
     """A handle on ``directory``; below a :func:`confined` root every step is no-follow."""
     directory = os.path.abspath(directory)
     root = _root_of(directory)
     if root is None:
         if create:
-            os.makedirs(directory, exist_ok=True)
+            _mkdirs(directory)
         return os.open(directory, os.O_RDONLY | _DIRECTORY)
     if create:
-        os.makedirs(root, exist_ok=True)
+        _mkdirs(root)
     fd = os.open(root, os.O_RDONLY | _DIRECTORY)
     return _walk(fd, os.path.relpath(directory, root).split(os.sep), root, create)
 

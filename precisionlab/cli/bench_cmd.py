@@ -7,7 +7,7 @@ import pathlib
 
 from precisionlab import _io
 from precisionlab.bench import codecs, quant, recipes, telemetry, train
-from precisionlab.cli._common import UsageError
+from precisionlab.cli._common import UsageError, check_path_shape
 
 HELP = "benchmarks against peers (ml_dtypes, gfloat, jmp), printed as ratios"
 
@@ -48,6 +48,7 @@ def _check_out_file(out: pathlib.Path, rows_too: bool) -> None:
     the device (write to ``-`` for stdout, or leave --out out)."""
     if not str(out).strip():
         raise UsageError(f"--out {str(out)!r}: empty; name a file, or - for stdout")
+    check_path_shape(str(out), "--out")
     if not out.parent.is_dir():
         # Never create directories the user did not ask for (/nonexistent/x.json).
         raise UsageError(f"--out {str(out)!r}: its directory does not exist")

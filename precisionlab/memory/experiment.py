@@ -65,14 +65,24 @@ FIELDS: dict[str, Field] = {
     "preset": Field(str, DEFAULTS["preset"]),
     "policies": Field(list, DEFAULTS["policies"], item=str),
     "optimizer": Field(str, DEFAULTS["optimizer"]),
-    "batch": Field(int, DEFAULTS["batch"], low=1),
-    "seq": Field(int, DEFAULTS["seq"], low=0, doc="0: the model's"),
-    "checkpoint_intervals": Field(list, DEFAULTS["checkpoint_intervals"], item=int),
+    # Bounds: every count here sizes a loop or an allocation (measure_layers = 2^63 hung in a
+    # divisor loop); past them the sweep is not a measurement this machine can make.
+    "batch": Field(int, DEFAULTS["batch"], low=1, high=1 << 24),
+    "seq": Field(
+        int, DEFAULTS["seq"], low=0, high=1 << 24, doc="0: the preset's context length"
+    ),
+    "checkpoint_intervals": Field(
+        list, DEFAULTS["checkpoint_intervals"], item=int, low=1, high=1 << 16
+    ),
     "measure": Field(bool, DEFAULTS["measure"]),
-    "measure_layers": Field(int, DEFAULTS["measure_layers"], low=1),
-    "measure_d_model": Field(int, DEFAULTS["measure_d_model"], low=1),
-    "measure_batch": Field(int, DEFAULTS["measure_batch"], low=1),
-    "measure_microbatches": Field(list, DEFAULTS["measure_microbatches"], item=int),
+    "measure_layers": Field(
+        int, DEFAULTS["measure_layers"], low=1, high=256, why="one compiled step per divisor"
+    ),
+    "measure_d_model": Field(int, DEFAULTS["measure_d_model"], low=1, high=1 << 14),
+    "measure_batch": Field(int, DEFAULTS["measure_batch"], low=1, high=1 << 16),
+    "measure_microbatches": Field(
+        list, DEFAULTS["measure_microbatches"], item=int, low=1, high=1 << 16
+    ),
     "plots": Field(bool, DEFAULTS["plots"]),
 }
 
