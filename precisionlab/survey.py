@@ -333,8 +333,12 @@ def summary_table(rows: list[dict]) -> str:
     for name in dict.fromkeys(r["input"] for r in rows):
         sub = [r for r in rows if r["input"] == name]
         shape = "x".join(str(d) for d in sub[0]["shape"])
+        bad = sub[0].get("n_nonfinite") or 0
+        # say so: the errors cover the finite elements only (none: every error is "-")
+        note = f"; {bad:,} not finite, left out of the errors" if bad else ""
         blocks.append(
-            f"input {name} ({shape})\n" + format_table(sub, SUMMARY_COLUMNS, headers=_HEADERS)
+            f"input {name} ({shape}{note})\n"
+            + format_table(sub, SUMMARY_COLUMNS, headers=_HEADERS)
         )
     return "\n\n".join(blocks)
 
