@@ -1,16 +1,29 @@
-"""Files written so that a killed process leaves either the old file or the new one.
+"""The one way precisionlab writes and reads its files (ground floor: imports nothing of it).
 
-The one place for atomic writes and JSON (ground floor: imports nothing of precisionlab):
+Writes (every command's):
 
-- :func:`atomic_open`: a temporary file in the target's directory, flushed, fsynced and moved
-  into place with :func:`os.replace` (then the directory is fsynced, so the rename survives a
-  crash); on an exception the temporary file is removed and the target is untouched.
-- JSON is strict (no ``NaN``/``Infinity`` literals, which are not JSON): :func:`to_jsonable`
-  encodes a non-finite float as the string ``"nan"``, ``"inf"`` or ``"-inf"`` and numpy/JAX
-  scalars and arrays as plain Python; :func:`from_json_float` decodes one such value. Run store,
-  checkpoints, survey and memory experiment all write through here.
-- :class:`JsonlWriter`: one object per line, flushed after each line (a reader sees every
-  finished line; a torn last line is ignored by :func:`read_jsonl`).
+- Only a new name or an existing regular file is written: a device, FIFO, socket, directory
+  or symbolic link at the name is :class:`UnsafePathError` (``os.replace`` over ``/dev/null``
+  replaced the device). :data:`STDIO` (``-``) is the only name for a standard stream; the
+  commands handle it before calling here.
+- :func:`atomic_open`: a temporary file created exclusively, with no-follow, through a handle on
+  the target's directory; flushed, fsynced and renamed onto the target in that directory
+  (then the directory is fsynced); on an exception the temporary file is removed and the
+  target is untouched. :func:`save_figure` puts matplotlib's output through it.
+- :class:`JsonlWriter` and :func:`open_existing_or_new` (appends, the run lock): no link, no
+  FIFO or device, and no regular file with several hard links (a write in place would change
+  the other name's file too).
+- :func:`confined`: below an output directory, every directory is opened from its parent's
+  handle with no-follow (:func:`makedirs` too), so a link planted inside after a check is an
+  error, never followed.
+
+Reads: :func:`read_bytes` (regular files only, no-follow, a size limit, FIFOs never block),
+:func:`read_json` and :func:`read_jsonl` on top (bad JSON, deep nesting and huge integers are
+one :class:`DamagedFileError` line naming the file).
+
+JSON is strict (no ``NaN``/``Infinity`` literals, which are not JSON): :func:`to_jsonable`
+encodes a non-finite float as the string ``"nan"``, ``"inf"`` or ``"-inf"`` and numpy/JAX
+scalars and arrays as plain Python; :func:`from_json_float` decodes one such value.
 """
 
 from __future__ import annotations
@@ -347,8 +360,9 @@ def read_bytes(path: str | os.PathLike, max_bytes: int) -> bytes:
     finally:
         os.close(fd)
     if size > max_bytes:
-        raise UnsafePathError(f"{os.fspath(path)}: larger than {max_bytes} bytes; not a file "
-                              "precisionlab wrote")
+        raise UnsafePathError(
+            f"{os.fspath(path)}: larger than {max_bytes} bytes; not a file precisionlab wrote"
+        )
     return b"".join(chunks)
 
 
@@ -379,8 +393,10 @@ def _loads(text: str, path: str | os.PathLike, where: str = "") -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:
-        raise DamagedFileError(f"{os.fspath(path)}{where}: not valid JSON ({err.msg}, line "
-                               f"{err.lineno} column {err.colno})") from None
+        raise DamagedFileError(
+            f"{os.fspath(path)}{where}: not valid JSON ({err.msg}, line "
+            f"{err.lineno} column {err.colno})"
+        ) from None
     except RecursionError:
         raise DamagedFileError(f"{os.fspath(path)}{where}: JSON nested too deeply") from None
     except ValueError as err:  # an int past Python's 4300-digit str -> int limit

@@ -180,6 +180,7 @@ def _report(x, x_hat, scale, fmt):
             frac_sub = jnp.sum((x_hat != 0) & (jnp.abs(x_hat) < tiny)) / n
         else:
             frac_sub = jnp.float32(0.0)
+
     def stat(v):
         return jnp.where(any_both, v, nan)
 

@@ -337,8 +337,7 @@ def summary_table(rows: list[dict]) -> str:
         # say so: the errors cover the finite elements only (none: every error is "-")
         note = f"; {bad:,} not finite, left out of the errors" if bad else ""
         blocks.append(
-            f"input {name} ({shape}{note})\n"
-            + format_table(sub, SUMMARY_COLUMNS, headers=_HEADERS)
+            f"input {name} ({shape}{note})\n" + format_table(sub, SUMMARY_COLUMNS, headers=_HEADERS)
         )
     return "\n\n".join(blocks)
 

@@ -507,3 +507,50 @@ def test_property_no_write_lands_outside_its_directory(tmp_path_factory, plants,
             except (ValueError, OSError):
                 pass  # refused: what matters is that nothing outside changed
     assert _snapshot(outside) == before
+
+
+_RUN_NAMES = st.sampled_from(
+    ["report.md", "plots", "summary.json", "run.json", "variants/00-a/status.json", "variants"]
+)
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    plants=st.lists(
+        st.tuples(_RUN_NAMES, st.sampled_from(["symlink", "hardlink", "fifo"])), max_size=3
+    )
+)
+def test_property_report_never_writes_outside_its_run(tmp_path_factory, capsys, plants):
+    base = tmp_path_factory.mktemp("rep")
+    run, outside = base / "r", base / "outside"
+    shutil.copytree(DATA, run)
+    outside.mkdir()
+    (outside / "victim").write_text("{}")
+    for name, kind in plants:
+        path = run / name
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            path.unlink()
+        if not path.parent.is_dir():
+            continue
+        if kind == "symlink":
+            path.symlink_to(outside if name in ("plots", "variants") else outside / "victim")
+        elif kind == "hardlink" and name not in ("plots", "variants"):
+            os.link(outside / "victim", path)
+        elif kind == "fifo":
+            os.mkfifo(path)
+    before = _snapshot(outside)
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(30)
+    try:
+        status = main(["report", str(run), "--no-plots"])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    _, err = capsys.readouterr()
+    assert status in (0, 1, 2) and "Traceback" not in err
+    assert status != 2 or err.count("\n") == 1, err
+    assert _snapshot(outside) == before

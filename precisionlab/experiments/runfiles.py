@@ -59,9 +59,11 @@ _RESOLVED = {
     "setting_descriptions": "dict",
     "variants": ("list", {"name": "!str"}),
 }
+_HIST = {"counts": "!nums", "edges": "nums", "zeros": "num", "nonfinite": "num"}
 _GROUP = {"group": "?str", "seeds": "?list", "diverged": "?int", "failed": "?int"}
 
-#: File name -> {field: type}; a type is ``str``, ``int``, ``num``, ``bool``, ``dict``,
+#: File name -> {field: type}; a type is ``str``, ``int``, ``num``, ``nums`` (a list of
+#: numbers), ``bool``, ``dict``,
 #: ``list``, ``id`` (one safe path component), a ``?`` prefix for "or null", ``!`` for a
 #: field that must be present (others may be absent), a
 #: ``("list", schema)`` pair for a list of records or ``("dict", schema)`` for a table.
@@ -99,8 +101,14 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "loss_scale": "?num",
         "underflow_fraction": "?num",
         "skipped": "?bool",
+        "grad_norm": "?num",
+        "metric": "?num",
+        "lr": "?num",
+        "eval_loss": "?num",
+        "eval_metric": "?num",
+        "diverged": "?bool",
     },
-    "hist.jsonl": {"step": "?int"},
+    "hist.jsonl": {"step": "?int", "grad_hist": ("dict", _HIST), "act_hist": ("dict", _HIST)},
     "telemetry.jsonl": {"step": "?int", "kind": "!str", "layer": "!str", "tensor": "?str"},
 }
 
@@ -112,6 +120,8 @@ def _type_ok(value: Any, kind: str) -> bool:
         if isinstance(value, str):
             return value in ("nan", "inf", "-inf")
         return isinstance(value, int | float) and not isinstance(value, bool)
+    if kind == "nums":
+        return isinstance(value, list) and all(_type_ok(v, "num") for v in value)
     if kind == "int":
         return isinstance(value, int) and not isinstance(value, bool)
     if kind == "id":
@@ -123,6 +133,7 @@ def _describe(kind: str) -> str:
     base = kind.lstrip("?")
     text = {
         "num": "a number",
+        "nums": "a list of numbers",
         "int": "an integer",
         "str": "a string",
         "bool": "true or false",

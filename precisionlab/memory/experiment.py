@@ -68,9 +68,7 @@ FIELDS: dict[str, Field] = {
     # Bounds: every count here sizes a loop or an allocation (measure_layers = 2^63 hung in a
     # divisor loop); past them the sweep is not a measurement this machine can make.
     "batch": Field(int, DEFAULTS["batch"], low=1, high=1 << 24),
-    "seq": Field(
-        int, DEFAULTS["seq"], low=0, high=1 << 24, doc="0: the preset's context length"
-    ),
+    "seq": Field(int, DEFAULTS["seq"], low=0, high=1 << 24, doc="0: the preset's context length"),
     "checkpoint_intervals": Field(
         list, DEFAULTS["checkpoint_intervals"], item=int, low=1, high=1 << 16
     ),
