@@ -305,6 +305,7 @@ def open_existing_or_new(path: str | os.PathLike, *, append: bool, truncate: boo
     path = Path(path)
     dir_fd = _dir_fd(os.fspath(path.parent))
     try:
+        _check_at(dir_fd, path.name, path)  # a device is refused before it is ever opened
         flags = os.O_CREAT | _NOFOLLOW | os.O_NONBLOCK
         flags |= (os.O_WRONLY | os.O_APPEND) if append else os.O_RDWR
         try:
@@ -338,7 +339,10 @@ def read_bytes(path: str | os.PathLike, max_bytes: int) -> bytes:
     path = Path(path)
     dir_fd = _dir_fd(os.fspath(path.parent))
     try:
-        try:
+        try:  # a device is refused before it is ever opened (opening one can act)
+            mode = os.stat(path.name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+            if not stat.S_ISREG(mode):
+                raise _refuse(path, mode, "reads")
             fd = os.open(path.name, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW, dir_fd=dir_fd)
         except OSError as err:
             if err.errno == errno.ELOOP:
