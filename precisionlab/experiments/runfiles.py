@@ -71,7 +71,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "config.json": {
         "source": "?str",
         "overrides": "?list",
-        "document": "!dict",
+        "document": "dict",  # resume needs it (runner.resume says so)
         "resolved": ("dict", _RESOLVED),
     },
     "summary.json": {

@@ -95,7 +95,9 @@ def resume(run_dir: str | Path, *, quiet: bool = False) -> Path:
     config_path = run_dir / "config.json"
     if not config_path.exists():
         raise ValueError(f"{run_dir}: not a run directory (no config.json)")
-    saved = store.read_json(config_path)
+    saved = store.read_json(config_path)  # checked against its schema (runfiles)
+    if "document" not in saved:
+        raise ValueError(f"{config_path}: missing field 'document' (the experiment to resume)")
     experiment = experiment_from_document(
         saved["document"], saved.get("source", str(config_path)), default_name=run_dir.name
     )
