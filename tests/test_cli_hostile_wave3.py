@@ -313,16 +313,16 @@ def test_w1_metrics_of_non_finite_input_are_nan_not_perfect(value):
     assert d["n_nonfinite"] == 64
     for key in ("sqnr_db", "rmse", "max_abs_error", "mean_abs_error", "bias", "mean_ulp_error"):
         assert np.isnan(d[key]), (key, d[key])
-    mixed = jnp.asarray([1.0, 2.0, value, 4.0], jnp.float32)
-    m = error_report(mixed, mixed).to_dict()
+    mixed = jnp.arange(64, dtype=jnp.float32).at[5].set(value)  # one compile for the file
+    m = error_report(mixed, mixed, "bf16").to_dict()
     assert m["n_nonfinite"] == 1 and m["sqnr_db"] == np.inf and m["rmse"] == 0.0
 
 
 def test_w1_survey_of_an_all_nan_input(work, capsys):
     np.save(work / "bad.npy", np.full((256,), np.nan, np.float32))
-    out, _ = _cli(capsys, ["survey", "--input", "bad.npy", "--formats", "int8,bf16"], status=0)
+    out, _ = _cli(capsys, ["survey", "--input", "bad.npy", "--formats", "int8"], status=0)
     assert "input bad (256; 256 not finite, left out of the errors)" in out
-    for line in out.splitlines()[3:5]:  # int8, bf16: no SQNR (was inf), no rmse (was 0)
+    for line in out.splitlines()[3:4]:  # no SQNR (was inf), no rmse (was 0)
         assert line.split()[3:5] == ["-", "-"], line
 
 
