@@ -21,12 +21,15 @@ __all__ = [
     "FLOAT32_MAX",
     "FLOAT32_TINY",
     "INT32_MAX",
+    "MAX_DEPTH",
     "MAX_FILE_BYTES",
     "REQUIRED",
     "ConfigError",
     "Field",
+    "check_depth",
     "coerce",
     "describe_type",
+    "loads_toml",
     "read_toml",
     "validate_table",
     "with_docs",
@@ -39,6 +42,9 @@ FLOAT32_TINY = 1.401298464324817e-45
 #: Largest int32 (the trainer's step counter is an int32).
 INT32_MAX = 2**31 - 1
 
+
+#: Deepest nesting of tables and lists in a configuration (an experiment uses 3 or 4 levels).
+MAX_DEPTH = 32
 
 #: Largest configuration file read: an experiment is a few KB of TOML; past this it is not one
 #: (and reading /dev/zero must end).
@@ -235,9 +241,35 @@ def read_toml(path: str | os.PathLike[str], what: str = "experiment file") -> di
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}); an {what} is TOML") from None
+    return loads_toml(text, str(path))
+
+
+def loads_toml(text: str, where: str) -> dict[str, Any]:
+    """``tomllib.loads(text)``, with every failure one :class:`ConfigError` naming ``where``:
+    bad TOML, a huge integer, or nesting deeper than :data:`MAX_DEPTH` (tomllib recurses, and
+    so would every later walk of the document)."""
     try:
-        return tomllib.loads(text)
+        doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{path}: not valid TOML: {err}") from None
+        raise ConfigError(f"{where}: not valid TOML: {err}") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: nested deeper than {MAX_DEPTH} levels") from None
     except ValueError as err:  # an int past Python's 4300-digit limit for str -> int
-        raise ConfigError(f"{path}: {str(err).split('; use sys.')[0]}") from None
+        raise ConfigError(f"{where}: {str(err).split('; use sys.')[0]}") from None
+    check_depth(doc, where)
+    return doc
+
+
+def check_depth(value: Any, where: str, limit: int | None = None) -> None:
+    """ConfigError when tables and lists in ``value`` nest deeper than ``limit`` levels
+    (:data:`MAX_DEPTH` by default); checked without recursion."""
+    limit = MAX_DEPTH if limit is None else limit
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            raise ConfigError(f"{where}: nested deeper than {limit} levels")
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)

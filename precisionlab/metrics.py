@@ -37,14 +37,20 @@ METRICS: dict[str, tuple[str, str]] = {
 }
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=list(METRICS), meta_fields=["n", "fmt"])
+@partial(
+    jax.tree_util.register_dataclass,
+    data_fields=[*METRICS, "n_nonfinite"],
+    meta_fields=["n", "fmt"],
+)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ErrorReport:
     """Scalar float32 error statistics (jax arrays) of one ``x_hat`` against ``x``.
 
     Error statistics cover the elements where both ``x`` and ``x_hat`` are finite; the
-    ``frac_*`` fields count the others. ULP statistics, saturation and subnormal fractions
-    need ``fmt`` and are NaN without it. ``n`` is the element count, ``fmt`` its name.
+    ``frac_*`` fields count the others, and ``n_nonfinite`` counts the elements of ``x`` that
+    are inf or NaN. With no element finite in both, every error statistic is NaN (never a
+    perfect SQNR of inf). ULP statistics, saturation and subnormal fractions need ``fmt`` and
+    are NaN without it. ``n`` is the element count, ``fmt`` its name.
     """
 
     max_abs_error: jax.Array
@@ -60,6 +66,7 @@ class ErrorReport:
     frac_saturated: jax.Array
     frac_underflow: jax.Array
     frac_subnormal: jax.Array
+    n_nonfinite: jax.Array
     n: int
     fmt: str | None
 
@@ -67,6 +74,7 @@ class ErrorReport:
         """Plain Python floats (NaN/inf kept as floats) plus ``n`` and ``fmt``."""
         out: dict = {"n": self.n, "fmt": self.fmt}
         out.update({name: float(getattr(self, name)) for name in METRICS})
+        out["n_nonfinite"] = int(self.n_nonfinite)
         return out
 
     def __str__(self) -> str:
@@ -74,7 +82,8 @@ class ErrorReport:
         rows = [(METRICS[k][0], _fmt_value(d[k]), METRICS[k][1]) for k in METRICS]
         w0 = max(len(r[0]) for r in rows)
         w1 = max(len(r[1]) for r in rows)
-        head = f"error report ({self.n} elements" + (f", fmt {self.fmt})" if self.fmt else ")")
+        bad = f", {d['n_nonfinite']} non-finite" if d["n_nonfinite"] else ""
+        head = f"error report ({self.n} elements{bad}" + (f", fmt {self.fmt})" if self.fmt else ")")
         return "\n".join([head] + [f"  {a:<{w0}}  {b:>{w1}}  {c}" for a, b, c in rows])
 
 
@@ -126,6 +135,7 @@ def _report(x, x_hat, scale, fmt):
     x_hat = x_hat.astype(f32)
     finite_x = jnp.isfinite(x)
     both = finite_x & jnp.isfinite(x_hat)
+    any_both = jnp.any(both)  # no finite pair: every error statistic is NaN, not 0 or inf
     n_both = jnp.maximum(jnp.sum(both), 1).astype(f32)
     # Zero tests on the bit patterns: XLA on CPU flushes float32 subnormals in comparisons.
     nonzero_x = _nonzero(x)
@@ -170,20 +180,25 @@ def _report(x, x_hat, scale, fmt):
             frac_sub = jnp.sum((x_hat != 0) & (jnp.abs(x_hat) < tiny)) / n
         else:
             frac_sub = jnp.float32(0.0)
+
+    def stat(v):
+        return jnp.where(any_both, v, nan)
+
     return dict(
-        max_abs_error=pow2.ldexp(jnp.max(aerr_s), k),
-        mean_abs_error=pow2.ldexp(jnp.sum(aerr_s) / n_both, k),
-        rmse=pow2.ldexp(jnp.sqrt(noise / n_both), k),
+        max_abs_error=stat(pow2.ldexp(jnp.max(aerr_s), k)),
+        mean_abs_error=stat(pow2.ldexp(jnp.sum(aerr_s) / n_both, k)),
+        rmse=stat(pow2.ldexp(jnp.sqrt(noise / n_both), k)),
         mean_rel_error=jnp.where(n_nz > 0, jnp.sum(rel) / jnp.maximum(n_nz, 1.0), nan),
         max_rel_error=jnp.where(n_nz > 0, jnp.max(rel), nan),
-        sqnr_db=sqnr,
-        bias=pow2.ldexp(jnp.sum(err_s) / n_both, k),
-        mean_ulp_error=mean_ulp,
-        max_ulp_error=max_ulp,
+        sqnr_db=stat(sqnr),
+        bias=stat(pow2.ldexp(jnp.sum(err_s) / n_both, k)),
+        mean_ulp_error=stat(mean_ulp),
+        max_ulp_error=stat(max_ulp),
         frac_overflow=jnp.sum(finite_x & ~jnp.isfinite(x_hat)) / n,
         frac_saturated=frac_sat,
         frac_underflow=jnp.sum(nonzero_x & zero_hat) / n,
         frac_subnormal=frac_sub,
+        n_nonfinite=jnp.sum(~finite_x).astype(jnp.int32),
     )
 
 

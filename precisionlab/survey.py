@@ -105,6 +105,10 @@ _HIST_EDGES = np.linspace(-8.0, 1.0, 37)
 _ROW_COLUMNS = 256  # synthetic inputs are (size // 256, 256) when size allows
 
 
+#: loguniform's bounds (log10): past them every sample is 0 or inf in float32.
+_LOG10_LOW, _LOG10_HIGH = -45, 39
+
+
 # --- inputs --------------------------------------------------------------------------------
 def _parse_dist(spec: str) -> tuple[str, tuple[float, ...]]:
     if not isinstance(spec, str):
@@ -120,6 +124,11 @@ def _parse_dist(spec: str) -> tuple[str, tuple[float, ...]]:
         raise ValueError(f"unknown distribution {spec!r}; allowed: {', '.join(DISTRIBUTIONS)}")
     if name == "student_t" and not values[0] > 0:
         raise ValueError(f"distribution {spec!r}: degrees of freedom must be > 0")
+    if name == "loguniform" and not all(_LOG10_LOW <= v <= _LOG10_HIGH for v in values):
+        raise ValueError(
+            f"distribution {spec!r}: LO and HI must be within {_LOG10_LOW}..{_LOG10_HIGH} "
+            "(log10 of float32's smallest subnormal and largest finite magnitudes)"
+        )
     if name == "loguniform" and not values[0] < values[1]:
         raise ValueError(f"distribution {spec!r}: need LO < HI (log10 of the magnitudes)")
     return name, values
@@ -236,18 +245,21 @@ def load_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
                 f"input {str(path)!r} holds {total:,} elements; at most {4 * MAX_ELEMENTS:,} "
                 "(2^26) in all"
             )
-    return _load(path, path.stem)
+    return _load(path, path.stem, members)
 
 
-def _load(path: pathlib.Path, name: str):
+def _load(path: pathlib.Path, name: str, members: list[str] | None = None):
     """np.load after the headers were checked; a truncated or corrupt body is a ValueError."""
     import zipfile
 
     try:
         if path.suffix == ".npy":
             return np.load(path, allow_pickle=False).astype(np.float32)
+        # only the .npy members whose headers were checked: another member (a 1 GiB text
+        # file) is never read
+        keys = [m[:-4] for m in members or []]
         with np.load(path, allow_pickle=False) as loaded:
-            return {f"{name}:{k}": np.asarray(loaded[k]).astype(np.float32) for k in loaded.files}
+            return {f"{name}:{k}": np.asarray(loaded[k]).astype(np.float32) for k in keys}
     except (EOFError, OSError, ValueError, zipfile.BadZipFile) as err:
         raise ValueError(f"input {str(path)!r} is truncated or corrupt ({err})") from None
 
@@ -338,8 +350,11 @@ def summary_table(rows: list[dict]) -> str:
     for name in dict.fromkeys(r["input"] for r in rows):
         sub = [r for r in rows if r["input"] == name]
         shape = "x".join(str(d) for d in sub[0]["shape"])
+        bad = sub[0].get("n_nonfinite") or 0
+        # say so: the errors cover the finite elements only (none: every error is "-")
+        note = f"; {bad:,} not finite, left out of the errors" if bad else ""
         blocks.append(
-            f"input {name} ({shape})\n" + format_table(sub, SUMMARY_COLUMNS, headers=_HEADERS)
+            f"input {name} ({shape}{note})\n" + format_table(sub, SUMMARY_COLUMNS, headers=_HEADERS)
         )
     return "\n\n".join(blocks)
 
@@ -375,7 +390,7 @@ def plot_survey(rows: list[dict], hists: dict, path: str | os.PathLike) -> None:
         ax.set_ylabel("fraction")
         ax.set_title(f"error histogram: {name}")
         ax.legend(fontsize="small", ncols=2)
-    fig.savefig(os.fspath(path), dpi=90)
+    _io.save_figure(fig, path, dpi=90)
 
 
 # --- experiment kind -----------------------------------------------------------------------
@@ -463,8 +478,7 @@ def run(section: dict, out_dir: pathlib.Path, *, quiet: bool = False) -> dict:
     and the plot ``errors.png`` (SQNR bars and error histograms). Returns a JSON-able summary.
     """
     cfg = validate(section, "survey")
-    out_dir = pathlib.Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = _io.makedirs(out_dir)
     hists: dict = {}
     rows_path = out_dir / "rows.jsonl"
     with _io.JsonlWriter(rows_path, "w") as f:  # a rerun recomputes every row (seeded)

@@ -132,6 +132,15 @@ MUTATED = {
     "fp8_outlier_scale": ("fp8_recipes_outliers.toml", "outlier_scale = 100.0",
                           "outlier_scale = nan"),
     "broken_layer_overflow": ("broken_layer.toml", "overflow_layer = 4 }", "overflow_layer = 99 }"),
+    # third pass (issue 27): a bool where a layer index goes, inf scales, huge sweep counts
+    "broken_layer_overflow_bool": (
+        "broken_layer.toml", "overflow_layer = 4 }", "overflow_layer = true }"
+    ),
+    "fp8_outlier_scale_inf": ("fp8_recipes_outliers.toml", "outlier_scale = 100.0",
+                              "outlier_scale = inf"),
+    "memory_measure_layers_huge": (
+        "memory.toml", "measure_layers = 16", "measure_layers = 9223372036854775807"
+    ),
     "broken_layer_threshold": ("broken_layer.toml", "threshold = 0.1", "threshold = nan"),
     "broken_layer_tail": ("broken_layer.toml", "tail = 10 ", "tail = 0 "),
     "broken_layer_width": ("broken_layer.toml", "width = 32,", "width = 1000000000000,"),

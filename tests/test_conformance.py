@@ -164,7 +164,11 @@ def test_cli_writes_report_and_json(tmp_path, capsys, without_optional_libraries
     assert (out / "report.md").exists() and (out / "environment.json").exists()
     data = json.loads((out / "conformance.json").read_text())
     assert {c["source"] for c in data["cells"]} == {"float32", "float64"}
-    assert main([*argv, "--json", "--sources", "float64"]) == 0
+    capsys.readouterr()
+    # the results already in --out are replaced only when asked (--force)
+    assert main([*argv, "--sources", "float64"]) == 2
+    assert "already holds report.md" in capsys.readouterr().err
+    assert main([*argv, "--json", "--sources", "float64", "--force"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["report"] == str(out / "report.md") and len(printed["cells"]) == 1
 

@@ -28,7 +28,7 @@ def test_validate_fills_defaults():
         ({"policies": []}, "at least one"),
         ({"batch": "8"}, r"memory.batch: expected int, got str"),
         ({"batch": True}, r"memory.batch: expected int, got bool"),
-        ({"batch": 0}, r"memory.batch: must be an int >= 1, got 0"),
+        ({"batch": 0}, r"memory.batch: must be an int >= 1 and <= 16777216, got 0"),
         ({"policies": "bf16"}, r"memory.policies: expected list of str"),
         ({"optimizer": "adagrad"}, r"memory.optimizer: unknown optimizer 'adagrad'"),
         ({"preset": "gpt3-small", "checkpoint_intervals": [13]}, r"in 1..12, got 13"),

@@ -557,7 +557,6 @@ def machine() -> dict:
 
 
 def _write_json_atomic(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     _io.write_json(path, payload)
 
 
@@ -737,8 +736,8 @@ def run(args: argparse.Namespace) -> int:
         )
     jsonl = None
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        jsonl = open(args.out.with_suffix(".jsonl"), "a")
+        # appended through the same rules as every write: no link, device or hard link
+        jsonl = _io.JsonlWriter(args.out.with_suffix(".jsonl"))
     rows: list[Row] = []
     bandwidths: dict[str, float] = {}
     try:
@@ -752,8 +751,7 @@ def run(args: argparse.Namespace) -> int:
             rows += new
             if jsonl is not None:
                 for row in new:
-                    jsonl.write(json.dumps(asdict(row)) + "\n")
-                jsonl.flush()
+                    jsonl.write(asdict(row))
             if not args.json:
                 print(f"  measured {fmt.name}", file=sys.stderr, flush=True)
     finally:

@@ -144,7 +144,9 @@ _ELEMENTS_MAX = 1 << 28
 def run(args: argparse.Namespace) -> int:
     from precisionlab._text import UsageError, split_list
 
-    cases = list(CASES) if args.cases is None else split_list(args.cases)
+    cases = list(CASES) if args.cases is None else list(dict.fromkeys(split_list(args.cases)))
+    if not cases:  # "--cases ," ran nothing and exited 0
+        raise UsageError(f"--cases needs at least one name, got {args.cases!r}")
     bad = [c for c in cases if c not in CASES]
     if bad:
         raise UsageError(f"unknown case {bad[0]!r}; allowed: {', '.join(CASES)}")

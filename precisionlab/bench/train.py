@@ -202,7 +202,6 @@ def render(result: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     result = measure(args.model, args.batch, args.steps, args.repeats, args.compute)
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         _io.write_json(args.out, result)
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0

@@ -20,6 +20,7 @@ __all__ = [
     "Parser",
     "UsageError",
     "check_out_dir",
+    "check_path_shape",
     "one_line",
     "shorten",
     "split_list",
@@ -59,7 +60,26 @@ def stdout_is_tty() -> bool:
     return sys.stdout.isatty()
 
 
-def check_out_dir(out: str | None, *, new: bool = False) -> None:
+#: Most components and characters of an output path (Linux's PATH_MAX is 4096 bytes; deep
+#: paths made recursion errors in mkdir).
+MAX_PATH_PARTS = 64
+MAX_PATH_CHARS = 4096
+
+
+def check_path_shape(path: str, flag: str) -> None:
+    """UsageError for an output path of more than :data:`MAX_PATH_PARTS` components or
+    :data:`MAX_PATH_CHARS` characters, or one holding a NUL byte."""
+    parts = [p for p in str(path).split(os.sep) if p]
+    if "\0" in str(path):
+        raise UsageError(f"{flag} {shorten(repr(path))}: holds a NUL byte")
+    if len(parts) > MAX_PATH_PARTS or len(str(path)) > MAX_PATH_CHARS:
+        raise UsageError(
+            f"{flag} {shorten(str(path))}: {len(parts)} components, {len(str(path))} "
+            f"characters; at most {MAX_PATH_PARTS} and {MAX_PATH_CHARS}"
+        )
+
+
+def check_out_dir(out: str | None, *, new: bool = False, force_hint: bool = False) -> None:
     """UsageError unless ``out`` (a ``--out DIR`` flag; None: not given) can name a run
     directory: not empty text (it would mean the current directory), not an existing file, and
     with ``new`` not an existing directory that holds anything (a run directory is checked
@@ -68,7 +88,11 @@ def check_out_dir(out: str | None, *, new: bool = False) -> None:
         return
     if not out.strip():
         raise UsageError(f"--out {out!r}: empty; name a run directory")
+    check_path_shape(out, "--out")
     if os.path.exists(out) and not os.path.isdir(out):
         raise UsageError(f"--out {shorten(out)}: exists and is not a directory")
     if new and os.path.isdir(out) and os.listdir(out):
-        raise UsageError(f"--out {shorten(out)}: the directory is not empty; name a new one")
+        raise UsageError(
+            f"--out {shorten(out)}: the directory is not empty; name a new one"
+            + (" or pass --force" if force_hint else "")
+        )

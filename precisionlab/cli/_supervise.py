@@ -55,6 +55,7 @@ def _child_argv(args: argparse.Namespace, spec: tuple[str, int, int, int]) -> li
         argv += ["--resume", args.resume]
     if args.out:
         argv += ["--out", args.out]
+    argv += ["--force"] if getattr(args, "force", False) else []
     for item in args.overrides:
         argv += ["--set", item]
     argv += ["--quiet"] if args.quiet else []

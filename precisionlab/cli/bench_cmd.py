@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import pathlib
 
+from precisionlab import _io
 from precisionlab.bench import codecs, hardware, quant, recipes, telemetry, train
-from precisionlab.cli._common import UsageError
+from precisionlab.cli._common import UsageError, check_path_shape
 
 HELP = "benchmarks against peers (ml_dtypes, gfloat, jmp), printed as ratios"
 
@@ -35,7 +36,25 @@ def run(args: argparse.Namespace) -> int:
     if module is None:
         raise UsageError(f"name a benchmark: one of {', '.join(BENCHES)}")
     out = getattr(args, "out", None)
-    if out is not None and not pathlib.Path(out).parent.is_dir():
+    if out is not None and str(out) == _io.STDIO:  # the standard stream the user asked for
+        args.out, args.json = None, True
+    elif out is not None:
+        _check_out_file(pathlib.Path(out), module is codecs)
+    return module.run(args)
+
+
+def _check_out_file(out: pathlib.Path, rows_too: bool) -> None:
+    """UsageError before any measuring unless ``out`` (and ``OUT.jsonl`` for codecs) is a new
+    name or a regular file in an existing directory: ``--out /dev/null`` must never replace
+    the device (write to ``-`` for stdout, or leave --out out)."""
+    if not str(out).strip():
+        raise UsageError(f"--out {str(out)!r}: empty; name a file, or - for stdout")
+    check_path_shape(str(out), "--out")
+    if not out.parent.is_dir():
         # Never create directories the user did not ask for (/nonexistent/x.json).
         raise UsageError(f"--out {str(out)!r}: its directory does not exist")
-    return module.run(args)
+    for path in (out, out.with_suffix(".jsonl")) if rows_too else (out,):
+        try:
+            _io.check_target(path)
+        except _io.UnsafePathError as err:
+            raise UsageError(f"--out {err}") from None

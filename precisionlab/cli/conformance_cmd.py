@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from precisionlab.cli._common import UsageError, split_list
+from precisionlab.cli._common import UsageError, check_out_dir, shorten, split_list
 
 HELP = "check ml_dtypes, XLA, numpy, gfloat, torch conversions against the exact reference"
 
@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="instead: the GEMMs on this machine (XLA per backend, numpy, torch) beside the "
         "tensor-core models of precisionlab.hardware (share of bit-identical outputs)",
     )
+    parser.add_argument(
+        "--force", action="store_true", help="replace the results already in --out DIR"
+    )
 
 
 def _list(text: str | None, flag: str) -> list[str] | None:
@@ -53,7 +56,7 @@ def _list(text: str | None, flag: str) -> list[str] | None:
     items = split_list(text)
     if not items:
         raise UsageError(f"{flag} needs at least one name, got {text!r}")
-    return items
+    return list(dict.fromkeys(items))  # a name given twice counts once
 
 
 def _run_gemm(args: argparse.Namespace) -> int:
@@ -74,6 +77,7 @@ def _run_gemm(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from precisionlab.conformance import matrix_tables, run_conformance, to_json, write_report
+    from precisionlab.conformance.report import existing_results
     from precisionlab.experiments import store
 
     if getattr(args, "gemm", False):
@@ -84,11 +88,17 @@ def run(args: argparse.Namespace) -> int:
     libs = _list(args.libs, "--libs")
     formats = _list(args.formats, "--formats")
     sources = _list(args.sources, "--sources")
-    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
-        raise UsageError(f"--out {args.out!r} exists and is not a directory")
+    check_out_dir(args.out)
+    if args.out is not None and not args.force:
+        found = existing_results(Path(args.out))
+        if found:  # refused before the minutes of conversions, not after
+            raise UsageError(
+                f"--out {shorten(args.out)} already holds {', '.join(found)}; choose a new "
+                "directory or pass --force to replace them"
+            )
     result = run_conformance(libs, formats, sources, seed=args.seed)
     out_dir = Path(args.out) if args.out else store.new_run_dir(Path("runs"), "conformance")
-    path = write_report(result, out_dir)
+    path = write_report(result, out_dir, force=args.force)
     if args.json:
         data = store.to_jsonable(to_json(result))
         data["report"] = str(path)

@@ -36,7 +36,14 @@ _FLAG_OF = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="experiment file (TOML)")
     parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR")
-    parser.add_argument("--out", metavar="DIR", help="run directory (default runs/NAME-TIME)")
+    parser.add_argument(
+        "--out", metavar="DIR", help="new or empty run directory (default runs/NAME-TIME)"
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="let --out name a directory that holds other files (a run in it is still kept)",
+    )
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -110,7 +117,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError("--set and --out apply to a new run, not to --resume")
     if not args.resume and not args.config:
         raise UsageError("give an experiment file (CONFIG) or --resume DIR")
-    check_out_dir(args.out)
+    # an existing directory's files (report.md, summary.json) are never replaced unasked
+    check_out_dir(args.out, new=not args.force, force_hint=True)
 
 
 def _train(args: argparse.Namespace):

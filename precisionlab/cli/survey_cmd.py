@@ -95,6 +95,13 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--plot writes a PNG: give a path ending in .png, got {args.plot!r}")
     if args.plot is not None and not os.path.isdir(os.path.dirname(args.plot) or "."):
         raise UsageError(f"--plot {args.plot!r}: its directory does not exist")
+    if args.plot is not None:
+        from precisionlab import _io
+
+        try:  # before the survey: a device or link is refused, never replaced
+            _io.check_target(args.plot)
+        except _io.UnsafePathError as err:
+            raise UsageError(f"--plot {err}") from None
     hists: dict = {}
     rows = survey.execute(cfg, hists=hists if args.plot else None)
     if args.json:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from pathlib import Path
 
 from precisionlab.conformance.classify import RULES
@@ -155,15 +156,33 @@ def to_json(result: Result) -> dict:
     return data
 
 
-def write_report(result: Result, out_dir: Path) -> Path:
+#: The files :func:`write_report` writes.
+REPORT_FILES = ("report.md", "conformance.json", "environment.json")
+
+
+def existing_results(out_dir: Path) -> list[str]:
+    """The names among :data:`REPORT_FILES` (and a run's ``summary.json``) already in
+    ``out_dir`` (links and other non-files included): what a write would replace."""
+    return [n for n in (*REPORT_FILES, "summary.json") if os.path.lexists(Path(out_dir) / n)]
+
+
+def write_report(result: Result, out_dir: Path, *, force: bool = False) -> Path:
     """Write ``report.md``, ``conformance.json`` and ``environment.json`` into ``out_dir``
-    (created if needed); returns the report's path."""
+    (created if needed); returns the report's path. ValueError when ``out_dir`` already holds
+    results (:func:`existing_results`) unless ``force``; links are never followed."""
     from precisionlab.experiments import store
 
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "report.md"
-    path.write_text(markdown(result), encoding="utf-8")
-    store.write_json(out_dir / "conformance.json", to_json(result))
-    store.write_json(out_dir / "environment.json", store.environment())
+    found = existing_results(out_dir)
+    if found and not force:
+        raise ValueError(
+            f"{out_dir} already holds {', '.join(found)}; choose a new --out directory or "
+            "pass --force to replace them"
+        )
+    store.makedirs(out_dir)
+    with store.confined(out_dir):
+        path = out_dir / "report.md"
+        store.write_text(path, markdown(result))
+        store.write_json(out_dir / "conformance.json", to_json(result))
+        store.write_json(out_dir / "environment.json", store.environment())
     return path

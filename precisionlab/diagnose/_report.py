@@ -42,7 +42,7 @@ def _finish(run_dir: Path, mode: str, result: Any, lines: Sequence[str], plots: 
     for caption, path in plots:
         body += ["", f"![{caption}](plots/{path.name})"]
     path = run_dir / "report.md"
-    path.write_text("\n".join(body) + "\n", encoding="utf-8")
+    store.write_text(path, "\n".join(body) + "\n")
     return path
 
 
@@ -62,9 +62,8 @@ def _num(x: float, fmt: str = ".3g") -> str:
 def _save(fig: Any, run_dir: Path, name: str) -> Path:
     """Write ``fig`` to ``run_dir/plots/name`` (90 dpi) and close it; the path written."""
     fig.tight_layout()
-    (run_dir / "plots").mkdir(exist_ok=True)
-    path = run_dir / "plots" / name
-    fig.savefig(path, dpi=90)
+    path = store.makedirs(run_dir / "plots") / name
+    store.save_figure(fig, path, dpi=90)
     _plt().close(fig)
     return path
 

@@ -31,6 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from precisionlab import _io
 from precisionlab.diagnose._capture import Capture, Tensor
 from precisionlab.experiments.config import Unit
 from precisionlab.telemetry import tensor_stats, to_dict
@@ -290,7 +291,8 @@ def compare(
     if dump is not None:
         arrays = {f"ref/{k}": v for k, v in ta.items()}
         arrays.update({f"other/{k}": v for k, v in tb.items()})
-        np.savez_compressed(dump, grad_scale=np.float64(rb.capture.grad_scale), **arrays)
+        with _io.atomic_open(dump, "wb") as f:  # the one write path: no link, no device
+            np.savez_compressed(f, grad_scale=np.float64(rb.capture.grad_scale), **arrays)
     # The answer: at the first step over the threshold, the tensor that differs most (ties,
     # e.g. several infinities, go to the earliest in causal order: where the break starts).
     at_step.sort(key=lambda c: (-c.rel, c.order))

@@ -32,7 +32,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from precisionlab._schema import ConfigError, Field, coerce, read_toml, validate_table
+from precisionlab._schema import (
+    ConfigError,
+    Field,
+    check_depth,
+    coerce,
+    read_toml,
+    validate_table,
+)
 from precisionlab.experiments import kinds, train_kind
 from precisionlab.experiments.store import safe_name
 
@@ -125,11 +132,15 @@ def parse_override(text: str) -> tuple[list[str], str]:
 
 def _literal(value: str, text: str) -> Any:
     try:
-        return tomllib.loads(f"v = {value}")["v"]
+        parsed = tomllib.loads(f"v = {value}")["v"]
     except tomllib.TOMLDecodeError:
         return value
+    except RecursionError:
+        raise ConfigError(f"--set {text[:60]!r}: nested too deeply") from None
     except ValueError as err:  # an int past Python's 4300-digit limit for str -> int
         raise ConfigError(f"--set {text!r}: {err}".split("; use sys.")[0]) from None
+    check_depth(parsed, f"--set {text[:60]!r}")
+    return parsed
 
 
 def _field_for(doc: Mapping[str, Any], keys: Sequence[str]) -> Field | None:

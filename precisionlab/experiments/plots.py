@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from precisionlab import _io
 from precisionlab._text import fmt_value as _fmt
 
 __all__ = ["write_plots"]
@@ -217,7 +218,7 @@ def _plot_curves(
     if mark_divergence and any(u["summary"].get("diverged") for u in units):
         fig.text(0.01, 0.005, "x: divergence detected (non-finite or exploding loss)", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _io.save_figure(fig, path, dpi=110)
     plt.close(fig)
     return True
 
@@ -324,7 +325,7 @@ def _plot_hist(units: list[dict[str, Any]], key: str, path: Path, *, what: str) 
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _io.save_figure(fig, path, dpi=110)
     plt.close(fig)
     return True
 
@@ -335,7 +336,7 @@ def write_plots(data: dict[str, Any], plot_dir: Path) -> list[tuple[str, Path]]:
 
     matplotlib.use("Agg")
     units = data["units"]
-    plot_dir.mkdir(parents=True, exist_ok=True)
+    _io.makedirs(plot_dir)
     log = data["config"].get("resolved", {}).get("report", {}).get("log_loss", "auto")
     written = []
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from precisionlab import _io
+
 __all__ = ["GROUP_NAMES", "plot_recipe_groups"]
 
 #: Column titles of the tensor groups.
@@ -70,6 +72,6 @@ def plot_recipe_groups(units: list[dict[str, Any]], path: Path) -> bool:
             )
             row += 1
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    _io.save_figure(fig, path, dpi=100)
     plt.close(fig)
     return True

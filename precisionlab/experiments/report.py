@@ -120,7 +120,13 @@ def headers() -> list[str]:
 
 
 def write_report(run_dir: str | Path, *, plots: bool = True) -> tuple[Path, str]:
-    """Write ``report.md`` (and plots) for ``run_dir``; returns its path and the text table."""
+    """Write ``report.md`` (and plots) for ``run_dir``; returns its path and the text table.
+    No link inside ``run_dir`` is followed (:func:`precisionlab._io.confined`)."""
+    with store.confined(run_dir):
+        return _write_report(run_dir, plots=plots)
+
+
+def _write_report(run_dir: str | Path, *, plots: bool) -> tuple[Path, str]:
     data = load_run(run_dir)
     store.check_no_symlinks(Path(run_dir))  # report.md and plots/ must not land elsewhere
     run_dir = Path(run_dir)
@@ -293,6 +299,10 @@ def _close(a: float | None, b: float | None, rel: float = 0.02) -> bool:
     return abs(a - b) <= rel * max(abs(b), 1e-12)
 
 
+#: DynamicLossScale's default floors (the smallest normal of float32/bfloat16, float16).
+_SCALE_FLOORS = {2.0**-126: -126, 2.0**-14: -14}
+
+
 def interpret(summary: dict[str, Any]) -> list[str]:
     """Bullets of what a ``train`` run shows, from its summary: per setting, each variant
     against the setting's first variant (the reference): divergence and when, skipped steps,
@@ -325,8 +335,11 @@ def interpret(summary: dict[str, Any]) -> list[str]:
                 facts.append(f"diverged at step {step}" if step is not None else "diverged")
             if skipped:
                 facts.append(f"skipped {skipped} of {steps} steps (inf/NaN gradients)")
-            if _num(u.get("min_loss_scale")) == 0:
+            low = _num(u.get("min_loss_scale"))
+            if low == 0:
                 facts.append("its loss scale collapsed to 0")
+            elif low in _SCALE_FLOORS:  # DynamicLossScale's default floor: it hit bottom
+                facts.append(f"its loss scale fell to its floor (2^{_SCALE_FLOORS[low]})")
             underflow = _num(u.get("mean_underflow_fraction"))
             ref_underflow = _num(ref.get("mean_underflow_fraction"))
             if (

@@ -95,7 +95,9 @@ def resume(run_dir: str | Path, *, quiet: bool = False) -> Path:
     config_path = run_dir / "config.json"
     if not config_path.exists():
         raise ValueError(f"{run_dir}: not a run directory (no config.json)")
-    saved = store.read_json(config_path)
+    saved = store.read_json(config_path)  # checked against its schema (runfiles)
+    if "document" not in saved:
+        raise ValueError(f"{config_path}: missing field 'document' (the experiment to resume)")
     experiment = experiment_from_document(
         saved["document"], saved.get("source", str(config_path)), default_name=run_dir.name
     )
@@ -160,8 +162,7 @@ def _run_other(experiment: Experiment, run_dir: Path, *, say: Printer, quiet: bo
         say(f"{kind}: already finished")
         return
     module = kinds.load(kind)
-    out_dir = run_dir / kind
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = store.makedirs(run_dir / kind)
     start = time.perf_counter()
     try:
         result = module.run(experiment.resolved[kind], out_dir, quiet=quiet)
@@ -169,7 +170,7 @@ def _run_other(experiment: Experiment, run_dir: Path, *, say: Printer, quiet: bo
     except KeyboardInterrupt:
         raise
     except Exception as err:
-        (run_dir / "error.log").write_text(traceback.format_exc(), encoding="utf-8")
+        store.write_text(run_dir / "error.log", traceback.format_exc())
         status, error, result = "failed", f"{type(err).__name__}: {err}", None
         say(f"{kind}: failed: {error} (traceback in {run_dir / 'error.log'})")
     store.write_json(
@@ -242,7 +243,7 @@ def _overall_bar(experiment: Experiment, statuses: list[dict], quiet: bool) -> A
 def _run_unit(
     unit: Unit, unit_dir: Path, status: dict, *, say: Printer, quiet: bool, hooks: tuple = ()
 ) -> None:
-    unit_dir.mkdir(parents=True, exist_ok=True)
+    store.makedirs(unit_dir)  # no link followed below the run directory
     status_path = unit_dir / "status.json"
     resuming = bool(status)
     status.update({"status": "running", "name": unit.name, "started": _now()})
@@ -314,7 +315,7 @@ def _run_unit(
             status["wall_time_s"] += time.perf_counter() - start
             store.write_json(status_path, status)
             raise
-        (unit_dir / "error.log").write_text(traceback.format_exc(), encoding="utf-8")
+        store.write_text(unit_dir / "error.log", traceback.format_exc())
         status.update({"status": "failed", "error": f"{type(err).__name__}: {err}"})
         say(f"  failed: {status['error']} (traceback in {unit_dir / 'error.log'})")
         # several processes: the others cannot go on alone (see follow); end the run

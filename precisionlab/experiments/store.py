@@ -35,30 +35,40 @@ from pathlib import Path
 from typing import Any
 
 from precisionlab import _io
+from precisionlab.experiments import runfiles
 
 __all__ = [
     "JsonlWriter",
+    "confined",
     "environment",
+    "makedirs",
     "new_run_dir",
     "read_json",
     "read_jsonl",
     "run_lock",
     "safe_name",
+    "save_figure",
     "to_jsonable",
     "write_json",
+    "write_text",
 ]
 
 
-read_json = _io.read_json
-read_jsonl = _io.read_jsonl
+# every read of a run file is bounded and checked against its file's schema (runfiles)
+read_json = runfiles.read_json
+read_jsonl = runfiles.read_jsonl
 to_jsonable = _io.to_jsonable
 from_json_float = _io.from_json_float
 JsonlWriter = _io.JsonlWriter
+makedirs = _io.makedirs
+confined = _io.confined
+write_text = _io.write_text
+save_figure = _io.save_figure
 
 
 def write_json(path: Path, data: Any) -> None:
     """Write ``data`` as strict JSON atomically (see :mod:`precisionlab._io`)."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    _io.makedirs(Path(path).parent)
     _io.write_json(path, data)
 
 
@@ -177,9 +187,8 @@ def run_lock(run_dir: Path) -> Iterator[None]:
         return
     run_dir = Path(run_dir)
     path = run_dir / ".lock"
-    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
-    try:
-        fd = os.open(path, flags, file_mode())
+    try:  # a link, FIFO or hard-linked file planted as .lock is refused, never truncated
+        fd = _io.open_existing_or_new(path, append=False)
     except OSError as err:
         raise ValueError(f"{path}: cannot open the run's lock file ({err.strerror})") from None
     try:
@@ -207,7 +216,9 @@ def holding_run_lock(func):
         run_dir = Path(kwargs["run_dir"] if "run_dir" in kwargs else args[1])
         run_dir.mkdir(parents=True, exist_ok=True)
         check_no_symlinks(run_dir)
-        with run_lock(run_dir):
+        # confined: a link planted in the run directory after this check is still never
+        # followed by a write or read through precisionlab._io
+        with _io.confined(run_dir), run_lock(run_dir):
             return func(*args, **kwargs)
 
     return wrapper

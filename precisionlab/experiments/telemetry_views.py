@@ -180,7 +180,7 @@ def _heatmap(rows, targets, path: Path, title: str) -> bool:
         ax.set_xlabel("step", fontsize=8)
     cax = fig.add_axes((0.92, bottom_in / (h * len(targets)), 0.015, 0.8 / len(targets)))
     fig.colorbar(im, cax=cax, label="% of finite nonzero elements (every panel)")
-    fig.savefig(path, dpi=_DPI)
+    store.save_figure(fig, path, dpi=_DPI)
     return True
 
 
@@ -226,7 +226,7 @@ def _ranges(rows, targets, path: Path, title: str) -> bool:
     ax.set_title(f"{title}: dynamic range of every tensor against the target formats", fontsize=9)
     if shown:
         ax.legend(fontsize=7, loc="lower right")
-    fig.savefig(path, dpi=_DPI)
+    store.save_figure(fig, path, dpi=_DPI)
     return True
 
 
@@ -266,7 +266,7 @@ def telemetry_report(
         if plot_dir is not None:
             rows = store.read_jsonl(Path(run_dir) / "variants" / str(uid) / "telemetry.jsonl")
             rows = [r for r in rows if r["kind"] in ("matmul", "grad")]
-            plot_dir.mkdir(parents=True, exist_ok=True)
+            store.makedirs(plot_dir)
             name = store.safe_name(str(uid))
             for kind, fn, caption in (
                 ("heatmap", _heatmap, "layer x step heatmap of the underflow and overflow %"),

@@ -239,7 +239,7 @@ def run(section: dict, out_dir: Path, *, quiet: bool = False) -> dict:
     """Run the sweeps of a ``[checkpointing]`` table; returns the JSON-able summary."""
     cfg = validate(section, "checkpointing")
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    _io.makedirs(out_dir)
     say = (lambda *_: None) if quiet else print
     rows_file = _io.JsonlWriter(out_dir / "rows.jsonl")
     results: dict[str, Any] = {}
@@ -276,7 +276,7 @@ def run(section: dict, out_dir: Path, *, quiet: bool = False) -> dict:
     finally:
         rows_file.close()
     files = ["rows.jsonl", "checkpointing.json", "summary.txt"]
-    (out_dir / "summary.txt").write_text("\n\n".join(texts) + "\n", encoding="utf-8")
+    _io.write_text(out_dir / "summary.txt", "\n\n".join(texts) + "\n")
     if cfg["plots"]:
         for name, res in results.items():
             files.append(_plot(name, res, out_dir))
@@ -386,6 +386,6 @@ def _plot(name: str, res: dict[str, Any], out_dir: Path) -> str:
     ax.legend(fontsize=7)
     fig.tight_layout()
     file = f"checkpointing_{name}.png"
-    fig.savefig(out_dir / file, dpi=110)
+    _io.save_figure(fig, out_dir / file, dpi=110)
     plt.close(fig)
     return file

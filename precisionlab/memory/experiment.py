@@ -65,14 +65,22 @@ FIELDS: dict[str, Field] = {
     "preset": Field(str, DEFAULTS["preset"]),
     "policies": Field(list, DEFAULTS["policies"], item=str),
     "optimizer": Field(str, DEFAULTS["optimizer"]),
-    "batch": Field(int, DEFAULTS["batch"], low=1),
-    "seq": Field(int, DEFAULTS["seq"], low=0, doc="0: the model's"),
-    "checkpoint_intervals": Field(list, DEFAULTS["checkpoint_intervals"], item=int),
+    # Bounds: every count here sizes a loop or an allocation (measure_layers = 2^63 hung in a
+    # divisor loop); past them the sweep is not a measurement this machine can make.
+    "batch": Field(int, DEFAULTS["batch"], low=1, high=1 << 24),
+    "seq": Field(int, DEFAULTS["seq"], low=0, high=1 << 24, doc="0: the preset's context length"),
+    "checkpoint_intervals": Field(
+        list, DEFAULTS["checkpoint_intervals"], item=int, low=1, high=1 << 16
+    ),
     "measure": Field(bool, DEFAULTS["measure"]),
-    "measure_layers": Field(int, DEFAULTS["measure_layers"], low=1),
-    "measure_d_model": Field(int, DEFAULTS["measure_d_model"], low=1),
-    "measure_batch": Field(int, DEFAULTS["measure_batch"], low=1),
-    "measure_microbatches": Field(list, DEFAULTS["measure_microbatches"], item=int),
+    "measure_layers": Field(
+        int, DEFAULTS["measure_layers"], low=1, high=256, why="one compiled step per divisor"
+    ),
+    "measure_d_model": Field(int, DEFAULTS["measure_d_model"], low=1, high=1 << 14),
+    "measure_batch": Field(int, DEFAULTS["measure_batch"], low=1, high=1 << 16),
+    "measure_microbatches": Field(
+        list, DEFAULTS["measure_microbatches"], item=int, low=1, high=1 << 16
+    ),
     "plots": Field(bool, DEFAULTS["plots"]),
 }
 FIELDS = with_docs(
@@ -163,7 +171,7 @@ def run(section: dict, out_dir: Path, *, quiet: bool = False) -> dict:
     """Run the sweeps of a validated ``[memory]`` table; returns the JSON-able summary."""
     cfg = validate(section, "memory")
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    _io.makedirs(out_dir)
     model = get_preset(cfg["preset"])
     seq = cfg["seq"] or None
     rows = _Rows(out_dir / "rows.jsonl")
@@ -305,7 +313,7 @@ def _plots(
     ax.set_ylim(0, max(bottom) * 1.15)
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(out_dir / "bytes_per_param.png", dpi=120)
+    _io.save_figure(fig, out_dir / "bytes_per_param.png", dpi=120)
     plt.close(fig)
     files.append("bytes_per_param.png")
 
@@ -337,7 +345,7 @@ def _plots(
     ax.set_title(f"{model.name}: activation memory vs checkpoint interval")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out_dir / "checkpoint_interval.png", dpi=120)
+    _io.save_figure(fig, out_dir / "checkpoint_interval.png", dpi=120)
     plt.close(fig)
     files.append("checkpoint_interval.png")
 
@@ -365,7 +373,7 @@ def _plots(
         ax.set_title(ck[0]["description"].split(",")[0] + ": measured vs estimated")
         ax.legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(out_dir / "measured_checkpoint.png", dpi=120)
+        _io.save_figure(fig, out_dir / "measured_checkpoint.png", dpi=120)
         plt.close(fig)
         files.append("measured_checkpoint.png")
     return files

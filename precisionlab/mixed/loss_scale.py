@@ -7,8 +7,15 @@ Three scales share one interface: ``.loss_scale`` (the current scale, an array),
 a step with any non-finite gradient is skipped, the scale is multiplied by ``backoff_factor`` and
 the growth counter reset; otherwise the counter grows, and when it reaches ``growth_interval`` the
 scale is multiplied by ``growth_factor`` (kept only if the product is finite in the scale's dtype)
-and the counter reset. ``min_scale`` / ``max_scale``, when given, clamp the scale (jmp's floor of 1
-is ``min_scale=1.0``).
+and the counter reset. ``min_scale`` / ``max_scale`` clamp the scale (jmp's floor of 1 is
+``min_scale=1.0``).
+
+The one default that differs from GradScaler's: ``min_scale`` is the smallest normal number of
+the scale's dtype (2^-126 in float32, 2^-14 in float16), not none. GradScaler's scale, after about
+150 consecutive overflowing steps from 2^16, halves into the subnormals and then to exactly 0,
+where no growth can lift it (0 x 2 = 0): the run silently trains on zero gradients for ever.
+Every value above that floor is GradScaler's bit for bit; ``min_scale=None`` gives GradScaler
+exactly, collapse included.
 """
 
 from __future__ import annotations
@@ -179,7 +186,9 @@ class DynamicLossScale(LossScale):
       growth_factor: factor (> 1) applied after ``growth_interval`` consecutive finite steps.
       backoff_factor: factor (in (0, 1)) applied on a step with a non-finite gradient.
       growth_interval: consecutive finite steps before growing (an int >= 1, not a bool).
-      min_scale, max_scale: optional clamps of the scale (None: unclamped, as in PyTorch).
+      min_scale, max_scale: clamps of the scale (None: unclamped, as in PyTorch). The default
+        ``min_scale="normal"`` is the smallest normal number of ``dtype``, so the scale never
+        decays to 0 (see the module docstring).
       dtype: dtype of the scale array (float32 by default; float16 works).
 
     Data fields (traced): ``loss_scale`` (scalar of ``dtype``), ``counter`` (int32 scalar: finite
@@ -201,7 +210,7 @@ class DynamicLossScale(LossScale):
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
-        min_scale: float | None = None,
+        min_scale: float | str | None = "normal",
         max_scale: float | None = None,
         dtype: Any = jnp.float32,
         *,
@@ -220,6 +229,11 @@ class DynamicLossScale(LossScale):
             _set(self, loss_scale=loss_scale, counter=counter, _trusted=True, **config)
             return
         dtype = _scale_dtype(dtype)
+        if isinstance(min_scale, str):
+            if min_scale != "normal":
+                raise ValueError(f"min_scale must be a number, 'normal' or None, got {min_scale!r}")
+            min_scale = float(jnp.finfo(dtype).tiny)  # the smallest normal: never 0
+            config["min_scale"] = min_scale
         if not float(growth_factor) > 1.0:
             raise ValueError(f"growth_factor must be > 1, got {growth_factor!r}")
         if not 0.0 < float(backoff_factor) < 1.0:

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from precisionlab.quant import core
-from precisionlab.quant.quantize import _check_key, check_input
+from precisionlab.quant.quantize import _check_key, _check_padding, check_input
 from precisionlab.quant.spec import QuantSpec, resolve
 
 __all__ = ["STE_MODES", "fake_quant"]
@@ -80,4 +80,5 @@ def fake_quant(
         full_range=full_range,
     )  # fmt: skip
     _check_key(spec, key)
+    _check_padding(tuple(x.shape), spec)  # as quantize: block_size 2**62 crashed XLA
     return _make(spec, ste)(x, key)

@@ -240,6 +240,7 @@ def mx_blocks(
 _E2M1 = FORMATS["float4_e2m1fn"]
 _NV_GLOBAL = np.float32(6.0 * 448.0)
 _SIXTH = np.float32(np.float32(1.0) / np.float32(6.0))
+_F32_MAX = np.float32(np.finfo(np.float32).max)
 
 
 def nvfp4(
@@ -247,14 +248,21 @@ def nvfp4(
 ) -> tuple[QOperand, jax.Array, jax.Array]:
     """NVFP4 two-level scaling (TE NVFP4BlockScaling; NVIDIA, "Pretraining LLMs with NVFP4").
 
-    float32 steps: ``s_enc = 2688 / amax(x)`` (1 where amax is 0); per block
+    float32 steps: ``s_enc = min(2688 / amax(x), float32 max)`` (1 where amax is 0); per block
     ``sb = e4m3(f32(f32(amax_b * f32(1/6)) * s_enc))`` (nearest even, saturating);
     elements ``e2m1(x * f32(s_enc / sb))`` (0 where sb is 0). Value = elem * sb / s_enc: the
     GEMM multiplies ``elem * sb`` (exact) and scales its output by ``f32(1 / s_enc)``.
+    The clamp of ``s_enc`` at float32's max is TE's: a tensor of tiny values (amax 1e-38)
+    quantizes to finite codes, not NaN. ``1 / s_enc`` is subnormal for amax below
+    2688 * 2^-126 (about 3.2e-35); XLA on CPU flushes it, so such a tensor's product is 0
+    there (a GPU keeps the subnormal scale).
     Returns (operand, sb per element, s_enc).
     """
     ga = amax(x, None)
-    s_enc = jnp.where(_is_zero(ga), jnp.float32(1.0), _NV_GLOBAL / ga)
+    # TE's compute_global_encode_scaling_factor_FP4: min(2688 / amax, float32 max), and 1 for
+    # amax 0 or a scale of 0; without the clamp a tensor of 1e-38s gave s_enc = inf, all NaN
+    s_enc = jnp.minimum(_NV_GLOBAL / jnp.where(_is_zero(ga), 1.0, ga), _F32_MAX)
+    s_enc = jnp.where(_is_zero(ga) | _is_zero(s_enc), jnp.float32(1.0), s_enc)
     s_enc = jnp.where(is_finite(ga), s_enc, jnp.float32(jnp.nan))
     a = block_amax(x, block, two_d)
     sb = round_elements((a * _SIXTH) * s_enc, E4M3)

@@ -7,6 +7,7 @@ data order is reproducible and resumable from the step count alone.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -74,9 +75,10 @@ def check_float(name: str, value: Any, low: float, high: float | None = None) ->
     if (
         isinstance(value, bool)
         or not isinstance(value, int | float)
+        or not math.isfinite(value)  # nan passed both comparisons; inf scaled data to inf
         or value < low
         or (high is not None and value > high)
     ):
-        rng = f">= {low}" if high is None else f"in [{low}, {high}]"
+        rng = f"finite and >= {low}" if high is None else f"in [{low}, {high}]"
         raise ValueError(f"{name} must be a number {rng}, got {value!r}")
     return float(value)

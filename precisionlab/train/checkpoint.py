@@ -45,8 +45,7 @@ def save_checkpoint(
     Atomic (temp dir + rename). Keeps the newest ``keep`` checkpoints (None: all).
     Returns the checkpoint's path.
     """
-    root = pathlib.Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
+    root = _io.makedirs(directory)  # no link followed below a confined run directory
     leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(jax.device_get(state))]
     meta = {
         "step": int(step),

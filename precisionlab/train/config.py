@@ -9,7 +9,6 @@ import numpy as np
 
 from precisionlab._schema import (
     FLOAT32_MAX,
-    FLOAT32_TINY,
     INT32_MAX,
     ConfigError,
     Field,
@@ -78,6 +77,9 @@ def _steps(n: int, why: str = "the step counter is an int32") -> Field:
 
 _F32 = "the float32 max"
 #: The ``[train]`` keys: type, default, allowed values and range of every TrainConfig field.
+#: Smallest ``loss_weight``: 2^-64 (see its field).
+LOSS_WEIGHT_MIN = 2.0**-64
+
 TRAIN_FIELDS: dict[str, Field] = {
     "model": Field(str, "mlp", choices=MODELS),
     "model_kwargs": Field(dict, {}),
@@ -126,7 +128,9 @@ TRAIN_FIELDS: dict[str, Field] = {
     "loss_weight": Field(
         float,
         1.0,
-        low=FLOAT32_TINY,
+        # below 2^-64 (a loss averaged over 1.8e19 times more tokens) the weighted loss and
+        # its gradients fall out of float32's normal range: every step records 0
+        low=LOSS_WEIGHT_MIN,
         high=FLOAT32_MAX,
         why="the float32 max: it scales a float32 loss",
     ),
@@ -416,8 +420,8 @@ class TrainConfig:
 
 
 def check_loss_weight(value: Any) -> float:
-    """``value`` if it is a valid ``TrainConfig.loss_weight`` (a number in [smallest float32,
-    largest float32]), else ValueError."""
+    """``value`` if it is a valid ``TrainConfig.loss_weight`` (a number in [2^-64, largest
+    float32]), else ValueError."""
     return coerce(value, TRAIN_FIELDS["loss_weight"], "loss_weight")
 
 

@@ -87,8 +87,15 @@ def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None
 
 
 def _check_pos(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ValueError(f"{name} must be a number > 0, got {value!r}")
+    # finite and within float32: inf (or 1e300, inf once cast) makes every activation inf
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 0 < value <= 3.4028234663852886e38
+    ):
+        raise ValueError(
+            f"{name} must be a finite number > 0 (at most float32's max), got {value!r}"
+        )
 
 
 def _fp32(pol: Policy) -> Policy:
@@ -303,7 +310,11 @@ class MLP(Model):
             raise ValueError(
                 f"unknown activation {self.activation!r}; allowed: {', '.join(_ACTIVATIONS)}"
             )
-        if not isinstance(self.overflow_layer, int) or not -1 <= self.overflow_layer < self.depth:
+        if (
+            isinstance(self.overflow_layer, bool)  # true was silently layer 1
+            or not isinstance(self.overflow_layer, int)
+            or not -1 <= self.overflow_layer < self.depth
+        ):
             raise ValueError(
                 f"overflow_layer must be -1 (off) or a hidden layer 0..{self.depth - 1}, "
                 f"got {self.overflow_layer!r}"

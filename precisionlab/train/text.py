@@ -23,6 +23,7 @@ counts them), a split smaller than one window.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import hashlib
 import os
@@ -59,14 +60,24 @@ def _list_files(root: pathlib.Path, pattern: str) -> list[pathlib.Path]:
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 
-def _is_text(data: bytes) -> bool:
+def _is_text(data: bytes, *, cut: bool = False) -> bool:
+    """No NUL byte and valid UTF-8 (with ``cut``, the end may stop inside a character: the
+    file was read only up to ``max_bytes``)."""
     if b"\x00" in data:
         return False
     try:
-        data.decode("utf-8")
+        codecs.getincrementaldecoder("utf-8")().decode(data, final=not cut)
     except UnicodeDecodeError:
         return False
     return True
+
+
+def _read_head(path: pathlib.Path, limit: int) -> tuple[bytes, bool]:
+    """At most ``limit`` bytes of ``path`` and whether there were more: ``max_bytes`` bounds
+    what is read, not only what is kept (a 3 GB file with a 1 MiB limit read 3 GB)."""
+    with open(path, "rb") as fh:
+        data = fh.read(limit + 1)
+    return data[:limit], len(data) > limit
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -99,6 +110,9 @@ class TextData(Dataset):
             )
         if self.path is not None and not isinstance(self.path, str | os.PathLike):
             raise TypeError(f"path must be a string or None, got {type(self.path).__name__}")
+        if self.path is not None and not os.fspath(self.path).strip():
+            # "" silently meant the current directory
+            raise ValueError("path is empty; name a text file or directory (or leave it out)")
         if self.pattern is not None and (not isinstance(self.pattern, str) or not self.pattern):
             raise ValueError(
                 f"pattern must be a non-empty glob string or None, got {self.pattern!r}"
@@ -125,10 +139,10 @@ class TextData(Dataset):
         for f, r in zip(files, rel, strict=True):
             if total >= self.max_bytes:
                 break
-            data = f.read_bytes()
+            data, cut = _read_head(f, self.max_bytes - total)
             if not data:
                 continue
-            if not _is_text(data):
+            if not _is_text(data, cut=cut):
                 if default:
                     skipped += 1
                     continue

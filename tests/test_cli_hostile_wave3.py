@@ -1,0 +1,556 @@
+"""Hostile input, third pass (issue 27): every write goes through one safe path, every read of a
+run directory is bounded and schema-checked, every accepted value means something, and metrics
+never report a perfect score for garbage. Each test names the reproducer it covers (O1, H1, H2,
+C1-C6, W1-W8, E1-E4, overwrite). Nothing here touches a real device: the /dev/null case (O1) is a
+character device node made inside the test's own directory (or a FIFO where mknod is not
+allowed), so a regression would replace only that node."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import stat
+import zipfile
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from precisionlab import _io
+from precisionlab.cli import main
+from precisionlab.experiments import store
+
+DATA = Path(__file__).parent / "data" / "run_tiny"
+TINY = """
+kind = "train"
+name = "tiny"
+[train]
+model = "mlp"
+steps = 2
+batch_size = 8
+model_kwargs = { width = 8, depth = 2 }
+[[variant]]
+name = "a"
+"""
+
+
+class _Hang(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise _Hang
+
+
+def _cli(capsys, argv: list[str], status: int = 2, limit_s: int = 30) -> tuple[str, str]:
+    """(stdout, stderr) of ``main(argv)``, checked: the exit ``status``, no traceback, no hang;
+    an error (status 2) is one line ``precisionlab CMD: error: ...``."""
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(limit_s)
+    try:
+        got = main(argv)
+    except SystemExit as exit_:
+        got = exit_.code
+    except _Hang:
+        pytest.fail(f"no answer within {limit_s} s: precisionlab {' '.join(argv)[:200]}")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    out, err = capsys.readouterr()
+    assert got == status, (got, out[-1500:], err[-1500:])
+    assert "Traceback" not in out + err
+    if status == 2:
+        assert err.startswith("precisionlab ") and ": error: " in err, err
+        assert err.count("\n") == 1, err
+    return out, err
+
+
+def _snapshot(root: Path) -> dict[str, tuple]:
+    """Every entry under ``root`` (not following links): type, size and content of files."""
+    out = {}
+    for top, dirs, files in os.walk(root, followlinks=False):
+        for name in dirs + files:
+            path = os.path.join(top, name)
+            info = os.lstat(path)
+            kind = stat.S_IFMT(info.st_mode)
+            body = Path(path).read_bytes() if stat.S_ISREG(info.st_mode) else None
+            link = os.readlink(path) if stat.S_ISLNK(info.st_mode) else None
+            out[os.path.relpath(path, root)] = (kind, body, link, info.st_ino)
+    return out
+
+
+@pytest.fixture
+def work(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PRECISIONLAB_DEBUG", raising=False)
+    (tmp_path / "tiny.toml").write_text(TINY)
+    return tmp_path
+
+
+def _device_node(path: Path) -> str:
+    """A character device like /dev/null (1, 3) at ``path`` inside the test's directory, or a
+    FIFO where this process may not make device nodes; returns its kind's word."""
+    try:
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        return "a device"
+    except (PermissionError, OSError):
+        os.mkfifo(path)
+        return "a FIFO"
+
+
+# --- O1: --out onto a device, FIFO or link never replaces it --------------------------------
+def test_o1_bench_out_onto_a_device_is_refused_before_measuring(work, capsys):
+    word = _device_node(work / "null")
+    before = os.lstat(work / "null")
+    argv = ["bench", "codecs", "--size", "4096", "--repeats", "1", "--formats", "bf16"]
+    _, err = _cli(capsys, [*argv, "--out", str(work / "null")])
+    assert f"is {word}" in err and "- for stdout" in err
+    after = os.lstat(work / "null")
+    assert stat.S_IFMT(after.st_mode) == stat.S_IFMT(before.st_mode)
+    assert after.st_ino == before.st_ino and after.st_rdev == before.st_rdev
+    assert sorted(os.listdir(work)) == ["null", "tiny.toml"]  # no null.jsonl either
+
+
+def test_o1_bench_out_dash_is_stdout(work, capsys):
+    argv = ["bench", "codecs", "--size", "4096", "--repeats", "1", "--formats", "bf16"]
+    out, _ = _cli(capsys, [*argv, "--out", "-"], status=0)
+    assert json.loads(out)["benchmark"] == "codecs"
+    assert sorted(os.listdir(work)) == ["tiny.toml"]  # no file named "-"
+
+
+@pytest.mark.parametrize("plant", ["device", "symlink", "dir"])
+def test_o1_every_atomic_write_refuses_what_is_not_a_file(work, plant):
+    target = work / "t.json"
+    outside = work / "outside.json"
+    outside.write_text("keep")
+    if plant == "device":
+        _device_node(target)
+    elif plant == "symlink":
+        target.symlink_to(outside)
+    else:
+        target.mkdir()
+    before = _snapshot(work)
+    for write in (
+        lambda: _io.write_json(target, {"a": 1}),
+        lambda: _io.JsonlWriter(target).close(),
+        lambda: store.write_text(target, "x"),
+    ):
+        with pytest.raises((_io.UnsafePathError, OSError)):
+            write()
+    assert _snapshot(work) == before
+
+
+def test_o1_survey_plot_onto_a_device_is_refused(work, capsys):
+    word = _device_node(work / "null.png")
+    _, err = _cli(capsys, ["survey", "--formats", "int8", "--size", "64", "--plot", "null.png"])
+    assert f"is {word}" in err
+    assert not stat.S_ISREG(os.lstat(work / "null.png").st_mode)
+
+
+# --- H1, C2: a damaged run directory is one line, never a hang or a traceback ---------------
+BIG = "9" * 400
+DAMAGED = {
+    "summary.json": [
+        "[]", "{}", "null", BIG, "[" * 100000, "", '{"kind": 5}',
+        '{"kind": "train", "variants": [1]}',
+        '{"kind": "train", "variants": [{"id": "../../x", "name": "a"}]}',
+        '{"kind": "train", "variants": [{"id": "00-a", "name": "a", "final_loss": [1]}]}',
+        f'{{"kind": "train", "variants": [{{"id": "00-a", "name": "a", "seed": {BIG}}}]}}',
+        '{"kind": "train"}', '{"kind": "survey", "result": []}',
+    ],
+    "config.json": ["[]", '{"document": 1}', '{"document": {}, "resolved": {"report": 1}}'],
+    "run.json": ['{"status": []}'],
+    "variants/00-a/metrics.jsonl": ["[]\n", '{"loss": [1]}\n', f'{{"step": {BIG}}}\n'],
+}  # fmt: skip
+CASES = [(f, c) for f, cs in DAMAGED.items() for c in cs]
+CASES += [(f, kind) for f in ("summary.json", "config.json") for kind in ("fifo", "zero", "dir")]
+
+
+def _damage(run: Path, name: str, content: str) -> None:
+    path = run / name
+    path.unlink()
+    if content == "fifo":
+        os.mkfifo(path)  # opened for reading, it waited for a writer for ever (H1)
+    elif content == "zero":
+        path.symlink_to("/dev/zero")  # read to the end, it filled the memory
+    elif content == "dir":
+        path.mkdir()
+    else:
+        path.write_text(content)
+
+
+@pytest.mark.parametrize(("name", "content"), CASES, ids=[f"{f}-{c[:12]}" for f, c in CASES])
+def test_c2_damaged_run_files_are_one_line(work, capsys, name, content):
+    run = work / "r"
+    shutil.copytree(DATA, run)
+    _damage(run, name, content)
+    _, err = _cli(capsys, ["report", str(run), "--no-plots"])
+    assert name.split("/")[-1] in err, err
+    if name == "summary.json":
+        _, err2 = _cli(capsys, ["compare", str(run)])
+        assert "summary.json" in err2
+
+
+@pytest.mark.parametrize("content", ["fifo", "[]", '{"document": 1}', "zero"])
+def test_h1_resume_of_a_damaged_run_is_one_line(work, capsys, content):
+    run = work / "r"
+    shutil.copytree(DATA, run)
+    _damage(run, "config.json", content)
+    _, err = _cli(capsys, ["run", "--resume", str(run), "--quiet", "--no-report"])
+    assert "config.json" in err
+
+
+def test_c2_the_reader_names_the_field(work):
+    run = work / "r"
+    shutil.copytree(DATA, run)
+    (run / "summary.json").write_text('{"kind": "train", "variants": [{"id": "0", "name": 3}]}')
+    with pytest.raises(_io.DamagedFileError, match=r"summary.json: variants\[0\]: name"):
+        store.read_json(run / "summary.json")
+
+
+def test_the_undamaged_copy_reports(work, capsys):
+    run = work / "r"
+    shutil.copytree(DATA, run)
+    out, _ = _cli(capsys, ["report", str(run), "--no-plots"], status=0)
+    assert "report: " in out and (run / "report.md").is_file()
+
+
+# --- bounds on values (H2, C1, C3, C4, C5, C6, W2-W5, W7) -----------------------------------
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # H2: a divisor loop over 2^63 never ended
+        (["run", "MEM", "--set", "memory.measure_layers=9223372036854775807"], "<= 256"),
+        (["run", "MEM", "--set", "memory.measure_microbatches=[0]"], ">= 1"),
+        # W4: a bool where a layer index goes; NaN/inf scales
+        (["run", "tiny.toml", "--set", "train.model_kwargs.overflow_layer=true"], "overflow_layer"),
+        (["run", "tiny.toml", "--set", "train.data=digits", "--set",
+          "train.data_kwargs.input_scale=nan"], "input_scale"),
+        (["run", "tiny.toml", "--set", "train.model=transformer", "--set", "train.data=markov",
+          "--set", "train.model_kwargs={outlier_scale=inf}"], "outlier_scale"),
+        # W5: an empty data path read the current directory
+        (["run", "tiny.toml", "--set", "train.model=transformer", "--set", "train.data=text",
+          "--set", 'train.data_kwargs.path=""'], "path is empty"),
+        # W7: every loss underflowed to 0
+        (["run", "tiny.toml", "--set", "train.loss_weight=1.2e-38"], ">= 5.42101086e-20"),
+        # C3: RecursionError in the TOML parser and every later walk
+        (["run", "tiny.toml", "--set", "train.x=" + "[" * 3000 + "]" * 3000], "nested too deeply"),
+        # C4: RecursionError in mkdir
+        (["run", "tiny.toml", "--out", "a/" * 2000], "components"),
+        # C6: OverflowError
+        (["survey", "--dist", "loguniform:-1e400:1e400"], "within -45..39"),
+        # W2: ran nothing, exit 0
+        (["bench", "quant", "--cases", ","], "--cases needs at least one name"),
+        # W3: a directory named " "
+        (["conformance", "--out", " "], "empty"),
+    ],
+)  # fmt: skip
+def test_meaningless_values_are_one_line(work, capsys, argv, message):
+    mem = Path(__file__).resolve().parent.parent / "experiments" / "memory.toml"
+    argv = [str(mem) if a == "MEM" else a for a in argv]
+    if argv[0] == "run":
+        argv += ["--quiet", "--no-report"]
+    _, err = _cli(capsys, argv)
+    assert message in err, err
+    assert not (work / "runs").exists() and not (work / "a").exists()
+
+
+def test_c3_a_deeply_nested_experiment_file(work, capsys):
+    (work / "deep.toml").write_text(TINY + "[a]\nb = " + "{c = " * 400 + "1" + "}" * 400 + "\n")
+    _, err = _cli(capsys, ["run", "deep.toml", "--quiet"])
+    assert "deep.toml: nested deeper than 32 levels" in err
+
+
+def test_c1_fake_quant_refuses_the_blocks_quantize_refuses():
+    from precisionlab import quant
+
+    x = jnp.ones((64, 64))
+    for block in (2**62, 2**30):
+        for fn in (quant.quantize, quant.fake_quant):
+            with pytest.raises(ValueError, match="pads the input"):
+                fn(x, "int8", block_size=block)
+    assert quant.fake_quant(x, "int8", block_size=100).shape == (64, 64)  # padding < 2x: fine
+
+
+def test_c5_an_npz_member_that_is_not_an_array_is_never_read(work):
+    from precisionlab import survey
+
+    path = work / "x.npz"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+        with archive.open("a.npy", "w") as f:
+            np.save(f, np.arange(8, dtype=np.float32))
+        archive.writestr("junk.bin", b"\0" * (8 << 20))  # compresses to a few KB
+    got = survey.load_inputs(path)
+    assert list(got) == ["x:a"] and got["x:a"].tolist() == list(range(8))
+
+
+def test_w5_text_data_reads_only_max_bytes(work):
+    from precisionlab.train.text import TextData
+
+    big = work / "big.txt"
+    with open(big, "wb") as f:
+        f.write(b"hello world\n" * 10_000)
+        f.truncate(16 << 30)  # 16 GiB, sparse: NUL bytes past the text (binary if read)
+    data = TextData(path=str(big), max_bytes=1 << 16, seq_len=16)
+    info = data.describe()
+    assert info["bytes"] == 1 << 16 and info["truncated"]
+    with pytest.raises(ValueError, match="path is empty"):
+        TextData(path="", max_bytes=1 << 16, seq_len=16)
+
+
+# --- numerics (W1, W6, W8) --------------------------------------------------------------------
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_w1_metrics_of_non_finite_input_are_nan_not_perfect(value):
+    from precisionlab.metrics import error_report
+
+    x = jnp.full((64,), value, jnp.float32)
+    d = error_report(x, x, "bf16").to_dict()
+    assert d["n_nonfinite"] == 64
+    for key in ("sqnr_db", "rmse", "max_abs_error", "mean_abs_error", "bias", "mean_ulp_error"):
+        assert np.isnan(d[key]), (key, d[key])
+    mixed = jnp.arange(64, dtype=jnp.float32).at[5].set(value)  # one compile for the file
+    m = error_report(mixed, mixed, "bf16").to_dict()
+    assert m["n_nonfinite"] == 1 and m["sqnr_db"] == np.inf and m["rmse"] == 0.0
+
+
+def test_w1_survey_of_an_all_nan_input(work, capsys):
+    np.save(work / "bad.npy", np.full((256,), np.nan, np.float32))
+    out, _ = _cli(capsys, ["survey", "--input", "bad.npy", "--formats", "int8"], status=0)
+    assert "input bad (256; 256 not finite, left out of the errors)" in out
+    for line in out.splitlines()[3:4]:  # no SQNR (was inf), no rmse (was 0)
+        assert line.split()[3:5] == ["-", "-"], line
+
+
+def test_w6_nvfp4_of_tiny_values_is_finite():
+    from precisionlab import recipes
+
+    b = jnp.ones((32, 16), jnp.float32)
+    for value in (1e-38, 1e-36):
+        y = np.asarray(recipes.matmul(jnp.full((16, 32), value, jnp.float32), b, recipe="nvfp4"))
+        assert np.isfinite(y).all()  # was all NaN: s_enc = 2688 / amax overflowed
+    y = np.asarray(recipes.matmul(jnp.full((16, 32), 1e-30, jnp.float32), b, recipe="nvfp4"))
+    np.testing.assert_allclose(y, 32e-30, rtol=1e-6)  # a normal decode scale: exact
+
+
+def test_w8_the_default_dynamic_loss_scale_recovers():
+    import jax
+
+    from precisionlab.mixed.loss_scale import DynamicLossScale
+
+    adjust = jax.jit(lambda s, ok: s.adjust(ok))
+    for dtype, floor in ((jnp.float32, 2.0**-126), (jnp.float16, 2.0**-14)):
+        init = 2.0**16 if dtype == jnp.float32 else 2.0**15
+        s = DynamicLossScale(init, growth_interval=1, dtype=dtype)
+        gs = DynamicLossScale(init, growth_interval=1, dtype=dtype, min_scale=None)
+        for _ in range(300):
+            s, gs = adjust(s, jnp.asarray(False)), adjust(gs, jnp.asarray(False))
+        assert float(s.loss_scale) == floor and float(gs.loss_scale) == 0.0
+        s, gs = adjust(s, jnp.asarray(True)), adjust(gs, jnp.asarray(True))
+        assert float(s.loss_scale) == 2 * floor and float(gs.loss_scale) == 0.0  # GradScaler
+
+
+# --- E1-E4 and overwrites: links, hard links, planted links, existing results ----------------
+@pytest.mark.parametrize("link", ["symlink", "hardlink"])
+def test_e1_bench_rows_never_append_through_a_link(work, capsys, link):
+    target = work / "target.jsonl"
+    target.write_text("mine\n")
+    (os.symlink if link == "symlink" else os.link)(target, work / "x.jsonl")
+    argv = ["bench", "codecs", "--size", "4096", "--repeats", "1", "--formats", "bf16"]
+    if link == "symlink":
+        _, err = _cli(capsys, [*argv, "--out", "x.json"])
+        assert "x.jsonl: is a symbolic link" in err
+    else:
+        with pytest.raises(_io.UnsafePathError, match="hard links"):
+            _io.JsonlWriter(work / "x.jsonl")
+    assert target.read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("link", ["symlink", "hardlink"])
+def test_e2_report_never_written_through_a_link(work, link):
+    outside = work / "outside.md"
+    outside.write_text("mine")
+    d = work / "d"
+    d.mkdir()
+    (os.symlink if link == "symlink" else os.link)(outside, d / "report.md")
+    if link == "symlink":
+        with pytest.raises(_io.UnsafePathError, match="symbolic link"):
+            _io.write_text(d / "report.md", "new")
+    else:  # the rename replaces this name only; the other name keeps its file
+        _io.write_text(d / "report.md", "new")
+        assert (d / "report.md").read_text() == "new"
+    assert outside.read_text() == "mine"
+
+
+def test_e2_conformance_keeps_existing_results_unless_forced(work, capsys):
+    d = work / "d"
+    d.mkdir()
+    (d / "report.md").write_text("mine")
+    argv = ["conformance", "--libs", "numpy", "--formats", "float16", "--out", "d"]
+    _, err = _cli(capsys, [*argv, "--sources", "float64"])
+    assert "already holds report.md" in err and "--force" in err
+    assert (d / "report.md").read_text() == "mine"
+    out, _ = _cli(capsys, [*argv, "--sources", "float64,float64", "--force", "--json"], status=0)
+    assert len(json.loads(out)["cells"]) == 1  # a source named twice counts once (W3)
+
+
+def test_e3_a_hard_linked_lock_is_not_truncated(work):
+    run = work / "r"
+    run.mkdir()
+    other = work / "other"
+    other.write_text("precious")
+    os.link(other, run / ".lock")
+    with pytest.raises(ValueError, match="hard links"), store.run_lock(run):
+        pass
+    assert other.read_text() == "precious"
+
+
+def test_e4_a_link_planted_during_a_run_is_not_followed(work):
+    run = work / "r"
+    (run / "variants" / "00-a").mkdir(parents=True)
+    outside = work / "outside"
+    outside.mkdir()
+    before = _snapshot(outside)
+    with _io.confined(run):
+        store.write_json(run / "variants" / "00-a" / "status.json", {"ok": 1})  # fine
+        shutil.rmtree(run / "variants")
+        (run / "variants").symlink_to(outside)  # planted after the run started
+        for write in (
+            lambda: store.write_json(run / "variants" / "00-a" / "status.json", {}),
+            lambda: store.JsonlWriter(run / "variants" / "00-a" / "metrics.jsonl"),
+            lambda: store.makedirs(run / "variants" / "01-b"),
+            lambda: store.read_json(run / "variants" / "00-a" / "status.json"),
+        ):
+            with pytest.raises(_io.UnsafePathError, match="never follows links"):
+                write()
+    assert _snapshot(outside) == before
+
+
+def test_overwrite_run_out_into_a_directory_with_results(work, capsys):
+    (work / "report.md").write_text("mine")
+    (work / "summary.json").write_text("{}")
+    _, err = _cli(capsys, ["run", "tiny.toml", "--out", ".", "--quiet"])
+    assert "not empty" in err and "--force" in err
+    assert (work / "report.md").read_text() == "mine"
+
+
+# --- property: no write ever lands outside the directory it was given ------------------------
+_NAMES = st.sampled_from(["a", "b", "variants", "x.json", "rows.jsonl", ".lock", "plots"])
+_PLANTS = st.lists(
+    st.tuples(st.lists(_NAMES, min_size=1, max_size=3), st.sampled_from(
+        ["symlink_dir", "symlink_file", "hardlink", "fifo", "dir", "file"]
+    )), max_size=5,
+)  # fmt: skip
+_WRITES = st.lists(
+    st.tuples(st.lists(_NAMES, min_size=1, max_size=3), st.sampled_from(
+        ["json", "jsonl", "text", "mkdir", "lock", "figure"]
+    )), min_size=1, max_size=6,
+)  # fmt: skip
+
+
+class _Figure:
+    def savefig(self, f, format: str, **_: object) -> None:
+        f.write(b"PNG")
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(plants=_PLANTS, writes=_WRITES)
+def test_property_no_write_lands_outside_its_directory(tmp_path_factory, plants, writes):
+    base = tmp_path_factory.mktemp("prop")
+    root, outside = base / "out", base / "outside"
+    root.mkdir()
+    outside.mkdir()
+    (outside / "victim").write_text("keep")
+    (outside / "sub").mkdir()
+    for parts, kind in plants:
+        path = root.joinpath(*parts)
+        if os.path.lexists(path) or not path.parent.is_dir() or path.parent.is_symlink():
+            continue
+        if kind == "symlink_dir":
+            path.symlink_to(outside / "sub")
+        elif kind == "symlink_file":
+            path.symlink_to(outside / "victim")
+        elif kind == "hardlink":
+            os.link(outside / "victim", path)
+        elif kind == "fifo":
+            os.mkfifo(path)
+        elif kind == "dir":
+            path.mkdir()
+        else:
+            path.write_text("old")
+    before = _snapshot(outside)
+    with _io.confined(root):
+        for parts, kind in writes:
+            path = root.joinpath(*parts)
+            try:
+                if kind == "json":
+                    store.write_json(path, {"v": 1})
+                elif kind == "jsonl":
+                    with store.JsonlWriter(path) as w:
+                        w.write({"v": 1})
+                elif kind == "text":
+                    store.write_text(path, "v")
+                elif kind == "mkdir":
+                    store.makedirs(path)
+                elif kind == "lock":
+                    with store.run_lock(path.parent):
+                        pass
+                else:
+                    store.makedirs(path.parent)
+                    store.save_figure(_Figure(), path.with_suffix(".png"))
+            except (ValueError, OSError):
+                pass  # refused: what matters is that nothing outside changed
+    assert _snapshot(outside) == before
+
+
+_RUN_NAMES = st.sampled_from(
+    ["report.md", "plots", "summary.json", "run.json", "variants/00-a/status.json", "variants"]
+)
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    plants=st.lists(
+        st.tuples(_RUN_NAMES, st.sampled_from(["symlink", "hardlink", "fifo"])), max_size=3
+    )
+)
+def test_property_report_never_writes_outside_its_run(tmp_path_factory, capsys, plants):
+    base = tmp_path_factory.mktemp("rep")
+    run, outside = base / "r", base / "outside"
+    shutil.copytree(DATA, run)
+    outside.mkdir()
+    (outside / "victim").write_text("{}")
+    for name, kind in plants:
+        path = run / name
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            path.unlink()
+        if not path.parent.is_dir():
+            continue
+        if kind == "symlink":
+            path.symlink_to(outside if name in ("plots", "variants") else outside / "victim")
+        elif kind == "hardlink" and name not in ("plots", "variants"):
+            os.link(outside / "victim", path)
+        elif kind == "fifo":
+            os.mkfifo(path)
+    before = _snapshot(outside)
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(30)
+    try:
+        status = main(["report", str(run), "--no-plots"])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    _, err = capsys.readouterr()
+    assert status in (0, 1, 2) and "Traceback" not in err
+    assert status != 2 or err.count("\n") == 1, err
+    assert _snapshot(outside) == before
