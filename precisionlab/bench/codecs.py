@@ -660,7 +660,7 @@ _TARGETS = {
         ("all >= 100x gfloat", 100.0, _ratio("ratio_gfloat"), None),
         ("all >= 70% of copy bandwidth", 0.7, _ratio("copy_fraction"), None),
     ],
-    # Issue 17, for the public and the jitted call alike.
+    # For the public and the jitted call alike.
     "whole-array": [
         ("bf16 >= 1.0x ml_dtypes", 1.0, _both_ratios, ("bfloat16",)),
         ("fp16 >= 2x numpy", 2.0, _both_ratios, ("float16",)),
@@ -700,8 +700,8 @@ def _render_targets(found: list[dict], mode: str = "chunked") -> str:
         lines.append(
             f"  {t['target']:<34} met by {t['met']} of {t['of']}; worst {shown} ({t['worst_at']})"
         )
-    issue = "issue 17, public and jitted calls" if mode == "whole-array" else "issue 2"
-    return f"targets ({issue}):\n" + "\n".join(lines)
+    what = "public and jitted calls" if mode == "whole-array" else "chunked encode"
+    return f"targets ({what}):\n" + "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:

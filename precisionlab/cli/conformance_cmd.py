@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     sources = _list(args.sources, "--sources")
     if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
         raise UsageError(f"--out {args.out!r} exists and is not a directory")
-    result = run_conformance(libs, formats, sources, seed=args.seed)
+    result = run_conformance(libs, formats, sources, seed=args.seed, require=libs is not None)
     out_dir = Path(args.out) if args.out else store.new_run_dir(Path("runs"), "conformance")
     path = write_report(result, out_dir)
     if args.json:

@@ -32,7 +32,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from precisionlab._schema import ConfigError, Field, coerce, read_toml, validate_table
+from precisionlab._schema import (
+    ConfigError,
+    Field,
+    coerce,
+    did_you_mean,
+    read_toml,
+    validate_table,
+)
 from precisionlab.experiments import kinds, train_kind
 from precisionlab.experiments.store import safe_name
 
@@ -217,7 +224,10 @@ def experiment_from_document(
     if kind is None:
         raise ConfigError(f"{source}: missing required key 'kind'; allowed: {kinds.names_text()}")
     if not isinstance(kind, str) or kind not in kinds.KINDS:
-        raise ConfigError(f"{source}: kind: unknown value {kind!r}; allowed: {kinds.names_text()}")
+        hint = did_you_mean(kind, list(kinds.KINDS)) if isinstance(kind, str) else ""
+        raise ConfigError(
+            f"{source}: kind: unknown value {kind!r}; {hint}allowed: {kinds.names_text()}"
+        )
     if kind == "train":
         return _train_experiment(doc, source, default_name)
     try:
@@ -317,6 +327,7 @@ def _train_experiment(doc: Mapping[str, Any], source: str, default_name: str) ->
             if sname not in settings:
                 raise ConfigError(
                     f"{where}.settings: unknown setting {sname!r}; "
+                    f"{did_you_mean(str(sname), list(settings))}"
                     f"allowed: {', '.join(settings) or '(no [settings] defined)'}"
                 )
         variants.append(entry)
