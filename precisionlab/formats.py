@@ -546,8 +546,8 @@ def get_format(name: str | Format) -> Format:
     hint = f"did you mean {' or '.join(close)}? " if close else ""
     raise ValueError(
         f"unknown format {shown!r}; {hint}known: {', '.join(list(FORMATS)[:5])}, ... (all "
-        f"{len(FORMATS)}: `precisionlab formats`), aliases such as bf16, fp16, e4m3, fp6_e2m3, "
-        "fp4, or a custom spec such as e3m2b5ieee"
+        f"{len(FORMATS)}: `precisionlab formats`), aliases such as bf16, fp16, e4m3, fp4, or a "
+        "custom spec such as e3m2b5ieee"
     )
 
 

@@ -159,3 +159,24 @@ def test_no_internal_issue_numbers_in_user_facing_strings():
                 if pattern.search(node.value):
                     found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert not found, found
+
+
+def test_results_table_fits_100_columns():
+    """The summary table `run` and `report` print: split into column groups that fit, each
+    repeating the variant column, every header and cell kept."""
+    from precisionlab.experiments.report import WIDTH, fitted_table, headers
+
+    heads = headers()
+    rows = [
+        [f"swamping/bf16-pure-stochastic s{i}", "finished", *(f"{i}.{k:04d}" for k in range(9))]
+        for i in range(3)
+    ]
+    text = fitted_table(rows, heads)
+    assert max(map(len, text.splitlines())) <= WIDTH
+    blocks = text.split("\n\n")
+    assert len(blocks) >= 2 and all(b.startswith("variant") for b in blocks)
+    for h in heads:
+        assert h in text
+    for row in rows:
+        for cell in row:
+            assert cell in text

@@ -186,9 +186,12 @@ def test_experiment_writes_telemetry_jsonl_summary_tensorboard_and_report(tmp_pa
     unit = run_dir / "variants" / "00-fp32"
     rows = store.read_jsonl(unit / "telemetry.jsonl")
     assert sorted({r["step"] for r in rows}) == [1, 3, 5]
-    per_step = len(rows) // 3
+    per_step = sum(r["kind"] != "op" for r in rows) // 3
     # 3 matmuls x (lhs, rhs, out, grad) + params, grads (6 leaves each) + Adam's mu, nu
     assert per_step == 3 * 4 + 6 + 6 + 12
+    # and every other operation that can overflow: output and gradient, here tanh among them
+    ops = {(r["layer"], r["site"], r["tensor"]) for r in rows if r["kind"] == "op"}
+    assert {("layer0", "tanh[0]", "out"), ("layer0", "tanh[0]", "grad")} <= ops
     summary = store.read_json(run_dir / "summary.json")["variants"][0]["telemetry"]
     assert summary["steps"] == [1, 3, 5] and summary["targets"] == ["fp16"]
     worst = summary["worst_underflow"]

@@ -64,6 +64,8 @@ _SUBPROGRAMS = {
     "cond": ("branches",),
 }
 _LOOPS = ("scan", "while")
+#: How a construct is named in :attr:`Site.within` (others: by their primitive's name).
+_WITHIN = {"remat2": "checkpoint", "custom_jvp_call": "custom_jvp", "custom_vjp_call": "custom_vjp"}
 
 
 class Emit(NamedTuple):
@@ -204,8 +206,9 @@ def _walk(jaxpr, path, scope, loops, prims, out: list[Site], within=(), lengths=
         inner_lengths = lengths + (
             (eqn.params["length"],) if name == "scan" else (None,) if name == "while" else ()
         )
-        kind = "checkpoint" if name == "remat2" else name
-        inner_within = within + ((kind,) if name not in _CALLS else ())
+        kind = _WITHIN.get(name, name)
+        # custom derivatives are named too: a rule may leave their insides alone
+        inner_within = within + ((kind,) if name not in _CALLS or name in _WITHIN else ())
         for k, sub in enumerate(_subjaxprs(eqn)):
             _walk(
                 _open(sub)[0], (*path, i, k), inner, inner_loops, prims, out, inner_within,
