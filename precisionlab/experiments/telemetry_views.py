@@ -269,10 +269,8 @@ def _heatmap(rows, targets, path: Path, title: str) -> bool:
 def _cmap():
     import matplotlib
 
-    cmap = matplotlib.colormaps["magma"].copy()
-    cmap.set_under("0.82")  # exactly 0: light grey, apart from the darkest colour (small)
-    cmap.set_bad("white")
-    return cmap
+    # exactly 0: light grey, apart from the darkest colour (small); no value: white
+    return matplotlib.colormaps["magma"].with_extremes(under="0.82", bad="white")
 
 
 def _ranges(rows, targets, path: Path, title: str) -> bool:
