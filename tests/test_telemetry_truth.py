@@ -54,29 +54,35 @@ def _unit(run_dir: Path, name: str) -> dict:
 
 @pytest.mark.slow
 def test_fp16_noscale_report_shows_the_underflow(run_dir):
-    unit = _unit(run_dir, "underflow/fp16-noscale s0")
+    unit = _unit(run_dir, "underflow/fp16-noscale")
     tel = unit["telemetry"]
-    # every gradient the optimizer gets is zero: the table's underflow, seen by telemetry
+    # the results table's underflow meter (zero, subnormal or inf/NaN in float16) reads 100%
+    assert unit["mean_underflow_fraction"] == 1.0
+    # telemetry agrees: every gradient the optimizer gets is zero or below float16's normal
+    # range (2^-14), and most of some leaf is exactly zero
     rows = store.read_jsonl(run_dir / "variants" / unit["id"] / "telemetry.jsonl")
     grads = [r for r in rows if r["kind"] == "grad"]
-    assert grads and all(r["frac_zero"] == 1.0 for r in grads)
+    assert grads and all(r["amax"] is None or r["amax"] < 2.0**-14 for r in grads)
     zeros = tel["most_zeros"]
-    assert zeros and zeros[0]["fraction"] == 1.0
+    assert zeros and zeros[0]["fraction"] >= 0.5 and zeros[0]["kind"] == "grad"
     text = (run_dir / "report.md").read_text()
-    section = text.split("### underflow/fp16-noscale s0", 1)[1].split("### ", 1)[0]
-    assert "Parameter gradients that are mostly zero" in section and "| 100% |" in section
+    section = text.split("### underflow/fp16-noscale", 1)[1].split("### ", 1)[0]
+    assert "Parameter gradients that are mostly zero" in section
+    assert f"| {telemetry_views._label(zeros[0])} |" in section
     assert "telemetry_heatmap_" in section
     # the heatmap's first panel (zeros as computed) shows it: the gradient leaves at 100%
     heat_rows = [r for r in rows if r["kind"] in ("matmul", "op", "grad")]
     (title, zero_grid), *_ = telemetry_views._panels(heat_rows, tel["targets"])
     labels = list(dict.fromkeys(telemetry_views._label(r) for r in heat_rows))
-    leaf = labels.index("grad:['hidden'][0]['w']")
-    assert "zero" in title and zero_grid[leaf].max() == 1.0
+    leaf = labels.index(telemetry_views._label(zeros[0]))
+    assert "zero" in title and zero_grid[leaf].max() == zeros[0]["fraction"]
+    # and some activation gradient is lost entirely (every element exactly zero)
+    assert np.nanmax(zero_grid) == 1.0
 
 
 @pytest.mark.slow
 def test_range_fp16_report_names_the_overflowing_operation(run_dir):
-    unit = _unit(run_dir, "range/fp16-static s0")
+    unit = _unit(run_dir, "range/fp16-static")
     assert unit["skipped_steps"] == 2  # every step skipped on inf/NaN gradients
     first = unit["telemetry"]["first_nonfinite"]
     # GELU's x**3 in the first hidden layer, in the forward pass, at step 1
@@ -84,7 +90,7 @@ def test_range_fp16_report_names_the_overflowing_operation(run_dir):
     assert first["tensor"] == "out" and not first["backward"] and first["step"] == 1
     assert first["n_inf"] > 0
     text = (run_dir / "report.md").read_text()
-    section = text.split("### range/fp16-static s0", 1)[1].split("### ", 1)[0]
+    section = text.split("### range/fp16-static", 1)[1].split("### ", 1)[0]
     assert f"First inf/NaN: step 1, forward pass, in `layer0:{first['site']}.out`" in section
 
 
