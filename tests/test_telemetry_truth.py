@@ -39,7 +39,8 @@ def _main_job(variants: dict[str, list[str]], steps: int) -> dict:
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):  # about 25 s of CPU: the tests using it are slow
-    doc = _main_job({"fp16-noscale": ["underflow"], "fp16-static": ["range"]}, steps=2)
+    variants = {"fp16-noscale": ["underflow"], "fp16-static": ["range"], "fp16-dynamic": ["range"]}
+    doc = _main_job(variants, steps=2)
     experiment = experiment_from_document(doc, str(MAIN))
     out = tmp_path_factory.mktemp("main") / "run"
     runner.run_experiment(experiment, out, quiet=True)
@@ -81,8 +82,9 @@ def test_fp16_noscale_report_shows_the_underflow(run_dir):
 
 
 @pytest.mark.slow
-def test_range_fp16_report_names_the_overflowing_operation(run_dir):
-    unit = _unit(run_dir, "range/fp16-static")
+@pytest.mark.parametrize("name", ["range/fp16-static", "range/fp16-dynamic"])
+def test_range_fp16_report_names_the_overflowing_operation(run_dir, name):
+    unit = _unit(run_dir, name)
     assert unit["skipped_steps"] == 2  # every step skipped on inf/NaN gradients
     first = unit["telemetry"]["first_nonfinite"]
     # GELU's x**3 in the first hidden layer, in the forward pass, at step 1
@@ -90,7 +92,7 @@ def test_range_fp16_report_names_the_overflowing_operation(run_dir):
     assert first["tensor"] == "out" and not first["backward"] and first["step"] == 1
     assert first["n_inf"] > 0
     text = (run_dir / "report.md").read_text()
-    section = text.split("### range/fp16-static", 1)[1].split("### ", 1)[0]
+    section = text.split(f"### {name}", 1)[1].split("### ", 1)[0]
     assert f"First inf/NaN: step 1, forward pass, in `layer0:{first['site']}.out`" in section
 
 

@@ -636,7 +636,7 @@ def render(rows: list[Row], markdown: bool = False) -> str:
     return table(body, headers, align="llrlrrrrrrr")
 
 
-# The issues' targets on CPU: (description, threshold, values of a row, formats it covers).
+# The targets on CPU: (description, threshold, values of a row, formats it covers).
 _NARROW = ("float8_e4m3fn", "float8_e5m2", "float4_e2m1fn")
 
 
@@ -670,7 +670,7 @@ _TARGETS = {
 
 
 def targets(rows: list[Row]) -> list[dict]:
-    """Each target of the issues for the rows' mode with the worst measured value among the
+    """Each target for the rows' mode with the worst measured value among the
     rows it covers and whether it is met (rows without the peer are left out)."""
     mode = rows[0].mode if rows else "chunked"
     out = []

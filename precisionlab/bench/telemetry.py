@@ -10,7 +10,7 @@ For the default MLP and transformer (float32 step, Adam), the step time of
       which says how much of the cost the what-if targets take.
 
 Variants are timed interleaved, one chunk of steps each per round, best of ``--repeats``
-rounds. The issue's target: b/a <= 1.10.
+rounds. The target: b/a <= 1.10.
 """
 
 from __future__ import annotations
