@@ -177,3 +177,17 @@ def test_results_table_fits_100_columns():
     for row in rows:
         for cell in row:
             assert cell in text
+
+
+def test_bench_telemetry_table_fits_100_columns():
+    from precisionlab.bench.telemetry import render
+
+    ms = {"a-plain": 128.4, "b-telemetry": 216.8, "c-no-targets": 170.4, "d-matmuls-only": 180.0}
+    model = {"model": "transformer", "params": 107776, "ms_per_step": ms,
+             "ratios": {"b/a": 1.69, "c/a": 1.33, "d/a": 1.40}}  # fmt: skip
+    result = {"interval": 10, "targets": ["fp16", "bf16", "e4m3:tensor"], "batch": 128,
+              "backend": "cpu", "repeats": 7, "steps_per_round": 40, "models": [model],
+              "target_met": {"transformer": False}}  # fmt: skip
+    text = render(result)
+    assert max(map(len, text.splitlines())) <= 100
+    assert "transformer (108k)" in text and "216.800" in text and "NOT met" in text
