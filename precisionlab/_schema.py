@@ -29,6 +29,7 @@ __all__ = [
     "check_depth",
     "coerce",
     "describe_type",
+    "did_you_mean",
     "loads_toml",
     "read_toml",
     "validate_table",
@@ -102,6 +103,17 @@ class Field:
         return self.choices() if callable(self.choices) else self.choices
 
 
+def did_you_mean(given: str, known: Sequence[str]) -> str:
+    """``"did you mean 'lr'? "`` when ``given`` is close to a name of ``known`` (a misspelt
+    key or value), else ``""``."""
+    import difflib
+
+    close = difflib.get_close_matches(given[:60], list(known), n=2, cutoff=0.6)
+    if not close:
+        return ""
+    return f"did you mean {' or '.join(repr(c) for c in close)}? "
+
+
 def describe_type(field: Field) -> str:
     if field.type is list:
         return f"list of {field.item.__name__ if field.item else 'values'}"
@@ -136,8 +148,9 @@ def coerce(value: Any, field: Field, where: str) -> Any:
         _check_range(value, field, where)
     allowed = field.allowed()
     if allowed is not None and value not in allowed:
+        hint = did_you_mean(value, [str(a) for a in allowed]) if isinstance(value, str) else ""
         raise ConfigError(
-            f"{where}: unknown value {value!r}; allowed: {', '.join(map(str, allowed))}"
+            f"{where}: unknown value {value!r}; {hint}allowed: {', '.join(map(str, allowed))}"
         )
     if field.check is not None:
         try:
@@ -206,7 +219,10 @@ def validate_table(
         raise ConfigError(f"{where}: expected a table, got {type(table).__name__} {table!r}")
     unknown = [key for key in table if key not in schema]
     if unknown:
-        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; allowed keys: {', '.join(schema)}")
+        hint = did_you_mean(str(unknown[0]), list(schema))
+        raise ConfigError(
+            f"{where}: unknown key {unknown[0]!r}; {hint}allowed keys: {', '.join(schema)}"
+        )
     out: dict[str, Any] = {}
     for key, field in schema.items():
         if key in table:

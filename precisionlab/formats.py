@@ -447,6 +447,15 @@ ALIASES: dict[str, str] = {
     "i2": "int2",
 }
 
+#: Family names that are more than one format (the OCP MX spec's FP8 and FP6 each have two
+#: element encodings): refused, naming the formats the user can write instead.
+_FAMILIES: dict[str, tuple[str, ...]] = {
+    "fp8": ("fp8_e4m3", "fp8_e5m2"),
+    "float8": ("fp8_e4m3", "fp8_e5m2"),
+    "fp6": ("fp6_e2m3", "fp6_e3m2"),
+    "float6": ("fp6_e2m3", "fp6_e3m2"),
+}
+
 _CUSTOM = re.compile(r"^e(\d+)m(\d+)(?:b(-?\d+))?(ieee|fn|fnuz|fnu|none)?$")
 
 #: ml_dtypes names whose ``fn`` ("finite": no inf, and here no NaN either) is not the spec
@@ -502,6 +511,12 @@ def get_format(name: str | Format) -> Format:
             f"NaN, while a spec's 'fn' suffix keeps NaN codes; write {_AMBIGUOUS[key]} "
             f"(or {key[:-2]}) for the built-in, or {key[:-2]}b{{BIAS}}fn for NaN codes"
         )
+    if key in _FAMILIES:
+        options = " or ".join(f"{a} ({ALIASES[a]})" for a in _FAMILIES[key])
+        raise ValueError(
+            f"format name {name!r} names more than one format (the OCP MX spec's "
+            f"{key.upper().replace('FLOAT', 'FP')} has two element encodings); write {options}"
+        )
     key = ALIASES.get(key, key)
     if key in FORMATS:
         return FORMATS[key]
@@ -523,7 +538,12 @@ def get_format(name: str | Format) -> Format:
     import difflib
 
     shown = name if len(name) <= 40 else name[:37] + "..."
-    close = difflib.get_close_matches(key[:40], list(FORMATS) + list(ALIASES), n=3)
+    known = list(FORMATS) + list(ALIASES)
+    # names that start with what was typed first ("float6" -> both 6-bit formats), then
+    # the closest by spelling
+    close = [k for k in known if len(key) >= 3 and k.startswith(key[:40])][:3]
+    close += [k for k in difflib.get_close_matches(key[:40], known, n=3) if k not in close]
+    close = close[:3]
     hint = f"did you mean {' or '.join(close)}? " if close else ""
     raise ValueError(
         f"unknown format {shown!r}; {hint}known: {', '.join(list(FORMATS)[:5])}, ... (all "

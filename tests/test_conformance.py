@@ -156,11 +156,14 @@ def test_runs_with_only_required_dependencies(without_optional_libraries):
 
 def test_cli_writes_report_and_json(tmp_path, capsys, without_optional_libraries):
     out = tmp_path / "run"
-    argv = ["conformance", "--libs", "numpy,torch", "--formats", "float16", "--out", str(out)]
+    # a library asked for by name that is missing is an error (test_rough_edges); one left to
+    # the defaults is skipped with its reason (test_runs_with_only_required_dependencies)
+    assert main(["conformance", "--libs", "numpy,torch", "--out", str(out)]) == 2
+    assert "'torch' was asked for but torch is not installed" in capsys.readouterr().err
+    argv = ["conformance", "--libs", "numpy", "--formats", "float16", "--out", str(out)]
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "from float64, nearest_even" in text and "| float16 | 0     |" in text
-    assert "skipped torch:cpu: torch is not installed" in text
     assert (out / "report.md").exists() and (out / "environment.json").exists()
     data = json.loads((out / "conformance.json").read_text())
     assert {c["source"] for c in data["cells"]} == {"float32", "float64"}

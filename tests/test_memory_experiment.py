@@ -22,7 +22,10 @@ def test_validate_fills_defaults():
 @pytest.mark.parametrize(
     ("section", "match"),
     [
-        ({"presets": "gpt3-xl"}, r"f.toml: memory: unknown key 'presets'; allowed keys: preset"),
+        (
+            {"presets": "gpt3-xl"},
+            r"memory: unknown key 'presets'; did you mean 'preset'\? allowed keys: preset",
+        ),
         ({"preset": "gpt3-9b"}, r"memory.preset: unknown preset 'gpt3-9b'"),
         ({"policies": ["p=f32,c=f12"]}, r"memory.policies\[0\]: .*f12"),
         ({"policies": []}, "at least one"),

@@ -152,7 +152,8 @@ def test_cli_report_and_compare(run_dir, tmp_path, capsys):
     out, err = capsys.readouterr()
     assert "one/fp32 s0" in out and "report.md" in out and "2 variant(s) failed" in err
     assert main(["compare", str(run_dir), str(run_dir)]) == 0
-    assert "run:loss" in capsys.readouterr().out
+    out = capsys.readouterr().out  # wider than 100 columns as run:loss ...: labelled A, B
+    assert "A:loss" in out and "A: run\nB: run'" in out
     assert main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not a run directory" in err

@@ -192,7 +192,13 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "precisionlab", *args]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl_c", "kill"])
+# Each case is a 1000-step run in a subprocess plus its resume (about 200 s wall on 2 loaded
+# cores): Ctrl-C stays in the default suite, the kill (same resume path, no clean-up) is slow.
+@pytest.mark.parametrize(
+    "sig",
+    [signal.SIGINT, pytest.param(signal.SIGKILL, marks=pytest.mark.slow)],
+    ids=["ctrl_c", "kill"],
+)
 def test_interrupted_run_resumes_to_the_uninterrupted_result(tmp_path, sig):
     """Interrupt a real run in its second variant (Ctrl-C, or a kill that gives it no chance to
     clean up), resume it, and get the uninterrupted result bit for bit."""

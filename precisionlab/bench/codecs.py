@@ -635,7 +635,7 @@ def render(rows: list[Row], markdown: bool = False) -> str:
     return table(body, headers, align="llrlrrrrrrr")
 
 
-# The issues' targets on CPU: (description, threshold, values of a row, formats it covers).
+# The targets on CPU: (description, threshold, values of a row, formats it covers).
 _NARROW = ("float8_e4m3fn", "float8_e5m2", "float4_e2m1fn")
 
 
@@ -659,7 +659,7 @@ _TARGETS = {
         ("all >= 100x gfloat", 100.0, _ratio("ratio_gfloat"), None),
         ("all >= 70% of copy bandwidth", 0.7, _ratio("copy_fraction"), None),
     ],
-    # Issue 17, for the public and the jitted call alike.
+    # For the public and the jitted call alike.
     "whole-array": [
         ("bf16 >= 1.0x ml_dtypes", 1.0, _both_ratios, ("bfloat16",)),
         ("fp16 >= 2x numpy", 2.0, _both_ratios, ("float16",)),
@@ -669,7 +669,7 @@ _TARGETS = {
 
 
 def targets(rows: list[Row]) -> list[dict]:
-    """Each target of the issues for the rows' mode with the worst measured value among the
+    """Each target for the rows' mode with the worst measured value among the
     rows it covers and whether it is met (rows without the peer are left out)."""
     mode = rows[0].mode if rows else "chunked"
     out = []
@@ -699,8 +699,8 @@ def _render_targets(found: list[dict], mode: str = "chunked") -> str:
         lines.append(
             f"  {t['target']:<34} met by {t['met']} of {t['of']}; worst {shown} ({t['worst_at']})"
         )
-    issue = "issue 17, public and jitted calls" if mode == "whole-array" else "issue 2"
-    return f"targets ({issue}):\n" + "\n".join(lines)
+    what = "public and jitted calls" if mode == "whole-array" else "chunked encode"
+    return f"targets ({what}):\n" + "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ Step time of the same model, data and optimizer (Adam) written four ways:
       ``jmp.select_tree`` over the new and old params and optimizer state).
 
 All variants run the same forward (precisionlab's model under the same policy) and are timed
-interleaved, one chunk of steps each per round, best of ``--repeats`` rounds. The issue's targets:
+interleaved, one chunk of steps each per round, best of ``--repeats`` rounds. The targets:
 c/b <= 1.03 and c no slower than d. Note (c) also computes the per-step metrics (gradient norm,
 underflow meter) that (d) does not.
 

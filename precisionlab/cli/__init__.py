@@ -52,7 +52,13 @@ COMMANDS: dict[str, ModuleType] = {
 
 
 def _build_parser() -> tuple[Parser, dict[str, ModuleType]]:
+    from precisionlab import __version__
+
     parser = Parser(prog="precisionlab", description="A JAX lab for numerical precision.")
+    parser.add_argument(
+        "--version", action="version", version=f"precisionlab {__version__}",
+        help="print the version and exit",
+    )  # fmt: skip
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for name, module in COMMANDS.items():
         command = sub.add_parser(name, help=module.HELP, description=module.HELP)

@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
                 f"--out {shorten(args.out)} already holds {', '.join(found)}; choose a new "
                 "directory or pass --force to replace them"
             )
-    result = run_conformance(libs, formats, sources, seed=args.seed)
+    result = run_conformance(libs, formats, sources, seed=args.seed, require=libs is not None)
     out_dir = Path(args.out) if args.out else store.new_run_dir(Path("runs"), "conformance")
     path = write_report(result, out_dir, force=args.force)
     if args.json:

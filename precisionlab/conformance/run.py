@@ -11,7 +11,13 @@ import numpy as np
 
 from precisionlab.bits.reference import encode_scalar
 from precisionlab.conformance import cases
-from precisionlab.conformance.adapters import Adapter, Claim, Unsupported, adapters_for
+from precisionlab.conformance.adapters import (
+    LIBRARIES,
+    Adapter,
+    Claim,
+    Unsupported,
+    adapters_for,
+)
 from precisionlab.conformance.classify import RULES, classify, rule_spec
 from precisionlab.conformance.exact import (
     as_float_format,
@@ -263,6 +269,7 @@ def run_conformance(
     seed: int = 0,
     random: int = 4096,
     confirm: int = 32,
+    require: bool = False,
 ) -> Result:
     """Convert the edge-case inputs with every library and compare with the exact reference.
 
@@ -272,9 +279,17 @@ def run_conformance(
       sources: source types (default float32 and float64).
       seed: seed of the random bit patterns and samples. random: random inputs per cell.
       confirm: agreements and disagreements per cell re-checked with ``encode_scalar``.
+      require: a library of ``libs`` that is not installed is a ValueError (naming it and
+        the installed ones) instead of a skipped entry: for a caller that asked for it.
     """
     start = time.perf_counter()
     adapters = adapters_for(list(libs or DEFAULT_LIBS))
+    if require:
+        missing = {a.lib: a.unavailable() for a in adapters if a.unavailable() is not None}
+        if missing:
+            ok = sorted({a.lib for a in adapters_for(list(LIBRARIES)) if a.unavailable() is None})
+            lib, why = next(iter(missing.items()))
+            raise ValueError(f"library {lib!r} was asked for but {why}; installed: {', '.join(ok)}")
     fmts = [as_float_format(f) for f in (formats or default_formats())]
     srcs = [cases.parse_source(s) for s in (sources or DEFAULT_SOURCES)]
     for f in fmts:

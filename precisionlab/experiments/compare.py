@@ -10,7 +10,11 @@ from precisionlab._text import fmt_value as _fmt
 from precisionlab.experiments import store
 from precisionlab.experiments.report import markdown_table, text_table
 
-__all__ = ["COLUMNS", "compare_runs"]
+__all__ = ["COLUMNS", "WIDTH", "compare_runs"]
+
+#: The widest plain-text table printed (characters): wider ones get short run labels and
+#: are split into several tables, each repeating the variant column.
+WIDTH = 100
 
 #: (column suffix, summary key, formatter) shown for each run.
 COLUMNS: tuple[tuple[str, str, str], ...] = (
@@ -66,5 +70,39 @@ def compare_runs(
             for _, key, how in COLUMNS:
                 row.append("n/a" if unit is None else _fmt(unit.get(key), how, unit))
         rows.append(row)
-    render = markdown_table if markdown else text_table
-    return headers, rows, render(rows, headers)
+    if markdown:
+        return headers, rows, markdown_table(rows, headers)
+    return headers, rows, _fitted(rows, headers, labels, [str(d) for d, _ in summaries])
+
+
+def _fitted(rows: list[list[str]], headers: list[str], labels: list[str], dirs: list[str]) -> str:
+    """The plain table, or where wider than :data:`WIDTH`: runs labelled A, B, ... (a legend
+    above) and as many runs per table as fit (each table repeats the variant column)."""
+    text = text_table(rows, headers)
+    if max(len(line) for line in text.splitlines()) <= WIDTH or len(labels) == 1:
+        return text
+    short = [_letter(i) for i in range(len(labels))]
+    legend = [f"{k}: {d}" for k, d in zip(short, labels, strict=True)]
+    n = len(COLUMNS)
+    blocks: list[str] = []
+    start = 0
+    while start < len(labels):
+        stop = start + 1
+        while stop < len(labels) and _width(rows, short, start, stop + 1) <= WIDTH:
+            stop += 1
+        heads = ["variant"] + [f"{k}:{c}" for k in short[start:stop] for c, _, _ in COLUMNS]
+        cells = [[r[0], *r[1 + start * n : 1 + stop * n]] for r in rows]
+        blocks.append(text_table(cells, heads))
+        start = stop
+    return "\n".join(legend) + "\n\n" + "\n\n".join(blocks)
+
+
+def _letter(i: int) -> str:
+    return chr(ord("A") + i) if i < 26 else f"R{i + 1}"
+
+
+def _width(rows: list[list[str]], short: list[str], start: int, stop: int) -> int:
+    n = len(COLUMNS)
+    heads = ["variant"] + [f"{k}:{c}" for k in short[start:stop] for c, _, _ in COLUMNS]
+    cells = [[r[0], *r[1 + start * n : 1 + stop * n]] for r in rows]
+    return max(len(line) for line in text_table(cells, heads).splitlines())

@@ -37,6 +37,7 @@ from precisionlab._schema import (
     Field,
     check_depth,
     coerce,
+    did_you_mean,
     read_toml,
     validate_table,
 )
@@ -228,7 +229,10 @@ def experiment_from_document(
     if kind is None:
         raise ConfigError(f"{source}: missing required key 'kind'; allowed: {kinds.names_text()}")
     if not isinstance(kind, str) or kind not in kinds.KINDS:
-        raise ConfigError(f"{source}: kind: unknown value {kind!r}; allowed: {kinds.names_text()}")
+        hint = did_you_mean(kind, list(kinds.KINDS)) if isinstance(kind, str) else ""
+        raise ConfigError(
+            f"{source}: kind: unknown value {kind!r}; {hint}allowed: {kinds.names_text()}"
+        )
     if kind == "train":
         return _train_experiment(doc, source, default_name)
     try:
@@ -328,6 +332,7 @@ def _train_experiment(doc: Mapping[str, Any], source: str, default_name: str) ->
             if sname not in settings:
                 raise ConfigError(
                     f"{where}.settings: unknown setting {sname!r}; "
+                    f"{did_you_mean(str(sname), list(settings))}"
                     f"allowed: {', '.join(settings) or '(no [settings] defined)'}"
                 )
         variants.append(entry)

@@ -106,6 +106,33 @@ def text_table(rows: Sequence[Sequence[str]], headers: Sequence[str]) -> str:
     return "\n".join([line(headers), "  ".join("-" * w for w in widths), *map(line, rows)])
 
 
+#: The widest plain-text table printed (characters).
+WIDTH = 100
+
+
+def fitted_table(rows: Sequence[Sequence[str]], headers: Sequence[str], width: int = WIDTH) -> str:
+    """:func:`text_table`, split where wider than ``width``: consecutive groups of columns
+    that fit, one table each (blank line between), each repeating the first column."""
+    text = text_table(rows, headers)
+    if max(len(line) for line in text.splitlines()) <= width or len(headers) <= 2:
+        return text
+    cols = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
+    blocks, group, used = [], [], cols[0]
+    for i in range(1, len(headers)):
+        if group and used + 2 + cols[i] > width:
+            blocks.append(group)
+            group, used = [], cols[0]
+        group.append(i)
+        used += 2 + cols[i]
+    blocks.append(group)
+    return "\n\n".join(
+        text_table(
+            [[r[0], *(r[i] for i in g)] for r in rows], [headers[0], *(headers[i] for i in g)]
+        )
+        for g in blocks
+    )
+
+
 def markdown_table(rows: Sequence[Sequence[str]], headers: Sequence[str]) -> str:
     out = [
         "| " + " | ".join(headers) + " |",
@@ -134,7 +161,7 @@ def _write_report(run_dir: str | Path, *, plots: bool) -> tuple[Path, str]:
     if summary.get("kind") != "train":
         return _write_other_report(data)
     rows = summary_rows(summary)
-    table = text_table(rows, headers())
+    table = fitted_table(rows, headers())
     resolved = data["config"].get("resolved", {})
     lines = [f"# {summary.get('name', run_dir.name)}", ""]
     if summary.get("description"):

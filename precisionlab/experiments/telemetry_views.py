@@ -28,10 +28,10 @@ WORST = 5
 
 
 def _label(row: dict[str, Any]) -> str:
-    """``"layer3:dot_general[2].grad"`` for a matmul tensor (model layer and interception
-    site, as ``precisionlab diagnose`` names it; ``"dot_general[2].grad"`` in rows written
-    before rows named the layer), ``"grad:['w']"`` for a state leaf."""
-    if row["kind"] == "matmul":
+    """``"layer3:dot_general[2].grad"`` for a matmul's or another operation's tensor (model
+    layer and interception site, as ``precisionlab diagnose`` names it; ``"dot_general[2].grad"``
+    in rows written before rows named the layer), ``"grad:['w']"`` for a state leaf."""
+    if row["kind"] in ("matmul", "op"):
         site = row.get("site")
         head = f"{row['layer']}:{site}" if site and site != row["layer"] else row["layer"]
         return f"{head}.{row['tensor']}"
@@ -73,8 +73,51 @@ def telemetry_scalars(board: Any, rows: list[dict[str, Any]]) -> None:
 
 
 #: The kinds the worst lists rank: the tensors of the computation (matmul operands, outputs,
-#: output gradients and the parameter gradients), not the stored state.
-_RANKED = ("matmul", "grad")
+#: other operations' outputs, their output gradients and the parameter gradients), not the
+#: stored state.
+_RANKED = ("matmul", "op", "grad")
+
+
+def _is_backward(row: dict[str, Any]) -> bool:
+    return row["kind"] == "grad" or row["tensor"] == "grad"
+
+
+def _first_nonfinite(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The tensor where inf/NaN first appears: the first step with any, then the forward pass
+    in program order (rows are written in program order), then the backward pass, which runs
+    in reverse program order, then the parameter gradients. None if every value is finite."""
+    bad = [
+        (i, r) for i, r in enumerate(rows)
+        if r["kind"] in _RANKED and (r.get("n_nan", 0) or r.get("n_inf", 0))
+    ]  # fmt: skip
+    if not bad:
+        return None
+    step = min(int(r["step"]) for _, r in bad)
+    at = [(i, r) for i, r in bad if int(r["step"]) == step]
+
+    def order(item):
+        i, r = item
+        return (r["kind"] == "grad", _is_backward(r), -i if _is_backward(r) else i)
+
+    _, r = min(at, key=order)
+    out = {**_where(r), "step": step, "n_inf": r.get("n_inf", 0), "n_nan": r.get("n_nan", 0)}
+    out.update(n=r["n"], backward=_is_backward(r))
+    if r.get("where"):
+        out["where"] = r["where"]
+    return out
+
+
+def _most(rows: list[dict[str, Any]], key: str, keep) -> list[dict[str, Any]]:
+    """The :data:`WORST` tensors (of ``keep`` rows) with the largest ``key`` over the steps."""
+    best: dict[tuple, dict[str, Any]] = {}
+    for r in rows:
+        v = r.get(key)
+        if not v or not keep(r):
+            continue
+        k = (r["kind"], r["layer"], r.get("site"), r["tensor"])
+        if k not in best or v > best[k]["fraction"]:
+            best[k] = {**_where(r), "fraction": v, "step": r["step"]}
+    return sorted(best.values(), key=lambda e: -e["fraction"])[:WORST]
 
 
 def _worst(rows: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
@@ -95,6 +138,12 @@ def _worst(rows: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
 def summarize_telemetry(unit_dir: Path) -> dict[str, Any] | None:
     """The ``telemetry`` entry of a unit's summary, None without telemetry:
 
+    ``first_nonfinite`` (None, or where inf/NaN first appears: ``{kind, layer, [site,]
+    tensor, [where,] step, n_inf, n_nan, n, backward}``, see :func:`_first_nonfinite`),
+    ``most_nonfinite`` / ``most_zeros`` (at most :data:`WORST` entries ``{kind, layer,
+    [site,] tensor, fraction, step}``: the tensors with the largest fraction of inf/NaN
+    elements / the parameter gradients with the largest fraction of zeros, over the steps: what
+    the computation actually did, where the targets below say what a format would do),
     ``steps`` (the steps with statistics), ``targets`` (their names), ``worst_underflow`` /
     ``worst_overflow`` (at most :data:`WORST` entries ``{kind, layer, [site,] tensor,
     target, fraction, step}``: the largest fraction of a tensor's finite nonzero elements
@@ -112,6 +161,9 @@ def summarize_telemetry(unit_dir: Path) -> dict[str, Any] | None:
         if dr is not None and (k not in widest or dr > widest[k]["binades"]):
             widest[k] = {**_where(row), "binades": dr, "step": row["step"]}
     return {
+        "first_nonfinite": _first_nonfinite(rows),
+        "most_nonfinite": _most(rows, "frac_nonfinite", lambda r: r["kind"] in _RANKED),
+        "most_zeros": _most(rows, "frac_zero", lambda r: r["kind"] == "grad"),
         "steps": sorted({int(r["step"]) for r in rows}),
         "targets": list(rows[0].get("targets", {})),
         "worst_underflow": _worst(rows, "underflow"),
@@ -121,16 +173,13 @@ def summarize_telemetry(unit_dir: Path) -> dict[str, Any] | None:
 
 
 # --- report ----------------------------------------------------------------------------------
-def _grid(rows: list[dict[str, Any]], target: str, key: str):
-    labels = list(dict.fromkeys(_label(r) for r in rows))
-    steps = sorted({int(r["step"]) for r in rows})
-    grid = np.full((len(labels), len(steps)), np.nan)
-    li, si = {lab: i for i, lab in enumerate(labels)}, {s: j for j, s in enumerate(steps)}
-    for r in rows:
-        st = r.get("targets", {}).get(target)
-        if st is not None:
-            grid[li[_label(r)], si[int(r["step"])]] = st[key]
-    return labels, steps, grid
+#: The heatmap panels: (row key, what it shows). ``None`` target: the row's own fraction of
+#: all elements (what the computation did); a target: the fraction of the finite nonzero
+#: elements that format would flush to zero / overflow (what it would do).
+_ACTUAL = (("frac_zero", "% zero (as computed)"), ("frac_nonfinite", "% inf/NaN (as computed)"))
+_WHAT_IF = (("underflow", "% underflow under {}"), ("overflow", "% overflow under {}"))
+#: The colour scale's floor (%): fractions from it to 100% on a log scale.
+_FLOOR_PCT = 1e-3
 
 
 #: Tick label size (points) of the layer names, and the figure resolution (dots per inch).
@@ -149,39 +198,79 @@ def _figure(width: float, height: float, labels: list[str]):
     return Figure(figsize=(width, height)), min(0.6, left_in / width)
 
 
-def _heatmap(rows, targets, path: Path, title: str) -> bool:
-    """One figure per unit: for every target a row of two layer x step heatmaps (underflow,
-    overflow %), the layer names on the left column only, one colour scale for all."""
-    if not targets or not rows:
-        return False
+def _panels(rows, targets) -> list[tuple[str, np.ndarray]]:
+    """(title, layer x step grid of fractions, NaN where a row has no value) per panel."""
     labels = list(dict.fromkeys(_label(r) for r in rows))
-    h = max(3.0, 0.22 * len(labels) + 1.5)
-    fig, left = _figure(12.0, h * len(targets), labels)
-    top_in, bottom_in = 0.35, 0.55  # title; step ticks and label (bottom row)
+    steps = sorted({int(r["step"]) for r in rows})
+    li, si = {lab: i for i, lab in enumerate(labels)}, {s: j for j, s in enumerate(steps)}
+    out = []
+    specs = [(None, k, t) for k, t in _ACTUAL]
+    specs += [(tg, k, t.format(tg)) for tg in targets for k, t in _WHAT_IF]
+    for target, key, title in specs:
+        grid = np.full((len(labels), len(steps)), np.nan)
+        for r in rows:
+            src = r if target is None else r.get("targets", {}).get(target)
+            if src is not None and src.get(key) is not None:
+                grid[li[_label(r)], si[int(r["step"])]] = src[key]
+        out.append((title, grid))
+    return out
+
+
+def _heatmap(rows, targets, path: Path, title: str) -> bool:
+    """One figure per unit: layer x step heatmaps in pairs: the zeros and inf/NaN as
+    computed, then for every target its underflow and overflow (what-if). One log colour
+    scale from :data:`_FLOOR_PCT` to 100% for every panel (grey: exactly 0); the layers that
+    are 0 in every panel are left out; every layer and every step is labelled."""
+    if not rows:
+        return False
+    from matplotlib.colors import LogNorm
+
+    labels = list(dict.fromkeys(_label(r) for r in rows))
+    steps = sorted({int(r["step"]) for r in rows})
+    panels = _panels(rows, targets)
+    shown = np.zeros(len(labels), bool)
+    for _, grid in panels:
+        shown |= (np.nan_to_num(grid) > 0).any(axis=1)
+    if not shown.any():
+        shown[:] = True
+    labels = [lab for lab, k in zip(labels, shown, strict=True) if k]
+    n_rows = len(panels) // 2
+    h = max(2.5, 0.16 * len(labels) + 1.2)
+    fig, left = _figure(12.0, h * n_rows, labels)
+    top_in, bottom_in = 0.35, 0.7  # title; step ticks and label (bottom row)
     fig.subplots_adjust(left=left, right=0.9, wspace=0.05, hspace=top_in / h,
-                        top=1 - top_in / (h * len(targets)),
-                        bottom=bottom_in / (h * len(targets)))  # fmt: skip
-    # every panel has the same layers and steps: shared axes, labelled on the outer panels
-    axes = fig.subplots(len(targets), 2, squeeze=False, sharex=True, sharey=True)
+                        top=1 - top_in / (h * n_rows),
+                        bottom=bottom_in / (h * n_rows))  # fmt: skip
+    axes = fig.subplots(n_rows, 2, squeeze=False, sharex=True, sharey=True)
+    cmap = _cmap()
+    norm = LogNorm(vmin=_FLOOR_PCT, vmax=100.0)
     im = None
-    for i, target in enumerate(targets):
-        for j, key in enumerate(("underflow", "overflow")):
-            ax = axes[i][j]
-            labels, steps, grid = _grid(rows, target, key)
-            im = ax.imshow(100 * grid, aspect="auto", cmap="magma", vmin=0, vmax=100,
-                           interpolation="nearest")  # fmt: skip
-            ax.set_title(f"{title}: % {key} under {target}", fontsize=9)
+    for ax, (name, grid) in zip(axes.flat, panels, strict=True):
+        pct = 100 * grid[shown]
+        # exactly 0 -> below the floor (the "under" colour); no value -> NaN (white)
+        pct = np.where(pct == 0, _FLOOR_PCT / 10, pct)
+        im = ax.imshow(np.ma.masked_invalid(pct), aspect="auto", cmap=cmap, norm=norm,
+                       interpolation="nearest")  # fmt: skip
+        ax.set_title(f"{title}: {name}", fontsize=8)
     axes[0][0].set_yticks(range(len(labels)), labels)
-    ticks = np.linspace(0, len(steps) - 1, min(len(steps), 8)).round().astype(int)
-    axes[0][0].set_xticks(ticks, [str(steps[t]) for t in ticks])
+    rotate = 90 if len(steps) > 12 else 0
+    axes[0][0].set_xticks(range(len(steps)), [str(s) for s in steps], rotation=rotate)
     for ax in axes.flat:
-        ax.tick_params(labelsize=_LABEL_PT)
+        ax.tick_params(labelsize=_LABEL_PT if len(labels) < 60 else 5)
     for ax in axes[-1]:
         ax.set_xlabel("step", fontsize=8)
-    cax = fig.add_axes((0.92, bottom_in / (h * len(targets)), 0.015, 0.8 / len(targets)))
-    fig.colorbar(im, cax=cax, label="% of finite nonzero elements (every panel)")
+    cax = fig.add_axes((0.92, bottom_in / (h * n_rows), 0.015, 0.6))
+    fig.colorbar(im, cax=cax, extend="min",
+                 label=f"% (log scale, {_FLOOR_PCT:g}%..100%; grey: exactly 0)")  # fmt: skip
     store.save_figure(fig, path, dpi=_DPI)
     return True
+
+
+def _cmap():
+    import matplotlib
+
+    # exactly 0: light grey, apart from the darkest colour (small); no value: white
+    return matplotlib.colormaps["magma"].with_extremes(under="0.82", bad="white")
 
 
 def _ranges(rows, targets, path: Path, title: str) -> bool:
@@ -234,6 +323,27 @@ def _fmt_pct(x: float) -> str:
     return f"{100 * x:.3g}%"
 
 
+def _nonfinite_line(e: dict[str, Any] | None) -> str:
+    if e is None:
+        return "Every observed value is finite."
+    where = f" at {e['where']}" if e.get("where") else ""
+    pass_ = "backward pass" if e["backward"] else "forward pass"
+    bad = e["n_inf"] + e["n_nan"]
+    return (
+        f"First inf/NaN: step {e['step']}, {pass_}, in `{_label(e)}`{where}: {bad} of {e['n']} "
+        f"elements ({e['n_inf']} inf, {e['n_nan']} NaN)."
+    )
+
+
+def _table(entries: list[dict[str, Any]], extra: str | None = None) -> list[str]:
+    head = "| tensor | " + (f"{extra} | " if extra else "") + "fraction | step |"
+    lines = [head, "|---|" + ("---|" if extra else "") + "--:|--:|"]
+    for e in entries:
+        cell = f"{e[extra]} | " if extra else ""
+        lines.append(f"| {_label(e)} | {cell}{_fmt_pct(e['fraction'])} | {e['step']} |")
+    return [*lines, ""]
+
+
 def telemetry_report(
     run_dir: Path, units: list[dict[str, Any]], plot_dir: Path | None
 ) -> list[str]:
@@ -250,26 +360,34 @@ def telemetry_report(
             f"{' ...' if len(summ['steps']) > 12 else ''}; targets {', '.join(summ['targets'])}."
         )
         lines.append("")
+        if "first_nonfinite" in summ:  # summaries written before it had it: left out
+            lines += [_nonfinite_line(summ["first_nonfinite"]), ""]
+        zeros = [e for e in summ.get("most_zeros") or [] if e["fraction"] >= 0.5]
+        if zeros:
+            lines += ["Parameter gradients that are mostly zero (fraction of all elements, as "
+                      "computed, in the gradients the optimizer received):"]  # fmt: skip
+            lines += ["", *_table(zeros)]
         for key, what in (("worst_underflow", "underflow"), ("worst_overflow", "overflow")):
             worst = summ.get(key) or []
             if not worst:
-                lines += [f"No tensor would {what} under any target.", ""]
+                lines += [f"No finite nonzero value would {what} under any target.", ""]
                 continue
-            lines += [f"Worst {what} (fraction of nonzero elements, at its worst step):", ""]
-            lines += ["| tensor | target | fraction | step |", "|---|---|---|---|"]
-            for e in worst:
-                name = _label(e)
-                lines.append(
-                    f"| {name} | {e['target']} | {_fmt_pct(e['fraction'])} | {e['step']} |"
-                )
-            lines.append("")
+            lines += [f"Worst {what} (fraction of the finite nonzero elements a target would "
+                      f"{'flush to zero' if what == 'underflow' else 'overflow'}, at its worst "
+                      "step):", ""]  # fmt: skip
+            lines += _table(worst, "target")
         if plot_dir is not None:
             rows = store.read_jsonl(Path(run_dir) / "variants" / str(uid) / "telemetry.jsonl")
-            rows = [r for r in rows if r["kind"] in ("matmul", "grad")]
+            rows = [r for r in rows if r["kind"] in _RANKED]
             store.makedirs(plot_dir)
             name = store.safe_name(str(uid))
+            heat = (
+                "layer x step heatmaps: zeros and inf/NaN as computed, and each target's "
+                f"underflow and overflow; log colour scale {_FLOOR_PCT:g}%..100% in every "
+                "panel, grey: exactly 0; tensors that are 0 in every panel left out"
+            )
             for kind, fn, caption in (
-                ("heatmap", _heatmap, "layer x step heatmap of the underflow and overflow %"),
+                ("heatmap", _heatmap, heat),
                 ("range", _ranges, "dynamic range of every tensor against the formats' ranges"),
             ):
                 path = plot_dir / f"telemetry_{kind}_{name}.png"
@@ -278,8 +396,10 @@ def telemetry_report(
                     lines += [f"![{caption}]({rel})", "", f"{u.get('name')}: {caption}.", ""]
     if lines:
         lines = ["## Numerics telemetry", "",
-                 "Matmul operands (lhs, rhs), outputs (out) and output gradients (grad) by "
-                 "model layer and interception site (LAYER:SITE), and gradient leaves "
-                 "(grad:PATH); fractions are of the "
-                 "finite nonzero elements.", "", *lines]  # fmt: skip
+                 "Matmul operands (lhs, rhs), outputs (out) and output gradients (grad), and the "
+                 "output (out) and output gradient (grad) of every other operation that can "
+                 "overflow or underflow, by model layer and interception site (LAYER:SITE), and "
+                 "gradient leaves (grad:PATH). Zeros and inf/NaN are fractions of all elements; "
+                 "a target's underflow and overflow are fractions of the finite nonzero "
+                 "elements.", "", *lines]  # fmt: skip
     return lines

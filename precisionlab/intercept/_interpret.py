@@ -59,8 +59,7 @@ __all__ = ["Aux", "Context", "Emit", "Intercepted", "PerIteration", "Rule", "int
 
 #: The loop kinds (their sites run once per iteration).
 _LOOPS = ("scan", "while")
-
-
+#: How a construct is named in :attr:`Site.within` (others: by their primitive's name).
 class Emit(NamedTuple):
     """What a rule returns to pass values out besides the primitive's ``outputs`` (a list,
     as :meth:`Rule.apply` returns): ``aux``, any pytree of arrays (the same structure and
@@ -179,7 +178,8 @@ def _walk(
         inner = "/".join(p for p in (here, boundary.call_name(eqn)) if p)
         inner_loops = loops + ((kind,) if kind in _LOOPS else ())
         inner_lengths = lengths + ((boundary.loop_length(eqn),) if kind in _LOOPS else ())
-        inner_within = within + (() if kind in boundary.CALLS else (kind or name,))
+        # custom derivatives are named too: a rule may leave their insides alone
+        inner_within = within + (() if kind in ("jit", "call") else (kind or name,))
         for k, sub in enumerate(subs):
             _walk(
                 boundary.open_jaxpr(sub)[0], (*path, i, k), inner, inner_loops, prims, out,

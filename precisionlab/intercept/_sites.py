@@ -30,8 +30,9 @@ class Site:
       in_shapes / out_shapes / dtype: operand and result shapes, the first operand's dtype.
       path: equation indices from the root (the interpreter's key).
       selected: whether the include/exclude selection kept it (False: left as it was).
-      within: every enclosing higher-order construct other than calls (``jit``, custom
-        derivatives), outermost first (``("scan", "checkpoint", "scan")``, ``("cond",)``).
+      within: every enclosing higher-order construct other than plain calls (``jit``),
+        outermost first (``("scan", "checkpoint", "scan")``, ``("cond",)``); a custom-derivative
+        function counts as ``"custom_jvp"`` / ``"custom_vjp"``.
       lengths: the iteration count of each enclosing loop of ``loops`` (None for a
         ``while_loop``), outermost first: the leading axes of a per-iteration value.
     """

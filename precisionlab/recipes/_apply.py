@@ -176,7 +176,10 @@ def apply(
     Args:
       fn: any JAX function: a Flax ``model.apply``, an Equinox model call, a plain pytree
         model, a loss. Traced with the interception layer (:mod:`precisionlab.intercept`).
-      recipe: a :class:`Recipe` or a name (``"mxfp8"``, ``"delayed"``, ...).
+      recipe: a :class:`Recipe` or a name (``"mxfp8"``, ``"delayed"``, ...). A named block
+        recipe pads contractions that are not a multiple of its block with zeros (as training
+        does; zeros change neither a block's amax nor the products); pass a Recipe object
+        (``get_recipe("mxfp8", pad=False)``) to refuse such sizes instead.
       include / exclude: which matched matmuls to quantize, by position (``-1``: the last),
         name (``"dot_general[3]"``) or glob pattern on the name or the ``named_scope`` /
         ``jit`` scope; ``exclude=(0, -1)`` keeps the first and last in high precision.
@@ -188,7 +191,18 @@ def apply(
       NVFP4's stochastic rounding); ``.report(...)`` lists the matmuls;
       ``.value_and_grad(...)`` and ``.update_state(...)`` train with stateful recipes.
     """
-    return Applied(fn, get_recipe(recipe), include, exclude, weight)
+    return Applied(fn, _named(recipe), include, exclude, weight)
+
+
+def _named(recipe: Recipe | str) -> Recipe:
+    """The recipe; a name gets ``pad=True`` where the recipe has the field (a 10-class
+    output's data-gradient GEMM contracts over 10, not a multiple of a 32-element block)."""
+    if not isinstance(recipe, str):
+        return get_recipe(recipe)
+    r = get_recipe(recipe)
+    if "pad" in {f.name for f in dataclasses.fields(r)}:
+        return dataclasses.replace(r, pad=True)  # type: ignore[type-var]
+    return r
 
 
 def einsum(spec: str, a: jax.Array, b: jax.Array, *, recipe: Recipe | str, **kwargs) -> jax.Array:

@@ -7,13 +7,14 @@
   finish them, :func:`combine` / :func:`reduce_over` merge shards exactly;
   :func:`stacked_stats` / :func:`stats_of_many`: many tensors in one small program.
 - :func:`observe`: any JAX function with statistics of every matmul's operands, output and
-  (with :meth:`Observed.value_and_grad`) output cotangent, keyed by the interception site
-  names of :mod:`precisionlab.intercept`; :func:`tree_stats` for params, grads, optimizer
-  state.
+  (with :meth:`Observed.value_and_grad`) output cotangent, and of every other operation that
+  can overflow or underflow (``ops=OPS``: powers, exponentials, products, sums, casts ...),
+  keyed by the interception site names of :mod:`precisionlab.intercept`; :func:`tree_stats`
+  for params, grads, optimizer state.
 - :func:`every`: compute statistics only every N steps (``lax.cond``).
 """
 
-from precisionlab.telemetry._observe import Observed, every, observe, tree_stats
+from precisionlab.telemetry._observe import OPS, Observed, every, observe, tree_stats
 from precisionlab.telemetry._stats import (
     TensorStats,
     combine,
@@ -27,6 +28,7 @@ from precisionlab.telemetry._stats import (
 from precisionlab.telemetry._targets import SCALINGS, Target, parse_targets
 
 __all__ = [
+    "OPS",
     "SCALINGS",
     "Observed",
     "Target",

@@ -25,6 +25,7 @@ branch did not run or the while slot is unused (its statistics are then of zeros
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,11 +34,22 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from precisionlab.intercept import Context, Emit, PerIteration, Site, intercept
+from precisionlab.intercept import Context, Emit, PerIteration, Site, intercept, select
 from precisionlab.telemetry._stats import TensorStats, tensor_stats
 from precisionlab.telemetry._targets import parse_targets
 
-__all__ = ["Observed", "every", "observe", "tree_stats"]
+__all__ = ["OPS", "Observed", "every", "observe", "tree_stats"]
+
+#: The floating-point operations whose outputs can overflow or underflow (besides the
+#: matmuls): powers, exponentials and logarithms (GELU's x**3, softmax's exponent), products,
+#: quotients and sums (normalization statistics, the loss and its weighting, bias adds), the
+#: squashing functions (whose outputs underflow in their tails) and casts (a float32 value
+#: rounded to float16 overflows or flushes there).
+OPS: tuple[str, ...] = (
+    "integer_pow", "pow", "square", "sqrt", "rsqrt", "exp", "exp2", "expm1", "log", "log1p",
+    "mul", "div", "add", "sub", "reduce_sum", "tanh", "logistic", "erf",
+    "convert_element_type",
+)  # fmt: skip
 
 
 def _contraction_last(x: jax.Array, contract, batch) -> jax.Array:
@@ -52,12 +64,27 @@ def _is_float(x) -> bool:
 
 
 class _StatsRule:
-    primitives = ("dot_general",)
-
-    def __init__(self, targets, record: frozenset, stat=tensor_stats):
+    def __init__(self, targets, record: frozenset, stat=tensor_stats, ops: tuple = ()):
         self.targets, self.record, self.stat = targets, record, stat
+        self.primitives = ("dot_general", *(o for o in ops if o != "dot_general"))
 
-    def apply(self, ctx: Context, lhs, rhs, *, dimension_numbers, **params) -> list | Emit:
+    def apply(self, ctx: Context, *operands, **params) -> list | Emit:
+        if ctx.site.primitive != "dot_general":
+            return self._output(ctx, operands)
+        return self._matmul(ctx, *operands, **params)
+
+    def _output(self, ctx: Context, operands) -> list | Emit:
+        """Any other operation: the statistics of its (first) output, as it was computed."""
+        outs = ctx.original(*operands)
+        out = outs[0]
+        if ctx.site.name not in self.record or not _is_float(out) or len(outs) != 1:
+            return outs
+        stats = {"out": self.stat(out, self.targets)}
+        if ctx.state is not None:
+            out = out + ctx.state.astype(out.dtype)
+        return Emit([out], stats)
+
+    def _matmul(self, ctx: Context, lhs, rhs, *, dimension_numbers, **params) -> list | Emit:
         out = ctx.original(lhs, rhs)[0]
         name = ctx.site.name
         if name in self.record and _is_float(lhs) and _is_float(rhs) and _is_float(out):
@@ -92,53 +119,80 @@ def _per_iteration(fn: Callable, n_axes: int) -> Callable:
 
 
 def _collect(aux: dict, sites: dict[str, Site]) -> dict[str, dict]:
+    """Each emitting site's statistics under its public name (``sites``: internal name ->
+    public :class:`Site`), with ``"valid"`` under a cond or while loop."""
     out = {}
     for name, a in aux.items():
-        out[name] = dict(a.value)
-        if {"cond", "while"} & set(sites[name].within):
-            out[name]["valid"] = a.valid
+        site = sites[name]
+        out[site.name] = dict(a.value)
+        if {"cond", "while"} & set(site.within):
+            out[site.name]["valid"] = a.valid
     return out
 
 
-class Observed:
-    """``fn`` with its matmuls observed; see :func:`observe`."""
+def _numbered(sites: list[Site]) -> list[Site]:
+    """The sites numbered per primitive (``dot_general[0..]``, ``exp[0..]``), so the matmuls
+    keep the names they have without the other operations (as ``diagnose`` and the recipes
+    name them)."""
+    seen: dict[str, int] = {}
+    out = []
+    for s in sites:
+        out.append(dataclasses.replace(s, index=seen.get(s.primitive, 0)))
+        seen[s.primitive] = seen.get(s.primitive, 0) + 1
+    return out
 
-    def __init__(self, fn, targets, include, exclude, while_capacity=16):
+
+def _kept(site: Site) -> bool:
+    """Whether an observed site is kept: every matmul; another operation unless it is inside
+    a ``custom_vjp`` function (observing it would evaluate that function's primal program and
+    drop its backward rule: a straight-through or rounding rule's cotangents would change)."""
+    return site.primitive == "dot_general" or "custom_vjp" not in site.within
+
+
+class Observed:
+    """``fn`` with its matmuls (and ``ops``) observed; see :func:`observe`."""
+
+    def __init__(self, fn, targets, include, exclude, while_capacity=16, ops=()):
         self.fn, self.targets = fn, parse_targets(targets)
-        self.include, self.exclude = include, exclude
+        if include is not None and isinstance(include, (str, int)):
+            include = (include,)
+        if isinstance(exclude, (str, int)):
+            exclude = (exclude,)
+        self.include = None if include is None else tuple(include)
+        self.exclude = tuple(exclude)
         self.while_capacity = while_capacity
+        self.ops = tuple(ops)
         self.__wrapped__ = fn
 
     def _intercepted(self, record=frozenset(), stat=tensor_stats):
-        rule = _StatsRule(self.targets, record, stat)
-        return intercept(
-            self.fn, rule, include=self.include, exclude=self.exclude,
-            while_capacity=self.while_capacity,
-        )  # fmt: skip
+        rule = _StatsRule(self.targets, record, stat, self.ops)
+        return intercept(self.fn, rule, while_capacity=self.while_capacity)
 
-    def _plan(self, args, kwargs) -> tuple[list[Site], list[Site]]:
-        inter = self._intercepted()
-        closed, _, _ = inter._trace(args, kwargs)
-        sites = [s for s in inter._sites(closed) if s.selected]
+    def _plan(self, args, kwargs) -> dict[str, Site]:
+        """Internal site name -> the public (per-primitive numbered) selected site."""
+        found = self._intercepted().sites(*args, **kwargs)
+        public = select(_numbered(found), self.include, self.exclude)
         # every construct the interception layer finds is observed; none is skipped today
-        return sites, []
+        return {s.name: p for s, p in zip(found, public, strict=True) if p.selected and _kept(p)}
 
     def sites(self, *args, **kwargs) -> list[Site]:
-        """The observed matmuls (selected), inside loops, conds and checkpoints too."""
-        return self._plan(args, kwargs)[0]
+        """The observed operations (selected, numbered per primitive: ``dot_general[2]``,
+        ``exp[0]``), inside loops, conds and checkpoints too, in program order."""
+        return list(self._plan(args, kwargs).values())
 
     def skipped(self, *args, **kwargs) -> list[Site]:
-        """Selected matmuls not observed: none since loops, conds and checkpoints are
+        """Selected operations not observed: none since loops, conds and checkpoints are
         (operations inside ``shard_map`` and other unsupported constructs are not matched)."""
-        return self._plan(args, kwargs)[1]
+        return []
 
     def __call__(self, *args, **kwargs) -> tuple[Any, dict[str, dict[str, TensorStats]]]:
         """``(fn(*args, **kwargs), {site: {"lhs", "rhs", "out": TensorStats[, "valid"]}})``
-        (per-iteration statistics of sites inside loops: see the module docstring)."""
-        ok, _ = self._plan(args, kwargs)
-        inter = self._intercepted(frozenset(s.name for s in ok))
+        (other operations: ``"out"`` only; per-iteration statistics of sites inside loops:
+        see the module docstring)."""
+        plan = self._plan(args, kwargs)
+        inter = self._intercepted(frozenset(plan))
         out, aux = inter.call_with_aux(None, *args, **kwargs)
-        return out, _collect(aux, {s.name: s for s in ok})
+        return out, _collect(aux, plan)
 
     def value_and_grad(
         self, argnums: int | Sequence[int] = 0, has_aux: bool = False, *, tensors: bool = False
@@ -154,13 +208,12 @@ class Observed:
         stat = (lambda x, _: x) if tensors else tensor_stats
 
         def f(*args, **kwargs):
-            ok, _ = self._plan(args, kwargs)
-            f.sites = ok  # type: ignore[attr-defined]
-            by_name = {s.name: s for s in ok}
-            probes = {s.name: _probe(s) for s in ok if _probed(s)}
+            plan = self._plan(args, kwargs)
+            f.sites = list(plan.values())  # type: ignore[attr-defined]
+            probes = {k: _probe(s) for k, s in plan.items() if _probed(s)}
 
             def run(pr, *a):
-                inter = self._intercepted(frozenset(by_name), stat)
+                inter = self._intercepted(frozenset(plan), stat)
                 out, aux = inter.call_with_aux(pr, *a, **kwargs)
                 if has_aux:
                     return out[0], (out[1], aux)
@@ -168,11 +221,12 @@ class Observed:
 
             vg = jax.value_and_grad(run, argnums=(0, *(n + 1 for n in nums)), has_aux=True)
             (value, (aux, fwd)), grads = vg(probes, *args)
-            stats = _collect(fwd, by_name)
-            for name, ct in grads[0].items():
+            stats = _collect(fwd, plan)
+            for key, ct in grads[0].items():
+                name = plan[key].name
                 if name in stats:
                     ct = ct.value if isinstance(ct, PerIteration) else ct
-                    n_axes = len(by_name[name].lengths)
+                    n_axes = len(plan[key].lengths)
                     stats[name]["grad"] = _per_iteration(lambda t: stat(t, self.targets), n_axes)(
                         ct
                     )
@@ -190,24 +244,34 @@ def observe(
     include: Sequence[int | str] | int | str | None = None,
     exclude: Sequence[int | str] | int | str = (),
     while_capacity: int = 16,
+    ops: Sequence[str] = (),
 ) -> Observed:
-    """``fn`` with statistics of every matched ``dot_general`` (matmul, einsum, dense layer).
+    """``fn`` with statistics of every matched ``dot_general`` (matmul, einsum, dense layer)
+    and of every operation named in ``ops``.
 
     Args:
       fn: any JAX function (a Flax ``apply``, a loss); traced by the interception layer.
       targets: static target names for the per-format counts (see :func:`tensor_stats`).
-      include / exclude: which matmuls to observe, as in :func:`precisionlab.intercept.intercept`
-        (positions, names ``"dot_general[3]"``, or glob patterns on the scope).
+      include / exclude: which operations to observe (positions over all observed
+        operations in program order, names ``"dot_general[3]"`` / ``"exp[0]"``, or glob
+        patterns on the scope), as in :func:`precisionlab.intercept.select`.
       while_capacity: iterations of a ``while_loop`` observed (the first ones; static).
+      ops: primitive names whose float output (and its cotangent) is observed too (:data:`OPS`:
+        every operation that can overflow or underflow). Sites are numbered per primitive,
+        so the matmuls keep their names. Operations inside a ``custom_vjp`` function are not
+        observed (its backward rule is kept); inside a ``custom_jvp`` function (JAX's
+        softmax, relu) they are, and the observed pass differentiates its primal program
+        (the same derivative for those; not for a straight-through estimator).
 
     Returns:
       An :class:`Observed`: ``obs(*args)`` gives ``(out, stats)``;
       ``obs.value_and_grad(argnums)(*args)`` gives ``(value, grads, stats)`` with the output
       cotangents' statistics too. ``stats`` maps site names to ``{"lhs", "rhs", "out"[,
-      "grad"]}`` :class:`TensorStats` (``"valid"`` too under a cond or while loop), with one
-      leading axis per enclosing loop. Computations are unchanged (bit for bit).
+      "grad"]}`` :class:`TensorStats` (other operations: ``{"out"[, "grad"]}``; ``"valid"``
+      too under a cond or while loop), with one leading axis per enclosing loop.
+      Computations are unchanged (bit for bit).
     """
-    return Observed(fn, targets, include, exclude, while_capacity)
+    return Observed(fn, targets, include, exclude, while_capacity, ops)
 
 
 def tree_stats(tree: Any, targets: Sequence[str] | str = ()) -> dict[str, TensorStats]:

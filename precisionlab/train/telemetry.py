@@ -43,6 +43,7 @@ import numpy as np
 from precisionlab._schema import INT32_MAX, Field, validate_table
 from precisionlab.mixed.policy import Policy, cast_floating
 from precisionlab.telemetry import (
+    OPS,
     TensorStats,
     combine,
     derive,
@@ -83,6 +84,11 @@ TELEMETRY_FIELDS: dict[str, Field] = {
     ),
     "targets": Field(list, list(DEFAULT_TARGETS), item=str, check=_targets, doc="what-if targets"),
     "matmuls": Field(bool, True, doc="statistics of every matmul's operands, output, cotangent"),
+    "ops": Field(
+        bool, True,
+        doc="statistics of every other operation that can overflow or underflow (GELU's x**3, "
+        "softmax's exp, norms' sums, the loss ...): output and cotangent (needs matmuls)",
+    ),
     "state": Field(bool, True, doc="statistics of every param, gradient and optimizer-state leaf"),
 }  # fmt: skip
 
@@ -103,6 +109,7 @@ class Telemetry:
     targets: tuple[str, ...] = DEFAULT_TARGETS
     matmuls: bool = True
     state: bool = True
+    ops: bool = True
 
     def __post_init__(self) -> None:
         n = self.interval
@@ -128,6 +135,7 @@ def parse_telemetry(table: dict[str, Any] | None, steps: int) -> Telemetry | Non
         targets=tuple(values["targets"]),
         matmuls=values["matmuls"],
         state=values["state"],
+        ops=values["ops"],
     )
 
 
@@ -198,7 +206,8 @@ def make_telemetry_fn(
         loss, _ = loss_fn(p, b)
         return ls.scale(loss)
 
-    vg = observe(scaled, targets).value_and_grad(0, tensors=True)
+    ops = OPS if telemetry.ops else ()
+    vg = observe(scaled, targets, ops=ops).value_and_grad(0, tensors=True)
 
     def matmul_tensors(pc, b, ls) -> tuple[list, list]:
         """(tensors, valid flags), in ``names["matmul"]`` order."""
@@ -208,6 +217,7 @@ def make_telemetry_fn(
             if site.name in tensors:
                 flat.update(_per_layer(site, tensors[site.name]))
         names["matmul"] = list(flat)
+        names["where"] = {s.name: s.where for s in vg.sites}
         return [x for x, _ in flat.values()], [ok for _, ok in flat.values()]
 
     def one(pc, b, ls):
@@ -310,10 +320,11 @@ def telemetry_rows(
     then params, grads and optimizer state (by leaf path); a matmul entry with no element
     (a ``cond`` branch that did not run, an unused while slot) gives no row::
 
-        {"step", "kind": "matmul" | "param" | "grad" | "opt_state", "layer": the model
-         layer (matmuls: "layer3", see Site.layer) or leaf path, "site": the interception
-         site ("dot_general[1]"; matmuls only), "tensor": "lhs" | "rhs" | "out" | "grad"
-         (matmuls; "" otherwise),
+        {"step", "kind": "matmul" | "op" | "param" | "grad" | "opt_state", "layer": the
+         model layer (matmuls and ops: "layer3", see Site.layer) or leaf path, "site": the
+         interception site ("dot_general[1]", "integer_pow[0]"; matmuls and ops only),
+         "where": the source line that emitted it (matmuls and ops, where known),
+         "tensor": "lhs" | "rhs" | "out" | "grad" (matmuls; ops: "out" | "grad"; "" otherwise),
          "n", "n_nan", "n_inf", "n_zero", "n_nonzero", "amax", "amin_nonzero",
          "dynamic_range", "mean", "std", "frac_zero", "frac_nonfinite",
          "targets": {name: {"overflow", "saturate", "underflow", "subnormal", "poisoned",
@@ -323,6 +334,7 @@ def telemetry_rows(
     counts); values undefined for a tensor (no nonzero element) are None.
     """
     tnames = [t.name for t in parse_targets(targets)]
+    where = names.get("where", {})
     rows = []
     for group in ("matmul", "state"):
         if group not in stats:
@@ -334,8 +346,11 @@ def telemetry_rows(
                 continue  # an untaken cond branch or an unused while slot: no row
             if group == "matmul":
                 site, tensor, layer = key
-                row: dict[str, Any] = {"step": step, "kind": "matmul", "layer": layer}
+                kind = "matmul" if site.startswith("dot_general[") else "op"
+                row: dict[str, Any] = {"step": step, "kind": kind, "layer": layer}
                 row.update(site=site, tensor=tensor)
+                if where.get(site):
+                    row["where"] = where[site]
             else:
                 row = {"step": step, "kind": key[0], "layer": key[1], "tensor": ""}
             counts = {k: int(getattr(st, k)[i]) for k in _COUNTS}
