@@ -116,8 +116,8 @@ def test_a_misspelt_config_key_gets_a_suggestion(tmp_path, capsys, text, hint):
 # --- compare fits 100 columns --------------------------------------------------------------
 def _fake_run(path: Path, names: list[str], loss: float) -> Path:
     units = [
-        {"id": f"{i:02d}-v{i}", "name": n, "status": "finished", "final_loss": loss + i, "eval_metric": 0.5,
-         "skipped_steps": 3, "diverged": False, "divergence_step": None}
+        {"id": f"{i:02d}-v{i}", "name": n, "status": "finished", "final_loss": loss + i,
+         "eval_metric": 0.5, "skipped_steps": 3, "diverged": False, "divergence_step": None}
         for i, n in enumerate(names)
     ]  # fmt: skip
     path.mkdir(parents=True)
