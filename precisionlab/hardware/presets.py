@@ -10,6 +10,8 @@ from precisionlab.hardware.step import Step
 
 __all__ = ["LIBRARIES", "PRESETS", "Resolved", "preset", "resolve"]
 
+#: The GEMM libraries whose schedules are modelled: cuBLASLt (torch._scaled_mm, cuBLAS)
+#: and XLA's GPU GEMMs.
 LIBRARIES = ("cublaslt", "xla")
 
 #: name -> (device, library, fast_accumulation)
