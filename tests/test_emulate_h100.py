@@ -173,3 +173,18 @@ def test_the_h100_model_truncates_where_float32_rounds():
     f = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
     assert float(emulate(f, "c=f16", hardware="float32")(a, b)[0, 0]) == 1 + 2.0**-23
     assert float(emulate(f, "c=f16")(a, b)[0, 0]) == 1.0
+
+
+def test_recipes_refuse_an_emulated_tensor_core_matmul():
+    """Under recipes.apply the tensor-core model would leave the matmul unquantized and its
+    gradient zero (the integer arithmetic has none once the recipe replaces emulate's backward
+    rules): refused by name; with hardware="float32" the recipe quantizes as before."""
+    from precisionlab import recipes
+
+    w = jnp.asarray(np.random.default_rng(0).normal(size=(16, 4)), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(8, 16)), jnp.float32)
+    with pytest.raises(ValueError, match=r"hardware='h100'.*hardware='float32'"):
+        recipes.apply(emulate(lambda w, x: x @ w, "c=f16"), "current")
+    f = recipes.apply(emulate(lambda w, x: x @ w, "c=f16", hardware="float32"), "current")
+    assert np.abs(np.asarray(jax.grad(lambda w: f(w, x).sum())(w))).sum() > 0
+    assert len([s for s in f.sites(w, x) if s.selected]) == 1

@@ -410,6 +410,7 @@ class Emulated:
         matmul: Callable = _matmul.float32_once,
     ):
         self.program_typed, self.matmul = program_typed, matmul
+        self.matmul_model: str | None = None  # the hardware= name (emulate sets it)
         self.fn, self.dtype, self.keep = fn, dtype, keep
         self.accumulate_bits, self.reduce_fp32, self.backward = (
             accumulate_bits, reduce_fp32, backward,
@@ -490,6 +491,10 @@ def emulate(
 
     Returns:
       An :class:`Emulated`: call it like ``fn``; ``.report(...)`` lists the operations.
+      Under ``recipes.apply`` pass ``hardware="float32"`` (the recipe's ``accumulate=`` then
+      picks the hardware GEMM): a tensor-core model computes with integer operations, which
+      leave no ``dot_general`` for the recipe to quantize (and no gradient once the recipe
+      replaces emulate's backward rules); ``recipes.apply`` refuses that combination.
     """
     if not callable(fn):
         raise TypeError(f"emulate needs a callable, got {type(fn).__name__}")
@@ -504,7 +509,10 @@ def emulate(
         )
     if isinstance(keep, (str, int)):
         keep = (keep,)
-    return Emulated(
+    em = Emulated(
         fn, pol.compute_dtype, tuple(keep), accumulate_bits, "reduce" in pol.fp32_ops,
         matmul=_matmul.resolve(hardware),
     )  # fmt: skip
+    # read by recipes.apply: a tensor-core model leaves no dot_general for a recipe to replace
+    em.matmul_model = hardware if isinstance(hardware, str) and accumulate_bits is None else None
+    return em
