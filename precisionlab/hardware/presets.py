@@ -10,6 +10,7 @@ from precisionlab.hardware.step import Step
 
 __all__ = ["LIBRARIES", "PRESETS", "Resolved", "preset", "resolve"]
 
+#: the libraries a preset or ``gemm(library=...)`` may name
 LIBRARIES = ("cublaslt", "xla")
 
 #: name -> (device, library, fast_accumulation)

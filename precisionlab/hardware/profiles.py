@@ -35,6 +35,8 @@ class Profile:
 _FP8_HOPPER = Step(products=32, fraction_bits=13, result_bits=14)
 _16_HOPPER = Step(products=16, fraction_bits=25, result_bits=24)
 
+#: ``"device/kind"`` (``"h100/fp8"``, ``"a100/16bit"``, ...) -> its :class:`Profile`: the step,
+#: its source and whether it was checked on hardware
 PROFILES: dict[str, Profile] = {
     f"{p.device}/{p.kind}": p
     for p in (
