@@ -59,7 +59,8 @@ def xla_split(k: int) -> dict[str, Any]:
     summed in float32 in order best; K = 4096 at 64 x 64 outputs is 128-wide slices summed by
     halves (``g16``). XLA picks its tiling per shape (M and N too), so other shapes are a
     guess: slices of 64 below K = 4096, of 128 (by halves where their count is a power of two,
-    else in order) from there."""
+    else in order) from there. (The FP8 64 x 1024 x 64 capture summed its 64-wide slices by
+    halves: the order at a given K is not settled.)"""
     if k <= 64:
         return {"split_k": None}
     if k < 4096:
