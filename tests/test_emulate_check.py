@@ -63,6 +63,8 @@ def test_cli_lists_differing_operations(tmp_path, capsys):
     assert rows[0]["name"] == "div[2]" and rows[0]["differ"] == OVER
     assert main(["emulate-check", path]) == 0
     assert "5 of 7 operations differ under c=f16; first: div[2]" in capsys.readouterr().out
+    assert main(["emulate-check", path, "--hardware", "float32"]) == 0  # no matmul: the same
+    assert "5 of 7 operations differ under c=f16; first: div[2]" in capsys.readouterr().out
 
 
 def _write(tmp_path, name: str, text: str) -> str:
@@ -77,6 +79,7 @@ def test_cli_refuses_bad_targets_in_one_line(tmp_path, capsys):
         ([str(tmp_path / "missing.py")], "no such file"),
         (["model.txt"], "name a Python file"),
         ([path, "--policy", "c=f17"], "unknown dtype 'f17'"),
+        ([path, "--hardware", "h200"], "hardware must be one of h100, float32, h100-fast"),
         ([_write(tmp_path, "broken.py", "def model(:\n")], "importing it failed: SyntaxError"),
         ([_write(tmp_path, "noinputs.py", "def model(x):\n    return x\n")], "define inputs()"),
     ):

@@ -25,6 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"file's {INPUTS}() returns the arguments, a tuple",
     )  # fmt: skip
     parser.add_argument("--policy", default="c=f16", help="the emulated policy (default c=f16)")
+    parser.add_argument(
+        "--hardware", default="h100",
+        help="emulate's matmul model: h100 (default: the H100's tensor cores as XLA runs "
+        "them), float32, or a precisionlab.hardware preset (h100-fast, a100, ...)",
+    )  # fmt: skip
     parser.add_argument("--all", action="store_true", help="list every operation")
     parser.add_argument("--json", action="store_true", help="print one JSON object per operation")
 
@@ -66,13 +71,17 @@ def _load(target: str) -> tuple[Any, tuple]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from precisionlab.emulate import check
+    from precisionlab.emulate import check, emulate
     from precisionlab.mixed.policy import get_policy
 
     get_policy(args.policy)  # a bad policy: one line, before importing the user's file
+    try:  # a bad matmul model likewise
+        emulate(abs, args.policy, hardware=args.hardware)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     fn, inputs = _load(args.target)
     try:
-        report = check(fn, args.policy, *inputs)
+        report = check(emulate(fn, args.policy, hardware=args.hardware), args.policy, *inputs)
     except NotImplementedError as err:  # an operation emulate cannot enter, named
         raise UsageError(str(err)) from None
     if args.json:

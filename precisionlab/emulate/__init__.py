@@ -5,9 +5,10 @@ into one that computes what XLA's GPU backend computes: every floating-point ope
 rounded to the dtype the program gives it (a float32 program under a 16-bit policy: the
 policy's compute format; a 16-bit program's own float32 upcasts kept), transcendental functions
 correctly rounded, XLA's constant folding (``x * 1000 / 1000`` is x) applied, matmuls through a
-pluggable model (``hardware=``; default float32 accumulation rounded once), and the backward
-pass rounded at the same points. A CPU run then shows the overflow and underflow a GPU run
-would, where XLA's CPU lowering would otherwise keep float32 between fused operations.
+pluggable model (``hardware=``; default the H100's tensor cores as XLA drives them), and
+the backward pass rounded at the same points. A CPU run then shows the overflow and
+underflow a GPU run would, where XLA's CPU lowering would otherwise keep float32 between
+fused operations.
 :func:`check` lists, per operation, where a native run and an emulated one differ.
 Built on :mod:`precisionlab.intercept` and the rounding of
 :mod:`precisionlab.mixed.numerics` (the built-in models' forced numerics).

@@ -190,6 +190,13 @@ class _RoundRule:
             y = enforce(y, self.dtype)
         return y.astype(own)
 
+    def _narrowed(self, x: Any, aval: Any) -> Any:
+        """``x`` (already rounded to its target) in its target dtype where that is narrower."""
+        tgt = self.target(aval)
+        if tgt is None or np.dtype(tgt).itemsize >= np.dtype(aval.dtype).itemsize:
+            return x
+        return jnp.asarray(x).astype(tgt)
+
     def _round(self, x: Any, aval: Any) -> Any:
         if self.target(aval) is None or id(x) in self.rounded:
             return x
@@ -225,7 +232,10 @@ class _RoundRule:
             out = _narrow_dot(ins[0], ins[1], params["dimension_numbers"], self.accumulate_bits)
             outs = [out.astype(eqn.outvars[0].aval.dtype)]
         elif name == "dot_general" and _is_float(eqn.outvars[0].aval):
-            outs = [self.matmul(ins[0], ins[1], params, eqn.outvars[0].aval.dtype)]
+            # operands in their target format (exact: they hold its values), so that a
+            # tensor-core model sees 16-bit inputs in a float32 program under a 16-bit policy
+            ops = [self._narrowed(x, v.aval) for x, v in zip(ins, eqn.invars, strict=True)]
+            outs = [self.matmul(*ops, params, eqn.outvars[0].aval.dtype)]
         elif name == "reduce_sum" and (self.backward or not self.reduce_fp32) and (
             self.target(eqn.outvars[0].aval) is not None
         ):
@@ -400,6 +410,7 @@ class Emulated:
         matmul: Callable = _matmul.float32_once,
     ):
         self.program_typed, self.matmul = program_typed, matmul
+        self.matmul_model: str | None = None  # the hardware= name (emulate sets it)
         self.fn, self.dtype, self.keep = fn, dtype, keep
         self.accumulate_bits, self.reduce_fp32, self.backward = (
             accumulate_bits, reduce_fp32, backward,
@@ -449,7 +460,7 @@ def emulate(
     *,
     keep: Sequence[int | str] | str = (),
     accumulate_bits: int | None = None,
-    hardware: str | Callable = "float32",
+    hardware: str | Callable = "h100",
 ) -> Emulated:
     """``fn`` computed as XLA's GPU backend computes it, on any machine: each floating-point
     operation's result rounded to the dtype the program gives it (a 16-bit program's float32
@@ -468,15 +479,22 @@ def emulate(
       keep: operations left unrounded (computed in the program's own dtype, float32 for a
         float32 program): positions, names (``"exp[3]"``) or glob patterns over names and
         ``jax.named_scope`` scopes (``"*softmax*"``), as :func:`precisionlab.intercept.select`.
-      accumulate_bits: None (default): matmuls accumulate in float32 and round once; an int m
-        in 1..23: ``dot_general`` partial sums are rounded to m mantissa bits after every
-        product (:func:`precisionlab.recipes.accumulate`; a sequential scan, slow).
-      hardware: the matmul model: ``"float32"`` (default: products exact, float32
-        accumulation, rounded once to the result dtype) or a callable
-        ``(lhs, rhs, dot_general params, result dtype) -> result`` (a tensor-core model).
+      accumulate_bits: None (default): matmuls follow ``hardware``; an int m in 1..23:
+        ``dot_general`` partial sums are rounded to m mantissa bits after every product
+        (:func:`precisionlab.recipes.accumulate`, a study model; a sequential scan, slow).
+      hardware: the matmul model: ``"h100"`` (default: the H100's tensor-core arithmetic
+        with XLA's Triton split-K schedule, from :mod:`precisionlab.hardware`), ``"float32"``
+        (products exact, float32 accumulation, rounded once to the result dtype; faster), a
+        preset of ``precisionlab.hardware.PRESETS`` (``"h100-fast"``, ``"a100"``, ...) or a
+        callable ``(lhs, rhs, dot_general params, result dtype) -> result``. Only 8- and
+        16-bit operands take a tensor-core model; float32 ones are summed in float32.
 
     Returns:
       An :class:`Emulated`: call it like ``fn``; ``.report(...)`` lists the operations.
+      Under ``recipes.apply`` pass ``hardware="float32"`` (the recipe's ``accumulate=`` then
+      picks the hardware GEMM): a tensor-core model computes with integer operations, which
+      leave no ``dot_general`` for the recipe to quantize (and no gradient once the recipe
+      replaces emulate's backward rules); ``recipes.apply`` refuses that combination.
     """
     if not callable(fn):
         raise TypeError(f"emulate needs a callable, got {type(fn).__name__}")
@@ -491,7 +509,10 @@ def emulate(
         )
     if isinstance(keep, (str, int)):
         keep = (keep,)
-    return Emulated(
+    em = Emulated(
         fn, pol.compute_dtype, tuple(keep), accumulate_bits, "reduce" in pol.fp32_ops,
         matmul=_matmul.resolve(hardware),
     )  # fmt: skip
+    # read by recipes.apply: a tensor-core model leaves no dot_general for a recipe to replace
+    em.matmul_model = hardware if isinstance(hardware, str) and accumulate_bits is None else None
+    return em

@@ -96,6 +96,13 @@ class Applied:
     def __init__(self, fn, recipe: Recipe, include, exclude, weight: str):
         if weight not in WEIGHT_OPERANDS:
             raise ValueError(f"unknown weight {weight!r}; allowed: {', '.join(WEIGHT_OPERANDS)}")
+        model = getattr(fn, "matmul_model", None)  # emulate(...)'s hardware= name
+        if isinstance(model, str) and model != "float32":
+            raise ValueError(
+                f"recipes.apply over emulate(..., hardware={model!r}): that tensor-core model "
+                "leaves no dot_general for the recipe to quantize; pass hardware='float32' to "
+                "emulate and the hardware preset to the recipe (accumulate=...)"
+            )
         self.recipe, self.weight = recipe, weight
         self.intercepted: Intercepted = intercept(
             fn, _DotRule(recipe, weight), include=include, exclude=exclude
