@@ -1,11 +1,10 @@
 """The training loop: jitted steps, metrics, evaluation, divergence detection, hooks.
 
-:func:`train` runs a :class:`~precisionlab.train.config.TrainConfig`: :func:`build` turns it into
-typed pieces (model, data, optimizer, schedule, :class:`~precisionlab.train.step.StepOptions`,
-:class:`LoopOptions`) and :func:`train_loop` runs any ``loss_fn`` over any batch source. What
-happens around a step (progress bar, checkpoints, the caller's callback) is a list of
-:class:`Hook` objects; the run's totals are an :class:`Aggregates` value updated by a pure
-function.
+:func:`train_loop` runs any ``loss_fn`` over any batch source with :class:`LoopOptions` and
+:class:`~precisionlab.train.step.StepOptions`; what happens around a step is a list of
+:class:`~precisionlab.train.hooks.Hook` objects, and the run's totals are an
+:class:`~precisionlab.train.aggregates.Aggregates` value updated by a pure function. Building the
+pieces from a config is :mod:`precisionlab.train.compose`.
 """
 
 from __future__ import annotations
@@ -16,55 +15,33 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from precisionlab._io import from_json_float
 from precisionlab.mixed.loss_scale import nonfinite_leaf_names
-from precisionlab.mixed.policy import Policy, cast_floating, get_policy
-from precisionlab.train.checkpoint import save_checkpoint
+from precisionlab.mixed.policy import cast_floating
+from precisionlab.train.aggregates import Aggregates
 from precisionlab.train.config import (
     DIVERGENCE_ACTIONS,
-    TrainConfig,
     TrainResult,
     check_loss_weight,
 )
-from precisionlab.train.data import Dataset, make_data
 from precisionlab.train.distributed import is_main, restore_checkpoint
+from precisionlab.train.hooks import CallbackHook, CheckpointHook, Hook, ProgressHook, StepEnd
 from precisionlab.train.meters import hist_edges
-from precisionlab.train.models import Model, make_model
-from precisionlab.train.optim import make_optimizer, make_schedule
 from precisionlab.train.step import (
     StepOptions,
-    TrainState,
     build_step,
     make_probe_fn,
     normalize_loss_fn,
 )
-from precisionlab.train.telemetry import parse_telemetry, telemetry_rows
+from precisionlab.train.telemetry import telemetry_rows
 
-__all__ = [
-    "Aggregates",
-    "CallbackHook",
-    "CheckpointHook",
-    "Hook",
-    "LoopOptions",
-    "ProgressHook",
-    "StepEnd",
-    "TrainSetup",
-    "build",
-    "evaluate",
-    "make_eval_fn",
-    "train",
-    "train_loop",
-]
-
-
-# --- options and totals ------------------------------------------------------------------
+__all__ = ["LoopOptions", "train_loop"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -87,221 +64,6 @@ class LoopOptions:
                 f"{', '.join(DIVERGENCE_ACTIONS)}"
             )
         check_loss_weight(self.loss_weight)
-
-
-@dataclasses.dataclass(frozen=True)
-class Aggregates:
-    """Totals of a run so far (checkpointed with the state, so a resumed run continues them).
-
-    ``final_loss`` is the last step's loss (nan/inf after a divergence); ``running_min`` the least
-    finite loss (for ``divergence_k``); ``underflow_sum`` the sum of the underflow meter.
-    """
-
-    diverged: bool = False
-    divergence_step: int | None = None
-    running_min: float = math.inf
-    skipped_steps: int = 0
-    min_loss_scale: float = math.inf
-    max_loss_scale: float = -math.inf
-    underflow_sum: float = 0.0
-    final_loss: float = math.nan
-    evals: tuple[dict[str, Any], ...] = ()
-    recipe_metrics: dict[str, dict[str, float]] | None = None
-    recipe_probes: int = 0
-
-    def update(self, step: int, rec: dict[str, Any], divergence_k: float | None) -> Aggregates:
-        """The totals after step ``step`` (1-based) recorded as ``rec``. Pure."""
-        loss = rec["loss"]
-        bad = not math.isfinite(loss) or (
-            divergence_k is not None
-            and math.isfinite(self.running_min)
-            and loss > divergence_k * self.running_min
-        )
-        newly = bad and not self.diverged
-        return dataclasses.replace(
-            self,
-            diverged=self.diverged or bad,
-            divergence_step=step if newly else self.divergence_step,
-            running_min=min(self.running_min, loss) if math.isfinite(loss) else self.running_min,
-            skipped_steps=self.skipped_steps + int(rec["skipped"]),
-            min_loss_scale=min(self.min_loss_scale, rec["loss_scale"]),
-            max_loss_scale=max(self.max_loss_scale, rec["loss_scale"]),
-            underflow_sum=self.underflow_sum + rec["underflow_fraction"],
-            final_loss=loss,
-        )
-
-    def with_recipe_metrics(self, m: dict[str, dict[str, float]]) -> Aggregates:
-        """Fold one histogram step's recipe metrics in: means of the fractions and SQNR,
-        extremes of the scale range. Pure."""
-        n, old = self.recipe_probes, self.recipe_metrics or {}
-        out: dict[str, dict[str, float]] = {}
-        for group, stats in m.items():
-            prev = old.get(group)
-            if prev is None:
-                out[group] = dict(stats)
-                continue
-            out[group] = {k: (prev[k] * n + v) / (n + 1) for k, v in stats.items()}
-            out[group]["log2_scale_min"] = min(prev["log2_scale_min"], stats["log2_scale_min"])
-            out[group]["log2_scale_max"] = max(prev["log2_scale_max"], stats["log2_scale_max"])
-        return dataclasses.replace(self, recipe_metrics=out, recipe_probes=n + 1)
-
-    def with_eval(self, step: int, ev: dict[str, float]) -> Aggregates:
-        return dataclasses.replace(self, evals=(*self.evals, {"step": step, **ev}))
-
-    def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["evals"] = list(self.evals)
-        return out
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Aggregates:
-        """Inverse of :meth:`to_dict`, also after a JSON round trip (non-finite floats are
-        stored as strings, see :mod:`precisionlab._io`)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        kw = {k: v for k, v in data.items() if k in names}
-        for key in ("running_min", "min_loss_scale", "max_loss_scale", "final_loss"):
-            if key in kw:
-                kw[key] = from_json_float(kw[key])
-        if kw.get("recipe_metrics"):
-            kw["recipe_metrics"] = {
-                g: {k: from_json_float(v) for k, v in st.items()}
-                for g, st in kw["recipe_metrics"].items()
-            }
-        kw["evals"] = tuple(
-            {k: v if k == "step" else from_json_float(v) for k, v in ev.items()}
-            for ev in kw.get("evals", ())
-        )
-        return cls(**kw)
-
-
-# --- hooks --------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class StepEnd:
-    """What a hook sees after each step: ``record`` is the step's metrics dict (plain values)."""
-
-    step: int
-    steps: int
-    record: dict[str, Any]
-    state: TrainState
-    aggregates: Aggregates
-    last: bool
-
-
-class Hook(Protocol):
-    """Something done after each step (``on_step``) and when the loop ends (``close``)."""
-
-    def on_step(self, end: StepEnd) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class CallbackHook:
-    """Calls ``callback(record)`` after each step."""
-
-    def __init__(self, callback: Callable[[dict[str, Any]], None]) -> None:
-        self.callback = callback
-
-    def on_step(self, end: StepEnd) -> None:
-        self.callback(end.record)
-
-    def close(self) -> None:
-        pass
-
-
-class CheckpointHook:
-    """Saves the state and the aggregates every ``interval`` steps and after the last one."""
-
-    def __init__(self, directory: Any, interval: int) -> None:
-        self.directory, self.interval = directory, interval
-
-    def on_step(self, end: StepEnd) -> None:
-        if (self.interval and end.step % self.interval == 0) or end.last:
-            extra = {"aggregates": end.aggregates.to_dict()}
-            save_checkpoint(self.directory, end.state, step=end.step, extra=extra)
-
-    def close(self) -> None:
-        pass
-
-
-class ProgressHook:
-    """A tqdm bar on stderr with the loss and the loss scale.
-
-    ``bar`` may be shared by several runs (the experiment runner passes one bar for all its
-    variants, so its ETA is the whole run's): a run that stops early advances it by the steps
-    it did not do.
-    """
-
-    def __init__(self, bar: Any, *, own: bool = True) -> None:
-        self.bar, self.own = bar, own
-        self.remaining = 0
-
-    @classmethod
-    def for_run(cls, total: int, initial: int, desc: str | None) -> ProgressHook:
-        from tqdm.auto import tqdm
-
-        return cls(tqdm(total=total, initial=initial, desc=desc, leave=False, dynamic_ncols=True))
-
-    def on_step(self, end: StepEnd) -> None:
-        self.bar.update(1)
-        self.remaining = end.steps - end.step
-        loss, scale = end.record["loss"], end.record["loss_scale"]
-        self.bar.set_postfix(loss=f"{loss:.4g}", scale=f"{scale:.3g}")
-
-    def close(self) -> None:
-        if self.own:
-            self.bar.close()
-        elif self.remaining:
-            self.bar.update(self.remaining)
-
-
-# --- evaluation -----------------------------------------------------------------------------
-
-
-def make_eval_fn(
-    loss_fn: Callable, policy: Policy, batches: list[Any]
-) -> Callable[[Any], dict[str, float]]:
-    """``eval_fn(params) -> {"eval_loss", "eval_metric"}``: mean over ``batches`` of the loss and
-    of aux ``metric`` (nan if absent), with params cast to the compute dtype. Jitted."""
-    f = normalize_loss_fn(loss_fn)
-    stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *batches)
-
-    @jax.jit
-    def run(params, stacked):
-        pc = cast_floating(params, policy.compute_dtype)
-
-        def one(carry, b):
-            loss, aux = f(pc, b)
-            metric = aux.get("metric", jnp.nan) if isinstance(aux, dict) else jnp.nan
-            return carry, (loss.astype(jnp.float32), jnp.asarray(metric, jnp.float32))
-
-        _, (losses, metrics) = jax.lax.scan(one, None, stacked)
-        return jnp.mean(losses), jnp.mean(metrics)
-
-    def eval_fn(params: Any) -> dict[str, float]:
-        loss, metric = run(params, stacked)
-        return {"eval_loss": float(loss), "eval_metric": float(metric)}
-
-    return eval_fn
-
-
-def evaluate(
-    model_or_loss_fn: Any,
-    params: Any,
-    batches: list[Any],
-    *,
-    policy: Policy | str = "p=f32,c=f32,o=f32",
-) -> dict[str, float]:
-    """Evaluate a built-in Model (or a ``loss_fn``) on ``batches``: eval_loss, eval_metric."""
-    pol = get_policy(policy)
-    loss_fn = (
-        model_or_loss_fn.loss_fn(pol) if hasattr(model_or_loss_fn, "loss_fn") else model_or_loss_fn
-    )
-    return make_eval_fn(loss_fn, pol, batches)(params)
-
-
-# --- the loop -------------------------------------------------------------------------------
 
 
 def _host(x: Any) -> Any:
@@ -582,147 +344,4 @@ def _result(state: Any, steps: int, agg: Aggregates, wall: float, records: list)
         wall_time_s=wall,
         metrics=records,
         recipe_metrics=agg.recipe_metrics,
-    )
-
-
-# --- from a config ---------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainSetup:
-    """Everything a :class:`TrainConfig` describes, built: the typed objects the loop takes.
-
-    data, model, optimizer (optax), schedule (count -> lr), params (float32, from the seed),
-    loss_fn (the model's loss under the policy), eval_batches (the same for every seed),
-    options (:class:`StepOptions`), loop (:class:`LoopOptions`).
-    """
-
-    config: TrainConfig
-    data: Dataset
-    model: Model
-    optimizer: optax.GradientTransformation
-    schedule: Callable[[int], Any]
-    params: Any
-    loss_fn: Callable
-    eval_batches: list[Any]
-    options: StepOptions
-    loop: LoopOptions
-
-    @property
-    def policy(self) -> Policy:
-        return self.options.policy
-
-
-def _recipe_without(recipe: Any, layers: tuple[str, ...]) -> Any:
-    """``recipe`` with the matmuls of ``layers`` (their ``named_scope``) excluded: ``L/*``
-    matches ``L/dot_general[i]`` and the sites of functions jitted inside the layer
-    (``L/einsum``), and not ``L0`` for ``L``."""
-    if recipe is None or not layers:
-        return recipe
-    return dataclasses.replace(recipe, exclude=(*recipe.exclude, *(f"{n}/*" for n in layers)))
-
-
-def build(config: TrainConfig) -> TrainSetup:
-    """The pieces of a run built from ``config`` (validated and parsed when it was made)."""
-    if not isinstance(config, TrainConfig):
-        raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
-    precision = config.precision
-    data = make_data(config.data, **config.data_kwargs)
-    model_kwargs = {**data.model_kwargs(), **config.model_kwargs}
-    if config.remat:
-        model_kwargs["remat"] = True
-    if config.high_precision:
-        model_kwargs["high_precision"] = config.high_precision
-    if config.scan_layers:
-        model_kwargs.update(
-            scan_layers=True, remat_every=config.remat_every, remat_policy=config.remat_policy
-        )
-    model = make_model(config.model, **model_kwargs)
-    sched = dict(steps=config.steps, warmup_steps=config.warmup_steps)
-    optimizer = make_optimizer(
-        config.optimizer,
-        config.lr,
-        schedule=config.schedule,
-        weight_decay=config.weight_decay,
-        grad_clip=config.grad_clip,
-        **sched,
-        **config.optimizer_kwargs,
-    )
-    options = StepOptions(
-        policy=precision.policy,
-        loss_scale=precision.loss_scale,
-        storage=precision.storage,
-        microbatches=config.microbatches,
-        seed=config.seed,
-        # several processes train one model: data parallel over all their devices
-        data_parallel=config.data_parallel or jax.process_count() > 1,
-        allreduce_dtype=precision.allreduce_dtype,
-        zero_stage=config.zero_stage,
-        report_leaves=config.report_leaves,
-        recipe=_recipe_without(precision.recipe, config.high_precision),
-        fp32_params=tuple(model.layer_params(n) for n in config.high_precision),
-        telemetry=parse_telemetry(config.telemetry, config.steps),
-    )
-    loop = LoopOptions(
-        steps=config.steps,
-        eval_interval=config.eval_interval,
-        checkpoint_interval=config.checkpoint_interval,
-        divergence_k=config.divergence_k,
-        divergence_action=config.divergence_action,
-        hist_interval=config.hist_interval,
-        shadow_interval=config.shadow_interval,
-        loss_weight=config.loss_weight,
-    )
-    return TrainSetup(
-        config=config,
-        data=data,
-        model=model,
-        optimizer=optimizer,
-        schedule=make_schedule(config.lr, config.schedule, **sched),
-        params=model.init(jax.random.PRNGKey(config.seed)),
-        loss_fn=model.loss_fn(precision.policy, enforce=config.enforce_numerics),
-        # The eval set is the same for every seed, so variants of an experiment are comparable.
-        eval_batches=data.eval_batches(config.eval_batches, config.batch_size, seed=0),
-        options=options,
-        loop=loop,
-    )
-
-
-def train(
-    config: TrainConfig,
-    *,
-    callback: Callable[[dict[str, Any]], None] | None = None,
-    checkpoint_dir: Any = None,
-    resume: bool = False,
-    quiet: bool = False,
-    hooks: Sequence[Hook] = (),
-) -> TrainResult:
-    """Run the training described by ``config`` (see the package docstring for the metrics).
-
-    ``hooks`` run after each step (after ``callback``); ``quiet`` turns off the progress bar.
-    """
-    if not isinstance(config, TrainConfig):
-        raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
-    if config.checkpoint_interval and checkpoint_dir is None:
-        raise ValueError("checkpoint_interval > 0 needs a checkpoint_dir")
-    setup = build(config)
-    policy, model = setup.policy, setup.model
-    enforce = config.enforce_numerics
-    return train_loop(
-        setup.loss_fn,
-        setup.params,
-        setup.optimizer,
-        lambda start: setup.data.batches(config.batch_size, seed=config.seed, start=start),
-        options=setup.options,
-        loop=setup.loop,
-        eval_fn=make_eval_fn(setup.loss_fn, policy, setup.eval_batches),
-        probe_loss_fn=model.loss_fn(policy, capture=True, enforce=enforce),
-        shadow_loss_fn=model.loss_fn(Policy(), enforce=False) if config.shadow else None,
-        lr_schedule=setup.schedule,
-        checkpoint_dir=checkpoint_dir,
-        resume=resume,
-        callback=callback,
-        hooks=hooks,
-        progress=False if quiet else config.progress,
-        desc=f"{config.model} {policy}",
     )
