@@ -26,6 +26,7 @@ from precisionlab.train.step import (
     StepOptions,
 )
 from precisionlab.train.telemetry import parse_telemetry
+from precisionlab.train.timing import LoopTimings
 
 __all__ = ["TrainSetup", "build", "train"]
 
@@ -114,6 +115,7 @@ def build(config: TrainConfig) -> TrainSetup:
         hist_interval=config.hist_interval,
         shadow_interval=config.shadow_interval,
         loss_weight=config.loss_weight,
+        chunk_steps=config.chunk_steps,
     )
     return TrainSetup(
         config=config,
@@ -138,10 +140,13 @@ def train(
     resume: bool = False,
     quiet: bool = False,
     hooks: Sequence[Hook] = (),
+    timings: LoopTimings | None = None,
 ) -> TrainResult:
     """Run the training described by ``config`` (see the package docstring for the metrics).
 
-    ``hooks`` run after each step (after ``callback``); ``quiet`` turns off the progress bar.
+    ``hooks`` run after each step (after ``callback``); ``quiet`` turns off the progress bar;
+    ``timings`` (a :class:`~precisionlab.train.timing.LoopTimings`) receives where the loop's
+    time went.
     """
     if not isinstance(config, TrainConfig):
         raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
@@ -167,4 +172,5 @@ def train(
         hooks=hooks,
         progress=False if quiet else config.progress,
         desc=f"{config.model} {policy}",
+        timings=timings,
     )

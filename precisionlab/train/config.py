@@ -119,6 +119,14 @@ TRAIN_FIELDS: dict[str, Field] = {
     "remat_every": Field(int, 0, low=0, high=2**16, why="2**16 layers"),
     "remat_policy": Field(str, "nothing_saveable", choices=REMAT_POLICIES),
     "report_leaves": Field(bool, False),
+    "chunk_steps": Field(
+        int,
+        0,
+        low=0,
+        high=INT32_MAX,
+        why="the step counter is an int32",
+        doc="steps per compiled call (0: from the intervals; 1: one step per call)",
+    ),
     "progress": Field(bool, None, nullable=True),
     "loss_weight": Field(
         float,
@@ -197,7 +205,9 @@ class TrainConfig:
       checkpoint_dir), divergence_k (loss > k * running min, or non-finite, marks divergence;
       None = only non-finite), divergence_action ("stop" | "continue"), hist_interval (0 = off:
       histograms of log2|grad| and log2|activation| every N steps), shadow (fp32 shadow pass at
-      hist steps, or every ``shadow_interval`` steps if > 0), data_parallel (shard the batch over
+      hist steps, or every ``shadow_interval`` steps if > 0), chunk_steps (steps per compiled
+      call, bitwise the same results: 0 = the greatest common divisor of the intervals, at
+      most 100; 1 = one call per step), data_parallel (shard the batch over
       all local devices), allreduce_dtype (dtype of the gradient all-reduce, None = float32),
       zero_stage (ZeRO over the data-parallel devices, needs data_parallel: 1 shards the
       optimizer state, 2 also the gradients, 3 also the params; see ``train.parallel``),
@@ -263,6 +273,7 @@ class TrainConfig:
     remat_every: int = 0
     remat_policy: str = "nothing_saveable"
     report_leaves: bool = False
+    chunk_steps: int = 0
     progress: bool | None = None
     loss_weight: float = 1.0
     telemetry: dict[str, Any] | None = None

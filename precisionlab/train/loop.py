@@ -9,6 +9,7 @@ pieces from a config is :mod:`precisionlab.train.compose`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -40,6 +41,7 @@ from precisionlab.train.step import (
     normalize_loss_fn,
 )
 from precisionlab.train.telemetry import telemetry_rows
+from precisionlab.train.timing import LoopTimings
 
 __all__ = ["LoopOptions", "train_loop"]
 
@@ -56,6 +58,7 @@ class LoopOptions:
     hist_interval: int = 0
     shadow_interval: int = 0
     loss_weight: float = 1.0
+    chunk_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.divergence_action not in DIVERGENCE_ACTIONS:
@@ -64,6 +67,9 @@ class LoopOptions:
                 f"{', '.join(DIVERGENCE_ACTIONS)}"
             )
         check_loss_weight(self.loss_weight)
+        c = self.chunk_steps
+        if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+            raise ValueError(f"chunk_steps must be an int >= 0 (0: automatic), got {c!r}")
 
 
 def _host(x: Any) -> Any:
@@ -157,6 +163,7 @@ def train_loop(
     hooks: Sequence[Hook] = (),
     progress: bool | None = None,
     desc: str | None = None,
+    timings: LoopTimings | None = None,
     **specs: Any,
 ) -> TrainResult:
     """Train ``loss_fn``; returns a :class:`~precisionlab.train.config.TrainResult`.
@@ -210,7 +217,14 @@ def train_loop(
             example = next(peek)
             batches = itertools.chain([example], peek)
     step_fn, state, mesh = build_step(loss_fn, params, optimizer, options, example)
-    jstep = jax.jit(step_fn, donate_argnums=0)
+    chunk = _chunk_steps(loop, mesh)
+    halt = loop.divergence_action == "stop"
+    if chunk == 1:
+        jstep = jax.jit(step_fn, donate_argnums=0)
+    else:
+        jchunk = jax.jit(_chunked(step_fn, chunk, halt), donate_argnums=0)
+    if timings is not None:
+        timings.chunk_steps = chunk
     telemetry_names = getattr(step_fn, "telemetry_names", {})  # filled when the step is traced
     probe = None
     if loop.hist_interval or (shadow_loss_fn is not None and loop.shadow_interval):
@@ -263,58 +277,191 @@ def train_loop(
     def stopped() -> bool:
         return agg.diverged and loop.divergence_action == "stop"
 
+    clock = _Clock(timings)
     records: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     step = start
+    meter = timings.compile if timings is not None else contextlib.nullcontext()
     try:
-        while step < loop.steps and not stopped():
-            batch = next(it) if shard is None else shard(next(it))
-            ts = time.perf_counter()
-            hist = bool(loop.hist_interval) and step % loop.hist_interval == 0
-            shadow = shadow_loss_fn is not None and (
-                hist or (bool(loop.shadow_interval) and step % loop.shadow_interval == 0)
-            )
-            probed = jax.device_get(probe(state, batch)) if probe and (hist or shadow) else None
-            rmetrics = None
-            if recipe_probe is not None and hist:
-                from precisionlab.train.recipe_metrics import recipe_metrics
-
-                rmetrics = recipe_metrics(recipe_probe(state, batch))
-            state, metrics = jstep(state, batch)
-            tel = metrics.pop("telemetry", None)
-            step += 1
-            rec = _record(metrics, step, params, loop.loss_weight)
-            if tel is not None and options.telemetry.due(step - 1):
-                # one row per layer and tensor (see precisionlab.train.telemetry)
-                rec["telemetry"] = telemetry_rows(
-                    jax.device_get(tel), telemetry_names, step, options.telemetry.targets
+        with meter:
+            while step < loop.steps and not stopped():
+                n = _chunk_len(step, chunk, loop)
+                with clock("data_s"):
+                    raw = [next(it) for _ in range(n)]
+                batch = raw[0] if shard is None else shard(raw[0])
+                hist = bool(loop.hist_interval) and step % loop.hist_interval == 0
+                shadow = shadow_loss_fn is not None and (
+                    hist or (bool(loop.shadow_interval) and step % loop.shadow_interval == 0)
                 )
-            if lr_schedule is not None:
-                rec["lr"] = float(lr_schedule(step - 1 - agg.skipped_steps))
-            rec["step_time_s"] = time.perf_counter() - ts
-            if probed is not None:
-                rec.update(_probe_record(probed, hist))
-            if rmetrics is not None:
-                for group, stats in rmetrics.items():
-                    rec.update({f"recipe_{group}_{k}": v for k, v in stats.items()})
-                agg = agg.with_recipe_metrics(rmetrics)
-            agg = agg.update(step, rec, loop.divergence_k)
-            rec["diverged"] = agg.diverged
-            last = step >= loop.steps or stopped()
-            if eval_fn is not None and (
-                (loop.eval_interval and step % loop.eval_interval == 0) or last
-            ):
-                ev = eval_fn(state.params)
-                rec.update(ev)
-                agg = agg.with_eval(step, ev)
-            records.append(rec)
-            end = StepEnd(step, loop.steps, rec, state, agg, last)
-            for hook in all_hooks:
-                hook.on_step(end)
+                probed, rmetrics = None, None
+                with clock("probe_s"):
+                    if probe and (hist or shadow):
+                        probed = jax.device_get(probe(state, batch))
+                        clock.sync()
+                    if recipe_probe is not None and hist:
+                        from precisionlab.train.recipe_metrics import recipe_metrics
+
+                        rmetrics = recipe_metrics(recipe_probe(state, batch))
+                        clock.sync()
+                ts = time.perf_counter()
+                if chunk == 1:
+                    state, metrics = jstep(state, batch)
+                    fetched = [jax.device_get(metrics)]
+                else:
+                    with clock("data_s"):
+                        stacked = _stack(raw + raw[-1:] * (chunk - n))  # padding is not run
+                    state, metrics = jchunk(state, stacked, jnp.int32(n))
+                    stacked_metrics = jax.device_get(metrics)
+                    fetched = [
+                        jax.tree_util.tree_map(lambda x, i=i: x[i], stacked_metrics)
+                        for i in range(n)
+                    ]
+                clock.sync()
+                elapsed = time.perf_counter() - ts
+                clock.call(elapsed, n)
+                for i, m in enumerate(fetched):
+                    tel = m.pop("telemetry", None)
+                    step += 1
+                    rec = _record(m, step, params, loop.loss_weight)
+                    if tel is not None and options.telemetry.due(step - 1):
+                        # one row per layer and tensor (see precisionlab.train.telemetry)
+                        rec["telemetry"] = telemetry_rows(
+                            tel, telemetry_names, step, options.telemetry.targets
+                        )
+                    if lr_schedule is not None:
+                        rec["lr"] = float(lr_schedule(step - 1 - agg.skipped_steps))
+                    rec["step_time_s"] = elapsed / n
+                    if i == 0 and probed is not None:
+                        rec.update(_probe_record(probed, hist))
+                    if i == 0 and rmetrics is not None:
+                        for group, stats in rmetrics.items():
+                            rec.update({f"recipe_{group}_{k}": v for k, v in stats.items()})
+                        agg = agg.with_recipe_metrics(rmetrics)
+                    agg = agg.update(step, rec, loop.divergence_k)
+                    rec["diverged"] = agg.diverged
+                    last = step >= loop.steps or stopped()
+                    # the state after this step exists only at the end of its call
+                    at_end = i == len(fetched) - 1 or last
+                    if eval_fn is not None and (
+                        (loop.eval_interval and step % loop.eval_interval == 0) or last
+                    ):
+                        assert at_end, "an eval step ends its chunk (_chunk_len)"
+                        with clock("eval_s"):
+                            ev = eval_fn(state.params)
+                            clock.sync()
+                        rec.update(ev)
+                        agg = agg.with_eval(step, ev)
+                    records.append(rec)
+                    end = StepEnd(step, loop.steps, rec, state if at_end else None, agg, last)
+                    with clock("hooks_s"):
+                        for hook in all_hooks:
+                            hook.on_step(end)
+                    if last:
+                        break
     finally:
         for hook in all_hooks:
             hook.close()
     return _result(state, step, agg, time.perf_counter() - t0, records)
+
+
+#: The most steps one compiled call runs (the stacked batches and metrics of a call stay on the
+#: device together).
+MAX_CHUNK = 100
+
+
+def _chunk_steps(loop: LoopOptions, mesh: Any) -> int:
+    """Steps per compiled call: ``loop.chunk_steps``, or (0) the greatest common divisor of the
+    loop's intervals (so probes, evaluations and checkpoints fall on chunk boundaries) capped at
+    :data:`MAX_CHUNK`. One step per call for a data-parallel step (its batches are sharded one
+    at a time) and for ``divergence_k`` with "stop" (the host decides that divergence)."""
+    if mesh is not None or (loop.divergence_k is not None and loop.divergence_action == "stop"):
+        return 1
+    if loop.chunk_steps:
+        return min(loop.chunk_steps, loop.steps)
+    intervals = [
+        i
+        for i in (loop.eval_interval, loop.checkpoint_interval, loop.hist_interval,
+                  loop.shadow_interval)
+        if i
+    ]  # fmt: skip
+    k = math.gcd(*intervals) if intervals else loop.steps
+    while k > MAX_CHUNK:  # the largest divisor of k within the cap
+        k = next(d for d in range(MAX_CHUNK, 0, -1) if k % d == 0)
+    return max(1, min(k, loop.steps))
+
+
+def _chunk_len(step: int, chunk: int, loop: LoopOptions) -> int:
+    """The steps of the call starting after ``step`` steps: at most ``chunk``, ending at the
+    run's end and at the next step with a probe (before it), an evaluation or a checkpoint
+    (after it), so those see the state they would see stepping one at a time."""
+    n = min(chunk, loop.steps - step)
+    for interval in (loop.eval_interval, loop.checkpoint_interval, loop.hist_interval,
+                     loop.shadow_interval):  # fmt: skip
+        if interval:
+            n = min(n, interval - step % interval)
+    return n
+
+
+def _stack(batches: list[Any]) -> Any:
+    return jax.tree_util.tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *batches)
+
+
+def _chunked(step_fn: Callable, chunk: int, halt: bool) -> Callable:
+    """``run(state, batches[chunk, ...], n) -> (state, metrics[chunk, ...])``: ``step_fn`` over
+    the first ``n`` batches under ``lax.scan`` (the rest are padding: the state passes through
+    and their metrics are zeros). With ``halt``, the steps after one whose loss is not finite
+    are not run either (the loop stops at that step, as it does stepping one at a time)."""
+
+    def run(state: Any, batches: Any, n: jax.Array) -> tuple[Any, Any]:
+        first = jax.tree_util.tree_map(lambda x: x[0], batches)
+        shapes = jax.eval_shape(step_fn, state, first)[1]
+        zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+        def body(carry, xs):
+            st, stop = carry
+            i, batch = xs
+
+            def active(st):
+                return step_fn(st, batch)
+
+            def idle(st):
+                return st, zeros
+
+            st, metrics = jax.lax.cond((i < n) & ~stop, active, idle, st)
+            if halt:
+                stop = stop | ((i < n) & ~jnp.isfinite(metrics["loss"]))
+            return (st, stop), metrics
+
+        (state, _), metrics = jax.lax.scan(
+            body, (state, jnp.zeros((), bool)), (jnp.arange(chunk), batches)
+        )
+        return state, metrics
+
+    return run
+
+
+class _Clock:
+    """Adds seconds and syncs to a LoopTimings (does nothing without one)."""
+
+    def __init__(self, timings: LoopTimings | None) -> None:
+        self.timings = timings
+
+    @contextlib.contextmanager
+    def __call__(self, field: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.timings is not None:
+                setattr(self.timings, field, getattr(self.timings, field) + time.perf_counter() - t)
+
+    def sync(self) -> None:
+        if self.timings is not None:
+            self.timings.host_syncs += 1
+
+    def call(self, seconds: float, steps: int) -> None:
+        if self.timings is not None:
+            self.timings.call(seconds, steps)
 
 
 def _batches_from(batches: Any, start: int) -> Iterator[Any]:
