@@ -18,12 +18,17 @@ __all__ = ["CallbackHook", "CheckpointHook", "Hook", "ProgressHook", "StepEnd"]
 
 @dataclasses.dataclass(frozen=True)
 class StepEnd:
-    """What a hook sees after each step: ``record`` is the step's metrics dict (plain values)."""
+    """What a hook sees after each step: ``record`` is the step's metrics dict (plain values).
+
+    ``state`` is the state after this step when the step ends its compiled call (the loop runs
+    several steps per call, see ``LoopOptions.chunk_steps``): always at checkpoint, evaluation
+    and probe boundaries and after the last step; None for the steps inside a call (set
+    ``chunk_steps=1`` for a hook that reads every step's state)."""
 
     step: int
     steps: int
     record: dict[str, Any]
-    state: TrainState
+    state: TrainState | None
     aggregates: Aggregates
     last: bool
 

@@ -186,6 +186,13 @@ def train_loop(
       callback, hooks, progress, desc: what runs after each step: ``callback(record)``, the
         given hooks, and a tqdm bar labelled ``desc`` (``progress`` None: only on a terminal).
 
+    Steps run ``loop.chunk_steps`` at a time in one compiled call (``lax.scan`` over the step;
+    0: the greatest common divisor of the eval, checkpoint, hist and shadow intervals, at most
+    :data:`MAX_CHUNK`), their metrics fetched once per call; probes, evaluations and checkpoints
+    fall on call boundaries, and the results are bitwise those of one call per step
+    (``chunk_steps=1``). ``timings`` (a :class:`~precisionlab.train.timing.LoopTimings`)
+    receives where the time went.
+
     ``loop.loss_weight`` multiplies the loss of ``loss_fn``, ``probe_loss_fn`` and
     ``shadow_loss_fn`` (in float32) before differentiation; the recorded ``loss`` is divided back.
     A step whose loss is non-finite or > ``divergence_k`` x the least loss so far marks the run
