@@ -5,6 +5,9 @@ import subprocess
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# `precisionlab run` turns JAX's persistent compilation cache on (in ~/.cache by default); tests
+# that run it in-process must not write there or change what later tests compile.
+os.environ.setdefault("PRECISIONLAB_CACHE_DIR", "off")
 
 import hypothesis
 import pytest

@@ -20,7 +20,7 @@ import pytest
 from precisionlab.experiments import runner, store
 from precisionlab.recipes import RECIPE_NAMES
 from precisionlab.train import TrainConfig
-from precisionlab.train.loop import build
+from precisionlab.train.compose import build
 from precisionlab.train.step import build_step
 from precisionlab.train.telemetry import Telemetry
 

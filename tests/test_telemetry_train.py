@@ -25,7 +25,8 @@ from precisionlab._schema import ConfigError
 from precisionlab.experiments import report, runner, store
 from precisionlab.telemetry import stacked_stats, tensor_stats
 from precisionlab.train import TrainConfig, train
-from precisionlab.train.loop import _weighted, build
+from precisionlab.train.compose import build
+from precisionlab.train.loop import _weighted
 from precisionlab.train.step import normalize_loss_fn
 from precisionlab.train.telemetry import (
     Telemetry,

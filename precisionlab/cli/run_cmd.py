@@ -54,6 +54,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     parser.add_argument("--no-report", action="store_true", help="skip report.md and plots")
+    parser.add_argument(
+        "--timings",
+        action="store_true",
+        help="write where each variant's time went (compile, first step, steady step, host "
+        "syncs, report) to timings.json in the run directory and print a table",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="JAX's persistent compilation cache (default $PRECISIONLAB_CACHE_DIR, else "
+        "~/.cache/precisionlab/jax): a rerun or resume loads its programs instead of compiling",
+    )
+    parser.add_argument(
+        "--no-cache", action="store_true", help="no persistent compilation cache for this run"
+    )
     group = parser.add_argument_group(
         "multi-process training (all three, or none; or "
         + ", ".join(f"${env}" for env in ENV.values())
@@ -119,27 +134,47 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError("give an experiment file (CONFIG) or --resume DIR")
     # an existing directory's files (report.md, summary.json) are never replaced unasked
     check_out_dir(args.out, new=not args.force, force_hint=True)
+    if args.no_cache and args.cache_dir:
+        raise UsageError("give either --cache-dir DIR or --no-cache, not both")
+
+
+def _cache(args: argparse.Namespace) -> None:
+    from precisionlab.train.compile_cache import OFF, enable_compilation_cache
+
+    enable_compilation_cache(OFF if args.no_cache else args.cache_dir)
 
 
 def _train(args: argparse.Namespace):
     from precisionlab.experiments import runner
 
+    _cache(args)
+    timings = getattr(args, "timings", False)
     if args.resume:
-        return runner.resume(args.resume, quiet=args.quiet)
-    return runner.run_file(args.config, out=args.out, overrides=args.overrides, quiet=args.quiet)
+        return runner.resume(args.resume, quiet=args.quiet, timings=timings)
+    return runner.run_file(
+        args.config, out=args.out, overrides=args.overrides, quiet=args.quiet, timings=timings
+    )
 
 
 def _finish(args: argparse.Namespace, run_dir) -> int:
     from precisionlab.experiments import report
     from precisionlab.experiments.summary import failed_units
+    from precisionlab.experiments.timings import FILE, record_report, timings_table
+    from precisionlab.train.timing import Stopwatch
 
     failed = failed_units(run_dir)
+    timings = getattr(args, "timings", False)
     if args.no_report:
         print(run_dir)
     else:
+        watch = Stopwatch()
         path, table = report.write_report(run_dir)
+        if timings:
+            record_report(run_dir, *watch.elapsed())
         print(table)
         print(f"\nrun directory: {run_dir}\nreport: {path}")
+    if timings:
+        print(f"\ntimings ({run_dir / FILE}):\n{timings_table(run_dir)}")
     if failed:
         sys.stderr.write(f"{failed} variant(s) failed: see their error.log\n")
         return 1

@@ -33,7 +33,9 @@ from precisionlab.experiments.config import (
 )
 from precisionlab.experiments.summary import summarize_run, summarize_unit
 from precisionlab.experiments.telemetry_views import telemetry_scalars
+from precisionlab.experiments.timings import record_unit
 from precisionlab.train import ProgressHook, distributed, train
+from precisionlab.train.timing import LoopTimings, Stopwatch
 
 __all__ = ["DONE", "follow", "resume", "run_experiment", "run_file"]
 
@@ -55,11 +57,13 @@ def run_file(
     out: str | Path | None = None,
     overrides: Sequence[str] = (),
     quiet: bool = False,
+    timings: bool = False,
 ) -> Path:
     """Validate ``path`` (with ``--set`` overrides), then run it; returns the run directory.
 
     ``out`` is the run directory to create (it must not hold a run already); by default a new
-    ``runs/<name>-<timestamp>`` under the current directory.
+    ``runs/<name>-<timestamp>`` under the current directory. ``timings``: write where each
+    unit's time went to ``timings.json`` (see :mod:`precisionlab.experiments.timings`).
     """
     experiment = load_experiment(path, overrides)
     if out is None:
@@ -73,7 +77,7 @@ def run_file(
             )
         run_dir.mkdir(parents=True, exist_ok=True)
     _write_config(run_dir, experiment, overrides)
-    return run_experiment(experiment, run_dir, quiet=quiet)
+    return run_experiment(experiment, run_dir, quiet=quiet, timings=timings)
 
 
 def _write_config(run_dir: Path, experiment: Experiment, overrides: Sequence[str]) -> None:
@@ -88,7 +92,7 @@ def _write_config(run_dir: Path, experiment: Experiment, overrides: Sequence[str
     )
 
 
-def resume(run_dir: str | Path, *, quiet: bool = False) -> Path:
+def resume(run_dir: str | Path, *, quiet: bool = False, timings: bool = False) -> Path:
     """Continue the run in ``run_dir``: finished units are kept, the others continue from their
     last checkpoint (or start over when they have none)."""
     run_dir = Path(run_dir)
@@ -101,7 +105,7 @@ def resume(run_dir: str | Path, *, quiet: bool = False) -> Path:
     experiment = experiment_from_document(
         saved["document"], saved.get("source", str(config_path)), default_name=run_dir.name
     )
-    return run_experiment(experiment, run_dir, quiet=quiet, resuming=True)
+    return run_experiment(experiment, run_dir, quiet=quiet, resuming=True, timings=timings)
 
 
 @store.holding_run_lock
@@ -111,6 +115,7 @@ def run_experiment(
     *,
     quiet: bool = False,
     resuming: bool = False,
+    timings: bool = False,
 ) -> Path:
     """Run (or continue) ``experiment`` in ``run_dir``; returns ``run_dir``."""
     say = _printer(quiet)
@@ -133,7 +138,7 @@ def run_experiment(
     _lead(experiment, run_dir)
     try:
         if experiment.kind == "train":
-            _run_train(experiment, run_dir, say=say, quiet=quiet)
+            _run_train(experiment, run_dir, say=say, quiet=quiet, timings=timings)
         else:
             _run_other(experiment, run_dir, say=say, quiet=quiet)
     except KeyboardInterrupt:
@@ -199,7 +204,9 @@ def _statuses(experiment: Experiment, run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _run_train(experiment: Experiment, run_dir: Path, *, say: Printer, quiet: bool) -> None:
+def _run_train(
+    experiment: Experiment, run_dir: Path, *, say: Printer, quiet: bool, timings: bool = False
+) -> None:
     units = experiment.units
     statuses = _statuses(experiment, run_dir)
     bar = _overall_bar(experiment, statuses, quiet)
@@ -214,7 +221,17 @@ def _run_train(experiment: Experiment, run_dir: Path, *, say: Printer, quiet: bo
             if bar is not None:
                 bar.set_description(unit.name)
                 hooks = (ProgressHook(bar, own=False),)
-            _run_unit(unit, unit_dir, status, say=say, quiet=quiet, hooks=hooks)
+            loop = LoopTimings() if timings else None
+            watch = Stopwatch()
+            _run_unit(unit, unit_dir, status, say=say, quiet=quiet, hooks=hooks, timings=loop)
+            if loop is not None:
+                wall, cpu = watch.elapsed()
+                record_unit(
+                    run_dir,
+                    unit.id,
+                    unit.name,
+                    {"wall_s": wall, "cpu_s": cpu, "loop": loop.to_dict()},
+                )
             summarize_run(run_dir, experiment)
     finally:
         if bar is not None:
@@ -241,7 +258,14 @@ def _overall_bar(experiment: Experiment, statuses: list[dict], quiet: bool) -> A
 
 
 def _run_unit(
-    unit: Unit, unit_dir: Path, status: dict, *, say: Printer, quiet: bool, hooks: tuple = ()
+    unit: Unit,
+    unit_dir: Path,
+    status: dict,
+    *,
+    say: Printer,
+    quiet: bool,
+    hooks: tuple = (),
+    timings: LoopTimings | None = None,
 ) -> None:
     store.makedirs(unit_dir)  # no link followed below the run directory
     status_path = unit_dir / "status.json"
@@ -304,6 +328,7 @@ def _run_unit(
             quiet=True,  # the run's own bar (``hooks``) shows the progress
             label=unit.name,
             hooks=hooks,
+            **({} if timings is None else {"timings": timings}),
         )
         status.update({"status": "finished", "result": result, "error": None})
     except KeyboardInterrupt:

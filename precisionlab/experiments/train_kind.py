@@ -17,6 +17,7 @@ from precisionlab._schema import ConfigError, Field
 from precisionlab.experiments import store
 from precisionlab.train import Hook, TrainConfig, make_data, make_model, train
 from precisionlab.train.config import TRAIN_FIELDS
+from precisionlab.train.timing import LoopTimings
 
 __all__ = ["KIND", "config", "metric_row", "run_unit", "schema", "validate"]
 
@@ -95,10 +96,12 @@ def run_unit(
     quiet: bool,
     label: str = "",
     hooks: Sequence[Hook] = (),
+    timings: LoopTimings | None = None,
 ) -> dict[str, Any]:
     """Train one unit; every step's metrics go to ``on_step``, histograms to ``on_hist``,
     telemetry rows (a list per telemetry step) to ``on_telemetry``, then ``hooks`` run (the
-    runner's progress bar). ``label`` names the unit (for messages).
+    runner's progress bar). ``label`` names the unit (for messages); ``timings`` receives where
+    the loop's time went.
 
     Returns the JSON-able final result (eval loss and metric, divergence, ...).
     """
@@ -118,7 +121,13 @@ def run_unit(
     )
     checkpoints = Path(unit_dir) / "checkpoints" if cfg.checkpoint_interval else None
     result = train(
-        cfg, callback=callback, checkpoint_dir=checkpoints, resume=resume, quiet=quiet, hooks=hooks
+        cfg,
+        callback=callback,
+        checkpoint_dir=checkpoints,
+        resume=resume,
+        quiet=quiet,
+        hooks=hooks,
+        timings=timings,
     )
     out = {k: _scalar(v) if not isinstance(v, list) else v for k, v in result.summary().items()}
     out["loss_weight"] = cfg.loss_weight  # the recorded losses are the plain (unweighted) loss

@@ -41,8 +41,8 @@ __all__ = [
 
 def _conv_blocks(model: Any) -> tuple[list[tuple[int, int, int, bool]], int]:
     """Per conv block ``(side, c_in, c_out, pool)`` and the flattened size fed to the output
-    layer, from the sizes alone (as :mod:`precisionlab.train.conv` lays the model out: 3x3
-    SAME convolutions, a 2x2 max pool while the side is even and > 1)."""
+    layer, from the sizes alone (as :mod:`precisionlab.train.models.conv_ops` lays the model
+    out: 3x3 SAME convolutions, a 2x2 max pool while the side is even and > 1)."""
     side = math.isqrt(model.in_dim)
     c_in, blocks = 1, []
     for i in range(model.depth):

@@ -112,24 +112,14 @@ Low level (any user model):
   ``shadow_stats(grads, grads_fp32)``.
 """
 
+from precisionlab.train.aggregates import Aggregates
 from precisionlab.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from precisionlab.train.compose import TrainSetup, build, train
 from precisionlab.train.config import DIVERGENCE_ACTIONS, UPDATE_ROUNDINGS, TrainConfig, TrainResult
 from precisionlab.train.data import DATASETS, Dataset, make_data
-from precisionlab.train.loop import (
-    Aggregates,
-    CallbackHook,
-    CheckpointHook,
-    Hook,
-    LoopOptions,
-    ProgressHook,
-    StepEnd,
-    TrainSetup,
-    build,
-    evaluate,
-    make_eval_fn,
-    train,
-    train_loop,
-)
+from precisionlab.train.evaluation import evaluate, make_eval_fn
+from precisionlab.train.hooks import CallbackHook, CheckpointHook, Hook, ProgressHook, StepEnd
+from precisionlab.train.loop import LoopOptions, train_loop
 from precisionlab.train.meters import log2_histogram, shadow_stats, underflow_fraction
 from precisionlab.train.models import MODELS, Model, make_model
 from precisionlab.train.optim import OPTIMIZERS, SCHEDULES, make_optimizer

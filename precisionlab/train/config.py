@@ -124,6 +124,14 @@ TRAIN_FIELDS: dict[str, Field] = {
     "remat_every": Field(int, 0, low=0, high=2**16, why="2**16 layers"),
     "remat_policy": Field(str, "nothing_saveable", choices=REMAT_POLICIES),
     "report_leaves": Field(bool, False),
+    "chunk_steps": Field(
+        int,
+        0,
+        low=0,
+        high=INT32_MAX,
+        why="the step counter is an int32",
+        doc="steps per compiled call (0: from the intervals; 1: one step per call)",
+    ),
     "progress": Field(bool, None, nullable=True),
     "loss_weight": Field(
         float,
@@ -288,6 +296,7 @@ class TrainConfig:
     remat_every: int = 0
     remat_policy: str = "nothing_saveable"
     report_leaves: bool = False
+    chunk_steps: int = 0
     progress: bool | None = None
     loss_weight: float = 1.0
     telemetry: dict[str, Any] | None = None

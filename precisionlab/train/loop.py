@@ -1,70 +1,49 @@
 """The training loop: jitted steps, metrics, evaluation, divergence detection, hooks.
 
-:func:`train` runs a :class:`~precisionlab.train.config.TrainConfig`: :func:`build` turns it into
-typed pieces (model, data, optimizer, schedule, :class:`~precisionlab.train.step.StepOptions`,
-:class:`LoopOptions`) and :func:`train_loop` runs any ``loss_fn`` over any batch source. What
-happens around a step (progress bar, checkpoints, the caller's callback) is a list of
-:class:`Hook` objects; the run's totals are an :class:`Aggregates` value updated by a pure
-function.
+:func:`train_loop` runs any ``loss_fn`` over any batch source with :class:`LoopOptions` and
+:class:`~precisionlab.train.step.StepOptions`; what happens around a step is a list of
+:class:`~precisionlab.train.hooks.Hook` objects, and the run's totals are an
+:class:`~precisionlab.train.aggregates.Aggregates` value updated by a pure function. Building the
+pieces from a config is :mod:`precisionlab.train.compose`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from precisionlab._io import from_json_float
 from precisionlab.mixed.loss_scale import nonfinite_leaf_names
-from precisionlab.mixed.policy import Policy, cast_floating, get_policy
-from precisionlab.train.checkpoint import save_checkpoint
+from precisionlab.mixed.policy import cast_floating
+from precisionlab.train.aggregates import Aggregates
 from precisionlab.train.config import (
     DIVERGENCE_ACTIONS,
-    TrainConfig,
     TrainResult,
     check_loss_weight,
 )
-from precisionlab.train.data import Dataset, make_data
 from precisionlab.train.distributed import is_main, restore_checkpoint
+from precisionlab.train.hooks import CallbackHook, CheckpointHook, Hook, ProgressHook, StepEnd
 from precisionlab.train.meters import hist_edges
-from precisionlab.train.models import Model, make_model
-from precisionlab.train.optim import make_optimizer, make_schedule
 from precisionlab.train.step import (
     StepOptions,
-    TrainState,
     build_step,
     make_probe_fn,
     normalize_loss_fn,
 )
-from precisionlab.train.telemetry import parse_telemetry, telemetry_rows
+from precisionlab.train.telemetry import telemetry_rows
+from precisionlab.train.timing import LoopTimings
 
-__all__ = [
-    "Aggregates",
-    "CallbackHook",
-    "CheckpointHook",
-    "Hook",
-    "LoopOptions",
-    "ProgressHook",
-    "StepEnd",
-    "TrainSetup",
-    "build",
-    "evaluate",
-    "make_eval_fn",
-    "train",
-    "train_loop",
-]
-
-
-# --- options and totals ------------------------------------------------------------------
+__all__ = ["LoopOptions", "train_loop"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -79,6 +58,7 @@ class LoopOptions:
     hist_interval: int = 0
     shadow_interval: int = 0
     loss_weight: float = 1.0
+    chunk_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.divergence_action not in DIVERGENCE_ACTIONS:
@@ -87,221 +67,9 @@ class LoopOptions:
                 f"{', '.join(DIVERGENCE_ACTIONS)}"
             )
         check_loss_weight(self.loss_weight)
-
-
-@dataclasses.dataclass(frozen=True)
-class Aggregates:
-    """Totals of a run so far (checkpointed with the state, so a resumed run continues them).
-
-    ``final_loss`` is the last step's loss (nan/inf after a divergence); ``running_min`` the least
-    finite loss (for ``divergence_k``); ``underflow_sum`` the sum of the underflow meter.
-    """
-
-    diverged: bool = False
-    divergence_step: int | None = None
-    running_min: float = math.inf
-    skipped_steps: int = 0
-    min_loss_scale: float = math.inf
-    max_loss_scale: float = -math.inf
-    underflow_sum: float = 0.0
-    final_loss: float = math.nan
-    evals: tuple[dict[str, Any], ...] = ()
-    recipe_metrics: dict[str, dict[str, float]] | None = None
-    recipe_probes: int = 0
-
-    def update(self, step: int, rec: dict[str, Any], divergence_k: float | None) -> Aggregates:
-        """The totals after step ``step`` (1-based) recorded as ``rec``. Pure."""
-        loss = rec["loss"]
-        bad = not math.isfinite(loss) or (
-            divergence_k is not None
-            and math.isfinite(self.running_min)
-            and loss > divergence_k * self.running_min
-        )
-        newly = bad and not self.diverged
-        return dataclasses.replace(
-            self,
-            diverged=self.diverged or bad,
-            divergence_step=step if newly else self.divergence_step,
-            running_min=min(self.running_min, loss) if math.isfinite(loss) else self.running_min,
-            skipped_steps=self.skipped_steps + int(rec["skipped"]),
-            min_loss_scale=min(self.min_loss_scale, rec["loss_scale"]),
-            max_loss_scale=max(self.max_loss_scale, rec["loss_scale"]),
-            underflow_sum=self.underflow_sum + rec["underflow_fraction"],
-            final_loss=loss,
-        )
-
-    def with_recipe_metrics(self, m: dict[str, dict[str, float]]) -> Aggregates:
-        """Fold one histogram step's recipe metrics in: means of the fractions and SQNR,
-        extremes of the scale range. Pure."""
-        n, old = self.recipe_probes, self.recipe_metrics or {}
-        out: dict[str, dict[str, float]] = {}
-        for group, stats in m.items():
-            prev = old.get(group)
-            if prev is None:
-                out[group] = dict(stats)
-                continue
-            out[group] = {k: (prev[k] * n + v) / (n + 1) for k, v in stats.items()}
-            out[group]["log2_scale_min"] = min(prev["log2_scale_min"], stats["log2_scale_min"])
-            out[group]["log2_scale_max"] = max(prev["log2_scale_max"], stats["log2_scale_max"])
-        return dataclasses.replace(self, recipe_metrics=out, recipe_probes=n + 1)
-
-    def with_eval(self, step: int, ev: dict[str, float]) -> Aggregates:
-        return dataclasses.replace(self, evals=(*self.evals, {"step": step, **ev}))
-
-    def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["evals"] = list(self.evals)
-        return out
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Aggregates:
-        """Inverse of :meth:`to_dict`, also after a JSON round trip (non-finite floats are
-        stored as strings, see :mod:`precisionlab._io`)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        kw = {k: v for k, v in data.items() if k in names}
-        for key in ("running_min", "min_loss_scale", "max_loss_scale", "final_loss"):
-            if key in kw:
-                kw[key] = from_json_float(kw[key])
-        if kw.get("recipe_metrics"):
-            kw["recipe_metrics"] = {
-                g: {k: from_json_float(v) for k, v in st.items()}
-                for g, st in kw["recipe_metrics"].items()
-            }
-        kw["evals"] = tuple(
-            {k: v if k == "step" else from_json_float(v) for k, v in ev.items()}
-            for ev in kw.get("evals", ())
-        )
-        return cls(**kw)
-
-
-# --- hooks --------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class StepEnd:
-    """What a hook sees after each step: ``record`` is the step's metrics dict (plain values)."""
-
-    step: int
-    steps: int
-    record: dict[str, Any]
-    state: TrainState
-    aggregates: Aggregates
-    last: bool
-
-
-class Hook(Protocol):
-    """Something done after each step (``on_step``) and when the loop ends (``close``)."""
-
-    def on_step(self, end: StepEnd) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class CallbackHook:
-    """Calls ``callback(record)`` after each step."""
-
-    def __init__(self, callback: Callable[[dict[str, Any]], None]) -> None:
-        self.callback = callback
-
-    def on_step(self, end: StepEnd) -> None:
-        self.callback(end.record)
-
-    def close(self) -> None:
-        pass
-
-
-class CheckpointHook:
-    """Saves the state and the aggregates every ``interval`` steps and after the last one."""
-
-    def __init__(self, directory: Any, interval: int) -> None:
-        self.directory, self.interval = directory, interval
-
-    def on_step(self, end: StepEnd) -> None:
-        if (self.interval and end.step % self.interval == 0) or end.last:
-            extra = {"aggregates": end.aggregates.to_dict()}
-            save_checkpoint(self.directory, end.state, step=end.step, extra=extra)
-
-    def close(self) -> None:
-        pass
-
-
-class ProgressHook:
-    """A tqdm bar on stderr with the loss and the loss scale.
-
-    ``bar`` may be shared by several runs (the experiment runner passes one bar for all its
-    variants, so its ETA is the whole run's): a run that stops early advances it by the steps
-    it did not do.
-    """
-
-    def __init__(self, bar: Any, *, own: bool = True) -> None:
-        self.bar, self.own = bar, own
-        self.remaining = 0
-
-    @classmethod
-    def for_run(cls, total: int, initial: int, desc: str | None) -> ProgressHook:
-        from tqdm.auto import tqdm
-
-        return cls(tqdm(total=total, initial=initial, desc=desc, leave=False, dynamic_ncols=True))
-
-    def on_step(self, end: StepEnd) -> None:
-        self.bar.update(1)
-        self.remaining = end.steps - end.step
-        loss, scale = end.record["loss"], end.record["loss_scale"]
-        self.bar.set_postfix(loss=f"{loss:.4g}", scale=f"{scale:.3g}")
-
-    def close(self) -> None:
-        if self.own:
-            self.bar.close()
-        elif self.remaining:
-            self.bar.update(self.remaining)
-
-
-# --- evaluation -----------------------------------------------------------------------------
-
-
-def make_eval_fn(
-    loss_fn: Callable, policy: Policy, batches: list[Any]
-) -> Callable[[Any], dict[str, float]]:
-    """``eval_fn(params) -> {"eval_loss", "eval_metric"}``: mean over ``batches`` of the loss and
-    of aux ``metric`` (nan if absent), with params cast to the compute dtype. Jitted."""
-    f = normalize_loss_fn(loss_fn)
-    stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *batches)
-
-    @jax.jit
-    def run(params, stacked):
-        pc = cast_floating(params, policy.compute_dtype)
-
-        def one(carry, b):
-            loss, aux = f(pc, b)
-            metric = aux.get("metric", jnp.nan) if isinstance(aux, dict) else jnp.nan
-            return carry, (loss.astype(jnp.float32), jnp.asarray(metric, jnp.float32))
-
-        _, (losses, metrics) = jax.lax.scan(one, None, stacked)
-        return jnp.mean(losses), jnp.mean(metrics)
-
-    def eval_fn(params: Any) -> dict[str, float]:
-        loss, metric = run(params, stacked)
-        return {"eval_loss": float(loss), "eval_metric": float(metric)}
-
-    return eval_fn
-
-
-def evaluate(
-    model_or_loss_fn: Any,
-    params: Any,
-    batches: list[Any],
-    *,
-    policy: Policy | str = "p=f32,c=f32,o=f32",
-) -> dict[str, float]:
-    """Evaluate a built-in Model (or a ``loss_fn``) on ``batches``: eval_loss, eval_metric."""
-    pol = get_policy(policy)
-    loss_fn = (
-        model_or_loss_fn.loss_fn(pol) if hasattr(model_or_loss_fn, "loss_fn") else model_or_loss_fn
-    )
-    return make_eval_fn(loss_fn, pol, batches)(params)
-
-
-# --- the loop -------------------------------------------------------------------------------
+        c = self.chunk_steps
+        if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+            raise ValueError(f"chunk_steps must be an int >= 0 (0: automatic), got {c!r}")
 
 
 def _host(x: Any) -> Any:
@@ -395,6 +163,7 @@ def train_loop(
     hooks: Sequence[Hook] = (),
     progress: bool | None = None,
     desc: str | None = None,
+    timings: LoopTimings | None = None,
     **specs: Any,
 ) -> TrainResult:
     """Train ``loss_fn``; returns a :class:`~precisionlab.train.config.TrainResult`.
@@ -416,6 +185,13 @@ def train_loop(
         end; ``resume`` continues from the newest one (bitwise as if uninterrupted).
       callback, hooks, progress, desc: what runs after each step: ``callback(record)``, the
         given hooks, and a tqdm bar labelled ``desc`` (``progress`` None: only on a terminal).
+
+    Steps run ``loop.chunk_steps`` at a time in one compiled call (``lax.scan`` over the step;
+    0: the greatest common divisor of the eval, checkpoint, hist and shadow intervals, at most
+    :data:`MAX_CHUNK`), their metrics fetched once per call; probes, evaluations and checkpoints
+    fall on call boundaries, and the results are bitwise those of one call per step
+    (``chunk_steps=1``). ``timings`` (a :class:`~precisionlab.train.timing.LoopTimings`)
+    receives where the time went.
 
     ``loop.loss_weight`` multiplies the loss of ``loss_fn``, ``probe_loss_fn`` and
     ``shadow_loss_fn`` (in float32) before differentiation; the recorded ``loss`` is divided back.
@@ -448,7 +224,14 @@ def train_loop(
             example = next(peek)
             batches = itertools.chain([example], peek)
     step_fn, state, mesh = build_step(loss_fn, params, optimizer, options, example)
-    jstep = jax.jit(step_fn, donate_argnums=0)
+    chunk = _chunk_steps(loop, mesh)
+    halt = loop.divergence_action == "stop"
+    if chunk == 1:
+        jstep = jax.jit(step_fn, donate_argnums=0)
+    else:
+        jchunk = jax.jit(_chunked(step_fn, chunk, halt), donate_argnums=0)
+    if timings is not None:
+        timings.chunk_steps = chunk
     telemetry_names = getattr(step_fn, "telemetry_names", {})  # filled when the step is traced
     probe = None
     if loop.hist_interval or (shadow_loss_fn is not None and loop.shadow_interval):
@@ -501,58 +284,195 @@ def train_loop(
     def stopped() -> bool:
         return agg.diverged and loop.divergence_action == "stop"
 
+    clock = _Clock(timings)
     records: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     step = start
+    meter = timings.compile if timings is not None else contextlib.nullcontext()
     try:
-        while step < loop.steps and not stopped():
-            batch = next(it) if shard is None else shard(next(it))
-            ts = time.perf_counter()
-            hist = bool(loop.hist_interval) and step % loop.hist_interval == 0
-            shadow = shadow_loss_fn is not None and (
-                hist or (bool(loop.shadow_interval) and step % loop.shadow_interval == 0)
-            )
-            probed = jax.device_get(probe(state, batch)) if probe and (hist or shadow) else None
-            rmetrics = None
-            if recipe_probe is not None and hist:
-                from precisionlab.train.recipe_metrics import recipe_metrics
-
-                rmetrics = recipe_metrics(recipe_probe(state, batch))
-            state, metrics = jstep(state, batch)
-            tel = metrics.pop("telemetry", None)
-            step += 1
-            rec = _record(metrics, step, params, loop.loss_weight)
-            if tel is not None and options.telemetry.due(step - 1):
-                # one row per layer and tensor (see precisionlab.train.telemetry)
-                rec["telemetry"] = telemetry_rows(
-                    jax.device_get(tel), telemetry_names, step, options.telemetry.targets
+        with meter:
+            while step < loop.steps and not stopped():
+                n = _chunk_len(step, chunk, loop)
+                with clock("data_s"):
+                    raw = [next(it) for _ in range(n)]
+                batch = raw[0] if shard is None else shard(raw[0])
+                hist = bool(loop.hist_interval) and step % loop.hist_interval == 0
+                shadow = shadow_loss_fn is not None and (
+                    hist or (bool(loop.shadow_interval) and step % loop.shadow_interval == 0)
                 )
-            if lr_schedule is not None:
-                rec["lr"] = float(lr_schedule(step - 1 - agg.skipped_steps))
-            rec["step_time_s"] = time.perf_counter() - ts
-            if probed is not None:
-                rec.update(_probe_record(probed, hist))
-            if rmetrics is not None:
-                for group, stats in rmetrics.items():
-                    rec.update({f"recipe_{group}_{k}": v for k, v in stats.items()})
-                agg = agg.with_recipe_metrics(rmetrics)
-            agg = agg.update(step, rec, loop.divergence_k)
-            rec["diverged"] = agg.diverged
-            last = step >= loop.steps or stopped()
-            if eval_fn is not None and (
-                (loop.eval_interval and step % loop.eval_interval == 0) or last
-            ):
-                ev = eval_fn(state.params)
-                rec.update(ev)
-                agg = agg.with_eval(step, ev)
-            records.append(rec)
-            end = StepEnd(step, loop.steps, rec, state, agg, last)
-            for hook in all_hooks:
-                hook.on_step(end)
+                probed, rmetrics = None, None
+                with clock("probe_s"):
+                    if probe and (hist or shadow):
+                        probed = jax.device_get(probe(state, batch))
+                        clock.sync()
+                    if recipe_probe is not None and hist:
+                        from precisionlab.train.recipe_metrics import recipe_metrics
+
+                        rmetrics = recipe_metrics(recipe_probe(state, batch))
+                        clock.sync()
+                ts = time.perf_counter()
+                if chunk == 1:
+                    state, metrics = jstep(state, batch)
+                    fetched = [jax.device_get(metrics)]
+                else:
+                    with clock("data_s"):
+                        stacked = _stack(raw + raw[-1:] * (chunk - n))  # padding is not run
+                    state, metrics = jchunk(state, stacked, jnp.int32(n))
+                    stacked_metrics = jax.device_get(metrics)
+                    fetched = [
+                        jax.tree_util.tree_map(lambda x, i=i: x[i], stacked_metrics)
+                        for i in range(n)
+                    ]
+                clock.sync()
+                elapsed = time.perf_counter() - ts
+                clock.call(elapsed, n)
+                for i, m in enumerate(fetched):
+                    tel = m.pop("telemetry", None)
+                    step += 1
+                    rec = _record(m, step, params, loop.loss_weight)
+                    if tel is not None and options.telemetry.due(step - 1):
+                        # one row per layer and tensor (see precisionlab.train.telemetry)
+                        rec["telemetry"] = telemetry_rows(
+                            tel, telemetry_names, step, options.telemetry.targets
+                        )
+                    if lr_schedule is not None:
+                        rec["lr"] = float(lr_schedule(step - 1 - agg.skipped_steps))
+                    rec["step_time_s"] = elapsed / n
+                    if i == 0 and probed is not None:
+                        rec.update(_probe_record(probed, hist))
+                    if i == 0 and rmetrics is not None:
+                        for group, stats in rmetrics.items():
+                            rec.update({f"recipe_{group}_{k}": v for k, v in stats.items()})
+                        agg = agg.with_recipe_metrics(rmetrics)
+                    agg = agg.update(step, rec, loop.divergence_k)
+                    rec["diverged"] = agg.diverged
+                    last = step >= loop.steps or stopped()
+                    # the state after this step exists only at the end of its call
+                    at_end = i == len(fetched) - 1 or last
+                    if eval_fn is not None and (
+                        (loop.eval_interval and step % loop.eval_interval == 0) or last
+                    ):
+                        assert at_end, "an eval step ends its chunk (_chunk_len)"
+                        with clock("eval_s"):
+                            ev = eval_fn(state.params)
+                            clock.sync()
+                        rec.update(ev)
+                        agg = agg.with_eval(step, ev)
+                    records.append(rec)
+                    end = StepEnd(step, loop.steps, rec, state if at_end else None, agg, last)
+                    with clock("hooks_s"):
+                        for hook in all_hooks:
+                            hook.on_step(end)
+                    if last:
+                        break
     finally:
         for hook in all_hooks:
             hook.close()
     return _result(state, step, agg, time.perf_counter() - t0, records)
+
+
+#: The most steps one compiled call runs (the stacked batches and metrics of a call stay on the
+#: device together).
+MAX_CHUNK = 100
+
+
+def _chunk_steps(loop: LoopOptions, mesh: Any) -> int:
+    """Steps per compiled call: ``loop.chunk_steps``, or (0) the greatest common divisor of the
+    loop's intervals (so probes, evaluations and checkpoints fall on chunk boundaries) capped at
+    :data:`MAX_CHUNK`. One step per call for a data-parallel step (its batches are sharded one
+    at a time) and for ``divergence_k`` with "stop" (the host decides that divergence)."""
+    if mesh is not None or (loop.divergence_k is not None and loop.divergence_action == "stop"):
+        return 1
+    if loop.chunk_steps:
+        return min(loop.chunk_steps, loop.steps)
+    intervals = [
+        i
+        for i in (loop.eval_interval, loop.checkpoint_interval, loop.hist_interval,
+                  loop.shadow_interval)
+        if i
+    ]  # fmt: skip
+    k = math.gcd(*intervals) if intervals else loop.steps
+    while k > MAX_CHUNK:  # the largest divisor of k within the cap
+        k = next(d for d in range(MAX_CHUNK, 0, -1) if k % d == 0)
+    return max(1, min(k, loop.steps))
+
+
+def _chunk_len(step: int, chunk: int, loop: LoopOptions) -> int:
+    """The steps of the call starting after ``step`` steps: at most ``chunk``, ending at the
+    run's end and at the next step with a probe (before it), an evaluation or a checkpoint
+    (after it), so those see the state they would see stepping one at a time."""
+    n = min(chunk, loop.steps - step)
+    for interval in (loop.eval_interval, loop.checkpoint_interval, loop.hist_interval,
+                     loop.shadow_interval):  # fmt: skip
+        if interval:
+            n = min(n, interval - step % interval)
+    return n
+
+
+def _stack(batches: list[Any]) -> Any:
+    return jax.tree_util.tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *batches)
+
+
+def _chunked(step_fn: Callable, chunk: int, halt: bool) -> Callable:
+    """``run(state, batches[chunk, ...], n) -> (state, metrics[chunk, ...])``: ``step_fn`` over
+    the first ``n`` batches under ``lax.scan`` (the rest are padding: the state passes through
+    and their metrics are zeros). With ``halt``, the steps after one whose loss is not finite
+    are not run either (the loop stops at that step, as it does stepping one at a time)."""
+
+    # Jitted inside, so the scan's body reuses the trace made for the metrics' shapes (measured:
+    # tracing and lowering the main job's chunk took 1.2-1.3 s of CPU instead of 1.6-2.2 s).
+    step_jit = jax.jit(step_fn)
+
+    def run(state: Any, batches: Any, n: jax.Array) -> tuple[Any, Any]:
+        first = jax.tree_util.tree_map(lambda x: x[0], batches)
+        shapes = jax.eval_shape(step_jit, state, first)[1]
+        zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+        def body(carry, xs):
+            st, stop = carry
+            i, batch = xs
+
+            def active(st):
+                return step_jit(st, batch)
+
+            def idle(st):
+                return st, zeros
+
+            st, metrics = jax.lax.cond((i < n) & ~stop, active, idle, st)
+            if halt:
+                stop = stop | ((i < n) & ~jnp.isfinite(metrics["loss"]))
+            return (st, stop), metrics
+
+        (state, _), metrics = jax.lax.scan(
+            body, (state, jnp.zeros((), bool)), (jnp.arange(chunk), batches)
+        )
+        return state, metrics
+
+    return run
+
+
+class _Clock:
+    """Adds seconds and syncs to a LoopTimings (does nothing without one)."""
+
+    def __init__(self, timings: LoopTimings | None) -> None:
+        self.timings = timings
+
+    @contextlib.contextmanager
+    def __call__(self, field: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.timings is not None:
+                setattr(self.timings, field, getattr(self.timings, field) + time.perf_counter() - t)
+
+    def sync(self) -> None:
+        if self.timings is not None:
+            self.timings.host_syncs += 1
+
+    def call(self, seconds: float, steps: int) -> None:
+        if self.timings is not None:
+            self.timings.call(seconds, steps)
 
 
 def _batches_from(batches: Any, start: int) -> Iterator[Any]:
@@ -582,147 +502,4 @@ def _result(state: Any, steps: int, agg: Aggregates, wall: float, records: list)
         wall_time_s=wall,
         metrics=records,
         recipe_metrics=agg.recipe_metrics,
-    )
-
-
-# --- from a config ---------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainSetup:
-    """Everything a :class:`TrainConfig` describes, built: the typed objects the loop takes.
-
-    data, model, optimizer (optax), schedule (count -> lr), params (float32, from the seed),
-    loss_fn (the model's loss under the policy), eval_batches (the same for every seed),
-    options (:class:`StepOptions`), loop (:class:`LoopOptions`).
-    """
-
-    config: TrainConfig
-    data: Dataset
-    model: Model
-    optimizer: optax.GradientTransformation
-    schedule: Callable[[int], Any]
-    params: Any
-    loss_fn: Callable
-    eval_batches: list[Any]
-    options: StepOptions
-    loop: LoopOptions
-
-    @property
-    def policy(self) -> Policy:
-        return self.options.policy
-
-
-def _recipe_without(recipe: Any, layers: tuple[str, ...]) -> Any:
-    """``recipe`` with the matmuls of ``layers`` (their ``named_scope``) excluded: ``L/*``
-    matches ``L/dot_general[i]`` and the sites of functions jitted inside the layer
-    (``L/einsum``), and not ``L0`` for ``L``."""
-    if recipe is None or not layers:
-        return recipe
-    return dataclasses.replace(recipe, exclude=(*recipe.exclude, *(f"{n}/*" for n in layers)))
-
-
-def build(config: TrainConfig) -> TrainSetup:
-    """The pieces of a run built from ``config`` (validated and parsed when it was made)."""
-    if not isinstance(config, TrainConfig):
-        raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
-    precision = config.precision
-    data = make_data(config.data, **config.data_kwargs)
-    model_kwargs = {**data.model_kwargs(), **config.model_kwargs}
-    if config.remat:
-        model_kwargs["remat"] = True
-    if config.high_precision:
-        model_kwargs["high_precision"] = config.high_precision
-    if config.scan_layers:
-        model_kwargs.update(
-            scan_layers=True, remat_every=config.remat_every, remat_policy=config.remat_policy
-        )
-    model = make_model(config.model, **model_kwargs)
-    sched = dict(steps=config.steps, warmup_steps=config.warmup_steps)
-    optimizer = make_optimizer(
-        config.optimizer,
-        config.lr,
-        schedule=config.schedule,
-        weight_decay=config.weight_decay,
-        grad_clip=config.grad_clip,
-        **sched,
-        **config.optimizer_kwargs,
-    )
-    options = StepOptions(
-        policy=precision.policy,
-        loss_scale=precision.loss_scale,
-        storage=precision.storage,
-        microbatches=config.microbatches,
-        seed=config.seed,
-        # several processes train one model: data parallel over all their devices
-        data_parallel=config.data_parallel or jax.process_count() > 1,
-        allreduce_dtype=precision.allreduce_dtype,
-        zero_stage=config.zero_stage,
-        report_leaves=config.report_leaves,
-        recipe=_recipe_without(precision.recipe, config.high_precision),
-        fp32_params=tuple(model.layer_params(n) for n in config.high_precision),
-        telemetry=parse_telemetry(config.telemetry, config.steps),
-    )
-    loop = LoopOptions(
-        steps=config.steps,
-        eval_interval=config.eval_interval,
-        checkpoint_interval=config.checkpoint_interval,
-        divergence_k=config.divergence_k,
-        divergence_action=config.divergence_action,
-        hist_interval=config.hist_interval,
-        shadow_interval=config.shadow_interval,
-        loss_weight=config.loss_weight,
-    )
-    return TrainSetup(
-        config=config,
-        data=data,
-        model=model,
-        optimizer=optimizer,
-        schedule=make_schedule(config.lr, config.schedule, **sched),
-        params=model.init(jax.random.PRNGKey(config.seed)),
-        loss_fn=model.loss_fn(precision.policy, enforce=config.enforce_numerics),
-        # The eval set is the same for every seed, so variants of an experiment are comparable.
-        eval_batches=data.eval_batches(config.eval_batches, config.batch_size, seed=0),
-        options=options,
-        loop=loop,
-    )
-
-
-def train(
-    config: TrainConfig,
-    *,
-    callback: Callable[[dict[str, Any]], None] | None = None,
-    checkpoint_dir: Any = None,
-    resume: bool = False,
-    quiet: bool = False,
-    hooks: Sequence[Hook] = (),
-) -> TrainResult:
-    """Run the training described by ``config`` (see the package docstring for the metrics).
-
-    ``hooks`` run after each step (after ``callback``); ``quiet`` turns off the progress bar.
-    """
-    if not isinstance(config, TrainConfig):
-        raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
-    if config.checkpoint_interval and checkpoint_dir is None:
-        raise ValueError("checkpoint_interval > 0 needs a checkpoint_dir")
-    setup = build(config)
-    policy, model = setup.policy, setup.model
-    enforce = config.enforce_numerics
-    return train_loop(
-        setup.loss_fn,
-        setup.params,
-        setup.optimizer,
-        lambda start: setup.data.batches(config.batch_size, seed=config.seed, start=start),
-        options=setup.options,
-        loop=setup.loop,
-        eval_fn=make_eval_fn(setup.loss_fn, policy, setup.eval_batches),
-        probe_loss_fn=model.loss_fn(policy, capture=True, enforce=enforce),
-        shadow_loss_fn=model.loss_fn(Policy(), enforce=False) if config.shadow else None,
-        lr_schedule=setup.schedule,
-        checkpoint_dir=checkpoint_dir,
-        resume=resume,
-        callback=callback,
-        hooks=hooks,
-        progress=False if quiet else config.progress,
-        desc=f"{config.model} {policy}",
     )

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from precisionlab.train._dataset import Dataset, check_float, check_int, split_rng
+from precisionlab.train.data.base import Dataset, check_float, check_int, split_rng
 
 __all__ = ["MAX_BYTES_LIMIT", "TextData", "stdlib_dir"]
 

@@ -1,20 +1,5 @@
-"""Deterministic generated datasets with learnable structure (no downloads).
-
-Every batch is a pure function of ``(seed, split, step, batch_size)``, so a run's data order is
-reproducible and resumable from the step count alone (that is what checkpoints store).
-
-- ``teacher``: classification. ``x ~ N(0, I_D) * input_scale``, label = argmax of a fixed random
-  two-layer tanh teacher network (fixed by ``task_seed``), with optional label noise.
-  Batch ``{"x": float32[B, D], "y": int32[B]}``.
-- ``markov``: language modelling. Token sequences from a fixed random order-2 Markov chain over
-  ``vocab_size`` tokens in which every context has ``branching`` likely successors (fixed by
-  ``task_seed``). Batch ``{"tokens": int32[B, seq_len + 1]}`` (inputs ``[:, :-1]``, targets
-  ``[:, 1:]``).
-- ``text`` (real text, :mod:`precisionlab.train.text`): bytes of the Python standard library's
-  source or of user files, ``{"tokens": int32[B, seq_len + 1]}`` over 256 byte values.
-- ``digits`` (real images, :mod:`precisionlab.train.digits`, needs scikit-learn): the 8x8 digits,
-  ``{"x": float32[B, 64], "y": int32[B]}``.
-"""
+"""Generated datasets with learnable structure (no downloads): ``teacher`` (classification) and
+``markov`` (language modelling); see :mod:`precisionlab.train.data`."""
 
 from __future__ import annotations
 
@@ -23,17 +8,12 @@ from typing import Any
 
 import numpy as np
 
-from precisionlab.train._dataset import SPLITS, Dataset
-from precisionlab.train._dataset import check_float as _check_float
-from precisionlab.train._dataset import check_int as _check_int
-from precisionlab.train._dataset import split_rng as _rng
-from precisionlab.train.digits import DigitsData
-from precisionlab.train.text import TextData
+from precisionlab.train.data.base import Dataset
+from precisionlab.train.data.base import check_float as _check_float
+from precisionlab.train.data.base import check_int as _check_int
+from precisionlab.train.data.base import split_rng as _rng
 
-__all__ = ["DATASETS", "SPLITS", "Dataset", "MarkovData", "TeacherData", "data_kind", "make_data"]
-
-#: The built-in datasets :func:`make_data` makes.
-DATASETS: tuple[str, ...] = ("teacher", "markov", "text", "digits")
+__all__ = ["MarkovData", "TeacherData"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -145,28 +125,3 @@ class MarkovData(Dataset):
 
     def model_kwargs(self) -> dict[str, Any]:
         return {"vocab_size": self.vocab_size, "seq_len": self.seq_len}
-
-
-_BUILDERS = {"teacher": TeacherData, "markov": MarkovData, "text": TextData, "digits": DigitsData}
-
-
-def data_kind(name: str) -> str:
-    """``"classification"`` or ``"lm"``: the kind of data the dataset ``name`` gives."""
-    if name not in _BUILDERS:
-        raise ValueError(f"unknown dataset {name!r}; allowed: {', '.join(DATASETS)}")
-    return _BUILDERS[name].kind
-
-
-def make_data(name: str, **kwargs: Any) -> Dataset:
-    """Build a dataset by name (see :data:`DATASETS`); unknown options raise ValueError."""
-    if name not in _BUILDERS:
-        raise ValueError(f"unknown dataset {name!r}; allowed: {', '.join(DATASETS)}")
-    cls = _BUILDERS[name]
-    allowed = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(kwargs) - set(allowed))
-    if unknown:
-        raise ValueError(
-            f"unknown option(s) {', '.join(unknown)} for dataset {name!r}; allowed: "
-            f"{', '.join(allowed)}"
-        )
-    return cls(**kwargs)

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from precisionlab.train._dataset import Dataset, check_float, check_int, split_rng
+from precisionlab.train.data.base import Dataset, check_float, check_int, split_rng
 
 __all__ = ["DigitsData", "MissingExtraError", "load_digits_arrays"]
 

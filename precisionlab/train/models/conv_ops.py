@@ -1,4 +1,4 @@
-"""The small convolutional classifier behind the ``conv`` model (``models.ConvNet``).
+"""The math of the small convolutional classifier behind the ``conv`` model (``ConvNet``).
 
 ``x f32[B, in_dim]`` is read as a square one-channel image ``[B, S, S, 1]`` (``S * S ==
 in_dim``; row-major, as ``digits`` flattens its 8x8 images), then ``depth`` blocks of

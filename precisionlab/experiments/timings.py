@@ -1,0 +1,81 @@
+"""``timings.json`` of a run (``precisionlab run --timings``): where each unit's time went.
+
+Per unit: the loop's :class:`~precisionlab.train.timing.LoopTimings` (compilations and their
+seconds, persistent-cache hits, the first call of the step program, the steady seconds per step,
+host syncs, probes, evaluation, hooks, batch generation) and the unit's wall and CPU seconds
+(setup included: data, model, the first trace); then the report's seconds. CPU seconds count
+every thread of the process, so on a machine shared with other work they say more than wall
+seconds do.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from precisionlab._text import table
+from precisionlab.experiments import store
+
+__all__ = ["FILE", "record_report", "record_unit", "timings_table"]
+
+FILE = "timings.json"
+
+
+def _read(run_dir: Path) -> dict[str, Any]:
+    path = Path(run_dir) / FILE
+    return store.read_json(path) if path.exists() else {"units": {}}
+
+
+def record_unit(run_dir: Path, unit_id: str, name: str, data: dict[str, Any]) -> None:
+    """Add (or, on resume, add to) unit ``unit_id``'s timings."""
+    doc = _read(run_dir)
+    previous = doc["units"].get(unit_id)
+    entry = {"name": name, **data}
+    if previous is not None:  # a resumed unit: keep the earlier attempts' timings too
+        entry["earlier"] = [*previous.pop("earlier", []), previous]
+    doc["units"][unit_id] = entry
+    store.write_json(Path(run_dir) / FILE, doc)
+
+
+def record_report(run_dir: Path, wall_s: float, cpu_s: float) -> None:
+    doc = _read(run_dir)
+    doc["report"] = {"wall_s": wall_s, "cpu_s": cpu_s}
+    store.write_json(Path(run_dir) / FILE, doc)
+
+
+def _f(x: Any, scale: float = 1.0, digits: int = 2) -> str:
+    if not isinstance(x, int | float) or not math.isfinite(x):
+        return "-"
+    return f"{x * scale:.{digits}f}"
+
+
+def timings_table(run_dir: Path) -> str:
+    """The timings of ``run_dir`` as a text table, one row per unit, then the totals."""
+    doc = _read(run_dir)
+    header = [
+        "unit", "compiles", "compile s", "cache hits", "first call s", "step ms", "syncs",
+        "eval s", "probe s", "hooks s", "wall s", "cpu s",
+    ]  # fmt: skip
+    rows, totals = [], dict.fromkeys(("compile_s", "wall_s", "cpu_s", "first_call_s"), 0.0)
+    for entry in doc["units"].values():
+        loop = entry.get("loop", {})
+        rows.append([
+            entry["name"], str(loop.get("compiles", "-")), _f(loop.get("compile_s")),
+            str(loop.get("compile_cache_hits", "-")), _f(loop.get("first_call_s")),
+            _f(loop.get("steady_step_s"), 1e3, 3), str(loop.get("host_syncs", "-")),
+            _f(loop.get("eval_s")), _f(loop.get("probe_s")), _f(loop.get("hooks_s")),
+            _f(entry.get("wall_s")), _f(entry.get("cpu_s")),
+        ])  # fmt: skip
+        for key in ("compile_s", "first_call_s"):
+            totals[key] += loop.get(key, 0.0) or 0.0
+        for key in ("wall_s", "cpu_s"):
+            totals[key] += entry.get(key, 0.0) or 0.0
+    rows.append([
+        "all units", "", _f(totals["compile_s"]), "", _f(totals["first_call_s"]), "", "", "", "",
+        "", _f(totals["wall_s"]), _f(totals["cpu_s"]),
+    ])  # fmt: skip
+    report = doc.get("report")
+    if report:
+        rows.append(["report", *[""] * 9, _f(report["wall_s"]), _f(report["cpu_s"])])
+    return table(rows, header)

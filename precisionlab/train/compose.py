@@ -1,0 +1,176 @@
+"""The composition root of training: a :class:`~precisionlab.train.config.TrainConfig` built
+into typed pieces (:func:`build`: model, data, optimizer, schedule, step and loop options) and
+run by :func:`train` through :func:`~precisionlab.train.loop.train_loop`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import optax
+
+from precisionlab.mixed.policy import Policy
+from precisionlab.train.config import (
+    TrainConfig,
+    TrainResult,
+)
+from precisionlab.train.data import Dataset, make_data
+from precisionlab.train.evaluation import make_eval_fn
+from precisionlab.train.hooks import Hook
+from precisionlab.train.loop import LoopOptions, train_loop
+from precisionlab.train.models import Model, make_model
+from precisionlab.train.optim import make_optimizer, make_schedule
+from precisionlab.train.step import (
+    StepOptions,
+)
+from precisionlab.train.telemetry import parse_telemetry
+from precisionlab.train.timing import LoopTimings
+
+__all__ = ["TrainSetup", "build", "train"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSetup:
+    """Everything a :class:`TrainConfig` describes, built: the typed objects the loop takes.
+
+    data, model, optimizer (optax), schedule (count -> lr), params (float32, from the seed),
+    loss_fn (the model's loss under the policy), eval_batches (the same for every seed),
+    options (:class:`StepOptions`), loop (:class:`LoopOptions`).
+    """
+
+    config: TrainConfig
+    data: Dataset
+    model: Model
+    optimizer: optax.GradientTransformation
+    schedule: Callable[[int], Any]
+    params: Any
+    loss_fn: Callable
+    eval_batches: list[Any]
+    options: StepOptions
+    loop: LoopOptions
+
+    @property
+    def policy(self) -> Policy:
+        return self.options.policy
+
+
+def _recipe_without(recipe: Any, layers: tuple[str, ...]) -> Any:
+    """``recipe`` with the matmuls of ``layers`` (their ``named_scope``) excluded: ``L/*``
+    matches ``L/dot_general[i]`` and the sites of functions jitted inside the layer
+    (``L/einsum``), and not ``L0`` for ``L``."""
+    if recipe is None or not layers:
+        return recipe
+    return dataclasses.replace(recipe, exclude=(*recipe.exclude, *(f"{n}/*" for n in layers)))
+
+
+def build(config: TrainConfig) -> TrainSetup:
+    """The pieces of a run built from ``config`` (validated and parsed when it was made)."""
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
+    precision = config.precision
+    data = make_data(config.data, **config.data_kwargs)
+    model_kwargs = {**data.model_kwargs(), **config.model_kwargs}
+    if config.remat:
+        model_kwargs["remat"] = True
+    if config.high_precision:
+        model_kwargs["high_precision"] = config.high_precision
+    if config.scan_layers:
+        model_kwargs.update(
+            scan_layers=True, remat_every=config.remat_every, remat_policy=config.remat_policy
+        )
+    model = make_model(config.model, **model_kwargs)
+    sched = dict(steps=config.steps, warmup_steps=config.warmup_steps)
+    optimizer = make_optimizer(
+        config.optimizer,
+        config.lr,
+        schedule=config.schedule,
+        weight_decay=config.weight_decay,
+        grad_clip=config.grad_clip,
+        **sched,
+        **config.optimizer_kwargs,
+    )
+    options = StepOptions(
+        policy=precision.policy,
+        loss_scale=precision.loss_scale,
+        storage=precision.storage,
+        microbatches=config.microbatches,
+        seed=config.seed,
+        # several processes train one model: data parallel over all their devices
+        data_parallel=config.data_parallel or jax.process_count() > 1,
+        allreduce_dtype=precision.allreduce_dtype,
+        zero_stage=config.zero_stage,
+        report_leaves=config.report_leaves,
+        recipe=_recipe_without(precision.recipe, config.high_precision),
+        fp32_params=tuple(model.layer_params(n) for n in config.high_precision),
+        telemetry=parse_telemetry(config.telemetry, config.steps),
+    )
+    loop = LoopOptions(
+        steps=config.steps,
+        eval_interval=config.eval_interval,
+        checkpoint_interval=config.checkpoint_interval,
+        divergence_k=config.divergence_k,
+        divergence_action=config.divergence_action,
+        hist_interval=config.hist_interval,
+        shadow_interval=config.shadow_interval,
+        loss_weight=config.loss_weight,
+        chunk_steps=config.chunk_steps,
+    )
+    return TrainSetup(
+        config=config,
+        data=data,
+        model=model,
+        optimizer=optimizer,
+        schedule=make_schedule(config.lr, config.schedule, **sched),
+        params=model.init(jax.random.PRNGKey(config.seed)),
+        loss_fn=model.loss_fn(precision.policy, enforce=config.enforce_numerics),
+        # The eval set is the same for every seed, so variants of an experiment are comparable.
+        eval_batches=data.eval_batches(config.eval_batches, config.batch_size, seed=0),
+        options=options,
+        loop=loop,
+    )
+
+
+def train(
+    config: TrainConfig,
+    *,
+    callback: Callable[[dict[str, Any]], None] | None = None,
+    checkpoint_dir: Any = None,
+    resume: bool = False,
+    quiet: bool = False,
+    hooks: Sequence[Hook] = (),
+    timings: LoopTimings | None = None,
+) -> TrainResult:
+    """Run the training described by ``config`` (see the package docstring for the metrics).
+
+    ``hooks`` run after each step (after ``callback``); ``quiet`` turns off the progress bar;
+    ``timings`` (a :class:`~precisionlab.train.timing.LoopTimings`) receives where the loop's
+    time went.
+    """
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
+    if config.checkpoint_interval and checkpoint_dir is None:
+        raise ValueError("checkpoint_interval > 0 needs a checkpoint_dir")
+    setup = build(config)
+    policy, model = setup.policy, setup.model
+    enforce = config.enforce_numerics
+    return train_loop(
+        setup.loss_fn,
+        setup.params,
+        setup.optimizer,
+        lambda start: setup.data.batches(config.batch_size, seed=config.seed, start=start),
+        options=setup.options,
+        loop=setup.loop,
+        eval_fn=make_eval_fn(setup.loss_fn, policy, setup.eval_batches),
+        probe_loss_fn=model.loss_fn(policy, capture=True, enforce=enforce),
+        shadow_loss_fn=model.loss_fn(Policy(), enforce=False) if config.shadow else None,
+        lr_schedule=setup.schedule,
+        checkpoint_dir=checkpoint_dir,
+        resume=resume,
+        callback=callback,
+        hooks=hooks,
+        progress=False if quiet else config.progress,
+        desc=f"{config.model} {policy}",
+        timings=timings,
+    )

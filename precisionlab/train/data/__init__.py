@@ -1,0 +1,66 @@
+"""The built-in datasets: generated ones with learnable structure (no downloads) and real ones.
+
+Every batch is a pure function of ``(seed, split, step, batch_size)``, so a run's data order is
+reproducible and resumable from the step count alone (that is what checkpoints store).
+
+- ``teacher``: classification. ``x ~ N(0, I_D) * input_scale``, label = argmax of a fixed random
+  two-layer tanh teacher network (fixed by ``task_seed``), with optional label noise.
+  Batch ``{"x": float32[B, D], "y": int32[B]}``.
+- ``markov``: language modelling. Token sequences from a fixed random order-2 Markov chain over
+  ``vocab_size`` tokens in which every context has ``branching`` likely successors (fixed by
+  ``task_seed``). Batch ``{"tokens": int32[B, seq_len + 1]}`` (inputs ``[:, :-1]``, targets
+  ``[:, 1:]``).
+- ``text`` (real text, :mod:`precisionlab.train.data.text`): bytes of the Python standard library's
+  source or of user files, ``{"tokens": int32[B, seq_len + 1]}`` over 256 byte values.
+- ``digits`` (real images, :mod:`precisionlab.train.data.digits`, needs scikit-learn): the 8x8
+  digits, ``{"x": float32[B, 64], "y": int32[B]}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from precisionlab.train.data.base import SPLITS, Dataset
+from precisionlab.train.data.digits import DigitsData
+from precisionlab.train.data.synthetic import MarkovData, TeacherData
+from precisionlab.train.data.text import TextData
+
+__all__ = [
+    "DATASETS",
+    "SPLITS",
+    "Dataset",
+    "DigitsData",
+    "MarkovData",
+    "TeacherData",
+    "TextData",
+    "data_kind",
+    "make_data",
+]
+
+#: The built-in datasets :func:`make_data` makes.
+DATASETS: tuple[str, ...] = ("teacher", "markov", "text", "digits")
+
+_BUILDERS = {"teacher": TeacherData, "markov": MarkovData, "text": TextData, "digits": DigitsData}
+
+
+def data_kind(name: str) -> str:
+    """``"classification"`` or ``"lm"``: the kind of data the dataset ``name`` gives."""
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown dataset {name!r}; allowed: {', '.join(DATASETS)}")
+    return _BUILDERS[name].kind
+
+
+def make_data(name: str, **kwargs: Any) -> Dataset:
+    """Build a dataset by name (see :data:`DATASETS`); unknown options raise ValueError."""
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown dataset {name!r}; allowed: {', '.join(DATASETS)}")
+    cls = _BUILDERS[name]
+    allowed = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(kwargs) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"unknown option(s) {', '.join(unknown)} for dataset {name!r}; allowed: "
+            f"{', '.join(allowed)}"
+        )
+    return cls(**kwargs)

@@ -1,0 +1,59 @@
+"""Evaluation of params on a fixed list of batches (one jitted scan over them)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from precisionlab.mixed.policy import Policy, cast_floating, get_policy
+from precisionlab.train.step import (
+    normalize_loss_fn,
+)
+
+__all__ = ["evaluate", "make_eval_fn"]
+
+
+def make_eval_fn(
+    loss_fn: Callable, policy: Policy, batches: list[Any]
+) -> Callable[[Any], dict[str, float]]:
+    """``eval_fn(params) -> {"eval_loss", "eval_metric"}``: mean over ``batches`` of the loss and
+    of aux ``metric`` (nan if absent), with params cast to the compute dtype. Jitted."""
+    f = normalize_loss_fn(loss_fn)
+    stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *batches)
+
+    @jax.jit
+    def run(params, stacked):
+        pc = cast_floating(params, policy.compute_dtype)
+
+        def one(carry, b):
+            loss, aux = f(pc, b)
+            metric = aux.get("metric", jnp.nan) if isinstance(aux, dict) else jnp.nan
+            return carry, (loss.astype(jnp.float32), jnp.asarray(metric, jnp.float32))
+
+        _, (losses, metrics) = jax.lax.scan(one, None, stacked)
+        return jnp.mean(losses), jnp.mean(metrics)
+
+    def eval_fn(params: Any) -> dict[str, float]:
+        loss, metric = run(params, stacked)
+        return {"eval_loss": float(loss), "eval_metric": float(metric)}
+
+    return eval_fn
+
+
+def evaluate(
+    model_or_loss_fn: Any,
+    params: Any,
+    batches: list[Any],
+    *,
+    policy: Policy | str = "p=f32,c=f32,o=f32",
+) -> dict[str, float]:
+    """Evaluate a built-in Model (or a ``loss_fn``) on ``batches``: eval_loss, eval_metric."""
+    pol = get_policy(policy)
+    loss_fn = (
+        model_or_loss_fn.loss_fn(pol) if hasattr(model_or_loss_fn, "loss_fn") else model_or_loss_fn
+    )
+    return make_eval_fn(loss_fn, pol, batches)(params)

@@ -1,0 +1,235 @@
+"""``transformer``: decoder-only LM; token + learned position embedding, ``depth`` pre-LayerNorm
+blocks (causal softmax attention, GELU MLP), final LayerNorm, unembedding; tokens i32[B, T] ->
+logits [B, T, vocab_size] (options: see :mod:`precisionlab.train.models`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from precisionlab.mixed import ops
+from precisionlab.mixed.policy import Policy
+from precisionlab.train.layers import scan_layers, unstack_layers
+from precisionlab.train.models.base import (
+    MAX_DEPTH,
+    Model,
+    _check_int,
+    _check_layout,
+    _check_scales,
+    _Gen,
+    _normal,
+    _stack_init,
+)
+
+__all__ = ["Transformer"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Transformer(Model):
+    """Decoder-only transformer LM (see module docstring)."""
+
+    vocab_size: int = 32
+    seq_len: int = 64
+    d_model: int = 64
+    depth: int = 2
+    heads: int = 4
+    mlp_ratio: int = 4
+    init_scale: float = 1.0
+    act_scale: float = 1.0
+    use_layernorm: bool = True
+    remat: bool = False
+    outlier_channels: int = 0
+    outlier_scale: float = 100.0
+    high_precision: tuple[str, ...] = ()
+    scan_layers: bool = False
+    remat_every: int = 0
+    remat_policy: str = "nothing_saveable"
+
+    name = "transformer"
+    data_kind = "lm"
+
+    def __post_init__(self) -> None:
+        for n in ("vocab_size", "seq_len", "d_model", "heads", "mlp_ratio"):
+            _check_int(n, getattr(self, n), 1)
+        _check_int("depth", self.depth, 1, MAX_DEPTH)
+        if self.d_model % self.heads:
+            raise ValueError(f"d_model {self.d_model} must be divisible by heads {self.heads}")
+        _check_scales(self, "outlier_scale")
+        _check_int("outlier_channels", self.outlier_channels, 0)
+        if self.outlier_channels > self.d_model:
+            raise ValueError(f"outlier_channels {self.outlier_channels} > d_model {self.d_model}")
+        _check_layout(self, self.depth)
+
+    def layer_names(self) -> tuple[str, ...]:
+        return (*(f"block{i}" for i in range(self.depth)), "unembed")
+
+    def layer_params(self, name: str) -> str:
+        return "['unembed']" if name == "unembed" else f"['blocks'][{int(name[5:])}]"
+
+    def _outliers(self, h: jax.Array, pol: Policy, enforce: bool) -> jax.Array:
+        # A few channels x outlier_scale in every token (LLM.int8(): systematic outlier features).
+        if not self.outlier_channels:
+            return h
+        m = np.ones((self.d_model,), np.float32)
+        m[: self.outlier_channels] = self.outlier_scale
+        return ops.boundary(h * jnp.asarray(m, h.dtype), pol, enforce=enforce)
+
+    def _init(self, gen: _Gen) -> dict[str, Any]:
+        d, f = self.d_model, self.d_model * self.mlp_ratio
+        s = self.init_scale
+        keys = gen.split(3 + 4 * self.depth)
+        blocks = []
+        for i in range(self.depth):
+            k = keys[3 + 4 * i : 7 + 4 * i]
+            # Output projections scaled by 1/sqrt(2 * depth) (GPT-2) to keep the residual tame.
+            out_std = s / math.sqrt(d) / math.sqrt(2 * self.depth)
+            blk = {
+                "qkv": _normal(k[0], (d, 3 * d), s / math.sqrt(d)),
+                "proj": _normal(k[1], (d, d), out_std),
+                "fc1": _normal(k[2], (d, f), s / math.sqrt(d)),
+                "fc1_b": jnp.zeros((f,), jnp.float32),
+                "fc2": _normal(k[3], (f, d), s / math.sqrt(f) / math.sqrt(2 * self.depth)),
+                "fc2_b": jnp.zeros((d,), jnp.float32),
+            }
+            if self.use_layernorm:
+                for n in ("ln1", "ln2"):
+                    blk[f"{n}_scale"] = jnp.ones((d,), jnp.float32)
+                    blk[f"{n}_bias"] = jnp.zeros((d,), jnp.float32)
+            blocks.append(blk)
+        params = {
+            "embed": _normal(keys[0], (self.vocab_size, d), s * 0.5),
+            "pos": _normal(keys[1], (self.seq_len, d), s * 0.1),
+            "blocks": _stack_init(blocks, "block") if self.scan_layers else blocks,
+            "unembed": _normal(keys[2], (d, self.vocab_size), s / math.sqrt(d)),
+        }
+        if self.use_layernorm:
+            params["ln_f_scale"] = jnp.ones((d,), jnp.float32)
+            params["ln_f_bias"] = jnp.zeros((d,), jnp.float32)
+        return params
+
+    def stack_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Params in the ``scan_layers`` layout: ``"blocks"`` one dict of leaves
+        ``[depth, ...]`` instead of a list of ``depth`` dicts."""
+        if not isinstance(params["blocks"], list | tuple):
+            return params
+        return {**params, "blocks": _stack_init(list(params["blocks"]), "block")}
+
+    def unstack_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The inverse of :meth:`stack_params`: ``"blocks"`` a list of per-block dicts."""
+        if isinstance(params["blocks"], list | tuple):
+            return params
+        return {**params, "blocks": unstack_layers(params["blocks"])}
+
+    def _norm(self, x, p, name, pol, enforce):
+        if not self.use_layernorm:
+            return x
+        return ops.layer_norm(x, p[f"{name}_scale"], p[f"{name}_bias"], policy=pol, enforce=enforce)
+
+    def apply(self, params, inputs, policy=None, *, capture=False, enforce=True):
+        pol = policy or Policy()
+        b, t = inputs.shape
+        d, nh = self.d_model, self.heads
+        dh = d // nh
+        cd = pol.compute_dtype
+        acts: dict[str, jax.Array] = {}
+        emb = jnp.asarray(params["embed"]).astype(cd)
+        x = emb[inputs] + jnp.asarray(params["pos"]).astype(cd)[:t]
+        x = ops.boundary(x, pol, enforce=enforce)
+        causal = jnp.tril(jnp.ones((t, t), bool))
+
+        def block(blk, x, pol=pol):
+            cd = pol.compute_dtype
+            a = {}
+            h = self._outliers(self._norm(x, blk, "ln1", pol, enforce), pol, enforce)
+            qkv = ops.matmul(h, blk["qkv"], policy=pol, enforce=enforce)
+            q, k, v = jnp.split(qkv.reshape(b, t, 3, nh, dh), 3, axis=2)
+            q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # [B, T, H, Dh]
+            scale = jnp.asarray(self.act_scale / math.sqrt(dh), cd)
+            logits_BHTT = ops.boundary(
+                jnp.einsum(
+                    "bqhd,bkhd->bhqk",
+                    q,
+                    k,
+                    preferred_element_type=pol.op_dtype("matmul_accumulate"),
+                ).astype(cd)
+                * scale,
+                pol,
+                enforce=enforce,
+            )
+            probs = ops.softmax(logits_BHTT, axis=-1, policy=pol, where=causal, enforce=enforce)
+            probs = jnp.where(causal, probs, jnp.zeros((), cd))
+            att = ops.boundary(
+                jnp.einsum(
+                    "bhqk,bkhd->bqhd",
+                    probs,
+                    v,
+                    preferred_element_type=pol.op_dtype("matmul_accumulate"),
+                ),
+                pol,
+                enforce=enforce,
+            ).reshape(b, t, d)
+            x = ops.boundary(
+                x + ops.matmul(att, blk["proj"], policy=pol, enforce=enforce), pol, enforce=enforce
+            )
+            h = self._outliers(self._norm(x, blk, "ln2", pol, enforce), pol, enforce)
+            u = ops.dense(h, blk["fc1"], blk["fc1_b"], policy=pol, enforce=enforce)
+            u = ops.gelu(u, policy=pol, enforce=enforce)
+            x = ops.boundary(
+                x + ops.dense(u, blk["fc2"], blk["fc2_b"], policy=pol, enforce=enforce),
+                pol,
+                enforce=enforce,
+            )
+            a["attn_logits"] = logits_BHTT
+            a["mlp_hidden"] = u
+            a["resid"] = x
+            return x, a
+
+        if self.scan_layers:
+
+            def body(blk, x_in):
+                x_out, a = block(blk, x_in)
+                return x_out, ({"input": x_in, **a} if capture else None)
+
+            x, ys = scan_layers(
+                body,
+                params["blocks"],
+                x,
+                remat_every=self.remat_every,
+                policy=self.remat_policy,
+                what="block",
+                scope="block",
+            )
+            for i in range(len(params["blocks"]) if capture else 0):
+                for n, v in ys.items():
+                    acts[f"block{i}/{n}"] = v[i]
+        else:
+            for i, blk in enumerate(self.unstack_params(params)["blocks"]):
+                acts[f"block{i}/input"] = x
+                fn = partial(block, pol=self._layer_policy(f"block{i}", pol))
+                with jax.named_scope(f"block{i}"):
+                    x, a = (jax.checkpoint(fn) if self.remat else fn)(blk, x)
+                for n, v in a.items():
+                    acts[f"block{i}/{n}"] = v
+        if self.use_layernorm:
+            x = ops.layer_norm(
+                x, params["ln_f_scale"], params["ln_f_bias"], policy=pol, enforce=enforce
+            )
+        with jax.named_scope("unembed"):
+            lp = self._layer_policy("unembed", pol)
+            logits = ops.matmul(x, params["unembed"], policy=lp, enforce=enforce)
+        acts["logits"] = logits
+        logits = pol.cast_to_output(logits)
+        return (logits, acts) if capture else logits
+
+    def _inputs_labels(self, batch):
+        tokens = batch["tokens"]
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def example_batch(self, batch_size):
+        return {"tokens": jax.ShapeDtypeStruct((batch_size, self.seq_len + 1), jnp.int32)}
