@@ -398,7 +398,7 @@ def monkeypatch_runner(monkeypatch):
     real = runner.run_experiment
 
     @store.holding_run_lock
-    def fake(experiment, run_dir, *, quiet=False, resuming=False):
+    def fake(experiment, run_dir, *, quiet=False, resuming=False, **_):
         if experiment.kind == "survey":
             return real.__wrapped__(experiment, run_dir, quiet=quiet, resuming=resuming)
         store.write_json(Path(run_dir) / "summary.json", {"kind": "other", "status": "finished"})

@@ -130,7 +130,8 @@ def test_range_setting_names_gelus_cube_in_one_telemetry_step():
     """The default suite's cheap check of the range setting: one telemetry step of the main
     job's range/fp16-static unit (no training run), the first inf/NaN found in program order
     is GELU's x**3 output in layer0 (numpy oracle: its float16 pre-activations cubed)."""
-    from precisionlab.train.loop import _weighted, build
+    from precisionlab.train.compose import build
+    from precisionlab.train.loop import _weighted
     from precisionlab.train.step import normalize_loss_fn
     from precisionlab.train.telemetry import make_telemetry_fn, telemetry_rows
 

@@ -1,7 +1,13 @@
 """Golden trainer test: 3 steps of the default MLP from a fixed seed, numbers pinned.
 
 A refactor of the trainer (config parsing, step construction, loop, hooks) must not change the
-numerics: these values are compared exactly. They were produced by running
+numerics: these values are compared to a relative 1e-6 (a few float32 ulps). Not exactly: XLA's
+CPU backend emits different vector code for different processors (AVX2, AVX-512, AMD's
+variants), and the pinned values differ in their last bit or two between the machine that made
+them and others (4.340184688568115 vs 4.340185165405273 for the first fp32 gradient norm on an
+AMD EPYC); a change of the numerics themselves (a dropped cast, another loss scale, a wrong
+update) moves them by far more. Bitwise refactor checks on one machine live beside the code they
+guard (chunked vs per-step training, telemetry on vs off). They were produced by running
 ``train(TrainConfig(steps=3, seed=0, **case))`` on the tree before the issue-9 refactor
 (commit 512c52a, jax 0.10.2, CPU) and printing the per-step ``loss`` / ``grad_norm`` /
 ``loss_scale``, the float64 sum and sum of absolute values of the final params, and the final
@@ -13,6 +19,9 @@ import numpy as np
 import pytest
 
 from precisionlab.train import TrainConfig, train
+
+#: Relative tolerance: a few float32 ulps (see the module docstring).
+RTOL = 1e-6
 
 GOLDEN = {
     "fp32": dict(
@@ -42,14 +51,15 @@ GOLDEN = {
 def test_three_steps_of_the_default_mlp_are_pinned(case):
     want = GOLDEN[case]
     result = train(TrainConfig(steps=3, seed=0, **want["config"]))
-    assert [m["loss"] for m in result.metrics] == want["loss"]
-    assert [m["grad_norm"] for m in result.metrics] == want["grad_norm"]
+    close = dict(rtol=RTOL, atol=0)
+    np.testing.assert_allclose([m["loss"] for m in result.metrics], want["loss"], **close)
+    np.testing.assert_allclose([m["grad_norm"] for m in result.metrics], want["grad_norm"], **close)
     assert [m["loss_scale"] for m in result.metrics] == want["loss_scale"]
     leaves = jax.tree_util.tree_leaves(jax.device_get(result.state.params))
     assert all(np.asarray(x).dtype == np.float32 for x in leaves)
     param_sum = sum(float(np.sum(np.asarray(x, np.float64))) for x in leaves)
     abs_sum = sum(float(np.sum(np.abs(np.asarray(x, np.float64)))) for x in leaves)
-    assert param_sum == want["param_sum"]
-    assert abs_sum == want["param_abs_sum"]
-    assert result.eval_loss == want["eval_loss"]
-    assert result.eval_metric == want["eval_metric"]
+    np.testing.assert_allclose(param_sum, want["param_sum"], **close)
+    np.testing.assert_allclose(abs_sum, want["param_abs_sum"], **close)
+    np.testing.assert_allclose(result.eval_loss, want["eval_loss"], **close)
+    np.testing.assert_allclose(result.eval_metric, want["eval_metric"], **close)
