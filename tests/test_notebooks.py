@@ -32,7 +32,17 @@ def test_notebook_is_committed_without_outputs(path):
             assert not cell.outputs and cell.execution_count is None, path.name
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+#: Notebooks that train models (40-80 s each on 2 cores): run by ``-m slow`` (``.ci/run`` runs
+#: it after the default suite), which keeps the default suite within its time budget.
+TRAINING = {"03_fp16_vs_bf16_training", "04_fp8_recipes", "05_where_precision_breaks",
+            "06_your_own_model"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "path",
+    [pytest.param(p, marks=pytest.mark.slow) if p.stem in TRAINING else p for p in NOTEBOOKS],
+    ids=lambda p: p.stem,
+)
 def test_notebook_executes(path, monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("MPLBACKEND", "Agg")
