@@ -179,6 +179,7 @@ batch_size = 32
 lr = 0.003
 checkpoint_interval = 20
 progress = false
+chunk_steps = 1
 model_kwargs = {{ width = 16 }}
 [[variant]]
 name = "first"
@@ -192,6 +193,9 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "precisionlab", *args]
 
 
+# SMALL runs one step per compiled call (chunk_steps = 1): in chunks of 20 the 1000 steps take
+# well under a second on an idle machine, so the run could end before the signal arrives
+# (a chunked run's resume is test_train_loop.py::test_resume_is_bitwise_identical).
 # Each case is a 1000-step run in a subprocess plus its resume (about 200 s wall on 2 loaded
 # cores): Ctrl-C stays in the default suite, the kill (same resume path, no clean-up) is slow.
 @pytest.mark.parametrize(
