@@ -1,6 +1,6 @@
 """XLA's algebraic simplifications of constant arithmetic, as XLA:GPU applies them to a 16-bit
-program before rounding anything (checked on an H100, jax 0.11.2, against the captures in tests/data/h100_emulate.npz, whose
-README says where they and the compiled HLO came from):
+program before rounding anything (checked on an H100, jax 0.11.2, against the captures in
+tests/data/h100_emulate.npz, whose README says where they and the compiled HLO came from):
 
 - ``a / c`` becomes ``a * (1/c)``, the reciprocal rounded to the operation's dtype
   (``x * 1000`` behind an optimization_barrier, then ``/ 1000``: a multiply by float16
