@@ -179,7 +179,6 @@ batch_size = 32
 lr = 0.003
 checkpoint_interval = 20
 progress = false
-chunk_steps = 1
 model_kwargs = {{ width = 16 }}
 [[variant]]
 name = "first"
@@ -193,9 +192,6 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "precisionlab", *args]
 
 
-# SMALL runs one step per compiled call (chunk_steps = 1): in chunks of 20 the 1000 steps take
-# well under a second on an idle machine, so the run could end before the signal arrives
-# (a chunked run's resume is test_train_loop.py::test_resume_is_bitwise_identical).
 # Each case is a 1000-step run in a subprocess plus its resume (about 200 s wall on 2 loaded
 # cores): Ctrl-C stays in the default suite, the kill (same resume path, no clean-up) is slow.
 @pytest.mark.parametrize(
@@ -216,6 +212,10 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(tmp_path, sig):
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        # A suite started as a background job of a non-interactive shell inherits SIGINT
+        # ignored, and so would the run (Python then installs no KeyboardInterrupt handler):
+        # give it the default disposition a user's terminal gives it.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     second = run_dir / "variants" / "01-second" / "metrics.jsonl"
     deadline = time.monotonic() + 120
