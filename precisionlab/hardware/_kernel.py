@@ -32,7 +32,10 @@ MAX_F = 28
 
 
 def shift_for(step: Step, pa: int, pb: int) -> int:
-    """Left pre-shift of the lhs significand so that every addend is a right shift."""
+    """Left pre-shift of the lhs significand so that every addend is a right shift (none for
+    the wide kernel, which shifts both ways)."""
+    if step.fraction_bits > MAX_F:
+        return 0
     return max(0, step.fraction_bits - pa - pb)
 
 
@@ -53,7 +56,7 @@ def decode(x: jax.Array, lshift: int, flush: bool) -> tuple[jax.Array, jax.Array
     return jnp.where(sign == 1, -m, m), e
 
 
-def _decode_f32(c: jax.Array) -> tuple[jax.Array, jax.Array]:
+def decode_f32(c: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Signed 24-bit significand and exponent of float32 ``c`` (``c = m * 2**(e - 23)``)."""
     bits = lax.bitcast_convert_type(c, jnp.int32)
     ef = (bits >> 23) & 0xFF
@@ -71,31 +74,33 @@ def _shr_tz(x: jax.Array, s: jax.Array) -> jax.Array:
     return jnp.where(x < 0, -mag, mag)
 
 
-def _pow2(e: jax.Array) -> jax.Array:
-    """float32 ``2**e`` for int32 ``e`` in [-126, 127]."""
-    return lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
-
 
 def _bitlen(x: jax.Array) -> jax.Array:
     return 32 - lax.clz(x)
 
 
-def _to_f32(neg, hi, lo, q, bits: int) -> jax.Array:
-    """float32 of ``+-(hi * 2**15 + lo) * 2**q`` (``hi >= 0``, ``0 <= lo < 2**15``) cut toward
-    zero to ``bits`` significant bits and to float32's subnormal grid."""
-    lead = jnp.where(hi > 0, 15 + _bitlen(hi), _bitlen(lo))  # bit length of the magnitude
+def to_f32(neg, hi, lo, q, bits: int, base: int = 15) -> jax.Array:
+    """float32 of ``+-(hi * 2**base + lo) * 2**q`` (``hi >= 0``, ``0 <= lo < 2**base``) cut
+    toward zero to ``bits`` significant bits and to float32's subnormal grid."""
+    lead = jnp.where(hi > 0, base + _bitlen(hi), _bitlen(lo))  # bit length of the magnitude
     drop = jnp.maximum(lead - bits, 0)
     drop = jnp.maximum(drop, -149 - q)  # below float32's smallest subnormal
-    d_hi = jnp.clip(drop - 15, 0, 31)
+    d_hi = jnp.clip(drop - base, 0, 31)
     d_lo = jnp.clip(drop, 0, 31)
-    up = hi << jnp.clip(15 - drop, 0, 15)
-    from_hi = jnp.where(drop >= 15, lax.shift_right_logical(hi, d_hi), up)
-    from_lo = jnp.where(drop >= 15, 0, lax.shift_right_logical(lo, d_lo))
-    mant = jnp.where(drop >= 47, 0, from_hi | from_lo)
-    e = q + drop
-    e1 = jnp.clip(e, -126, 127)
-    v = mant.astype(jnp.float32) * _pow2(e1) * _pow2(jnp.clip(e - e1, -126, 127))
-    return jnp.where(neg, -v, v)
+    up = hi << jnp.clip(base - drop, 0, base)
+    from_hi = jnp.where(drop >= base, lax.shift_right_logical(hi, d_hi), up)
+    from_lo = jnp.where(drop >= base, 0, lax.shift_right_logical(lo, d_lo))
+    mant = jnp.where(drop >= base + 32, 0, from_hi | from_lo)
+    e = q + drop  # the value is mant * 2**e, e >= -149
+    # assemble the float32 bits (not mant * 2**e: XLA:CPU flushes subnormal products to zero)
+    up = jnp.clip(24 - _bitlen(mant), 0, 24)
+    eb = e - up + 150  # biased exponent once mant is normalised to 24 bits
+    normal = (eb << 23) | ((mant << up) & 0x7FFFFF)
+    sub = mant << jnp.clip(e + 149, 0, 23)  # below 2**-126: float32's subnormal grid
+    bits = jnp.where(eb >= 1, normal, sub)
+    bits = jnp.where(eb >= 255, 0x7F800000, bits)
+    bits = jnp.where(mant == 0, 0, bits) | (neg.astype(jnp.int32) << 31)
+    return lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def step_apply(
@@ -106,16 +111,13 @@ def step_apply(
     decoded with :func:`decode`; ``c`` float32 (..., M, N). Returns float32 (..., M, N)."""
     f = step.fraction_bits
     if f > MAX_F:
-        raise ValueError(
-            f"Step.fraction_bits {f} exceeds the int32 kernel's {MAX_F} (a wider model, such "
-            "as Blackwell's 35-bit block-scaled FP4 step, is not implemented)"
-        )
+        return _step_wide(am, ae, bm, be, c, step, pa, pb)
     w = am.shape[0]
     k0 = pa + pb + shift_for(step, pa, pb) - f  # >= 0
     es = ae + be
     emax = jnp.max(es, axis=0)
     if step.accumulator_in_alignment:
-        cm, ce = _decode_f32(c)
+        cm, ce = decode_f32(c)
         big = jnp.maximum(emax, ce)
     else:
         big = emax
@@ -138,7 +140,25 @@ def step_apply(
     borrow = lo != 0
     mhi = jnp.where(neg, -hi - borrow.astype(jnp.int32), hi)
     mlo = jnp.where(neg & borrow, (1 << 15) - lo, lo)
-    out = _to_f32(neg, mhi, mlo, big - f, step.result_bits)
+    out = to_f32(neg, mhi, mlo, big - f, step.result_bits)
     if step.accumulator_in_alignment:
-        return out
+        return jnp.where(jnp.isfinite(c), out, c)  # an infinite accumulator stays so
     return c + out
+
+
+def _step_wide(am, ae, bm, be, c, step: Step, pa: int, pb: int) -> jax.Array:
+    """:func:`step_apply` for ``fraction_bits > MAX_F``, in two limbs (``_wide``); the
+    significands were decoded without a pre-shift."""
+    from precisionlab.hardware import _wide
+
+    f = step.fraction_bits
+    w = am.shape[0]
+    _wide.check_budget(f + 2, w + 1, f"Step.fraction_bits={f}")
+    x = am * bm  # exact: at most 2 * 11 bits
+    es = ae + be
+    es = jnp.broadcast_to(es, x.shape)
+    if not step.accumulator_in_alignment:
+        return c + _wide.aligned_sum([x], [es], [pa + pb], f, step.result_bits)
+    cm, ce = decode_f32(c)
+    out = _wide.aligned_sum([x, cm[None]], [es, ce[None]], [pa + pb, 23], f, step.result_bits)
+    return jnp.where(jnp.isfinite(c), out, c)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from precisionlab.hardware import _block
 from precisionlab.hardware import _kernel as _k
 from precisionlab.hardware.presets import Resolved, resolve
 from precisionlab.hardware.schedule import Schedule
@@ -18,6 +19,7 @@ __all__ = ["dot_general", "gemm"]
 
 _EIGHT = ("float8_e4m3fn", "float8_e5m2")
 _SIXTEEN = ("float16", "bfloat16")
+_FOUR = ("float4_e2m1fn",)
 _OUT = ("float32", "float16", "bfloat16")
 
 
@@ -27,14 +29,18 @@ def _kind(a_dtype, b_dtype) -> str:
         return "fp8"
     if na in _SIXTEEN and na == nb:
         return "16bit"
+    if na in _FOUR and nb in _FOUR:
+        return "fp4"
     raise ValueError(
         f"unsupported operand dtypes {na} x {nb}; supported: 8-bit "
-        f"({' or '.join(_EIGHT)}, mixed allowed) or 16-bit ({' or '.join(_SIXTEEN)}, both the same)"
+        f"({' or '.join(_EIGHT)}, mixed allowed), 16-bit ({' or '.join(_SIXTEEN)}, both the "
+        f"same) or 4-bit ({_FOUR[0]}, with block scales)"
     )
 
 
-def _chain_all(a, b, res: Resolved) -> jax.Array:
-    """float32 accumulators of ``a`` (M, K) x ``b`` (K, N) under ``res``."""
+def _chain_all(a, b, res: Resolved, a_off=None, b_off=None) -> jax.Array:
+    """float32 accumulators of ``a`` (M, K) x ``b`` (K, N) under ``res``; ``a_off`` (M, K) and
+    ``b_off`` (K, N): int32 exponent offsets (MXFP8's block scales) or None."""
     step, sch = res.step, res.schedule
     if sch.upcast:
         a, b = a.astype(sch.upcast), b.astype(sch.upcast)
@@ -66,6 +72,9 @@ def _chain_all(a, b, res: Resolved) -> jax.Array:
     b = jnp.pad(b, ((0, kp - kk), (0, 0)))
     am, ae = _k.decode(a, _k.shift_for(step, pa, pb), flush)
     bm, be = _k.decode(b, 0, flush)
+    if a_off is not None:
+        ae = ae + jnp.pad(a_off, ((0, 0), (0, kp - kk)))
+        be = be + jnp.pad(b_off, ((0, kp - kk), (0, 0)))
 
     # (nslices, nblocks, nsteps, w, M or N): slices, then blocks, then steps, run in order
     def lay(x, r):
@@ -114,10 +123,54 @@ def _specials(a, b, acc):
     return jnp.where(jnp.isfinite(ref), acc, ref)
 
 
+def _check_blocks(a, b, bsa, bsb, kind: str) -> int:
+    """Validate block scales against the operands; the block size (elements per scale)."""
+    if bsa is None or bsb is None:
+        raise ValueError("block-scaled GEMMs need both block_scale_a and block_scale_b")
+    if kind == "16bit":
+        raise ValueError("block scales apply to FP8 (MXFP8) and float4_e2m1fn (MXFP4, NVFP4) "
+                         "operands, not 16-bit ones")  # fmt: skip
+    (m, kk), n = a.shape, b.shape[1]
+    names = {jnp.dtype(x.dtype).name for x in (bsa, bsb)}
+    known = ", ".join(_block.SCALE_FORMATS)
+    if len(names) != 1 or not names <= set(_block.SCALE_FORMATS):
+        raise ValueError(f"block scales must share one dtype of {known}; got {sorted(names)}")
+    name = names.pop()
+    if bsa.ndim != 2 or bsb.ndim != 2 or bsa.shape[1] == 0 or kk % bsa.shape[1]:
+        raise ValueError(f"block_scale_a must be (M, K / block) with K={kk}; got {bsa.shape}")
+    block = kk // bsa.shape[1]
+    if bsa.shape != (m, kk // block) or bsb.shape != (kk // block, n):
+        raise ValueError(
+            f"block scales must be ({m}, {kk // block}) and ({kk // block}, {n}) for a "
+            f"{a.shape} x {b.shape} GEMM; got {bsa.shape} and {bsb.shape}"
+        )
+    allowed = {("fp4", "float8_e8m0fnu"): (16, 32), ("fp4", "float8_e4m3fn"): (16,),
+               ("fp8", "float8_e8m0fnu"): (32,)}.get((kind, name), ())  # fmt: skip
+    if block not in allowed:
+        raise ValueError(
+            f"{kind} operands with {name} scales: block size {block} is not supported; "
+            "supported: MXFP4 (E8M0, 32 or 16), NVFP4 (float8_e4m3fn as UE4M3, 16), "
+            "MXFP8 (E8M0, 32)"
+        )
+    return block
+
+
 @partial(jax.jit, static_argnames=("device", "library", "fast_accumulation", "out_dtype", "ov"))
-def _gemm(a, b, scale_a, scale_b, bias, *, device, library, fast_accumulation, out_dtype, ov):
-    res = resolve(device, library, fast_accumulation, _kind(a.dtype, b.dtype), dict(ov))
-    acc = _specials(a, b, _chain_all(a, b, res))
+def _gemm(a, b, scale_a, scale_b, bias, bsa, bsb, *, device, library, fast_accumulation,
+          out_dtype, ov):  # fmt: skip
+    kind = _kind(a.dtype, b.dtype)
+    res = resolve(device, library, fast_accumulation, kind, dict(ov))
+    if kind == "fp4":
+        acc = _block.chain_fp4(a, b, bsa, bsb, res.step)
+    elif bsa is not None:
+        block = a.shape[1] // bsa.shape[1]
+        a_off, nan_a = _block.exponent_offsets(bsa, block, axis=1)
+        b_off, nan_b = _block.exponent_offsets(bsb, block, axis=0)
+        acc = _specials(a, b, _chain_all(a, b, res, a_off, b_off))
+        nan = jnp.any(nan_a, axis=1)[:, None] | jnp.any(nan_b, axis=0)[None, :]
+        acc = jnp.where(nan, jnp.float32(jnp.nan), acc)
+    else:
+        acc = _specials(a, b, _chain_all(a, b, res))
     if scale_a is not None or scale_b is not None:
         sa = jnp.float32(1) if scale_a is None else jnp.asarray(scale_a, jnp.float32)
         sb = jnp.float32(1) if scale_b is None else jnp.asarray(scale_b, jnp.float32)
@@ -130,7 +183,7 @@ def _gemm(a, b, scale_a, scale_b, bias, *, device, library, fast_accumulation, o
 def gemm(
     a: jax.Array, b: jax.Array, device: str = "h100", library: str = "cublaslt",
     fast_accumulation: bool = True, out_dtype=jnp.float32, *, scale_a=None, scale_b=None,
-    bias=None, **overrides,
+    bias=None, block_scale_a=None, block_scale_b=None, **overrides,
 ) -> jax.Array:  # fmt: skip
     """``a @ b`` as ``device``'s tensor cores under ``library`` compute it, bit for bit.
 
@@ -138,6 +191,11 @@ def gemm(
     (float16 or bfloat16, both the same). ``scale_a``/``scale_b``: float32 scalars
     (``torch._scaled_mm``'s per-tensor scales); ``bias``: (N,) added in float32;
     ``out_dtype``: float32, float16 or bfloat16 (rounded to nearest even).
+    ``block_scale_a`` (M, K / block), ``block_scale_b`` (K / block, N): block scales inside
+    the contraction (Blackwell): float4_e2m1fn operands with float8_e8m0fnu scales (MXFP4,
+    block 32 or 16) or float8_e4m3fn scales read as UE4M3 (NVFP4, block 16) run the
+    ``kind::mxf4nvf4`` step (K a multiple of 64); FP8 operands with E8M0 scales per 32
+    (MXFP8) run the f8f6f4 step with the scales' exponents added.
     ``overrides``: any :class:`Step` or :class:`Schedule` field (``fraction_bits=12``,
     ``restart_every=64``, ``split_k=None``, ...). Pure and jittable; works under ``vmap``.
     Unknown device, library, dtypes or override: ``ValueError`` listing what exists.
@@ -145,14 +203,28 @@ def gemm(
     a, b = jnp.asarray(a), jnp.asarray(b)
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"gemm needs a (M, K) and b (K, N); got {a.shape} and {b.shape}")
-    _kind(a.dtype, b.dtype)
+    kind = _kind(a.dtype, b.dtype)
+    bsa = None if block_scale_a is None else jnp.asarray(block_scale_a)
+    bsb = None if block_scale_b is None else jnp.asarray(block_scale_b)
+    if bsa is not None or bsb is not None:
+        _check_blocks(a, b, bsa, bsb, kind)
+    elif kind == "fp4":
+        raise ValueError("float4_e2m1fn operands need block_scale_a and block_scale_b "
+                         "(MXFP4: float8_e8m0fnu; NVFP4: float8_e4m3fn)")  # fmt: skip
     od = jnp.dtype(out_dtype).name
     if od not in _OUT:
         raise ValueError(f"unsupported out_dtype {od}; supported: {', '.join(_OUT)}")
     ov = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in overrides.items()))
     # resolve eagerly, so that errors surface here with their message
-    resolve(device, library, fast_accumulation, _kind(a.dtype, b.dtype), dict(ov))
-    return _gemm(a, b, scale_a, scale_b, bias, device=device, library=library,
+    res = resolve(device, library, fast_accumulation, kind, dict(ov))
+    if kind == "fp4":
+        if res.schedule != Schedule():
+            raise ValueError(f"block-scaled FP4 runs one chain over K; schedule {res.schedule} "
+                             "is not modelled for it")  # fmt: skip
+        if a.shape[1] % res.step.products:
+            raise ValueError(f"block-scaled FP4 needs K a multiple of the instruction's "
+                             f"{res.step.products}; got K={a.shape[1]}")  # fmt: skip
+    return _gemm(a, b, scale_a, scale_b, bias, bsa, bsb, device=device, library=library,
                  fast_accumulation=bool(fast_accumulation), out_dtype=od, ov=ov)  # fmt: skip
 
 

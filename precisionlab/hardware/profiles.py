@@ -21,7 +21,8 @@ H100 = "H100 captures (tests/data/h100_gemm.npz; cuBLASLt via torch 2.11, XLA vi
 
 @dataclasses.dataclass(frozen=True)
 class Profile:
-    """A device's step for one input kind (``"fp8"`` or ``"16bit"``)."""
+    """A device's step for one input kind: ``"fp8"``, ``"16bit"`` or ``"fp4"`` (block-scaled
+    FP4, ``kind::mxf4nvf4``)."""
 
     device: str
     kind: str
@@ -107,8 +108,17 @@ PROFILES: dict[str, Profile] = {
             "(also MXFP8 block-scaled: the E8M0 block scales add to the exponents)",
             f"{MS}; {KH}",
             False,
-            "NVFP4/MXFP4 (kind::mxf4nvf4, 16-product exact groups, 35 fraction bits) is "
-            "described by MMA-Sim but not implemented here: it needs a 64-bit kernel",
+        ),
+        Profile(
+            "b200",
+            "fp4",
+            Step(products=64, fraction_bits=35, exact_group=16),
+            "tcgen05.mma kind::mxf4nvf4 (MXFP4: E8M0 scales per 32 or 16; NVFP4: UE4M3 "
+            "scales per 16): 16-product exact groups, 35 fraction bits (two-limb kernel)",
+            MS,
+            False,
+            "from MMA-Sim's published model (nv_fused_dot_add_with_block_scale); "
+            "not checked on hardware by this project",
         ),
     )
 }
@@ -125,6 +135,9 @@ def get_profile(device: str, kind: str) -> Profile:
     """The profile of ``device`` (name or alias) for ``kind``; ValueError listing what exists."""
     dev = DEVICE_ALIASES.get(str(device).lower(), str(device).lower())
     p = PROFILES.get(f"{dev}/{kind}")
+    if p is None and dev in devices():
+        p = Profile(dev, kind, None, f"none ({dev} has no {kind} tensor-core instruction "
+                    "modelled here)", "", False)  # fmt: skip
     if p is None:
         known = ", ".join(devices())
         aliases = ", ".join(f"{k}={v}" for k, v in sorted(DEVICE_ALIASES.items()))

@@ -12,7 +12,7 @@ from fractions import Fraction
 
 from precisionlab.hardware.step import Step
 
-__all__ = ["EMIN", "step_reference"]
+__all__ = ["EMIN", "SCALE_EMIN", "block_step_reference", "step_reference"]
 
 #: smallest normal exponent of each input format
 EMIN = {"float8_e4m3fn": -6, "float8_e5m2": -14, "float16": -14, "bfloat16": -126}
@@ -44,18 +44,22 @@ def _rn_f32(v: Fraction) -> float:
 
 
 def step_reference(
-    a: list[float], b: list[float], c: float, step: Step, a_format: str, b_format: str
-) -> float:
-    """One step: ``c`` (float32 value) plus the products ``a[i] * b[i]`` as ``step`` computes."""
+    a: list[float], b: list[float], c: float, step: Step, a_format: str, b_format: str,
+    scale_exps: list[int] | None = None,
+) -> float:  # fmt: skip
+    """One step: ``c`` (float32 value) plus the products ``a[i] * b[i]`` as ``step`` computes.
+    ``scale_exps[i]`` (MXFP8's block scales): product i is multiplied by ``2**scale_exps[i]``
+    and its alignment exponent raised by as much."""
     terms, exps = [], []
-    for x, y in zip(a, b, strict=True):
+    shifts = scale_exps if scale_exps is not None else [0] * len(a)
+    for x, y, t in zip(a, b, shifts, strict=True):
         if step.subnormal_inputs == "flush":
             x = 0.0 if abs(x) < 2.0 ** EMIN[a_format] else x
             y = 0.0 if abs(y) < 2.0 ** EMIN[b_format] else y
         if x == 0 or y == 0:
             continue
-        terms.append(Fraction(x) * Fraction(y))
-        exps.append(_exp(x, EMIN[a_format]) + _exp(y, EMIN[b_format]))
+        terms.append(Fraction(x) * Fraction(y) * Fraction(2) ** t)
+        exps.append(_exp(x, EMIN[a_format]) + _exp(y, EMIN[b_format]) + t)
     join = step.accumulator_in_alignment and c != 0
     if join:
         terms.append(Fraction(c))
@@ -72,6 +76,52 @@ def step_reference(
         drop = max(drop, -149 - (big - step.fraction_bits))
         mag = abs(total) >> drop
         v = Fraction(mag) * unit * Fraction(2) ** drop
+        s = math.copysign(math.inf if v >= Fraction(2) ** 128 else float(v), total)
+    if step.accumulator_in_alignment:
+        return s
+    return _rn_f32(Fraction(c) + Fraction(s))
+
+
+#: smallest exponent of each block-scale format (E8M0 down to 2**-127; UE4M3's subnormals)
+SCALE_EMIN = {"float8_e8m0fnu": -127, "float8_e4m3fn": -6}
+
+
+def block_step_reference(
+    a: list[float], b: list[float], c: float, scales_a: list[float], scales_b: list[float],
+    step: Step, scale_format: str,
+) -> float:  # fmt: skip
+    """One block-scaled step (``step.exact_group > 1``): ``c`` plus the ``products`` pairs,
+    group ``g`` (``exact_group`` consecutive pairs) scaled by ``scales_a[g] * scales_b[g]``.
+
+    Each group's products are summed exactly; its addend is that sum times the two scales'
+    significands, aligned by the sum of the scales' exponents (zero sums included, zero
+    scales not); ``c`` joins with its own exponent unless it is zero. Cut, sum and result as in
+    :func:`step_reference` (UE4M3 scales: the sign is ignored)."""
+    g = step.exact_group
+    emin = SCALE_EMIN[scale_format]
+    terms, exps = [], []
+    for i in range(len(a) // g):
+        s = sum(Fraction(x) * Fraction(y) for x, y in zip(a[i * g:(i + 1) * g],
+                                                           b[i * g:(i + 1) * g], strict=True))
+        sa, sb = abs(scales_a[i]), abs(scales_b[i])
+        if sa == 0 or sb == 0:  # a zero scale takes its group out (MMA-Sim: exponent -999)
+            continue
+        ea, eb = _exp(sa, emin), _exp(sb, emin)
+        # value s * sa * sb; the significands are sa / 2**ea and sb / 2**eb
+        terms.append(s * Fraction(sa) * Fraction(sb))
+        exps.append(ea + eb)
+    if c != 0 and step.accumulator_in_alignment:
+        terms.append(Fraction(c))
+        exps.append(_exp(c, -126))
+    big = max(exps, default=0)
+    unit = Fraction(2) ** (big - step.fraction_bits)
+    total = sum(math.trunc(t / unit) for t in terms)
+    if total == 0:
+        s = 0.0
+    else:
+        drop = max(abs(total).bit_length() - step.result_bits, 0)
+        drop = max(drop, -149 - (big - step.fraction_bits))
+        v = Fraction(abs(total) >> drop) * unit * Fraction(2) ** drop
         s = math.copysign(math.inf if v >= Fraction(2) ** 128 else float(v), total)
     if step.accumulator_in_alignment:
         return s

@@ -15,6 +15,12 @@ returns one float32 value (Khattak and Mikaitis 2025 call it a fused multiply-ad
 4. the sum is normalised and kept to ``result_bits`` significant bits, toward zero, then
    stored as float32 (subnormal float32 results are cut to float32's grid, toward zero).
 
+Block-scaled steps (``exact_group > 1``, Blackwell's ``kind::mxf4nvf4`` after MMA-Sim): the
+products are first summed exactly in groups of ``exact_group`` (one block-scale pair each);
+a group's addend is that sum times the two scales' significands, and its alignment exponent
+is the sum of the two scales' exponents (whatever the products' own exponents, and even
+when the group sums to zero). Steps 2-4 then run on the groups and the accumulator.
+
 When the accumulator is not in the alignment, the products are summed as above without it
 and the step's result is added to ``c`` in float32, rounded to nearest even.
 """
@@ -43,6 +49,8 @@ class Step:
       result_rounding: how the result is cut to ``result_bits`` (``"toward_zero"``).
       subnormal_inputs: ``"emin"`` (subnormal inputs keep their value, exponent = emin) or
         ``"flush"`` (treated as zero).
+      exact_group: products summed exactly before alignment, with one block-scale pair
+        (1: every product is its own addend; 16: Blackwell's block-scaled FP4 step).
     """
 
     products: int
@@ -52,12 +60,17 @@ class Step:
     result_bits: int = 24
     result_rounding: str = "toward_zero"
     subnormal_inputs: str = "emin"
+    exact_group: int = 1
 
     def __post_init__(self):
-        for name in ("products", "fraction_bits", "result_bits"):
+        for name in ("products", "fraction_bits", "result_bits", "exact_group"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Step.{name} must be a positive int, got {v!r}")
+        if self.products % self.exact_group:
+            raise ValueError(
+                f"Step.exact_group {self.exact_group} must divide products {self.products}"
+            )
         if self.result_bits > 24:
             raise ValueError(f"Step.result_bits must be <= 24 (float32), got {self.result_bits}")
         for name in ("addend_rounding", "result_rounding"):
