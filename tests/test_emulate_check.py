@@ -79,7 +79,7 @@ def test_cli_refuses_bad_targets_in_one_line(tmp_path, capsys):
         ([str(tmp_path / "missing.py")], "no such file"),
         (["model.txt"], "name a Python file"),
         ([path, "--policy", "c=f17"], "unknown dtype 'f17'"),
-        ([path, "--hardware", "h200"], "hardware must be one of h100, float32, h100-fast"),
+        ([path, "--hardware", "h200"], "hardware must be one of h100-xla, float32, h100-cub"),
         ([_write(tmp_path, "broken.py", "def model(:\n")], "importing it failed: SyntaxError"),
         ([_write(tmp_path, "noinputs.py", "def model(x):\n    return x\n")], "define inputs()"),
     ):

@@ -103,7 +103,7 @@ def _loss(p, x):
 def test_mlp_forward_matches_the_h100():
     p, x = _mlp_inputs()
     rate = _agree(jax.jit(emulate(_mlp, "c=f16"))(p, x), DATA["mlp_native"], np.float16).mean()
-    assert rate >= MLP_FORWARD_RATE["h100"]
+    assert rate >= MLP_FORWARD_RATE["h100-xla"]
     # the float32 matmul model (exact products, rounded once) misses whole log_softmax rows
     f32 = jax.jit(emulate(_mlp, "c=f16", hardware="float32"))(p, x)
     rate32 = _agree(f32, DATA["mlp_native"], np.float16).mean()
@@ -111,7 +111,7 @@ def test_mlp_forward_matches_the_h100():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("hardware", ["h100", "float32"])
+@pytest.mark.parametrize("hardware", ["h100-xla", "float32"])
 def test_mlp_weight_gradient_matches_the_h100(hardware):
     p, x = _mlp_inputs()
     g = jax.jit(jax.grad(emulate(_loss, "c=f16", hardware=hardware)))(p, x)["w1"]
@@ -120,10 +120,10 @@ def test_mlp_weight_gradient_matches_the_h100(hardware):
     assert rate >= MLP_GRAD_RATE[hardware] and rate > plain.mean() + 0.3
 
 
-# Measured floors per matmul model (docs/guides/emulate.md has the table): "h100" is the
+# Measured floors per matmul model (docs/guides/emulate.md has the table): "h100-xla" is the
 # default, the tensor-core model of precisionlab.hardware with XLA's split-K by K.
-MLP_FORWARD_RATE = {"h100": 1.0, "float32": 0.993}
-MLP_GRAD_RATE = {"h100": 0.993, "float32": 0.82}
+MLP_FORWARD_RATE = {"h100-xla": 1.0, "float32": 0.993}
+MLP_GRAD_RATE = {"h100-xla": 0.993, "float32": 0.82}
 
 
 @pytest.mark.slow
@@ -155,10 +155,36 @@ def test_the_matmul_model_is_pluggable_and_names_are_checked():
     seen.clear()
     emulate(jnp.matmul, "c=bf16", hardware=model)(a.astype(jnp.float32), a.T.astype(jnp.float32))
     assert seen == [((2, 3), (3, 2), "bfloat16", "float32")]
-    for hw in ("h100", "float32", "a100"):
+    for hw in ("h100-xla", "float32", "a100", "h100-cublaslt", "h100-fast"):
         assert np.all(np.asarray(emulate(jnp.matmul, "c=f16", hardware=hw)(a, a.T)) == 3.0)
-    with pytest.raises(ValueError, match="hardware must be one of h100, float32, h100-fast"):
+    with pytest.raises(ValueError, match="hardware must be one of h100-xla, float32, h100-cub"):
         emulate(jnp.matmul, "c=f16", hardware="h200")
+
+
+def test_one_preset_name_means_one_thing_everywhere():
+    """emulate's default is the hardware preset of the same name, which applies XLA's split-K
+    by K itself; "h100" (XLA in emulate before, cuBLASLt in recipes and gemm) is refused with
+    the choices, by emulate, gemm's presets and recipes alike."""
+    from precisionlab import hardware as hw
+    from precisionlab.recipes import get_recipe
+
+    rng = np.random.default_rng(3)
+    a = jnp.asarray(rng.standard_normal((8, 512)), jnp.float16)
+    b = jnp.asarray(rng.standard_normal((512, 8)), jnp.float16)
+    f = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
+    got = emulate(f, "c=f16")(a, b)
+    want = hw.gemm(a, b, **hw.preset("h100-xla"))
+    assert np.array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
+    # the preset's split is xla_split(512): 64-wide slices summed in order (not one chain)
+    chain = hw.gemm(a, b, **hw.preset("h100-xla"), split_k=None)
+    split = hw.gemm(a, b, **hw.preset("h100-xla"), **hw.xla_split(512))
+    assert np.array_equal(np.asarray(want), np.asarray(split))
+    assert not np.array_equal(np.asarray(want), np.asarray(chain))
+    choices = "choose one of: 'h100-xla'.*'h100-cublaslt'.*'h100-cublaslt-fast'"
+    for call in (lambda: emulate(f, "c=f16", hardware="h100"), lambda: hw.preset("h100"),
+                 lambda: get_recipe("current", accumulate="h100")):  # fmt: skip
+        with pytest.raises(ValueError, match=choices):
+            call()
 
 
 def test_the_h100_model_truncates_where_float32_rounds():
@@ -183,7 +209,7 @@ def test_recipes_refuse_an_emulated_tensor_core_matmul():
 
     w = jnp.asarray(np.random.default_rng(0).normal(size=(16, 4)), jnp.float32)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(8, 16)), jnp.float32)
-    with pytest.raises(ValueError, match=r"hardware='h100'.*hardware='float32'"):
+    with pytest.raises(ValueError, match=r"hardware='h100-xla'.*hardware='float32'"):
         recipes.apply(emulate(lambda w, x: x @ w, "c=f16"), "current")
     f = recipes.apply(emulate(lambda w, x: x @ w, "c=f16", hardware="float32"), "current")
     assert np.abs(np.asarray(jax.grad(lambda w: f(w, x).sum())(w))).sum() > 0

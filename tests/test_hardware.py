@@ -239,7 +239,7 @@ def test_cli_gemm_conformance_runs(capsys):
 
     assert main(["conformance", "--gemm"]) == 0
     out = capsys.readouterr().out
-    assert "xla:cpu" in out and "h100-fast" in out
+    assert "xla:cpu" in out and "h100-cublaslt-fast" in out
     assert main(["bench", "hardware", "--m", "8", "--n", "8", "--k", "256", "--repeats", "1"]) == 0
     assert "M products/s" in capsys.readouterr().out
 
@@ -249,8 +249,19 @@ def test_dot_general_preset_and_contracting_dims():
     rng = np.random.default_rng(2)
     x = rng.standard_normal((64, 3)).astype(np.float16)
     w = rng.standard_normal((2, 64)).astype(np.float16)
-    y = hw.dot_general(x, w, (((0,), (1,)), ((), ())), preset="h100")
+    y = hw.dot_general(x, w, (((0,), (1,)), ((), ())), preset="h100-cublaslt")
     assert y.shape == (3, 2)
     assert _same(y, hw.gemm(x.T, w.T, "h100", "cublaslt", False)) == 1.0
-    with pytest.raises(ValueError, match="unknown hardware preset"):
+    with pytest.raises(ValueError, match="unknown hardware preset 'h100-turbo'; known: h100-cub"):
         hw.dot_general(x, w, (((0,), (1,)), ((), ())), preset="h100-turbo")
+    with pytest.raises(ValueError, match="'h100' is ambiguous; choose one of: 'h100-xla'"):
+        hw.dot_general(x, w, (((0,), (1,)), ((), ())), preset="h100")
+
+
+def test_preset_names_and_aliases():
+    """Canonical names are <device>-<library>[-fast]; each alias names one of them."""
+    for name, (dev, lib, fast) in hw.PRESETS.items():
+        assert name == f"{dev}-{lib}" + ("-fast" if fast else "")
+    for alias, target in hw.PRESET_ALIASES.items():
+        assert target in hw.PRESETS and hw.preset(alias) == hw.preset(target)
+    assert set(hw.AMBIGUOUS_PRESETS) & (set(hw.PRESETS) | set(hw.PRESET_ALIASES)) == set()

@@ -17,12 +17,14 @@ from precisionlab.bench._timing import positive_int, repeats_int, time_interleav
 
 HELP = "hardware GEMM models: emulated products/s vs a float32 matmul of the same shape"
 
-#: name -> (operand dtype, gemm keyword arguments)
+#: name -> (operand dtype, gemm keyword arguments); float4 operands get NVFP4 block scales
+#: (float8_e4m3fn per 16) and run Blackwell's 35-bit step in the two-limb kernel
 CASES: dict[str, tuple[object, dict]] = {
-    "h100-fast fp8": (ml_dtypes.float8_e4m3fn, {"fast_accumulation": True}),
-    "h100 fp8 (promote 128)": (ml_dtypes.float8_e4m3fn, {"fast_accumulation": False}),
-    "h100 float16": (np.float16, {}),
-    "h100 bfloat16": (ml_dtypes.bfloat16, {}),
+    "h100-cublaslt-fast fp8": (ml_dtypes.float8_e4m3fn, hw.preset("h100-cublaslt-fast")),
+    "h100-cublaslt fp8 (promote 128)": (ml_dtypes.float8_e4m3fn, hw.preset("h100-cublaslt")),
+    "h100-cublaslt float16": (np.float16, hw.preset("h100-cublaslt")),
+    "h100-cublaslt bfloat16": (ml_dtypes.bfloat16, hw.preset("h100-cublaslt")),
+    "b200-cublaslt nvfp4 (2 limbs)": (ml_dtypes.float4_e2m1fn, hw.preset("b200-cublaslt")),
 }
 
 
@@ -41,6 +43,11 @@ def measure(m: int, n: int, k: int, repeats: int) -> list[dict]:
     for name, (dt, kw) in CASES.items():
         a = jnp.asarray(rng.standard_normal((m, k)).astype(dt))
         b = jnp.asarray(rng.standard_normal((k, n)).astype(dt))
+        if dt is ml_dtypes.float4_e2m1fn:
+            if k % 64:
+                continue  # the FP4 instruction takes K in multiples of 64
+            kw = {**kw, "block_scale_a": jnp.ones((m, k // 16), jnp.float8_e4m3fn),
+                  "block_scale_b": jnp.ones((k // 16, n), jnp.float8_e4m3fn)}  # fmt: skip
         t = time_interleaved(
             {
                 "model": lambda a=a, b=b, kw=kw: hw.gemm(a, b, **kw),
@@ -72,12 +79,12 @@ def run(args: argparse.Namespace) -> int:
         f"{platform.processor() or platform.machine()}, jax {jax.__version__}, best of "
         f"{args.repeats}, alternating with a float32 matmul)"
     )
-    head = f"{'case':<24} {'model ms':>9} {'f32 ms':>8} {'M products/s':>13} {'f32 / model':>11}"
+    head = f"{'case':<31} {'model ms':>9} {'f32 ms':>8} {'M products/s':>13} {'f32 / model':>11}"
     print(head)
     print("-" * len(head))
     for r in res:
         print(
-            f"{r['case']:<24} {r['model_ms']:>9.1f} {r['f32_ms']:>8.2f} "
+            f"{r['case']:<31} {r['model_ms']:>9.1f} {r['f32_ms']:>8.2f} "
             f"{r['model_Mproducts_s']:>13.0f} {r['model_ms'] / r['f32_ms']:>10.0f}x"
         )
     return 0

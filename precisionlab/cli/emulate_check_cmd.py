@@ -26,9 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--policy", default="c=f16", help="the emulated policy (default c=f16)")
     parser.add_argument(
-        "--hardware", default="h100",
-        help="emulate's matmul model: h100 (default: the H100's tensor cores as XLA runs "
-        "them), float32, or a precisionlab.hardware preset (h100-fast, a100, ...)",
+        "--hardware", default="h100-xla",
+        help="emulate's matmul model: h100-xla (default: the H100's tensor cores as XLA runs "
+        "them), float32, or another precisionlab.hardware preset (h100-cublaslt, "
+        "h100-cublaslt-fast, a100, ...)",
     )  # fmt: skip
     parser.add_argument("--all", action="store_true", help="list every operation")
     parser.add_argument("--json", action="store_true", help="print one JSON object per operation")

@@ -32,10 +32,11 @@ GEMM_CASES = {
 #: model name -> gemm keyword arguments (None: exact, rounded once)
 MODELS: dict[str, dict | None] = {
     "exact-once": None,
-    "h100-fast": hw.preset("h100-fast"),
-    "h100": hw.preset("h100"),
-    "a100": hw.preset("a100"),
-    "b200": hw.preset("b200"),
+    "h100-cublaslt-fast": hw.preset("h100-cublaslt-fast"),
+    "h100-cublaslt": hw.preset("h100-cublaslt"),
+    "h100-xla": hw.preset("h100-xla"),
+    "a100-cublaslt": hw.preset("a100-cublaslt"),
+    "b200-cublaslt": hw.preset("b200-cublaslt"),
 }
 
 

@@ -460,7 +460,7 @@ def emulate(
     *,
     keep: Sequence[int | str] | str = (),
     accumulate_bits: int | None = None,
-    hardware: str | Callable = "h100",
+    hardware: str | Callable = "h100-xla",
 ) -> Emulated:
     """``fn`` computed as XLA's GPU backend computes it, on any machine: each floating-point
     operation's result rounded to the dtype the program gives it (a 16-bit program's float32
@@ -482,12 +482,14 @@ def emulate(
       accumulate_bits: None (default): matmuls follow ``hardware``; an int m in 1..23:
         ``dot_general`` partial sums are rounded to m mantissa bits after every product
         (:func:`precisionlab.recipes.accumulate`, a study model; a sequential scan, slow).
-      hardware: the matmul model: ``"h100"`` (default: the H100's tensor-core arithmetic
-        with XLA's Triton split-K schedule, from :mod:`precisionlab.hardware`), ``"float32"``
-        (products exact, float32 accumulation, rounded once to the result dtype; faster), a
-        preset of ``precisionlab.hardware.PRESETS`` (``"h100-fast"``, ``"a100"``, ...) or a
-        callable ``(lhs, rhs, dot_general params, result dtype) -> result``. Only 8- and
-        16-bit operands take a tensor-core model; float32 ones are summed in float32.
+      hardware: the matmul model: ``"h100-xla"`` (default: the H100's tensor-core arithmetic
+        with XLA's Triton split-K schedule, the :mod:`precisionlab.hardware` preset of that
+        name), ``"float32"`` (products exact, float32 accumulation, rounded once to the
+        result dtype; faster), any other preset or alias of ``precisionlab.hardware``
+        (``"h100-cublaslt"``, ``"h100-fast"``, ``"a100"``, ...; ``"h100"`` is refused as
+        ambiguous, naming the choices) or a callable ``(lhs, rhs, dot_general params,
+        result dtype) -> result``. Only 8- and 16-bit operands take a tensor-core model;
+        float32 ones are summed in float32.
 
     Returns:
       An :class:`Emulated`: call it like ``fn``; ``.report(...)`` lists the operations.

@@ -3,27 +3,41 @@
 - :class:`Step`: one tensor-core step as data; :data:`PROFILES`: each device's steps with
   their sources (Hopper checked against H100 captures);
 - :class:`Schedule`: how a library runs steps over K (one chain, restart every N, split-K,
-  upcast); :data:`PRESETS`: names (``"h100-fast"``, ``"h100"``, ...) for device + library;
+  upcast); :data:`PRESETS`: names ``<device>-<library>[-fast]`` (``"h100-cublaslt-fast"``,
+  ``"h100-cublaslt"``, ``"h100-xla"``, ...), :data:`PRESET_ALIASES` (``"h100-fast"``, ...);
 - :func:`gemm` / :func:`dot_general`: the vectorized model under ``jit``/``vmap``;
 - :mod:`precisionlab.hardware.reference`: the scalar reference (Python integers).
 """
 
 from precisionlab.hardware.gemm import dot_general, gemm
-from precisionlab.hardware.presets import LIBRARIES, PRESETS, preset, resolve
+from precisionlab.hardware.presets import (
+    AMBIGUOUS_PRESETS,
+    LIBRARIES,
+    PRESET_ALIASES,
+    PRESETS,
+    canonical_preset,
+    preset,
+    resolve,
+    xla_split,
+)
 from precisionlab.hardware.profiles import PROFILES, Profile, get_profile
 from precisionlab.hardware.schedule import Schedule
 from precisionlab.hardware.step import Step
 
 __all__ = [
+    "AMBIGUOUS_PRESETS",
     "LIBRARIES",
     "PRESETS",
+    "PRESET_ALIASES",
     "PROFILES",
     "Profile",
     "Schedule",
     "Step",
+    "canonical_preset",
     "dot_general",
     "gemm",
     "get_profile",
     "preset",
     "resolve",
+    "xla_split",
 ]

@@ -159,7 +159,7 @@ def _check_blocks(a, b, bsa, bsb, kind: str) -> int:
 def _gemm(a, b, scale_a, scale_b, bias, bsa, bsb, *, device, library, fast_accumulation,
           out_dtype, ov):  # fmt: skip
     kind = _kind(a.dtype, b.dtype)
-    res = resolve(device, library, fast_accumulation, kind, dict(ov))
+    res = resolve(device, library, fast_accumulation, kind, dict(ov), a.shape[1])
     if kind == "fp4":
         acc = _block.chain_fp4(a, b, bsa, bsb, res.step)
     elif bsa is not None:
@@ -196,6 +196,7 @@ def gemm(
     block 32 or 16) or float8_e4m3fn scales read as UE4M3 (NVFP4, block 16) run the
     ``kind::mxf4nvf4`` step (K a multiple of 64); FP8 operands with E8M0 scales per 32
     (MXFP8) run the f8f6f4 step with the scales' exponents added.
+    ``library="xla"`` on an h100 takes XLA's split-K by K (:func:`xla_split`).
     ``overrides``: any :class:`Step` or :class:`Schedule` field (``fraction_bits=12``,
     ``restart_every=64``, ``split_k=None``, ...). Pure and jittable; works under ``vmap``.
     Unknown device, library, dtypes or override: ``ValueError`` listing what exists.
@@ -216,7 +217,7 @@ def gemm(
         raise ValueError(f"unsupported out_dtype {od}; supported: {', '.join(_OUT)}")
     ov = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in overrides.items()))
     # resolve eagerly, so that errors surface here with their message
-    res = resolve(device, library, fast_accumulation, kind, dict(ov))
+    res = resolve(device, library, fast_accumulation, kind, dict(ov), a.shape[1])
     if kind == "fp4":
         if res.schedule != Schedule():
             raise ValueError(f"block-scaled FP4 runs one chain over K; schedule {res.schedule} "
@@ -237,8 +238,9 @@ def dot_general(
 
     Output layout as ``lax.dot_general``: batch dims, then lhs free dims, then rhs free dims.
     Contracting dims are flattened into one K (in their listed order), batch dims are mapped.
-    ``preset`` (``"h100-fast"``, ``"h100"``, ... see :data:`PRESETS`) sets device, library
-    and fast_accumulation at once. ``out_dtype`` plays ``preferred_element_type``'s part.
+    ``preset`` (``"h100-cublaslt-fast"``, ``"h100-cublaslt"``, ``"h100-xla"``, an alias such
+    as ``"h100-fast"``; see :data:`PRESETS`) sets device, library and fast_accumulation.
+    ``out_dtype`` plays ``preferred_element_type``'s part.
     """
     if preset is not None:
         from precisionlab.hardware.presets import preset as _preset

@@ -8,31 +8,104 @@ from precisionlab.hardware.profiles import DEVICE_ALIASES, Profile, devices, get
 from precisionlab.hardware.schedule import Schedule
 from precisionlab.hardware.step import Step
 
-__all__ = ["LIBRARIES", "PRESETS", "Resolved", "preset", "resolve"]
+__all__ = [
+    "AMBIGUOUS_PRESETS",
+    "LIBRARIES",
+    "PRESETS",
+    "PRESET_ALIASES",
+    "Resolved",
+    "canonical_preset",
+    "preset",
+    "resolve",
+    "xla_split",
+]
 
 #: The GEMM libraries whose schedules are modelled: cuBLASLt (torch._scaled_mm, cuBLAS)
 #: and XLA's GPU GEMMs.
 LIBRARIES = ("cublaslt", "xla")
 
-#: name -> (device, library, fast_accumulation)
+#: Preset names, ``<device>-<library>[-fast]`` -> (device, library, fast_accumulation).
+#: One name means one thing everywhere (``gemm``, recipes' ``accumulate=``, ``emulate``'s
+#: ``hardware=``, conformance): ``h100-xla`` is what XLA on an H100 computes (Triton GEMMs,
+#: split-K chosen by K with :func:`xla_split`), ``h100-cublaslt`` cuBLASLt's default.
 PRESETS: dict[str, tuple[str, str, bool]] = {
-    "h100-fast": ("h100", "cublaslt", True),
-    "h100": ("h100", "cublaslt", False),
+    "h100-cublaslt-fast": ("h100", "cublaslt", True),
+    "h100-cublaslt": ("h100", "cublaslt", False),
     "h100-xla": ("h100", "xla", False),
-    "a100": ("a100", "cublaslt", False),
-    "v100": ("v100", "cublaslt", False),
-    "l40s-fast": ("l40s", "cublaslt", True),
-    "l40s": ("l40s", "cublaslt", False),
-    "b200": ("b200", "cublaslt", False),
+    "a100-cublaslt": ("a100", "cublaslt", False),
+    "v100-cublaslt": ("v100", "cublaslt", False),
+    "l40s-cublaslt-fast": ("l40s", "cublaslt", True),
+    "l40s-cublaslt": ("l40s", "cublaslt", False),
+    "b200-cublaslt": ("b200", "cublaslt", False),
+}
+
+#: Short names kept because each can mean only one preset (one library modelled for the
+#: device, or "fast", which only cuBLASLt has).
+PRESET_ALIASES: dict[str, str] = {
+    "h100-fast": "h100-cublaslt-fast",
+    "a100": "a100-cublaslt",
+    "v100": "v100-cublaslt",
+    "l40s-fast": "l40s-cublaslt-fast",
+    "l40s": "l40s-cublaslt",
+    "b200": "b200-cublaslt",
+}
+
+#: Names refused because they meant different things in different places (``"h100"`` was
+#: XLA's GEMMs in emulate and cuBLASLt's in recipes and ``gemm``): name -> the choices.
+AMBIGUOUS_PRESETS: dict[str, tuple[str, ...]] = {
+    "h100": ("h100-xla", "h100-cublaslt", "h100-cublaslt-fast"),
+}
+
+_WHAT = {
+    "h100-xla": "XLA's Triton GEMMs on an H100",
+    "h100-cublaslt": "cuBLASLt's default on an H100, FP8 promoted every 128",
+    "h100-cublaslt-fast": "cuBLASLt with fast accumulation on an H100",
 }
 
 
-def _schedule(device: str, library: str, kind: str, fast: bool) -> Schedule:
+def canonical_preset(name: str) -> str:
+    """The preset ``name`` stands for (itself or its alias's target). ValueError for an
+    ambiguous name (listing the choices) or an unknown one (listing the names)."""
+    if isinstance(name, str) and name in PRESETS:
+        return name
+    if isinstance(name, str) and name in PRESET_ALIASES:
+        return PRESET_ALIASES[name]
+    if isinstance(name, str) and name in AMBIGUOUS_PRESETS:
+        opts = "; ".join(f"{c!r} ({_WHAT.get(c, c)})" for c in AMBIGUOUS_PRESETS[name])
+        raise ValueError(f"hardware preset {name!r} is ambiguous; choose one of: {opts}")
+    aliases = ", ".join(f"{k}={v}" for k, v in PRESET_ALIASES.items())
+    raise ValueError(
+        f"unknown hardware preset {name!r}; known: {', '.join(PRESETS)} (aliases: {aliases})"
+    )
+
+
+def xla_split(k: int) -> dict:
+    """The split-K schedule taken for XLA's Triton GEMM on an H100 at contraction length
+    ``k`` (:class:`Schedule` fields). From the captures: K <= 64 runs one chain (``xla_P1``
+    to ``P3``); K = 128, 256, 512 (the float16 MLP's GEMMs and their transposes) fit 64-wide
+    slices summed in float32 in order best; K = 4096 at 64 x 64 outputs is 128-wide slices
+    summed by halves (``g16``). XLA picks its tiling per shape (M and N too), so other shapes
+    are a guess: slices of 64 below K = 4096, of 128 (by halves where their count is a power
+    of two, else in order) from there. (Exceptions measured: the FP8 64 x 1024 x 64 HIGHEST
+    capture summed 64-wide slices by halves; the 32 x 4096 x 32 P4 GEMMs used the order
+    (4, 2, 1, 0, 3): pass ``split_k``/``split_order`` to override.)"""
+    if k <= 64:
+        return {"split_k": None}
+    if k < 4096:
+        return {"split_k": 64, "split_order": "sequential"}
+    n = -(-k // 128)
+    if n & (n - 1) == 0:
+        return {"split_k": 128, "split_order": tuple(reversed(range(n.bit_length() - 1)))}
+    return {"split_k": 128, "split_order": "sequential"}
+
+
+def _schedule(device: str, library: str, kind: str, fast: bool, k: int | None) -> Schedule:
     if library == "xla":
         # XLA's Triton GEMMs on Hopper upcast FP8 to float16 on small tiles; block K, split-K
-        # and the reduction order depend on the shape (read them from the compiled HLO and
-        # pass split_k / split_order).
-        return Schedule(upcast="float16" if kind == "fp8" else None)
+        # and the reduction order depend on the shape: the rule of xla_split by K (the
+        # compiled HLO shows the split; pass split_k / split_order to override).
+        split = xla_split(k) if (k is not None and device == "h100") else {}
+        return Schedule(upcast="float16" if kind == "fp8" else None, **split)
     if kind == "fp8" and not fast:
         return Schedule(restart_every=128)
     if kind == "fp8" and fast and device == "h100":
@@ -49,12 +122,13 @@ class Resolved:
 
 
 def resolve(device: str, library: str, fast_accumulation: bool, kind: str,
-            overrides: dict) -> Resolved:  # fmt: skip
-    """The step and schedule for a call, with ``overrides`` (any Step or Schedule field)."""
+            overrides: dict, k: int | None = None) -> Resolved:  # fmt: skip
+    """The step and schedule for a call of contraction length ``k`` (None: the schedule's
+    K-independent part), with ``overrides`` (any Step or Schedule field)."""
     if library not in LIBRARIES:
         raise ValueError(f"unknown library {library!r}; known: {', '.join(LIBRARIES)}")
     dev = DEVICE_ALIASES.get(str(device).lower(), str(device).lower())
-    sched = _schedule(dev, library, kind, bool(fast_accumulation))
+    sched = _schedule(dev, library, kind, bool(fast_accumulation), k)
     upcast = overrides.get("upcast", sched.upcast)
     prof = get_profile(dev, "16bit" if upcast else kind)
     step_f = {f.name for f in dataclasses.fields(Step)}
@@ -71,10 +145,8 @@ def resolve(device: str, library: str, fast_accumulation: bool, kind: str,
 
 
 def preset(name: str) -> dict:
-    """``gemm`` keyword arguments of a named preset; ValueError listing the names."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown hardware preset {name!r}; known: {', '.join(PRESETS)}")
-    dev, lib, fast = PRESETS[name]
+    """``gemm`` keyword arguments of a named preset or alias (:func:`canonical_preset`)."""
+    dev, lib, fast = PRESETS[canonical_preset(name)]
     return {"device": dev, "library": lib, "fast_accumulation": fast}
 
 

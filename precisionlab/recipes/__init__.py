@@ -14,7 +14,7 @@
   ``update_state``), kept by ``train.TrainRecipe`` and ``diagnose``'s ``AutoSwitchRecipe``.
 - :func:`accumulate`: the sequential m-bit accumulator, a study model, not hardware
   (``accumulate_bits``, ``promote_every`` on every recipe); ``accumulate="h100-fast"``,
-  ``"h100"``, ... on every recipe computes the GEMMs as that device does instead
+  ``"h100-cublaslt"``, ... on every recipe computes the GEMMs as that device does instead
   (:mod:`precisionlab.hardware`).
 """
 

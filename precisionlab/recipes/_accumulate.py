@@ -2,7 +2,8 @@
 
 A *study model* (``accumulate="sequential"``), not hardware: no tensor core rounds after every
 product. On the H100 captures its best setting matches 15% of outputs at K = 256 and 6% at
-K = 1024; :mod:`precisionlab.hardware` (``accumulate="h100-fast"``, ``"h100"``) matches all.
+K = 1024; :mod:`precisionlab.hardware` (``accumulate="h100-fast"``, ``"h100-cublaslt"``)
+matches all.
 
 Model (stated exactly, so a scalar reference can check it): products ``a_k * b_k`` are
 float32 (exact for products of 8-bit or narrower elements); each partial sum

@@ -8,7 +8,8 @@ its quantized copy (as Transformer Engine does for MXFP8).
 
 Common fields (accumulator emulation): ``accumulate`` (None: float32 products summed by XLA
 at HIGHEST precision, or the study model below when ``accumulate_bits`` is set; a hardware
-preset of :data:`precisionlab.hardware.PRESETS` such as ``"h100-fast"`` or ``"h100"``: the
+preset of :data:`precisionlab.hardware.PRESETS` such as ``"h100-cublaslt-fast"`` (alias
+``"h100-fast"``) or ``"h100-cublaslt"``: the
 GEMM computed bit for bit as that device and library do, see :mod:`precisionlab.hardware`;
 ``"sequential"``: the study model, named explicitly). The *sequential study model* (see
 :mod:`precisionlab.recipes._accumulate`; not hardware: no tensor core rounds after every
@@ -76,13 +77,16 @@ class Recipe:
     def __post_init__(self):
         acc = self.accumulate
         if acc is not None:
-            from precisionlab.hardware import PRESETS as HW
+            from precisionlab.hardware import canonical_preset
 
-            if acc != "sequential" and acc not in HW:
-                raise ValueError(
-                    f"unknown accumulate {acc!r}; allowed: sequential (the study model, with "
-                    f"accumulate_bits) or a hardware preset: {', '.join(HW)}"
-                )
+            if acc != "sequential":
+                try:
+                    canonical_preset(acc)
+                except ValueError as e:
+                    raise ValueError(
+                        f"accumulate={acc!r}: {e}; or 'sequential' (the study model, with "
+                        "accumulate_bits)"
+                    ) from None
             if acc == "sequential" and self.accumulate_bits is None:
                 raise ValueError("accumulate='sequential' needs accumulate_bits")
             if acc != "sequential" and self.accumulate_bits is not None:
