@@ -111,7 +111,8 @@ def step_apply(
     decoded with :func:`decode`; ``c`` float32 (..., M, N). Returns float32 (..., M, N)."""
     f = step.fraction_bits
     if f > MAX_F:
-        return _step_wide(am, ae, bm, be, c, step, pa, pb)
+        raise ValueError(f"Step.fraction_bits {f} exceeds the int32 kernel's {MAX_F} "
+                         "(hardware._wide.step_apply computes it in two limbs)")  # fmt: skip
     w = am.shape[0]
     k0 = pa + pb + shift_for(step, pa, pb) - f  # >= 0
     es = ae + be
@@ -145,20 +146,3 @@ def step_apply(
         return jnp.where(jnp.isfinite(c), out, c)  # an infinite accumulator stays so
     return c + out
 
-
-def _step_wide(am, ae, bm, be, c, step: Step, pa: int, pb: int) -> jax.Array:
-    """:func:`step_apply` for ``fraction_bits > MAX_F``, in two limbs (``_wide``); the
-    significands were decoded without a pre-shift."""
-    from precisionlab.hardware import _wide
-
-    f = step.fraction_bits
-    w = am.shape[0]
-    _wide.check_budget(f + 2, w + 1, f"Step.fraction_bits={f}")
-    x = am * bm  # exact: at most 2 * 11 bits
-    es = ae + be
-    es = jnp.broadcast_to(es, x.shape)
-    if not step.accumulator_in_alignment:
-        return c + _wide.aligned_sum([x], [es], [pa + pb], f, step.result_bits)
-    cm, ce = decode_f32(c)
-    out = _wide.aligned_sum([x, cm[None]], [es, ce[None]], [pa + pb, 23], f, step.result_bits)
-    return jnp.where(jnp.isfinite(c), out, c)

@@ -21,8 +21,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from precisionlab.hardware import _kernel as _k
+from precisionlab.hardware.step import Step
 
-__all__ = ["B", "check_budget", "limbs", "sum_to_f32"]
+__all__ = ["B", "aligned_sum", "check_budget", "limbs", "step_apply", "sum_to_f32"]
 
 B = 24  # the low limb's width
 _MASK = (1 << B) - 1
@@ -87,3 +88,19 @@ def aligned_sum(
         his.append(h)
         los.append(lo)
     return sum_to_f32(jnp.concatenate(his), jnp.concatenate(los), big - fraction_bits, bits)
+
+
+def step_apply(am, ae, bm, be, c, step: Step, pa: int, pb: int) -> jax.Array:
+    """``_kernel.step_apply`` for ``fraction_bits > _kernel.MAX_F``, in two limbs (the
+    significands decoded without a pre-shift: ``_kernel.shift_for`` gives 0)."""
+    f = step.fraction_bits
+    w = am.shape[0]
+    check_budget(f + 2, w + 1, f"Step.fraction_bits={f}")
+    x = am * bm  # exact: at most 2 * 11 bits
+    es = ae + be
+    es = jnp.broadcast_to(es, x.shape)
+    if not step.accumulator_in_alignment:
+        return c + aligned_sum([x], [es], [pa + pb], f, step.result_bits)
+    cm, ce = _k.decode_f32(c)
+    out = aligned_sum([x, cm[None]], [es, ce[None]], [pa + pb, 23], f, step.result_bits)
+    return jnp.where(jnp.isfinite(c), out, c)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from precisionlab.hardware import _block
+from precisionlab.hardware import _block, _wide
 from precisionlab.hardware import _kernel as _k
 from precisionlab.hardware.presets import Resolved, resolve
 from precisionlab.hardware.schedule import Schedule
@@ -85,8 +85,10 @@ def _chain_all(a, b, res: Resolved, a_off=None, b_off=None) -> jax.Array:
     bm, be = lay(bm.T, n)[..., None, :], lay(be.T, n)[..., None, :]
     zero = jnp.zeros((m, n), jnp.float32)
 
+    apply = _wide.step_apply if step.fraction_bits > _k.MAX_F else _k.step_apply
+
     def one_step(c, x):
-        return _k.step_apply(*x, c, step, pa, pb), None
+        return apply(*x, c, step, pa, pb), None
 
     def one_block(total, x):
         c, _ = lax.scan(one_step, zero, x)
