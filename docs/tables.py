@@ -46,7 +46,8 @@ if str(ROOT) not in sys.path:
 
 OPEN = re.compile(r"^<!-- generated: ([a-z0-9][a-z0-9-]*) -->$")
 CLOSE = "<!-- /generated -->"
-_LOOSE = re.compile(r"<!--\s*/?\s*generated\b")  # anything that looks like a marker
+# anything that looks like a marker (not quoted in backticks, as prose quotes one)
+_LOOSE = re.compile(r"(?<!`)<!--\s*/?\s*generated\b")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -74,6 +74,7 @@ def test_find_regions_rejects_malformed_markers():
         "text <!-- generated: a --> more": "malformed marker",
         "<!--generated:a-->": "malformed marker",
     }
+    assert tables.find_regions("quoted: `<!-- generated: NAME -->` in prose", "p.md") == []
     for text, message in bad.items():
         with pytest.raises(ValueError, match=message):
             tables.find_regions(text, "p.md")
