@@ -335,6 +335,56 @@ def deepseek_errors(ctx: Context) -> str:
     return "\n".join(lines)
 
 
+def memory_measured(ctx: Context) -> str:
+    """XLA's peak temporaries of experiments/memory.toml's scanned stack against the estimate,
+    per checkpoint interval K and micro-batch count (the least checkpointed one in bold)."""
+    out = ctx.tmp / "memory"
+    cli("run", "experiments/memory.toml", "--out", str(out), "--quiet", "--no-report",
+        "--set", "memory.plots=false")  # fmt: skip
+    summary = json.loads((out / "memory.json").read_text())
+    best = summary["measured_best_k"]
+    lines = [
+        "| K | micro-batches | XLA temporaries (MiB) | estimate (MiB) | XLA/est "
+        "| FLOPs (per scan iteration) |",
+        "|--:|--:|--:|--:|--:|--:|",
+    ]
+    for r in summary["measured"]:
+        xla = f"{r['measured_temp'] / 2**20:.2f}"
+        if r["k"] is not None and r["k"] == best:
+            xla = f"**{xla}**"
+        mantissa, exponent = f"{r['flops']:.2e}".split("e")
+        cells = [
+            "–" if r["k"] is None else str(r["k"]), str(r["microbatches"]), xla,
+            f"{r['estimated_temp'] / 2**20:.2f}", f"{r['measured_temp'] / r['estimated_temp']:.2f}",
+            f"{mantissa}e{int(exponent)}",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main_job_timings(warm: bool) -> Callable[[Context], str]:
+    """``run --timings`` of the main job: with an empty compilation cache (cold) or, after
+    that, with the cache it filled (warm); the printed table, report row included."""
+
+    def make(ctx: Context) -> str:
+        cache = ctx.tmp / "jax-cache"
+        key = "timings-cold"
+        if key not in ctx.run_dirs:  # the cold run fills the cache the warm one reads
+            ctx.run_dirs[key] = _timings_run(ctx, cache, "cold")
+        text = _timings_run(ctx, cache, "warm") if warm else ctx.run_dirs.pop(key)
+        return fenced(text)
+
+    return make
+
+
+def _timings_run(ctx: Context, cache: Path, label: str) -> str:
+    out = cli("run", "experiments/fp16_vs_bf16.toml", "--timings", "--quiet",
+              "--cache-dir", str(cache), "--out", str(ctx.tmp / f"timings-{label}"))  # fmt: skip
+    lines = out.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("timings (")) + 1
+    return "\n".join(lines[start:])
+
+
 def accumulation_run(ctx: Context) -> str:
     """The accumulation experiment's printed table (its time column is wall seconds)."""
     out = ctx.tmp / "accumulation"
@@ -409,6 +459,13 @@ REGIONS: dict[str, Region] = {
         130,
         zero_stages,
     ),
+    "memory-measured": Region(
+        "docs/guides/memory.md",
+        "precisionlab run experiments/memory.toml",
+        "exact",
+        120,
+        memory_measured,
+    ),
     "real-data": Region(
         "docs/guides/real-data.md",
         "precisionlab run experiments/real_data.toml",
@@ -429,6 +486,20 @@ REGIONS: dict[str, Region] = {
         "timing",
         1500,
         accumulation_run,
+    ),
+    "performance-cold": Region(
+        "docs/guides/performance.md",
+        "precisionlab run experiments/fp16_vs_bf16.toml --timings --cache-dir EMPTY_DIR",
+        "timing",
+        250,
+        timed(main_job_timings(warm=False)),
+    ),
+    "performance-warm": Region(
+        "docs/guides/performance.md",
+        "precisionlab run experiments/fp16_vs_bf16.toml --timings --cache-dir DIR (filled)",
+        "timing",
+        100,
+        timed(main_job_timings(warm=True)),
     ),
     "bench-codecs-whole-array": Region(
         "docs/benchmarks/codecs.md",
