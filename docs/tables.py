@@ -232,6 +232,32 @@ def main_job_notes(ctx: Context) -> str:
     )
 
 
+def loss_scaling_notes(ctx: Context) -> str:
+    """The main-job page's paragraph on experiments/loss_scaling.toml, numbers from its run."""
+    summary = json.loads(
+        (run_dir(ctx, "experiments/loss_scaling.toml") / "summary.json").read_text()
+    )
+    unit = {u["name"]: u for u in summary["variants"]}
+
+    def ev(name: str) -> str:
+        return f"{unit[name]['eval_loss']:.2f}"
+
+    def skipped(name: str) -> str:
+        n, steps = unit[name]["skipped_steps"], unit[name]["steps"]
+        return f"all {steps}" if n == steps else f"{n} of {steps}"
+
+    s, g = "small-grads/", "large-grads/"
+    return (
+        "`precisionlab run experiments/loss_scaling.toml` sweeps static scales 2^0..2^24 "
+        "against dynamic\nscaling in fp16: with small gradients (loss weight 2^-16) scale 1 "
+        f"underflows (eval loss\n{ev(s + 'static-2^0')} against fp32's {ev(s + 'fp32')}); with "
+        f"the plain loss 2^20 skips {skipped(g + 'static-2^20')} steps and 2^24\n"
+        f"{skipped(g + 'static-2^24')} (eval loss {ev(g + 'static-2^24')}, chance ln 10 = "
+        f"2.30); dynamic scaling ends at\n{ev(s + 'dynamic')} and "
+        f"{ev(g + 'dynamic')} against fp32's {ev(s + 'fp32')} and {ev(g + 'fp32')}."
+    )
+
+
 def real_data(ctx: Context) -> str:
     return summary_table(ctx, "experiments/real_data.toml")
 
@@ -436,6 +462,13 @@ REGIONS: dict[str, Region] = {
         "exact",
         0,
         main_job_notes,
+    ),
+    "loss-scaling-notes": Region(
+        "docs/getting-started/main-job.md",
+        "precisionlab run experiments/loss_scaling.toml",
+        "exact",
+        120,
+        loss_scaling_notes,
     ),
     "conformance-matrix": Region(
         "docs/explanations/conformance.md",
