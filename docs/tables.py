@@ -364,10 +364,12 @@ def deepseek_errors(ctx: Context) -> str:
 def memory_measured(ctx: Context) -> str:
     """XLA's peak temporaries of experiments/memory.toml's scanned stack against the estimate,
     per checkpoint interval K and micro-batch count (the least checkpointed one in bold)."""
-    out = ctx.tmp / "memory"
-    cli("run", "experiments/memory.toml", "--out", str(out), "--quiet", "--no-report",
-        "--set", "memory.plots=false")  # fmt: skip
-    summary = json.loads((out / "memory.json").read_text())
+    out = ctx.run_dirs.get("experiments/memory.toml")
+    if out is None:
+        out = ctx.tmp / "memory"
+        cli("run", "experiments/memory.toml", "--out", str(out), "--quiet", "--no-report",
+            "--set", "memory.plots=false")  # fmt: skip
+    summary = json.loads(next(out.rglob("memory.json")).read_text())
     best = summary["measured_best_k"]
     lines = [
         "| K | micro-batches | XLA temporaries (MiB) | estimate (MiB) | XLA/est "
