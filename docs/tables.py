@@ -63,10 +63,17 @@ class Region:
 
 @dataclasses.dataclass
 class Context:
-    """Runs shared between regions of one invocation (one run of a config serves all)."""
+    """Runs shared between regions of one invocation (one run of a config serves all), in a
+    temporary directory made on first use and removed with the context."""
 
     run_dirs: dict[str, Path] = dataclasses.field(default_factory=dict)
-    tmp: Path = dataclasses.field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="docs-")))
+    _tmp: tempfile.TemporaryDirectory | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def tmp(self) -> Path:
+        if self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="docs-tables-")
+        return Path(self._tmp.name)
 
 
 # --- markers ----------------------------------------------------------------------------------
