@@ -246,8 +246,8 @@ def loss_scaling_notes(ctx: Context) -> str:
     )
     unit = {u["name"]: u for u in summary["variants"]}
 
-    def ev(name: str) -> str:
-        return f"{unit[name]['eval_loss']:.2f}"
+    def ev(name: str, digits: int = 2) -> str:
+        return f"{unit[name]['eval_loss']:.{digits}f}"
 
     def skipped(name: str) -> str:
         n, steps = unit[name]["skipped_steps"], unit[name]["steps"]
@@ -260,8 +260,8 @@ def loss_scaling_notes(ctx: Context) -> str:
         f"underflows (eval loss\n{ev(s + 'static-2^0')} against fp32's {ev(s + 'fp32')}); with "
         f"the plain loss 2^20 skips {skipped(g + 'static-2^20')} steps and 2^24\n"
         f"{skipped(g + 'static-2^24')} (eval loss {ev(g + 'static-2^24')}, chance ln 10 = "
-        f"2.30); dynamic scaling ends at\n{ev(s + 'dynamic')} and "
-        f"{ev(g + 'dynamic')} against fp32's {ev(s + 'fp32')} and {ev(g + 'fp32')}."
+        f"2.30); dynamic scaling matches fp32 in both\n(eval loss {ev(s + 'dynamic', 3)} and "
+        f"{ev(g + 'dynamic', 3)} against {ev(s + 'fp32', 3)} and {ev(g + 'fp32', 3)})."
     )
 
 
