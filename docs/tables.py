@@ -595,7 +595,7 @@ def _select(only: list[str] | None, deterministic: bool) -> list[str]:
     if only:
         unknown = [n for n in only if n not in REGIONS]
         if unknown:
-            raise SystemExit(f"unknown region {', '.join(unknown)}; allowed: {', '.join(names)}")
+            raise ValueError(f"unknown region {', '.join(unknown)}; allowed: {', '.join(names)}")
         names = [n for n in names if n in only]
     if deterministic:
         names = [n for n in names if REGIONS[n].kind == "exact"]
@@ -648,6 +648,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", action="append", default=[], metavar="CONFIG=DIR",
                         help="reuse this finished run of CONFIG (of the current code)")  # fmt: skip
     args = parser.parse_args(argv)
+    try:
+        return _main(args)
+    except ValueError as error:  # bad input: one line, exit status 2
+        print(f"docs/tables.py: {error}", file=sys.stderr)
+        return 2
+
+
+def _main(args: argparse.Namespace) -> int:
     names = _select(args.only, args.deterministic)
     if args.max_cost is not None:
         names = [n for n in names if REGIONS[n].cost_s <= args.max_cost]
@@ -660,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
     for item in args.run_dir:
         config, sep, directory = item.partition("=")
         if not sep or not (Path(directory) / "summary.json").exists():
-            raise SystemExit(f"--run-dir {item!r}: expected CONFIG=DIR with DIR a finished run")
+            raise ValueError(f"--run-dir {item!r}: expected CONFIG=DIR with DIR a finished run")
         ctx.run_dirs[config] = Path(directory).resolve()
     if args.update:
         update(names, ctx)

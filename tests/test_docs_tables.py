@@ -136,3 +136,14 @@ def test_the_slow_check_covers_the_main_job_and_conformance():
         n for n, r in tables.REGIONS.items() if r.kind == "exact" and r.cost_s <= SLOW_MAX_COST_S
     ]
     assert {"main-job", "main-job-notes", "conformance-matrix", "memory-zero-stages"} <= set(slow)
+
+
+def test_command_line_lists_and_refuses_bad_input(capsys):
+    assert tables.main(["--list", "--only", "main-job"]) == 0
+    out = capsys.readouterr().out
+    assert "main-job" in out and "$ precisionlab run experiments/fp16_vs_bf16.toml" in out
+    assert tables.main(["--list", "--only", "nope"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown region nope; allowed: main-job" in err[0]
+    assert tables.main(["--check", "--run-dir", "no-equals-sign"]) == 2
+    assert "expected CONFIG=DIR" in capsys.readouterr().err
