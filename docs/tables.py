@@ -515,7 +515,7 @@ REGIONS: dict[str, Region] = {
         "docs/guides/real-data.md",
         "precisionlab run experiments/real_data.toml",
         "exact",
-        600,
+        1200,
         real_data,
     ),
     "hardware-deepseek": Region(
