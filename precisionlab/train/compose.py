@@ -5,7 +5,8 @@ run by :func:`train` through :func:`~precisionlab.train.loop.train_loop`."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -21,14 +22,23 @@ from precisionlab.train.evaluation import make_eval_fn
 from precisionlab.train.hooks import Hook
 from precisionlab.train.loop import LoopOptions, train_loop
 from precisionlab.train.models import Model, make_model
-from precisionlab.train.optim import make_optimizer, make_schedule
-from precisionlab.train.step import (
-    StepOptions,
+from precisionlab.train.optim import (
+    VALUE_KWARGS,
+    make_optimizer,
+    make_schedule,
+    optimizer_defaults,
 )
+from precisionlab.train.step import OptimizerFactory, StepOptions
 from precisionlab.train.telemetry import parse_telemetry
 from precisionlab.train.timing import LoopTimings
 
-__all__ = ["TrainSetup", "build", "train"]
+__all__ = ["VALUE_FIELDS", "TrainSetup", "build", "program_key", "run_values", "train"]
+
+#: TrainConfig fields that are arguments of a run's compiled programs (``lr``, ``loss_weight``:
+#: ``TrainState.values``), only make its initial state and data (``seed``), or touch no program
+#: (``progress``): runs differing only in them, in a static loss scale's value and in the
+#: optimizer kwargs of ``VALUE_KWARGS`` share their programs (see :func:`program_key`).
+VALUE_FIELDS: tuple[str, ...] = ("lr", "loss_weight", "seed", "progress")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +47,9 @@ class TrainSetup:
 
     data, model, optimizer (optax), schedule (count -> lr), params (float32, from the seed),
     loss_fn (the model's loss under the policy), eval_batches (the same for every seed),
-    options (:class:`StepOptions`), loop (:class:`LoopOptions`).
+    options (:class:`StepOptions`), loop (:class:`LoopOptions`); values (the numbers the
+    compiled programs take as arguments, :func:`run_values`), optimizer_factory (the
+    optimizer built from them inside the step) and program_key (:func:`program_key`).
     """
 
     config: TrainConfig
@@ -50,6 +62,9 @@ class TrainSetup:
     eval_batches: list[Any]
     options: StepOptions
     loop: LoopOptions
+    values: dict[str, float]
+    optimizer_factory: OptimizerFactory
+    program_key: str
 
     @property
     def policy(self) -> Policy:
@@ -63,6 +78,55 @@ def _recipe_without(recipe: Any, layers: tuple[str, ...]) -> Any:
     if recipe is None or not layers:
         return recipe
     return dataclasses.replace(recipe, exclude=(*recipe.exclude, *(f"{n}/*" for n in layers)))
+
+
+def run_values(config: TrainConfig) -> dict[str, float]:
+    """The numbers of ``config`` its compiled step takes as arguments (besides ``loss_weight``,
+    which the loop adds): ``lr`` and the optimizer kwargs named in ``VALUE_KWARGS`` that the
+    optimizer takes (given, or optax's default)."""
+    given = config.optimizer_kwargs
+    out = {"lr": float(config.lr)}
+    for name, default in optimizer_defaults(config.optimizer, VALUE_KWARGS).items():
+        out[name] = float(given.get(name, default))
+    return out
+
+
+def program_key(config: TrainConfig) -> str:
+    """What the compiled programs of ``config`` depend on, as a string: the config without its
+    :data:`VALUE_FIELDS`, the values of the optimizer kwargs in ``VALUE_KWARGS`` and of a
+    static loss scale (a leaf of the state). Configs with equal keys train with the same
+    programs (:mod:`precisionlab.train.programs`)."""
+    table = config.to_dict()
+    for name in VALUE_FIELDS:
+        table.pop(name)
+    table["optimizer_kwargs"] = {
+        k: v for k, v in config.optimizer_kwargs.items() if k not in VALUE_KWARGS
+    }
+    # No loss scaling is not a static scale of 1 here: that step skips non-finite updates
+    # under a lax.cond, and XLA then fuses the update differently (measured: other last bits
+    # of the params after 40 steps of fp16_vs_bf16's underflow setting).
+    table["loss_scale"] = type(config.precision.loss_scale).__name__
+    return json.dumps(table, sort_keys=True, default=repr)
+
+
+def _optimizer_factory(config: TrainConfig) -> OptimizerFactory:
+    """The optimizer of ``config`` with ``lr`` and ``VALUE_KWARGS`` read from ``values``."""
+
+    def make(values: Mapping[str, Any]) -> optax.GradientTransformation:
+        kwargs = {k: v for k, v in config.optimizer_kwargs.items() if k not in VALUE_KWARGS}
+        kwargs.update({k: values[k] for k in VALUE_KWARGS if k in values})
+        return make_optimizer(
+            config.optimizer,
+            values["lr"],
+            schedule=config.schedule,
+            weight_decay=config.weight_decay,
+            grad_clip=config.grad_clip,
+            steps=config.steps,
+            warmup_steps=config.warmup_steps,
+            **kwargs,
+        )
+
+    return make
 
 
 def build(config: TrainConfig) -> TrainSetup:
@@ -82,15 +146,8 @@ def build(config: TrainConfig) -> TrainSetup:
         )
     model = make_model(config.model, **model_kwargs)
     sched = dict(steps=config.steps, warmup_steps=config.warmup_steps)
-    optimizer = make_optimizer(
-        config.optimizer,
-        config.lr,
-        schedule=config.schedule,
-        weight_decay=config.weight_decay,
-        grad_clip=config.grad_clip,
-        **sched,
-        **config.optimizer_kwargs,
-    )
+    factory = _optimizer_factory(config)
+    values = run_values(config)
     options = StepOptions(
         policy=precision.policy,
         loss_scale=precision.loss_scale,
@@ -121,7 +178,7 @@ def build(config: TrainConfig) -> TrainSetup:
         config=config,
         data=data,
         model=model,
-        optimizer=optimizer,
+        optimizer=factory(values),
         schedule=make_schedule(config.lr, config.schedule, **sched),
         params=model.init(jax.random.PRNGKey(config.seed)),
         loss_fn=model.loss_fn(precision.policy, enforce=config.enforce_numerics),
@@ -129,6 +186,9 @@ def build(config: TrainConfig) -> TrainSetup:
         eval_batches=data.eval_batches(config.eval_batches, config.batch_size, seed=0),
         options=options,
         loop=loop,
+        values=values,
+        optimizer_factory=factory,
+        program_key=program_key(config),
     )
 
 
@@ -158,11 +218,13 @@ def train(
     return train_loop(
         setup.loss_fn,
         setup.params,
-        setup.optimizer,
+        setup.optimizer_factory,
         lambda start: setup.data.batches(config.batch_size, seed=config.seed, start=start),
         options=setup.options,
         loop=setup.loop,
-        eval_fn=make_eval_fn(setup.loss_fn, policy, setup.eval_batches),
+        eval_fn=make_eval_fn(
+            setup.loss_fn, policy, setup.eval_batches, program_key=setup.program_key
+        ),
         probe_loss_fn=model.loss_fn(policy, capture=True, enforce=enforce),
         shadow_loss_fn=model.loss_fn(Policy(), enforce=False) if config.shadow else None,
         lr_schedule=setup.schedule,
@@ -173,4 +235,6 @@ def train(
         progress=False if quiet else config.progress,
         desc=f"{config.model} {policy}",
         timings=timings,
+        values=setup.values,
+        program_key=setup.program_key,
     )
