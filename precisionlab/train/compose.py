@@ -20,7 +20,7 @@ from precisionlab.train.config import (
 from precisionlab.train.data import Dataset, make_data
 from precisionlab.train.evaluation import make_eval_fn
 from precisionlab.train.hooks import Hook
-from precisionlab.train.loop import LoopOptions, train_loop
+from precisionlab.train.loop import LoopOptions, compile_programs, train_loop
 from precisionlab.train.models import Model, make_model
 from precisionlab.train.optim import (
     VALUE_KWARGS,
@@ -32,7 +32,15 @@ from precisionlab.train.step import OptimizerFactory, StepOptions
 from precisionlab.train.telemetry import parse_telemetry
 from precisionlab.train.timing import LoopTimings
 
-__all__ = ["VALUE_FIELDS", "TrainSetup", "build", "program_key", "run_values", "train"]
+__all__ = [
+    "VALUE_FIELDS",
+    "TrainSetup",
+    "build",
+    "precompile",
+    "program_key",
+    "run_values",
+    "train",
+]
 
 #: TrainConfig fields that are arguments of a run's compiled programs (``lr``, ``loss_weight``:
 #: ``TrainState.values``), only make its initial state and data (``seed``), or touch no program
@@ -192,6 +200,30 @@ def build(config: TrainConfig) -> TrainSetup:
     )
 
 
+def _loop_args(setup: TrainSetup) -> dict[str, Any]:
+    """The arguments of :func:`train_loop` (and :func:`compile_programs`) a setup gives."""
+    config, policy, model = setup.config, setup.policy, setup.model
+    enforce = config.enforce_numerics
+    return dict(
+        loss_fn=setup.loss_fn,
+        params=setup.params,
+        optimizer=setup.optimizer_factory,
+        batches=lambda start: setup.data.batches(config.batch_size, seed=config.seed, start=start),
+        options=setup.options,
+        loop=setup.loop,
+        probe_loss_fn=model.loss_fn(policy, capture=True, enforce=enforce),
+        shadow_loss_fn=model.loss_fn(Policy(), enforce=False) if config.shadow else None,
+        values=setup.values,
+        program_key=setup.program_key,
+    )
+
+
+def _eval_fn(setup: TrainSetup) -> Callable:
+    return make_eval_fn(
+        setup.loss_fn, setup.policy, setup.eval_batches, program_key=setup.program_key
+    )
+
+
 def train(
     config: TrainConfig,
     *,
@@ -206,35 +238,34 @@ def train(
 
     ``hooks`` run after each step (after ``callback``); ``quiet`` turns off the progress bar;
     ``timings`` (a :class:`~precisionlab.train.timing.LoopTimings`) receives where the loop's
-    time went.
+    time went. Runs whose configs differ only in values (:data:`VALUE_FIELDS`) share their
+    compiled programs within the process.
     """
     if not isinstance(config, TrainConfig):
         raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
     if config.checkpoint_interval and checkpoint_dir is None:
         raise ValueError("checkpoint_interval > 0 needs a checkpoint_dir")
     setup = build(config)
-    policy, model = setup.policy, setup.model
-    enforce = config.enforce_numerics
     return train_loop(
-        setup.loss_fn,
-        setup.params,
-        setup.optimizer_factory,
-        lambda start: setup.data.batches(config.batch_size, seed=config.seed, start=start),
-        options=setup.options,
-        loop=setup.loop,
-        eval_fn=make_eval_fn(
-            setup.loss_fn, policy, setup.eval_batches, program_key=setup.program_key
-        ),
-        probe_loss_fn=model.loss_fn(policy, capture=True, enforce=enforce),
-        shadow_loss_fn=model.loss_fn(Policy(), enforce=False) if config.shadow else None,
+        **_loop_args(setup),
+        eval_fn=_eval_fn(setup),
         lr_schedule=setup.schedule,
         checkpoint_dir=checkpoint_dir,
         resume=resume,
         callback=callback,
         hooks=hooks,
         progress=False if quiet else config.progress,
-        desc=f"{config.model} {policy}",
+        desc=f"{config.model} {setup.policy}",
         timings=timings,
-        values=setup.values,
-        program_key=setup.program_key,
     )
+
+
+def precompile(config: TrainConfig) -> None:
+    """Compile the programs :func:`train` runs for ``config`` (step or chunk, probes,
+    evaluation) without training, so a later ``train(config)`` in this process finds them
+    compiled. XLA compiles outside the Python lock: the experiment runner calls this in a
+    thread for the next run while the current one trains."""
+    setup = build(config)
+    params = compile_programs(**_loop_args(setup))
+    if params is not None:
+        _eval_fn(setup).lower(params).compile()

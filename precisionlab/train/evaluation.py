@@ -24,7 +24,8 @@ def make_eval_fn(
     """``eval_fn(params) -> {"eval_loss", "eval_metric"}``: mean over ``batches`` of the loss and
     of aux ``metric`` (nan if absent), with params cast to the compute dtype. Jitted; with a
     ``program_key`` (see :mod:`precisionlab.train.programs`), one jitted function serves every
-    call under that key (the batches are its argument)."""
+    call under that key (the batches are its argument). ``eval_fn.lower(params)`` lowers it
+    (``.compile()`` then compiles it ahead of the first call)."""
     stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *batches)
     if program_key is None:
         run = _make_run(loss_fn, policy)
@@ -35,6 +36,8 @@ def make_eval_fn(
         loss, metric = run(params, stacked)
         return {"eval_loss": float(loss), "eval_metric": float(metric)}
 
+    # ``eval_fn.lower(params).compile()`` compiles it ahead of the first call
+    eval_fn.lower = lambda params: run.lower(params, stacked)  # type: ignore[attr-defined]
     return eval_fn
 
 

@@ -44,7 +44,7 @@ from precisionlab.train.step import (
 from precisionlab.train.telemetry import telemetry_rows
 from precisionlab.train.timing import LoopTimings
 
-__all__ = ["LoopOptions", "train_loop"]
+__all__ = ["LoopOptions", "compile_programs", "train_loop"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -206,31 +206,19 @@ def train_loop(
         raise TypeError(f"give step options in `options` or as keywords: {sorted(step_kw)}")
     if loop.checkpoint_interval and checkpoint_dir is None:
         raise ValueError("checkpoint_interval needs a checkpoint_dir")
-    vals = dict(values or {})
-    if vals or loop.loss_weight != 1:
-        vals["loss_weight"] = loop.loss_weight
-    example = None
-    if options.recipe is not None and options.recipe.stateful:
-        # the recipe's state has one entry per matmul, found by tracing with a batch
-        if callable(batches) and not isinstance(batches, Iterable):
-            example = next(iter(batches(0)))
-        else:
-            peek = iter(batches)
-            example = next(peek)
-            batches = itertools.chain([example], peek)
-    step_fn, state, mesh = build_step(loss_fn, params, optimizer, options, example, vals or None)
-    chunk = _chunk_steps(loop, mesh)
-    halt = loop.divergence_action == "stop"
+    run = _prepare(
+        loss_fn, params, optimizer, batches, options, loop, probe_loss_fn, shadow_loss_fn,
+        values, program_key,
+    )  # fmt: skip
+    state, mesh, chunk, programs, batches = (
+        run.state,
+        run.mesh,
+        run.chunk,
+        run.programs,
+        run.batches,
+    )
     if timings is not None:
         timings.chunk_steps = chunk
-
-    def make_programs() -> _Programs:
-        return _programs(step_fn, loss_fn, probe_loss_fn, shadow_loss_fn, options, loop, chunk)
-
-    if program_key is None:
-        programs = make_programs()
-    else:
-        programs = shared_programs((program_key, chunk, halt), make_programs)
     jstep, jchunk, probe = programs.step, programs.chunk, programs.probe
     recipe_probe = programs.recipe
     telemetry_names = programs.telemetry_names
@@ -348,6 +336,94 @@ def train_loop(
         for hook in all_hooks:
             hook.close()
     return _result(state, step, agg, time.perf_counter() - t0, records)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """A run's initial state, mesh, steps per call, jitted programs and batch source."""
+
+    state: Any
+    mesh: Any
+    chunk: int
+    programs: _Programs
+    batches: Any
+
+
+def _prepare(
+    loss_fn: Callable,
+    params: Any,
+    optimizer: Any,
+    batches: Any,
+    options: StepOptions,
+    loop: LoopOptions,
+    probe_loss_fn: Callable | None,
+    shadow_loss_fn: Callable | None,
+    values: Mapping[str, float] | None,
+    program_key: Hashable | None,
+) -> _Prepared:
+    """The step built (its values include ``loop.loss_weight``) and its programs, shared under
+    ``program_key``; nothing is compiled here."""
+    vals = dict(values or {})
+    if vals or loop.loss_weight != 1:
+        vals["loss_weight"] = loop.loss_weight
+    example = None
+    if options.recipe is not None and options.recipe.stateful:
+        # the recipe's state has one entry per matmul, found by tracing with a batch
+        if callable(batches) and not isinstance(batches, Iterable):
+            example = next(iter(batches(0)))
+        else:
+            peek = iter(batches)
+            example = next(peek)
+            batches = itertools.chain([example], peek)
+    step_fn, state, mesh = build_step(loss_fn, params, optimizer, options, example, vals or None)
+    chunk = _chunk_steps(loop, mesh)
+    halt = loop.divergence_action == "stop"
+
+    def make_programs() -> _Programs:
+        return _programs(step_fn, loss_fn, probe_loss_fn, shadow_loss_fn, options, loop, chunk)
+
+    if program_key is None:
+        programs = make_programs()
+    else:
+        programs = shared_programs((program_key, chunk, halt), make_programs)
+    return _Prepared(state, mesh, chunk, programs, batches)
+
+
+def compile_programs(
+    loss_fn: Callable,
+    params: Any,
+    optimizer: Any,
+    batches: Callable[[int], Iterator[Any]],
+    *,
+    options: StepOptions,
+    loop: LoopOptions,
+    probe_loss_fn: Callable | None = None,
+    shadow_loss_fn: Callable | None = None,
+    values: Mapping[str, float] | None = None,
+    program_key: Hashable,
+) -> Any:
+    """Compile the programs :func:`train_loop` runs with these arguments and ``program_key``
+    (step or chunk, probes), so that run finds them compiled; returns its initial params (for
+    compiling its evaluation). XLA compiles outside the Python lock: call it in a thread to
+    compile one run while another trains. Nothing for a data-parallel run (None)."""
+    run = _prepare(
+        loss_fn, params, optimizer, batches, options, loop, probe_loss_fn, shadow_loss_fn,
+        values, program_key,
+    )  # fmt: skip
+    if run.mesh is not None:
+        return None
+    state = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), run.state)
+    batch = next(iter(run.batches(0)))
+    progs = run.programs
+    if progs.chunk is not None:
+        stacked = _stack([batch] * run.chunk)
+        progs.chunk.lower(state, stacked, jnp.int32(run.chunk)).compile()
+    else:
+        progs.step.lower(state, batch).compile()
+    for probe in (progs.probe, progs.recipe):
+        if probe is not None:
+            probe.lower(state, batch).compile()
+    return state.params
 
 
 @dataclasses.dataclass(frozen=True)
