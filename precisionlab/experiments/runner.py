@@ -36,7 +36,7 @@ from precisionlab.experiments.summary import summarize_run, summarize_unit
 from precisionlab.experiments.telemetry_views import telemetry_scalars
 from precisionlab.experiments.timings import record_unit
 from precisionlab.train import ProgressHook, distributed, train
-from precisionlab.train.compose import precompile, program_key
+from precisionlab.train.compose import program_key
 from precisionlab.train.timing import LoopTimings, Stopwatch
 
 __all__ = ["DONE", "follow", "resume", "run_experiment", "run_file"]
@@ -285,7 +285,7 @@ class _Precompile:
 
 def _precompile_quietly(config: Any) -> None:
     try:
-        precompile(config)
+        train_kind.precompile(config)
     except Exception:  # the unit itself reports what is wrong when it runs
         pass
 
