@@ -110,9 +110,9 @@ def program_key(config: TrainConfig) -> str:
     table["optimizer_kwargs"] = {
         k: v for k, v in config.optimizer_kwargs.items() if k not in VALUE_KWARGS
     }
-    # No loss scaling is not a static scale of 1 here: that step skips non-finite updates
-    # under a lax.cond, and XLA then fuses the update differently (measured: other last bits
-    # of the params after 40 steps of fp16_vs_bf16's underflow setting).
+    # No loss scaling is not run as a static scale of 1 (that step skips non-finite updates
+    # under a lax.cond, which XLA may fuse differently): not shown bit-identical, so a program
+    # of its own.
     table["loss_scale"] = type(config.precision.loss_scale).__name__
     return json.dumps(table, sort_keys=True, default=repr)
 
@@ -123,9 +123,10 @@ def _optimizer_factory(config: TrainConfig) -> OptimizerFactory:
     def make(values: Mapping[str, Any]) -> optax.GradientTransformation:
         kwargs = {k: v for k, v in config.optimizer_kwargs.items() if k not in VALUE_KWARGS}
         kwargs.update({k: values[k] for k in VALUE_KWARGS if k in values})
+        kwargs.update({k: v for k, v in config.optimizer_kwargs.items() if k not in kwargs})
         return make_optimizer(
             config.optimizer,
-            values["lr"],
+            values.get("lr", config.lr),
             schedule=config.schedule,
             weight_decay=config.weight_decay,
             grad_clip=config.grad_clip,

@@ -76,7 +76,8 @@ class TrainState(NamedTuple):
     values: Any = None
 
 
-#: A function of the state's ``values`` (traced float32 scalars) returning the optimizer.
+#: A function of the state's ``values`` (traced float32 scalars; ``{}`` for a step without
+#: values) returning the optimizer.
 OptimizerFactory = Callable[[Mapping[str, jax.Array]], optax.GradientTransformation]
 
 
@@ -99,9 +100,7 @@ def _optimizer(optimizer: Any, values: Mapping[str, Any] | None) -> optax.Gradie
     """The optimizer itself, or an :data:`OptimizerFactory` called with ``values``."""
     if isinstance(optimizer, optax.GradientTransformation):
         return optimizer
-    if values is None:
-        raise TypeError("an optimizer factory needs values (build_step(..., values={...}))")
-    return optimizer(values)
+    return optimizer({} if values is None else values)
 
 
 def normalize_loss_fn(loss_fn: Callable) -> Callable:
