@@ -66,6 +66,7 @@ def fake_run_unit(
 def run_dir(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setattr(train_kind, "run_unit", fake_run_unit)
+    mp.setattr(train_kind, "precompile", lambda cfg: None)  # nothing to compile
     try:
         tmp = tmp_path_factory.mktemp("rep")
         path = tmp / "rep.toml"

@@ -65,6 +65,7 @@ def fake_run_unit(
 @pytest.fixture
 def fake_trainer(monkeypatch):
     monkeypatch.setattr(train_kind, "run_unit", fake_run_unit)
+    monkeypatch.setattr(train_kind, "precompile", lambda cfg: None)  # nothing to compile
 
 
 def test_failures_and_divergence_do_not_stop_the_run(tmp_path, fake_trainer):

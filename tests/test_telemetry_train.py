@@ -26,8 +26,7 @@ from precisionlab.experiments import report, runner, store
 from precisionlab.telemetry import stacked_stats, tensor_stats
 from precisionlab.train import TrainConfig, train
 from precisionlab.train.compose import build
-from precisionlab.train.loop import _weighted
-from precisionlab.train.step import normalize_loss_fn
+from precisionlab.train.step import normalize_loss_fn, weighted_loss
 from precisionlab.train.telemetry import (
     Telemetry,
     auto_interval,
@@ -99,7 +98,9 @@ def test_underflow_fractions_equal_a_numpy_recount(policy):
     )  # fmt: skip
     setup = build(cfg)
     tel = setup.options.telemetry
-    loss_fn = _weighted(setup.loss_fn, cfg.loss_weight)  # as the loop differentiates it
+    loss_fn = weighted_loss(
+        setup.loss_fn, {"loss_weight": cfg.loss_weight}
+    )  # as the loop differentiates it
     fn = make_telemetry_fn(normalize_loss_fn(loss_fn), setup.policy, tel, dump=True)
     batch = next(iter(setup.data.batches(cfg.batch_size, seed=cfg.seed, start=0)))
     params = jax.tree.map(lambda p: p.astype(jnp.float32), setup.params)

@@ -131,8 +131,7 @@ def test_range_setting_names_gelus_cube_in_one_telemetry_step():
     job's range/fp16-static unit (no training run), the first inf/NaN found in program order
     is GELU's x**3 output in layer0 (numpy oracle: its float16 pre-activations cubed)."""
     from precisionlab.train.compose import build
-    from precisionlab.train.loop import _weighted
-    from precisionlab.train.step import normalize_loss_fn
+    from precisionlab.train.step import normalize_loss_fn, weighted_loss
     from precisionlab.train.telemetry import make_telemetry_fn, telemetry_rows
 
     doc = _main_job({"fp16-static": ["range"]}, steps=1)
@@ -141,7 +140,7 @@ def test_range_setting_names_gelus_cube_in_one_telemetry_step():
     cfg = experiment_from_document(doc, str(MAIN)).units[0].config
     setup = build(cfg)
     tel = setup.options.telemetry
-    loss_fn = _weighted(setup.loss_fn, cfg.loss_weight)
+    loss_fn = weighted_loss(setup.loss_fn, {"loss_weight": cfg.loss_weight})
     fn = make_telemetry_fn(normalize_loss_fn(loss_fn), setup.policy, tel, dump=True)
     batch = next(iter(setup.data.batches(cfg.batch_size, seed=cfg.seed, start=0)))
     params = jax.tree.map(lambda p: p.astype(jnp.float32), setup.params)

@@ -18,6 +18,7 @@ checkpoints and writing nothing.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -35,6 +36,7 @@ from precisionlab.experiments.summary import summarize_run, summarize_unit
 from precisionlab.experiments.telemetry_views import telemetry_scalars
 from precisionlab.experiments.timings import record_unit
 from precisionlab.train import ProgressHook, distributed, train
+from precisionlab.train.compose import program_key
 from precisionlab.train.timing import LoopTimings, Stopwatch
 
 __all__ = ["DONE", "follow", "resume", "run_experiment", "run_file"]
@@ -210,12 +212,25 @@ def _run_train(
     units = experiment.units
     statuses = _statuses(experiment, run_dir)
     bar = _overall_bar(experiment, statuses, quiet)
+    pending = [i for i, s in enumerate(statuses) if s.get("status") not in DONE]
+    ahead: _Precompile | None = None
+    started: set[str | None] = set()
     try:
         for i, (unit, status) in enumerate(zip(units, statuses, strict=True)):
             unit_dir = run_dir / "variants" / unit.id
             if status.get("status") in DONE:
                 say(f"[{i + 1}/{len(units)}] {unit.name}: {status['status']} earlier, kept")
                 continue
+            if ahead is not None:
+                ahead.wait()  # it compiled this unit's programs: do not compile them twice
+            started.add(_key(unit))
+            later = [j for j in pending if j > i]
+            # the next unit's programs, unless they are this unit's or an earlier one's
+            if later and _key(units[later[0]]) not in started:
+                ahead = _Precompile.start(units[later[0]])
+                started.add(_key(units[later[0]]))
+            else:
+                ahead = None
             say(f"[{i + 1}/{len(units)}] {unit.name}")
             hooks = ()
             if bar is not None:
@@ -234,9 +249,45 @@ def _run_train(
                 )
             summarize_run(run_dir, experiment)
     finally:
+        if ahead is not None:  # not left compiling while the interpreter shuts down
+            ahead.wait()
         if bar is not None:
             bar.close()
     summarize_run(run_dir, experiment)
+
+
+def _key(unit: Unit) -> str | None:
+    return None if unit.config is None else program_key(unit.config)
+
+
+class _Precompile:
+    """The next unit's programs compiled in a thread while the current unit trains (XLA
+    compiles outside the Python lock). A failure here is ignored: the unit reports it when it
+    runs. Not in a multi-process run (its processes compile in step)."""
+
+    def __init__(self, thread: threading.Thread | None) -> None:
+        self.thread = thread
+
+    @classmethod
+    def start(cls, unit: Unit) -> _Precompile:
+        if unit.config is None or distributed.process_count() > 1:
+            return cls(None)
+        thread = threading.Thread(
+            target=_precompile_quietly, args=(unit.config,), name=f"compile {unit.id}", daemon=True
+        )
+        thread.start()
+        return cls(thread)
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+
+
+def _precompile_quietly(config: Any) -> None:
+    try:
+        train_kind.precompile(config)
+    except Exception:  # the unit itself reports what is wrong when it runs
+        pass
 
 
 def _overall_bar(experiment: Experiment, statuses: list[dict], quiet: bool) -> Any:

@@ -16,10 +16,11 @@ from typing import Any
 from precisionlab._schema import ConfigError, Field
 from precisionlab.experiments import store
 from precisionlab.train import Hook, TrainConfig, make_data, make_model, train
+from precisionlab.train.compose import precompile as _compile_ahead
 from precisionlab.train.config import TRAIN_FIELDS
 from precisionlab.train.timing import LoopTimings
 
-__all__ = ["KIND", "config", "metric_row", "run_unit", "schema", "validate"]
+__all__ = ["KIND", "config", "metric_row", "precompile", "run_unit", "schema", "validate"]
 
 KIND = "train"
 
@@ -133,3 +134,10 @@ def run_unit(
     out["loss_weight"] = cfg.loss_weight  # the recorded losses are the plain (unweighted) loss
     out["eval_metric_name"] = "accuracy"  # both built-in models report (token) accuracy
     return out
+
+
+def precompile(cfg: TrainConfig) -> None:
+    """Compile the programs :func:`run_unit` will run for ``cfg`` (see
+    :func:`precisionlab.train.compose.precompile`): the runner calls it in a thread for the
+    next unit while the current one trains."""
+    _compile_ahead(cfg)

@@ -5,7 +5,8 @@ run by :func:`train` through :func:`~precisionlab.train.loop.train_loop`."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -19,16 +20,33 @@ from precisionlab.train.config import (
 from precisionlab.train.data import Dataset, make_data
 from precisionlab.train.evaluation import make_eval_fn
 from precisionlab.train.hooks import Hook
-from precisionlab.train.loop import LoopOptions, train_loop
+from precisionlab.train.loop import LoopOptions, compile_programs, train_loop
 from precisionlab.train.models import Model, make_model
-from precisionlab.train.optim import make_optimizer, make_schedule
-from precisionlab.train.step import (
-    StepOptions,
+from precisionlab.train.optim import (
+    VALUE_KWARGS,
+    make_optimizer,
+    make_schedule,
+    optimizer_defaults,
 )
+from precisionlab.train.step import OptimizerFactory, StepOptions
 from precisionlab.train.telemetry import parse_telemetry
 from precisionlab.train.timing import LoopTimings
 
-__all__ = ["TrainSetup", "build", "train"]
+__all__ = [
+    "VALUE_FIELDS",
+    "TrainSetup",
+    "build",
+    "precompile",
+    "program_key",
+    "run_values",
+    "train",
+]
+
+#: TrainConfig fields that are arguments of a run's compiled programs (``lr``, ``loss_weight``:
+#: ``TrainState.values``), only make its initial state and data (``seed``), or touch no program
+#: (``progress``): runs differing only in them, in a static loss scale's value and in the
+#: optimizer kwargs of ``VALUE_KWARGS`` share their programs (see :func:`program_key`).
+VALUE_FIELDS: tuple[str, ...] = ("lr", "loss_weight", "seed", "progress")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +55,9 @@ class TrainSetup:
 
     data, model, optimizer (optax), schedule (count -> lr), params (float32, from the seed),
     loss_fn (the model's loss under the policy), eval_batches (the same for every seed),
-    options (:class:`StepOptions`), loop (:class:`LoopOptions`).
+    options (:class:`StepOptions`), loop (:class:`LoopOptions`); values (the numbers the
+    compiled programs take as arguments, :func:`run_values`), optimizer_factory (the
+    optimizer built from them inside the step) and program_key (:func:`program_key`).
     """
 
     config: TrainConfig
@@ -50,6 +70,9 @@ class TrainSetup:
     eval_batches: list[Any]
     options: StepOptions
     loop: LoopOptions
+    values: dict[str, float]
+    optimizer_factory: OptimizerFactory
+    program_key: str
 
     @property
     def policy(self) -> Policy:
@@ -63,6 +86,56 @@ def _recipe_without(recipe: Any, layers: tuple[str, ...]) -> Any:
     if recipe is None or not layers:
         return recipe
     return dataclasses.replace(recipe, exclude=(*recipe.exclude, *(f"{n}/*" for n in layers)))
+
+
+def run_values(config: TrainConfig) -> dict[str, float]:
+    """The numbers of ``config`` its compiled step takes as arguments (besides ``loss_weight``,
+    which the loop adds): ``lr`` and the optimizer kwargs named in ``VALUE_KWARGS`` that the
+    optimizer takes (given, or optax's default)."""
+    given = config.optimizer_kwargs
+    out = {"lr": float(config.lr)}
+    for name, default in optimizer_defaults(config.optimizer, VALUE_KWARGS).items():
+        out[name] = float(given.get(name, default))
+    return out
+
+
+def program_key(config: TrainConfig) -> str:
+    """What the compiled programs of ``config`` depend on, as a string: the config without its
+    :data:`VALUE_FIELDS`, the values of the optimizer kwargs in ``VALUE_KWARGS`` and of a
+    static loss scale (a leaf of the state). Configs with equal keys train with the same
+    programs (:mod:`precisionlab.train.programs`)."""
+    table = config.to_dict()
+    for name in VALUE_FIELDS:
+        table.pop(name)
+    table["optimizer_kwargs"] = {
+        k: v for k, v in config.optimizer_kwargs.items() if k not in VALUE_KWARGS
+    }
+    # No loss scaling is not run as a static scale of 1 (that step skips non-finite updates
+    # under a lax.cond, which XLA may fuse differently): not shown bit-identical, so a program
+    # of its own.
+    table["loss_scale"] = type(config.precision.loss_scale).__name__
+    return json.dumps(table, sort_keys=True, default=repr)
+
+
+def _optimizer_factory(config: TrainConfig) -> OptimizerFactory:
+    """The optimizer of ``config`` with ``lr`` and ``VALUE_KWARGS`` read from ``values``."""
+
+    def make(values: Mapping[str, Any]) -> optax.GradientTransformation:
+        kwargs = {k: v for k, v in config.optimizer_kwargs.items() if k not in VALUE_KWARGS}
+        kwargs.update({k: values[k] for k in VALUE_KWARGS if k in values})
+        kwargs.update({k: v for k, v in config.optimizer_kwargs.items() if k not in kwargs})
+        return make_optimizer(
+            config.optimizer,
+            values.get("lr", config.lr),
+            schedule=config.schedule,
+            weight_decay=config.weight_decay,
+            grad_clip=config.grad_clip,
+            steps=config.steps,
+            warmup_steps=config.warmup_steps,
+            **kwargs,
+        )
+
+    return make
 
 
 def build(config: TrainConfig) -> TrainSetup:
@@ -82,15 +155,8 @@ def build(config: TrainConfig) -> TrainSetup:
         )
     model = make_model(config.model, **model_kwargs)
     sched = dict(steps=config.steps, warmup_steps=config.warmup_steps)
-    optimizer = make_optimizer(
-        config.optimizer,
-        config.lr,
-        schedule=config.schedule,
-        weight_decay=config.weight_decay,
-        grad_clip=config.grad_clip,
-        **sched,
-        **config.optimizer_kwargs,
-    )
+    factory = _optimizer_factory(config)
+    values = run_values(config)
     options = StepOptions(
         policy=precision.policy,
         loss_scale=precision.loss_scale,
@@ -121,7 +187,7 @@ def build(config: TrainConfig) -> TrainSetup:
         config=config,
         data=data,
         model=model,
-        optimizer=optimizer,
+        optimizer=factory(values),
         schedule=make_schedule(config.lr, config.schedule, **sched),
         params=model.init(jax.random.PRNGKey(config.seed)),
         loss_fn=model.loss_fn(precision.policy, enforce=config.enforce_numerics),
@@ -129,6 +195,33 @@ def build(config: TrainConfig) -> TrainSetup:
         eval_batches=data.eval_batches(config.eval_batches, config.batch_size, seed=0),
         options=options,
         loop=loop,
+        values=values,
+        optimizer_factory=factory,
+        program_key=program_key(config),
+    )
+
+
+def _loop_args(setup: TrainSetup) -> dict[str, Any]:
+    """The arguments of :func:`train_loop` (and :func:`compile_programs`) a setup gives."""
+    config, policy, model = setup.config, setup.policy, setup.model
+    enforce = config.enforce_numerics
+    return dict(
+        loss_fn=setup.loss_fn,
+        params=setup.params,
+        optimizer=setup.optimizer_factory,
+        batches=lambda start: setup.data.batches(config.batch_size, seed=config.seed, start=start),
+        options=setup.options,
+        loop=setup.loop,
+        probe_loss_fn=model.loss_fn(policy, capture=True, enforce=enforce),
+        shadow_loss_fn=model.loss_fn(Policy(), enforce=False) if config.shadow else None,
+        values=setup.values,
+        program_key=setup.program_key,
+    )
+
+
+def _eval_fn(setup: TrainSetup) -> Callable:
+    return make_eval_fn(
+        setup.loss_fn, setup.policy, setup.eval_batches, program_key=setup.program_key
     )
 
 
@@ -146,31 +239,34 @@ def train(
 
     ``hooks`` run after each step (after ``callback``); ``quiet`` turns off the progress bar;
     ``timings`` (a :class:`~precisionlab.train.timing.LoopTimings`) receives where the loop's
-    time went.
+    time went. Runs whose configs differ only in values (:data:`VALUE_FIELDS`) share their
+    compiled programs within the process.
     """
     if not isinstance(config, TrainConfig):
         raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
     if config.checkpoint_interval and checkpoint_dir is None:
         raise ValueError("checkpoint_interval > 0 needs a checkpoint_dir")
     setup = build(config)
-    policy, model = setup.policy, setup.model
-    enforce = config.enforce_numerics
     return train_loop(
-        setup.loss_fn,
-        setup.params,
-        setup.optimizer,
-        lambda start: setup.data.batches(config.batch_size, seed=config.seed, start=start),
-        options=setup.options,
-        loop=setup.loop,
-        eval_fn=make_eval_fn(setup.loss_fn, policy, setup.eval_batches),
-        probe_loss_fn=model.loss_fn(policy, capture=True, enforce=enforce),
-        shadow_loss_fn=model.loss_fn(Policy(), enforce=False) if config.shadow else None,
+        **_loop_args(setup),
+        eval_fn=_eval_fn(setup),
         lr_schedule=setup.schedule,
         checkpoint_dir=checkpoint_dir,
         resume=resume,
         callback=callback,
         hooks=hooks,
         progress=False if quiet else config.progress,
-        desc=f"{config.model} {policy}",
+        desc=f"{config.model} {setup.policy}",
         timings=timings,
     )
+
+
+def precompile(config: TrainConfig) -> None:
+    """Compile the programs :func:`train` runs for ``config`` (step or chunk, probes,
+    evaluation) without training, so a later ``train(config)`` in this process finds them
+    compiled. XLA compiles outside the Python lock: the experiment runner calls this in a
+    thread for the next run while the current one trains."""
+    setup = build(config)
+    params = compile_programs(**_loop_args(setup))
+    if params is not None:
+        _eval_fn(setup).lower(params).compile()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from precisionlab.mixed.policy import Policy, cast_floating, get_policy
+from precisionlab.train import programs
 from precisionlab.train.step import (
     normalize_loss_fn,
 )
@@ -18,12 +19,31 @@ __all__ = ["evaluate", "make_eval_fn"]
 
 
 def make_eval_fn(
-    loss_fn: Callable, policy: Policy, batches: list[Any]
+    loss_fn: Callable, policy: Policy, batches: list[Any], *, program_key: Hashable = None
 ) -> Callable[[Any], dict[str, float]]:
     """``eval_fn(params) -> {"eval_loss", "eval_metric"}``: mean over ``batches`` of the loss and
-    of aux ``metric`` (nan if absent), with params cast to the compute dtype. Jitted."""
-    f = normalize_loss_fn(loss_fn)
+    of aux ``metric`` (nan if absent), with params cast to the compute dtype. Jitted; with a
+    ``program_key`` (see :mod:`precisionlab.train.programs`), one jitted function serves every
+    call under that key (the batches are its argument). ``eval_fn.lower(params)`` lowers it
+    (``.compile()`` then compiles it ahead of the first call)."""
     stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *batches)
+    if program_key is None:
+        run = _make_run(loss_fn, policy)
+    else:
+        run = programs.get(("eval", program_key), lambda: _make_run(loss_fn, policy))
+
+    def eval_fn(params: Any) -> dict[str, float]:
+        loss, metric = run(params, stacked)
+        return {"eval_loss": float(loss), "eval_metric": float(metric)}
+
+    # ``eval_fn.lower(params).compile()`` compiles it ahead of the first call
+    eval_fn.lower = lambda params: run.lower(params, stacked)  # type: ignore[attr-defined]
+    return eval_fn
+
+
+def _make_run(loss_fn: Callable, policy: Policy) -> Callable:
+    """``run(params, stacked_batches) -> (mean loss, mean metric)``, jitted."""
+    f = normalize_loss_fn(loss_fn)
 
     @jax.jit
     def run(params, stacked):
@@ -37,11 +57,7 @@ def make_eval_fn(
         _, (losses, metrics) = jax.lax.scan(one, None, stacked)
         return jnp.mean(losses), jnp.mean(metrics)
 
-    def eval_fn(params: Any) -> dict[str, float]:
-        loss, metric = run(params, stacked)
-        return {"eval_loss": float(loss), "eval_metric": float(metric)}
-
-    return eval_fn
+    return run
 
 
 def evaluate(

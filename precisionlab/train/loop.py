@@ -15,7 +15,7 @@ import itertools
 import math
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -34,16 +34,17 @@ from precisionlab.train.config import (
 from precisionlab.train.distributed import is_main, restore_checkpoint
 from precisionlab.train.hooks import CallbackHook, CheckpointHook, Hook, ProgressHook, StepEnd
 from precisionlab.train.meters import hist_edges
+from precisionlab.train.programs import get as shared_programs
 from precisionlab.train.step import (
     StepOptions,
     build_step,
     make_probe_fn,
-    normalize_loss_fn,
+    weighted_loss,
 )
 from precisionlab.train.telemetry import telemetry_rows
 from precisionlab.train.timing import LoopTimings
 
-__all__ = ["LoopOptions", "train_loop"]
+__all__ = ["LoopOptions", "compile_programs", "train_loop"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -88,18 +89,6 @@ def _hist_dict(h: dict[str, Any] | None) -> dict[str, Any] | None:
         "zeros": int(h["zeros"]),
         "nonfinite": int(h["nonfinite"]),
     }
-
-
-def _weighted(loss_fn: Callable, weight: float) -> Callable:
-    """``loss_fn`` with its (float32) loss multiplied by ``weight``."""
-    f = normalize_loss_fn(loss_fn)
-    w = jnp.float32(weight)
-
-    def weighted(params: Any, batch: Any) -> Any:
-        loss, aux = f(params, batch)
-        return loss.astype(jnp.float32) * w, aux
-
-    return weighted
 
 
 def _record(metrics: dict[str, Any], step: int, params: Any, loss_weight: float) -> dict[str, Any]:
@@ -164,6 +153,8 @@ def train_loop(
     progress: bool | None = None,
     desc: str | None = None,
     timings: LoopTimings | None = None,
+    values: Mapping[str, float] | None = None,
+    program_key: Hashable | None = None,
     **specs: Any,
 ) -> TrainResult:
     """Train ``loss_fn``; returns a :class:`~precisionlab.train.config.TrainResult`.
@@ -195,6 +186,12 @@ def train_loop(
 
     ``loop.loss_weight`` multiplies the loss of ``loss_fn``, ``probe_loss_fn`` and
     ``shadow_loss_fn`` (in float32) before differentiation; the recorded ``loss`` is divided back.
+    It is one of the state's ``values`` (arguments of the compiled programs, see
+    :func:`~precisionlab.train.step.build_step`), with ``values`` given here (``optimizer``
+    may then be an :data:`~precisionlab.train.step.OptimizerFactory`). ``program_key``
+    (hashable) names the structure of the programs: runs with the same key share their jitted
+    step, chunk and probe functions (:mod:`precisionlab.train.programs`), traced and compiled
+    once; the caller vouches that such runs differ only in ``values``, params, data and seeds.
     A step whose loss is non-finite or > ``divergence_k`` x the least loss so far marks the run
     diverged; ``divergence_action`` "stop" ends it there.
     """
@@ -209,52 +206,22 @@ def train_loop(
         raise TypeError(f"give step options in `options` or as keywords: {sorted(step_kw)}")
     if loop.checkpoint_interval and checkpoint_dir is None:
         raise ValueError("checkpoint_interval needs a checkpoint_dir")
-    if loop.loss_weight != 1:
-        w = loop.loss_weight
-        loss_fn = _weighted(loss_fn, w)
-        probe_loss_fn = None if probe_loss_fn is None else _weighted(probe_loss_fn, w)
-        shadow_loss_fn = None if shadow_loss_fn is None else _weighted(shadow_loss_fn, w)
-    example = None
-    if options.recipe is not None and options.recipe.stateful:
-        # the recipe's state has one entry per matmul, found by tracing with a batch
-        if callable(batches) and not isinstance(batches, Iterable):
-            example = next(iter(batches(0)))
-        else:
-            peek = iter(batches)
-            example = next(peek)
-            batches = itertools.chain([example], peek)
-    step_fn, state, mesh = build_step(loss_fn, params, optimizer, options, example)
-    chunk = _chunk_steps(loop, mesh)
-    halt = loop.divergence_action == "stop"
-    if chunk == 1:
-        jstep = jax.jit(step_fn, donate_argnums=0)
-    else:
-        jchunk = jax.jit(_chunked(step_fn, chunk, halt), donate_argnums=0)
+    run = _prepare(
+        loss_fn, params, optimizer, batches, options, loop, probe_loss_fn, shadow_loss_fn,
+        values, program_key,
+    )  # fmt: skip
+    state, mesh, chunk, programs, batches = (
+        run.state,
+        run.mesh,
+        run.chunk,
+        run.programs,
+        run.batches,
+    )
     if timings is not None:
         timings.chunk_steps = chunk
-    telemetry_names = getattr(step_fn, "telemetry_names", {})  # filled when the step is traced
-    probe = None
-    if loop.hist_interval or (shadow_loss_fn is not None and loop.shadow_interval):
-        probe_fn = make_probe_fn(
-            probe_loss_fn or loss_fn,
-            policy=options.policy,
-            shadow_loss_fn=shadow_loss_fn,
-            histograms=bool(loop.hist_interval),
-        )
-        probe = jax.jit(probe_fn)
-    recipe_probe = None
-    if loop.hist_interval and options.recipe is not None:
-        from precisionlab.train.recipe_metrics import make_recipe_metrics_fn
-
-        rfn = make_recipe_metrics_fn(loss_fn, options.recipe)
-        pol = options.policy
-
-        def recipe_probe_fn(state, batch):
-            pc = cast_floating(state.params, pol.compute_dtype)
-            key = jax.random.fold_in(state.rng, 0x57A7)
-            return rfn(pc, batch, state.loss_scale, state.recipe_state, key)
-
-        recipe_probe = jax.jit(recipe_probe_fn)
+    jstep, jchunk, probe = programs.step, programs.chunk, programs.probe
+    recipe_probe = programs.recipe
+    telemetry_names = programs.telemetry_names
 
     agg, start = Aggregates(), 0
     # In a multi-process run, process 0 reads the checkpoint and the others receive it.
@@ -369,6 +336,148 @@ def train_loop(
         for hook in all_hooks:
             hook.close()
     return _result(state, step, agg, time.perf_counter() - t0, records)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """A run's initial state, mesh, steps per call, jitted programs and batch source."""
+
+    state: Any
+    mesh: Any
+    chunk: int
+    programs: _Programs
+    batches: Any
+
+
+def _prepare(
+    loss_fn: Callable,
+    params: Any,
+    optimizer: Any,
+    batches: Any,
+    options: StepOptions,
+    loop: LoopOptions,
+    probe_loss_fn: Callable | None,
+    shadow_loss_fn: Callable | None,
+    values: Mapping[str, float] | None,
+    program_key: Hashable | None,
+) -> _Prepared:
+    """The step built (its values include ``loop.loss_weight``) and its programs, shared under
+    ``program_key``; nothing is compiled here."""
+    vals = dict(values or {})
+    if vals or loop.loss_weight != 1:
+        vals["loss_weight"] = loop.loss_weight
+    example = None
+    if options.recipe is not None and options.recipe.stateful:
+        # the recipe's state has one entry per matmul, found by tracing with a batch
+        if callable(batches) and not isinstance(batches, Iterable):
+            example = next(iter(batches(0)))
+        else:
+            peek = iter(batches)
+            example = next(peek)
+            batches = itertools.chain([example], peek)
+    step_fn, state, mesh = build_step(loss_fn, params, optimizer, options, example, vals or None)
+    chunk = _chunk_steps(loop, mesh)
+    halt = loop.divergence_action == "stop"
+
+    def make_programs() -> _Programs:
+        return _programs(step_fn, loss_fn, probe_loss_fn, shadow_loss_fn, options, loop, chunk)
+
+    if program_key is None:
+        programs = make_programs()
+    else:
+        programs = shared_programs((program_key, chunk, halt), make_programs)
+    return _Prepared(state, mesh, chunk, programs, batches)
+
+
+def compile_programs(
+    loss_fn: Callable,
+    params: Any,
+    optimizer: Any,
+    batches: Callable[[int], Iterator[Any]],
+    *,
+    options: StepOptions,
+    loop: LoopOptions,
+    probe_loss_fn: Callable | None = None,
+    shadow_loss_fn: Callable | None = None,
+    values: Mapping[str, float] | None = None,
+    program_key: Hashable,
+) -> Any:
+    """Compile the programs :func:`train_loop` runs with these arguments and ``program_key``
+    (step or chunk, probes), so that run finds them compiled; returns its initial params (for
+    compiling its evaluation). XLA compiles outside the Python lock: call it in a thread to
+    compile one run while another trains. Nothing for a data-parallel run (None)."""
+    run = _prepare(
+        loss_fn, params, optimizer, batches, options, loop, probe_loss_fn, shadow_loss_fn,
+        values, program_key,
+    )  # fmt: skip
+    if run.mesh is not None:
+        return None
+    state = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), run.state)
+    batch = next(iter(run.batches(0)))
+    progs = run.programs
+    if progs.chunk is not None:
+        stacked = _stack([batch] * run.chunk)
+        progs.chunk.lower(state, stacked, jnp.int32(run.chunk)).compile()
+    else:
+        progs.step.lower(state, batch).compile()
+    for probe in (progs.probe, progs.recipe):
+        if probe is not None:
+            probe.lower(state, batch).compile()
+    return state.params
+
+
+@dataclasses.dataclass(frozen=True)
+class _Programs:
+    """The jitted functions of a run (see :func:`_programs`)."""
+
+    step: Callable | None
+    chunk: Callable | None
+    probe: Callable | None
+    recipe: Callable | None
+    telemetry_names: dict[str, Any]
+
+
+def _programs(
+    step_fn: Callable,
+    loss_fn: Callable,
+    probe_loss_fn: Callable | None,
+    shadow_loss_fn: Callable | None,
+    options: StepOptions,
+    loop: LoopOptions,
+    chunk: int,
+) -> _Programs:
+    """The jitted step (one step per call) or chunk (``chunk`` steps per call), the probe
+    (histograms, shadow) and the recipe probe of a run; nothing is traced until called."""
+    halt = loop.divergence_action == "stop"
+    jstep = jchunk = None
+    if chunk == 1:
+        jstep = jax.jit(step_fn, donate_argnums=0)
+    else:
+        jchunk = jax.jit(_chunked(step_fn, chunk, halt), donate_argnums=0)
+    probe = None
+    if loop.hist_interval or (shadow_loss_fn is not None and loop.shadow_interval):
+        probe_fn = make_probe_fn(
+            probe_loss_fn or loss_fn,
+            policy=options.policy,
+            shadow_loss_fn=shadow_loss_fn,
+            histograms=bool(loop.hist_interval),
+        )
+        probe = jax.jit(probe_fn)
+    recipe_probe = None
+    if loop.hist_interval and options.recipe is not None:
+        from precisionlab.train.recipe_metrics import make_recipe_metrics_fn
+
+        recipe, pol = options.recipe, options.policy
+
+        def recipe_probe_fn(state, batch):
+            rfn = make_recipe_metrics_fn(weighted_loss(loss_fn, state.values), recipe)
+            pc = cast_floating(state.params, pol.compute_dtype)
+            key = jax.random.fold_in(state.rng, 0x57A7)
+            return rfn(pc, batch, state.loss_scale, state.recipe_state, key)
+
+        recipe_probe = jax.jit(recipe_probe_fn)
+    names = getattr(step_fn, "telemetry_names", {})  # filled when the step is traced
+    return _Programs(jstep, jchunk, probe, recipe_probe, names)
 
 
 #: The most steps one compiled call runs (the stacked batches and metrics of a call stay on the

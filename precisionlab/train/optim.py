@@ -2,16 +2,31 @@
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Sequence
 from typing import Any
 
+import jax
 import optax
 
 from precisionlab._schema import FLOAT32_MAX, Field
 
-__all__ = ["OPTIMIZERS", "OPTIMIZER_FIELDS", "SCHEDULES", "make_optimizer", "make_schedule"]
+__all__ = [
+    "OPTIMIZERS",
+    "OPTIMIZER_FIELDS",
+    "SCHEDULES",
+    "VALUE_KWARGS",
+    "make_optimizer",
+    "make_schedule",
+    "optimizer_defaults",
+]
 
 #: The optax optimizers a config names.
 OPTIMIZERS: tuple[str, ...] = ("sgd", "momentum", "adam", "adamw", "lion", "rmsprop")
+#: ``optimizer_kwargs`` passed to the compiled step as arguments (float32 scalars in
+#: ``TrainState.values``) rather than compiled in: optimizers differing only in them share a
+#: program. The others (decay rates, flags) stay constants of the program.
+VALUE_KWARGS: tuple[str, ...] = ("eps",)
 #: The learning-rate schedules a config names.
 SCHEDULES: tuple[str, ...] = ("constant", "cosine", "linear")
 
@@ -41,14 +56,32 @@ OPTIMIZER_FIELDS: dict[str, dict[str, Field]] = {
 }
 
 
+def _constructor(name: str) -> Any:
+    return {"momentum": optax.sgd}.get(name) or getattr(optax, name)
+
+
+def optimizer_defaults(name: str, keys: Sequence[str]) -> dict[str, Any]:
+    """The defaults of the optax constructor of optimizer ``name`` for those of ``keys`` it
+    takes (e.g. ``{"eps": 1e-8}`` for adam, ``{}`` for sgd)."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; allowed: {', '.join(OPTIMIZERS)}")
+    params = inspect.signature(_constructor(name)).parameters
+    return {k: params[k].default for k in keys if k in params}
+
+
 def make_schedule(
-    lr: float, schedule: str = "constant", *, steps: int | None = None, warmup_steps: int = 0
+    lr: float | jax.Array,
+    schedule: str = "constant",
+    *,
+    steps: int | None = None,
+    warmup_steps: int = 0,
 ) -> optax.Schedule:
     """Learning-rate schedule: linear warmup over ``warmup_steps`` then ``schedule`` (constant,
     cosine decay to 0 or linear decay to 0 at ``steps``)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; allowed: {', '.join(SCHEDULES)}")
-    if not (isinstance(lr, int | float) and lr > 0):
+    # a traced lr (an argument of the compiled step, see TrainState.values) is checked when given
+    if not isinstance(lr, jax.Array) and not (isinstance(lr, int | float) and lr > 0):
         raise ValueError(f"lr must be a number > 0, got {lr!r}")
     if not isinstance(warmup_steps, int) or warmup_steps < 0:
         raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
@@ -70,7 +103,7 @@ def make_schedule(
 
 def make_optimizer(
     name: str,
-    lr: float,
+    lr: float | jax.Array,
     *,
     schedule: str = "constant",
     steps: int | None = None,
@@ -84,6 +117,8 @@ def make_optimizer(
     ``kwargs`` go to the optax constructor (e.g. ``b1``, ``b2``, ``eps`` for adam; ``momentum``
     for momentum, default 0.9). ``weight_decay`` is decoupled (adamw/lion natively, otherwise
     ``optax.add_decayed_weights`` before the lr). ``grad_clip`` clips the global norm first.
+    ``lr`` and the ``kwargs`` named in :data:`VALUE_KWARGS` may be traced float32 scalars
+    (the step's ``values``).
     """
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; allowed: {', '.join(OPTIMIZERS)}")

@@ -136,6 +136,7 @@ class ZeroLayout:
             storage_state=split_opt(state.storage_state),
             rng=self.whole(state.rng),
             recipe_state=self.whole(state.recipe_state),
+            values=self.whole(state.values),
         )
 
 

@@ -11,7 +11,7 @@ update.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -38,6 +38,7 @@ from precisionlab.train.recipe import TrainRecipe
 
 __all__ = [
     "SKIP_MODES",
+    "OptimizerFactory",
     "StepOptions",
     "TrainState",
     "TrainStep",
@@ -46,6 +47,7 @@ __all__ = [
     "make_train_step",
     "normalize_loss_fn",
     "split_micro",
+    "weighted_loss",
 ]
 
 SKIP_MODES: tuple[str, ...] = ("select", "cond")
@@ -59,6 +61,9 @@ class TrainState(NamedTuple):
     Kahan compensation or None. rng: uint32[2] PRNG key (stochastic rounding). recipe_state:
     the recipe's state (delayed scaling: ``{matmul name: {"scale", "history", "probe"}}``,
     see :func:`precisionlab.recipes.apply`); ``{}`` for a stateless recipe, None without one.
+    values: the run's numeric settings as float32 scalars (``{"lr", "loss_weight", "eps",
+    ...}``, see :func:`build_step`), or None: arguments of the compiled step rather than
+    constants in it, so runs that differ only in them share one program.
     """
 
     step: jax.Array
@@ -68,6 +73,34 @@ class TrainState(NamedTuple):
     storage_state: StorageState
     rng: jax.Array
     recipe_state: Any = None
+    values: Any = None
+
+
+#: A function of the state's ``values`` (traced float32 scalars; ``{}`` for a step without
+#: values) returning the optimizer.
+OptimizerFactory = Callable[[Mapping[str, jax.Array]], optax.GradientTransformation]
+
+
+def weighted_loss(loss_fn: Callable, values: Mapping[str, Any] | None) -> Callable:
+    """``loss_fn`` (normalized to return ``(loss, aux)``) with its loss cast to float32 and
+    multiplied by ``values["loss_weight"]``; ``loss_fn`` unchanged without that entry."""
+    f = normalize_loss_fn(loss_fn)
+    if not values or "loss_weight" not in values:
+        return f
+    w = values["loss_weight"]
+
+    def weighted(params: Any, batch: Any) -> Any:
+        loss, aux = f(params, batch)
+        return loss.astype(jnp.float32) * w, aux
+
+    return weighted
+
+
+def _optimizer(optimizer: Any, values: Mapping[str, Any] | None) -> optax.GradientTransformation:
+    """The optimizer itself, or an :data:`OptimizerFactory` called with ``values``."""
+    if isinstance(optimizer, optax.GradientTransformation):
+        return optimizer
+    return optimizer({} if values is None else values)
 
 
 def normalize_loss_fn(loss_fn: Callable) -> Callable:
@@ -330,9 +363,10 @@ def _grad_norm_and_flags(g32: Any) -> tuple[jax.Array, jax.Array, list[jax.Array
 def build_step(
     loss_fn: Callable,
     params: Any,
-    optimizer: optax.GradientTransformation,
+    optimizer: optax.GradientTransformation | OptimizerFactory,
     options: StepOptions | None = None,
     example_batch: Any = None,
+    values: Mapping[str, float] | None = None,
 ) -> TrainStep:
     """Build the train step, its initial state and (data parallel) its mesh.
 
@@ -344,6 +378,11 @@ def build_step(
       options: see :class:`StepOptions` (default: float32, no loss scaling).
       example_batch: a batch (arrays or ShapeDtypeStructs), needed only with a stateful recipe
         (delayed scaling): its state has one entry per matmul, found by tracing ``loss_fn``.
+      values: numeric settings kept in ``state.values`` as float32 scalars, so the compiled
+        step takes them as arguments (one program for runs that differ only in them):
+        ``loss_weight`` multiplies the loss before differentiation (see
+        :func:`weighted_loss`), and ``optimizer`` may be an :data:`OptimizerFactory` that
+        builds the optimizer from them (``{"lr": ..., "eps": ...}``).
 
     With ``options.recipe``, ``loss_fn`` runs under :func:`precisionlab.recipes.apply` (on
     the compute-dtype params the policy gives; excluded matmuls stay as the policy computes
@@ -363,7 +402,11 @@ def build_step(
         raise TypeError(f"options must be a StepOptions, got {type(opts).__name__}")
     pol, store = opts.policy, opts.storage
     grads_dtype = store.grads_dtype
-    opt = store_opt_state(optimizer, store.opt_state_dtype)
+    state_values = None
+    if values is not None:
+        state_values = {k: jnp.asarray(v, jnp.float32) for k, v in values.items()}
+    loss_init = weighted_loss(loss_fn, values)
+    opt = store_opt_state(_optimizer(optimizer, values), store.opt_state_dtype)
     params_stored = cast_floating(params, store.param_dtype(pol.param_dtype))
     rec = opts.recipe
     recipe_state = None if rec is None else {}
@@ -373,7 +416,7 @@ def build_step(
                 f"the {rec.recipe.name} recipe is stateful: build_step needs an example_batch"
             )
         recipe_state = init_recipe_state(
-            loss_fn,
+            loss_init,
             rec,
             cast_compute(params, pol.compute_dtype, opts.fp32_params),
             example_batch,
@@ -387,30 +430,40 @@ def build_step(
         storage_state=init_storage_state(params_stored, store.update),
         rng=jax.random.PRNGKey(opts.seed),
         recipe_state=recipe_state,
+        values=state_values,
     )
-    grad_fn = make_grad_fn(loss_fn, pol, opts.microbatches, rec)
     applied = None if rec is None else rec.apply(loss_fn)
-    mesh, zero = None, None
+    mesh, zero, specs = None, None, None
     if opts.data_parallel:
-        from precisionlab.train.parallel import ZeroLayout, data_parallel, local_mesh
+        from precisionlab.train.parallel import ZeroLayout, local_mesh
 
         mesh = local_mesh(None if opts.data_parallel is True else int(opts.data_parallel))
         layout = ZeroLayout(mesh, opts.zero_stage)
         specs = layout.grad_specs(params_stored)
-        grad_fn = data_parallel(grad_fn, mesh, opts.allreduce_dtype, specs)
         if opts.zero_stage:
             # (shardings of the state, of a params-like tree split over the devices)
             zero = (layout.state_shardings(state), layout.split(params_stored))
-    telemetry_fn = None
-    if opts.telemetry is not None:
+    telemetry_names: dict[str, Any] = {}  # filled when the step is traced
+
+    def make_grad(lf: Callable) -> Callable:
+        grad_fn = make_grad_fn(lf, pol, opts.microbatches, rec)
+        if mesh is not None:
+            from precisionlab.train.parallel import data_parallel
+
+            grad_fn = data_parallel(grad_fn, mesh, opts.allreduce_dtype, specs)
+        return grad_fn
+
+    def make_telemetry(lf: Callable) -> Callable | None:
+        if opts.telemetry is None:
+            return None
         from precisionlab.train.telemetry import make_telemetry_fn
 
-        telemetry_fn = make_telemetry_fn(
-            normalize_loss_fn(loss_fn), pol, opts.telemetry, microbatches=opts.microbatches,
-            mesh=mesh,
-        )  # fmt: skip
+        fn = make_telemetry_fn(lf, pol, opts.telemetry, microbatches=opts.microbatches, mesh=mesh)
+        telemetry_names.clear()
+        telemetry_names.update(fn.names)  # type: ignore[attr-defined]
+        return fn
 
-    def update(params_s, opt_state, storage_state, g32, key):
+    def update(opt, params_s, opt_state, storage_state, g32, key):
         if zero is not None:  # each device updates its slice (ZeRO); elementwise: same values
             params_s, g32 = jax.lax.with_sharding_constraint((params_s, g32), (zero[1], zero[1]))
         p32 = cast_floating(params_s, jnp.float32)
@@ -421,6 +474,11 @@ def build_step(
         return new_params, new_opt, new_ss
 
     def step_fn(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+        # built here, from the state's (traced) values: they are arguments of the program
+        lf = weighted_loss(loss_fn, state.values)
+        grad_fn = make_grad(lf)
+        telemetry_fn = make_telemetry(lf)
+        opt = store_opt_state(_optimizer(optimizer, state.values), store.opt_state_dtype)
         rng, key = jax.random.split(state.rng)
         ls = state.loss_scale
         pc = cast_compute(state.params, pol.compute_dtype, opts.fp32_params)
@@ -438,13 +496,13 @@ def build_step(
         grad_norm, finite, flags = _grad_norm_and_flags(g32)
         old = (state.params, state.opt_state, state.storage_state)
         if not opts.skips:
-            new = update(*old, g32, key)
+            new = update(opt, *old, g32, key)
             skipped = jnp.asarray(False)
         elif opts.skip == "select":
-            new = select_tree(finite, update(*old, g32, key), old)
+            new = select_tree(finite, update(opt, *old, g32, key), old)
             skipped = ~finite
         else:
-            new = jax.lax.cond(finite, lambda: update(*old, g32, key), lambda: old)
+            new = jax.lax.cond(finite, lambda: update(opt, *old, g32, key), lambda: old)
             skipped = ~finite
         metrics = {
             "loss": loss,
@@ -460,6 +518,7 @@ def build_step(
             metrics["telemetry"] = telemetry_fn(
                 state.params, state.opt_state, ls, g32, batch, state.step
             )
+            telemetry_names.update(telemetry_fn.names)  # type: ignore[attr-defined]
         new_state = TrainState(
             step=state.step + 1,
             params=new[0],
@@ -472,12 +531,13 @@ def build_step(
                 if applied is None
                 else applied.update_state(state.recipe_state, observed, skip=skipped)
             ),
+            values=state.values,
         )
         if zero is not None:
             new_state = jax.lax.with_sharding_constraint(new_state, zero[0])
         return new_state, metrics
 
-    step_fn.telemetry_names = getattr(telemetry_fn, "names", {})  # type: ignore[attr-defined]
+    step_fn.telemetry_names = telemetry_names  # type: ignore[attr-defined]
     return TrainStep(step_fn, state, mesh)
 
 
@@ -558,9 +618,9 @@ def make_probe_fn(
     from precisionlab.train.meters import log2_histogram, shadow_stats
 
     pol = policy
-    f = normalize_loss_fn(loss_fn)
 
     def probe(state: TrainState, batch: Any) -> dict[str, Any]:
+        f = weighted_loss(loss_fn, state.values)  # the loss the step differentiates
         ls = state.loss_scale
         pc = cast_floating(state.params, pol.compute_dtype)
 
@@ -575,7 +635,7 @@ def make_probe_fn(
             acts = aux.get("activations") if isinstance(aux, dict) else None
             out["act_hist"] = None if acts is None else log2_histogram(acts)
         if shadow_loss_fn is not None:
-            fs = normalize_loss_fn(shadow_loss_fn)
+            fs = weighted_loss(shadow_loss_fn, state.values)
             p32 = cast_floating(state.params, jnp.float32)
             g_ref = jax.grad(lambda p: fs(p, batch)[0].astype(jnp.float32))(p32)
             g32 = ls.unscale(cast_floating(g, jnp.float32))
