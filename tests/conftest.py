@@ -1,6 +1,7 @@
 """Test configuration: every test runs on CPU with float32 defaults unless it says otherwise."""
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -36,3 +37,47 @@ def run_on_host_devices():
     subprocess on ``devices`` CPU host devices (the count must be set before jax is imported)
     and fails unless it exits 0 with ``OK`` as its last output."""
     return _run_on_host_devices
+
+
+class _Hang(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise _Hang
+
+
+def _run_cli(
+    capsys, argv: list[str], status: int | tuple[int, ...] = 2, limit_s: int = 30
+) -> tuple[str, str]:
+    from precisionlab.cli import main
+
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(limit_s)
+    try:
+        got = main(argv)
+    except SystemExit as exit_:  # argparse's errors (a flag's type)
+        got = exit_.code
+    except _Hang:
+        pytest.fail(f"no answer within {limit_s} s: precisionlab {' '.join(argv)[:300]}")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    out, err = capsys.readouterr()
+    allowed = status if isinstance(status, tuple) else (status,)
+    assert got in allowed, (got, out[-2000:], err[-2000:])
+    assert "Traceback" not in out + err
+    if got == 2:
+        head = err.split(": error: ")[0]  # argparse names the subcommand: bench recipes
+        assert head in (f"precisionlab {argv[0]}", f"precisionlab {' '.join(argv[:2])}"), err
+        assert err.count("\n") == 1, err
+    return out, err
+
+
+@pytest.fixture
+def cli(capsys):
+    """``cli(argv, status=2, limit_s=30) -> (stdout, stderr)``: runs ``precisionlab argv``
+    in-process and fails unless it exits ``status`` (or one of a tuple of them) within
+    ``limit_s`` seconds without a traceback; an error (status 2) must be the one line
+    ``precisionlab CMD: error: ...``. The hostile-input tests' shared checker."""
+    return lambda argv, status=2, limit_s=30: _run_cli(capsys, argv, status, limit_s)
