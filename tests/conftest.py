@@ -1,9 +1,11 @@
 """Test configuration: every test runs on CPU with float32 defaults unless it says otherwise."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # `precisionlab run` turns JAX's persistent compilation cache on (in ~/.cache by default); tests
@@ -16,6 +18,48 @@ import pytest
 hypothesis.settings.register_profile("ci", max_examples=200, deadline=None, derandomize=True)
 hypothesis.settings.register_profile("dev", max_examples=100, deadline=None)
 hypothesis.settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+_CACHE_DIRS: list[str] = []
+
+
+def pytest_configure(config):
+    """A persistent compilation cache private to this test process (each xdist worker its own,
+    removed at the end): a program compiled by one test is loaded, not compiled again, by every
+    later test that builds the same one (same HLO, options, devices and versions: the loaded
+    executable is the one XLA compiled). PRECISIONLAB_TEST_COMPILE_CACHE=0 turns it off."""
+    controller = config.getoption("numprocesses", None) and not hasattr(config, "workerinput")
+    if controller or os.environ.get("PRECISIONLAB_TEST_COMPILE_CACHE", "1") == "0":
+        return
+    import jax
+
+    path = tempfile.mkdtemp(prefix="precisionlab-test-jax-cache-")
+    _CACHE_DIRS.append(path)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update(
+        "jax_persistent_cache_min_compile_time_secs",
+        float(os.environ.get("PRECISIONLAB_TEST_COMPILE_CACHE_MIN_S", "0")),
+    )
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+    for path in _CACHE_DIRS:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def no_compile_cache():
+    """Turns the test processes' compilation cache off for one test (one that counts what it
+    compiles or loads), and back on afterwards."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    path = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_compilation_cache_dir", path)
+    compilation_cache.reset_cache()
 
 
 def _run_on_host_devices(script: str, devices: int = 4, timeout: int = 600) -> str:
