@@ -9,7 +9,7 @@ import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # `precisionlab run` turns JAX's persistent compilation cache on (in ~/.cache by default); tests
-# that run it in-process must not write there or change what later tests compile.
+# must not write there: pytest_configure points it at a directory of the test process's own.
 os.environ.setdefault("PRECISIONLAB_CACHE_DIR", "off")
 
 import hypothesis
@@ -24,22 +24,23 @@ _CACHE_DIRS: list[str] = []
 
 def pytest_configure(config):
     """A persistent compilation cache private to this test process (each xdist worker its own,
-    removed at the end): a program compiled by one test is loaded, not compiled again, by every
-    later test that builds the same one (same HLO, options, devices and versions: the loaded
-    executable is the one XLA compiled). PRECISIONLAB_TEST_COMPILE_CACHE=0 turns it off."""
+    removed at the end), shared with the processes its tests start: a program one test compiled
+    is loaded, not compiled again, by every later test that builds the same one (same HLO,
+    options, devices and versions: the loaded executable is the one XLA compiled, so results
+    are bit-identical). A run or its resume in a child process uses it as a user's run uses
+    ~/.cache. PRECISIONLAB_TEST_COMPILE_CACHE=0 turns it off (every program compiled)."""
     controller = config.getoption("numprocesses", None) and not hasattr(config, "workerinput")
     if controller or os.environ.get("PRECISIONLAB_TEST_COMPILE_CACHE", "1") == "0":
         return
-    import jax
+    from precisionlab.train.compile_cache import ENV, enable_compilation_cache
 
     path = tempfile.mkdtemp(prefix="precisionlab-test-jax-cache-")
     _CACHE_DIRS.append(path)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update(
-        "jax_persistent_cache_min_compile_time_secs",
-        float(os.environ.get("PRECISIONLAB_TEST_COMPILE_CACHE_MIN_S", "0")),
-    )
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    enable_compilation_cache(path)  # every program, however fast it compiled
+    os.environ[ENV] = path  # `precisionlab run` in a child: the same cache
+    # any other child that imports JAX (a script on 4 or 8 host devices)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 
 def pytest_unconfigure(config):
@@ -57,7 +58,10 @@ def no_compile_cache():
     path = jax.config.jax_compilation_cache_dir
     jax.config.update("jax_compilation_cache_dir", None)
     compilation_cache.reset_cache()
-    yield
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PRECISIONLAB_CACHE_DIR", "off")
+        mp.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+        yield
     jax.config.update("jax_compilation_cache_dir", path)
     compilation_cache.reset_cache()
 
