@@ -12,6 +12,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # must not write there: pytest_configure points it at a directory of the test process's own.
 os.environ.setdefault("PRECISIONLAB_CACHE_DIR", "off")
 
+import _xdist_quiet_end
 import hypothesis
 import pytest
 
@@ -29,6 +30,8 @@ def pytest_configure(config):
     options, devices and versions: the loaded executable is the one XLA compiled, so results
     are bit-identical). A run or its resume in a child process uses it as a user's run uses
     ~/.cache. PRECISIONLAB_TEST_COMPILE_CACHE=0 turns it off (every program compiled)."""
+    # an xdist worker ignores the SIGINT execnet sends it when its teardown is slow
+    config.pluginmanager.register(_xdist_quiet_end, "xdist_quiet_end")
     controller = config.getoption("numprocesses", None) and not hasattr(config, "workerinput")
     if controller or os.environ.get("PRECISIONLAB_TEST_COMPILE_CACHE", "1") == "0":
         return
@@ -43,7 +46,8 @@ def pytest_configure(config):
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 
-def pytest_unconfigure(config):
+def pytest_sessionfinish(session):
+    # here, before an xdist worker reports its results: after that, a slow teardown is cut short
     for path in _CACHE_DIRS:
         shutil.rmtree(path, ignore_errors=True)
 
