@@ -1,20 +1,73 @@
 """Test configuration: every test runs on CPU with float32 defaults unless it says otherwise."""
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # `precisionlab run` turns JAX's persistent compilation cache on (in ~/.cache by default); tests
-# that run it in-process must not write there or change what later tests compile.
+# must not write there: pytest_configure points it at a directory of the test process's own.
 os.environ.setdefault("PRECISIONLAB_CACHE_DIR", "off")
 
+import _xdist_quiet_end
 import hypothesis
 import pytest
 
 hypothesis.settings.register_profile("ci", max_examples=200, deadline=None, derandomize=True)
 hypothesis.settings.register_profile("dev", max_examples=100, deadline=None)
 hypothesis.settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+_CACHE_DIRS: list[str] = []
+
+
+def pytest_configure(config):
+    """A persistent compilation cache private to this test process (each xdist worker its own,
+    removed at the end), shared with the processes its tests start: a program one test compiled
+    is loaded, not compiled again, by every later test that builds the same one (same HLO,
+    options, devices and versions: the loaded executable is the one XLA compiled, so results
+    are bit-identical). A run or its resume in a child process uses it as a user's run uses
+    ~/.cache. PRECISIONLAB_TEST_COMPILE_CACHE=0 turns it off (every program compiled)."""
+    # an xdist worker ignores the SIGINT execnet sends it when its teardown is slow
+    config.pluginmanager.register(_xdist_quiet_end, "xdist_quiet_end")
+    controller = config.getoption("numprocesses", None) and not hasattr(config, "workerinput")
+    if controller or os.environ.get("PRECISIONLAB_TEST_COMPILE_CACHE", "1") == "0":
+        return
+    from precisionlab.train.compile_cache import ENV, enable_compilation_cache
+
+    path = tempfile.mkdtemp(prefix="precisionlab-test-jax-cache-")
+    _CACHE_DIRS.append(path)
+    enable_compilation_cache(path)  # every program, however fast it compiled
+    os.environ[ENV] = path  # `precisionlab run` in a child: the same cache
+    # any other child that imports JAX (a script on 4 or 8 host devices)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+
+
+def pytest_sessionfinish(session):
+    # here, before an xdist worker reports its results: after that, a slow teardown is cut short
+    for path in _CACHE_DIRS:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def no_compile_cache():
+    """Turns the test processes' compilation cache off for one test (one that counts what it
+    compiles or loads), and back on afterwards."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    path = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    compilation_cache.reset_cache()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PRECISIONLAB_CACHE_DIR", "off")
+        mp.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+        yield
+    jax.config.update("jax_compilation_cache_dir", path)
+    compilation_cache.reset_cache()
 
 
 def _run_on_host_devices(script: str, devices: int = 4, timeout: int = 600) -> str:
@@ -36,3 +89,47 @@ def run_on_host_devices():
     subprocess on ``devices`` CPU host devices (the count must be set before jax is imported)
     and fails unless it exits 0 with ``OK`` as its last output."""
     return _run_on_host_devices
+
+
+class _Hang(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise _Hang
+
+
+def _run_cli(
+    capsys, argv: list[str], status: int | tuple[int, ...] = 2, limit_s: int = 30
+) -> tuple[str, str]:
+    from precisionlab.cli import main
+
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(limit_s)
+    try:
+        got = main(argv)
+    except SystemExit as exit_:  # argparse's errors (a flag's type)
+        got = exit_.code
+    except _Hang:
+        pytest.fail(f"no answer within {limit_s} s: precisionlab {' '.join(argv)[:300]}")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    out, err = capsys.readouterr()
+    allowed = status if isinstance(status, tuple) else (status,)
+    assert got in allowed, (got, out[-2000:], err[-2000:])
+    assert "Traceback" not in out + err
+    if got == 2:
+        head = err.split(": error: ")[0]  # argparse names the subcommand: bench recipes
+        assert head in (f"precisionlab {argv[0]}", f"precisionlab {' '.join(argv[:2])}"), err
+        assert err.count("\n") == 1, err
+    return out, err
+
+
+@pytest.fixture
+def cli(capsys):
+    """``cli(argv, status=2, limit_s=30) -> (stdout, stderr)``: runs ``precisionlab argv``
+    in-process and fails unless it exits ``status`` (or one of a tuple of them) within
+    ``limit_s`` seconds without a traceback; an error (status 2) must be the one line
+    ``precisionlab CMD: error: ...``. The hostile-input tests' shared checker."""
+    return lambda argv, status=2, limit_s=30: _run_cli(capsys, argv, status, limit_s)

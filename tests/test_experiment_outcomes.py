@@ -94,6 +94,10 @@ def test_c_swamping_pure_bf16_nearest_stalls_stochastic_rounding_recovers(outcom
     assert abs(stochastic["eval_loss"] - fp32["eval_loss"]) < 0.05
 
 
+# test_train_loop.py::test_loss_weight_records_the_plain_loss_and_fp32_adam_ignores_it checks the
+# same in the default suite (10 steps, through train()); this one (two 30-step runs through the
+# experiments' train_kind, ~90 s on 2 loaded cores) runs with the slow checks.
+@pytest.mark.slow
 def test_loss_weight_is_invisible_to_fp32_adam(tmp_path):
     """The loss weight used to put gradients below fp16's range changes nothing in fp32 with
     Adam (scale invariant up to eps), and the recorded loss is the plain loss."""

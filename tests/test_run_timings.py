@@ -29,7 +29,7 @@ name = "fp32"
 """
 
 
-def test_run_timings_writes_a_table_per_variant(tmp_path, capsys):
+def test_run_timings_writes_a_table_per_variant(tmp_path, capsys, no_compile_cache):
     exp = tmp_path / "tiny.toml"
     exp.write_text(TINY)
     out = tmp_path / "run"
