@@ -8,6 +8,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # `precisionlab run` turns JAX's persistent compilation cache on (in ~/.cache by default); tests
 # that run it in-process must not write there or change what later tests compile.
 os.environ.setdefault("PRECISIONLAB_CACHE_DIR", "off")
+# Reports draw telemetry figures in worker processes; each starts an interpreter that imports
+# JAX (seconds of CPU), more than the small figures of a test cost: in-process unless a test
+# asks (tests/test_report_workers.py).
+os.environ.setdefault("PRECISIONLAB_REPORT_WORKERS", "1")
 
 import hypothesis
 import pytest
