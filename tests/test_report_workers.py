@@ -80,3 +80,24 @@ def test_an_error_in_a_worker_is_raised_in_the_caller(monkeypatch, tmp_path):
     with pytest.raises(_io.UnsafePathError, match=r"telemetry_range_01-u1\.png"):
         _report(monkeypatch, run, units, "2")
     assert not (tmp_path / "elsewhere.png").exists()
+
+
+def test_heatmap_labels_every_layer_and_step_once_per_row_and_column(monkeypatch, tmp_path):
+    """Layer names on every row's left panel, steps under the bottom row, a title on every
+    panel, and no tick artists elsewhere (they were most of the drawing time)."""
+    figs = []
+    monkeypatch.setattr(store, "save_figure", lambda fig, path, **kw: figs.append(fig))
+    rows = _rows(1e-3)
+    assert tv._heatmap(rows, ["fp16", "bf16"], tmp_path / "h.png", "s/u")
+    (fig,) = figs
+    panels = [ax for ax in fig.axes if ax.get_images()]
+    assert len(panels) == 6  # as computed, then fp16 and bf16: 3 rows of 2
+    layers = ["layer0:dot_general[0].out", "layer1:dot_general[0].out"]
+    for i, ax in enumerate(panels):
+        row, col = divmod(i, 2)
+        ylabels = [t.get_text() for t in ax.get_yticklabels()]
+        xlabels = [t.get_text() for t in ax.get_xticklabels()]
+        assert ylabels == (layers if col == 0 else [])
+        assert xlabels == (["1", "11", "21"] if row == 2 else [])
+        assert ax.get_xlabel() == ("step" if row == 2 else "")
+        assert ax.get_title().startswith("s/u: %")
