@@ -11,6 +11,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # `precisionlab run` turns JAX's persistent compilation cache on (in ~/.cache by default); tests
 # must not write there: pytest_configure points it at a directory of the test process's own.
 os.environ.setdefault("PRECISIONLAB_CACHE_DIR", "off")
+# Reports draw telemetry figures in worker processes; each starts an interpreter that imports
+# JAX (seconds of CPU), more than the small figures of a test cost: in-process unless a test
+# asks (tests/test_report_workers.py).
+os.environ.setdefault("PRECISIONLAB_REPORT_WORKERS", "1")
 
 import _xdist_quiet_end
 import hypothesis

@@ -13,6 +13,7 @@ telemetry_rows`: one per step, layer and tensor) and writes:
 from __future__ import annotations
 
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -241,24 +242,34 @@ def _heatmap(rows, targets, path: Path, title: str) -> bool:
     fig.subplots_adjust(left=left, right=0.9, wspace=0.05, hspace=top_in / h,
                         top=1 - top_in / (h * n_rows),
                         bottom=bottom_in / (h * n_rows))  # fmt: skip
-    axes = fig.subplots(n_rows, 2, squeeze=False, sharex=True, sharey=True)
+    # No shared axes: a shared locator gives every panel a Tick (line and label artists) for
+    # every layer and step, drawn or not, which was most of the report's time. Layer names on
+    # the left column, steps on the bottom row; no tick artists anywhere else.
+    axes = fig.subplots(n_rows, 2, squeeze=False)
     cmap = _cmap()
     norm = LogNorm(vmin=_FLOOR_PCT, vmax=100.0)
+    size = _LABEL_PT if len(labels) < 60 else 5
+    rotate = 90 if len(steps) > 12 else 0
     im = None
-    for ax, (name, grid) in zip(axes.flat, panels, strict=True):
+    for i, (ax, (name, grid)) in enumerate(zip(axes.flat, panels, strict=True)):
         pct = 100 * grid[shown]
         # exactly 0 -> below the floor (the "under" colour); no value -> NaN (white)
         pct = np.where(pct == 0, _FLOOR_PCT / 10, pct)
         im = ax.imshow(np.ma.masked_invalid(pct), aspect="auto", cmap=cmap, norm=norm,
                        interpolation="nearest")  # fmt: skip
-        ax.set_title(f"{title}: {name}", fontsize=8)
-    axes[0][0].set_yticks(range(len(labels)), labels)
-    rotate = 90 if len(steps) > 12 else 0
-    axes[0][0].set_xticks(range(len(steps)), [str(s) for s in steps], rotation=rotate)
-    for ax in axes.flat:
-        ax.tick_params(labelsize=_LABEL_PT if len(labels) < 60 else 5)
-    for ax in axes[-1]:
-        ax.set_xlabel("step", fontsize=8)
+        # a fixed title position: the automatic one measures every tick label of the panel
+        ax.set_title(f"{title}: {name}", fontsize=8, y=1.0)
+        row, col = divmod(i, 2)
+        if col == 0:
+            ax.set_yticks(range(len(labels)), labels, fontsize=size)
+        else:
+            ax.set_yticks([])
+        if row == n_rows - 1:
+            ax.set_xticks(range(len(steps)), [str(s) for s in steps], rotation=rotate,
+                          fontsize=size)  # fmt: skip
+            ax.set_xlabel("step", fontsize=8)
+        else:
+            ax.set_xticks([])
     cax = fig.add_axes((0.92, bottom_in / (h * n_rows), 0.015, 0.6))
     fig.colorbar(im, cax=cax, extend="min",
                  label=f"% (log scale, {_FLOOR_PCT:g}%..100%; grey: exactly 0)")  # fmt: skip
@@ -312,7 +323,8 @@ def _ranges(rows, targets, path: Path, title: str) -> bool:
         ax.axvline(top, color=c, ls="-", lw=1)
     ax.set_yticks(range(len(labels)), labels, fontsize=_LABEL_PT)
     ax.set_xlabel("log2 |value| (bar: smallest nonzero .. amax over the telemetry steps)")
-    ax.set_title(f"{title}: dynamic range of every tensor against the target formats", fontsize=9)
+    ax.set_title(f"{title}: dynamic range of every tensor against the target formats",
+                 fontsize=9, y=1.0)  # fmt: skip
     if shown:
         ax.legend(fontsize=7, loc="lower right")
     store.save_figure(fig, path, dpi=_DPI)
@@ -344,15 +356,88 @@ def _table(entries: list[dict[str, Any]], extra: str | None = None) -> list[str]
     return [*lines, ""]
 
 
+#: Environment variable: how many worker processes draw the report's telemetry figures
+#: (a positive integer; default one per CPU, at most one per unit; 1 draws them in this
+#: process).
+_WORKERS_ENV = "PRECISIONLAB_REPORT_WORKERS"
+
+_HEAT_CAPTION = (
+    "layer x step heatmaps: zeros and inf/NaN as computed, and each target's "
+    f"underflow and overflow; log colour scale {_FLOOR_PCT:g}%..100% in every "
+    "panel, grey: exactly 0; tensors that are 0 in every panel left out"
+)
+_FIGURES = (
+    ("heatmap", _HEAT_CAPTION),
+    ("range", "dynamic range of every tensor against the formats' ranges"),
+)
+
+
+def _draw_unit(run_dir: str, rows_path: str, targets: list[str], paths: list[str],
+               title: str) -> list[bool]:  # fmt: skip
+    """Draw one unit's heatmap and range figures (paths in :data:`_FIGURES` order) from its
+    telemetry.jsonl; whether each was written. Runs in a worker process: takes plain
+    strings, and confines its reads and writes to ``run_dir`` as :func:`write_report` does."""
+    with store.confined(run_dir):
+        rows = [r for r in store.read_jsonl(Path(rows_path)) if r["kind"] in _RANKED]
+        return [
+            fn(rows, targets, Path(path), title)
+            for fn, path in zip((_heatmap, _ranges), paths, strict=True)
+        ]
+
+
+def _report_workers() -> int | None:
+    """The worker count :data:`_WORKERS_ENV` asks for, None when unset (one per CPU)."""
+    raw = os.environ.get(_WORKERS_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{_WORKERS_ENV} must be a positive integer (1: no worker processes), "
+                         f"got {raw!r}")  # fmt: skip
+    return int(raw)
+
+
+def _draw_all(jobs: list[tuple]) -> list[list[bool]]:
+    """:func:`_draw_unit` for every job, in order: in worker processes when there are several
+    jobs and CPUs (the units' figures are independent), else here. Workers start fresh
+    interpreters ("spawn": never fork a process whose JAX runtime has threads); an error in
+    one is raised here, as the serial path raises it."""
+    workers = min(len(jobs), _report_workers() or os.cpu_count() or 1)
+    if workers <= 1:
+        return [_draw_unit(*job) for job in jobs]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        futures = [pool.submit(_draw_unit, *job) for job in jobs]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+
+
 def telemetry_report(
     run_dir: Path, units: list[dict[str, Any]], plot_dir: Path | None
 ) -> list[str]:
-    """report.md lines for the units with telemetry (and, with ``plot_dir``, their plots)."""
+    """report.md lines for the units with telemetry (and, with ``plot_dir``, their plots,
+    drawn in parallel: :data:`_WORKERS_ENV`)."""
+    units = [u for u in units if u.get("telemetry")]
+    drawn: dict[int, list[bool]] = {}
+    if plot_dir is not None and units:
+        store.makedirs(plot_dir)
+        jobs = []
+        for u in units:
+            uid, name = u.get("id", u.get("name")), store.safe_name(str(u.get("id", u.get("name"))))
+            rows_path = Path(run_dir) / "variants" / str(uid) / "telemetry.jsonl"
+            paths = [str(plot_dir / f"telemetry_{kind}_{name}.png") for kind, _ in _FIGURES]
+            jobs.append((str(run_dir), str(rows_path), list(u["telemetry"]["targets"]), paths,
+                         str(u.get("name"))))  # fmt: skip
+        drawn = dict(enumerate(_draw_all(jobs)))
     lines: list[str] = []
-    for u in units:
-        summ = u.get("telemetry")
-        if not summ:
-            continue
+    for i, u in enumerate(units):
+        summ = u["telemetry"]
         uid = u.get("id", u.get("name"))
         lines += [f"### {u.get('name')}", ""]
         lines.append(
@@ -377,21 +462,10 @@ def telemetry_report(
                       "step):", ""]  # fmt: skip
             lines += _table(worst, "target")
         if plot_dir is not None:
-            rows = store.read_jsonl(Path(run_dir) / "variants" / str(uid) / "telemetry.jsonl")
-            rows = [r for r in rows if r["kind"] in _RANKED]
-            store.makedirs(plot_dir)
             name = store.safe_name(str(uid))
-            heat = (
-                "layer x step heatmaps: zeros and inf/NaN as computed, and each target's "
-                f"underflow and overflow; log colour scale {_FLOOR_PCT:g}%..100% in every "
-                "panel, grey: exactly 0; tensors that are 0 in every panel left out"
-            )
-            for kind, fn, caption in (
-                ("heatmap", _heatmap, heat),
-                ("range", _ranges, "dynamic range of every tensor against the formats' ranges"),
-            ):
-                path = plot_dir / f"telemetry_{kind}_{name}.png"
-                if fn(rows, summ["targets"], path, str(u.get("name"))):
+            for (kind, caption), ok in zip(_FIGURES, drawn[i], strict=True):
+                if ok:
+                    path = plot_dir / f"telemetry_{kind}_{name}.png"
                     rel = path.relative_to(run_dir).as_posix()
                     lines += [f"![{caption}]({rel})", "", f"{u.get('name')}: {caption}.", ""]
     if lines:

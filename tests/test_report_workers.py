@@ -1,0 +1,103 @@
+"""The report's telemetry figures drawn in worker processes (PRECISIONLAB_REPORT_WORKERS):
+the same report lines and figures as drawing them in-process, and a worker's error raised
+in the caller."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from precisionlab import _io
+from precisionlab.experiments import store
+from precisionlab.experiments import telemetry_views as tv
+
+
+def _rows(scale: float) -> list[dict]:
+    """Telemetry rows of two matmul tensors over three steps, scaled so fp16 underflows."""
+    out = []
+    for step in (1, 11, 21):
+        for layer, amax in (("layer0", 2.0), ("layer1", 1e-6 * scale)):
+            amin = amax * 1e-3
+            under = 0.25 if amin < 6e-8 else 0.0
+            out.append({
+                "step": step, "kind": "matmul", "layer": layer, "site": "dot_general[0]",
+                "tensor": "out", "n": 64, "n_nan": 0, "n_inf": 0, "n_zero": 8,
+                "amax": amax, "amin_nonzero": amin, "dynamic_range": 10.0, "frac_zero": 0.125,
+                "frac_nonfinite": 0.0,
+                "targets": {"fp16": {"overflow": 0.0, "underflow": under},
+                            "bf16": {"overflow": 0.0, "underflow": 0.0}},
+            })  # fmt: skip
+    return out
+
+
+def _run_dir(tmp_path, name):
+    run = tmp_path / name
+    units = []
+    for i, scale in enumerate((1.0, 1e-3)):
+        uid = f"0{i}-u{i}"
+        _io.makedirs(run / "variants" / uid)
+        _io.write_jsonl(run / "variants" / uid / "telemetry.jsonl", _rows(scale))
+        units.append({"id": uid, "name": f"s/u{i}",
+                      "telemetry": tv.summarize_telemetry(run / "variants" / uid)})  # fmt: skip
+    return run, units
+
+
+def _report(monkeypatch, run, units, workers):
+    monkeypatch.setenv("PRECISIONLAB_REPORT_WORKERS", workers)
+    with store.confined(run):
+        return tv.telemetry_report(run, units, run / "plots")
+
+
+@pytest.mark.slow  # two worker interpreters importing JAX: ~15 s of CPU
+def test_workers_draw_the_same_report_as_one_process(monkeypatch, tmp_path):
+    serial_dir, units = _run_dir(tmp_path, "serial")
+    serial = _report(monkeypatch, serial_dir, units, "1")
+    par_dir, units = _run_dir(tmp_path, "par")
+    parallel = _report(monkeypatch, par_dir, units, "2")
+    assert parallel == serial
+    assert sum(line.startswith("![") for line in serial) == 4  # heatmap and range per unit
+    names = sorted(os.listdir(serial_dir / "plots"))
+    assert names == sorted(os.listdir(par_dir / "plots"))
+    assert names == [f"telemetry_{k}_0{i}-u{i}.png" for k in ("heatmap", "range") for i in (0, 1)]
+    for n in names:  # a PNG with content, drawn by each path
+        assert (par_dir / "plots" / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (par_dir / "plots" / n).stat().st_size > 5000
+
+
+@pytest.mark.parametrize("raw", ["0", "-1", "two", "1.5"])
+def test_bad_worker_count_is_an_error_naming_the_variable(monkeypatch, tmp_path, raw):
+    run, units = _run_dir(tmp_path, "bad")
+    with pytest.raises(ValueError, match="PRECISIONLAB_REPORT_WORKERS must be a positive"):
+        _report(monkeypatch, run, units, raw)
+
+
+@pytest.mark.slow
+def test_an_error_in_a_worker_is_raised_in_the_caller(monkeypatch, tmp_path):
+    run, units = _run_dir(tmp_path, "err")
+    _io.makedirs(run / "plots")
+    os.symlink(tmp_path / "elsewhere.png", run / "plots" / "telemetry_range_01-u1.png")
+    with pytest.raises(_io.UnsafePathError, match=r"telemetry_range_01-u1\.png"):
+        _report(monkeypatch, run, units, "2")
+    assert not (tmp_path / "elsewhere.png").exists()
+
+
+def test_heatmap_labels_every_layer_and_step_once_per_row_and_column(monkeypatch, tmp_path):
+    """Layer names on every row's left panel, steps under the bottom row, a title on every
+    panel, and no tick artists elsewhere (they were most of the drawing time)."""
+    figs = []
+    monkeypatch.setattr(store, "save_figure", lambda fig, path, **kw: figs.append(fig))
+    rows = _rows(1e-3)
+    assert tv._heatmap(rows, ["fp16", "bf16"], tmp_path / "h.png", "s/u")
+    (fig,) = figs
+    panels = [ax for ax in fig.axes if ax.get_images()]
+    assert len(panels) == 6  # as computed, then fp16 and bf16: 3 rows of 2
+    layers = ["layer0:dot_general[0].out", "layer1:dot_general[0].out"]
+    for i, ax in enumerate(panels):
+        row, col = divmod(i, 2)
+        ylabels = [t.get_text() for t in ax.get_yticklabels()]
+        xlabels = [t.get_text() for t in ax.get_xticklabels()]
+        assert ylabels == (layers if col == 0 else [])
+        assert xlabels == (["1", "11", "21"] if row == 2 else [])
+        assert ax.get_xlabel() == ("step" if row == 2 else "")
+        assert ax.get_title().startswith("s/u: %")
