@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from _xla_facts import cpu_keeps_float32_in_float16_fusions
 
 from precisionlab.emulate import emulate
 
@@ -69,11 +70,15 @@ def test_every_elementwise_chain_matches_the_h100(name):
             assert np.all(vals[~ok] != 0) and 0 < (~ok).sum() < 64
         else:
             assert ok.all(), (chain, int((~ok).sum()))
-    # plain jit on this CPU does not reproduce the H100 (exp overflows in float16 on the GPU;
-    # x * 1000 / 1000 is folded to x by XLA:GPU in bfloat16, not by XLA:CPU)
+    # plain jit on this CPU does not reproduce the H100 (exp overflows in float16 on the GPU,
+    # where XLA:CPU up to jax 0.10 keeps float32 in the fusion; x * 1000 / 1000 is folded to x
+    # by XLA:GPU in bfloat16, not by XLA:CPU, seen up to jax 0.11.2)
     hidden = "exp_ratio" if name == "f16" else "mul_div"
     plain = _agree(_run(CHAINS[hidden], x), DATA[f"ew_{name}_{hidden}"], dt)
-    assert plain.mean() < 0.99
+    if name == "f16" and not cpu_keeps_float32_in_float16_fusions():
+        assert plain.all()  # XLA:CPU from jax 0.11 stores float16 as the GPU kernel does
+    else:
+        assert plain.mean() < 0.99
 
 
 def test_xla_simplifier_chains_match_the_h100():

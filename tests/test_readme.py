@@ -45,6 +45,8 @@ OPTIONS (after ``run`` or ``run-only``; shell-quoted):
                         depends on the CPU's vector unit (XLA emits different code for AVX2
                         and AVX-512), e.g. a loss after 20 fp8 training steps.
     --slow              run the example only under ``-m slow``.
+    --jax-below X.Y     the output shown is what jax below X.Y prints (XLA changed it since; the
+                        text around the example says what newer jax prints); skipped on newer.
 """
 
 from __future__ import annotations
@@ -141,6 +143,7 @@ class Options:
     status: int
     slow: bool
     rtol: float = 0.0
+    jax_below: tuple[int, ...] | None = None
 
 
 def parse_options(words: list[str], where: str) -> Options:
@@ -158,6 +161,8 @@ def parse_options(words: list[str], where: str) -> Options:
                 opts.slow = True
             elif word == "--rtol":
                 opts.rtol = float(next(it))
+            elif word == "--jax-below":
+                opts.jax_below = tuple(int(p) for p in next(it).split("."))
             else:
                 raise ValueError(f"unknown option {word!r}")
         except StopIteration:
@@ -317,6 +322,11 @@ def test_readme_example(block: Block, sandbox):
     if block.marker in (None, "skip"):
         pytest.skip(f"not run: {block.options[0] if block.options else 'no marker'}")
     opts = parse_options(block.options, block.id)
+    if opts.jax_below is not None:
+        import jax
+
+        if tuple(int(p) for p in jax.__version__.split(".")[:2]) >= opts.jax_below:
+            pytest.skip(f"shows jax below {opts.jax_below}'s output; this is {jax.__version__}")
     text = block.text
     for old, new in opts.replace:
         assert old in text, f"{block.id}: --replace {old!r}: not in the example"
@@ -392,6 +402,7 @@ def test_matches_and_commands():
     assert parse_options(["--set", "a=1", "--status", "2", "--slow"], "x") == Options(
         ["a=1"], [], 2, True
     )
+    assert parse_options(["--jax-below", "0.11"], "x").jax_below == (0, 11)
     with pytest.raises(ValueError, match="unknown option"):
         parse_options(["--bogus"], "x")
 

@@ -11,10 +11,10 @@ Both follow a mixed-precision policy: params stored in ``param_dtype``, cast to
 ``step(params, opt_state, batch) -> (params, opt_state, loss)`` with params and optimizer state
 donated.
 
-Why a scan: on the CPU backend XLA removes the optimization barriers that ``jax.checkpoint``
-puts around unrolled layers and common-subexpression elimination then undoes the
-rematerialisation (no memory saved, no extra FLOPs); a checkpointed scan body cannot be merged
-with the forward pass, so the saving is real on every backend.
+Why a scan: on the CPU backend XLA (up to jax 0.10; 0.11.2 keeps them) removes the optimization
+barriers that ``jax.checkpoint`` puts around unrolled layers and common-subexpression
+elimination then undoes the rematerialisation (no memory saved, no extra FLOPs); a checkpointed
+scan body cannot be merged with the forward pass, so the saving is real on every backend.
 """
 
 from __future__ import annotations
