@@ -58,7 +58,13 @@ def _expected(recipe, lhs, rhs, kinds, keys=(None, None)):
     qa = _quantize(recipe, kinds[0], jnp.asarray(lhs)[None], keys[0])
     qb = _quantize(recipe, kinds[1], jnp.asarray(rhs)[None], keys[1])
     (a, sa), (b, sb) = _hw_operand(recipe, qa), _hw_operand(recipe, qb)
-    acc = np.asarray(hw.gemm(a, b.T, "b200", block_scale_a=sa, block_scale_b=sb.T))
+    pa, psa, pb, psb = a, sa, b, sb
+    if a.dtype == F4 and a.shape[1] % FP4_STEP.products:  # zeros to the instruction's 64
+        pad = -a.shape[1] % FP4_STEP.products
+        pa, pb = (np.pad(t, ((0, 0), (0, pad))) for t in (a, b))
+        psa, psb = (np.pad(t.view(np.uint8), ((0, 0), (0, pad // recipe.block))).view(t.dtype)
+                    for t in (sa, sb))  # fmt: skip
+    acc = np.asarray(hw.gemm(pa, pb.T, "b200", block_scale_a=psa, block_scale_b=psb.T))
     f = _factor(qa, qb)
     return (acc if f is None else acc * f), (a, sa, b, sb, f)
 
@@ -67,7 +73,14 @@ def _oracle(recipe, a, sa, b, sb, f):
     """Scalar Fraction reference: one chain of b200 steps per output, then the factor."""
     a32, b32 = a.astype(np.float64), b.astype(np.float64)
     fa, fb = sa.astype(np.float64), sb.astype(np.float64)
-    m, kk = a.shape
+    if a.dtype == F4 and a.shape[1] % FP4_STEP.products:
+        # K padded to the instruction's 64: zero elements, zero scale bytes (E8M0: 2**-127)
+        pad = -a.shape[1] % FP4_STEP.products
+        zero = np.zeros((), np.uint8).view(sa.dtype).astype(np.float64)
+        a32, b32 = (np.pad(t, ((0, 0), (0, pad))) for t in (a32, b32))
+        fa, fb = (np.pad(t, ((0, 0), (0, pad // recipe.block)), constant_values=zero)
+                  for t in (fa, fb))  # fmt: skip
+    m, kk = a32.shape
     out = np.zeros((m, b.shape[0]), np.float32)
     blk = recipe.block
     for i in range(m):
@@ -111,8 +124,9 @@ def _inputs(seed, m, k, n):
 def test_forward_is_the_block_scaled_mma(name):
     """y = matmul(x, w) with accumulate="b200" equals hw.gemm on the recipe's own elements
     and block scales (times NVFP4's per-tensor factor) bit for bit, and the scalar Fraction
-    reference; where the exact sum needs more than float32 it differs from the float path."""
-    x, w = _inputs(1, 4, 128, 16)
+    reference; where the exact sum needs more than float32 it differs from the float path.
+    K = 96 is padded to two 64-product instructions."""
+    x, w = _inputs(1, 4, 96, 16)
     r = get_recipe(name, accumulate="b200")
     y = np.asarray(matmul(x, w, recipe=r))
     exp, ops = _expected(r, x, w.T, ("x", "w"))
@@ -200,7 +214,7 @@ def test_gradients_slow(name):
 def test_nan_block_poisons_its_row():
     """A NaN input gives a NaN block scale (E8M0 0xFF): NaN in its output row, as without
     the hardware model; other rows are finite."""
-    x, w = _inputs(4, 4, 128, 16)
+    x, w = _inputs(4, 4, 96, 16)
     x[2, 70] = np.nan
     y = np.asarray(matmul(x, w, recipe=get_recipe("mxfp4", accumulate="b200")))
     assert np.isnan(y[2]).all() and np.isfinite(np.delete(y, 2, axis=0)).all()

@@ -28,7 +28,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["ELEMENT_PAIRS", "block_gemm", "block_presets", "check_pairs", "device_error"]
+__all__ = [
+    "ELEMENT_PAIRS", "block_gemm", "block_presets", "check_pairs", "device_error",
+    "hardware_operand",
+]  # fmt: skip
 
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
 _FP4 = "float4_e2m1fn"
@@ -126,9 +129,7 @@ def _pad_k(e: jax.Array, s: jax.Array, mult: int, block: int) -> tuple[jax.Array
         return e, s
     e = jnp.pad(e, ((0, 0), (0, 0), (0, pad)))
     zero = lax.bitcast_convert_type(jnp.zeros((), jnp.uint8), s.dtype)
-    s = jnp.concatenate(
-        [s, jnp.broadcast_to(zero, (*s.shape[:2], pad // block))], axis=-1
-    )
+    s = jnp.concatenate([s, jnp.broadcast_to(zero, (*s.shape[:2], pad // block))], axis=-1)
     return e, s
 
 
