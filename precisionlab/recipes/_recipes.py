@@ -11,7 +11,10 @@ at HIGHEST precision, or the study model below when ``accumulate_bits`` is set; 
 preset of :data:`precisionlab.hardware.PRESETS` such as ``"h100-cublaslt-fast"`` (alias
 ``"h100-fast"``) or ``"h100-cublaslt"``: the
 GEMM computed bit for bit as that device and library do, see :mod:`precisionlab.hardware`;
-``"sequential"``: the study model, named explicitly). The *sequential study model* (see
+the block-scaled recipes MX (FP8 or FP4 elements) and NVFP4 take only presets with a
+block-scaled MMA (``"b200"``), which multiplies their elements and block scales as
+Blackwell does (:mod:`precisionlab.recipes._blockhw`), and raise otherwise, as Blockwise
+always does; ``"sequential"``: the study model, named explicitly). The *sequential study model* (see
 :mod:`precisionlab.recipes._accumulate`; not hardware: no tensor core rounds after every
 product) is configured by ``accumulate_bits`` (None: float32; m: partial sums kept to m
 mantissa bits),
