@@ -15,7 +15,8 @@
 - :func:`accumulate`: the sequential m-bit accumulator, a study model, not hardware
   (``accumulate_bits``, ``promote_every`` on every recipe); ``accumulate="h100-fast"``,
   ``"h100-cublaslt"``, ... on every recipe computes the GEMMs as that device does instead
-  (:mod:`precisionlab.hardware`).
+  (:mod:`precisionlab.hardware`); the block-scaled recipes (``mxfp8``, ``mxfp4``, ``nvfp4``)
+  take Blackwell's presets (``"b200"``): its block-scaled MMA on their elements and scales.
 """
 
 from precisionlab.recipes._accumulate import accumulate

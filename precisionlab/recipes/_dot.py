@@ -25,7 +25,8 @@ from jax import lax
 
 from precisionlab.recipes import scaling as S
 from precisionlab.recipes._accumulate import accumulate
-from precisionlab.recipes._recipes import NVFP4, Delayed, Recipe, Reference, get_recipe
+from precisionlab.recipes._blockhw import block_gemm
+from precisionlab.recipes._recipes import MX, NVFP4, Delayed, Recipe, Reference, get_recipe
 
 E4M3_NAME = "float8_e4m3fn"
 
@@ -94,7 +95,8 @@ def _element_dtype(recipe: Recipe, kind: str, q: S.QOperand):
         raise ValueError(
             f"accumulate={recipe.accumulate!r}: the {recipe.name} recipe scales blocks inside "
             "the contraction; the hardware models cover per-tensor and per-row scaled GEMMs "
-            "(recipes delayed, current, rowwise, reference with dtype bfloat16)"
+            "(recipes delayed, current, rowwise, reference with dtype bfloat16) and, on "
+            "Blackwell presets, mxfp8, mxfp4 and nvfp4"
         )
     if isinstance(recipe, Reference):
         if recipe.dtype != "bfloat16":
@@ -107,6 +109,11 @@ def _element_dtype(recipe: Recipe, kind: str, q: S.QOperand):
 def _hardware_gemm(recipe: Recipe, qa, qb, kinds) -> jax.Array:
     from precisionlab import hardware
 
+    if qa.block_inv is not None and qb.block_inv is not None and isinstance(recipe, (MX, NVFP4)):
+        # block scales inside the contraction: Blackwell's block-scaled MMA (the recipe
+        # checked the preset and its formats when it was made)
+        (ea, scale), (eb, _) = recipe.hardware_blocks(kinds[0]), recipe.hardware_blocks(kinds[1])
+        return block_gemm(qa, qb, (ea, eb), scale, recipe.block, recipe.accumulate)
     da = _element_dtype(recipe, kinds[0], qa)
     db = _element_dtype(recipe, kinds[1], qb)
     a, b = qa.elems.astype(da), qb.elems.astype(db)  # exact: the elements are format values

@@ -11,7 +11,10 @@ at HIGHEST precision, or the study model below when ``accumulate_bits`` is set; 
 preset of :data:`precisionlab.hardware.PRESETS` such as ``"h100-cublaslt-fast"`` (alias
 ``"h100-fast"``) or ``"h100-cublaslt"``: the
 GEMM computed bit for bit as that device and library do, see :mod:`precisionlab.hardware`;
-``"sequential"``: the study model, named explicitly). The *sequential study model* (see
+the block-scaled recipes MX (FP8 or FP4 elements) and NVFP4 take only presets with a
+block-scaled MMA (``"b200"``), which multiplies their elements and block scales as
+Blackwell does (:mod:`precisionlab.recipes._blockhw`), and raise otherwise, as Blockwise
+always does; ``"sequential"``: the study model, named explicitly). The *sequential study model* (see
 :mod:`precisionlab.recipes._accumulate`; not hardware: no tensor core rounds after every
 product) is configured by ``accumulate_bits`` (None: float32; m: partial sums kept to m
 mantissa bits),
@@ -266,9 +269,24 @@ class _Blocked(Recipe):
     def __post_init__(self):
         super().__post_init__()
         _check_block(self.block)
+        self._check_fields()
+        if self.accumulate not in (None, "sequential"):
+            self._check_hardware(self.accumulate)
 
     def block_sizes(self, kind):
         return (self.block,)
+
+    def _check_fields(self) -> None:
+        """The subclass's own field checks (before the hardware check, which reads them)."""
+
+    def _check_hardware(self, acc: str) -> None:
+        """ValueError unless preset ``acc`` computes this recipe's block-scaled GEMMs."""
+        raise NotImplementedError
+
+    def hardware_blocks(self, kind: str) -> tuple[str, str]:
+        """(element dtype name, block-scale dtype name) of an operand of ``kind`` on
+        Blackwell's block-scaled MMA (see :mod:`precisionlab.recipes._blockhw`)."""
+        raise NotImplementedError
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -289,6 +307,18 @@ class Blockwise(_Blocked):
 
     def quantize(self, t, kind, *, scale=None, key=None):
         return S.block_pow2(t, E4M3, self.block, two_d=kind == "w")[0]
+
+    def _check_hardware(self, acc: str) -> None:
+        from precisionlab.recipes._blockhw import block_presets
+
+        raise ValueError(
+            f"accumulate={acc!r}: the blockwise recipe's 1 x {self.block} and {self.block} x "
+            f"{self.block} power-of-two tiles are not a block-scaled MMA format (cuBLASLt "
+            "applies such scales outside the tensor cores, per chunk of K); no hardware model "
+            "covers it: use accumulate=None or the sequential study model (accumulate_bits). "
+            "Recipes that take a hardware preset with block scales: mxfp8, mxfp4, nvfp4 "
+            f"(presets {', '.join(block_presets())})"
+        )
 
 
 _MX_ELEMENTS = {
@@ -314,8 +344,7 @@ class MX(_Blocked):
     grad_element: str | None = None
     scale_rule: str = "rceil"
 
-    def __post_init__(self):
-        super().__post_init__()
+    def _check_fields(self) -> None:
         for f in (self.element, self.grad_element):
             if f is not None and f not in {v[0] for v in _MX_ELEMENTS.values()} | {
                 "float8_e5m2", "float6_e3m2fn"
@@ -335,6 +364,20 @@ class MX(_Blocked):
 
     def quantize(self, t, kind, *, scale=None, key=None):
         return S.mx_blocks(t, self.fmt(kind), self.block, self.scale_rule)[0]
+
+    def hardware_blocks(self, kind: str) -> tuple[str, str]:
+        return self.fmt(kind).name, "float8_e8m0fnu"
+
+    def _check_hardware(self, acc: str) -> None:
+        from precisionlab.recipes import _blockhw
+
+        label = {v[0]: k for k, v in _MX_ELEMENTS.items()}.get(self.element, "mx")
+        err = _blockhw.device_error(label, acc, f"blocks of {self.block} (E8M0)")
+        if err is not None:
+            raise err
+        x, g = self.fmt("x").name, self.fmt("g").name
+        pairs = [("forward GEMM (x, w)", x, x), ("gradient GEMMs (g with x or w)", g, x)]
+        _blockhw.check_pairs(label, acc, pairs, "float8_e8m0fnu", self.block)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -368,6 +411,19 @@ class NVFP4(_Blocked):
         return S.nvfp4(
             t, self.block, two_d=kind == "w", rounding=rounding, key=key if sr else None
         )[0]
+
+    def hardware_blocks(self, kind: str) -> tuple[str, str]:
+        return "float4_e2m1fn", "float8_e4m3fn"  # E4M3 scales >= 0: UE4M3's codes
+
+    def _check_hardware(self, acc: str) -> None:
+        from precisionlab.recipes import _blockhw
+
+        err = _blockhw.device_error(self.name, acc, f"blocks of {self.block} (UE4M3)")
+        if err is not None:
+            raise err
+        e = "float4_e2m1fn"
+        pairs = [("GEMMs", e, e)]
+        _blockhw.check_pairs(self.name, acc, pairs, "float8_e4m3fn", self.block)
 
 
 def _check_block(b) -> None:
