@@ -26,15 +26,17 @@ from precisionlab import hardware as hw
 DATA = np.load(pathlib.Path(__file__).parent / "data" / "h100_gemm.npz")
 E4 = ml_dtypes.float8_e4m3fn
 _FP8 = {"library": "cublaslt", "fast_accumulation": True, "split_k": None}
-_UP = {"library": "xla", "split_k": None}
+_UP = {"library": "xla", "split_k": None}  # FP8: float16 steps, k in FP8 register pairs
+_N = {**_UP, "k_order": "natural"}
 
 #: step hypotheses: name -> hardware.gemm keyword arguments for one slice
 STEPS: dict[str, dict] = {
-    "f16 upcast, 16 products, 25 bits": _UP,
-    "bf16 upcast, 16 products, 25 bits": {**_UP, "upcast": "bfloat16"},
-    "f16 upcast, 8 products, 24 bits": {**_UP, "products": 8, "fraction_bits": 24},
-    "f16 upcast, 8 products, 25 bits": {**_UP, "products": 8, "fraction_bits": 25},
-    "f16 upcast, 4 products, 23 bits": {**_UP, "products": 4, "fraction_bits": 23},
+    "f16 upcast, 16 products, 25 bits, fp8 pairs": _UP,
+    "f16 upcast, 16 products, 25 bits": {**_UP, "k_order": "natural"},
+    "bf16 upcast, 16 products, 25 bits": {**_UP, "upcast": "bfloat16", "k_order": "natural"},
+    "f16 upcast, 8 products, 24 bits": {**_N, "products": 8, "fraction_bits": 24},
+    "f16 upcast, 8 products, 25 bits": {**_N, "products": 8, "fraction_bits": 25},
+    "f16 upcast, 4 products, 23 bits": {**_N, "products": 4, "fraction_bits": 23},
     "fp8 wgmma, 32 products, 13 bits": _FP8,
     "fp8, 32 products, 12 bits": {**_FP8, "fraction_bits": 12},
     "fp8, 32 products, 14 bits": {**_FP8, "fraction_bits": 14},

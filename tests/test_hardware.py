@@ -1,8 +1,8 @@
 """precisionlab.hardware: bit-for-bit against an H100, and against the scalar reference.
 
 The H100 outputs are in tests/data/h100_gemm.npz (see tests/data/README.md). Every case named
-in docs/guides/hardware.md's proof table is here; the few XLA cases without a known schedule
-are listed in NOT_REPRODUCED and checked to stay unreproduced (so the docs stay true).
+in docs/guides/hardware.md's proof table is here. XLA's FP8 GEMMs at a 32 x 32 output are
+also checked slice by slice against tests/data/h100_xla_fp8_slices.npz.
 """
 
 import pathlib
@@ -167,14 +167,100 @@ def test_xla_fp8_16384_is_fp8_steps_promoted_every_256():
     assert _same(hw.gemm(a, b, **hw.preset("h100-cublaslt")), DATA["fp8_xla_DEFAULT_16384"]) < 1
 
 
-#: XLA captures whose kernel schedule was not recorded (no HLO) or not derived: named here and
-#: in docs/guides/hardware.md.
-NOT_REPRODUCED = ["xla_P4_fp8_512", "xla_P4_fp8_2048", "xla_P4_fp8_8192"]
+# --- XLA's Triton FP8 GEMMs at 32 x 32 outputs (2026-11-27 slice capture) -------------------
+SLICES = np.load(pathlib.Path(__file__).parent / "data" / "h100_xla_fp8_slices.npz")
+P4_SLICE = {512: 32, 2048: 64, 8192: 128}  # split-K slice width in the compiled HLO
+#: split-K reduction orders found on the captures (unique among in order, reversed and every
+#: butterfly bit order); K = 512 "old" is h100_gemm.npz's run (a loop fusion summing in order)
+P4_ORDER = {512: (1, 2, 3, 0), 2048: (4, 2, 1, 0, 3), 8192: (5, 4, 3, 2, 1, 0)}
 
 
-def test_not_reproduced_cases_are_named():
-    for key in NOT_REPRODUCED:
-        assert key in DATA.files
+def _slice_cases(k: int) -> list[str]:
+    return sorted(t for t in SLICES.files if t.split("_")[1] == str(k)
+                  and not t.endswith(("_a", "_b")) and not t.startswith("full"))  # fmt: skip
+
+
+def _slice_gemm(tags: list[str], k: int, **kw):
+    """The model of each one-slice capture ``tags`` (vmapped: one compile) and the captures."""
+    a = np.stack([SLICES[t + "_a"] for t in tags]).view(E4)
+    b = np.stack([SLICES[t + "_b"] for t in tags]).view(E4)
+    kw = {"library": "xla", "split_k": P4_SLICE[k], "split_order": "sequential", **kw}
+    y = jax.vmap(lambda x, z: hw.gemm(x, z, "h100", **kw))(a, b)
+    return y, np.stack([SLICES[t] for t in tags])
+
+
+@pytest.mark.parametrize("k", [512, pytest.param(2048, marks=SLOW), pytest.param(8192, marks=SLOW)])
+def test_xla_fp8_one_slice_captures(k):
+    """Only one split-K slice nonzero (the others add exact zeros): the slice's own value.
+    first_K_n (n = 1 .. 32 nonzero k), slice_K_j, rand_K_r: float16 steps of 16 products (25
+    bits, truncation) on each 32-k block's k in FP8 register pairs, every output."""
+    tags = _slice_cases(k)
+    assert len(tags) == 13
+    for shape in {SLICES[t].shape for t in tags}:  # K = 8192: 8 x 8 cuts and 32 x 32 rand
+        y, ref = _slice_gemm([t for t in tags if SLICES[t].shape == shape], k)
+        assert _same(y, ref) == 1.0
+
+
+@SLOW
+def test_xla_fp8_k_order_matters():
+    """The same captures in natural k order (16 consecutive k per step) and as MMA-Sim's
+    Hopper mma (32 FP8 products, 25 bits, one step) miss outputs: the captures tell them
+    apart. (n = 1, 2 nonzero k are the same in every order.)"""
+    tags = ["first_512_4", "first_512_8", "first_512_16", "first_512_32", "slice_512_0"]
+    y, ref = _slice_gemm(tags, 512, k_order="natural")
+    natural = [_same(y[i], ref[i]) for i in range(len(tags))]
+    assert max(natural) < 1.0 and min(natural) < 0.7, natural
+    y, ref = _slice_gemm(tags, 512, upcast=None, k_order="natural", fraction_bits=25,
+                         result_bits=24)  # fmt: skip
+    assert _same(y, ref) < 0.9
+
+
+def test_xla_fp8_pairs_order_matches_scalar_reference():
+    """k_order="fp8_pairs" against the scalar reference run on explicit k groups: per 32-k
+    block, k = 0, 1, 4, 5, ..., 28, 29 then 2, 3, 6, 7, ..., 30, 31 (K = 40: the second
+    block holds 8 k), each a float16 step of 16 products (FP8 upcast exactly)."""
+    rng = np.random.default_rng(3)
+    a = _random_values(rng, E4, 4 * 40).reshape(4, 40)
+    b = _random_values(rng, E4, 40 * 3).reshape(40, 3)
+    got = np.asarray(hw.gemm(a, b, library="xla", split_k=None))
+    step = hw.get_profile("h100", "16bit").step
+    groups = [[k for k in range(32) if k % 4 < 2], [k for k in range(32) if k % 4 >= 2]]
+    for i, j in np.ndindex(got.shape):
+        c = 0.0
+        for g in (grp for base in (0, 32) for grp in ([base + k for k in g] for g in groups)):
+            g = [k for k in g if k < 40]
+            if g:
+                xs = [float(a[i, k]) for k in g]
+                c = step_reference(xs, [float(b[k, j]) for k in g], c, step, "float16", "float16")
+        assert np.float32(got[i, j]).view(np.uint32) == np.float32(c).view(np.uint32), (i, j)
+
+
+def test_xla_fp8_k_order_errors():
+    a = np.ones((2, 64), E4)
+    with pytest.raises(ValueError, match="k_order must be one of natural, fp8_pairs"):
+        hw.gemm(a, a.T, library="xla", k_order="reversed")
+    with pytest.raises(ValueError, match=r"16-product steps.*got 8 products.*k_order='natural'"):
+        hw.gemm(a, a.T, library="xla", products=8)
+    with pytest.raises(ValueError, match="split_k to be a multiple of 32, got 48"):
+        hw.gemm(np.ones((2, 96), E4), np.ones((96, 2), E4), library="xla", split_k=48)
+
+
+@pytest.mark.parametrize("k,run", [(512, "old"), pytest.param(512, "new", marks=SLOW),
+                                   pytest.param(2048, "old", marks=SLOW),
+                                   pytest.param(2048, "new", marks=SLOW),
+                                   pytest.param(8192, "old", marks=SLOW),
+                                   pytest.param(8192, "new", marks=SLOW)])  # fmt: skip
+def test_xla_fp8_p4_split_k(k, run):
+    """xla_P4_fp8_K (h100_gemm.npz, "old") and full_K (the 2026-11-27 rerun, "new"): the
+    slices above summed in float32 in the reduction order each run's HLO implies (K = 512:
+    a loop fusion in order on the old run, a Triton reduction on the new one)."""
+    if run == "old":
+        a, b, ref = DATA[f"a_P4_fp8_{k}"], DATA[f"b_P4_fp8_{k}"], DATA[f"xla_P4_fp8_{k}"]
+    else:
+        a, b, ref = SLICES[f"full_{k}_a"], SLICES[f"full_{k}_b"], SLICES[f"full_{k}"]
+    order = "sequential" if (k, run) == (512, "old") else P4_ORDER[k]
+    y = hw.gemm(a.view(E4), b.view(E4), library="xla", split_k=P4_SLICE[k], split_order=order)
+    assert _same(y, ref) == 1.0
 
 
 # --- the scalar reference --------------------------------------------------------------------

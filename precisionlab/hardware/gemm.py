@@ -44,6 +44,8 @@ def _chain_all(a, b, res: Resolved, a_off=None, b_off=None) -> jax.Array:
     step, sch = res.step, res.schedule
     if sch.upcast:
         a, b = a.astype(sch.upcast), b.astype(sch.upcast)
+    if sch.k_order == "fp8_pairs":
+        a, b = _fp8_pairs(a, b, step, sch, a_off is not None)
     m, kk = a.shape
     n = b.shape[1]
     w = step.products
@@ -101,6 +103,30 @@ def _chain_all(a, b, res: Resolved, a_off=None, b_off=None) -> jax.Array:
 
     _, acc = lax.scan(one_slice, None, (am, ae, bm, be))
     return _reduce_slices(acc, sch)
+
+
+def _fp8_pairs(a, b, step, sch: Schedule, scaled: bool):
+    """``a`` (M, K) and ``b`` (K, N) reordered along K as ``k_order="fp8_pairs"`` takes them
+    (:mod:`~precisionlab.hardware.schedule`): K zero-padded to a multiple of 32, then in each
+    32-k block the k with ``k % 4`` in {0, 1} first, those in {2, 3} second."""
+    if step.products != 16 or scaled:
+        raise ValueError(
+            "k_order='fp8_pairs' is modelled for 16-product steps without block scales "
+            f"(FP8 upcast to float16); got {step.products} products"
+            + (" with block scales" if scaled else "") + "; pass k_order='natural'"
+        )
+    for name in ("restart_every", "split_k"):
+        v = getattr(sch, name)
+        if v is not None and v % 32:
+            raise ValueError(f"k_order='fp8_pairs' needs {name} to be a multiple of 32, got {v}")
+    (m, kk), n = a.shape, b.shape[1]
+    kp = -(-kk // 32) * 32
+    a = jnp.pad(a, ((0, 0), (0, kp - kk))).reshape(m, kp // 32, 8, 2, 2)
+    b = jnp.pad(b, ((0, kp - kk), (0, 0))).reshape(kp // 32, 8, 2, 2, n)
+    # axes (block, k // 4 % 8, k // 2 % 2, k % 2): the pair half moves ahead of the quad
+    a = jnp.transpose(a, (0, 1, 3, 2, 4)).reshape(m, kp)
+    b = jnp.transpose(b, (0, 2, 1, 3, 4)).reshape(kp, n)
+    return a, b
 
 
 def _reduce_slices(acc: jax.Array, sch: Schedule) -> jax.Array:

@@ -105,7 +105,10 @@ def _schedule(device: str, library: str, kind: str, fast: bool, k: int | None) -
         # and the reduction order depend on the shape: the rule of xla_split by K (the
         # compiled HLO shows the split; pass split_k / split_order to override).
         split = xla_split(k) if (k is not None and device == "h100") else {}
-        return Schedule(upcast="float16" if kind == "fp8" else None, **split)
+        if kind != "fp8":
+            return Schedule(**split)
+        # the float16 steps take each 32-k block's k in FP8 register pairs (2026-11-27 capture)
+        return Schedule(upcast="float16", k_order="fp8_pairs", **split)
     if kind == "fp8" and not fast:
         return Schedule(restart_every=128)
     if kind == "fp8" and fast and device == "h100":
