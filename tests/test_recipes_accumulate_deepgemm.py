@@ -89,6 +89,9 @@ def test_fma_pow2_matches_fraction():
                      zip(p, k, c, strict=True)], np.float32)  # fmt: skip
     same = (_bits(got) == _bits(want)) | (np.isnan(got) & np.isnan(want))
     assert same.all(), [(p[i], k[i], c[i], got[i], want[i]) for i in np.flatnonzero(~same)[:5]]
+    # a NaN scale (the recipe's mark of a block holding inf or NaN) poisons the sum
+    nan = np.asarray(fma_pow2(p[:4], k[:4], c[:4], jnp.array([True, False, True, False])))
+    assert np.isnan(nan[[0, 2]]).all() and (_bits(nan[[1, 3]]) == _bits(got[[1, 3]])).all()
 
 
 def _oracle(qa, qb) -> np.ndarray:
