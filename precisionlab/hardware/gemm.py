@@ -224,7 +224,9 @@ def gemm(
     block 32 or 16) or float8_e4m3fn scales read as UE4M3 (NVFP4, block 16) run the
     ``kind::mxf4nvf4`` step (K a multiple of 64); FP8 operands with E8M0 scales per 32
     (MXFP8) run the f8f6f4 step with the scales' exponents added.
-    ``library="xla"`` on an h100 takes XLA's split-K by K (:func:`xla_split`).
+    ``library="xla"`` on an h100 takes XLA's split-K by K (:func:`xla_split`);
+    ``library="deepgemm"`` (FP8 on h100 only) DeepGEMM's chain restarted every 128 with unit
+    scales (the blockwise recipe adds its scales, ``precisionlab.recipes``).
     ``overrides``: any :class:`Step` or :class:`Schedule` field (``fraction_bits=12``,
     ``restart_every=64``, ``split_k=None``, ...). Pure and jittable; works under ``vmap``.
     Unknown device, library, dtypes or override: ``ValueError`` listing what exists.

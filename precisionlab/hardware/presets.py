@@ -20,9 +20,11 @@ __all__ = [
     "xla_split",
 ]
 
-#: The GEMM libraries whose schedules are modelled: cuBLASLt (torch._scaled_mm, cuBLAS)
-#: and XLA's GPU GEMMs.
-LIBRARIES = ("cublaslt", "xla")
+#: The GEMM libraries whose schedules are modelled: cuBLASLt (torch._scaled_mm, cuBLAS),
+#: XLA's GPU GEMMs, and DeepGEMM's Hopper FP8 kernels (``deepgemm``: FP8 only, on h100; the
+#: chain restarts every 128 k, DeepSeek-V3's promotion; ``fast_accumulation`` does not
+#: apply to it and is ignored).
+LIBRARIES = ("cublaslt", "xla", "deepgemm")
 
 #: Preset names, ``<device>-<library>[-fast]`` -> (device, library, fast_accumulation).
 #: One name means one thing everywhere (``gemm``, recipes' ``accumulate=``, ``emulate``'s
@@ -32,6 +34,7 @@ PRESETS: dict[str, tuple[str, str, bool]] = {
     "h100-cublaslt-fast": ("h100", "cublaslt", True),
     "h100-cublaslt": ("h100", "cublaslt", False),
     "h100-xla": ("h100", "xla", False),
+    "h100-deepgemm": ("h100", "deepgemm", False),
     "a100-cublaslt": ("a100", "cublaslt", False),
     "v100-cublaslt": ("v100", "cublaslt", False),
     "l40s-cublaslt-fast": ("l40s", "cublaslt", True),
@@ -60,6 +63,7 @@ _WHAT = {
     "h100-xla": "XLA's Triton GEMMs on an H100",
     "h100-cublaslt": "cuBLASLt's default on an H100, FP8 promoted every 128",
     "h100-cublaslt-fast": "cuBLASLt with fast accumulation on an H100",
+    "h100-deepgemm": "DeepGEMM's FP8 kernels on an H100, promoted every 128",
 }
 
 
@@ -100,6 +104,18 @@ def xla_split(k: int) -> dict:
 
 
 def _schedule(device: str, library: str, kind: str, fast: bool, k: int | None) -> Schedule:
+    if library == "deepgemm":
+        # DeepGEMM (deep_gemm/include/deep_gemm/impls/sm90_fp8_gemm_1d2d.cuh and _1d1d.cuh):
+        # per 128-k block, 4 wgmma k32 steps with the accumulator zeroed at the first
+        # (scale_d = k), then the block's float32 result is promoted on CUDA cores. Without
+        # scales, the promotion is a float32 add (fma(1, p, acc)): restart every 128.
+        if device != "h100" or kind != "fp8":
+            raise ValueError(
+                f"library 'deepgemm' is modelled for FP8 operands on h100 (its sm90 kernels); "
+                f"got {kind} on {device}. Presets for other cases: "
+                + ", ".join(n for n, (_, lib, _) in PRESETS.items() if lib != "deepgemm")
+            )
+        return Schedule(restart_every=128)
     if library == "xla":
         # XLA's Triton GEMMs on Hopper upcast FP8 to float16 on small tiles; block K, split-K
         # and the reduction order depend on the shape: the rule of xla_split by K (the

@@ -26,7 +26,16 @@ from jax import lax
 from precisionlab.recipes import scaling as S
 from precisionlab.recipes._accumulate import accumulate
 from precisionlab.recipes._blockhw import block_gemm
-from precisionlab.recipes._recipes import MX, NVFP4, Delayed, Recipe, Reference, get_recipe
+from precisionlab.recipes._deepgemm import blockwise_gemm
+from precisionlab.recipes._recipes import (
+    MX,
+    NVFP4,
+    Blockwise,
+    Delayed,
+    Recipe,
+    Reference,
+    get_recipe,
+)
 
 E4M3_NAME = "float8_e4m3fn"
 
@@ -95,8 +104,8 @@ def _element_dtype(recipe: Recipe, kind: str, q: S.QOperand):
         raise ValueError(
             f"accumulate={recipe.accumulate!r}: the {recipe.name} recipe scales blocks inside "
             "the contraction; the hardware models cover per-tensor and per-row scaled GEMMs "
-            "(recipes delayed, current, rowwise, reference with dtype bfloat16) and, on "
-            "Blackwell presets, mxfp8, mxfp4 and nvfp4"
+            "(recipes delayed, current, rowwise, reference with dtype bfloat16), blockwise "
+            "on h100-deepgemm, and, on Blackwell presets, mxfp8, mxfp4 and nvfp4"
         )
     if isinstance(recipe, Reference):
         if recipe.dtype != "bfloat16":
@@ -109,6 +118,8 @@ def _element_dtype(recipe: Recipe, kind: str, q: S.QOperand):
 def _hardware_gemm(recipe: Recipe, qa, qb, kinds) -> jax.Array:
     from precisionlab import hardware
 
+    if isinstance(recipe, Blockwise):  # DeepGEMM's per-128 promotion (the recipe checked it)
+        return blockwise_gemm(qa, qb, recipe.accumulate)
     if qa.block_inv is not None and qb.block_inv is not None and isinstance(recipe, (MX, NVFP4)):
         # block scales inside the contraction: Blackwell's block-scaled MMA (the recipe
         # checked the preset and its formats when it was made)

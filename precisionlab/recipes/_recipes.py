@@ -72,6 +72,7 @@ class Recipe:
 
     name: ClassVar[str] = "recipe"
     stateful: ClassVar[bool] = False
+    _deepgemm_ok: ClassVar[bool] = False  # takes the deepgemm presets (blockwise only)
     accumulate: str | None = None
     accumulate_bits: int | None = None
     accumulate_rounding: str = "nearest_even"
@@ -90,6 +91,14 @@ class Recipe:
                         f"accumulate={acc!r}: {e}; or 'sequential' (the study model, with "
                         "accumulate_bits)"
                     ) from None
+                if _library(acc) == "deepgemm" and not self._deepgemm_ok:
+                    raise ValueError(
+                        f"accumulate={acc!r}: DeepGEMM's kernels take FP8 operands with "
+                        "1 x 128 / 128 x 128 block scales, which only the blockwise recipe "
+                        f"makes; not the {self.name} recipe (per-tensor and per-row recipes "
+                        "take 'h100-cublaslt', 'h100-cublaslt-fast', 'h100-xla', ...; mxfp8, "
+                        "mxfp4 and nvfp4 take 'b200')"
+                    )
             if acc == "sequential" and self.accumulate_bits is None:
                 raise ValueError("accumulate='sequential' needs accumulate_bits")
             if acc != "sequential" and self.accumulate_bits is not None:
@@ -300,6 +309,7 @@ class Blockwise(_Blocked):
     """
 
     name: ClassVar[str] = "blockwise"
+    _deepgemm_ok: ClassVar[bool] = True
     block: int = 128
 
     def two_d(self, kind) -> bool:
@@ -309,16 +319,33 @@ class Blockwise(_Blocked):
         return S.block_pow2(t, E4M3, self.block, two_d=kind == "w")[0]
 
     def _check_hardware(self, acc: str) -> None:
-        from precisionlab.recipes._blockhw import block_presets
+        works = deepgemm_presets()
+        if _library(acc) != "deepgemm":
+            raise ValueError(
+                f"accumulate={acc!r}: the blockwise recipe's 1 x {self.block} and {self.block} "
+                f"x {self.block} tiles are scaled outside the tensor cores, per 128-k chunk, as "
+                "DeepGEMM's Hopper kernels do (DeepSeek-V3); that schedule is the preset "
+                f"{', '.join(works)}. {acc!r} is not it (a block-scaled MMA takes MX or NVFP4 "
+                "blocks, cuBLASLt's own Hopper block scaling is not modelled)"
+            )
+        if self.block != 128:
+            raise ValueError(
+                f"accumulate={acc!r}: DeepGEMM scales blocks of 128 along K (its kernels "
+                f"assert BLOCK_K == 128); the recipe has block={self.block}: use block=128"
+            )
 
-        raise ValueError(
-            f"accumulate={acc!r}: the blockwise recipe's 1 x {self.block} and {self.block} x "
-            f"{self.block} power-of-two tiles are not a block-scaled MMA format (cuBLASLt "
-            "applies such scales outside the tensor cores, per chunk of K); no hardware model "
-            "covers it: use accumulate=None or the sequential study model (accumulate_bits). "
-            "Recipes that take a hardware preset with block scales: mxfp8, mxfp4, nvfp4 "
-            f"(presets {', '.join(block_presets())})"
-        )
+
+def _library(acc: str) -> str:
+    from precisionlab import hardware as hw
+
+    return hw.PRESETS[hw.canonical_preset(acc)][1]
+
+
+def deepgemm_presets() -> tuple[str, ...]:
+    """Hardware presets running DeepGEMM's kernels (the blockwise recipe's schedule)."""
+    from precisionlab import hardware as hw
+
+    return tuple(n for n, (_, lib, _) in hw.PRESETS.items() if lib == "deepgemm")
 
 
 _MX_ELEMENTS = {
