@@ -380,7 +380,7 @@ def test_one_progress_bar_for_the_run_labelled_by_variant(tmp_path, capsys):
             name = "first-variant"
             [[variant]]
             name = "second-variant"
-            policy = "p=f32,c=bf16,o=f32"
+            seed = 1  # not another policy: the first variant's programs (one compile)
             """
         )
     )
