@@ -409,7 +409,7 @@ def monkeypatch_runner(monkeypatch):
 
 
 # The default suite's sample is kept to about 10 CPU seconds (the suite's budget); the slow
-# tests run the same generators with about six times as many cases.
+# tests run the same generators with about seven times as many cases.
 _fast, _survey, _files = _verbs(n_fast=400, n_survey=30, n_files=30)
 test_fuzz_fast_verbs, test_fuzz_survey, test_fuzz_experiment_files = _fast, _survey, _files
 
