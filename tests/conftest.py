@@ -137,3 +137,24 @@ def cli(capsys):
     ``limit_s`` seconds without a traceback; an error (status 2) must be the one line
     ``precisionlab CMD: error: ...``. The hostile-input tests' shared checker."""
     return lambda argv, status=2, limit_s=30: _run_cli(capsys, argv, status, limit_s)
+
+
+_CPU_PROFILE = os.environ.get("PRECISIONLAB_TEST_CPU_PROFILE")
+
+
+if _CPU_PROFILE:
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        """PRECISIONLAB_TEST_CPU_PROFILE=path appends one line per test to path: the CPU seconds
+        (user + system, this process and its waited-for children) and wall seconds of its setup,
+        call and teardown, then its node id. A module-scoped fixture is charged to the first test
+        that uses it. CPU, not wall: on a shared machine wall time measures the neighbours."""
+        import time
+
+        before, start = os.times(), time.perf_counter()
+        yield
+        after, wall = os.times(), time.perf_counter() - start
+        cpu = sum(after[i] - before[i] for i in range(4))
+        with open(_CPU_PROFILE, "a") as out:  # one write per line: xdist workers share the file
+            out.write(f"{cpu:9.2f} {wall:9.2f} {item.nodeid}\n")

@@ -116,9 +116,11 @@ def test_e8m0_subnormal_inputs_round_to_nearest():
     assert np.asarray(encode(np.float32(1.4 * 2.0**-127), fmt)) == 0x00  # 2**-127
 
 
-def _sweep_float32(fmt_name: str, chunk_log2: int = 22, stride: int = 1) -> None:
+def _sweep_float32(
+    fmt_name: str, chunk_log2: int = 22, stride: int = 1, chunks: list[int] | None = None
+) -> None:
     """Every float32 bit pattern into fmt, streamed in chunks, against ml_dtypes (or every
-    ``stride``-th chunk)."""
+    ``stride``-th chunk, or the chunks numbered in ``chunks``)."""
     fmt = get_format(fmt_name)
     oracle = ORACLE[fmt.name]
     n = 1 << chunk_log2
@@ -137,12 +139,12 @@ def _sweep_float32(fmt_name: str, chunk_log2: int = 22, stride: int = 1) -> None
         )
 
     base = np.arange(n, dtype=np.uint32)
-    starts = range(0, 1 << (32 - chunk_log2), stride)
-    pending = chunk(jnp.uint32(0))
-    for i in starts:
+    starts = list(range(0, 1 << (32 - chunk_log2), stride)) if chunks is None else chunks
+    pending = chunk(jnp.uint32(starts[0] * n))
+    for k, i in enumerate(starts):
         got = np.asarray(pending)
-        if i + stride < 1 << (32 - chunk_log2):
-            pending = chunk(jnp.uint32((i + stride) * n))  # overlap the next chunk and check
+        if k + 1 < len(starts):
+            pending = chunk(jnp.uint32(starts[k + 1] * n))  # overlap the next chunk and check
         x = (base + np.uint32(i * n)).view(np.float32)
         with np.errstate(invalid="ignore", over="ignore"):
             expected = x.astype(oracle).view(fmt.code_dtype)
@@ -162,8 +164,8 @@ def test_every_float32_into_bfloat16():
 def test_every_float32_into_float16():
     """All 2**32 patterns against XLA's native float32 -> float16 convert (the hardware
     conversion, an implementation independent of the codec), compared on the device; numpy's
-    cast (~20 M/s, 4 minutes for the whole space) checks every 32nd chunk here and the whole
-    space under ``-m slow``."""
+    cast (~20 M/s, 4 minutes for the whole space) checks the chunks that hold float16's range
+    boundaries here (below), and the whole space under ``-m slow``."""
     fmt = get_format("float16")
     n = 1 << 22
 
@@ -179,7 +181,12 @@ def test_every_float32_into_float16():
 
     counts = [mismatches(jnp.uint32(i * n)) for i in range(1 << 10)]
     assert sum(int(c) for c in counts) == 0
-    _sweep_float32("float16", stride=32)
+    # Chunk 2e + h holds the float32s of biased exponent e, lower (h = 0) or upper half of the
+    # mantissas; + 512: negative. e = 102: around half float16's smallest subnormal (2^-25, the
+    # flush-or-round tie); 113: its smallest normal (2^-14); 142, upper half: its largest
+    # finite (65504) and the overflow threshold (65520); 255: inf and NaN.
+    edges = [2 * 102, 2 * 113, 2 * 142 + 1, 2 * 255]
+    _sweep_float32("float16", chunks=edges + [512 + c for c in edges])
 
 
 @pytest.mark.slow

@@ -74,10 +74,14 @@ def test_fast_paths_are_taken():
 def test_e8m0_decode_equals_general_path():
     fmt = get_format("e8m0")
     codes = jnp.arange(256, dtype=jnp.uint8)
-    p = codec._parse(codes, fmt, U32)
-    general = codec._pack(p, codec._F32, Rounding.NEAREST_EVEN, False, True, None, 32)
+
+    @jax.jit  # one program, not dozens of op-by-op ones
+    def general(c):
+        p = codec._parse(c, fmt, U32)
+        return codec._pack(p, codec._F32, Rounding.NEAREST_EVEN, False, True, None, 32)
+
     fast = decode(codes, fmt)
-    np.testing.assert_array_equal(np.asarray(fast).view(np.uint32), np.asarray(general))
+    np.testing.assert_array_equal(np.asarray(fast).view(np.uint32), np.asarray(general(codes)))
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 8, 12, 16, 20, 24])
@@ -93,10 +97,14 @@ def test_small_int_decode_equals_general_path(bits, signed):
         else np.r_[0:4096, n // 2 - 4096 : n // 2 + 4096, n - 4096 : n]
     )
     codes = jnp.asarray(codes.astype(fmt.code_dtype))
-    p = codec._parse(codes, fmt, U32)
-    general = codec._pack(p, codec._F32, Rounding.NEAREST_EVEN, False, True, None, 32)
+
+    @jax.jit  # one program, not dozens of op-by-op ones per case (seconds of compiling each)
+    def general(c):
+        p = codec._parse(c, fmt, U32)
+        return codec._pack(p, codec._F32, Rounding.NEAREST_EVEN, False, True, None, 32)
+
     fast = decode(codes, fmt)
-    np.testing.assert_array_equal(np.asarray(fast).view(np.uint32), np.asarray(general))
+    np.testing.assert_array_equal(np.asarray(fast).view(np.uint32), np.asarray(general(codes)))
     if bits < 8 * fmt.code_dtype.itemsize:  # high garbage bits are ignored
         dirty = codes | jnp.asarray(
             np.array(~(n - 1) & np.iinfo(fmt.code_dtype).max, fmt.code_dtype)

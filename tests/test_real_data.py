@@ -369,6 +369,7 @@ model_kwargs = {{ d_model = 16, depth = 1, heads = 2 }}
 steps = 2
 batch_size = 4
 eval_batches = 1
+telemetry = {{ enabled = false }}  # not the subject: most of the run's compile time
 [[variant]]
 name = "fp32"
 """
