@@ -167,11 +167,11 @@ def test_recipe_numbers_as_arguments_give_the_bits_of_constants(name):
     recipe = _recipe_case(name)
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
     # small weights and inputs: amaxes below eps, so the floor decides some scales
-    w = {"a": 0.02 * jax.random.normal(keys[0], (32, 32)), "b": jax.random.normal(keys[1], (32, 8))}
-    x = 0.03 * jax.random.normal(keys[2], (16, 32))
+    w = 0.02 * jax.random.normal(keys[0], (32, 16))
+    x = 0.03 * jax.random.normal(keys[1], (16, 32)) + jnp.arange(32.0) * 1e-3
 
-    def loss(p, x):
-        return jnp.mean(jnp.tanh(x @ p["a"]) @ p["b"]) ** 2
+    def loss(w, x):  # one matmul: fprop, dgrad and wgrad quantized
+        return jnp.sum((x @ w) ** 2)
 
     def run(r, state, p, x, key):
         applied = apply(loss, r)
