@@ -425,7 +425,8 @@ class NVFP4(_Blocked):
         return dataclasses.replace(self, hadamard_seed=0)
 
     def hadamard_matrix(self) -> np.ndarray:
-        """The (16, 16) float32 transform (a traced array when :meth:`with_numbers` gave it)."""
+        """The (16, 16) float32 transform (a traced array when :meth:`Recipe.with_numbers` gave
+        it)."""
         return self._number("hadamard")
 
     def quantize(self, t, kind, *, scale=None, key=None):
