@@ -29,3 +29,16 @@ def test_bench_recipes_bad_recipe_is_one_line_error():
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1].startswith("precisionlab bench: error: unknown")
     assert "Traceback" not in out.stderr
+
+
+def test_bench_recipes_cache_flags_are_one_line_errors(tmp_path):
+    both = _run("--recipes", "bf16", "--no-cache", "--cache-dir", str(tmp_path))
+    assert both.returncode == 2 and "Traceback" not in both.stderr
+    assert both.stderr.strip().splitlines()[-1] == (
+        "precisionlab bench: error: give either --cache-dir DIR or --no-cache, not both"
+    )
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the cache directory would go
+    bad = _run("--recipes", "bf16", "--cache-dir", str(blocked / "cache"))
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "compilation cache directory" in bad.stderr.strip().splitlines()[-1]

@@ -9,6 +9,12 @@ alternating rounds. Peak memory is XLA's estimate for the compiled step (``memor
 arguments + outputs + temporaries - aliased). Block recipes run with ``pad=True`` (the
 attention head size need not be a multiple of the block).
 
+Where the bench's own time went (tracing and lowering, compiling, timing, and the programs
+loaded from JAX's persistent compilation cache) is printed under the table. The cache is on
+by default, as for ``precisionlab run`` (``--cache-dir``, ``--no-cache``): compiling the
+recipes' programs is most of a first run's time, and a rerun loads them (the same
+executables, so the same step times).
+
 ``--accumulator`` prints instead the relative error of an emulated m-bit accumulator against
 float64, for K from 512 to 16384, with and without promotion to float32 every 128 products.
 """
@@ -19,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -52,6 +59,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="print the accumulator error-vs-K table instead of step times",
     )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument(
+        "--cache-dir", metavar="DIR",
+        help="JAX's persistent compilation cache (default $PRECISIONLAB_CACHE_DIR, else "
+        "~/.cache/precisionlab/jax): a rerun loads the recipes' programs instead of compiling",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-cache", action="store_true", help="no persistent compilation cache for this run"
+    )
 
 
 # --- model ---------------------------------------------------------------------------------
@@ -139,23 +154,41 @@ def _compile_workers() -> int:
     return int(env) if env.isdigit() and int(env) > 0 else os.cpu_count() or 1
 
 
-def measure(names, *, batch, seq, d_model, layers, heads, vocab, repeats) -> list[dict]:
+def measure(
+    names, *, batch, seq, d_model, layers, heads, vocab, repeats, phases: dict | None = None
+) -> list[dict]:
+    """One row per recipe (see the module docstring). ``phases``, if given, receives the
+    seconds of tracing and lowering (``trace_s``, the first programs compiling meanwhile), of
+    the wait for the rest of compilation (``compile_s``) and of timing (``timing_s``), and the
+    ``programs`` compiled or loaded with the ``cache_hits`` among them."""
+    from precisionlab.train.timing import CompileMeter
+
+    clock = time.perf_counter()
     params = init_params(jax.random.key(0), d=d_model, layers=layers, vocab=vocab, seq=seq)
     tokens = jax.random.randint(jax.random.key(1), (batch, seq), 0, vocab, jnp.int32)
     key = jax.random.key(2)
-    fns, peaks, matched, lowered, states = {}, {}, {}, {}, {}
-    for name in names:  # tracing holds the Python lock: one at a time
-        step, f = _step(name, heads)
-        states[name] = f.init_state(params, tokens)
-        lowered[name] = step.lower(states[name], params, tokens, key)
-        matched[name] = sum(s.selected for s in f.sites(params, tokens))
-    # XLA compiles outside the Python lock: the recipes' programs compile side by side
-    with ThreadPoolExecutor(max_workers=_compile_workers()) as pool:
-        done = dict(zip(names, pool.map(lambda n: lowered[n].compile(), names), strict=True))
+    fns, peaks, matched, states, pending = {}, {}, {}, {}, {}
+    # Tracing holds the Python lock, so the recipes are traced one at a time; XLA compiles
+    # outside it, so each program compiles in a thread (side by side with the next traces).
+    with CompileMeter() as meter, ThreadPoolExecutor(max_workers=_compile_workers()) as pool:
+        for name in names:
+            step, f = _step(name, heads)
+            states[name] = f.init_state(params, tokens)
+            pending[name] = pool.submit(step.lower(states[name], params, tokens, key).compile)
+            matched[name] = sum(s.selected for s in f.sites(params, tokens))
+        traced = time.perf_counter()
+        done = {name: job.result() for name, job in pending.items()}
+    compiled_at = time.perf_counter()
     for name, compiled in done.items():
         peaks[name] = _peak_bytes(compiled)
         fns[name] = lambda c=compiled, s=states[name]: c(s, params, tokens, key)
     t = time_interleaved(fns, repeats=repeats)
+    if phases is not None:
+        phases.update(
+            trace_s=traced - clock, compile_s=compiled_at - traced,
+            timing_s=time.perf_counter() - compiled_at, programs=meter.programs,
+            cache_hits=meter.cache_hits,
+        )  # fmt: skip
     bf16 = t["bf16"].best if "bf16" in t else None
     fp32 = t["fp32"].best if "fp32" in t else None
     mem16 = peaks.get("bf16")
@@ -255,9 +288,15 @@ def run(args: argparse.Namespace) -> int:
     _check_sizes(args)
     if args.d_model % args.heads:
         raise UsageError(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
+    if args.no_cache and args.cache_dir:
+        raise UsageError("give either --cache-dir DIR or --no-cache, not both")
+    from precisionlab.train.compile_cache import OFF, enable_compilation_cache
+
+    cache = enable_compilation_cache(OFF if args.no_cache else args.cache_dir)
+    phases: dict = {}
     rows = measure(
         names, batch=args.batch, seq=args.seq, d_model=args.d_model, layers=args.layers,
-        heads=args.heads, vocab=args.vocab, repeats=args.repeats,
+        heads=args.heads, vocab=args.vocab, repeats=args.repeats, phases=phases,
     )  # fmt: skip
     if args.json:
         print(json.dumps(rows, indent=1))
@@ -283,4 +322,11 @@ def run(args: argparse.Namespace) -> int:
             f"{fmt(r['vs_bf16'], '>7.2f')}x {fmt(r['vs_fp32'], '>7.2f')}x "
             f"{fmt(r['peak_mib'], '>9.1f')} {fmt(r['peak_vs_bf16'], '>10.2f')}x"
         )
+    p = phases
+    print(
+        f"\nbench time: tracing and lowering {p['trace_s']:.1f} s, then compiling "
+        f"{p['compile_s']:.1f} s more ({_compile_workers()} threads; {p['cache_hits']} of "
+        f"{p['programs']} programs loaded from the cache"
+        f"{'' if cache is None else f' {cache}'}), timing {p['timing_s']:.1f} s"
+    )
     return 0

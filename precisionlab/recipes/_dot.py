@@ -188,8 +188,8 @@ def _observe(a3, b3) -> jax.Array:
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _qdot3(recipe: Recipe, kinds, a3, b3, state, key):
-    return _fprop(recipe, kinds, a3, b3, state)
+def _qdot3(recipe: Recipe, kinds, a3, b3, state, key, nums):
+    return _fprop(recipe.with_numbers(nums), kinds, a3, b3, state)
 
 
 def _scales(state):
@@ -207,12 +207,13 @@ def _fprop(recipe, kinds, a3, b3, state):
     )  # fmt: skip
 
 
-def _qdot3_fwd(recipe, kinds, a3, b3, state, key):
-    return _fprop(recipe, kinds, a3, b3, state), (a3, b3, state, key)
+def _qdot3_fwd(recipe, kinds, a3, b3, state, key, nums):
+    return _fprop(recipe.with_numbers(nums), kinds, a3, b3, state), (a3, b3, state, key, nums)
 
 
 def _qdot3_bwd(recipe, kinds, res, g):
-    a3, b3, state, key = res
+    a3, b3, state, key, nums = res
+    recipe = recipe.with_numbers(nums)
     a = a3.astype(jnp.float32)
     b = b3.astype(jnp.float32)
     g = g.astype(jnp.float32)
@@ -250,7 +251,7 @@ def _qdot3_bwd(recipe, kinds, res, g):
             "history": jnp.zeros_like(state["history"]),
             "probe": seen.astype(state["probe"].dtype),
         }
-    return da.astype(a3.dtype), db.astype(b3.dtype), ct_state, None
+    return da.astype(a3.dtype), db.astype(b3.dtype), ct_state, None, None
 
 
 _qdot3.defvjp(_qdot3_fwd, _qdot3_bwd)
@@ -312,7 +313,10 @@ def dot_general(
     kinds = WEIGHT_OPERANDS[weight]
     if not isinstance(recipe, Delayed):
         state = None
-    out = _qdot3_jit(recipe, kinds, a3, b3, state, key)
+    # the recipe's numbers (given by with_numbers: arguments of the caller's program) enter
+    # as arguments, the recipe without them as the static part
+    nums = recipe.given_numbers
+    out = _qdot3_jit(recipe.with_numbers(None), kinds, a3, b3, state, key, nums)
     batch_shape = tuple(lhs.shape[d] for d in lb)
     return out.reshape(*batch_shape, *lfree, *rfree).astype(out_dtype)
 

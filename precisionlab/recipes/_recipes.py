@@ -26,7 +26,8 @@ as DeepSeek-V3 does with N = 128).
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +74,9 @@ class Recipe:
     name: ClassVar[str] = "recipe"
     stateful: ClassVar[bool] = False
     _deepgemm_ok: ClassVar[bool] = False  # takes the deepgemm presets (blockwise only)
+    #: Fields whose values are numbers of the recipe's programs, not their structure (see
+    #: :meth:`numbers`): recipes differing only in them compute with the same operations.
+    value_fields: ClassVar[tuple[str, ...]] = ()
     accumulate: str | None = None
     accumulate_bits: int | None = None
     accumulate_rounding: str = "nearest_even"
@@ -129,6 +133,36 @@ class Recipe:
         """The weight-gradient GEMM stays in high precision (torchao rowwise_with_gw_hp)."""
         return False
 
+    # --- numbers: the value fields as arguments of a program --------------------------------
+    def numbers(self) -> dict[str, np.ndarray]:
+        """The float32 arrays the recipe computes with that its :attr:`value_fields` give,
+        derived on the host (``{}`` for a recipe without value fields)."""
+        return {}
+
+    def structure(self) -> Recipe:
+        """This recipe with its value fields set to fixed ones: recipes with equal structures
+        differ only in :meth:`numbers` (the key of a program that takes them as arguments)."""
+        return self
+
+    def with_numbers(self, numbers: Mapping[str, Any] | None) -> Recipe:
+        """A copy that computes with ``numbers`` (the arrays of :meth:`numbers`, e.g. traced
+        arguments of a jitted function) instead of constants derived from its fields; None:
+        the constants."""
+        if numbers is None and self.given_numbers is None:
+            return self
+        out = dataclasses.replace(self)
+        object.__setattr__(out, "_numbers", None if numbers is None else dict(numbers))
+        return out
+
+    @property
+    def given_numbers(self) -> dict[str, Any] | None:
+        """The numbers :meth:`with_numbers` gave, or None."""
+        return getattr(self, "_numbers", None)
+
+    def _number(self, key: str) -> Any:
+        given = self.given_numbers
+        return self.numbers()[key] if given is None else given[key]
+
     def two_d(self, kind: str) -> bool:
         """Whether operands of this kind use square 2-D tiles (weights in blockwise, NVFP4)."""
         return False
@@ -181,6 +215,7 @@ class Delayed(Recipe):
 
     name: ClassVar[str] = "delayed"
     stateful: ClassVar[bool] = True
+    value_fields: ClassVar[tuple[str, ...]] = ("margin",)
     fp8_format: str = "HYBRID"
     margin: int = 0
     amax_history_len: int = 1024
@@ -206,13 +241,20 @@ class Delayed(Recipe):
     def fmt(self, kind: str) -> FloatFormat:
         return _fp8_formats(self.fp8_format)[kind]
 
+    def numbers(self) -> dict[str, np.ndarray]:
+        # 2**margin is exact in float32 for every margin allowed (0..127)
+        return {"margin_scale": np.float32(2.0**self.margin)}
+
+    def structure(self) -> Recipe:
+        return dataclasses.replace(self, margin=0)
+
     def quantize(self, t, kind, *, scale=None, key=None):
         return S.with_scale(t, scale, self.fmt(kind))
 
     def next_scale(self, history: jax.Array, scale: jax.Array, kind_max: jax.Array):
         """New scale from a history (L, ...) whose row 0 is the newest amax."""
         a = jnp.max(history, axis=0) if self.amax_compute_algo == "max" else history[0]
-        sf = (kind_max / a) / jnp.float32(2.0**self.margin)
+        sf = (kind_max / a) / jnp.asarray(self._number("margin_scale"), jnp.float32)
         ok = (a > 0) & jnp.isfinite(a)
         return jnp.where(ok, sf, scale)
 
@@ -228,6 +270,7 @@ class Current(Recipe):
     """
 
     name: ClassVar[str] = "current"
+    value_fields: ClassVar[tuple[str, ...]] = ("eps",)
     fp8_format: str = "HYBRID"
     eps: float = 1e-12
     pow2_scales: bool = False
@@ -241,8 +284,15 @@ class Current(Recipe):
     def fmt(self, kind: str) -> FloatFormat:
         return _fp8_formats(self.fp8_format)[kind]
 
+    def numbers(self) -> dict[str, np.ndarray]:
+        return _eps_numbers(self.eps, self.fmt)
+
+    def structure(self) -> Recipe:
+        return dataclasses.replace(self, eps=_eps_structure(self.eps))
+
     def quantize(self, t, kind, *, scale=None, key=None):
-        return S.tensorwise(t, self.fmt(kind), eps=self.eps, pow2_scales=self.pow2_scales)[0]
+        eps = _eps(self, kind)
+        return S.tensorwise(t, self.fmt(kind), eps=eps, pow2_scales=self.pow2_scales)[0]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -256,6 +306,7 @@ class Rowwise(Recipe):
     """
 
     name: ClassVar[str] = "rowwise"
+    value_fields: ClassVar[tuple[str, ...]] = ("eps",)
     eps: float = 1e-12
     gw_high_precision: bool = False
 
@@ -263,8 +314,14 @@ class Rowwise(Recipe):
     def wgrad_hp(self) -> bool:
         return self.gw_high_precision
 
+    def numbers(self) -> dict[str, np.ndarray]:
+        return _eps_numbers(self.eps, lambda kind: E4M3)
+
+    def structure(self) -> Recipe:
+        return dataclasses.replace(self, eps=_eps_structure(self.eps))
+
     def quantize(self, t, kind, *, scale=None, key=None):
-        return S.per_row(t, E4M3, eps=self.eps)[0]
+        return S.per_row(t, E4M3, eps=_eps(self, kind))[0]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -421,6 +478,7 @@ class NVFP4(_Blocked):
     """
 
     name: ClassVar[str] = "nvfp4"
+    value_fields: ClassVar[tuple[str, ...]] = ("hadamard_seed",)
     block: int = 16
     stochastic_gradients: bool = True
     hadamard: bool = True
@@ -429,8 +487,17 @@ class NVFP4(_Blocked):
     def two_d(self, kind) -> bool:
         return kind == "w"
 
+    def numbers(self) -> dict[str, np.ndarray]:
+        # without the transform the seed is used nowhere
+        return {"hadamard": S.hadamard_matrix(self.hadamard_seed, 16)} if self.hadamard else {}
+
+    def structure(self) -> Recipe:
+        return dataclasses.replace(self, hadamard_seed=0)
+
     def hadamard_matrix(self) -> np.ndarray:
-        return S.hadamard_matrix(self.hadamard_seed, 16)
+        """The (16, 16) float32 transform (a traced array when :meth:`Recipe.with_numbers` gave
+        it)."""
+        return self._number("hadamard")
 
     def quantize(self, t, kind, *, scale=None, key=None):
         sr = kind == "g" and self.stochastic_gradients
@@ -451,6 +518,31 @@ class NVFP4(_Blocked):
         e = "float4_e2m1fn"
         pairs = [("GEMMs", e, e)]
         _blockhw.check_pairs(self.name, acc, pairs, "float8_e4m3fn", self.block)
+
+
+def _eps_numbers(eps: float, fmt) -> dict[str, np.ndarray]:
+    """An amax floor eps > 0 as the two float32 numbers its scale rule uses (see
+    :class:`precisionlab.recipes.scaling.Floor`), the clamp for each operand kind's format;
+    ``{}`` for eps 0 (no floor: a different program)."""
+    if eps == 0:
+        return {}
+    out = {}
+    for kind in KINDS:
+        floor = S.floor_numbers(float(fmt(kind).max), eps)
+        out["eps_lo"], out[f"eps_clamp_{kind}"] = floor.lo, floor.clamp
+    return out
+
+
+def _eps_structure(eps: float) -> float:
+    return 1.0 if eps > 0 else 0.0
+
+
+def _eps(recipe: Current | Rowwise, kind: str) -> float | S.Floor:
+    """The eps a quantizer takes: the field, or a Floor of the given numbers."""
+    given = recipe.given_numbers
+    if given is None or recipe.eps == 0:
+        return recipe.eps
+    return S.Floor(given["eps_lo"], given[f"eps_clamp_{kind}"])
 
 
 def _check_block(b) -> None:

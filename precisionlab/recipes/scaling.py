@@ -29,7 +29,7 @@ from precisionlab.formats import FORMATS, FloatFormat
 from precisionlab.quant import pow2
 from precisionlab.quant.pow2 import scale_exponent
 
-__all__ = ["QOperand", "amax", "block_pow2", "mx_blocks", "nvfp4", "per_row", "tensorwise"]
+__all__ = ["Floor", "QOperand", "amax", "block_pow2", "mx_blocks", "nvfp4", "per_row", "tensorwise"]
 
 E4M3 = FORMATS["float8_e4m3fn"]
 _ABS = np.uint32(0x7FFFFFFF)
@@ -102,18 +102,33 @@ def mul_pow2(x: jax.Array, e: jax.Array) -> jax.Array:
     return lax.cond(safe, fast, exact, x, e)
 
 
-def _quotient_scale(a: jax.Array, fmt_max: float, eps: float) -> jax.Array:
+class Floor(NamedTuple):
+    """An amax floor eps > 0 as the float32 numbers the scale rule uses (host constants, or
+    arguments of a program so that floors share it): ``lo``, the smallest float32 >= eps,
+    and ``clamp``, ``fmt_max / eps`` computed in float64 and rounded once."""
+
+    lo: jax.Array | np.ndarray
+    clamp: jax.Array | np.ndarray
+
+
+def floor_numbers(fmt_max: float, eps: float) -> Floor:
+    """The :class:`Floor` of ``eps`` > 0 for a format whose largest value is ``fmt_max``."""
+    lo = np.float32(eps)
+    if float(lo) < eps:  # the smallest float32 >= eps
+        lo = np.nextafter(lo, np.float32(np.inf))
+    return Floor(lo, np.float32(np.float64(fmt_max) / np.float64(eps)))
+
+
+def _quotient_scale(a: jax.Array, fmt_max: float, eps: float | Floor) -> jax.Array:
     """float32 ``fmt_max / max(a, eps)``, computed as float64 then rounded once (torchao);
-    the same as the float32 division (double rounding is innocuous for a quotient)."""
-    if eps > 0:
-        lo = np.float32(eps)
-        if float(lo) < eps:  # the smallest float32 >= eps
-            lo = np.nextafter(lo, np.float32(np.inf))
-        clamp = np.float32(np.float64(fmt_max) / np.float64(eps))
+    the same as the float32 division (double rounding is innocuous for a quotient). Only
+    compares and selects use eps, so a Floor of traced numbers gives the same bits."""
+    if isinstance(eps, Floor) or eps > 0:
+        lo, clamp = eps if isinstance(eps, Floor) else floor_numbers(fmt_max, eps)
         small = lax.bitcast_convert_type(a, jnp.uint32) < lax.bitcast_convert_type(
-            jnp.float32(lo), jnp.uint32
+            jnp.asarray(lo, jnp.float32), jnp.uint32
         )
-        return jnp.where(small, clamp, jnp.float32(fmt_max) / a)
+        return jnp.where(small, jnp.asarray(clamp, jnp.float32), jnp.float32(fmt_max) / a)
     return jnp.float32(fmt_max) / a
 
 
@@ -123,7 +138,7 @@ def _pow2_floor(s: jax.Array) -> jax.Array:
 
 
 # --- tensor- and row-wise ----------------------------------------------------------------
-def scale_from_amax(a: jax.Array, fmt_max: float, *, eps: float, pow2_scales: bool):
+def scale_from_amax(a: jax.Array, fmt_max: float, *, eps: float | Floor, pow2_scales: bool):
     """Quantization scale ``s`` (x * s lands in the element range) from an amax.
 
     ``s = fmt_max / max(amax, eps)`` (TE current scaling, torchao tensorwise/rowwise with
@@ -132,7 +147,7 @@ def scale_from_amax(a: jax.Array, fmt_max: float, *, eps: float, pow2_scales: bo
     A non-finite amax gives NaN. Returns (s, e) with e the int32 exponent (pow2) or None.
     """
     s = _quotient_scale(a, fmt_max, eps)
-    if eps == 0:
+    if not isinstance(eps, Floor) and eps == 0:
         s = jnp.where(_is_zero(a), jnp.float32(1.0), s)
     bad = ~is_finite(a)
     if pow2_scales:
@@ -156,7 +171,8 @@ def _inv(s: jax.Array, e: jax.Array | None) -> jax.Array:
 
 
 def tensorwise(
-    x: jax.Array, fmt: FloatFormat, *, eps: float, pow2_scales: bool, rounding="nearest_even",
+    x: jax.Array, fmt: FloatFormat, *, eps: float | Floor, pow2_scales: bool,
+    rounding="nearest_even",
     key=None,
 ) -> tuple[QOperand, jax.Array]:  # fmt: skip
     """One scale for the whole operand (current scaling). Returns (operand, scale s)."""
@@ -173,7 +189,7 @@ def with_scale(x: jax.Array, s: jax.Array, fmt: FloatFormat, rounding="nearest_e
 
 
 def per_row(
-    x: jax.Array, fmt: FloatFormat, *, eps: float, rounding="nearest_even", key=None
+    x: jax.Array, fmt: FloatFormat, *, eps: float | Floor, rounding="nearest_even", key=None
 ) -> tuple[QOperand, jax.Array]:
     """One power-of-two scale per row along the contraction (last) axis: torchao rowwise
     (axiswise scaling, ``round_scales_to_power_of_2=True``). Returns (operand, s (B,R,1))."""
@@ -283,9 +299,11 @@ def hadamard_matrix(seed: int, n: int = 16) -> np.ndarray:
     return (signs[:, None] * h / np.sqrt(n)).astype(np.float32)
 
 
-def apply_hadamard(x: jax.Array, mat: np.ndarray) -> jax.Array:
+def apply_hadamard(x: jax.Array, mat: np.ndarray | jax.Array) -> jax.Array:
     """Blocks of ``n`` along the last axis times the (n, n) matrix (float32, HIGHEST)."""
     n = mat.shape[0]
     g = blocks_1d(x, n)
-    out = jnp.einsum("...j,jk->...k", g, jnp.asarray(mat), precision=lax.Precision.HIGHEST)
+    out = jnp.einsum(
+        "...j,jk->...k", g, jnp.asarray(mat, jnp.float32), precision=lax.Precision.HIGHEST
+    )
     return out.reshape(x.shape)

@@ -114,6 +114,10 @@ def program_key(config: TrainConfig) -> str:
     # under a lax.cond, which XLA may fuse differently): not shown bit-identical, so a program
     # of its own.
     table["loss_scale"] = type(config.precision.loss_scale).__name__
+    # a recipe's value fields (Delayed's margin, an eps, NVFP4's Hadamard seed) are arguments
+    # too (TrainState.values["recipe"]): the key names the recipe with them fixed
+    rec = config.precision.recipe
+    table["recipe"] = None if rec is None else repr(rec.structure())
     return json.dumps(table, sort_keys=True, default=repr)
 
 

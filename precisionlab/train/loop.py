@@ -470,7 +470,8 @@ def _programs(
         recipe, pol = options.recipe, options.policy
 
         def recipe_probe_fn(state, batch):
-            rfn = make_recipe_metrics_fn(weighted_loss(loss_fn, state.values), recipe)
+            rec = recipe.for_values(state.values)
+            rfn = make_recipe_metrics_fn(weighted_loss(loss_fn, state.values), rec)
             pc = cast_floating(state.params, pol.compute_dtype)
             key = jax.random.fold_in(state.rng, 0x57A7)
             return rfn(pc, batch, state.loss_scale, state.recipe_state, key)

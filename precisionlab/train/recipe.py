@@ -56,6 +56,24 @@ class TrainRecipe:
         """Whether the recipe keeps state across steps (delayed scaling's amax history)."""
         return self.recipe.stateful
 
+    def numbers(self) -> dict[str, Any]:
+        """The recipe's value fields as float32 arrays (:meth:`Recipe.numbers
+        <precisionlab.recipes.Recipe.numbers>`): the train step takes them as arguments
+        (``TrainState.values["recipe"]``), so runs differing only in them share a program."""
+        return self.recipe.numbers()
+
+    def structure(self) -> TrainRecipe:
+        """This recipe with its value fields fixed (see :meth:`numbers`): what a program's
+        key names."""
+        return dataclasses.replace(self, recipe=self.recipe.structure())
+
+    def for_values(self, values: Mapping[str, Any] | None) -> TrainRecipe:
+        """This recipe computing with ``values["recipe"]`` (a step's traced values) when
+        given, else with the constants of its fields."""
+        if not values or "recipe" not in values:
+            return self
+        return dataclasses.replace(self, recipe=self.recipe.with_numbers(values["recipe"]))
+
     def apply(self, fn: Any) -> AppliedRecipe:
         """``fn`` with the recipe applied (see :func:`precisionlab.recipes.apply`): an
         :class:`~precisionlab.recipes.AppliedRecipe` (the :class:`~precisionlab.recipes.RecipeSpec`

@@ -405,6 +405,10 @@ def build_step(
     state_values = None
     if values is not None:
         state_values = {k: jnp.asarray(v, jnp.float32) for k, v in values.items()}
+        if opts.recipe is not None and opts.recipe.numbers():
+            # the recipe's value fields (a margin, an eps, a seed's matrix) as arguments too
+            numbers = opts.recipe.numbers().items()
+            state_values["recipe"] = {k: jnp.asarray(v, jnp.float32) for k, v in numbers}
     loss_init = weighted_loss(loss_fn, values)
     opt = store_opt_state(_optimizer(optimizer, values), store.opt_state_dtype)
     params_stored = cast_floating(params, store.param_dtype(pol.param_dtype))
@@ -432,7 +436,6 @@ def build_step(
         recipe_state=recipe_state,
         values=state_values,
     )
-    applied = None if rec is None else rec.apply(loss_fn)
     mesh, zero, specs = None, None, None
     if opts.data_parallel:
         from precisionlab.train.parallel import ZeroLayout, local_mesh
@@ -445,7 +448,7 @@ def build_step(
             zero = (layout.state_shardings(state), layout.split(params_stored))
     telemetry_names: dict[str, Any] = {}  # filled when the step is traced
 
-    def make_grad(lf: Callable) -> Callable:
+    def make_grad(lf: Callable, rec: TrainRecipe | None) -> Callable:
         grad_fn = make_grad_fn(lf, pol, opts.microbatches, rec)
         if mesh is not None:
             from precisionlab.train.parallel import data_parallel
@@ -476,7 +479,8 @@ def build_step(
     def step_fn(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         # built here, from the state's (traced) values: they are arguments of the program
         lf = weighted_loss(loss_fn, state.values)
-        grad_fn = make_grad(lf)
+        rec_v = None if rec is None else rec.for_values(state.values)
+        grad_fn = make_grad(lf, rec_v)
         telemetry_fn = make_telemetry(lf)
         opt = store_opt_state(_optimizer(optimizer, state.values), store.opt_state_dtype)
         rng, key = jax.random.split(state.rng)
@@ -528,8 +532,8 @@ def build_step(
             rng=rng,
             recipe_state=(
                 state.recipe_state
-                if applied is None
-                else applied.update_state(state.recipe_state, observed, skip=skipped)
+                if rec_v is None
+                else rec_v.apply(loss_fn).update_state(state.recipe_state, observed, skip=skipped)
             ),
             values=state.values,
         )
