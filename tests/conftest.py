@@ -1,6 +1,7 @@
 """Test configuration: every test runs on CPU with float32 defaults unless it says otherwise."""
 
 import os
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -48,6 +49,23 @@ def pytest_configure(config):
     # any other child that imports JAX (a script on 4 or 8 host devices)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = path
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+
+
+SLOW_BY_COST = pathlib.Path(__file__).with_name("slow_by_cost.txt")
+
+
+def slow_by_cost() -> set[str]:
+    """The test ids and files listed in slow_by_cost.txt (run only under ``-m slow``)."""
+    lines = SLOW_BY_COST.read_text().splitlines()
+    return {ln.split(None, 1)[1].strip() for ln in lines if ln.strip() and not ln.startswith("#")}
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` selects
+def pytest_collection_modifyitems(config, items):
+    listed = slow_by_cost()
+    for item in items:
+        if item.nodeid in listed or item.nodeid.split("::", 1)[0] in listed:
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_sessionfinish(session):

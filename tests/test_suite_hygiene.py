@@ -54,3 +54,16 @@ def test_a_worker_slow_to_end_is_not_interrupted_and_prints_no_traceback(tmp_pat
     assert proc.returncode == 0 and "1 passed" in out, out
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
     assert ended.read_text() in ("finished", "sleeping")  # not "interrupted"
+
+
+def test_every_test_listed_slow_by_cost_exists():
+    # a renamed or deleted test must leave tests/slow_by_cost.txt too (else the list rots and a
+    # new test of the same name would be moved to the slow phase unseen)
+    from conftest import slow_by_cost
+
+    root = Path(__file__).parent.parent
+    for entry in slow_by_cost():
+        path, _, name = entry.partition("::")
+        assert (root / path).is_file(), entry
+        if name:
+            assert f"def {name.split('[')[0]}(" in (root / path).read_text(), entry
