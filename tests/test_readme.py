@@ -45,8 +45,9 @@ OPTIONS (after ``run`` or ``run-only``; shell-quoted):
                         depends on the CPU's vector unit (XLA emits different code for AVX2
                         and AVX-512), e.g. a loss after 20 fp8 training steps.
     --slow              run the example only under ``-m slow``.
-    --jax-below X.Y     the output shown is what jax below X.Y prints (XLA changed it since; the
-                        text around the example says what newer jax prints); skipped on newer.
+    --from-jax X.Y TEXT the output shown is what jax below X.Y prints; XLA changed it in X.Y, and
+                        on that jax or newer the output must contain TEXT instead (``\n`` in it is
+                        a newline; the text around the example says what newer jax prints).
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ class Options:
     status: int
     slow: bool
     rtol: float = 0.0
-    jax_below: tuple[int, ...] | None = None
+    newer_jax: tuple[tuple[int, ...], str] | None = None  # (X.Y, what X.Y and newer print)
 
 
 def parse_options(words: list[str], where: str) -> Options:
@@ -161,8 +162,9 @@ def parse_options(words: list[str], where: str) -> Options:
                 opts.slow = True
             elif word == "--rtol":
                 opts.rtol = float(next(it))
-            elif word == "--jax-below":
-                opts.jax_below = tuple(int(p) for p in next(it).split("."))
+            elif word == "--from-jax":
+                version = tuple(int(p) for p in next(it).split("."))
+                opts.newer_jax = (version, next(it).replace("\\n", "\n"))
             else:
                 raise ValueError(f"unknown option {word!r}")
         except StopIteration:
@@ -322,11 +324,12 @@ def test_readme_example(block: Block, sandbox):
     if block.marker in (None, "skip"):
         pytest.skip(f"not run: {block.options[0] if block.options else 'no marker'}")
     opts = parse_options(block.options, block.id)
-    if opts.jax_below is not None:
+    newer = None  # on a jax whose XLA prints otherwise: the text its output must contain
+    if opts.newer_jax is not None:
         import jax
 
-        if tuple(int(p) for p in jax.__version__.split(".")[:2]) >= opts.jax_below:
-            pytest.skip(f"shows jax below {opts.jax_below}'s output; this is {jax.__version__}")
+        if tuple(int(p) for p in jax.__version__.split(".")[:2]) >= opts.newer_jax[0]:
+            newer = opts.newer_jax[1]
     text = block.text
     for old, new in opts.replace:
         assert old in text, f"{block.id}: --replace {old!r}: not in the example"
@@ -334,13 +337,17 @@ def test_readme_example(block: Block, sandbox):
     compare = block.marker == "run"
     if block.lang in _PYTHON:
         got = run_python(text, block.id)
-        if compare:
+        if compare and newer is not None:
+            assert newer in got, f"{block.id}: printed\n{got}"
+        elif compare:
             assert matches(block.output, got, opts.rtol), f"{block.id}: printed\n{got}"
         return
     for cmd, expected in commands(dataclasses.replace(block, text=text)):
         status, got = run_command(cmd, opts)
         assert status == opts.status, f"{block.id}: `{cmd}` exited {status}:\n{got[-3000:]}"
-        if compare:
+        if compare and newer is not None:
+            assert newer in got, f"{block.id}: `{cmd}` printed\n{got}"
+        elif compare:
             assert matches(expected, got, opts.rtol), f"{block.id}: `{cmd}` printed\n{got}"
 
 
@@ -402,7 +409,7 @@ def test_matches_and_commands():
     assert parse_options(["--set", "a=1", "--status", "2", "--slow"], "x") == Options(
         ["a=1"], [], 2, True
     )
-    assert parse_options(["--jax-below", "0.11"], "x").jax_below == (0, 11)
+    assert parse_options(["--from-jax", "0.11", "a\\nb"], "x").newer_jax == ((0, 11), "a\nb")
     with pytest.raises(ValueError, match="unknown option"):
         parse_options(["--bogus"], "x")
 
