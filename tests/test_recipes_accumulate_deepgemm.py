@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 from precisionlab import hardware as hw
+from precisionlab.hardware import fma_pow2
 from precisionlab.hardware.reference import step_reference
 from precisionlab.recipes import get_recipe, matmul
-from precisionlab.recipes._deepgemm import blockwise_gemm, fma_pow2
+from precisionlab.recipes._deepgemm import blockwise_gemm
 
 STEP = hw.get_profile("h100", "fp8").step
 

@@ -6,9 +6,12 @@
   upcast); :data:`PRESETS`: names ``<device>-<library>[-fast]`` (``"h100-cublaslt-fast"``,
   ``"h100-cublaslt"``, ``"h100-xla"``, ...), :data:`PRESET_ALIASES` (``"h100-fast"``, ...);
 - :func:`gemm` / :func:`dot_general`: the vectorized model under ``jit``/``vmap``;
+- :func:`fma_pow2`: a GPU's float32 FFMA by a power-of-two scale, exact on any backend
+  (DeepGEMM's promotion of a block's partial into its accumulator);
 - :mod:`precisionlab.hardware.reference`: the scalar reference (Python integers).
 """
 
+from precisionlab.hardware.fma import fma_pow2
 from precisionlab.hardware.gemm import dot_general, gemm
 from precisionlab.hardware.presets import (
     AMBIGUOUS_PRESETS,
@@ -35,6 +38,7 @@ __all__ = [
     "Step",
     "canonical_preset",
     "dot_general",
+    "fma_pow2",
     "gemm",
     "get_profile",
     "preset",

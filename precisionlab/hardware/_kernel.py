@@ -74,7 +74,6 @@ def _shr_tz(x: jax.Array, s: jax.Array) -> jax.Array:
     return jnp.where(x < 0, -mag, mag)
 
 
-
 def _bitlen(x: jax.Array) -> jax.Array:
     return 32 - lax.clz(x)
 
@@ -91,14 +90,21 @@ def to_f32(neg, hi, lo, q, bits: int, base: int = 15) -> jax.Array:
     from_hi = jnp.where(drop >= base, lax.shift_right_logical(hi, d_hi), up)
     from_lo = jnp.where(drop >= base, 0, lax.shift_right_logical(lo, d_lo))
     mant = jnp.where(drop >= base + 32, 0, from_hi | from_lo)
-    e = q + drop  # the value is mant * 2**e, e >= -149
-    # assemble the float32 bits (not mant * 2**e: XLA:CPU flushes subnormal products to zero)
+    return pack_f32(neg, mant, q + drop)  # the value is mant * 2**e, e >= -149
+
+
+def pack_f32(neg: jax.Array, mant: jax.Array, e: jax.Array) -> jax.Array:
+    """float32 ``+-mant * 2**e`` for int32 ``0 <= mant <= 2**24`` already on float32's grid
+    (``e >= -149`` or ``mant == 0``; ``2**24``: a rounding carry); inf beyond the range.
+    Assembled from bits, not ``mant * 2**e``: XLA:CPU flushes subnormal products to zero."""
+    carry = mant >> 24  # a carry to 2**24: one bit up, exact
+    mant, e = mant >> carry, e + carry
     up = jnp.clip(24 - _bitlen(mant), 0, 24)
-    eb = e - up + 150  # biased exponent once mant is normalised to 24 bits
-    normal = (eb << 23) | ((mant << up) & 0x7FFFFF)
-    sub = mant << jnp.clip(e + 149, 0, 23)  # below 2**-126: float32's subnormal grid
-    bits = jnp.where(eb >= 1, normal, sub)
-    bits = jnp.where(eb >= 255, 0x7F800000, bits)
+    up = jnp.minimum(up, jnp.maximum(e + 149, 0))  # never below the subnormal grid
+    mant, e = mant << up, e - up
+    eb = e + 150
+    bits = jnp.where(mant >= (1 << 23), (eb << 23) | (mant & 0x7FFFFF), mant)  # else subnormal
+    bits = jnp.where((mant >= (1 << 23)) & (eb >= 255), 0x7F800000, bits)
     bits = jnp.where(mant == 0, 0, bits) | (neg.astype(jnp.int32) << 31)
     return lax.bitcast_convert_type(bits, jnp.float32)
 
@@ -145,4 +151,3 @@ def step_apply(
     if step.accumulator_in_alignment:
         return jnp.where(jnp.isfinite(c), out, c)  # an infinite accumulator stays so
     return c + out
-
