@@ -149,6 +149,30 @@ def test_forward_mxfp8_is_the_block_scaled_mma():
     assert y[0, 0] == 1
 
 
+@pytest.mark.parametrize(
+    "element", ["float6_e2m3fn", pytest.param("float6_e3m2fn", marks=pytest.mark.slow)]
+)
+def test_forward_mxfp6_is_the_f8f6f4_mma(element):
+    """mxfp6 with accumulate="b200": the forward GEMM equals hw.gemm on the recipe's FP6
+    elements (numpy ml_dtypes arrays, given to hw.gemm as they are) and E8M0 scales, and the
+    scalar reference. Row 0 . column 0 is 1 + 3 * 2**-24 exactly (block 1 holds three
+    2**-24 products): the f8f6f4 step's 25 fraction bits keep it and cut it toward zero to
+    1 + 2**-23, where float32 arithmetic cannot (nearest: 1 or 1 + 2**-22)."""
+    x, w = _inputs(6, 4, 64, 8)
+    x[0] = 0
+    x[0, 0] = 1
+    x[0, 32:35] = 2.0**-24
+    w[:35, 0] = 1
+    w[1:32, 0] = 0
+    r = get_recipe("mxfp6", accumulate="b200", element=element)
+    y = np.asarray(matmul(x, w, recipe=r))
+    exp, ops = _expected(r, x, w.T, ("x", "w"))
+    assert ops[0].dtype == np.dtype(element)
+    assert np.array_equal(_bits(y), _bits(exp))
+    assert np.array_equal(_bits(y), _bits(_oracle(r, *ops)))
+    assert y[0, 0] == np.float32(1 + 2.0**-23)
+
+
 def _grad_inputs(seed):
     """x (64, 64), w (64, 64) and a cotangent c whose row 0 and column 0 put 1 - 2**-30 into
     dgrad's da[0, :] and wgrad's dw[:, 0] (as in _inputs)."""
@@ -229,18 +253,21 @@ def test_errors_name_what_works():
     with pytest.raises(ValueError, match=r"UE4M3 scales per 32; Blackwell's block-scaled MMA"):
         get_recipe("nvfp4", accumulate="b200", block=32)
     with pytest.raises(ValueError, match=r"mxfp6 recipe's forward GEMM \(x, w\) multiplies "
-                       r"float6_e2m3fn x float6_e2m3fn.*MXFP8 \(float8_e4m3fn"):  # fmt: skip
-        get_recipe("mxfp6", accumulate="b200")
+                       r"float6_e2m3fn x float6_e2m3fn elements with E8M0 scales per 16.*MXFP6 "
+                       r"\(float6_e2m3fn/float6_e3m2fn, E8M0 per 32"):  # fmt: skip
+        get_recipe("mxfp6", accumulate="b200", block=16)
     with pytest.raises(ValueError, match=r"gradient GEMMs \(g with x or w\) multiplies "
-                       "float8_e5m2 x float4_e2m1fn"):  # fmt: skip
-        get_recipe("mxfp4", accumulate="b200", grad_element="float8_e5m2")
+                       "float8_e5m2 x float4_e2m1fn elements with E8M0 scales per 16"):  # fmt: skip
+        get_recipe("mxfp4", accumulate="b200", grad_element="float8_e5m2", block=16)
     with pytest.raises(ValueError, match="E8M0 scales per 16"):
         get_recipe("mxfp8", accumulate="b200", block=16)
     with pytest.raises(ValueError, match=r"blockwise recipe's 1 x 128.*DeepGEMM.*h100-deepgemm"):
         get_recipe("blockwise", accumulate="b200")
-    # what works: MXFP4 per 16, MXFP8 with E5M2 gradients
+    # what works: MXFP4 per 16, MXFP8 with E5M2 gradients, MXFP6, FP4 with FP8 gradients
     get_recipe("mxfp4", accumulate="b200", block=16)
     get_recipe("mxfp8", accumulate="b200", grad_element="float8_e5m2")
+    get_recipe("mxfp6", accumulate="b200")
+    get_recipe("mxfp4", accumulate="b200", grad_element="float8_e5m2")
 
 
 @pytest.mark.slow

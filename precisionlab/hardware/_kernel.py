@@ -20,10 +20,15 @@ from precisionlab.hardware.step import Step
 
 __all__ = ["INPUT_FORMATS", "decode", "step_apply"]
 
-#: dtype name -> (fraction bits, exponent bits, bias, code dtype)
+#: format name -> (fraction bits, exponent bits, bias, code dtype). The FP6 formats have no
+#: JAX dtype: their operands are uint8 codes (low 6 bits), as Blackwell's f8f6f4 MMA reads
+#: them from 8-bit containers.
 INPUT_FORMATS = {
     "float8_e4m3fn": (3, 4, 7, jnp.uint8),
     "float8_e5m2": (2, 5, 15, jnp.uint8),
+    "float6_e2m3fn": (3, 2, 1, jnp.uint8),
+    "float6_e3m2fn": (2, 3, 3, jnp.uint8),
+    "float4_e2m1fn": (1, 2, 1, jnp.uint8),
     "float16": (10, 5, 15, jnp.uint16),
     "bfloat16": (7, 8, 127, jnp.uint16),
 }
@@ -39,11 +44,26 @@ def shift_for(step: Step, pa: int, pb: int) -> int:
     return max(0, step.fraction_bits - pa - pb)
 
 
-def decode(x: jax.Array, lshift: int, flush: bool) -> tuple[jax.Array, jax.Array]:
+def codes(x: jax.Array, fmt: str) -> jax.Array:
+    """int32 codes of ``x`` in format ``fmt``: ``x`` holds that format's values (its dtype)
+    or, for an integer ``x``, the codes themselves (bits above the format's width ignored)."""
+    p, ebits, _, code_t = INPUT_FORMATS[fmt]
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        return x.astype(jnp.int32) & ((1 << (1 + ebits + p)) - 1)
+    if fmt == "float4_e2m1fn":  # a 4-bit dtype bitcasts to a 4-bit integer first
+        return lax.bitcast_convert_type(x, jnp.uint4).astype(jnp.int32)
+    return lax.bitcast_convert_type(x, code_t).astype(jnp.int32)
+
+
+def decode(
+    x: jax.Array, lshift: int, flush: bool, fmt: str | None = None
+) -> tuple[jax.Array, jax.Array]:
     """Signed int32 significand (times ``2**lshift``) and int32 exponent of each element
-    (``x == m * 2**(e - p)`` with ``p`` fraction bits); zeros get exponent ``ZERO_E``."""
-    p, ebits, bias, code_t = INPUT_FORMATS[jnp.dtype(x.dtype).name]
-    code = lax.bitcast_convert_type(x, code_t).astype(jnp.int32)
+    (``x == m * 2**(e - p)`` with ``p`` fraction bits); zeros get exponent ``ZERO_E``.
+    ``fmt``: the element format (default: ``x``'s dtype; needed for integer codes)."""
+    fmt = fmt or jnp.dtype(x.dtype).name
+    p, ebits, bias, _ = INPUT_FORMATS[fmt]
+    code = codes(x, fmt)
     width = 1 + ebits + p
     sign = (code >> (width - 1)) & 1
     ef = (code >> p) & ((1 << ebits) - 1)

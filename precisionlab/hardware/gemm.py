@@ -20,37 +20,77 @@ __all__ = ["dot_general", "gemm"]
 _EIGHT = ("float8_e4m3fn", "float8_e5m2")
 _SIXTEEN = ("float16", "bfloat16")
 _FOUR = ("float4_e2m1fn",)
+_SIX = ("float6_e2m3fn", "float6_e3m2fn")  # no JAX dtype: operands are uint8 codes
+_F8F6F4 = (*_EIGHT, *_SIX, *_FOUR)
 _OUT = ("float32", "float16", "bfloat16")
 
 
-def _kind(a_dtype, b_dtype) -> str:
-    na, nb = jnp.dtype(a_dtype).name, jnp.dtype(b_dtype).name
+def _kind(na: str, nb: str) -> str:
+    """The tensor-core kind of an ``na`` x ``nb`` GEMM (element format names)."""
     if na in _EIGHT and nb in _EIGHT:
         return "fp8"
     if na in _SIXTEEN and na == nb:
         return "16bit"
     if na in _FOUR and nb in _FOUR:
         return "fp4"
+    if na in _F8F6F4 and nb in _F8F6F4:
+        return "f8f6f4"  # FP6 on either side, or FP4 mixed with FP8/FP6
     raise ValueError(
-        f"unsupported operand dtypes {na} x {nb}; supported: 8-bit "
+        f"unsupported operand formats {na} x {nb}; supported: 8-bit "
         f"({' or '.join(_EIGHT)}, mixed allowed), 16-bit ({' or '.join(_SIXTEEN)}, both the "
-        f"same) or 4-bit ({_FOUR[0]}, with block scales)"
+        f"same), 4-bit ({_FOUR[0]}, with block scales), or FP6 ({' or '.join(_SIX)}, uint8 "
+        "codes with a_format/b_format) and FP4 mixed with any 8- or 6-bit format (Blackwell's "
+        "f8f6f4)"
     )
 
 
-def _chain_all(a, b, res: Resolved, a_off=None, b_off=None) -> jax.Array:
+def _operand(x, fmt: str | None, which: str) -> tuple[jax.Array, str]:
+    """``x`` as a JAX array and its element format name. A numpy array of an FP6 dtype
+    (ml_dtypes; JAX has none) becomes its uint8 codes; an integer array needs ``fmt``."""
+    dt = getattr(x, "dtype", None)
+    if dt is not None and np.dtype(dt).name in _SIX and not isinstance(x, jax.Array):
+        name = np.dtype(dt).name
+        if fmt not in (None, name):
+            raise ValueError(f"{which}_format={fmt!r} but {which} holds {name} values")
+        return jnp.asarray(np.asarray(x).view(np.uint8)), name
+    x = jnp.asarray(x)
+    if fmt is None:
+        if jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{which} holds integers ({x.dtype}): pass {which}_format, the "
+                             f"format of its codes (one of {', '.join(_F8F6F4)})")  # fmt: skip
+        return x, jnp.dtype(x.dtype).name
+    if fmt not in _F8F6F4:
+        raise ValueError(f"unknown {which}_format {fmt!r}; allowed: {', '.join(_F8F6F4)}")
+    if not jnp.issubdtype(x.dtype, jnp.unsignedinteger):
+        raise ValueError(f"{which}_format={fmt!r} takes {which} as unsigned integer codes "
+                         f"(uint8); got {x.dtype}")  # fmt: skip
+    return x, fmt
+
+
+def _values(x: jax.Array, fmt: str) -> jax.Array:
+    """float32 values of ``x`` (values of ``fmt``, or its integer codes), exact."""
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        return x.astype(jnp.float32)
+    m, e = _k.decode(x, 0, False, fmt)
+    p = _k.INPUT_FORMATS[fmt][0]
+    return m.astype(jnp.float32) * jnp.exp2((e - p).astype(jnp.float32))
+
+
+def _chain_all(a, b, res: Resolved, a_off=None, b_off=None, fa=None, fb=None) -> jax.Array:
     """float32 accumulators of ``a`` (M, K) x ``b`` (K, N) under ``res``; ``a_off`` (M, K) and
-    ``b_off`` (K, N): int32 exponent offsets (MXFP8's block scales) or None."""
+    ``b_off`` (K, N): int32 exponent offsets (MX block scales) or None; ``fa``/``fb``: the
+    element formats (default: the dtypes; needed for integer codes)."""
     step, sch = res.step, res.schedule
     if sch.upcast:
         a, b = a.astype(sch.upcast), b.astype(sch.upcast)
+        fa = fb = None
     if sch.k_order == "fp8_pairs":
         a, b = _fp8_pairs(a, b, step, sch, a_off is not None)
     m, kk = a.shape
     n = b.shape[1]
     w = step.products
-    pa = _k.INPUT_FORMATS[jnp.dtype(a.dtype).name][0]
-    pb = _k.INPUT_FORMATS[jnp.dtype(b.dtype).name][0]
+    fa, fb = fa or jnp.dtype(a.dtype).name, fb or jnp.dtype(b.dtype).name
+    pa, pb = _k.INPUT_FORMATS[fa][0], _k.INPUT_FORMATS[fb][0]
     flush = step.subnormal_inputs == "flush"
     split = sch.split_k if (sch.split_k and kk >= sch.split_k_min_k) else None
     block = sch.restart_every
@@ -72,8 +112,8 @@ def _chain_all(a, b, res: Resolved, a_off=None, b_off=None) -> jax.Array:
     kp = nslices * slice_w
     a = jnp.pad(a, ((0, 0), (0, kp - kk)))
     b = jnp.pad(b, ((0, kp - kk), (0, 0)))
-    am, ae = _k.decode(a, _k.shift_for(step, pa, pb), flush)
-    bm, be = _k.decode(b, 0, flush)
+    am, ae = _k.decode(a, _k.shift_for(step, pa, pb), flush, fa)
+    bm, be = _k.decode(b, 0, flush, fb)
     if a_off is not None:
         ae = ae + jnp.pad(a_off, ((0, 0), (0, kp - kk)))
         be = be + jnp.pad(b_off, ((0, kp - kk), (0, 0)))
@@ -143,11 +183,13 @@ def _reduce_slices(acc: jax.Array, sch: Schedule) -> jax.Array:
     return x.reshape(acc.shape[1:])
 
 
-def _specials(a, b, acc):
+def _specials(a, b, acc, fa=None, fb=None):
     """Inf/NaN: where the float32 product of the inputs is not finite, its value (the step
     model covers finite values; specials follow IEEE arithmetic)."""
-    ref = jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32),
-                     precision=lax.Precision.HIGHEST)  # fmt: skip
+    fa, fb = fa or jnp.dtype(a.dtype).name, fb or jnp.dtype(b.dtype).name
+    if fa in _SIX + _FOUR and fb in _SIX + _FOUR:
+        return acc  # FP6 and FP4 have no inf or NaN
+    ref = jnp.matmul(_values(a, fa), _values(b, fb), precision=lax.Precision.HIGHEST)
     return jnp.where(jnp.isfinite(ref), acc, ref)
 
 
@@ -173,32 +215,37 @@ def _check_blocks(a, b, bsa, bsb, kind: str) -> int:
             f"{a.shape} x {b.shape} GEMM; got {bsa.shape} and {bsb.shape}"
         )
     allowed = {("fp4", "float8_e8m0fnu"): (16, 32), ("fp4", "float8_e4m3fn"): (16,),
-               ("fp8", "float8_e8m0fnu"): (32,)}.get((kind, name), ())  # fmt: skip
+               ("fp8", "float8_e8m0fnu"): (32,),
+               ("f8f6f4", "float8_e8m0fnu"): (32,)}.get((kind, name), ())  # fmt: skip
     if block not in allowed:
         raise ValueError(
             f"{kind} operands with {name} scales: block size {block} is not supported; "
             "supported: MXFP4 (E8M0, 32 or 16), NVFP4 (float8_e4m3fn as UE4M3, 16), "
-            "MXFP8 (E8M0, 32)"
+            "MXFP8 and MXFP6 (E8M0, 32)"
         )
     return block
 
 
-@partial(jax.jit, static_argnames=("device", "library", "fast_accumulation", "out_dtype", "ov"))
+@partial(jax.jit, static_argnames=("device", "library", "fast_accumulation", "out_dtype", "ov",
+                                   "fa", "fb"))  # fmt: skip
 def _gemm(a, b, scale_a, scale_b, bias, bsa, bsb, *, device, library, fast_accumulation,
-          out_dtype, ov):  # fmt: skip
-    kind = _kind(a.dtype, b.dtype)
+          out_dtype, ov, fa, fb):  # fmt: skip
+    kind = _kind(fa, fb)
     res = resolve(device, library, fast_accumulation, kind, dict(ov), a.shape[1])
+    if kind == "f8f6f4" and res.schedule.upcast:
+        raise ValueError(f"upcast={res.schedule.upcast!r} is not modelled for {fa} x {fb} "
+                         "operands (Blackwell's f8f6f4 step takes them as they are)")  # fmt: skip
     if kind == "fp4":
         acc = _block.chain_fp4(a, b, bsa, bsb, res.step)
     elif bsa is not None:
         block = a.shape[1] // bsa.shape[1]
         a_off, nan_a = _block.exponent_offsets(bsa, block, axis=1)
         b_off, nan_b = _block.exponent_offsets(bsb, block, axis=0)
-        acc = _specials(a, b, _chain_all(a, b, res, a_off, b_off))
+        acc = _specials(a, b, _chain_all(a, b, res, a_off, b_off, fa, fb), fa, fb)
         nan = jnp.any(nan_a, axis=1)[:, None] | jnp.any(nan_b, axis=0)[None, :]
         acc = jnp.where(nan, jnp.float32(jnp.nan), acc)
     else:
-        acc = _specials(a, b, _chain_all(a, b, res))
+        acc = _specials(a, b, _chain_all(a, b, res, fa=fa, fb=fb), fa, fb)
     if scale_a is not None or scale_b is not None:
         sa = jnp.float32(1) if scale_a is None else jnp.asarray(scale_a, jnp.float32)
         sb = jnp.float32(1) if scale_b is None else jnp.asarray(scale_b, jnp.float32)
@@ -211,7 +258,8 @@ def _gemm(a, b, scale_a, scale_b, bias, bsa, bsb, *, device, library, fast_accum
 def gemm(
     a: jax.Array, b: jax.Array, device: str = "h100", library: str = "cublaslt",
     fast_accumulation: bool = True, out_dtype=jnp.float32, *, scale_a=None, scale_b=None,
-    bias=None, block_scale_a=None, block_scale_b=None, **overrides,
+    bias=None, block_scale_a=None, block_scale_b=None, a_format=None, b_format=None,
+    **overrides,
 ) -> jax.Array:  # fmt: skip
     """``a @ b`` as ``device``'s tensor cores under ``library`` compute it, bit for bit.
 
@@ -224,6 +272,11 @@ def gemm(
     block 32 or 16) or float8_e4m3fn scales read as UE4M3 (NVFP4, block 16) run the
     ``kind::mxf4nvf4`` step (K a multiple of 64); FP8 operands with E8M0 scales per 32
     (MXFP8) run the f8f6f4 step with the scales' exponents added.
+    FP6 (Blackwell's ``kind::f8f6f4``, device b200): JAX has no FP6 dtype, so pass uint8
+    codes with ``a_format``/``b_format`` ``"float6_e2m3fn"`` or ``"float6_e3m2fn"`` (or numpy
+    arrays of the ml_dtypes FP6 dtypes, converted here); FP6 may meet FP6, FP8 or FP4, and
+    FP4 may meet FP8 (``float4_e2m1fn`` arrays), with E8M0 scales per 32 (MXFP6) or none.
+    That profile extends MMA-Sim's f8f6f4 model to FP6 (``PROFILES["b200/f8f6f4"].note``).
     ``library="xla"`` on an h100 takes XLA's split-K by K (:func:`xla_split`);
     ``library="deepgemm"`` (FP8 on h100 only) DeepGEMM's chain restarted every 128 with unit
     scales (the blockwise recipe adds its scales, ``precisionlab.recipes``).
@@ -231,10 +284,11 @@ def gemm(
     ``restart_every=64``, ``split_k=None``, ...). Pure and jittable; works under ``vmap``.
     Unknown device, library, dtypes or override: ``ValueError`` listing what exists.
     """
-    a, b = jnp.asarray(a), jnp.asarray(b)
+    a, fa = _operand(a, a_format, "a")
+    b, fb = _operand(b, b_format, "b")
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"gemm needs a (M, K) and b (K, N); got {a.shape} and {b.shape}")
-    kind = _kind(a.dtype, b.dtype)
+    kind = _kind(fa, fb)
     bsa = None if block_scale_a is None else jnp.asarray(block_scale_a)
     bsb = None if block_scale_b is None else jnp.asarray(block_scale_b)
     if bsa is not None or bsb is not None:
@@ -248,6 +302,9 @@ def gemm(
     ov = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in overrides.items()))
     # resolve eagerly, so that errors surface here with their message
     res = resolve(device, library, fast_accumulation, kind, dict(ov), a.shape[1])
+    if kind == "f8f6f4" and res.schedule.upcast:
+        raise ValueError(f"upcast={res.schedule.upcast!r} is not modelled for {fa} x {fb} "
+                         "operands (Blackwell's f8f6f4 step takes them as they are)")  # fmt: skip
     if kind == "fp4":
         if res.schedule != Schedule():
             raise ValueError(f"block-scaled FP4 runs one chain over K; schedule {res.schedule} "
@@ -256,7 +313,8 @@ def gemm(
             raise ValueError(f"block-scaled FP4 needs K a multiple of the instruction's "
                              f"{res.step.products}; got K={a.shape[1]}")  # fmt: skip
     return _gemm(a, b, scale_a, scale_b, bias, bsa, bsb, device=device, library=library,
-                 fast_accumulation=bool(fast_accumulation), out_dtype=od, ov=ov)  # fmt: skip
+                 fast_accumulation=bool(fast_accumulation), out_dtype=od, ov=ov, fa=fa,
+                 fb=fb)  # fmt: skip
 
 
 def dot_general(

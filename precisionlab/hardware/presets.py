@@ -125,7 +125,7 @@ def _schedule(device: str, library: str, kind: str, fast: bool, k: int | None) -
             return Schedule(**split)
         # the float16 steps take each 32-k block's k in FP8 register pairs (2026-11-27 capture)
         return Schedule(upcast="float16", k_order="fp8_pairs", **split)
-    if kind == "fp8" and not fast:
+    if kind in ("fp8", "f8f6f4") and not fast:
         return Schedule(restart_every=128)
     if kind == "fp8" and fast and device == "h100":
         # cuBLASLt's heuristic split K at 2816 for K >= 8192 at M = N = 64 (captured)

@@ -21,8 +21,9 @@ H100 = "H100 captures (tests/data/h100_gemm.npz; cuBLASLt via torch 2.11, XLA vi
 
 @dataclasses.dataclass(frozen=True)
 class Profile:
-    """A device's step for one input kind: ``"fp8"``, ``"16bit"`` or ``"fp4"`` (block-scaled
-    FP4, ``kind::mxf4nvf4``)."""
+    """A device's step for one input kind: ``"fp8"``, ``"16bit"``, ``"fp4"`` (block-scaled
+    FP4, ``kind::mxf4nvf4``) or ``"f8f6f4"`` (FP6 operands, or FP4 mixed with FP8/FP6:
+    Blackwell's ``kind::f8f6f4``)."""
 
     device: str
     kind: str
@@ -108,6 +109,19 @@ PROFILES: dict[str, Profile] = {
             "(also MXFP8 block-scaled: the E8M0 block scales add to the exponents)",
             f"{MS}; {KH}",
             False,
+        ),
+        Profile(
+            "b200",
+            "f8f6f4",
+            Step(products=32, fraction_bits=25),
+            "tcgen05.mma kind::f8f6f4 with FP6 (E2M3, E3M2) or mixed operands (E2M1 x FP8, "
+            "FP6 x FP8, ...; MXFP6 with E8M0 scales per 32)",
+            f"{MS} (its f8f6f4 model, extended to FP6)",
+            False,
+            "extrapolated: MMA-Sim models f8f6f4 for E4M3/E5M2 (E2M1 declared) and leaves "
+            "E2M3/E3M2 as a TODO; this profile applies the same step to them, a subnormal FP6 "
+            "element aligned with its own format's minimum exponent (MMA-Sim's rule for every "
+            "format). Not checked on hardware",
         ),
         Profile(
             "b200",

@@ -15,7 +15,8 @@ from precisionlab.hardware.step import Step
 __all__ = ["EMIN", "SCALE_EMIN", "block_step_reference", "step_reference"]
 
 #: smallest normal exponent of each input format
-EMIN = {"float8_e4m3fn": -6, "float8_e5m2": -14, "float16": -14, "bfloat16": -126}
+EMIN = {"float8_e4m3fn": -6, "float8_e5m2": -14, "float16": -14, "bfloat16": -126,
+        "float6_e2m3fn": 0, "float6_e3m2fn": -2, "float4_e2m1fn": 0}
 
 
 def _exp(x: float, emin: int) -> int:

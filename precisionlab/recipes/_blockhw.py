@@ -4,9 +4,11 @@ A recipe with block scales inside the contraction hands the tensor core its quan
 elements and its block scales, as cuBLASLt does on Blackwell (``tcgen05.mma`` with
 ``block_scale``), instead of multiplying dequantized float32 values:
 
-- MX recipes: elements in their format (``float8_e4m3fn``/``float8_e5m2``: MXFP8, or
-  ``float4_e2m1fn``: MXFP4), the scale ``X = 2**e`` of each ``block`` elements along K as its
-  E8M0 code ``e + 127`` (the recipe clamps ``e`` to E8M0's -127..127, so the code is exact);
+- MX recipes: elements in their format (``float8_e4m3fn``/``float8_e5m2``: MXFP8,
+  ``float6_e2m3fn``/``float6_e3m2fn``: MXFP6, as uint8 codes since JAX has no FP6 dtype, or
+  ``float4_e2m1fn``: MXFP4; FP4 or FP6 against FP8 gradients: the mixed ``kind::f8f6f4``),
+  the scale ``X = 2**e`` of each ``block`` elements along K as its E8M0 code ``e + 127``
+  (the recipe clamps ``e`` to E8M0's -127..127, so the code is exact);
 - NVFP4: E2M1 elements and each 16-block's E4M3 scale ``sb`` as UE4M3 (``sb >= 0``: the same
   code); weights' 16 x 16 tiles are 16-blocks along K whose scale repeats over 16 rows. The
   per-tensor float32 scale is no MMA input: the float32 accumulator is multiplied by
@@ -28,22 +30,29 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from precisionlab.bits import encode
+
 __all__ = [
     "ELEMENT_PAIRS", "block_gemm", "block_presets", "check_pairs", "device_error",
     "hardware_operand",
 ]  # fmt: skip
 
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
+_FP6 = ("float6_e2m3fn", "float6_e3m2fn")
 _FP4 = "float4_e2m1fn"
-#: What the modelled block-scaled MMA takes: (element kind, scale format) -> block sizes.
+#: What the modelled block-scaled MMA takes: (pair kind, scale format) -> block sizes. Pair
+#: kinds: "fp8" (FP8 x FP8), "fp4" (E2M1 x E2M1, ``kind::mxf4nvf4``), "f8f6f4" (FP6 on a
+#: side, or FP4 against FP8/FP6: ``kind::mxf8f6f4``).
 ELEMENT_PAIRS = {
     ("fp8", "float8_e8m0fnu"): (32,),
+    ("f8f6f4", "float8_e8m0fnu"): (32,),
     ("fp4", "float8_e8m0fnu"): (32, 16),
     ("fp4", "float8_e4m3fn"): (16,),
 }
 SUPPORTED = (
-    "MXFP8 (float8_e4m3fn/float8_e5m2 elements, E8M0 scales per 32), MXFP4 (float4_e2m1fn, "
-    "E8M0 per 32 or 16) and NVFP4 (float4_e2m1fn, UE4M3 per 16)"
+    "MXFP8 (float8_e4m3fn/float8_e5m2 elements, E8M0 scales per 32), MXFP6 (float6_e2m3fn/"
+    "float6_e3m2fn, E8M0 per 32; also against FP8 or FP4), MXFP4 (float4_e2m1fn, E8M0 per 32 "
+    "or 16; per 32 also against FP8 or FP6) and NVFP4 (float4_e2m1fn, UE4M3 per 16)"
 )
 _NAN_CODE = {"float8_e8m0fnu": 0xFF, "float8_e4m3fn": 0x7F}
 
@@ -73,8 +82,14 @@ def device_error(recipe_name: str, acc: str, what: str) -> ValueError | None:
     )
 
 
-def _kind(fmt: str) -> str | None:
-    return "fp8" if fmt in _FP8 else "fp4" if fmt == _FP4 else None
+def _pair_kind(fa: str, fb: str) -> str | None:
+    """The MMA kind of an ``fa`` x ``fb`` element pairing (see :data:`ELEMENT_PAIRS`)."""
+    if fa in _FP8 and fb in _FP8:
+        return "fp8"
+    if fa == fb == _FP4:
+        return "fp4"
+    known = (*_FP8, *_FP6, _FP4)
+    return "f8f6f4" if fa in known and fb in known else None
 
 
 def check_pairs(recipe_name: str, acc: str, pairs, scale: str, block: int) -> None:
@@ -82,8 +97,8 @@ def check_pairs(recipe_name: str, acc: str, pairs, scale: str, block: int) -> No
     pairing the modelled MMA takes with ``scale`` blocks of ``block``."""
     sname = "E8M0" if scale == "float8_e8m0fnu" else "UE4M3"
     for label, fa, fb in pairs:
-        ka, kb = _kind(fa), _kind(fb)
-        blocks = ELEMENT_PAIRS.get((ka, scale), ()) if ka is not None and ka == kb else ()
+        kind = _pair_kind(fa, fb)
+        blocks = ELEMENT_PAIRS.get((kind, scale), ()) if kind is not None else ()
         if block not in blocks:
             raise ValueError(
                 f"accumulate={acc!r}: the {recipe_name} recipe's {label} multiplies {fa} x {fb} "
@@ -106,8 +121,9 @@ def _scale_codes(exp_or_value: jax.Array, scale: str, nan: jax.Array) -> jax.Arr
 
 def hardware_operand(q, element: str, scale: str, block: int) -> tuple[jax.Array, jax.Array]:
     """A quantized (B, R, K) operand (:class:`scaling.QOperand` with block scales) as the
-    MMA's inputs: elements (B, R, K) of ``element`` and scales (B, R, K / block) of
-    ``scale`` (E8M0 from the operand's ``block_exp``, UE4M3 from its ``block_inv``)."""
+    MMA's inputs: elements (B, R, K) of ``element`` (FP6: its uint8 codes) and scales
+    (B, R, K / block) of ``scale`` (E8M0 from the operand's ``block_exp``, UE4M3 from its
+    ``block_inv``)."""
     b, r, k = q.elems.shape
     nblk = k // block
     elems = q.elems.reshape(b, r, nblk, block)
@@ -119,8 +135,10 @@ def hardware_operand(q, element: str, scale: str, block: int) -> tuple[jax.Array
     else:
         src = inv
     codes = _scale_codes(src, scale, nan)
-    e = jnp.where(jnp.isnan(q.elems), jnp.float32(0), q.elems).astype(jnp.dtype(element))
-    return e, codes
+    e = jnp.where(jnp.isnan(q.elems), jnp.float32(0), q.elems)
+    if element in _FP6:  # no JAX dtype: the codes (exact, the elements are on its grid)
+        return encode(e.astype(jnp.float32), element), codes
+    return e.astype(jnp.dtype(element)), codes
 
 
 def _pad_k(e: jax.Array, s: jax.Array, mult: int, block: int) -> tuple[jax.Array, jax.Array]:
@@ -140,13 +158,15 @@ def block_gemm(qa, qb, elements: tuple[str, str], scale: str, block: int, preset
 
     ea, sa = hardware_operand(qa, elements[0], scale, block)
     eb, sb = hardware_operand(qb, elements[1], scale, block)
-    if _kind(elements[0]) == "fp4":
+    if _pair_kind(*elements) == "fp4":
         step = hw.get_profile(hw.preset(preset)["device"], "fp4").step
         ea, sa = _pad_k(ea, sa, step.products, block)
         eb, sb = _pad_k(eb, sb, step.products, block)
     kw = hw.preset(preset)
+    fa, fb = (f if f in _FP6 else None for f in elements)
 
     def one(a, b, x, y):
-        return hw.gemm(a, b.T, block_scale_a=x, block_scale_b=y.T, **kw)
+        return hw.gemm(a, b.T, block_scale_a=x, block_scale_b=y.T, a_format=fa, b_format=fb,
+                       **kw)  # fmt: skip
 
     return jax.vmap(one)(ea, eb, sa, sb)
