@@ -102,8 +102,13 @@ def run_vectors(device: str, fmt, vec: dict, **overrides) -> dict[str, float]:
     one batched ``mma`` call (vector i is row i of A, column i of B and ``C[i, i]``; the
     diagonal is read). Every input must be exact in ``fmt`` and every C in float32;
     ``overrides``: Step fields passed to ``mma``."""
+    if len(vec) > BATCH:  # in chunks of one shape
+        items = list(vec.items())
+        out: dict[str, float] = {}
+        for i in range(0, len(items), BATCH):
+            out |= run_vectors(device, fmt, dict(items[i : i + BATCH]), **overrides)
+        return out
     n = BATCH  # one shape for every batch: one compilation per device and format
-    assert len(vec) <= n
     a = np.zeros((n, K))
     b = np.zeros((K, n))
     c = np.zeros((n, n), np.float32)
@@ -369,3 +374,112 @@ def test_fasi_dot_product_is_not_monotonic(device, fmt_name):
     got = run_vectors(device, _FMT[fmt_name], {"small": (pairs, c_small),
                                                 "large": (pairs, c_large)})  # fmt: skip
     assert got["large"] < got["small"]
+
+
+# --- Khattak and Mikaitis, Part I (HPEC 2025) --------------------------------------------
+KM1 = (
+    "Khattak and Mikaitis, Generalized Methodology for Determining Numerical Features of "
+    "Hardware Floating-Point Matrix Multipliers: Part I, IEEE HPEC 2025 (arXiv:2510.15884); "
+    "suite github.com/faiziktk/IEEE_HPEC2025_block_FMA_tests (commit 46136b5), "
+    "CUDA/nvidia-tests.cu, and the A30 float16 output its README shows"
+)
+P = 24  # float32's significant bits (the suite's pout)
+
+
+def km_vectors() -> dict[str, tuple[dict, float]]:
+    """The float16 vectors of Khattak and Mikaitis' generalized tests (``pout`` = 24), all
+    at exponent ``j = 0``; the vectors that depend on an earlier answer (the alignment-bit
+    count, the FMA size) are given for every value those can take."""
+    u = 2.0**-P
+    v: dict = {
+        # 1. extra alignment bits: two (then three) products below C's last bit
+        "align_1": ({0: (u, 1.0), 1: (u, 1.0)}, 1.0),
+        "align_2": ({0: (u, 1.0), 1: (u, 0.5), 2: (u, 0.5)}, 1.0),
+        # 4. normalisation inside the block (t = 3)
+        "norm": ({0: (8 * u + u, 1.0), 1: (8 * u + u, 1.0)}, 1 - 8 * u),
+        # 5. final rounding (three products of 1 onto 1 + 2**-23 + 2**-22), both signs
+        "final_pos": ({k: (1.0, 1.0) for k in range(3)}, 1 + 2 * u + 4 * u),
+        "final_neg": ({k: (-1.0, 1.0) for k in range(3)}, -(1 + 2 * u + 4 * u)),
+    }
+    # 2./3. carry bits and FMA size: 1 at k = 0 and 2**-23 at k = i, C = 1 + 2**-23
+    for i in range(1, 14):
+        v[f"carry_pos_{i}"] = ({0: (1.0, 1.0), i: (2 * u, 1.0)}, 1 + 2 * u)
+        v[f"carry_neg_{i}"] = ({0: (-1.0, 1.0), i: (-2 * u, 1.0)}, -1 - 2 * u)
+    # 6./9. rounding of the aligned significands (b = 2**-neab + 2**-neab-1)
+    for neab in (0, 1, 2):
+        bb = 2.0**-neab + 2.0 ** (-neab - 1)
+        v[f"align_rnd_pos_{neab}"] = ({0: (u, bb), 1: (u, bb)}, 1.0)
+        v[f"align_rnd_neg_{neab}"] = ({0: (-u, bb), 1: (-u, bb)}, -1.0)
+    # 7. rounding where the output of one block FMA enters the next: 1.5 * 2**-24 at k = NFMA
+    for nf in range(1, 14):
+        v[f"multi_pos_{nf}"] = ({nf: (u, 1.5)}, 1 + 2 * u)
+        v[f"multi_neg_{nf}"] = ({nf: (-u, 1.5)}, -1 - 2 * u)
+    return v
+
+
+def _km_mode(pos: float, neg: float, rz: float, rn: float) -> str:
+    return {(rz, -rz): "toward zero", (rn, -rn): "to nearest", (rn, -rz): "up",
+            (rz, -rn): "down"}.get((pos, neg), "undetermined")  # fmt: skip
+
+
+def km_features(r: dict[str, float]) -> dict:
+    """The suite's conclusions (CUDA/nvidia-tests.cu) from the results of km_vectors."""
+    u = 2.0**-P
+    f: dict = {}
+    neab = 0
+    if r["align_1"] == 1 + 2 * u:
+        neab = 1
+    if r["align_2"] == 1 + 2 * u:
+        neab = 2
+    f["extra_alignment_bits"] = neab
+    nfma, necb = 0, 0
+    for k in range(2, 15):
+        i = k - 1
+        if i > 13:
+            break
+        if r[f"carry_pos_{i}"] != 2 + 4 * u and abs(r[f"carry_neg_{i}"]) != 2 + 4 * u:
+            nfma = i
+            break
+        necb = int(np.floor(np.log2(k * (2 - 2.0**-10))))
+    f["extra_carry_bits"], f["fma_size"] = necb, nfma
+    norms = {1 + 8 * u + 2 * u: "delayed", 1 + 8 * u: "immediate (RD/RN/RZ)",
+             1 + 8 * u + 4 * u: "immediate (RU)"}  # fmt: skip
+    f["normalisation"] = norms.get(r["norm"], "undetermined")
+    f["final_rounding"] = _km_mode(r["final_pos"], r["final_neg"], 4.0, 4 + 8 * u)
+    rne = 1 + 2.0 ** (-P + 2 - neab)
+    f["alignment_rounding"] = _km_mode(r[f"align_rnd_pos_{neab}"], r[f"align_rnd_neg_{neab}"],
+                                       1.0, rne)  # fmt: skip
+    if nfma:
+        f["multi_block_rounding"] = _km_mode(r[f"multi_pos_{nfma}"], r[f"multi_neg_{nfma}"],
+                                             1 + 2 * u, 1 + 4 * u)  # fmt: skip
+    return f
+
+
+def test_km_part1_a30_float16_features():
+    """Khattak and Mikaitis, Part I: their generalized test vectors (float16, float32 C and
+    D) with the outcome their suite's README shows for an NVIDIA A30: one extra alignment
+    bit (the two-bit test fails), 3 extra carry bits, FMA size 8, delayed normalisation,
+    truncation for the final float32 result, for the aligned significands and where one
+    block FMA's output enters the next. The a100 profile stands for the A30 (same GA100
+    tensor cores; their MATLAB models define A30TC as A100TC). Not checked: the float16
+    output's rounding (round to nearest there), as ``mma`` models float32 accumulators
+    only. Source: :data:`KM1`."""
+    f = km_features(run_vectors("a100", F16, km_vectors()))
+    assert f == {
+        "extra_alignment_bits": 1,
+        "extra_carry_bits": 3,
+        "fma_size": 8,
+        "normalisation": "delayed",
+        "final_rounding": "toward zero",
+        "alignment_rounding": "toward zero",
+        "multi_block_rounding": "toward zero",
+    }
+
+
+def test_v100_fma_width_by_the_km_probe_is_fttn_published_four():
+    """FTTN's published V100 FMA unit width, 4, measured with Khattak and Mikaitis' FMA-size
+    probe instead of FTTN's (whose 2**-24 products vanish without an extra alignment bit,
+    see the xfail above): C = 1 + 2**-23 with 1 at k = 0 and 2**-23 at k = i keeps 2 +
+    2**-22 while both are in one fused step. The v100 model's steps of 4 give 4. Sources:
+    :data:`KM1` (vectors), linnk.ai summary of arXiv:2403.00232 (V100 width 4)."""
+    assert km_features(run_vectors("v100", F16, km_vectors()))["fma_size"] == 4
