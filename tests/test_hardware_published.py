@@ -483,3 +483,31 @@ def test_v100_fma_width_by_the_km_probe_is_fttn_published_four():
     2**-22 while both are in one fused step. The v100 model's steps of 4 give 4. Sources:
     :data:`KM1` (vectors), linnk.ai summary of arXiv:2403.00232 (V100 width 4)."""
     assert km_features(run_vectors("v100", F16, km_vectors()))["fma_size"] == 4
+
+
+# --- FTTN's matrix-multiplication test (arXiv:2403.00232, abstract) ----------------------
+def fttn_matmul_vectors() -> tuple[np.ndarray, np.ndarray, float]:
+    """Row 0 of A, column 0 of B and C of FTTN's ``init_host_matrices``
+    (utility/common.hpp): K = 16 * 512, a = (2**10, then 2**-2 at odd k and 2**-3 at even
+    k), b = (2**10, then -2**-3), C = 2**20 (every row and column is the same)."""
+    kk = 16 * 512
+    a = np.where(np.arange(kk) % 2 == 1, 2.0**-2, 2.0**-3)
+    a[0] = 2.0**10
+    b = np.full(kk, -(2.0**-3))
+    b[0] = 2.0**10
+    return a, b, 2.0**20
+
+
+@pytest.mark.parametrize("device,published", [("v100", 0.0), ("a100", 0.0), ("h100", 191.875)])
+def test_fttn_matmul_golden_values(device, published):
+    """The FTTN paper's abstract: its matrix-multiplication test "produced 0" on V100 and
+    A100 and 191.875 on the H100. The matrices are those of ``init_host_matrices`` in the
+    FTTN repository (the only GEMM data there; its kernel ``simple_wmma_16`` chains wmma
+    16 x 16 x 16 over K from a zero accumulator, then combines it with C in float32):
+    ``|C - A @ B|`` is 0 when every small product is cut against 2**20 and 191.875 (exact:
+    191.984375) when they survive. Which of ``alpha``, ``beta`` and sign the paper used is
+    not in the repository: the test asserts the magnitude. Source: arXiv:2403.00232
+    (abstract) and github.com/LLNL/FTTN utility/common.hpp."""
+    a, b, c = fttn_matmul_vectors()
+    acc = hw.mma(a[None].astype(F16), b[:, None].astype(F16), np.zeros((1, 1), np.float32), device)
+    assert abs(float(np.float32(c) - np.asarray(acc)[0, 0])) == published
