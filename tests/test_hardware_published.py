@@ -1,5 +1,9 @@
 """Published feature tests of tensor cores, run through ``hardware.mma`` (one instruction,
-``D = A @ B + C``), each asserting the outcome the authors published for the hardware.
+``D = A @ B + C``), each asserting the outcome the authors published for the hardware and
+citing it: FTTN (its feature tests and its matrix-multiplication golden values), Fasi et al.
+2021 (their suite's binary32-mode checks) and Khattak and Mikaitis, Part I (their
+generalized vectors against the A30 output they show). docs/guides/hardware.md, "Published
+test vectors", has the tables and what could not be checked.
 
 FTTN (Li, Li, Fang, Swirydowicz, Laguna, Gopalakrishnan, "FTTN: Feature-Targeted Testing for
 Numerical Properties of NVIDIA & AMD Matrix Accelerators", CCGrid 2024, arXiv:2403.00232):
@@ -13,11 +17,12 @@ read here; the statement used is the summary of arXiv:2403.00232 at linnk.ai ("V
 extra bits, A100 one, H100 at least two; FMA unit width V100 4, A100 8, H100 at least 16;
 all handle subnormals"). Where our model and the publication disagree, the test asserts the
 published outcome and is a strict xfail naming the disagreement (the profiles are not tuned
-to it): docs/guides/hardware.md, "Published test vectors".
+to it).
 
-Caveat kept in view: FTTN's ``wmma`` compiles to ``mma.sync`` (HMMA) on every GPU; the h100
-profile is stated for ``wgmma`` (same 16-product step in the models of Khattak and Mikaitis
-and MMA-Sim).
+Caveat kept in view: ``wmma`` compiles to ``mma.sync`` (HMMA) on every GPU; the h100
+profile is stated for ``wgmma`` (the same 16-product step in the models of Khattak and
+Mikaitis and MMA-Sim, and Khattak and Mikaitis' published H100 ``wmma`` outputs match it bit
+for bit: tests/hardware_km_validation.py).
 """
 
 from __future__ import annotations
@@ -31,8 +36,6 @@ import pytest
 from precisionlab import hardware as hw
 
 F16, BF16 = np.float16, ml_dtypes.bfloat16
-FTTN = "FTTN (arXiv:2403.00232; github.com/LLNL/FTTN fp16in.cpp, bf16in.cpp)"
-PUBLISHED = "linnk.ai summary of arXiv:2403.00232 (Table IV not readable here)"
 K = 16  # wmma m16n16k16
 BATCH = 48  # vectors per mma call (rows of A, columns of B), padded with zeros
 
