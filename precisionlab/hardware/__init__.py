@@ -6,6 +6,8 @@
   upcast); :data:`PRESETS`: names ``<device>-<library>[-fast]`` (``"h100-cublaslt-fast"``,
   ``"h100-cublaslt"``, ``"h100-xla"``, ...), :data:`PRESET_ALIASES` (``"h100-fast"``, ...);
 - :func:`gemm` / :func:`dot_general`: the vectorized model under ``jit``/``vmap``;
+- :func:`mma`: one tensor-core instruction ``D = A @ B + C`` with a float32 ``C`` going in
+  (the published feature tests' vectors);
 - :func:`fma_pow2`: a GPU's float32 FFMA by a power-of-two scale, exact on any backend
   (DeepGEMM's promotion of a block's partial into its accumulator);
 - :mod:`precisionlab.hardware.reference`: the scalar reference (Python integers).
@@ -13,6 +15,7 @@
 
 from precisionlab.hardware.fma import fma_pow2
 from precisionlab.hardware.gemm import dot_general, gemm
+from precisionlab.hardware.mma import mma
 from precisionlab.hardware.presets import (
     AMBIGUOUS_PRESETS,
     LIBRARIES,
@@ -41,6 +44,7 @@ __all__ = [
     "fma_pow2",
     "gemm",
     "get_profile",
+    "mma",
     "preset",
     "resolve",
     "xla_split",

@@ -57,6 +57,10 @@ PROFILES: dict[str, Profile] = {
             "wgmma.m64nNk16 (f16/bf16, f32 accumulator)",
             f"{H100}; agrees with {KH} and {MS}",
             True,
+            "published checks (tests/test_hardware_published.py, via hardware.mma): FTTN's "
+            "extra-bit, FMA-width and subnormal outcomes and its matmul value 191.875; "
+            "Khattak and Mikaitis' H100 and H200 outputs bit for bit "
+            "(tests/hardware_km_validation.py)",
         ),
         Profile(
             "a100",
@@ -65,6 +69,11 @@ PROFILES: dict[str, Profile] = {
             "mma.m16n8k16 (two fused 8-product steps)",
             f"{MS}; {FASI}",
             False,
+            "published checks (tests/test_hardware_published.py, via hardware.mma): Fasi et "
+            "al.'s A100 suite (binary32 mode, float16 and bfloat16), FTTN's extra-bit, "
+            "FMA-width and subnormal outcomes and its matmul value 0, Khattak and Mikaitis' "
+            "A30 features; their A100 and A2 outputs bit for bit "
+            "(tests/hardware_km_validation.py)",
         ),
         Profile("a100", "fp8", None, "none (Ampere has no FP8 tensor cores)", MS, False),
         Profile(
@@ -74,7 +83,11 @@ PROFILES: dict[str, Profile] = {
             "mma.m8n8k4 (f16 only)",
             f"{FASI}; {MS}",
             False,
-            "bfloat16 inputs are not supported by Volta",
+            "bfloat16 inputs are not supported by Volta. Published checks "
+            "(tests/test_hardware_published.py, via hardware.mma): Fasi et al.'s V100 suite "
+            "(binary32 mode), FTTN's extra-bit and subnormal outcomes and its matmul value 0; "
+            "Khattak and Mikaitis' V100 outputs bit for bit (tests/hardware_km_validation.py). "
+            "FTTN's FMA-width rule gives 1 on this step, FTTN published 4 (strict xfail)",
         ),
         Profile("v100", "fp8", None, "none (Volta has no FP8 tensor cores)", FASI, False),
         Profile(
@@ -84,6 +97,8 @@ PROFILES: dict[str, Profile] = {
             "mma.m16n8k16 (two fused 8-product steps)",
             MS,
             False,
+            "published checks: Khattak and Mikaitis' L40S and Ada RTX 1000 outputs bit for "
+            "bit (tests/hardware_km_validation.py)",
         ),
         Profile(
             "l40s",

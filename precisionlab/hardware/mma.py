@@ -1,0 +1,130 @@
+"""``mma``: one tensor-core instruction, ``D = A @ B + C``, with a float32 ``C`` going in.
+
+:func:`precisionlab.hardware.gemm` models a library's GEMM, which starts every output from a
+zero accumulator. The feature tests of the literature (FTTN, Fasi et al. 2021, Khattak and
+Mikaitis) instead probe one matrix-multiply-accumulate instruction with a chosen nonzero
+``C``; :func:`mma` runs such vectors through a device's profile: the profile's steps chained
+over K in order, ``C`` entering the first step, with the same vectorized step kernel as
+``gemm`` (no second arithmetic).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from precisionlab.hardware import _kernel as _k
+from precisionlab.hardware import _wide
+from precisionlab.hardware.profiles import DEVICE_ALIASES, PROFILES, get_profile
+from precisionlab.hardware.step import Step
+
+__all__ = ["mma"]
+
+_KINDS = {
+    "float16": "16bit",
+    "bfloat16": "16bit",
+    "float8_e4m3fn": "fp8",
+    "float8_e5m2": "fp8",
+}
+# input dtypes a device's tensor cores do not take although its kind's profile exists
+_MISSING = {("v100", "bfloat16"): "Volta's tensor cores take float16 only"}
+
+
+def _check_kind(a_dtype, b_dtype) -> str:
+    na, nb = jnp.dtype(a_dtype).name, jnp.dtype(b_dtype).name
+    ka, kb = _KINDS.get(na), _KINDS.get(nb)
+    if ka is None or ka != kb or (ka == "16bit" and na != nb):
+        raise ValueError(
+            f"mma: unsupported operand dtypes {na} x {nb}; supported: float16 x float16, "
+            "bfloat16 x bfloat16, or FP8 (float8_e4m3fn / float8_e5m2, mixed allowed); "
+            "block-scaled FP4 runs through hardware.gemm with block scales"
+        )
+    return ka
+
+
+def _resolve_step(device: str, kind: str, names: tuple[str, str], overrides: dict) -> Step:
+    dev = DEVICE_ALIASES.get(str(device).lower(), str(device).lower())
+    prof = get_profile(dev, kind)  # ValueError listing devices / devices with this kind
+    for name in names:
+        if (prof.device, name) in _MISSING:
+            have = sorted({p.device for p in PROFILES.values() if p.kind == kind and p.step}
+                          - {d for d, n in _MISSING if n == name})  # fmt: skip
+            raise ValueError(
+                f"mma: {prof.device} has no {name} tensor-core instruction "
+                f"({_MISSING[prof.device, name]}); devices with one: {', '.join(have)}"
+            )
+    fields = {f.name for f in dataclasses.fields(Step)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(
+            f"mma: unknown override(s) {', '.join(unknown)}; allowed (Step fields): "
+            + ", ".join(sorted(fields))
+        )
+    return dataclasses.replace(prof.step, **overrides)
+
+
+@partial(jax.jit, static_argnames=("step",))
+def _mma(a: jax.Array, b: jax.Array, c: jax.Array, *, step: Step) -> jax.Array:
+    (m, kk), n = a.shape, b.shape[1]
+    w = step.products
+    pa = _k.INPUT_FORMATS[jnp.dtype(a.dtype).name][0]
+    pb = _k.INPUT_FORMATS[jnp.dtype(b.dtype).name][0]
+    flush = step.subnormal_inputs == "flush"
+    am, ae = _k.decode(a, _k.shift_for(step, pa, pb), flush)
+    bm, be = _k.decode(b, 0, flush)
+    s = kk // w
+    # (steps, w, M, 1) and (steps, w, 1, N): step i takes k = i*w .. i*w + w - 1
+    am = am.reshape(m, s, w).transpose(1, 2, 0)[..., None]
+    ae = ae.reshape(m, s, w).transpose(1, 2, 0)[..., None]
+    bm = bm.reshape(s, w, n)[:, :, None, :]
+    be = be.reshape(s, w, n)[:, :, None, :]
+    apply = _wide.step_apply if step.fraction_bits > _k.MAX_F else _k.step_apply
+
+    def one(acc, x):
+        return apply(*x, acc, step, pa, pb), None
+
+    d, _ = lax.scan(one, c, (am, ae, bm, be))
+    # Inf/NaN: where IEEE float32 arithmetic on the inputs is not finite, its value (the step
+    # model covers finite values, as in hardware.gemm)
+    ref = jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32),
+                     precision=lax.Precision.HIGHEST) + c  # fmt: skip
+    return jnp.where(jnp.isfinite(ref), d, ref)
+
+
+def mma(a: jax.Array, b: jax.Array, c: jax.Array, device: str = "h100",
+        **overrides) -> jax.Array:  # fmt: skip
+    """``D = A @ B + C`` as one tensor-core instruction of ``device`` computes it.
+
+    a: (M, K) and b: (K, N), float16 x float16, bfloat16 x bfloat16 or FP8
+    (float8_e4m3fn / float8_e5m2, mixed allowed); c: (M, N) float32, the accumulator going
+    in. Returns float32 (M, N). The device's profile (:data:`PROFILES`, ``"16bit"`` or
+    ``"fp8"`` by the dtypes) gives the step; K must be a multiple of its ``products``
+    (a100: 8, v100: 4, h100 16-bit: 16, h100 FP8: 32, ...): the steps run over K in order,
+    ``c`` entering the first, each step's float32 result the next one's accumulator (an
+    ``mma.m16n8k16`` on an A100 is K = 16: two fused 8-product steps). ``overrides``: any
+    :class:`Step` field (``fraction_bits=24``, ...). Jittable (``device`` and overrides
+    static) and vmappable. Unknown device, dtype, override, a device without the instruction
+    (bfloat16 on v100, FP8 before Ada) or K not a multiple: ``ValueError`` saying what exists.
+    """
+    a, b, c = jnp.asarray(a), jnp.asarray(b), jnp.asarray(c)
+    if a.ndim != 2 or b.ndim != 2 or c.ndim != 2 or a.shape[1] != b.shape[0] \
+            or c.shape != (a.shape[0], b.shape[1]):  # fmt: skip
+        raise ValueError(
+            f"mma needs a (M, K), b (K, N) and c (M, N); got {a.shape}, {b.shape}, {c.shape}"
+        )
+    if c.dtype != jnp.float32:
+        raise ValueError(f"mma: c must be float32 (the accumulator); got {c.dtype}")
+    kind = _check_kind(a.dtype, b.dtype)
+    names = (jnp.dtype(a.dtype).name, jnp.dtype(b.dtype).name)
+    step = _resolve_step(device, kind, names, overrides)
+    w = step.products
+    if a.shape[1] == 0 or a.shape[1] % w:
+        raise ValueError(
+            f"mma: K={a.shape[1]} is not a positive multiple of the {device} {kind} step's "
+            f"{w} products; allowed: K = {w}, {2 * w}, {3 * w}, ..."
+        )
+    return _mma(a, b, c, step=step)
