@@ -107,6 +107,8 @@ PROFILES: dict[str, Profile] = {
             "mma.m16n8k32 e4m3/e5m2 (two fused 16-product steps, 13-bit accumulation)",
             f"{MS}; {KH}",
             False,
+            "published checks: Khattak and Mikaitis' L40S and Ada RTX 1000 E4M3 and E5M2 "
+            "outputs bit for bit (tests/hardware_km_validation.py)",
         ),
         Profile(
             "b200",
@@ -115,6 +117,8 @@ PROFILES: dict[str, Profile] = {
             "tcgen05.mma kind::f16",
             f"{MS}; {KH}",
             False,
+            "published checks: Khattak and Mikaitis' B200 float16 and bfloat16 outputs bit for "
+            "bit (tests/hardware_km_validation.py)",
         ),
         Profile(
             "b200",
@@ -122,8 +126,13 @@ PROFILES: dict[str, Profile] = {
             Step(products=32, fraction_bits=25),
             "tcgen05.mma kind::f8f6f4 "
             "(also MXFP8 block-scaled: the E8M0 block scales add to the exponents)",
-            f"{MS}; {KH}",
+            f"{MS}; {KH} (its B200TC model has these parameters)",
             False,
+            "Khattak and Mikaitis' published B200 FP8 outputs (mma.sync.m16n8k32 with a "
+            "float32 C) are all reproduced by this step with accumulator_in_alignment=False "
+            "(C added after the 32 products, round to nearest), 65% with C in the alignment "
+            "(tests/hardware_km_validation.py); whether tcgen05.mma, this profile's "
+            "instruction, joins C as mma.sync does is not known: MMA-Sim's choice is kept",
         ),
         Profile(
             "b200",
