@@ -325,6 +325,10 @@ def test_errors_list_what_exists():
         hw.gemm(a, jnp.zeros((32, 2), jnp.float16))
     with pytest.raises(ValueError, match="unknown override"):
         hw.gemm(a, b, fraction_bitz=3)
+    bf = jnp.zeros((2, 16), jnp.bfloat16)
+    msg = r"gemm: v100 has no bfloat16 .*\(Volta's .* float16 only\); devices with one: a100"
+    with pytest.raises(ValueError, match=msg):
+        hw.gemm(bf, bf.T, device="volta")
 
 
 def test_jit_and_dot_general_batch():

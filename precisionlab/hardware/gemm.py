@@ -13,6 +13,7 @@ from jax import lax
 from precisionlab.hardware import _block, _wide
 from precisionlab.hardware import _kernel as _k
 from precisionlab.hardware.presets import Resolved, resolve
+from precisionlab.hardware.profiles import check_inputs
 from precisionlab.hardware.schedule import Schedule
 
 __all__ = ["dot_general", "gemm"]
@@ -232,6 +233,7 @@ def _gemm(a, b, scale_a, scale_b, bias, bsa, bsb, *, device, library, fast_accum
           out_dtype, ov, fa, fb):  # fmt: skip
     kind = _kind(fa, fb)
     res = resolve(device, library, fast_accumulation, kind, dict(ov), a.shape[1])
+    check_inputs(res.profile.device, kind, (fa, fb), "gemm")
     if kind == "f8f6f4" and res.schedule.upcast:
         raise ValueError(f"upcast={res.schedule.upcast!r} is not modelled for {fa} x {fb} "
                          "operands (Blackwell's f8f6f4 step takes them as they are)")  # fmt: skip
@@ -302,6 +304,7 @@ def gemm(
     ov = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in overrides.items()))
     # resolve eagerly, so that errors surface here with their message
     res = resolve(device, library, fast_accumulation, kind, dict(ov), a.shape[1])
+    check_inputs(res.profile.device, kind, (fa, fb), "gemm")
     if kind == "f8f6f4" and res.schedule.upcast:
         raise ValueError(f"upcast={res.schedule.upcast!r} is not modelled for {fa} x {fb} "
                          "operands (Blackwell's f8f6f4 step takes them as they are)")  # fmt: skip

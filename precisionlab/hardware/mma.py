@@ -19,7 +19,7 @@ from jax import lax
 
 from precisionlab.hardware import _kernel as _k
 from precisionlab.hardware import _wide
-from precisionlab.hardware.profiles import DEVICE_ALIASES, PROFILES, get_profile
+from precisionlab.hardware.profiles import DEVICE_ALIASES, check_inputs, get_profile
 from precisionlab.hardware.step import Step
 
 __all__ = ["mma"]
@@ -30,10 +30,6 @@ _KINDS = {
     "float8_e4m3fn": "fp8",
     "float8_e5m2": "fp8",
 }
-# input dtypes a device's tensor cores do not take although its kind's profile exists
-_MISSING = {("v100", "bfloat16"): "Volta's tensor cores take float16 only"}
-
-
 def _check_kind(a_dtype, b_dtype) -> str:
     na, nb = jnp.dtype(a_dtype).name, jnp.dtype(b_dtype).name
     ka, kb = _KINDS.get(na), _KINDS.get(nb)
@@ -49,14 +45,7 @@ def _check_kind(a_dtype, b_dtype) -> str:
 def _resolve_step(device: str, kind: str, names: tuple[str, str], overrides: dict) -> Step:
     dev = DEVICE_ALIASES.get(str(device).lower(), str(device).lower())
     prof = get_profile(dev, kind)  # ValueError listing devices / devices with this kind
-    for name in names:
-        if (prof.device, name) in _MISSING:
-            have = sorted({p.device for p in PROFILES.values() if p.kind == kind and p.step}
-                          - {d for d, n in _MISSING if n == name})  # fmt: skip
-            raise ValueError(
-                f"mma: {prof.device} has no {name} tensor-core instruction "
-                f"({_MISSING[prof.device, name]}); devices with one: {', '.join(have)}"
-            )
+    check_inputs(prof.device, kind, names, "mma")
     fields = {f.name for f in dataclasses.fields(Step)}
     unknown = sorted(set(overrides) - fields)
     if unknown:

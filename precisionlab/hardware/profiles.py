@@ -11,7 +11,9 @@ import dataclasses
 
 from precisionlab.hardware.step import Step
 
-__all__ = ["DEVICE_ALIASES", "PROFILES", "Profile", "get_profile"]
+__all__ = [
+    "DEVICE_ALIASES", "PROFILES", "UNSUPPORTED_INPUTS", "Profile", "check_inputs", "get_profile",
+]  # fmt: skip
 
 KH = "Khattak and Mikaitis, Accurate Models of NVIDIA Tensor Cores, arXiv:2512.07004 (2025)"
 MS = "Xie et al., MMA-Sim, arXiv:2511.10909 (2025), github.com/microsoft/MMA-Sim"
@@ -160,6 +162,27 @@ PROFILES: dict[str, Profile] = {
         ),
     )
 }
+
+#: Input formats a device's tensor cores do not take although it has a profile for their
+#: kind: (device, format name) -> why (``gemm`` and ``mma`` raise naming it).
+UNSUPPORTED_INPUTS: dict[tuple[str, str], str] = {
+    ("v100", "bfloat16"): "Volta's tensor cores take float16 only",
+}
+
+
+def check_inputs(device: str, kind: str, names: tuple[str, ...], who: str) -> None:
+    """ValueError when ``device`` (canonical name) does not take one of the input formats
+    ``names`` of ``kind``, listing the devices that do."""
+    for name in names:
+        why = UNSUPPORTED_INPUTS.get((device, name))
+        if why is not None:
+            have = sorted({p.device for p in PROFILES.values() if p.kind == kind and p.step}
+                          - {d for d, n in UNSUPPORTED_INPUTS if n == name})  # fmt: skip
+            raise ValueError(
+                f"{who}: {device} has no {name} tensor-core instruction ({why}); devices "
+                f"with one: {', '.join(have)}"
+            )
+
 
 DEVICE_ALIASES = {"hopper": "h100", "h800": "h100", "h200": "h100", "ampere": "a100",
                   "volta": "v100", "ada": "l40s", "blackwell": "b200"}  # fmt: skip
