@@ -149,9 +149,8 @@ def test_forward_mxfp8_is_the_block_scaled_mma():
     assert y[0, 0] == 1
 
 
-@pytest.mark.parametrize(
-    "element", ["float6_e2m3fn", pytest.param("float6_e3m2fn", marks=pytest.mark.slow)]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("element", ["float6_e2m3fn", "float6_e3m2fn"])
 def test_forward_mxfp6_is_the_f8f6f4_mma(element):
     """mxfp6 with accumulate="b200": the forward GEMM equals hw.gemm on the recipe's FP6
     elements (numpy ml_dtypes arrays, given to hw.gemm as they are) and E8M0 scales, and the
