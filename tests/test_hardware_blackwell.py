@@ -15,7 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from precisionlab import hardware as hw
-from precisionlab.hardware.reference import block_step_reference, step_reference
+from precisionlab.hardware.reference import (
+    block_step_reference,
+    chain_reference,
+    step_reference,
+)
 
 F4, E8M0, E4, E5 = (ml_dtypes.float4_e2m1fn, ml_dtypes.float8_e8m0fnu,
                     ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)  # fmt: skip
@@ -250,21 +254,14 @@ def _codes_and_values(rng, fmt, shape):
 
 
 def _chain_reference(va, vb, fa, fb, step, scale_exps=None, block=32):
-    """Chained step_reference, one output per (row of va, column of vb)."""
-    m, kk = va.shape
-    out = np.zeros((m, vb.shape[1]), np.float32)
-    w = step.products
-    for i in range(m):
-        for j in range(vb.shape[1]):
-            c = 0.0
-            for s in range(kk // w):
-                t = None if scale_exps is None else [
-                    int(scale_exps[0][i, k // block] + scale_exps[1][k // block, j])
-                    for k in range(s * w, (s + 1) * w)]  # fmt: skip
-                c = step_reference(va[i, s * w:(s + 1) * w].tolist(),
-                                   vb[s * w:(s + 1) * w, j].tolist(), c, step, fa, fb,
-                                   scale_exps=t)  # fmt: skip
-            out[i, j] = c
+    """chain_reference for every (row of va, column of vb); ``scale_exps``: the E8M0
+    exponents (M, K / block) and (K / block, N), added per product."""
+    out = np.zeros((va.shape[0], vb.shape[1]), np.float32)
+    for i, j in np.ndindex(out.shape):
+        t = None if scale_exps is None else [
+            int(scale_exps[0][i, k // block] + scale_exps[1][k // block, j])
+            for k in range(va.shape[1])]  # fmt: skip
+        out[i, j] = chain_reference(va[i].tolist(), vb[:, j].tolist(), 0.0, step, fa, fb, t)
     return out
 
 
@@ -351,6 +348,11 @@ def test_fp6_subnormal_alignment_is_the_open_question():
     assert fp8 == 2.0**-6 + 2.0**-7 + 2.0**-29
     assert "extrapolated" in hw.PROFILES["b200/f8f6f4"].note
     assert hw.PROFILES["b200/f8f6f4"].hardware_checked is False
+
+
+def test_chain_reference_needs_whole_steps():
+    with pytest.raises(ValueError, match="len\\(a\\) == len\\(b\\), a multiple of 32"):
+        chain_reference([1.0] * 31, [1.0] * 31, 0.0, F8F6F4, "float6_e2m3fn", "float6_e2m3fn")
 
 
 def test_f8f6f4_errors():

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from precisionlab import hardware as hw
-from precisionlab.hardware.reference import block_step_reference, step_reference
+from precisionlab.hardware.reference import block_step_reference, chain_reference
 from precisionlab.recipes import get_recipe, matmul
 from precisionlab.recipes.scaling import apply_hadamard
 
@@ -95,14 +95,10 @@ def _oracle(recipe, a, sa, b, sb, f):
                         c, [fa[i, q] for q in grp], [fb[j, q] for q in grp], FP4_STEP,
                         np.dtype(sa.dtype).name,
                     )  # fmt: skip
-            else:  # MXFP8 (K <= 128: cuBLASLt's restart every 128 leaves one chain)
-                w = FP8_STEP.products
-                for s in range(kk // w):
-                    t = int(np.log2(fa[i, s * w // blk]) + np.log2(fb[j, s * w // blk]))
-                    c = step_reference(
-                        a32[i, s * w:(s + 1) * w].tolist(), b32[j, s * w:(s + 1) * w].tolist(),
-                        c, FP8_STEP, a.dtype.name, b.dtype.name, scale_exps=[t] * w,
-                    )  # fmt: skip
+            else:  # MXFP8, MXFP6 (K <= 128: cuBLASLt's restart every 128 leaves one chain)
+                t = [int(np.log2(fa[i, k // blk]) + np.log2(fb[j, k // blk])) for k in range(kk)]
+                c = chain_reference(a32[i].tolist(), b32[j].tolist(), c, FP8_STEP,
+                                    a.dtype.name, b.dtype.name, t)  # fmt: skip
             out[i, j] = c
     return out if f is None else out * f
 

@@ -12,7 +12,7 @@ from fractions import Fraction
 
 from precisionlab.hardware.step import Step
 
-__all__ = ["EMIN", "SCALE_EMIN", "block_step_reference", "step_reference"]
+__all__ = ["EMIN", "SCALE_EMIN", "block_step_reference", "chain_reference", "step_reference"]
 
 #: smallest normal exponent of each input format
 EMIN = {"float8_e4m3fn": -6, "float8_e5m2": -14, "float16": -14, "bfloat16": -126,
@@ -81,6 +81,22 @@ def step_reference(
     if step.accumulator_in_alignment:
         return s
     return _rn_f32(Fraction(c) + Fraction(s))
+
+
+def chain_reference(
+    a: list[float], b: list[float], c: float, step: Step, a_format: str, b_format: str,
+    scale_exps: list[int] | None = None,
+) -> float:  # fmt: skip
+    """One output of a chain: ``c`` then :func:`step_reference` over consecutive groups of
+    ``step.products`` pairs of ``a``/``b`` (K values each, K a multiple), each step's result
+    the next one's accumulator. ``scale_exps``: K per-product exponent shifts, or None."""
+    w = step.products
+    if len(a) % w or len(a) != len(b):
+        raise ValueError(f"chain_reference needs len(a) == len(b), a multiple of {w}")
+    for s in range(0, len(a), w):
+        t = None if scale_exps is None else list(scale_exps[s:s + w])
+        c = step_reference(list(a[s:s + w]), list(b[s:s + w]), c, step, a_format, b_format, t)
+    return c
 
 
 #: smallest exponent of each block-scale format (E8M0 down to 2**-127; UE4M3's subnormals)
