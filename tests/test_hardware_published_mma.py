@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from precisionlab import hardware as hw
-from precisionlab.hardware.reference import step_reference
+from precisionlab.hardware.reference import chain_reference
 
 F16, BF16 = np.float16, ml_dtypes.bfloat16
 E4, E5 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
@@ -31,17 +31,12 @@ def _values(rng, shape, dtype, lo, hi):
 
 
 def _chain(a, b, c, step, fa, fb):
-    """The oracle: ``step_reference`` over K in order, one output at a time."""
-    w = step.products
+    """The oracle: ``chain_reference`` (``step_reference`` over K in order) per output."""
     out = np.empty(c.shape, np.float32)
-    for i in range(a.shape[0]):
-        for j in range(b.shape[1]):
-            acc = float(c[i, j])
-            for s in range(0, a.shape[1], w):
-                xs = [float(v) for v in a[i, s : s + w]]
-                ys = [float(v) for v in b[s : s + w, j]]
-                acc = step_reference(xs, ys, acc, step, fa, fb)
-            out[i, j] = acc
+    for i, j in np.ndindex(out.shape):
+        xs = [float(v) for v in a[i]]
+        ys = [float(v) for v in b[:, j]]
+        out[i, j] = chain_reference(xs, ys, float(c[i, j]), step, fa, fb)
     return out
 
 
@@ -151,3 +146,14 @@ def test_mma_specials_follow_ieee():
 def test_mma_bad_input_raises_listing_what_exists(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_an_initial_accumulator_needs_one_chain():
+    """mma runs gemm's chain with C as the first step's accumulator; a schedule that
+    restarts or splits K has no single first step, so the chain refuses C there."""
+    from precisionlab.hardware.gemm import _chain_all
+
+    a = np.ones((1, 32), np.float16)
+    res = hw.resolve("h100", "cublaslt", False, "16bit", {"restart_every": 16})
+    with pytest.raises(ValueError, match="initial accumulator is modelled for one chain"):
+        _chain_all(a, a.T, res, init=np.zeros((1, 1), np.float32))

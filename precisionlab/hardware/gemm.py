@@ -77,10 +77,13 @@ def _values(x: jax.Array, fmt: str) -> jax.Array:
     return m.astype(jnp.float32) * jnp.exp2((e - p).astype(jnp.float32))
 
 
-def _chain_all(a, b, res: Resolved, a_off=None, b_off=None, fa=None, fb=None) -> jax.Array:
+def _chain_all(
+    a, b, res: Resolved, a_off=None, b_off=None, fa=None, fb=None, init=None
+) -> jax.Array:
     """float32 accumulators of ``a`` (M, K) x ``b`` (K, N) under ``res``; ``a_off`` (M, K) and
     ``b_off`` (K, N): int32 exponent offsets (MX block scales) or None; ``fa``/``fb``: the
-    element formats (default: the dtypes; needed for integer codes)."""
+    element formats (default: the dtypes; needed for integer codes); ``init``: float32
+    (M, N) accumulator the first step starts from (one chain only; default zero)."""
     step, sch = res.step, res.schedule
     if sch.upcast:
         a, b = a.astype(sch.upcast), b.astype(sch.upcast)
@@ -109,6 +112,8 @@ def _chain_all(a, b, res: Resolved, a_off=None, b_off=None, fa=None, fb=None) ->
         )
     block_w = block or slice_w
     nblocks = slice_w // block_w
+    if init is not None and nslices * nblocks != 1:
+        raise ValueError("an initial accumulator is modelled for one chain over K only")
     nsteps = block_w // w
     kp = nslices * slice_w
     a = jnp.pad(a, ((0, 0), (0, kp - kk)))
@@ -127,6 +132,7 @@ def _chain_all(a, b, res: Resolved, a_off=None, b_off=None, fa=None, fb=None) ->
     am, ae = lay(am, m)[..., :, None], lay(ae, m)[..., :, None]
     bm, be = lay(bm.T, n)[..., None, :], lay(be.T, n)[..., None, :]
     zero = jnp.zeros((m, n), jnp.float32)
+    start = zero if init is None else init
 
     apply = _wide.step_apply if step.fraction_bits > _k.MAX_F else _k.step_apply
 
@@ -134,7 +140,7 @@ def _chain_all(a, b, res: Resolved, a_off=None, b_off=None, fa=None, fb=None) ->
         return apply(*x, c, step, pa, pb), None
 
     def one_block(total, x):
-        c, _ = lax.scan(one_step, zero, x)
+        c, _ = lax.scan(one_step, start, x)
         # restart: the block's chain is added into a float32 register, rounded to nearest
         return (c if nblocks == 1 else total + c), None
 
@@ -184,13 +190,15 @@ def _reduce_slices(acc: jax.Array, sch: Schedule) -> jax.Array:
     return x.reshape(acc.shape[1:])
 
 
-def _specials(a, b, acc, fa=None, fb=None):
-    """Inf/NaN: where the float32 product of the inputs is not finite, its value (the step
-    model covers finite values; specials follow IEEE arithmetic)."""
+def _specials(a, b, acc, fa=None, fb=None, init=None):
+    """Inf/NaN: where the float32 product of the inputs (plus ``init``, the accumulator going
+    in, if any) is not finite, its value (the step model covers finite values; specials
+    follow IEEE arithmetic)."""
     fa, fb = fa or jnp.dtype(a.dtype).name, fb or jnp.dtype(b.dtype).name
-    if fa in _SIX + _FOUR and fb in _SIX + _FOUR:
+    if fa in _SIX + _FOUR and fb in _SIX + _FOUR and init is None:
         return acc  # FP6 and FP4 have no inf or NaN
     ref = jnp.matmul(_values(a, fa), _values(b, fb), precision=lax.Precision.HIGHEST)
+    ref = ref if init is None else ref + init
     return jnp.where(jnp.isfinite(ref), acc, ref)
 
 

@@ -3,9 +3,8 @@
 :func:`precisionlab.hardware.gemm` models a library's GEMM, which starts every output from a
 zero accumulator. The feature tests of the literature (FTTN, Fasi et al. 2021, Khattak and
 Mikaitis) instead probe one matrix-multiply-accumulate instruction with a chosen nonzero
-``C``; :func:`mma` runs such vectors through a device's profile: the profile's steps chained
-over K in order, ``C`` entering the first step, with the same vectorized step kernel as
-``gemm`` (no second arithmetic).
+``C``; :func:`mma` runs such vectors through a device's profile: gemm's chain of the
+profile's steps over K in order (one chain, no schedule), ``C`` entering the first step.
 """
 
 from __future__ import annotations
@@ -15,11 +14,11 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from precisionlab.hardware import _kernel as _k
-from precisionlab.hardware import _wide
-from precisionlab.hardware.profiles import DEVICE_ALIASES, check_inputs, get_profile
+from precisionlab.hardware.gemm import _chain_all, _specials
+from precisionlab.hardware.presets import Resolved
+from precisionlab.hardware.profiles import DEVICE_ALIASES, Profile, check_inputs, get_profile
+from precisionlab.hardware.schedule import Schedule
 from precisionlab.hardware.step import Step
 
 __all__ = ["mma"]
@@ -30,6 +29,8 @@ _KINDS = {
     "float8_e4m3fn": "fp8",
     "float8_e5m2": "fp8",
 }
+
+
 def _check_kind(a_dtype, b_dtype) -> str:
     na, nb = jnp.dtype(a_dtype).name, jnp.dtype(b_dtype).name
     ka, kb = _KINDS.get(na), _KINDS.get(nb)
@@ -42,7 +43,9 @@ def _check_kind(a_dtype, b_dtype) -> str:
     return ka
 
 
-def _resolve_step(device: str, kind: str, names: tuple[str, str], overrides: dict) -> Step:
+def _resolve_step(
+    device: str, kind: str, names: tuple[str, str], overrides: dict
+) -> tuple[Profile, Step]:
     dev = DEVICE_ALIASES.get(str(device).lower(), str(device).lower())
     prof = get_profile(dev, kind)  # ValueError listing devices / devices with this kind
     check_inputs(prof.device, kind, names, "mma")
@@ -53,35 +56,14 @@ def _resolve_step(device: str, kind: str, names: tuple[str, str], overrides: dic
             f"mma: unknown override(s) {', '.join(unknown)}; allowed (Step fields): "
             + ", ".join(sorted(fields))
         )
-    return dataclasses.replace(prof.step, **overrides)
+    return prof, dataclasses.replace(prof.step, **overrides)
 
 
-@partial(jax.jit, static_argnames=("step",))
-def _mma(a: jax.Array, b: jax.Array, c: jax.Array, *, step: Step) -> jax.Array:
-    (m, kk), n = a.shape, b.shape[1]
-    w = step.products
-    pa = _k.INPUT_FORMATS[jnp.dtype(a.dtype).name][0]
-    pb = _k.INPUT_FORMATS[jnp.dtype(b.dtype).name][0]
-    flush = step.subnormal_inputs == "flush"
-    am, ae = _k.decode(a, _k.shift_for(step, pa, pb), flush)
-    bm, be = _k.decode(b, 0, flush)
-    s = kk // w
-    # (steps, w, M, 1) and (steps, w, 1, N): step i takes k = i*w .. i*w + w - 1
-    am = am.reshape(m, s, w).transpose(1, 2, 0)[..., None]
-    ae = ae.reshape(m, s, w).transpose(1, 2, 0)[..., None]
-    bm = bm.reshape(s, w, n)[:, :, None, :]
-    be = be.reshape(s, w, n)[:, :, None, :]
-    apply = _wide.step_apply if step.fraction_bits > _k.MAX_F else _k.step_apply
-
-    def one(acc, x):
-        return apply(*x, acc, step, pa, pb), None
-
-    d, _ = lax.scan(one, c, (am, ae, bm, be))
-    # Inf/NaN: where IEEE float32 arithmetic on the inputs is not finite, its value (the step
-    # model covers finite values, as in hardware.gemm)
-    ref = jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32),
-                     precision=lax.Precision.HIGHEST) + c  # fmt: skip
-    return jnp.where(jnp.isfinite(ref), d, ref)
+@partial(jax.jit, static_argnames=("prof", "step"))
+def _mma(a: jax.Array, b: jax.Array, c: jax.Array, *, prof: Profile, step: Step) -> jax.Array:
+    # gemm's chain with C as the first step's accumulator, one chain over K
+    acc = _chain_all(a, b, Resolved(prof, step, Schedule()), init=c)
+    return _specials(a, b, acc, init=c)
 
 
 def mma(a: jax.Array, b: jax.Array, c: jax.Array, device: str = "h100",
@@ -109,11 +91,11 @@ def mma(a: jax.Array, b: jax.Array, c: jax.Array, device: str = "h100",
         raise ValueError(f"mma: c must be float32 (the accumulator); got {c.dtype}")
     kind = _check_kind(a.dtype, b.dtype)
     names = (jnp.dtype(a.dtype).name, jnp.dtype(b.dtype).name)
-    step = _resolve_step(device, kind, names, overrides)
+    prof, step = _resolve_step(device, kind, names, overrides)
     w = step.products
     if a.shape[1] == 0 or a.shape[1] % w:
         raise ValueError(
             f"mma: K={a.shape[1]} is not a positive multiple of the {device} {kind} step's "
             f"{w} products; allowed: K = {w}, {2 * w}, {3 * w}, ..."
         )
-    return _mma(a, b, c, step=step)
+    return _mma(a, b, c, prof=prof, step=step)
