@@ -89,7 +89,8 @@ PROFILES: dict[str, Profile] = {
             "(tests/test_hardware_published.py, via hardware.mma): Fasi et al.'s V100 suite "
             "(binary32 mode), FTTN's extra-bit and subnormal outcomes and its matmul value 0; "
             "Khattak and Mikaitis' V100 outputs bit for bit (tests/hardware_km_validation.py). "
-            "FTTN's FMA-width rule gives 1 on this step, FTTN published 4 (strict xfail)",
+            "FTTN's FMA-width rule gives 1 on this step, FTTN published 4 (the rule never reaches "
+            "the unit without an extra bit; Khattak and Mikaitis' probe gives 4)",
         ),
         Profile("v100", "fp8", None, "none (Volta has no FP8 tensor cores)", FASI, False),
         Profile(
