@@ -369,5 +369,12 @@ def test_f8f6f4_errors():
     with pytest.raises(ValueError, match="upcast='float16' is not modelled"):
         hw.gemm(c6, c6.T, "b200", a_format="float6_e2m3fn", b_format="float6_e2m3fn",
                 upcast="float16")  # fmt: skip
+    fp6 = np.zeros((2, 32), ml_dtypes.float6_e2m3fn)
+    with pytest.raises(ValueError, match="a_format='float6_e3m2fn' but a holds float6_e2m3fn"):
+        hw.gemm(fp6, fp6.T, "b200", a_format="float6_e3m2fn")
+    s16 = jnp.ones((2, 2), E8M0)
+    with pytest.raises(ValueError, match=r"block size 16 is not supported.*MXFP6 \(E8M0, 32\)"):
+        hw.gemm(c6, c6.T, "b200", a_format="float6_e2m3fn", b_format="float6_e2m3fn",
+                block_scale_a=s16, block_scale_b=s16)  # fmt: skip
     with pytest.raises(ValueError, match="unsupported operand formats float6_e2m3fn x float16"):
         hw.gemm(c6, jnp.zeros((32, 2), jnp.float16), "b200", a_format="float6_e2m3fn")

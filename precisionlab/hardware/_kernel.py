@@ -16,22 +16,24 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from precisionlab.formats import get_format
 from precisionlab.hardware.step import Step
 
 __all__ = ["INPUT_FORMATS", "decode", "step_apply"]
 
-#: format name -> (fraction bits, exponent bits, bias, code dtype). The FP6 formats have no
-#: JAX dtype: their operands are uint8 codes (low 6 bits), as Blackwell's f8f6f4 MMA reads
-#: them from 8-bit containers.
-INPUT_FORMATS = {
-    "float8_e4m3fn": (3, 4, 7, jnp.uint8),
-    "float8_e5m2": (2, 5, 15, jnp.uint8),
-    "float6_e2m3fn": (3, 2, 1, jnp.uint8),
-    "float6_e3m2fn": (2, 3, 3, jnp.uint8),
-    "float4_e2m1fn": (1, 2, 1, jnp.uint8),
-    "float16": (10, 5, 15, jnp.uint16),
-    "bfloat16": (7, 8, 127, jnp.uint16),
-}
+
+def _fields(name: str) -> tuple[int, int, int, jnp.dtype]:
+    f = get_format(name)
+    return f.mantissa_bits, f.exponent_bits, 1 - f.emin, jnp.dtype(f.code_dtype)
+
+
+#: format name -> (fraction bits, exponent bits, bias, code dtype) of the tensor cores' input
+#: formats, from :mod:`precisionlab.formats`. The FP6 formats have no JAX dtype: their
+#: operands are uint8 codes (low 6 bits), as Blackwell's f8f6f4 MMA reads them from 8-bit
+#: containers.
+_NAMES = ("float8_e4m3fn", "float8_e5m2", "float6_e2m3fn", "float6_e3m2fn", "float4_e2m1fn",
+          "float16", "bfloat16")  # fmt: skip
+INPUT_FORMATS = {n: _fields(n) for n in _NAMES}
 ZERO_E = -(1 << 12)  # alignment exponent of a zero: far below any real one
 MAX_F = 28
 

@@ -10,13 +10,15 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
+from precisionlab.formats import get_format
 from precisionlab.hardware.step import Step
 
 __all__ = ["EMIN", "SCALE_EMIN", "block_step_reference", "chain_reference", "step_reference"]
 
-#: smallest normal exponent of each input format
-EMIN = {"float8_e4m3fn": -6, "float8_e5m2": -14, "float16": -14, "bfloat16": -126,
-        "float6_e2m3fn": 0, "float6_e3m2fn": -2, "float4_e2m1fn": 0}
+#: smallest normal exponent of each input format (from :mod:`precisionlab.formats`)
+_NAMES = ("float8_e4m3fn", "float8_e5m2", "float6_e2m3fn", "float6_e3m2fn", "float4_e2m1fn",
+          "float16", "bfloat16")  # fmt: skip
+EMIN = {n: get_format(n).emin for n in _NAMES}
 
 
 def _exp(x: float, emin: int) -> int:
