@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from precisionlab import hardware
+from precisionlab.hardware.profiles import check_inputs
 
 __all__ = [
     "GemmInvariance",
@@ -254,9 +255,10 @@ def _alternatives(library: str, k: int) -> dict[str, dict]:
 
 
 def predict(preset: str, ms: Sequence[int], n: int, k: int, dtype: str = "bfloat16", *,
-            seed: int = 0) -> Prediction:  # fmt: skip
+            seed: int = 0, stake: bool = True) -> Prediction:  # fmt: skip
     """Whether rows of an M x N x K GEMM are bitwise batch invariant on the GPU of
-    ``preset``, for the batch sizes ``ms`` (see the module docstring)."""
+    ``preset``, for the batch sizes ``ms`` (see the module docstring). ``stake=False``
+    skips the at-stake GEMMs (the verdict only)."""
     ms = _check_ms(ms)
     if dtype not in ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"):
         raise ValueError(f"predictions cover tensor-core inputs: bfloat16, float16, "
@@ -266,17 +268,19 @@ def predict(preset: str, ms: Sequence[int], n: int, k: int, dtype: str = "bfloat
     kind = "fp8" if "float8" in dtype else "16bit"
     try:
         res = hardware.resolve(kw["device"], kw["library"], kw["fast_accumulation"], kind, {}, k)
-        hardware.get_profile(kw["device"], kind)
-        a, b = _operands(max(ms), n, k, dtype, seed)
-        hardware.gemm(a[:1], b[:, :1], **kw)  # the device takes these inputs
+        prof = hardware.get_profile(kw["device"], kind)
+        check_inputs(prof.device, kind, (dtype,), "gemm")  # the device takes these inputs
     except ValueError as err:
         return Prediction(name, dtype, n, k, tuple(ms), "unsupported", str(err), "", None, {},
                           {})  # fmt: skip
     sched = _describe(res.schedule, k)
     out = dtype if kind == "16bit" else "float32"
-    base = np.asarray(hardware.gemm(a, b, **kw))  # the float32 accumulator
-    stake, stake_out = {}, {}
-    for label, ov in _alternatives(kw["library"], k).items():
+    shares, shares_out = {}, {}
+    alternatives = _alternatives(kw["library"], k) if stake else {}
+    if alternatives:
+        a, b = _operands(max(ms), n, k, dtype, seed)
+        base = np.asarray(hardware.gemm(a, b, **kw))  # the float32 accumulator
+    for label, ov in alternatives.items():
         if (
             ov.get("split_k") == res.schedule.split_k
             and ov.get("split_order", "sequential") == res.schedule.split_order
@@ -286,14 +290,14 @@ def predict(preset: str, ms: Sequence[int], n: int, k: int, dtype: str = "bfloat
             alt = np.asarray(hardware.gemm(a, b, **kw, **ov))
         except ValueError:
             continue
-        stake[label] = float(np.mean(_bits(alt) != _bits(base)))
+        shares[label] = float(np.mean(_bits(alt) != _bits(base)))
         alt_o, base_o = alt.astype(jnp.dtype(out)), base.astype(jnp.dtype(out))
-        stake_out[label] = float(np.mean(_bits(alt_o) != _bits(base_o)))
+        shares_out[label] = float(np.mean(_bits(alt_o) != _bits(base_o)))
     lib = {"xla": "XLA", "cublaslt": "cuBLASLt", "deepgemm": "DeepGEMM"}[kw["library"]]
     why = (
         f"{lib} picks its kernel (tiles, split-K, a GEMV path at M = 1) per (M, N, K); the "
         f"model takes its schedule from K alone, fitted at the captured shapes, and no "
         f"capture varies M"
     )
-    return Prediction(name, dtype, n, k, tuple(ms), "unknown", why, sched, "invariant", stake,
-                      stake_out)  # fmt: skip
+    return Prediction(name, dtype, n, k, tuple(ms), "unknown", why, sched, "invariant", shares,
+                      shares_out)  # fmt: skip

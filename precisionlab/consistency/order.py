@@ -95,6 +95,26 @@ class Tree:
             return flat
         return "\n".join(_lines(self.root, 0, width))
 
+    def evaluate(self, values: Any, dtype: Any = np.float32) -> float:
+        """The sum of ``values`` [n] in this order, each addition rounded to ``dtype`` (a
+        numpy or ml_dtypes dtype; the values are first cast to it); a node of more than two
+        operands adds them exactly (``math.fsum``) and rounds once. A revealed tree of
+        rounded additions reproduces the black box's result bit for bit."""
+        dt = np.dtype(dtype)
+        x = np.asarray(values).astype(dt)
+        if x.shape != (self.n,):
+            raise ValueError(f"values must have shape ({self.n},); got {x.shape}")
+
+        def ev(node: Node) -> Any:
+            if isinstance(node, int):
+                return x[node]
+            parts = [ev(c) for c in node]
+            if len(parts) == 2:
+                return np.asarray(parts[0] + parts[1], dt)[()]
+            return np.asarray(math.fsum(float(p) for p in parts)).astype(dt)[()]
+
+        return float(ev(self.root))
+
     def to_json(self) -> Any:
         """The root as nested lists (a leaf is its index)."""
 
@@ -138,16 +158,21 @@ def _seq_run(node: Node) -> tuple[int, int] | None:
     return (run[0], leaf) if run and leaf == run[1] + 1 else None
 
 
+def _atomic(node: Node) -> bool:
+    """A leaf, or a node :func:`_fmt` writes as one term (``seq[..]``, ``steps[..]``)."""
+    return isinstance(node, int) or bool(_seq_run(node)) or bool(_steps_run(node))
+
+
 def _chain(node: Node) -> list[Node] | None:
     """The operands of a left-deep chain ``((A + B) + C) + ...`` of three or more: at each
     addition the running sum holds more inputs than the operand added to it."""
     parts: list[Node] = []
-    cur = node
+    cur: Node | None = node
     steps = 0
-    while not isinstance(cur, int) and len(cur) == 2:
+    while cur is not None and not _atomic(cur) and len(cur) == 2:
         a, b = cur
         la, lb = len(_leaves(a)), len(_leaves(b))
-        if la == lb:
+        if la == lb or (_atomic(a) and _atomic(b)):
             if parts:  # the chain starts with A + B
                 parts += [b, a]
                 cur = None
@@ -158,7 +183,9 @@ def _chain(node: Node) -> list[Node] | None:
         cur = inner
     if cur is not None:
         parts.append(cur)
-    return list(reversed(parts)) if steps >= 2 else None
+    if len(parts) >= 3 and (steps >= 2 or all(_atomic(p) for p in parts)):
+        return list(reversed(parts))
+    return None
 
 
 def _is_run(kids: Sequence[Node]) -> bool:

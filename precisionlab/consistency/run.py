@@ -36,13 +36,14 @@ class Result:
 
 
 def _computes_in(fn, args, dtype) -> bool:
-    """Whether the program of ``fn(*args)`` holds any value of ``dtype``."""
+    """Whether any operation of the program of ``fn(*args)`` returns a value of ``dtype``
+    (its inputs having it is not enough: a model may convert them to float32 first)."""
     jaxpr = jax.make_jaxpr(fn)(*args)
     want = np.dtype(dtype)
 
     def walk(jx) -> bool:
         for eqn in jx.eqns:
-            for v in (*eqn.invars, *eqn.outvars):
+            for v in eqn.outvars:
                 if getattr(getattr(v, "aval", None), "dtype", None) == want:
                     return True
             for p in eqn.params.values():
