@@ -153,8 +153,10 @@ def validate(section: dict, where: str) -> dict:
                 raise ValueError(f"{w}.{role}: expected a table of Stack fields")
             bad = [k for k in fields if k not in _STACK_KEYS]
             if bad:
-                raise ValueError(f"{w}.{role}: unknown key {bad[0]!r}; allowed: "
-                                 f"{', '.join(_STACK_KEYS)} (the format comes from formats)")  # fmt: skip
+                raise ValueError(
+                    f"{w}.{role}: unknown key {bad[0]!r}; allowed: {', '.join(_STACK_KEYS)} "
+                    "(the format comes from formats)"
+                )
             try:
                 st = _stack("fp32", fields)
             except (ValueError, TypeError) as err:

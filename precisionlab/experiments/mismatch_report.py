@@ -62,8 +62,9 @@ def markdown(summary: dict[str, Any], target: float) -> str:
          _g(r["max_nats"]), _pct(r["clip_share"]), _g(r["kl"]), _pct(r["flip_rate"])]
         for r in [*summary["pairs"], summary["control"]]
     ]  # fmt: skip
-    out.append(_md_table(rows, ["setup", "format", "trainer (a)", "sampler (b)", "mean",
-                                "RMS", "max", "ratio outside [0.8, 1.2]", "KL", "greedy flips"]))  # fmt: skip
+    head = ["setup", "format", "trainer (a)", "sampler (b)", "mean", "RMS", "max",
+            "ratio outside [0.8, 1.2]", "KL", "greedy flips"]  # fmt: skip
+    out.append(_md_table(rows, head))
     c = summary["control"]
     zero = c["rms_nats"] == 0 and c["max_nats"] == 0 and c["kl"] == 0
     out += [
