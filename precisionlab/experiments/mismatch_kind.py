@@ -96,7 +96,7 @@ FIELDS: dict[str, Field] = with_docs(
         "attribution": "SETUP/FORMAT pairs attributed by layer (activation patching)",
         "qi_target": "the bf16 / fp16 RMS-gap ratio checked (Qi et al.: bf16 >> fp16)",
         "plots": "write the ratio histogram, gap-by-position and gap-by-layer plots",
-        "train": "a [train] table for the built-in transformer (default: DEFAULT_TRAIN)",
+        "train": "a [train] table for the built-in transformer (absent: DEFAULT_TRAIN)",
         "setups": "name -> {trainer = {...}, sampler = {...}}: Stack fields but policy "
         "(default: DEFAULT_SETUPS)",
     },
@@ -125,9 +125,7 @@ def validate(section: dict, where: str) -> dict:
     """The ``[mismatch]`` table with defaults filled in; ValueError naming ``where`` and the
     key for an unknown key, a bad value, a bad ``[train]`` table or stack."""
     out = validate_table(section, FIELDS, where)
-    train = {**copy.deepcopy(DEFAULT_TRAIN), **out["train"]} if out["train"] else copy.deepcopy(
-        DEFAULT_TRAIN
-    )  # fmt: skip
+    train = copy.deepcopy(out["train"] or DEFAULT_TRAIN)  # a table given replaces the default
     try:
         cfg = _train_config(train, f"{where}.train")
     except (ValueError, TypeError) as err:
