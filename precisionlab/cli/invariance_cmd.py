@@ -33,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", action="store_true",
                         help="also measure the built-in transformer's logits (random weights, "
                         "d_model 64, 2 blocks, 32 tokens) natively for each dtype")  # fmt: skip
+    parser.add_argument("--predict-only", action="store_true",
+                        help="skip the measurement on this backend")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON object per line")
 
 
@@ -87,7 +89,11 @@ def run(args: argparse.Namespace) -> int:
     from precisionlab._text import table
     from precisionlab.consistency import invariance
 
-    measured = [invariance.measure_gemm(ms, n, k, d) for d in dtypes for n in ns for k in ks]
+    if args.predict_only and (args.model or not presets):
+        raise UsageError("--predict-only: nothing to do with --model or --predict none")
+    measured = [] if args.predict_only else [
+        invariance.measure_gemm(ms, n, k, d) for d in dtypes for n in ns for k in ks
+    ]  # fmt: skip
     models = []
     if args.model:
         import jax.numpy as jnp
@@ -119,12 +125,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     ref = ms[0]
     rest = ms[1:]
-    print(
-        f"Measured on {invariance.backend_name()}, jax {jax.__version__}: the rows of M = {ref} "
-        "against the same rows of A[:M] @ B, bit for bit (outputs that differ)"
-    )
-    rows = [[r.dtype, r.n, r.k, *r.differ[1:], r.verdict] for r in measured]
-    print(table(rows, ["dtype", "N", "K", *(f"M={m}" for m in rest), "verdict"]))
+    if measured:
+        print(
+            f"Measured on {invariance.backend_name()}, jax {jax.__version__}: the rows of "
+            f"M = {ref} against the same rows of A[:M] @ B, bit for bit (outputs that differ)"
+        )
+        rows = [[r.dtype, r.n, r.k, *r.differ[1:], r.verdict] for r in measured]
+        print(table(rows, ["dtype", "N", "K", *(f"M={m}" for m in rest), "verdict"]))
     if models:
         print(f"\nThe built-in transformer's logits (rows of M = {ref}, 32 tokens, vocabulary "
               "256), evaluated in batches of M rows")  # fmt: skip
@@ -132,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
                 for r in models]  # fmt: skip
         print(table(rows, ["stack", *(f"M={m}" for m in rest), "verdict"]))
     if predicted:
-        print("\nPredicted for named GPUs (the hardware models; 16-bit inputs)")
+        print(("\n" if measured else "") + "Predicted for named GPUs (the hardware models; "
+              "16-bit inputs)")  # fmt: skip
         rows = []
         for p in predicted:
             worst = max(p.at_stake, key=p.at_stake.get) if p.at_stake else None
@@ -144,9 +152,11 @@ def run(args: argparse.Namespace) -> int:
                          p.with_one_kernel or "-", stake])  # fmt: skip
         print(table(rows, ["preset", "dtype", "N", "K", "verdict", "schedule at K",
                            "one kernel for all M", "at stake if it changes"]))  # fmt: skip
-        seen = {}
+        seen: dict[tuple[str, str], list[str]] = {}
         for p in predicted:
-            seen.setdefault((p.verdict, p.why), p.preset)
-        for (verdict, why), preset in seen.items():
-            print(f"{preset}: {verdict}: {why}")
+            names = seen.setdefault((p.verdict, p.why), [])
+            if p.preset not in names:
+                names.append(p.preset)
+        for (verdict, why), names in seen.items():
+            print(f"{', '.join(names)}: {verdict}: {why}")
     return 0
