@@ -35,9 +35,14 @@ def _env() -> dict:
     import jax
 
     dev = jax.devices()[0]
-    return {"jax": jax.__version__, "backend": jax.default_backend(),
-            "device": getattr(dev, "device_kind", str(dev)), "devices": jax.device_count(),
-            "python": platform.python_version(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
+    return {
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "device": getattr(dev, "device_kind", str(dev)),
+        "devices": jax.device_count(),
+        "python": platform.python_version(),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
 
 
 def _model(args):
@@ -122,8 +127,11 @@ def orders(args) -> list[dict]:
         except ValueError as err:
             out.append({"op": op, "dtype": dtype, "k": k, "m_n": mn, "error": str(err)})
             continue
-        row = {"op": op, "dtype": dtype, "k": k, "m_n": mn, "probes": tree.probes,
-               "tree": tree.to_json(), "text": tree.text(), "seconds": time.perf_counter() - start}  # fmt: skip
+        row = {
+            "op": op, "dtype": dtype, "k": k, "m_n": mn, "probes": tree.probes,
+            "tree": tree.to_json(), "text": tree.text(),
+            "seconds": time.perf_counter() - start,
+        }  # fmt: skip
         if op == "dot" and dtype != "float32":
             diff = schedule_tree("h100-xla", k, dtype).diff(tree)
             row["h100_xla_model"] = "matches" if diff is None else f"differs: {diff}"
@@ -154,8 +162,12 @@ def gaps(args, model, params, tokens) -> dict:
 
 def markdown(res: dict) -> str:
     env = res["environment"]
-    lines = [f"# consistency_gpu on {env['device']} ({env['backend']}, jax {env['jax']}, "
-             f"{env['time']})", "", "## Batch invariance (rows of A[:M] @ B, vs M = 1)", ""]  # fmt: skip
+    lines = [
+        f"# consistency_gpu on {env['device']} ({env['backend']}, jax {env['jax']}, {env['time']})",
+        "",
+        "## Batch invariance (rows of A[:M] @ B, vs M = 1)",
+        "",
+    ]
     for r in res["invariance"]["gemm"]:
         lines.append(f"- {r['dtype']} N={r['n']} K={r['k']}: {r['verdict']}")
     for r in res["invariance"]["model"]:
