@@ -420,6 +420,20 @@ def _timings_run(ctx: Context, cache: Path, label: str) -> str:
     return "\n".join(lines[start:])
 
 
+def rl_mismatch(ctx: Context) -> str:
+    """The mismatch experiment's gap and ratio tables and its attribution by layer."""
+    from precisionlab.experiments import mismatch_report
+
+    summary = json.loads(
+        (run_dir(ctx, "experiments/rl_mismatch.toml") / "mismatch" / "mismatch.json").read_text()
+    )
+    return (
+        mismatch_report.gap_tables(summary, summary["qi_target"])
+        + "\n\n"
+        + mismatch_report.attribution_table(summary)
+    )
+
+
 def accumulation_run(ctx: Context) -> str:
     """The accumulation experiment's printed table (its time column is wall seconds)."""
     out = ctx.tmp / "accumulation"
@@ -510,6 +524,13 @@ REGIONS: dict[str, Region] = {
         "exact",
         120,
         memory_measured,
+    ),
+    "rl-mismatch": Region(
+        "docs/guides/consistency.md",
+        "precisionlab run experiments/rl_mismatch.toml",
+        "exact",
+        120,
+        rl_mismatch,
     ),
     "real-data": Region(
         "docs/guides/real-data.md",

@@ -327,6 +327,7 @@ def run(section: dict, out_dir: Path, *, quiet: bool = False) -> dict:
         "pairs": [r for r in rows if r["setup"] != "control"],
         "control": next(r for r in rows if r["setup"] == "control"),
         "ratios": ratios,
+        "qi_target": cfg["qi_target"],
         "attribution": attributions,
         "wall_s_this_session": time.perf_counter() - t0,
     }

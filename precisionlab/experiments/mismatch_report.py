@@ -11,9 +11,8 @@ from typing import Any
 import numpy as np
 
 from precisionlab import _io
-from precisionlab._text import table
 
-__all__ = ["markdown", "plots"]
+__all__ = ["attribution_table", "gap_tables", "markdown", "plots"]
 
 _COLORS = {"fp32": "tab:gray", "bf16": "tab:red", "fp16": "tab:blue"}
 
@@ -56,41 +55,26 @@ def markdown(summary: dict[str, Any], target: float) -> str:
     for name, s in summary["setups"].items():
         out.append(f"- **{name}**: trainer {_fields(s['trainer'])}; sampler "
                    f"{_fields(s['sampler'])}")  # fmt: skip
-    out += ["", "## The gaps", ""]
-    rows = [
-        [r["setup"], r["format"], r["a"], r["b"], _g(r["mean_nats"]), _g(r["rms_nats"]),
-         _g(r["max_nats"]), _pct(r["clip_share"]), _g(r["kl"]), _pct(r["flip_rate"])]
-        for r in [*summary["pairs"], summary["control"]]
-    ]  # fmt: skip
-    head = ["setup", "format", "trainer (a)", "sampler (b)", "mean", "RMS", "max",
-            "ratio outside [0.8, 1.2]", "KL", "greedy flips"]  # fmt: skip
-    out.append(_md_table(rows, head))
     c = summary["control"]
     zero = c["rms_nats"] == 0 and c["max_nats"] == 0 and c["kl"] == 0
     out += [
         "",
+        "## The gaps",
+        "",
+        gap_tables(summary, target),
+        "",
         f"The control pair ({c['a']} against itself, two runs) gives "
-        + (
-            "exactly 0: every program is deterministic, so the gaps above are the stacks'."
-            if zero
-            else f"a nonzero gap ({_g(c['rms_nats'])} nats RMS): NOT deterministic."
-        ),
+        + ("exactly 0: every program is deterministic, so the gaps above are the stacks'."
+           if zero else f"a nonzero gap ({_g(c['rms_nats'])} nats RMS): NOT deterministic."),
         "",
         "## bf16 against fp16 (Qi et al.)",
         "",
         "Qi et al., *Defeating the Training-Inference Mismatch via FP16* (arXiv 2510.26788), "
         "find bf16's rounding the cause of the trainer/sampler mismatch in RL fine-tuning of "
         "LLMs and fp16 its cure (their abstract and RQ1, the token-level mismatch of BF16 vs "
-        f"FP16). Checked here as the direction: bf16's RMS gap at least {target:g}x fp16's.",
-        "",
-    ]
-    rows = []
-    for name, r in summary["ratios"].items():
-        verdict = "reproduced" if r["reproduced"] else "NOT reproduced at this scale"
-        rows.append([name, _g(r["bf16_rms_nats"]), _g(r["fp16_rms_nats"]),
-                     _g(r["ratio"], ".2f"), verdict])  # fmt: skip
-    out.append(_md_table(rows, ["setup", "bf16 RMS (nats)", "fp16 RMS (nats)",
-                                "bf16 / fp16", f"ratio >= {target:g}"]))  # fmt: skip
+        f"FP16). Checked here as the direction: bf16's RMS gap at least {target:g}x fp16's "
+        "(the second table above).",
+    ]  # fmt: skip
     for att in summary["attribution"]:
         out += ["", f"## Where the gap comes from: {att['key']}", "",
                 f"{att['a']} vs {att['b']}: RMS gap {_g(att['base_rms_nats'])} nats. Each "
@@ -105,6 +89,39 @@ def markdown(summary: dict[str, Any], target: float) -> str:
     if summary.get("files"):
         out += ["", "## Files", "", ", ".join(f"`{f}`" for f in summary["files"])]
     return "\n".join(out) + "\n"
+
+
+def gap_tables(summary: dict[str, Any], target: float) -> str:
+    """Two Markdown tables: every pair's gap (the control pair last), then per setup bf16's
+    RMS gap over fp16's against ``target``."""
+    rows = [
+        [r["setup"], r["format"], r["a"], r["b"], _g(r["mean_nats"]), _g(r["rms_nats"]),
+         _g(r["max_nats"]), _pct(r["clip_share"]), _g(r["kl"]), _pct(r["flip_rate"])]
+        for r in [*summary["pairs"], summary["control"]]
+    ]  # fmt: skip
+    head = ["setup", "format", "trainer (a)", "sampler (b)", "mean", "RMS", "max",
+            "ratio outside [0.8, 1.2]", "KL", "greedy flips"]  # fmt: skip
+    ratios = []
+    for name, r in summary["ratios"].items():
+        verdict = "reproduced" if r["reproduced"] else "NOT reproduced at this scale"
+        ratios.append([name, _g(r["bf16_rms_nats"]), _g(r["fp16_rms_nats"]),
+                       _g(r["ratio"], ".2f"), verdict])  # fmt: skip
+    rhead = ["setup", "bf16 RMS (nats)", "fp16 RMS (nats)", "bf16 / fp16",
+             f"ratio >= {target:g}"]  # fmt: skip
+    return _md_table(rows, head) + "\n\n" + _md_table(ratios, rhead)
+
+
+def attribution_table(summary: dict[str, Any]) -> str:
+    """A Markdown table: each layer (program order) and the share of the RMS gap it injects
+    in each attributed pair."""
+    atts = summary["attribution"]
+    if not atts:
+        return ""
+    names = [x["layer"] for x in atts[0]["layers"]]
+    cols = [{x["layer"]: x["injected"] for x in a["layers"]} for a in atts]
+    rows = [[n, *(f"{c[n]:+.1%}" if n in c else "-" for c in cols)] for n in names]
+    head = ["layer", *(f"injected, {a['key']} (RMS {_g(a['base_rms_nats'])})" for a in atts)]
+    return _md_table(rows, head)
 
 
 def _fields(fields: dict[str, Any]) -> str:
@@ -190,10 +207,3 @@ def plots(summary: dict[str, Any], out_dir: Path) -> list[str]:
         _io.save_figure(fig, out_dir / files[-1], dpi=110)
         plt.close(fig)
     return files
-
-
-def summary_table(summary: dict[str, Any]) -> str:
-    """The gaps as a plain-text table (one row per pair)."""
-    rows = [[r["key"], _g(r["rms_nats"]), _g(r["max_nats"]), _pct(r["clip_share"]),
-             _pct(r["flip_rate"])] for r in [*summary["pairs"], summary["control"]]]  # fmt: skip
-    return table(rows, ["pair", "RMS", "max", "clip", "flips"])
