@@ -142,6 +142,8 @@ class TransformerLM(LM):
 
     @property
     def layers(self) -> tuple[str, ...]:  # type: ignore[override]
+        """``embed``, ``block{i}.attn``, ``block{i}.mlp`` for each block, ``final_norm``,
+        ``lm_head``."""
         blocks = [f"block{i}.{s}" for i in range(self.model.depth) for s in ("attn", "mlp")]
         return ("embed", *blocks, "final_norm", "lm_head")
 
