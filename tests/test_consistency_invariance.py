@@ -79,6 +79,8 @@ def test_one_kernel_for_every_m_is_invariant_on_the_model(preset):
     assert np.array_equal(_bits(np.asarray(hardware.gemm(a[:1], b, **kw))), _bits(full[:1]))
 
 
+@pytest.mark.slow  # compiles five GEMM programs at K = 512 (~4 CPU s); test_invariance_command
+# reaches the same code (K = 80)
 def test_what_is_at_stake_is_computed_on_the_model():
     p = predict("h100-xla", [1, 4], 16, 512, "float16", seed=2)
     assert p.schedule == "split-K 64 (in order)"

@@ -14,15 +14,22 @@ A ``[mismatch]`` table (every key optional)::
     [mismatch.setups.h100]               # name -> trainer and sampler (Stack fields but policy)
     trainer = { hardware = "h100-xla", mode = "full" }
     sampler = { hardware = "h100-cublaslt", mode = "decode", batch_size = 4 }
+    [mismatch.rl]                        # the consequence: REINFORCE (off unless enabled)
+    enabled = true
+    formats = ["bf16", "fp16"]
+    seeds = 2
+    steps = 100
 
 The model is trained in float32 (``[mismatch.train]``, resumable from its checkpoints), then
 for every setup and format the trainer stack and the sampler stack score the same held-out
 windows and :func:`precisionlab.consistency.logprob_gap` compares them. ``run`` writes, as
 they are produced: ``params.npz`` and ``train.json`` (the trained weights), ``pairs.jsonl``
-(one row per pair) and ``deltas/`` (each pair's per-token gaps), ``attribution.jsonl``; then
+(one row per pair) and ``deltas/`` (each pair's per-token gaps), ``attribution.jsonl``,
+``rl.jsonl`` (one row per REINFORCE run of :mod:`precisionlab.consistency.rl`); then
 ``mismatch.json`` (per pair: ``a``, ``b``, ``mean_nats``, ``rms_nats``, ``max_nats``,
-``clip_share``, ``flip_rate``, ``kl``; the bf16/fp16 ratios; the attribution), ``report.md``
-and the plots. A killed run resumes: what was written is read back, not recomputed.
+``clip_share``, ``flip_rate``, ``kl``; the bf16/fp16 ratios; the attribution; the REINFORCE
+summary), ``report.md`` and the plots. A killed run resumes: what was written is read back,
+not recomputed.
 """
 
 from __future__ import annotations
@@ -87,6 +94,7 @@ FIELDS: dict[str, Field] = with_docs(
         "plots": Field(bool, True),
         "train": Field(dict, {}),
         "setups": Field(dict, {}),
+        "rl": Field(dict, {}),
     },
     {
         "formats": "compute formats compared (each a Stack policy: fp32, bf16, fp16, ...)",
@@ -99,10 +107,49 @@ FIELDS: dict[str, Field] = with_docs(
         "train": "a [train] table for the built-in transformer (absent: DEFAULT_TRAIN)",
         "setups": "name -> {trainer = {...}, sampler = {...}}: Stack fields but policy "
         "(default: DEFAULT_SETUPS)",
+        "rl": "the REINFORCE study (see [mismatch.rl])",
     },
 )
 
 _STACK_KEYS = ("hardware", "mode", "batch_size", "kv_block", "lm_head_fp32", "name")
+
+#: ``[mismatch.rl]``: the REINFORCE study (:func:`precisionlab.consistency.rl.reinforce`).
+RL_FIELDS: dict[str, Field] = with_docs(
+    {
+        "enabled": Field(bool, False),
+        "formats": Field(list, ["bf16", "fp16"], item=str),
+        "samplers": Field(list, ["matched", "decode", "decode+tis"], item=str),
+        "seeds": Field(int, 2, low=1, high=64, why="64 runs per sampler"),
+        "steps": Field(int, 100, low=1, high=100_000, why="a toy task"),
+        "vocab": Field(int, 8, low=2, high=4096),
+        "length": Field(int, 8, low=1, high=512),
+        "d_model": Field(int, 32, low=1, high=4096),
+        "depth": Field(int, 2, low=1, high=64),
+        "heads": Field(int, 4, low=1, high=64),
+        "batch": Field(int, 64, low=2, high=1 << 16),
+        "lr": Field(float, 3e-3, above=0.0, high=1.0),
+        "tis_cap": Field(float, 2.0, above=0.0, high=1e6),
+        "kv_block": Field(int, 4, low=1, high=4096),
+    },
+    {
+        "enabled": "run the REINFORCE study",
+        "formats": "policy formats trained",
+        "samplers": "matched (the trainer's own program), decode, decode+tis",
+        "seeds": "runs per format and sampler (seeds 0..seeds-1)",
+        "steps": "REINFORCE steps per run",
+        "vocab": "the toy task's vocabulary",
+        "length": "tokens written per sequence",
+        "d_model": "the policy transformer's width",
+        "depth": "its blocks",
+        "heads": "its attention heads",
+        "batch": "sequences per step (even: the noise compares the halves)",
+        "lr": "Adam's learning rate",
+        "tis_cap": "truncated importance sampling's cap on p_trainer / p_sampler",
+        "kv_block": "the decode sampler's split-KV block",
+    },
+)
+_RL_CONFIG = ("vocab", "length", "d_model", "depth", "heads", "batch", "lr", "tis_cap",
+              "kv_block", "steps")  # fmt: skip
 
 
 def _stack(fmt: str, fields: dict[str, Any]) -> Any:
@@ -171,7 +218,33 @@ def validate(section: dict, where: str) -> dict:
             )
     out["train"] = cfg.to_dict()
     out["setups"] = setups
+    out["rl"] = _validate_rl(out["rl"], f"{where}.rl")
     return out
+
+
+def _validate_rl(table: dict[str, Any], where: str) -> dict[str, Any]:
+    from precisionlab.consistency.rl import SAMPLERS, RLConfig
+
+    rl = validate_table(table, RL_FIELDS, where)
+    for i, fmt in enumerate(rl["formats"]):
+        try:
+            _stack(fmt, {})
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{where}.formats[{i}]: {str(err).splitlines()[0]}") from None
+    for i, name in enumerate(rl["samplers"]):
+        if name not in SAMPLERS:
+            raise ValueError(f"{where}.samplers[{i}]: unknown {name!r}; allowed: "
+                             f"{', '.join(SAMPLERS)}")  # fmt: skip
+    try:
+        RLConfig(**{k: rl[k] for k in _RL_CONFIG})
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+    if rl["batch"] % 2:
+        raise ValueError(f"{where}.batch: must be even (the noise compares the halves)")
+    if rl["d_model"] % rl["heads"]:
+        raise ValueError(f"{where}.d_model: {rl['d_model']} is not divisible by heads "
+                         f"{rl['heads']}")  # fmt: skip
+    return rl
 
 
 # --- the trained model --------------------------------------------------------------------
@@ -316,6 +389,7 @@ def run(section: dict, out_dir: Path, *, quiet: bool = False) -> dict:
             attributions.append(row)
             say(f"mismatch: attribution {item}:\n{att.text()}")
 
+    rl_runs = _rl(cfg["rl"], out_dir, say)
     ratios = _ratios(rows, cfg)
     summary = {
         "kind": KIND,
@@ -329,10 +403,11 @@ def run(section: dict, out_dir: Path, *, quiet: bool = False) -> dict:
         "ratios": ratios,
         "qi_target": cfg["qi_target"],
         "attribution": attributions,
+        "rl": _rl_summary(rl_runs, cfg["rl"]) if rl_runs else None,
         "wall_s_this_session": time.perf_counter() - t0,
     }
     files = ["mismatch.json", "report.md", "pairs.jsonl", "attribution.jsonl", "params.npz",
-             "train.json"]  # fmt: skip
+             "train.json", *(["rl.jsonl"] if rl_runs else [])]  # fmt: skip
     if cfg["plots"]:
         files += mismatch_report.plots(summary, out_dir)
     summary["files"] = files
@@ -348,6 +423,51 @@ def _num(x: float) -> float | None:
 def _plain(row: dict[str, Any]) -> dict[str, Any]:
     return {k: (_io.from_json_float(v) if isinstance(v, str) and k.endswith(("nats", "share",
             "rate", "kl")) else v) for k, v in row.items()}  # fmt: skip
+
+
+def _rl(rl: dict[str, Any], out_dir: Path, say) -> list[dict[str, Any]]:
+    """The REINFORCE runs (read back from ``rl.jsonl`` where finished)."""
+    if not rl["enabled"]:
+        return []
+    from precisionlab.consistency.rl import RLConfig, reinforce
+
+    cfg = RLConfig(**{k: rl[k] for k in _RL_CONFIG})
+    done = {(r["format"], r["sampler"], r["seed"]): r
+            for r in _io.read_jsonl(out_dir / "rl.jsonl")}  # fmt: skip
+    runs = []
+    with _io.JsonlWriter(out_dir / "rl.jsonl") as f:
+        for fmt in rl["formats"]:
+            for sampler in rl["samplers"]:
+                seeds = tuple(range(rl["seeds"]))
+                todo = tuple(s for s in seeds if (fmt, sampler, s) not in done)
+                new = reinforce(fmt, sampler, cfg, seeds=todo) if todo else []
+                for r in new:
+                    f.write(_io.to_jsonable(r))
+                    done[(fmt, sampler, r["seed"])] = r
+                for s in seeds:
+                    runs.append(done[(fmt, sampler, s)])
+                if new:
+                    say(f"mismatch: REINFORCE {fmt} {sampler}: final reward "
+                        + ", ".join(f"{r['final_reward']:.3f}" for r in new))  # fmt: skip
+    return runs
+
+
+def _rl_summary(runs: list[dict[str, Any]], rl: dict[str, Any]) -> dict[str, Any]:
+    """Per format and sampler: the mean over seeds of each run's final reward and of its
+    per-step means (mismatch RMS and max, clip share, TIS change, noise); the runs' rewards."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((r["format"], r["sampler"]), []).append(r)
+    rows = []
+    for (fmt, sampler), rs in groups.items():
+        row = {"format": fmt, "sampler": sampler, "seeds": len(rs),
+               "final_reward": [r["final_reward"] for r in rs]}  # fmt: skip
+        for k in ("mismatch_rms", "mismatch_max", "clip_share", "tis_change", "noise"):
+            row[k] = float(np.mean([np.mean(r[k]) for r in rs]))
+        row["mismatch_max"] = float(max(max(r["mismatch_max"]) for r in rs))
+        row["reward"] = [r["reward"] for r in rs]
+        rows.append(row)
+    return {"config": {k: rl[k] for k in _RL_CONFIG}, "groups": rows}
 
 
 def _ratios(rows: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]:

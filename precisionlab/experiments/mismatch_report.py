@@ -12,7 +12,7 @@ import numpy as np
 
 from precisionlab import _io
 
-__all__ = ["attribution_table", "gap_tables", "markdown", "plots"]
+__all__ = ["attribution_table", "gap_tables", "markdown", "plots", "rl_table"]
 
 _COLORS = {"fp32": "tab:gray", "bf16": "tab:red", "fp16": "tab:blue"}
 
@@ -86,6 +86,25 @@ def markdown(summary: dict[str, Any], target: float) -> str:
                  _g(by[name]["rms_nats"])] for i, name in enumerate(att["ranked"])]  # fmt: skip
         out.append(_md_table(rows, ["rank", "layer", "injected", "removed when patched",
                                     "RMS after (nats)"]))  # fmt: skip
+    if summary.get("rl"):
+        rc = summary["rl"]["config"]
+        out += [
+            "",
+            "## The consequence: REINFORCE with a mismatched sampler",
+            "",
+            f"A {rc['depth']}-block transformer policy (d_model {rc['d_model']}) writes "
+            f"{rc['length']} tokens of a {rc['vocab']}-token vocabulary, rewarded by the share "
+            f"equal to a fixed target; {rc['steps']} on-policy REINFORCE steps of {rc['batch']} "
+            "sequences (Adam), the same seeds, initial weights and sampling noise in every run. "
+            "*matched*: the sampler is the trainer's own program (exactly on-policy); *decode*: "
+            "KV-cache decoding with the split-KV kernel; *decode+tis*: the same with truncated "
+            f"importance sampling (cap {rc['tis_cap']:g}). Per step: the mismatch of the sampled "
+            "tokens, how much the importance weights change the update on the same batch "
+            "(||g_tis - g|| / ||g||), and the batch's own sampling noise (||g_1 - g_2|| / ||g|| "
+            "of its halves).",
+            "",
+            rl_table(summary),
+        ]
     if summary.get("files"):
         out += ["", "## Files", "", ", ".join(f"`{f}`" for f in summary["files"])]
     return "\n".join(out) + "\n"
@@ -121,6 +140,21 @@ def attribution_table(summary: dict[str, Any]) -> str:
     cols = [{x["layer"]: x["injected"] for x in a["layers"]} for a in atts]
     rows = [[n, *(f"{c[n]:+.1%}" if n in c else "-" for c in cols)] for n in names]
     head = ["layer", *(f"injected, {a['key']} (RMS {_g(a['base_rms_nats'])})" for a in atts)]
+    return _md_table(rows, head)
+
+
+def rl_table(summary: dict[str, Any]) -> str:
+    """A Markdown table of the REINFORCE study: per format and sampler, the final reward of
+    each seed and the per-step means."""
+    rows = [
+        [g["format"], g["sampler"], ", ".join(f"{x:.3f}" for x in g["final_reward"]),
+         _g(g["mismatch_rms"]), _g(g["mismatch_max"]), _pct(g["clip_share"]),
+         _pct(g["tis_change"]), _pct(g["noise"])]
+        for g in summary["rl"]["groups"]
+    ]  # fmt: skip
+    head = ["format", "sampler", "final reward (per seed)", "mismatch RMS (nats)",
+            "mismatch max", "ratio outside [0.8, 1.2]", "update change by TIS",
+            "batch noise"]  # fmt: skip
     return _md_table(rows, head)
 
 
@@ -204,6 +238,25 @@ def plots(summary: dict[str, Any], out_dir: Path) -> list[str]:
         ax.legend(fontsize=8)
         fig.tight_layout()
         files.append("gap_by_layer.png")
+        _io.save_figure(fig, out_dir / files[-1], dpi=110)
+        plt.close(fig)
+    if summary.get("rl"):
+        groups = summary["rl"]["groups"]
+        fmts = list(dict.fromkeys(g["format"] for g in groups))
+        fig, axes = plt.subplots(1, len(fmts), figsize=(5.5 * len(fmts), 4), squeeze=False)
+        colors = {"matched": "tab:green", "decode": "tab:red", "decode+tis": "tab:purple"}
+        for ax, fmt in zip(axes[0], fmts, strict=True):
+            for g in (g for g in groups if g["format"] == fmt):
+                for i, curve in enumerate(g["reward"]):
+                    ax.plot(np.arange(1, len(curve) + 1), curve, lw=1, alpha=0.8,
+                            color=colors.get(g["sampler"]),
+                            label=g["sampler"] if i == 0 else None)  # fmt: skip
+            ax.set_xlabel("REINFORCE step")
+            ax.set_ylabel("mean reward")
+            ax.set_title(f"{fmt} policy: reward by sampler (one line a seed)")
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        files.append("rl_reward.png")
         _io.save_figure(fig, out_dir / files[-1], dpi=110)
         plt.close(fig)
     return files
