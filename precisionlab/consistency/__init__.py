@@ -10,7 +10,10 @@
   :func:`measure_model` on the running backend, :func:`predict` for a named GPU;
 - order discovery (:mod:`~precisionlab.consistency.order`): :func:`reveal` the summation
   tree of a black-box reduction (FPRev's probes), :func:`schedule_tree` of a hardware
-  preset's model, reference orders.
+  preset's model, reference orders;
+- the consequence (:mod:`~precisionlab.consistency.rl`): :func:`reinforce`, on-policy
+  REINFORCE whose sampler and trainer differ only in numerics, with and without truncated
+  importance sampling.
 """
 
 from precisionlab.consistency.attribution import Attribution, LayerShare, attribute
@@ -34,6 +37,7 @@ from precisionlab.consistency.order import (
     schedule_tree,
     sequential_tree,
 )
+from precisionlab.consistency.rl import RLConfig, reinforce
 from precisionlab.consistency.run import Result, Runner
 from precisionlab.consistency.stack import MODES, Stack, hardware_names, parse_stack
 
@@ -48,6 +52,7 @@ __all__ = [
     "LayerShare",
     "ModelInvariance",
     "Prediction",
+    "RLConfig",
     "Result",
     "Runner",
     "Stack",
@@ -66,6 +71,7 @@ __all__ = [
     "pairwise_tree",
     "parse_stack",
     "predict",
+    "reinforce",
     "reveal",
     "schedule_tree",
     "sequential_tree",
