@@ -131,12 +131,11 @@ def _programs(fmt: str, cfg: RLConfig) -> tuple:
         lp = _logp_of(full(params, seq[:, :L]), out)
         delta = lp - lp_sampler
         w_tis = jnp.minimum(jnp.exp(delta), cfg.tis_cap)
-        ones = jnp.ones_like(lp)
-        g_plain = jax.grad(weighted)(params, ones)
+        half = (jnp.arange(B) < B // 2).astype(jnp.float32)[:, None] * jnp.ones_like(lp)
+        g_1 = jax.grad(weighted)(params, half)  # the two halves of the batch
+        g_2 = jax.grad(weighted)(params, 1 - half)
+        g_plain = jax.tree.map(jnp.add, g_1, g_2)  # the whole batch's gradient
         g_tis = jax.grad(weighted)(params, w_tis)
-        half = (jnp.arange(B) < B // 2).astype(jnp.float32)[:, None]
-        g_1 = jax.grad(weighted)(params, ones * half)
-        g_2 = jax.grad(weighted)(params, ones * (1 - half))
 
         def norm(t):
             return jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(t)))

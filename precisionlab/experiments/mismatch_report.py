@@ -93,7 +93,7 @@ def markdown(summary: dict[str, Any], target: float) -> str:
             "## The consequence: REINFORCE with a mismatched sampler",
             "",
             f"A {rc['depth']}-block transformer policy (d_model {rc['d_model']}) writes "
-            f"{rc['length']} tokens of a {rc['vocab']}-token vocabulary, rewarded by the share "
+            f"{rc['length']} tokens from a vocabulary of {rc['vocab']}, rewarded by the share "
             f"equal to a fixed target; {rc['steps']} on-policy REINFORCE steps of {rc['batch']} "
             "sequences (Adam), the same seeds, initial weights and sampling noise in every run. "
             "*matched*: the sampler is the trainer's own program (exactly on-policy); *decode*: "
