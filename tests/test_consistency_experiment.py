@@ -130,7 +130,7 @@ def test_the_experiment_file_and_the_runner(tmp_path, monkeypatch):
     exp = load_experiment("experiments/rl_mismatch.toml")
     assert exp.kind == "mismatch" and exp.resolved["mismatch"]["formats"] == ["fp32", "bf16",
                                                                                "fp16"]  # fmt: skip
-    assert set(exp.resolved["mismatch"]["setups"]) == {"h100", "native"}
+    assert set(exp.resolved["mismatch"]["setups"]) == {"h100", "gemm-library", "native"}
     seen = []
 
     def fake(section, out_dir, *, quiet=False):

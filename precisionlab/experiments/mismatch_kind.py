@@ -70,12 +70,16 @@ DEFAULT_TRAIN: dict[str, Any] = {
 
 #: Trainer vs sampler: a JAX trainer (XLA's GEMMs on an H100, one full-sequence call) against
 #: a PyTorch-style inference engine (cuBLASLt's GEMMs, KV-cache decoding with a split-KV
-#: attention kernel, 4 rows a batch), both as the hardware models compute them; and the same
-#: two evaluations natively on this machine.
+#: attention kernel, 4 rows a batch), both as the hardware models compute them; the GEMM
+#: library alone (both full-sequence); and the decode kernel alone, natively on this machine.
 DEFAULT_SETUPS: dict[str, dict[str, dict[str, Any]]] = {
     "h100": {
         "trainer": {"hardware": "h100-xla", "mode": "full"},
         "sampler": {"hardware": "h100-cublaslt", "mode": "decode", "batch_size": 4},
+    },
+    "gemm-library": {
+        "trainer": {"hardware": "h100-xla", "mode": "full"},
+        "sampler": {"hardware": "h100-cublaslt", "mode": "full"},
     },
     "native": {
         "trainer": {"hardware": "native", "mode": "full"},
