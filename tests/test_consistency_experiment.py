@@ -16,6 +16,7 @@ TINY = {
     "eval_rows": 4,
     "control": "bf16",
     "attribution": ["native/bf16"],
+    "plots": False,  # the plots: test_plots_are_written (slow)
     "train": {
         "model": "transformer",
         "model_kwargs": {"d_model": 16, "depth": 1, "heads": 2},
@@ -45,7 +46,7 @@ def finished(tmp_path_factory):
 def test_the_run_writes_what_it_says(finished):
     out, summary = finished
     files = ["mismatch.json", "report.md", "pairs.jsonl", "attribution.jsonl", "params.npz",
-             "train.json", "ratio_hist.png", "gap_by_position.png", "gap_by_layer.png"]  # fmt: skip
+             "train.json"]  # fmt: skip
     for f in files:
         assert (out / f).is_file(), f
     assert summary["files"][:2] == ["mismatch.json", "report.md"]
@@ -69,6 +70,17 @@ def test_the_run_writes_what_it_says(finished):
                  "## Where the gap comes from: native/bf16", "exactly 0"):  # fmt: skip
         assert part in report
     assert ("reproduced" if r["reproduced"] else "NOT reproduced") in report
+
+
+@pytest.mark.slow  # matplotlib and three figures (~2 CPU s) on the finished run
+def test_plots_are_written(finished):
+    from precisionlab.experiments import mismatch_report
+
+    out, summary = finished
+    files = mismatch_report.plots(summary, out)
+    assert files == ["ratio_hist.png", "gap_by_position.png", "gap_by_layer.png"]
+    for f in files:
+        assert (out / f).stat().st_size > 10_000, f
 
 
 def test_a_rerun_reads_back_instead_of_recomputing(finished, monkeypatch):

@@ -29,6 +29,8 @@ EXPERIMENT = {
 }
 
 
+@pytest.mark.slow  # compiles three bf16 programs with gradients (~9 CPU s); the default suite
+# checks the settings below and the experiment's REINFORCE code under -m slow too
 def test_matched_is_on_policy_and_decode_is_not():
     (m,) = reinforce("bf16", "matched", TINY)
     (d,) = reinforce("bf16", "decode+tis", TINY)
