@@ -302,6 +302,7 @@ def _experiment_page() -> str:
         ('``[memory]`` (``kind = "memory"``)', "memory", memory.FIELDS),
         ('``[checkpointing]`` (``kind = "checkpointing"``)', "checkpointing", checkpointing.FIELDS),
         ('``[mismatch]`` (``kind = "mismatch"``)', "mismatch", mismatch_kind.FIELDS),
+        ("``[mismatch.rl]``", "mismatch.rl", mismatch_kind.RL_FIELDS),
     ]
     for title, where, schema in tables:
         lines += _title(title, "-") + _schema_table(schema, undocumented, where)

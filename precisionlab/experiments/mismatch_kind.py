@@ -46,7 +46,7 @@ import numpy as np
 from precisionlab import _io
 from precisionlab._schema import Field, validate_table, with_docs
 
-__all__ = ["DEFAULT_SETUPS", "DEFAULT_TRAIN", "FIELDS", "KIND", "run", "validate"]
+__all__ = ["DEFAULT_SETUPS", "DEFAULT_TRAIN", "FIELDS", "KIND", "RL_FIELDS", "run", "validate"]
 
 KIND = "mismatch"
 
