@@ -45,7 +45,7 @@ class Gap:
       delta: float64 [B, T-1], nats (NaN where either stack's logits are not finite).
       kl_tokens: float64 [B, T-1], KL(p_a || p_b) per position, nats.
       flips: bool [B, T-1], the greedy (argmax) next token differs.
-      clip: the importance-ratio range counted by :attr:`clip_share`.
+      clip: the importance-ratio range counted by :attr:`Gap.clip_share`.
     """
 
     a: Stack
@@ -85,7 +85,7 @@ class Gap:
 
     @property
     def clip_share(self) -> float:
-        """Share of tokens whose importance ratio exp(delta) is outside :attr:`clip`."""
+        """Share of tokens whose importance ratio exp(delta) is outside ``clip``."""
         d = self._finite
         lo, hi = math.log(self.clip[0]), math.log(self.clip[1])
         return float(np.mean((d < lo) | (d > hi))) if d.size else math.nan

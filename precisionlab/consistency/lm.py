@@ -41,7 +41,7 @@ class LM:
       takes_policy: True when the model computes under the policy it is given (it casts its
         params and rounds its results); False for a plain function, which the lab runs on
         params cast to the compute dtype (native) or under ``emulate`` with the policy.
-      decodes: True when :meth:`init_cache` and :meth:`decode` exist.
+      decodes: True when :meth:`LM.init_cache` and :meth:`LM.decode` exist.
     """
 
     layers: tuple[str, ...] = ()

@@ -125,7 +125,7 @@ class Tree:
 
     def diff(self, other: Tree) -> str | None:
         """None if the trees are equal, else where they first differ: the smallest sum this
-        tree computes that the other does not (as :meth:`text` writes it)."""
+        tree computes that the other does not (as :meth:`Tree.text` writes it)."""
         if self.root == other.root:
             return None
         theirs = set(_subtrees(other.root))
