@@ -420,6 +420,30 @@ def _timings_run(ctx: Context, cache: Path, label: str) -> str:
     return "\n".join(lines[start:])
 
 
+def _mismatch(ctx: Context) -> dict:
+    path = run_dir(ctx, "experiments/rl_mismatch.toml") / "mismatch" / "mismatch.json"
+    return json.loads(path.read_text())
+
+
+def rl_mismatch(ctx: Context) -> str:
+    """The mismatch experiment's gap and ratio tables and its attribution by layer."""
+    from precisionlab.experiments import mismatch_report
+
+    summary = _mismatch(ctx)
+    return (
+        mismatch_report.gap_tables(summary, summary["qi_target"])
+        + "\n\n"
+        + mismatch_report.attribution_table(summary)
+    )
+
+
+def rl_reinforce(ctx: Context) -> str:
+    """The mismatch experiment's REINFORCE table (same run as rl-mismatch)."""
+    from precisionlab.experiments import mismatch_report
+
+    return mismatch_report.rl_table(_mismatch(ctx))
+
+
 def accumulation_run(ctx: Context) -> str:
     """The accumulation experiment's printed table (its time column is wall seconds)."""
     out = ctx.tmp / "accumulation"
@@ -510,6 +534,20 @@ REGIONS: dict[str, Region] = {
         "exact",
         120,
         memory_measured,
+    ),
+    "rl-mismatch": Region(
+        "docs/guides/consistency.md",
+        "precisionlab run experiments/rl_mismatch.toml",
+        "exact",
+        240,
+        rl_mismatch,
+    ),
+    "rl-reinforce": Region(
+        "docs/guides/consistency.md",
+        "precisionlab run experiments/rl_mismatch.toml",
+        "exact",
+        0,
+        rl_reinforce,
     ),
     "real-data": Region(
         "docs/guides/real-data.md",

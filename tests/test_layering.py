@@ -5,7 +5,7 @@ cannot hide an edge. Layers, lowest first; a module may import its own layer and
 
     _schema, _io, _text (neutral helpers) -> formats -> bits -> quant -> (precisionlab facade)
     -> metrics -> survey -> mixed -> intercept, recipes, emulate -> telemetry -> train -> memory
-    -> bench -> experiments -> diagnose -> conformance -> cli -> __main__
+    -> bench -> consistency -> experiments -> diagnose -> conformance -> cli -> __main__
 """
 
 import ast
@@ -29,6 +29,7 @@ LAYERS = [
     ("train",),
     ("memory",),
     ("bench",),
+    ("consistency",),  # runs models under numerics stacks; the mismatch experiment uses it
     ("experiments",),
     ("diagnose",),  # runs experiment variants and compares them
     ("conformance",),  # writes its report into a run directory of the store

@@ -23,7 +23,9 @@ from precisionlab.cli import (
     emulate_check_cmd,
     env_cmd,
     formats_cmd,
+    invariance_cmd,
     memory_cmd,
+    order_cmd,
     report_cmd,
     run_cmd,
     survey_cmd,
@@ -48,6 +50,8 @@ COMMANDS: dict[str, ModuleType] = {
     "conformance": conformance_cmd,
     "diagnose": diagnose_cmd,
     "emulate-check": emulate_check_cmd,
+    "invariance": invariance_cmd,
+    "order": order_cmd,
 }
 
 
