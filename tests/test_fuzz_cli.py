@@ -395,17 +395,16 @@ def monkeypatch_runner(monkeypatch):
     Survey experiments run for real."""
     from precisionlab.experiments import runner, store
 
-    real = runner.run_experiment
+    real = runner._run_locked  # called with the run's lock held (run_file, resume)
 
-    @store.holding_run_lock
     def fake(experiment, run_dir, *, quiet=False, resuming=False, **_):
         if experiment.kind == "survey":
-            return real.__wrapped__(experiment, run_dir, quiet=quiet, resuming=resuming)
+            return real(experiment, run_dir, quiet=quiet, resuming=resuming)
         store.write_json(Path(run_dir) / "summary.json", {"kind": "other", "status": "finished"})
         print("validated")
         return Path(run_dir)
 
-    monkeypatch.setattr(runner, "run_experiment", fake)
+    monkeypatch.setattr(runner, "_run_locked", fake)
 
 
 # The default suite's sample is kept to about 10 CPU seconds (the suite's budget); the slow

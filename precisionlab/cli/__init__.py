@@ -119,9 +119,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = one_line(f"{where}{err.strerror or err}")
         sys.stderr.write(f"precisionlab {args.command}: error: {text}\n")
         return 2
-    except KeyboardInterrupt:
-        sys.stderr.write(f"precisionlab {args.command}: interrupted\n")
-        return 130
+    except KeyboardInterrupt as err:
+        signum = getattr(err, "signum", 2)  # Terminated: SIGTERM or SIGHUP, ended like Ctrl-C
+        word = "interrupted" if signum == 2 else f"terminated ({err})"
+        sys.stderr.write(f"precisionlab {args.command}: {word}\n")
+        return 128 + signum
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-from precisionlab.cli._common import UsageError, check_out_dir
+from precisionlab.cli._common import UsageError, check_out_dir, terminating_like_ctrl_c
 
 HELP = "run an experiment (TOML) into a run directory; --resume DIR continues a killed run"
 
@@ -42,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--force",
         action="store_true",
-        help="let --out name a directory that holds other files (a run in it is still kept)",
+        help="let --out name a directory that holds other files (a run in it is still kept), "
+        "or start a new run although an unfinished one of the same experiment is under runs/",
     )
     parser.add_argument(
         "--set",
@@ -152,8 +153,9 @@ def _train(args: argparse.Namespace):
     if args.resume:
         return runner.resume(args.resume, quiet=args.quiet, timings=timings)
     return runner.run_file(
-        args.config, out=args.out, overrides=args.overrides, quiet=args.quiet, timings=timings
-    )
+        args.config, out=args.out, overrides=args.overrides, quiet=args.quiet, timings=timings,
+        force=bool(getattr(args, "force", False)),
+    )  # fmt: skip
 
 
 def _finish(args: argparse.Namespace, run_dir) -> int:
@@ -185,7 +187,8 @@ def run(args: argparse.Namespace) -> int:
     _check_args(args)
     spec = distributed_spec(args)
     if spec is None:
-        return _finish(args, _train(args))
+        with terminating_like_ctrl_c():
+            return _finish(args, _train(args))
     from precisionlab.cli import _supervise
 
     if os.environ.get(_supervise.CHILD_ENV) == "1":

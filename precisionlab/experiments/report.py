@@ -70,6 +70,20 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
     return data
 
 
+def run_status(run_dir: Path, run_info: dict[str, Any]) -> str:
+    """``run.json``'s status, with the truth about a ``running`` one whose process has ended
+    without marking it (killed): it says so and how to continue."""
+    status = str(run_info.get("status", "?"))
+    if status == "running":
+        holder = store.lock_holder(run_dir)
+        if holder is not None and not holder[1]:
+            return (
+                f"running, but its process {holder[0]} has ended without finishing (killed?): "
+                f"continue with `precisionlab run --resume {run_dir}`"
+            )
+    return status
+
+
 def _maybe(path: Path) -> Any:
     return store.read_json(path) if path.exists() else {}
 
@@ -166,7 +180,7 @@ def _write_report(run_dir: str | Path, *, plots: bool) -> tuple[Path, str]:
     lines = [f"# {summary.get('name', run_dir.name)}", ""]
     if summary.get("description"):
         lines += [summary["description"], ""]
-    status = data["run"].get("status", "?")
+    status = run_status(run_dir, data["run"])
     lines += [f"Run directory `{run_dir}` (status: {status}).", ""]
     lines += ["## Results", "", markdown_table(rows, headers()), ""]
     lines += [

@@ -28,6 +28,7 @@ import functools
 import os
 import platform
 import re
+import stat
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -41,6 +42,8 @@ __all__ = [
     "JsonlWriter",
     "confined",
     "environment",
+    "lock_holder",
+    "locked_run",
     "makedirs",
     "new_run_dir",
     "read_json",
@@ -177,13 +180,14 @@ def check_no_symlinks(run_dir: Path) -> None:
 
 
 @contextlib.contextmanager
-def run_lock(run_dir: Path) -> Iterator[None]:
+def run_lock(run_dir: Path) -> Iterator[str | None]:
     """Hold an exclusive advisory lock on ``run_dir/.lock`` (with this process's pid in it)
-    while writing the run; a second writer gets a ValueError naming the holder's pid."""
+    while writing the run; a second writer gets a ValueError naming the holder's pid. Yields
+    the pid the file named before (a process that ended holding it: killed), or None."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - no advisory locks on this platform
-        yield
+        yield None
         return
     run_dir = Path(run_dir)
     path = run_dir / ".lock"
@@ -195,30 +199,74 @@ def run_lock(run_dir: Path) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            holder = _pid_text(os.pread(fd, 32, 0)) or "unknown"
             raise ValueError(
                 f"{run_dir} is being written by another precisionlab process (pid {holder}); "
                 "wait for it to finish or stop it"
             ) from None
+        previous = _pid_text(os.pread(fd, 32, 0))
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield
+        yield previous
     finally:
         os.close(fd)  # releases the lock
 
 
+def _pid_text(data: bytes) -> str | None:
+    text = data.decode(errors="replace").strip()
+    return text if text.isdigit() else None
+
+
+def lock_holder(run_dir: Path) -> tuple[str, bool] | None:
+    """``(pid, alive)`` of the process named in ``run_dir/.lock``: ``alive`` while a process
+    holds the lock (this one included), False when the process that wrote it has ended
+    without releasing the run (killed); None when there is no readable lock file. Reads only."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover
+        return None
+    path = Path(run_dir) / ".lock"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        pid = _pid_text(os.pread(fd, 32, 0))
+        if pid is None:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return pid, True
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return pid, False
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def locked_run(run_dir: Path) -> Iterator[str | None]:
+    """Create ``run_dir`` if needed, refuse it if it holds a symbolic link, then hold
+    :func:`run_lock` on it with every path below it :func:`confined`; yields what
+    :func:`run_lock` yields. Take it before writing anything in the directory."""
+    run_dir = Path(run_dir)
+    _io.makedirs(run_dir)
+    check_no_symlinks(run_dir)
+    # confined: a link planted in the run directory after this check is still never
+    # followed by a write or read through precisionlab._io
+    with _io.confined(run_dir), run_lock(run_dir) as previous:
+        yield previous
+
+
 def holding_run_lock(func):
-    """Decorator: run ``func(experiment, run_dir, ...)`` holding :func:`run_lock` on
-    ``run_dir`` after checking it holds no symbolic link."""
+    """Decorator: run ``func(experiment, run_dir, ...)`` inside :func:`locked_run`."""
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         run_dir = Path(kwargs["run_dir"] if "run_dir" in kwargs else args[1])
-        run_dir.mkdir(parents=True, exist_ok=True)
-        check_no_symlinks(run_dir)
-        # confined: a link planted in the run directory after this check is still never
-        # followed by a write or read through precisionlab._io
-        with _io.confined(run_dir), run_lock(run_dir):
+        with locked_run(run_dir):
             return func(*args, **kwargs)
 
     return wrapper
