@@ -469,3 +469,141 @@ def test_gemm_sizes_and_overrides_are_bounded(call, message):
 
     with pytest.raises(ValueError, match=message):
         call(hw, jnp)
+
+
+# --- 3. every read bounded and checked ------------------------------------------------------
+
+
+def _edit_json(path: Path, edit) -> None:
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_text(json.dumps(doc))
+
+
+def _edit_jsonl(path: Path, edit) -> None:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for row in rows:
+        edit(row)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+_UNIT = Path("variants") / "00-a"
+# file, edit, words the one-line error names: a nested field each, KeyError/IndexError before
+_NESTED = {
+    "telemetry-summary-steps": (
+        "summary.json",
+        lambda d: d["variants"][0]["telemetry"].pop("steps"),
+        "telemetry: missing field 'steps'",
+    ),
+    "groups-n": (
+        "summary.json",
+        lambda d: d.update(groups=[{"group": "a", "diverged": 0}]),
+        "groups[0]: missing field 'n'",
+    ),
+    "groups-group": (
+        "summary.json",
+        lambda d: d.update(groups=[{"n": 2, "diverged": 0}]),
+        "groups[0]: missing field 'group'",
+    ),
+    "telemetry-row-n": (
+        str(_UNIT / "telemetry.jsonl"),
+        lambda r: r.pop("n"),
+        "missing field 'n'",
+    ),
+    "hist-edges": (
+        str(_UNIT / "hist.jsonl"),
+        None,  # a row whose 3 counts have 2 edges (the copy has no histogram row)
+        "edges for",
+    ),
+    "status-summary": (
+        str(_UNIT / "status.json"),
+        lambda d: d["summary"].update(final_loss=[1]),
+        "summary: final_loss: expected a number",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(_NESTED))
+def test_damaged_nested_run_fields_are_one_line(work, cli, monkeypatch, case):
+    """Why: damaged nested run files crashed `report` (KeyError: 'steps', 'n', 'group'; an
+    IndexError in the plots when a histogram's counts and edges disagree): runfiles.py
+    checked top-level fields only. Now one schema language (_schema.Field) covers nested
+    tables and lists of records, and the error is one line naming the file and the field."""
+    name, edit, words = _NESTED[case]
+    run = work / "r"
+    shutil.copytree(DATA, run)
+    path = run / name
+    if edit is None:
+        hist = {"counts": [1, 2, 3], "edges": [0.0, 1.0], "zeros": 0, "nonfinite": 0}
+        path.write_text(json.dumps({"step": 2, "grad_hist": hist}) + "\n")
+    else:
+        (_edit_jsonl if name.endswith(".jsonl") else _edit_json)(path, edit)
+    plots = case in ("hist-edges", "telemetry-row-n")  # read by the plots only
+    monkeypatch.setenv("PRECISIONLAB_REPORT_WORKERS", "1")  # drawn here, not in workers
+    if name.endswith("status.json"):  # read by resume (which rebuilds summary.json from it)
+        _, err = cli(["run", "--resume", str(run), "--quiet", "--no-report"])
+    else:
+        _, err = cli(["report", str(run)] + ([] if plots else ["--no-plots"]))
+    assert Path(name).name in err and words in err, err
+
+
+def test_the_run_file_schema_is_one_language():
+    """Every run file's schema is made of _schema.Field (nested ones included)."""
+    from precisionlab._schema import Field
+    from precisionlab.experiments.runfiles import SCHEMAS
+
+    stack = [f for schema in SCHEMAS.values() for f in schema.values()]
+    seen = 0
+    while stack:
+        field = stack.pop()
+        assert isinstance(field, Field), field
+        seen += 1
+        stack.extend((field.fields or {}).values())
+        stack.extend([field.values] if field.values is not None else [])
+    assert seen > 100
+
+
+_MEM = Path(__file__).resolve().parent.parent / "experiments" / "memory.toml"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["run", "s2.toml", "--set", "train.data_kwargs.input_scale=1e308"], "input_scale"),
+        (["run", "s2.toml", "--set", "train.data=digits",
+          "--set", "train.data_kwargs.input_scale=1e308"], "input_scale"),
+        (["run", "MEM", "--set", "memory.seq=0"], "memory.seq: must be an int >= 1"),
+        (["bench", "recipes", "--accumulator", "--recipes", "nope"], "unknown recipe 'nope'"),
+        (["bench", "hardware", "--m", "2147483647", "--n", "1", "--k", "1"], "GiB"),
+    ],
+    ids=["teacher-input-scale", "digits-input-scale", "memory-seq", "bench-accumulator",
+         "bench-hardware-m"],
+)  # fmt: skip
+def test_meaningless_numbers_and_names_are_refused(work, cli, argv, message):
+    """Why: input_scale = 1e308 (inf once the data is float32) and memory.seq = 0 validated;
+    `bench recipes --accumulator --recipes nope` exited 0; `bench hardware --m 2147483647`
+    raised MemoryError."""
+    argv = [str(_MEM) if a == "MEM" else a for a in argv]
+    if argv[0] == "run":
+        argv += ["--quiet", "--no-report"]
+    _, err = cli(argv)
+    assert message in err, err
+    assert not (work / "runs").exists()
+
+
+def test_an_exception_in_the_users_function_is_one_line(work, cli):
+    """Why: an exception inside the user's function in `emulate-check` escaped as a full
+    traceback."""
+    (work / "bad.py").write_text(
+        textwrap.dedent("""
+        import jax.numpy as jnp
+
+        def model(x):
+            raise RuntimeError("the model broke")
+
+        def inputs():
+            return (jnp.ones(3),)
+    """)
+    )
+    _, err = cli(["emulate-check", "bad.py"])
+    assert "bad.py: calling it on inputs() failed: RuntimeError: the model broke" in err
