@@ -291,11 +291,12 @@ def _write_other_report(data: dict[str, Any]) -> tuple[Path, str]:
         lines += [markdown_table(table_rows, ["key", "value"]), ""]
     # A kind's plain-text tables (e.g. survey/summary.txt) are the most useful terminal output.
     texts = sorted(run_dir.rglob("*.txt"))
-    for txt in texts:
-        body = txt.read_text(encoding="utf-8").rstrip()
+    bodies = [_io.read_bytes(t, _io.MAX_JSON_BYTES).decode("utf-8", "replace") for t in texts]
+    for txt, body in zip(texts, bodies, strict=True):
+        body = body.rstrip()
         lines += [f"## {txt.relative_to(run_dir).as_posix()}", "", "```", body, "```", ""]
     if texts:
-        table = "\n\n".join(t.read_text(encoding="utf-8").rstrip() for t in texts)
+        table = "\n\n".join(b.rstrip() for b in bodies)
     pngs = sorted(run_dir.rglob("*.png"))
     for png in pngs:
         caption = CAPTIONS.get(png.name, png.stem.replace("_", " "))
