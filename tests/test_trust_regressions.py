@@ -607,3 +607,147 @@ def test_an_exception_in_the_users_function_is_one_line(work, cli):
     )
     _, err = cli(["emulate-check", "bad.py"])
     assert "bad.py: calling it on inputs() failed: RuntimeError: the model broke" in err
+
+
+# --- 5. reports a first reader understands --------------------------------------------------
+
+
+def test_a_mistyped_subcommand_gets_did_you_mean(cli, capsys):
+    """Why: a mistyped subcommand got no "did you mean"."""
+    from precisionlab.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["rnu", "x.toml"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("precisionlab: error: argument COMMAND: invalid choice: 'rnu'; did "
+                          "you mean 'run'?")  # fmt: skip
+    _, err = cli(["bench", "codec"])
+    assert "did you mean 'codecs'?" in err
+
+
+def test_version_answers_at_once_without_jax(tmp_path):
+    """Why: `precisionlab --version` took 3 s (it imported every subcommand, and JAX). Now no
+    subcommand module and no JAX: measured in CPU seconds (a loaded machine's wall time says
+    little), the whole interpreter included."""
+    import resource
+
+    code = (
+        "import sys; from precisionlab.cli import main\n"
+        "try: main(['--version'])\n"
+        "except SystemExit as e: print('jax' in sys.modules, e.code)"
+    )
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.split("\n")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert out[0].startswith("precisionlab ") and out[1] == "False 0", out
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert cpu < 0.5, f"--version took {cpu:.2f} CPU s"
+
+
+def _columns_fit(text: str) -> None:
+    """Every table of ``text`` (a header line over a rule of dash runs) fits its headers: as
+    many header cells as rule runs, and every character of the header and of the rows below
+    (to the next blank line) inside a run: no header runs into its neighbour."""
+    import re
+
+    lines = text.splitlines()
+    found = 0
+    for i, rule in enumerate(lines):
+        if i == 0 or not rule.strip() or set(rule) - {"-", " "}:
+            continue
+        runs = [(m.start(), m.end()) for m in re.finditer("-+", rule)]
+        header = lines[i - 1]
+        cells = [c for c in re.split(r"\s{2,}", header.strip()) if c]
+        assert len(cells) == len(runs), (header, rule)
+        body = [header]
+        for row in lines[i + 1 :]:
+            if not row.strip():
+                break
+            body.append(row)
+        for row in body:
+            for j, ch in enumerate(row):
+                assert ch == " " or any(a <= j < b for a, b in runs), (row, j)
+        found += 1
+    assert found, text
+
+
+def test_every_table_fits_its_headers(cli, tmp_path):
+    """Why: `conformance --gemm` printed headers that ran together
+    (`exact-onceh100-cublaslt-fasth100-cublaslt`): the columns were narrower than the preset
+    names. Its tables (from a made-up result: the real one takes minutes), the timings table
+    with long unit names, the run report's table and `formats` are each checked."""
+    from precisionlab.conformance.gemm import MODELS, GemmResult, gemm_tables
+    from precisionlab.experiments import report, timings
+
+    share = {("xla:cpu", "e4m3 K=256", m): 0.5 for m in MODELS}
+    share[("xla:cpu", "e4m3 K=256", "exact-once")] = None
+    for _, text in gemm_tables(GemmResult(["xla:cpu"], ["e4m3 K=256"], share)):
+        _columns_fit(text)
+    run = tmp_path / "run"
+    run.mkdir()
+    timings.record_unit(run, "00-a", "a-very-long-setting-name/a-very-long-variant-name",
+                        {"wall_s": 1.0, "cpu_s": 2.0, "loop": {"compiles": 3}})  # fmt: skip
+    _columns_fit(timings.timings_table(run))
+    summary = json.loads((DATA / "summary.json").read_text())
+    _columns_fit(report.fitted_table(report.summary_rows(summary), report.headers()))
+    out, _ = cli(["formats"], status=0)
+    _columns_fit(out)
+
+
+def _summary_with(**unit) -> dict:
+    ref = {"id": "00-fp32", "name": "range/fp32", "setting": "range", "variant": "fp32",
+           "status": "finished", "eval_loss": 1.3, "steps": 300}  # fmt: skip
+    return {"kind": "train", "variants": [ref, {**ref, "id": "01-x", "name": "range/x",
+                                                "variant": "x", **unit}]}  # fmt: skip
+
+
+def test_the_divergence_step_and_the_first_inf_nan_are_explained_side_by_side():
+    """Why: telemetry's first inf/NaN at step 1 sat beside "diverged@ 2" in the table with
+    nothing explaining why they differ."""
+    from precisionlab.experiments.report import interpret
+
+    first = {"kind": "op", "layer": "layer0", "site": "integer_pow[0]", "tensor": "out",
+             "step": 1, "n_inf": 5, "n_nan": 0, "n": 8, "backward": False}  # fmt: skip
+    text = "\n".join(interpret(_summary_with(
+        diverged=True, divergence_step=2, eval_loss=float("nan"),
+        telemetry={"steps": [1], "targets": [], "first_nonfinite": first},
+    )))  # fmt: skip
+    assert "diverged at step 2; inf/NaN first appeared inside step 1 (forward pass, " in text
+    assert "`layer0:integer_pow[0].out`) while that step's loss stayed finite" in text
+
+
+def test_the_meters_separate_inf_nan_from_underflow():
+    """Why: an "underflow meter 83%" that was mostly NaNs. The train step's meters count zeros
+    and subnormals (underflow_fraction) apart from inf/NaN (nonfinite_fraction), and the
+    report says each."""
+    import jax.numpy as jnp
+
+    from precisionlab.experiments.report import interpret
+    from precisionlab.train import nonfinite_fraction, underflow_fraction
+
+    g = {"w": jnp.array([jnp.nan, jnp.inf, 0.0, 1e-6, 1.0, 2.0, jnp.nan, 3.0])}
+    assert float(underflow_fraction(g, jnp.float16, nonfinite=False)) == 2 / 8  # 0 and 1e-6
+    assert float(nonfinite_fraction(g)) == 3 / 8
+    assert float(underflow_fraction(g, jnp.float16)) == 5 / 8  # the combined count, as before
+    text = "\n".join(interpret(_summary_with(
+        mean_underflow_fraction=0.1, mean_nonfinite_fraction=0.75, eval_loss=9.0,
+    )))  # fmt: skip
+    assert "inf/NaN in 75% of gradient elements" in text and "underflow meter" not in text
+
+
+def test_what_if_figures_say_they_are_what_ifs(tmp_path):
+    """Why: fp16-dynamic listed a what-if fp16 overflow of 100% with no step skipped, without
+    saying the figure is what the target format would do, not what the run did."""
+    from precisionlab.experiments.telemetry_views import telemetry_report
+
+    entry = {"kind": "op", "layer": "mul[3]", "tensor": "grad", "target": "fp16",
+             "fraction": 1.0, "step": 1}  # fmt: skip
+    unit = {"id": "00-x", "name": "x", "telemetry": {
+        "steps": [1], "targets": ["fp16"], "worst_underflow": [], "worst_overflow": [entry],
+    }}  # fmt: skip
+    text = "\n".join(telemetry_report(tmp_path, [unit], None))
+    assert "What-if overflow: had the tensor been stored in the target format" in text
+    assert "What-if: no finite nonzero value would underflow" in text

@@ -9,49 +9,55 @@ exit status 2; set ``PRECISIONLAB_DEBUG=1`` to see the traceback instead. Any ot
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from types import ModuleType
 
-from precisionlab.cli import (
-    bench_cmd,
-    bits_cmd,
-    compare_cmd,
-    conformance_cmd,
-    diagnose_cmd,
-    emulate_check_cmd,
-    env_cmd,
-    formats_cmd,
-    memory_cmd,
-    report_cmd,
-    run_cmd,
-    survey_cmd,
-    values_cmd,
-)
 from precisionlab.cli._common import Parser, UsageError, one_line, shorten
 
 __all__ = ["COMMANDS", "UsageError", "main"]
 
-#: Subcommand name -> its module.
-COMMANDS: dict[str, ModuleType] = {
-    "bits": bits_cmd,
-    "formats": formats_cmd,
-    "values": values_cmd,
-    "env": env_cmd,
-    "survey": survey_cmd,
-    "memory": memory_cmd,
-    "run": run_cmd,
-    "report": report_cmd,
-    "compare": compare_cmd,
-    "bench": bench_cmd,
-    "conformance": conformance_cmd,
-    "diagnose": diagnose_cmd,
-    "emulate-check": emulate_check_cmd,
+#: Subcommand name -> the module that implements it (imported when the subcommand is used:
+#: a command imports only its own module, and ``--version`` imports none).
+_MODULES = {
+    "bits": "bits_cmd",
+    "formats": "formats_cmd",
+    "values": "values_cmd",
+    "env": "env_cmd",
+    "survey": "survey_cmd",
+    "memory": "memory_cmd",
+    "run": "run_cmd",
+    "report": "report_cmd",
+    "compare": "compare_cmd",
+    "bench": "bench_cmd",
+    "conformance": "conformance_cmd",
+    "diagnose": "diagnose_cmd",
+    "emulate-check": "emulate_check_cmd",
 }
 
 
-def _build_parser() -> tuple[Parser, dict[str, ModuleType]]:
+class _Commands(Mapping[str, ModuleType]):
+    """Subcommand name -> its module, imported on first access."""
+
+    def __getitem__(self, name: str) -> ModuleType:
+        return importlib.import_module(f"{__name__}.{_MODULES[name]}")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_MODULES)
+
+    def __len__(self) -> int:
+        return len(_MODULES)
+
+
+#: Subcommand name -> its module (a read-only mapping that imports the module when asked).
+COMMANDS: Mapping[str, ModuleType] = _Commands()
+
+
+def _build_parser(only: str | None = None) -> tuple[Parser, Mapping[str, ModuleType]]:
+    """The parser of every subcommand, or (``only``) of that one alone: its module is the
+    only one imported."""
     from precisionlab import __version__
 
     parser = Parser(prog="precisionlab", description="A JAX lab for numerical precision.")
@@ -60,7 +66,8 @@ def _build_parser() -> tuple[Parser, dict[str, ModuleType]]:
         help="print the version and exit",
     )  # fmt: skip
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
-    for name, module in COMMANDS.items():
+    for name in COMMANDS if only is None else (only,):
+        module = COMMANDS[name]
         command = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(command)
     return parser, COMMANDS
@@ -92,7 +99,14 @@ def _quiet_stdout() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``precisionlab`` console script; returns the exit status."""
-    parser, modules = _build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--version"]:  # at once: no subcommand module, no JAX
+        from precisionlab import __version__
+
+        print(f"precisionlab {__version__}")
+        raise SystemExit(0)  # as argparse's version action does
+    given = argv[0] if argv and argv[0] in _MODULES else None
+    parser, modules = _build_parser(given)
     args, extra = parser.parse_known_args(argv)
     if extra:
         _innermost(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")

@@ -45,8 +45,26 @@ class Parser(argparse.ArgumentParser):
         self._negative_number_matcher = re.compile(r"^-(\d|\.\d|inf|nan)", re.IGNORECASE)
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        sys.stderr.write(f"{self.prog}: error: {one_line(message)}\n")
+        sys.stderr.write(f"{self.prog}: error: {one_line(_suggest(message))}\n")
         raise SystemExit(2)
+
+
+_INVALID = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)")
+
+
+def _suggest(message: str) -> str:
+    """argparse's "invalid choice: 'rnu' (choose from 'bits', ...)" with "did you mean
+    'run'?" put before the choices, when one is close."""
+    from precisionlab._schema import did_you_mean
+
+    found = _INVALID.search(message)
+    if not found:
+        return message
+    choices = re.findall(r"'([^']*)'", found.group(2))
+    hint = did_you_mean(found.group(1), choices).strip()
+    if not hint:
+        return message
+    return message.replace(" (choose from", f"; {hint} (choose from", 1)
 
 
 def shorten(text: str, limit: int = MAX_ECHO) -> str:

@@ -33,6 +33,7 @@ TABLE: tuple[tuple[str, str, str], ...] = (
     ("skipped", "skipped_steps", "d"),
     ("diverged@", "divergence_step", "div"),
     ("underflow", "mean_underflow_fraction", "pct"),
+    ("inf/nan", "mean_nonfinite_fraction", "pct"),
     ("scale_min", "min_loss_scale", "pow2"),
     ("scale_max", "max_loss_scale", "pow2"),
     ("time_s", "wall_time_s", "f1"),
@@ -186,9 +187,11 @@ def _write_report(run_dir: str | Path, *, plots: bool) -> tuple[Path, str]:
     lines += [
         f"final_loss: mean finite training loss over the last {summary.get('final_loss_window')} "
         "steps (nan/inf when the run ended diverged; summary.json's final_loss_finite keeps the "
-        "finite mean); eval_acc: accuracy on held-out batches at the end; underflow: "
-        "mean % of gradient elements zero/subnormal/non-finite in the compute dtype; "
-        "scale_min/max: extremes of the loss scale.",
+        "finite mean); eval_acc: accuracy on held-out batches at the end; diverged@: the first "
+        "step whose loss was inf/NaN (or exploded), which can come after the first inf/NaN "
+        "inside a step (telemetry below); underflow: mean % of gradient elements zero or "
+        "subnormal in the compute dtype; inf/nan: mean % of them inf or NaN (apart, so that a "
+        "step of NaNs does not read as underflow); scale_min/max: extremes of the loss scale.",
         "",
     ]
     failed = [u for u in summary["variants"] if u.get("status") == "failed"]
@@ -345,6 +348,32 @@ def _close(a: float | None, b: float | None, rel: float = 0.02) -> bool:
 _SCALE_FLOORS = {2.0**-126: -126, 2.0**-14: -14}
 
 
+def _divergence_fact(u: dict[str, Any]) -> str:
+    """ "diverged at step N", with where inf/NaN first appeared inside a step (telemetry)
+    beside it: the loss can stay finite for a step or more after a tensor inside the step
+    (GELU's cubic term, a gradient) became inf/NaN, so the two steps can differ."""
+    step = u.get("divergence_step")
+    text = f"diverged at step {step}" if step is not None else "diverged"
+    first = (u.get("telemetry") or {}).get("first_nonfinite")
+    if not first:
+        return text
+    where = first.get("layer", "?")
+    if first.get("site") and first["site"] != where:
+        where = f"{where}:{first['site']}"
+    if first.get("tensor"):
+        where = f"{where}.{first['tensor']}"
+    pass_ = "backward" if first.get("backward") else "forward"
+    at = first.get("step")
+    if step is not None and at is not None and at < step:
+        why = (
+            f"; inf/NaN first appeared inside step {at} ({pass_} pass, `{where}`) while that "
+            f"step's loss stayed finite: the non-finite values reached the loss at step {step}"
+        )
+    else:
+        why = f"; inf/NaN first appeared at step {at} ({pass_} pass, `{where}`)"
+    return text + why
+
+
 def interpret(summary: dict[str, Any]) -> list[str]:
     """Bullets of what a ``train`` run shows, from its summary: per setting, each variant
     against the setting's first variant (the reference): divergence and when, skipped steps,
@@ -373,8 +402,7 @@ def interpret(summary: dict[str, Any]) -> list[str]:
             if u.get("status") == "failed":
                 facts.append(f"failed ({u.get('error')})")
             if u.get("diverged"):
-                step = u.get("divergence_step")
-                facts.append(f"diverged at step {step}" if step is not None else "diverged")
+                facts.append(_divergence_fact(u))
             if skipped:
                 facts.append(f"skipped {skipped} of {steps} steps (inf/NaN gradients)")
             low = _num(u.get("min_loss_scale"))
@@ -393,6 +421,9 @@ def interpret(summary: dict[str, Any]) -> list[str]:
                     f"underflow meter {100 * underflow:.0f}% "
                     f"(reference {100 * (ref_underflow or 0):.0f}%)"
                 )
+            nonfinite = _num(u.get("mean_nonfinite_fraction"))
+            if nonfinite:
+                facts.append(f"inf/NaN in {100 * nonfinite:.0f}% of gradient elements (mean)")
             if not facts and _close(ev, ref_eval):
                 matching.append(name)
                 continue

@@ -112,6 +112,7 @@ _VARIANT = {
     "min_loss_scale": _num(),
     "max_loss_scale": _num(),
     "mean_underflow_fraction": _num(),
+    "mean_nonfinite_fraction": _num(),
     "wall_time_s": _num(),
     "recipe_metrics": _may(dict, values=_may(dict, values=_num())),
     "telemetry": _may(dict, fields=_TELEMETRY_SUMMARY),
@@ -138,7 +139,8 @@ _GROUP = {
     "failed": _may(int, **_COUNT),
 }
 _STAT_KEYS = ("final_loss", "final_loss_finite", "eval_loss", "eval_metric", "skipped_steps",
-              "divergence_step", "mean_underflow_fraction", "min_loss_scale", "max_loss_scale",
+              "divergence_step", "mean_underflow_fraction", "mean_nonfinite_fraction",
+              "min_loss_scale", "max_loss_scale",
               "wall_time_s")  # fmt: skip
 _GROUP.update({f"{k}_{s}": _num() for k in _STAT_KEYS for s in ("mean", "std")})
 
@@ -188,6 +190,7 @@ SCHEMAS: dict[str, dict[str, Field]] = {
         "loss": _num(),
         "loss_scale": _num(),
         "underflow_fraction": _num(),
+        "nonfinite_fraction": _num(),
         "skipped": _may(bool),
         "grad_norm": _num(),
         "metric": _num(),

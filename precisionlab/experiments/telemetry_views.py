@@ -178,7 +178,7 @@ def summarize_telemetry(unit_dir: Path) -> dict[str, Any] | None:
 #: all elements (what the computation did); a target: the fraction of the finite nonzero
 #: elements that format would flush to zero / overflow (what it would do).
 _ACTUAL = (("frac_zero", "% zero (as computed)"), ("frac_nonfinite", "% inf/NaN (as computed)"))
-_WHAT_IF = (("underflow", "% underflow under {}"), ("overflow", "% overflow under {}"))
+_WHAT_IF = (("underflow", "what-if: % underflow in {}"), ("overflow", "what-if: % overflow in {}"))
 #: The colour scale's floor (%): fractions from it to 100% on a log scale.
 _FLOOR_PCT = 1e-3
 
@@ -455,11 +455,14 @@ def telemetry_report(
         for key, what in (("worst_underflow", "underflow"), ("worst_overflow", "overflow")):
             worst = summ.get(key) or []
             if not worst:
-                lines += [f"No finite nonzero value would {what} under any target.", ""]
+                lines += [f"What-if: no finite nonzero value would {what} in any target format.",
+                          ""]  # fmt: skip
                 continue
-            lines += [f"Worst {what} (fraction of the finite nonzero elements a target would "
-                      f"{'flush to zero' if what == 'underflow' else 'overflow'}, at its worst "
-                      "step):", ""]  # fmt: skip
+            lines += [f"What-if {what}: had the tensor been stored in the target format, the "
+                      "fraction of its finite nonzero elements that format would "
+                      f"{'flush to zero' if what == 'underflow' else 'overflow'} (at its worst "
+                      "step). The run itself computed in its own dtypes: what it did is the "
+                      "inf/NaN above and the skipped steps in the table.", ""]  # fmt: skip
             lines += _table(worst, "target")
         if plot_dir is not None:
             name = store.safe_name(str(uid))
