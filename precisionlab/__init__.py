@@ -9,7 +9,6 @@ nor a submodule, so that ``precisionlab --version`` answers at once.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 __version__ = "0.1.0"
@@ -34,31 +33,23 @@ __all__ = [
     "round_to_format",
 ]
 
-#: Each top-level name -> the module it comes from.
-_HOME = {
-    **dict.fromkeys(
-        ("ROUNDING_MODES", "Class", "Rounding", "classify", "decode", "encode", "fields",
-         "round_to_format"),
-        "precisionlab.bits",
-    ),
-    **dict.fromkeys(
-        ("FloatFormat", "IntFormat", "Specials", "format_names", "get_format"),
-        "precisionlab.formats",
-    ),
-    **dict.fromkeys(("QArray", "dequantize", "fake_quant", "quantize"), "precisionlab.quant"),
-}  # fmt: skip
+_BITS = ("ROUNDING_MODES", "Class", "Rounding", "classify", "decode", "encode", "fields",
+         "round_to_format")  # fmt: skip
+_FORMATS = ("FloatFormat", "IntFormat", "Specials", "format_names", "get_format")
+_QUANT = ("QArray", "dequantize", "fake_quant", "quantize")
 
 
 def __getattr__(name: str) -> Any:
-    if name in _HOME:
-        value = getattr(importlib.import_module(_HOME[name]), name)
-    else:  # a submodule (``precisionlab.quant``), as an eager import made it an attribute
-        try:
-            value = importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as err:
-            if err.name != f"{__name__}.{name}":
-                raise
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    # the three subpackages an eager import made attributes of the package, and their names
+    if name == "bits" or name in _BITS:
+        import precisionlab.bits as home
+    elif name == "formats" or name in _FORMATS:
+        import precisionlab.formats as home
+    elif name == "quant" or name in _QUANT:
+        import precisionlab.quant as home
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = home if name in ("bits", "formats", "quant") else getattr(home, name)
     globals()[name] = value
     return value
 

@@ -9,7 +9,6 @@ exit status 2; set ``PRECISIONLAB_DEBUG=1`` to see the traceback instead. Any ot
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -19,36 +18,56 @@ from precisionlab.cli._common import Parser, UsageError, one_line, shorten
 
 __all__ = ["COMMANDS", "UsageError", "main"]
 
-#: Subcommand name -> the module that implements it (imported when the subcommand is used:
-#: a command imports only its own module, and ``--version`` imports none).
-_MODULES = {
-    "bits": "bits_cmd",
-    "formats": "formats_cmd",
-    "values": "values_cmd",
-    "env": "env_cmd",
-    "survey": "survey_cmd",
-    "memory": "memory_cmd",
-    "run": "run_cmd",
-    "report": "report_cmd",
-    "compare": "compare_cmd",
-    "bench": "bench_cmd",
-    "conformance": "conformance_cmd",
-    "diagnose": "diagnose_cmd",
-    "emulate-check": "emulate_check_cmd",
-}
+#: The subcommands, in the order ``--help`` lists them.
+_NAMES = ("bits", "formats", "values", "env", "survey", "memory", "run", "report", "compare",
+          "bench", "conformance", "diagnose", "emulate-check")  # fmt: skip
+
+
+def _module(name: str) -> ModuleType:
+    """The module of subcommand ``name``, imported now (a command imports only its own module,
+    and ``--version`` none)."""
+    if name == "bits":
+        from precisionlab.cli import bits_cmd as module
+    elif name == "formats":
+        from precisionlab.cli import formats_cmd as module
+    elif name == "values":
+        from precisionlab.cli import values_cmd as module
+    elif name == "env":
+        from precisionlab.cli import env_cmd as module
+    elif name == "survey":
+        from precisionlab.cli import survey_cmd as module
+    elif name == "memory":
+        from precisionlab.cli import memory_cmd as module
+    elif name == "run":
+        from precisionlab.cli import run_cmd as module
+    elif name == "report":
+        from precisionlab.cli import report_cmd as module
+    elif name == "compare":
+        from precisionlab.cli import compare_cmd as module
+    elif name == "bench":
+        from precisionlab.cli import bench_cmd as module
+    elif name == "conformance":
+        from precisionlab.cli import conformance_cmd as module
+    elif name == "diagnose":
+        from precisionlab.cli import diagnose_cmd as module
+    elif name == "emulate-check":
+        from precisionlab.cli import emulate_check_cmd as module
+    else:
+        raise KeyError(name)
+    return module
 
 
 class _Commands(Mapping[str, ModuleType]):
     """Subcommand name -> its module, imported on first access."""
 
     def __getitem__(self, name: str) -> ModuleType:
-        return importlib.import_module(f"{__name__}.{_MODULES[name]}")
+        return _module(name)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(_MODULES)
+        return iter(_NAMES)
 
     def __len__(self) -> int:
-        return len(_MODULES)
+        return len(_NAMES)
 
 
 #: Subcommand name -> its module (a read-only mapping that imports the module when asked).
@@ -105,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(f"precisionlab {__version__}")
         raise SystemExit(0)  # as argparse's version action does
-    given = argv[0] if argv and argv[0] in _MODULES else None
+    given = argv[0] if argv and argv[0] in _NAMES else None
     parser, modules = _build_parser(given)
     args, extra = parser.parse_known_args(argv)
     if extra:
