@@ -146,9 +146,12 @@ def _cache(args: argparse.Namespace) -> None:
 
 
 def _train(args: argparse.Namespace):
-    from precisionlab.experiments import runner
+    from precisionlab._clock import phase
 
-    _cache(args)
+    with phase("imports"):  # JAX, the trainer, the runner
+        from precisionlab.experiments import runner
+    with phase("compilation cache"):
+        _cache(args)
     timings = getattr(args, "timings", False)
     if args.resume:
         return runner.resume(args.resume, quiet=args.quiet, timings=timings)
@@ -159,9 +162,9 @@ def _train(args: argparse.Namespace):
 
 
 def _finish(args: argparse.Namespace, run_dir) -> int:
-    from precisionlab.experiments import report
+    from precisionlab._clock import phase
     from precisionlab.experiments.summary import failed_units
-    from precisionlab.experiments.timings import FILE, record_report, timings_table
+    from precisionlab.experiments.timings import FILE, record_phases, record_report, timings_table
     from precisionlab.train.timing import Stopwatch
 
     failed = failed_units(run_dir)
@@ -170,12 +173,16 @@ def _finish(args: argparse.Namespace, run_dir) -> int:
         print(run_dir)
     else:
         watch = Stopwatch()
-        path, table = report.write_report(run_dir)
+        with phase("report"):
+            from precisionlab.experiments import report
+
+            path, table = report.write_report(run_dir)
         if timings:
             record_report(run_dir, *watch.elapsed())
         print(table)
         print(f"\nrun directory: {run_dir}\nreport: {path}")
     if timings:
+        record_phases(run_dir)  # the whole process so far, by phase
         print(f"\ntimings ({run_dir / FILE}):\n{timings_table(run_dir)}")
     if failed:
         sys.stderr.write(f"{failed} variant(s) failed: see their error.log\n")
@@ -187,6 +194,10 @@ def run(args: argparse.Namespace) -> int:
     _check_args(args)
     spec = distributed_spec(args)
     if spec is None:
+        if getattr(args, "timings", False):
+            from precisionlab import _clock
+
+            _clock.start()  # timings.json accounts for the process from its start
         with terminating_like_ctrl_c():
             return _finish(args, _train(args))
     from precisionlab.cli import _supervise

@@ -144,6 +144,8 @@ _STAT_KEYS = ("final_loss", "final_loss_finite", "eval_loss", "eval_metric", "sk
               "wall_time_s")  # fmt: skip
 _GROUP.update({f"{k}_{s}": _num() for k in _STAT_KEYS for s in ("mean", "std")})
 
+_SECONDS = {"wall_s": _has(float, **_NUM), "cpu_s": _has(float, **_NUM)}
+
 #: File name -> its table's fields (:class:`precisionlab._schema.Field`, the one schema
 #: language of precisionlab; nested tables and lists of records included). A field whose
 #: default is REQUIRED must be present; a listed field must have its type and range.
@@ -227,7 +229,14 @@ SCHEMAS: dict[str, dict[str, Field]] = {
             ),
         ),
         "report": _may(dict, values=_num()),
-        "phases": _may(dict, values=_num()),
+        "process": _may(
+            dict,
+            fields={
+                "phases": _has(dict, values=_has(dict, fields=_SECONDS)),
+                "total": _has(dict, fields=_SECONDS),
+                "unaccounted": _has(dict, fields=_SECONDS),
+            },
+        ),
     },
 }
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from precisionlab import _io
+from precisionlab._clock import phase
 from precisionlab.experiments import kinds, store, train_kind
 from precisionlab.experiments.config import (
     Experiment,
@@ -75,7 +76,8 @@ def run_file(
     ``timings``: write where the run's time went to ``timings.json`` (see
     :mod:`precisionlab.experiments.timings`).
     """
-    experiment = load_experiment(path, overrides)
+    with phase("plan"):  # read, validate and resolve the experiment
+        experiment = load_experiment(path, overrides)
     if out is None:
         if not force:
             _refuse_unfinished(Path("runs"), experiment)
@@ -232,7 +234,8 @@ def _run_locked(
     run_info["config_hash"] = config_hash(experiment.resolved)
     store.write_json(run_json, run_info)
     env_path = run_dir / "environment.json"
-    env = store.environment()
+    with phase("environment"):  # JAX's backend starts here
+        env = store.environment()
     if env_path.exists() and resuming:
         previous_env = store.read_json(env_path)
         previous_env.setdefault("resumed_with", []).append(env)
@@ -346,7 +349,8 @@ def _run_train(
                 say(f"[{i + 1}/{len(units)}] {unit.name}: {status['status']} earlier, kept")
                 continue
             if ahead is not None:
-                ahead.wait()  # it compiled this unit's programs: do not compile them twice
+                with phase("compile ahead (waited)"):
+                    ahead.wait()  # it compiled this unit's programs: do not compile them twice
             started.add(_key(unit))
             later = [j for j in pending if j > i]
             # the next unit's programs, unless they are this unit's or an earlier one's
@@ -362,7 +366,8 @@ def _run_train(
                 hooks = (ProgressHook(bar, own=False),)
             loop = LoopTimings() if timings else None
             watch = Stopwatch()
-            _run_unit(unit, unit_dir, status, say=say, quiet=quiet, hooks=hooks, timings=loop)
+            with phase("units"):
+                _run_unit(unit, unit_dir, status, say=say, quiet=quiet, hooks=hooks, timings=loop)
             if loop is not None:
                 wall, cpu = watch.elapsed()
                 record_unit(
@@ -371,13 +376,16 @@ def _run_train(
                     unit.name,
                     {"wall_s": wall, "cpu_s": cpu, "loop": loop.to_dict()},
                 )
-            summarize_run(run_dir, experiment)
+            with phase("summaries"):
+                summarize_run(run_dir, experiment)
     finally:
         if ahead is not None:  # not left compiling while the interpreter shuts down
-            ahead.wait()
+            with phase("compile ahead (waited)"):
+                ahead.wait()
         if bar is not None:
             bar.close()
-    summarize_run(run_dir, experiment)
+    with phase("summaries"):
+        summarize_run(run_dir, experiment)
 
 
 def _key(unit: Unit) -> str | None:
