@@ -788,3 +788,179 @@ def test_the_timings_file_accounts_for_the_whole_run(tmp_path):
     total = proc["total"]["wall_s"]
     assert abs(total - wall) <= 0.05 * wall, (total, wall)
     assert abs(proc["unaccounted"]["wall_s"]) <= 0.05 * total, proc
+
+
+# --- 4. emulate keeps subnormals on the CPU -------------------------------------------------
+
+
+def _bf16_pairs(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random bfloat16 codes: a third subnormal or zero, a third near 2^-126, the rest wide."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(seed)
+
+    def codes():
+        sub = rng.integers(0, 0x80, n) | (rng.integers(0, 2, n) << 15)
+        near = rng.integers(0x0080, 0x0400, n) | (rng.integers(0, 2, n) << 15)
+        wide = rng.integers(0, 0x7F80, n) | (rng.integers(0, 2, n) << 15)
+        pick = rng.integers(0, 3, n)
+        return np.choose(pick, [sub, near, wide]).astype(np.uint16).view(ml_dtypes.bfloat16)
+
+    return codes(), codes()
+
+
+@pytest.mark.parametrize("op", ["add", "sub", "mul", "div"])
+def test_emulate_bf16_arithmetic_keeps_subnormals(op):
+    """Why: XLA on the CPU flushes float32 subnormals, which bfloat16's are: emulate's
+    bfloat16 + - * / lost subnormal operands and results an H100 keeps. Against float64 numpy
+    rounded once to bfloat16 by ml_dtypes (IEEE with subnormals; 53 >= 2 * 8 + 2 bits, so the
+    two roundings are one), on 3,000 pairs of which a third are subnormal or zero."""
+    import operator
+
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from precisionlab.emulate import emulate
+
+    fn = {"add": operator.add, "sub": operator.sub, "mul": operator.mul,
+          "div": operator.truediv}[op]  # fmt: skip
+    a, b = _bf16_pairs(3000, seed=len(op))
+    with np.errstate(all="ignore"):
+        want = fn(a.astype(np.float64), b.astype(np.float64)).astype(ml_dtypes.bfloat16)
+    got = np.asarray(emulate(fn, "c=bf16")(jnp.asarray(a), jnp.asarray(b)))
+    wv, gv = want.view(np.uint16), got.view(np.uint16)
+    same = (wv == gv) | (np.isnan(want.astype(np.float32)) & np.isnan(got.astype(np.float32)))
+    assert same.all(), (a[~same][:5], b[~same][:5], want[~same][:5], got[~same][:5])
+    sub = (wv & 0x7F80) == 0
+    assert (sub & (wv & 0x7F != 0)).sum() > 20  # subnormal results were tested
+
+
+def test_emulate_exp_ratio_in_bf16_keeps_its_subnormals():
+    """Why: on a held-out H100 capture of ``exp(x) / exp(x)`` in bfloat16, 79 of 8,192
+    outputs were NaN (0/0) under emulate where the H100 gives 1.0: exp(x) is subnormal there.
+    Against float64 numpy and ml_dtypes (exp correctly rounded to bfloat16, then the
+    quotient): 1.0 wherever exp(x) is a nonzero subnormal, NaN only where it is 0."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from precisionlab.emulate import emulate
+
+    x = np.arange(-100.0, -80.0, 0.0625).astype(ml_dtypes.bfloat16)
+    e = np.exp(x.astype(np.float64)).astype(ml_dtypes.bfloat16)
+    with np.errstate(all="ignore"):
+        want = (e.astype(np.float64) / e.astype(np.float64)).astype(ml_dtypes.bfloat16)
+    got = np.asarray(emulate(lambda v: jnp.exp(v) / jnp.exp(v), "c=bf16")(jnp.asarray(x)))
+    sub = (e.view(np.uint16) & 0x7F80) == 0
+    assert sub.sum() > 20 and np.isnan(want.astype(np.float32)).sum() > 0
+    np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
+
+
+def test_emulate_check_names_the_operations_with_subnormal_results():
+    """Where bit-exactness cannot be promised (an operation other than bfloat16 + - * / that
+    reads a subnormal), emulate.check names the operations whose results are subnormal."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from precisionlab.emulate import check
+
+    x = jnp.asarray(np.array([-90.0, -1.0, 0.5], ml_dtypes.bfloat16))
+    report = check(lambda v: jnp.exp(v) / jnp.exp(v), "c=bf16", x)
+    names = [o.name for o in report.subnormal]
+    assert names and all(n.startswith("exp") for n in names), names
+    assert "subnormal results (below 2^-126, which this CPU flushes) in exp" in report.text()
+
+
+# --- 6. the same numbers on any machine, or the reason --------------------------------------
+
+_CORES = textwrap.dedent(
+    """
+    import sys, hashlib, jax, jax.numpy as jnp, numpy as np
+    from precisionlab.train.deterministic import fixed_order
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((512, 2048)).astype(np.float32))
+    w = jnp.asarray(np.random.default_rng(1).standard_normal((2048, 8)).astype(np.float32))
+    f = lambda a, w: (jnp.sum(a), jnp.mean(a, axis=0), a @ w)
+    fn = fixed_order(f) if sys.argv[1] == "fixed" else f
+    print(hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in jax.jit(fn)(a, w))).hexdigest())
+    """
+)
+
+
+def _digest(mode: str, cores: str | None) -> str:
+    argv = [sys.executable, "-c", _CORES, mode]
+    if cores is not None:
+        argv = ["taskset", "-c", cores, *argv]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=120)
+    return out.stdout.strip()
+
+
+@pytest.mark.skipif(
+    shutil.which("taskset") is None or len(os.sched_getaffinity(0)) < 2,
+    reason="needs taskset and two cores",
+)
+def test_fixed_order_gives_the_same_bits_on_one_core_and_on_two():
+    """Why: the main job's numbers differed between two CPUs with the same jax. One cause
+    reproduces on this machine: XLA splits a large sum over the cores the process may use, so
+    jnp.sum's last bits change with the core count. The fixed order does not."""
+    assert _digest("plain", "0") != _digest("plain", None)  # what the fixed order fixes
+    assert _digest("fixed", "0") == _digest("fixed", None)
+
+
+def _pairwise(t: np.ndarray) -> np.ndarray:
+    """numpy reference of the fixed order: zero-pad the last axis to a power of two, halve."""
+    k = t.shape[-1]
+    width = 1 << max(0, (k - 1).bit_length())
+    t = np.concatenate([t, np.zeros((*t.shape[:-1], width - k), t.dtype)], axis=-1)
+    while t.shape[-1] > 1:
+        h = t.shape[-1] // 2
+        t = t[..., :h] + t[..., h:]
+    return t[..., 0]
+
+
+def test_the_fixed_order_is_the_documented_one():
+    """pairwise_dot and pairwise_sum against a numpy float32 reimplementation of the order
+    (bit for bit), with a batch axis, an odd K and a bfloat16 matmul rounded once."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from precisionlab.train.deterministic import pairwise_dot, pairwise_sum
+
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((2, 5, 37)).astype(np.float32)
+    b = rng.standard_normal((2, 37, 3)).astype(np.float32)
+    got = pairwise_dot(jnp.asarray(a), jnp.asarray(b), (((2,), (1,)), ((0,), (0,))), jnp.float32)
+    want = _pairwise(np.moveaxis(a[:, :, :, None] * b[:, None, :, :], 2, -1))
+    np.testing.assert_array_equal(np.asarray(got), want)
+    x = rng.standard_normal((6, 19, 4)).astype(np.float32)
+    np.testing.assert_array_equal(
+        np.asarray(pairwise_sum(jnp.asarray(x), (0, 2))),
+        _pairwise(np.transpose(x, (1, 0, 2)).reshape(19, -1)),
+    )
+    a16, b16 = a[0].astype(ml_dtypes.bfloat16), b[0].astype(ml_dtypes.bfloat16)
+    got16 = pairwise_dot(jnp.asarray(a16), jnp.asarray(b16), (((1,), (0,)), ((), ())),
+                         jnp.bfloat16)  # fmt: skip
+    wide = a16.astype(np.float32)[:, :, None] * b16.astype(np.float32)[None, :, :]
+    want16 = _pairwise(np.moveaxis(wide, 1, -1)).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(np.asarray(got16).view(np.uint16), want16.view(np.uint16))
+
+
+def test_a_deterministic_run_records_the_cpu_and_trains(work, cli):
+    """`run --deterministic` sets train.deterministic, trains through the fixed order (its
+    losses are finite and close to the plain run's) and records the CPU's instruction set,
+    the usable cores and XLA's version and flags in environment.json."""
+    (work / "d.toml").write_text(TINY.format(steps=3).replace(
+        "[[variant]]\nname = \"b\"\n", "") + "telemetry = { enabled = false }\n")  # fmt: skip
+    base = ["run", "d.toml", "--quiet", "--no-report", "--no-cache"]
+    cli([*base, "--out", "plain"], status=0)
+    cli([*base, "--out", "fixed", "--deterministic"], status=0)
+    config = store.read_json(work / "fixed" / "config.json")
+    assert config["resolved"]["units"][0]["params"]["deterministic"] is True
+    env = store.read_json(work / "fixed" / "environment.json")
+    assert env["cpu"]["cores_usable"] >= 1 and env["xla"]["jaxlib"]
+    if env["cpu"]["machine"] in ("x86_64", "AMD64"):
+        assert "sse4_2" in env["cpu"]["isa"]
+    rows = {d: store.read_jsonl(work / d / "variants" / "00-a" / "metrics.jsonl")
+            for d in ("plain", "fixed")}  # fmt: skip
+    for p, f in zip(rows["plain"], rows["fixed"], strict=True):
+        assert np.isfinite(f["loss"]) and f["loss"] == pytest.approx(p["loss"], rel=1e-5)
+    _, err = cli(["run", "--resume", "fixed", "--deterministic"])
+    assert "--deterministic apply to a new run" in err

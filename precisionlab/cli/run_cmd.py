@@ -53,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         help="override a key of the file, e.g. train.steps=50 or variant.fp16-static.lr=0.01",
     )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="matmuls and sums in a fixed order, so that a train experiment's numbers are the "
+        "same bits on any CPU (at a cost; sets train.deterministic = true)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     parser.add_argument("--no-report", action="store_true", help="skip report.md and plots")
     parser.add_argument(
@@ -129,8 +135,8 @@ def distributed_spec(args: argparse.Namespace) -> tuple[str, int, int, int] | No
 def _check_args(args: argparse.Namespace) -> None:
     if args.resume and args.config:
         raise UsageError("give either CONFIG or --resume DIR, not both")
-    if args.resume and (args.overrides or args.out):
-        raise UsageError("--set and --out apply to a new run, not to --resume")
+    if args.resume and (args.overrides or args.out or getattr(args, "deterministic", False)):
+        raise UsageError("--set, --out and --deterministic apply to a new run, not to --resume")
     if not args.resume and not args.config:
         raise UsageError("give an experiment file (CONFIG) or --resume DIR")
     # an existing directory's files (report.md, summary.json) are never replaced unasked
@@ -155,8 +161,11 @@ def _train(args: argparse.Namespace):
     timings = getattr(args, "timings", False)
     if args.resume:
         return runner.resume(args.resume, quiet=args.quiet, timings=timings)
+    overrides = list(args.overrides)
+    if getattr(args, "deterministic", False):
+        overrides.append("train.deterministic=true")
     return runner.run_file(
-        args.config, out=args.out, overrides=args.overrides, quiet=args.quiet, timings=timings,
+        args.config, out=args.out, overrides=overrides, quiet=args.quiet, timings=timings,
         force=bool(getattr(args, "force", False)),
     )  # fmt: skip
 

@@ -41,6 +41,7 @@ from precisionlab.experiments import runfiles
 __all__ = [
     "JsonlWriter",
     "confined",
+    "cpu_description",
     "environment",
     "lock_holder",
     "locked_run",
@@ -125,11 +126,42 @@ def environment() -> dict[str, Any]:
         "numpy": _version("numpy"),
         "precisionlab": _version("precisionlab"),
         "backend": jax.default_backend(),
+        # what decides a CPU run's last bits without train.deterministic: the instruction set
+        # XLA compiles for, the cores a reduction may be split over, XLA's build and flags
+        "cpu": cpu_description(),
+        "xla": {"jaxlib": _version("jaxlib"), "flags": os.environ.get("XLA_FLAGS", "")},
         "device_kind": devices[0].device_kind if devices else None,
         "device_count": len(devices),  # of all processes in a multi-process run
         "process_count": jax.process_count(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+
+
+#: The x86 instruction-set extensions recorded (those XLA's CPU code generation may use).
+_ISA = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+        "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")  # fmt: skip
+
+
+def cpu_description() -> dict[str, Any]:
+    """The CPU model, its instruction-set extensions that matter to XLA (x86 ``/proc/cpuinfo``
+    flags; on other machines the architecture only) and the cores this process may use."""
+    model, flags = platform.processor() or platform.machine(), []
+    try:
+        text = _io.read_head("/proc/cpuinfo", 1 << 20)[0].decode(errors="replace")
+    except (OSError, ValueError):
+        text = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and value.strip():
+            model = value.strip()
+        if key.strip() in ("flags", "Features") and not flags:
+            present = set(value.split())
+            flags = [f for f in _ISA if f in present] or sorted(present)[:40]
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count()
+    return {"model": model, "machine": platform.machine(), "isa": flags, "cores_usable": usable}
 
 
 @functools.cache
