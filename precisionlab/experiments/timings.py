@@ -46,7 +46,7 @@ def record_report(run_dir: Path, wall_s: float, cpu_s: float) -> None:
 
 
 def record_phases(run_dir: Path) -> None:
-    """Write the process's phases (:mod:`precisionlab._clock`: startup, imports, plan,
+    """Write the process's phases (``precisionlab._clock``: startup, imports, plan,
     environment, units, compile waits, summaries, report), its total wall and CPU seconds
     since it started, and what the phases leave unaccounted, as ``process``."""
     snap = _clock.snapshot()

@@ -27,7 +27,7 @@ def make_eval_fn(
     ``program_key`` (see :mod:`precisionlab.train.programs`), one jitted function serves every
     call under that key (the batches are its argument). ``eval_fn.lower(params)`` lowers it
     (``.compile()`` then compiles it ahead of the first call). ``deterministic``: its matmuls
-    and sums in a fixed order (:func:`precisionlab.train.deterministic.fixed_order`)."""
+    and sums in a fixed order (``precisionlab.train.deterministic.fixed_order``)."""
     stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *batches)
     if program_key is None:
         run = _make_run(loss_fn, policy, deterministic)
