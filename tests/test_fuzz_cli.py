@@ -170,6 +170,12 @@ SURVEY = st.tuples(
         },
     ),
 ).map(lambda t: ["survey", "--size", "1024", "--formats", t[0], "--dist", t[1], *t[2]])
+#: What a mistyped subcommand must not be (a real one would run).
+_SUBCOMMANDS = frozenset(
+    ("bits", "formats", "values", "env", "survey", "memory", "run", "report", "compare",
+     "bench", "conformance", "diagnose", "emulate-check", "consistency", "verify",
+     "forecast", "tournament")
+)  # fmt: skip
 OTHER = st.one_of(
     st.sampled_from(
         [
@@ -201,6 +207,13 @@ OTHER = st.one_of(
     st.tuples(st.sampled_from(["bits", "memory", "survey", "nope"]), weird).map(
         lambda t: [t[0], "--definitely-unknown", t[1]]
     ),
+    # issue 39: --version at once, a mistyped subcommand (did you mean), the run's new flags
+    st.just(["--version"]),
+    st.text("abcdefghijklmnopqrstuvwxyz-", min_size=1, max_size=14)
+    .filter(lambda s: s not in _SUBCOMMANDS)
+    .map(lambda s: [s, "x"]),
+    st.tuples(value).map(lambda t: ["run", t[0], "--deterministic", "--force", "--quiet"]),
+    st.tuples(value).map(lambda t: ["run", "--resume", t[0], "--deterministic"]),
 )
 
 
