@@ -964,3 +964,36 @@ def test_a_deterministic_run_records_the_cpu_and_trains(work, cli):
         assert np.isfinite(f["loss"]) and f["loss"] == pytest.approx(p["loss"], rel=1e-5)
     _, err = cli(["run", "--resume", "fixed", "--deterministic"])
     assert "--deterministic apply to a new run" in err
+
+
+def test_a_rerun_copies_its_telemetry_figures_instead_of_drawing_them(work, monkeypatch):
+    """Time: the report's telemetry figures were half of a warm rerun's CPU seconds. With a
+    figure cache (``run`` passes figures/ of its compilation cache), figures drawn from the
+    same rows, targets, title and code are copied, byte for byte; other rows are drawn."""
+    from precisionlab.experiments import report, telemetry_views
+
+    monkeypatch.setenv("PRECISIONLAB_REPORT_WORKERS", "1")
+    cache = work / "cache" / "figures"
+    first, second = work / "r1", work / "r2"
+    shutil.copytree(DATA, first)
+    shutil.copytree(DATA, second)
+    report.write_report(first, figure_cache=cache)
+    pngs = sorted((first / "plots").glob("telemetry_*.png"))
+    assert pngs and len(list(cache.glob("*.png"))) == len(pngs)
+
+    def refuse(jobs):
+        assert not jobs, "a cached figure was drawn again"
+        return []
+
+    monkeypatch.setattr(telemetry_views, "_draw_all", refuse)
+    report.write_report(second, figure_cache=cache)
+    for png in pngs:
+        assert (second / "plots" / png.name).read_bytes() == png.read_bytes()
+    assert (second / "report.md").read_text().count("telemetry_heatmap") == (
+        (first / "report.md").read_text().count("telemetry_heatmap")
+    )
+    with open(second / "variants" / "00-a" / "telemetry.jsonl", "a") as f:
+        f.write((DATA / "variants" / "00-a" / "telemetry.jsonl").read_text().splitlines()[0]
+                .replace('"step": 1', '"step": 2') + "\n")  # fmt: skip
+    with pytest.raises(AssertionError, match="drawn again"):
+        report.write_report(second, figure_cache=cache)  # other rows: drawn

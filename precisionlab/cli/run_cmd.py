@@ -148,7 +148,9 @@ def _check_args(args: argparse.Namespace) -> None:
 def _cache(args: argparse.Namespace) -> None:
     from precisionlab.train.compile_cache import OFF, enable_compilation_cache
 
-    enable_compilation_cache(OFF if args.no_cache else args.cache_dir)
+    where = enable_compilation_cache(OFF if args.no_cache else args.cache_dir)
+    # the report's telemetry figures are kept beside the compiled programs (by content)
+    args.figure_cache = None if where is None else where / "figures"
 
 
 def _train(args: argparse.Namespace):
@@ -185,7 +187,9 @@ def _finish(args: argparse.Namespace, run_dir) -> int:
         with phase("report"):
             from precisionlab.experiments import report
 
-            path, table = report.write_report(run_dir)
+            path, table = report.write_report(
+                run_dir, figure_cache=getattr(args, "figure_cache", None)
+            )
         if timings:
             record_report(run_dir, *watch.elapsed())
         print(table)

@@ -161,14 +161,19 @@ def headers() -> list[str]:
     return [h for h, _, _ in TABLE]
 
 
-def write_report(run_dir: str | Path, *, plots: bool = True) -> tuple[Path, str]:
+def write_report(
+    run_dir: str | Path, *, plots: bool = True, figure_cache: str | Path | None = None
+) -> tuple[Path, str]:
     """Write ``report.md`` (and plots) for ``run_dir``; returns its path and the text table.
-    No link inside ``run_dir`` is followed (:func:`precisionlab._io.confined`)."""
+    No link inside ``run_dir`` is followed (:func:`precisionlab._io.confined`).
+    ``figure_cache``: a directory keeping the telemetry figures by the content they are drawn
+    from, so that a rerun with the same results copies them instead of drawing them (``run``
+    passes ``figures/`` of its compilation cache directory); None: draw every figure."""
     with store.confined(run_dir):
-        return _write_report(run_dir, plots=plots)
+        return _write_report(run_dir, plots=plots, figure_cache=figure_cache)
 
 
-def _write_report(run_dir: str | Path, *, plots: bool) -> tuple[Path, str]:
+def _write_report(run_dir: str | Path, *, plots: bool, figure_cache=None) -> tuple[Path, str]:
     data = load_run(run_dir)
     store.check_no_symlinks(Path(run_dir))  # report.md and plots/ must not land elsewhere
     run_dir = Path(run_dir)
@@ -216,7 +221,7 @@ def _write_report(run_dir: str | Path, *, plots: bool) -> tuple[Path, str]:
 
     want_plots = plots and resolved.get("report", {}).get("plots", True)
     plot_dir = run_dir / "plots" if want_plots else None
-    lines += telemetry_report(run_dir, summary["variants"], plot_dir)
+    lines += telemetry_report(run_dir, summary["variants"], plot_dir, figure_cache=figure_cache)
     lines += ["## Setup", ""]
     if resolved:
         base = resolved.get("train", {})
