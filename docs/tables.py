@@ -170,14 +170,18 @@ def run_dir(ctx: Context, config: str) -> Path:
 
 
 def summary_table(ctx: Context, config: str, drop: tuple[str, ...] = ("status", "time_s")) -> str:
-    """The run's summary table (``precisionlab report``'s columns, without ``drop``) in
-    Markdown."""
+    """The run's summary table (``precisionlab report``'s columns, without ``drop``, and
+    without inf/nan where no variant had any) in Markdown."""
     from precisionlab.experiments import report
 
     summary = json.loads((run_dir(ctx, config) / "summary.json").read_text())
     headers = report.headers()
-    keep = [i for i, h in enumerate(headers) if h not in drop]
-    rows = [[row[i] for i in keep] for row in report.summary_rows(summary)]
+    full = report.summary_rows(summary)
+    # the inf/nan column only where some variant had inf/NaN gradients
+    quiet = {i for i, h in enumerate(headers) if h == "inf/nan"
+             and all(r[i] in ("0.0%", "-") for r in full)}  # fmt: skip
+    keep = [i for i, h in enumerate(headers) if h not in drop and i not in quiet]
+    rows = [[row[i] for i in keep] for row in full]
     return report.markdown_table(rows, [headers[i] for i in keep])
 
 

@@ -18,6 +18,7 @@ Writes (every command's):
   error, never followed.
 
 Reads: :func:`read_bytes` (regular files only, no-follow, a size limit, FIFOs never block),
+:func:`read_head` (the first bytes of such a file),
 :func:`read_json` and :func:`read_jsonl` on top (bad JSON, deep nesting and huge integers are
 one :class:`DamagedFileError` line naming the file).
 
@@ -56,6 +57,7 @@ __all__ = [
     "makedirs",
     "open_existing_or_new",
     "read_bytes",
+    "read_head",
     "read_json",
     "read_jsonl",
     "save_figure",
@@ -332,14 +334,13 @@ def open_existing_or_new(path: str | os.PathLike, *, append: bool, truncate: boo
     return fd
 
 
-def read_bytes(path: str | os.PathLike, max_bytes: int) -> bytes:
-    """The bytes of the regular file ``path`` (no link followed for its last component; below
-    a :func:`confined` root none at all); :class:`UnsafePathError` for anything else or a
-    file over ``max_bytes`` (a FIFO never blocks)."""
-    path = Path(path)
+def _open_regular(path: Path) -> int:
+    """A read descriptor on the regular file ``path`` (no link followed for its last
+    component; below a :func:`confined` root none at all); :class:`UnsafePathError` for
+    anything else, refused before it is opened (opening a device can act; a FIFO blocks)."""
     dir_fd = _dir_fd(os.fspath(path.parent))
     try:
-        try:  # a device is refused before it is ever opened (opening one can act)
+        try:
             mode = os.stat(path.name, dir_fd=dir_fd, follow_symlinks=False).st_mode
             if not stat.S_ISREG(mode):
                 raise _refuse(path, mode, "reads")
@@ -350,24 +351,49 @@ def read_bytes(path: str | os.PathLike, max_bytes: int) -> bytes:
             raise
     finally:
         os.close(dir_fd)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise _refuse(path, mode, "reads")
+    return fd
+
+
+def _read_up_to(fd: int, limit: int) -> bytes:
+    chunks, size = [], 0
+    while size < limit:
+        chunk = os.read(fd, min(1 << 20, limit - size))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
+def read_bytes(path: str | os.PathLike, max_bytes: int) -> bytes:
+    """The bytes of the regular file ``path`` (no link followed for its last component; below
+    a :func:`confined` root none at all); :class:`UnsafePathError` for anything else or a
+    file over ``max_bytes`` (a FIFO never blocks)."""
+    fd = _open_regular(Path(path))
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise _refuse(path, mode, "reads")
-        chunks, size = [], 0
-        while size <= max_bytes:
-            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - size))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
+        data = _read_up_to(fd, max_bytes + 1)
     finally:
         os.close(fd)
-    if size > max_bytes:
+    if len(data) > max_bytes:
         raise UnsafePathError(
             f"{os.fspath(path)}: larger than {max_bytes} bytes; not a file precisionlab wrote"
         )
-    return b"".join(chunks)
+    return data
+
+
+def read_head(path: str | os.PathLike, limit: int) -> tuple[bytes, bool]:
+    """At most ``limit`` bytes of the regular file ``path`` and whether it holds more (as
+    :func:`read_bytes`: no link followed, never a FIFO or device)."""
+    fd = _open_regular(Path(path))
+    try:
+        data = _read_up_to(fd, limit + 1)
+    finally:
+        os.close(fd)
+    return data[:limit], len(data) > limit
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:

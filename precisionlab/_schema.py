@@ -26,6 +26,7 @@ __all__ = [
     "REQUIRED",
     "ConfigError",
     "Field",
+    "check_data",
     "check_depth",
     "coerce",
     "describe_type",
@@ -85,6 +86,12 @@ class Field:
         field is always finite (no nan or inf).
       above: exclusive lower bound (``value > above``), e.g. 0 for a positive float.
       why: the reason for a bound, shown in the message (e.g. "the float32 max").
+      fields: a ``dict`` key's own table (key -> Field), or, for a ``list`` of ``dict``
+        items, each item's table: nested tables are checked by the same rules.
+      values: a ``dict`` key whose keys are free (names, ids) but whose values all have this
+        field.
+      nonfinite: a ``float`` that may be inf or nan, also written as the strings ``"nan"``,
+        ``"inf"``, ``"-inf"`` (strict JSON's non-finite numbers, in files read back).
     """
 
     type: type
@@ -98,6 +105,9 @@ class Field:
     high: float | None = None
     above: float | None = None
     why: str = ""
+    fields: Mapping[str, Field] | None = None
+    values: Field | None = None
+    nonfinite: bool = False
 
     def allowed(self) -> Sequence[Any] | None:
         return self.choices() if callable(self.choices) else self.choices
@@ -177,6 +187,10 @@ def _range_text(field: Field) -> str:
 
 def _check_range(value: float, field: Field, where: str) -> None:
     kind = "an int" if field.type is int else "a finite number"
+    if field.nonfinite and field.type is float:
+        if not math.isfinite(value):
+            return
+        kind = "a number"
     ok = field.type is int or math.isfinite(value)
     ok = ok and (field.above is None or value > field.above)
     ok = ok and (field.low is None or value >= field.low)
@@ -289,3 +303,64 @@ def check_depth(value: Any, where: str, limit: int | None = None) -> None:
             stack.extend((v, depth + 1) for v in item.values())
         elif isinstance(item, list):
             stack.extend((v, depth + 1) for v in item)
+
+
+#: The strings strict JSON files use for non-finite floats (``Field(nonfinite=True)``).
+NONFINITE = ("nan", "inf", "-inf")
+
+_WORDS = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
+          dict: "an object", list: "a list"}  # fmt: skip
+
+
+def _data_type_ok(value: Any, field: Field) -> bool:
+    if field.type is float and field.nonfinite and isinstance(value, str):
+        return value in NONFINITE
+    return _is_type(value, field.type)
+
+
+def check_data(data: Any, schema: Mapping[str, Field], where: str) -> Any:
+    """``data`` (a table read back from a file precisionlab wrote) checked against ``schema``,
+    nested tables included (:attr:`Field.fields`, :attr:`Field.values`, list items); returns
+    it unchanged. Unlike :func:`validate_table` nothing is coerced or filled in, and keys the
+    schema does not list are accepted (a newer precisionlab may add some): a key whose
+    default is :data:`REQUIRED` must be present, a listed key must have its type, range,
+    choices and ``check``. Errors are one :class:`ConfigError` naming the path as
+    ``where: key: key[i]: ...`` (``summary.json: variants[0]: final_loss: expected a number,
+    got list [1]``); iterative, so nesting depth costs no recursion."""
+    stack: list[tuple[Any, Field, str]] = [(data, Field(dict, fields=schema), where)]
+    while stack:
+        value, field, at = stack.pop()
+        if value is None:
+            if not field.nullable:
+                raise ConfigError(f"{at}: expected {_WORDS[field.type]}, got null")
+            continue
+        if not _data_type_ok(value, field):
+            shown = str(value)[:40]
+            raise ConfigError(f"{at}: expected {_WORDS[field.type]}" + (
+                " or null" if field.nullable else ""
+            ) + f", got {type(value).__name__} {shown!r}")  # fmt: skip
+        if field.type in (int, float) and not isinstance(value, str):
+            _check_range(value, field, at)
+        allowed = field.allowed()
+        if allowed is not None and value not in allowed:
+            raise ConfigError(f"{at}: {value!r} is not one of {', '.join(map(str, allowed))}")
+        if field.check is not None:
+            try:
+                field.check(value)
+            except (ValueError, TypeError) as err:
+                raise ConfigError(f"{at}: {str(err).splitlines()[0]}") from None
+        if field.type is dict:
+            for key, sub in (field.fields or {}).items():
+                if key in value:
+                    stack.append((value[key], sub, f"{at}: {key}"))
+                elif sub.default is REQUIRED:
+                    raise ConfigError(f"{at}: missing field {key!r}")
+            if field.values is not None:
+                stack.extend((v, field.values, f"{at}: {k}") for k, v in value.items())
+        elif field.type is list and field.item is not None:
+            sub = dataclasses.replace(
+                field, type=field.item, item=None, default=REQUIRED, nullable=False,
+                check=None, choices=None,
+            )  # fmt: skip
+            stack.extend((v, sub, f"{at}[{i}]") for i, v in enumerate(value))
+    return data

@@ -75,6 +75,13 @@ def _files(work: Path) -> None:
         'kind = "survey"\nname = "s"\n[survey]\nformats = ["int8"]\ndists = ["normal"]\n'
     )
     (work / "afile").write_text("x")
+    (work / "oldrun").mkdir(exist_ok=True)  # another run's files, its config.json gone
+    (work / "oldrun" / "run.json").write_text('{"status": "finished"}')
+    (work / "memory_seq0.toml").write_text('kind = "memory"\nname = "m"\n[memory]\nseq = 0\n')
+    (work / "raises.py").write_text(
+        "import jax.numpy as jnp\n\ndef model(x):\n    raise RuntimeError('broken')\n\n"
+        "def inputs():\n    return (jnp.ones(2),)\n"
+    )
     (work / "utf16.toml").write_bytes(tiny().encode("utf-16"))
     for key, value in DIAG_TABLE.items():
         (work / f"diag_{key}.toml").write_text(tiny(diag=value))
@@ -120,12 +127,14 @@ MUTATED = {
     "fp8_hadamard": ("fp8_recipes.toml", "hadamard = true", 'hadamard = "yes"'),
     "fp8_recipe_name": ("fp8_recipes.toml", 'recipe = "current"', 'recipe = "nope"'),
     "fp8_recipe_type": ("fp8_recipes.toml", 'recipe = "current"', "recipe = 3"),
-    "fp8_telemetry": ("fp8_recipes.toml", "telemetry = { enabled = false }",
-                      "telemetry = { interval = -1 }"),
-    "fp8_telemetry_key": ("fp8_recipes.toml", "telemetry = { enabled = false }",
-                          "telemetry = { bogus = 1 }"),
-    "fp8_telemetry_type": ("fp8_recipes.toml", "telemetry = { enabled = false }",
-                           'telemetry = "on"'),
+    # the file no longer sets telemetry (on by default): the bad table is added beside
+    # hist_interval
+    "fp8_telemetry": ("fp8_recipes.toml", "hist_interval = 50",
+                      "hist_interval = 50\ntelemetry = { interval = -1 }"),
+    "fp8_telemetry_key": ("fp8_recipes.toml", "hist_interval = 50",
+                          "hist_interval = 50\ntelemetry = { bogus = 1 }"),
+    "fp8_telemetry_type": ("fp8_recipes.toml", "hist_interval = 50",
+                           'hist_interval = 50\ntelemetry = "on"'),
     "fp8_hist_neg": ("fp8_recipes.toml", "hist_interval = 50", "hist_interval = -50"),
     "fp8_outliers_huge": ("fp8_recipes_outliers.toml", "outlier_channels = 4",
                           "outlier_channels = 1000000"),
@@ -299,6 +308,18 @@ def cases() -> dict[str, list[str]]:
     c["bench_quant_cases"] = ["bench", "quant", "--cases", "nope"]
     c["bench_telemetry_model"] = ["bench", "telemetry", "--model", "conv"]
     c["bench_telemetry_out"] = ["bench", "telemetry", "--out", "/nonexistent/x.json"]
+    # issue 39: the trust pass's options and commands
+    c["bench_recipes_accumulator_names"] = ["bench", "recipes", "--accumulator", "--recipes", "x"]
+    for flag in ("--m", "--n", "--k"):
+        for v in ("2147483647", BIG, "0", "-1"):
+            c[f"bench_hardware{flag}_{v}"] = ["bench", "hardware", flag, v]
+    c["run_deterministic_survey"] = ["run", "survey.toml", "--deterministic", "--quiet"]
+    c["run_deterministic_resume"] = ["run", "--resume", "afile", "--deterministic"]
+    c["run_force_old_files"] = ["run", "tiny.toml", "--out", "oldrun", "--force", "--quiet"]
+    c["run_set_input_scale"] = [*RUN, "--set", "train.data_kwargs.input_scale=1e308"]
+    c["run_set_deterministic"] = [*RUN, "--set", "train.deterministic=maybe"]
+    c["memory_run_seq0"] = ["run", "memory_seq0.toml", "--quiet", "--no-report"]
+    c["emulate_check_raises"] = ["emulate-check", "raises.py"]
     return c
 
 

@@ -62,14 +62,14 @@ def test_every_elementwise_chain_matches_the_h100(name):
     for chain, f in CHAINS.items():
         want = DATA[f"ew_{name}_{chain}"]
         ok = _agree(_run(f, x, f"c={name}"), want, dt)
+        assert ok.all(), (chain, int((~ok).sum()))
         if name == "bf16" and chain == "softmax":
-            # The named exception: the H100 returns bfloat16 subnormals (below 2**-126, which
-            # are float32's subnormals) where XLA:CPU's float32 arithmetic flushes them to zero.
+            # The H100 returns bfloat16 subnormals here (below 2**-126, float32's subnormals),
+            # which XLA:CPU's float32 arithmetic flushes: emulate's bfloat16 arithmetic keeps
+            # them (issue 39; it was the one named exception, 29 values, before)
             vals = want.view(dt).astype(np.float32)
-            assert np.all(np.abs(vals[~ok]) < np.finfo(np.float32).tiny), chain
-            assert np.all(vals[~ok] != 0) and 0 < (~ok).sum() < 64
-        else:
-            assert ok.all(), (chain, int((~ok).sum()))
+            sub = (vals != 0) & (np.abs(vals) < np.finfo(np.float32).tiny)
+            assert 20 < sub.sum() < 64
     # plain jit on this CPU does not reproduce the H100 (exp overflows in float16 on the GPU,
     # where XLA:CPU up to jax 0.10 keeps float32 in the fusion; x * 1000 / 1000 is folded to x
     # by XLA:GPU in bfloat16, not by XLA:CPU, seen up to jax 0.11.2)

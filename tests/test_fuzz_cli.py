@@ -170,6 +170,12 @@ SURVEY = st.tuples(
         },
     ),
 ).map(lambda t: ["survey", "--size", "1024", "--formats", t[0], "--dist", t[1], *t[2]])
+#: What a mistyped subcommand must not be (a real one would run).
+_SUBCOMMANDS = frozenset(
+    ("bits", "formats", "values", "env", "survey", "memory", "run", "report", "compare",
+     "bench", "conformance", "diagnose", "emulate-check", "consistency", "verify",
+     "forecast", "tournament")
+)  # fmt: skip
 OTHER = st.one_of(
     st.sampled_from(
         [
@@ -201,6 +207,13 @@ OTHER = st.one_of(
     st.tuples(st.sampled_from(["bits", "memory", "survey", "nope"]), weird).map(
         lambda t: [t[0], "--definitely-unknown", t[1]]
     ),
+    # issue 39: --version at once, a mistyped subcommand (did you mean), the run's new flags
+    st.just(["--version"]),
+    st.text("abcdefghijklmnopqrstuvwxyz-", min_size=1, max_size=14)
+    .filter(lambda s: s not in _SUBCOMMANDS)
+    .map(lambda s: [s, "x"]),
+    st.tuples(value).map(lambda t: ["run", t[0], "--deterministic", "--force", "--quiet"]),
+    st.tuples(value).map(lambda t: ["run", "--resume", t[0], "--deterministic"]),
 )
 
 
@@ -395,17 +408,16 @@ def monkeypatch_runner(monkeypatch):
     Survey experiments run for real."""
     from precisionlab.experiments import runner, store
 
-    real = runner.run_experiment
+    real = runner._run_locked  # called with the run's lock held (run_file, resume)
 
-    @store.holding_run_lock
     def fake(experiment, run_dir, *, quiet=False, resuming=False, **_):
         if experiment.kind == "survey":
-            return real.__wrapped__(experiment, run_dir, quiet=quiet, resuming=resuming)
+            return real(experiment, run_dir, quiet=quiet, resuming=resuming)
         store.write_json(Path(run_dir) / "summary.json", {"kind": "other", "status": "finished"})
         print("validated")
         return Path(run_dir)
 
-    monkeypatch.setattr(runner, "run_experiment", fake)
+    monkeypatch.setattr(runner, "_run_locked", fake)
 
 
 # The default suite's sample is kept to about 10 CPU seconds (the suite's budget); the slow

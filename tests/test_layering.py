@@ -3,7 +3,7 @@
 Read from the source (every ``import`` statement, also those inside functions), so a lazy import
 cannot hide an edge. Layers, lowest first; a module may import its own layer and those below:
 
-    _schema, _io, _text (neutral helpers) -> formats -> bits -> quant -> (precisionlab facade)
+    _schema, _io, _text, _clock (neutral helpers) -> formats -> bits -> quant -> (facade)
     -> metrics -> survey -> mixed -> intercept, recipes, emulate -> telemetry -> train -> memory
     -> bench -> consistency -> experiments -> diagnose -> conformance -> cli -> __main__
 """
@@ -16,7 +16,7 @@ import precisionlab
 ROOT = pathlib.Path(precisionlab.__file__).parent
 
 LAYERS = [
-    ("_schema", "_io", "_text"),
+    ("_schema", "_io", "_text", "_clock"),
     ("formats",),
     ("bits",),
     ("quant",),

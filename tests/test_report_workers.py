@@ -100,4 +100,4 @@ def test_heatmap_labels_every_layer_and_step_once_per_row_and_column(monkeypatch
         assert ylabels == (layers if col == 0 else [])
         assert xlabels == (["1", "11", "21"] if row == 2 else [])
         assert ax.get_xlabel() == ("step" if row == 2 else "")
-        assert ax.get_title().startswith("s/u: %")
+        assert ax.get_title().startswith(("s/u: %", "s/u: what-if: %"))

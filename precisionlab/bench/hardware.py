@@ -65,10 +65,14 @@ def measure(m: int, n: int, k: int, repeats: int) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.m * args.n * args.k > 2**34:
-        from precisionlab._text import UsageError
+    from precisionlab._text import UsageError
 
+    if args.m * args.n * args.k > 2**34:
         raise UsageError("--m x --n x --k must be at most 2^34 products")
+    try:  # before the inputs are made: a MemoryError otherwise
+        hw.check_gemm_size(args.m, args.k, args.n)
+    except ValueError as err:
+        raise UsageError(f"--m {args.m} --k {args.k} --n {args.n}: {err}") from None
     res = measure(args.m, args.n, args.k, args.repeats)
     if args.json:
         print(json.dumps(res, indent=1))

@@ -274,10 +274,6 @@ def run(args: argparse.Namespace) -> int:
     from precisionlab._text import UsageError, split_list
     from precisionlab.recipes import RECIPE_NAMES
 
-    if args.accumulator:
-        rows = accumulator_table()
-        print(json.dumps(rows, indent=1)) if args.json else _print_accumulator(rows)
-        return 0
     names = list(DEFAULT_RECIPES) if args.recipes is None else split_list(args.recipes)
     bad = [n for n in names if n not in (*RECIPE_NAMES, PLAIN)]
     allowed = f"allowed: {PLAIN}, {', '.join(RECIPE_NAMES)}"
@@ -285,6 +281,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--recipes: name at least one recipe; {allowed}")
     if bad:
         raise UsageError(f"unknown recipe {bad[0]!r}; {allowed}")
+    if args.accumulator:
+        if args.recipes is not None:  # the table is the recipes' shared accumulator model
+            raise UsageError("--accumulator prints one table for every recipe; drop --recipes")
+        rows = accumulator_table()
+        print(json.dumps(rows, indent=1)) if args.json else _print_accumulator(rows)
+        return 0
     _check_sizes(args)
     if args.d_model % args.heads:
         raise UsageError(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")

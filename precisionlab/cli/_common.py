@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 
 from precisionlab._text import UsageError, split_list
 
@@ -18,6 +22,7 @@ _QUOTED = re.compile(rf"'[^']{{{MAX_ECHO},}}'|\"[^\"]{{{MAX_ECHO},}}\"")
 __all__ = [
     "MAX_ECHO",
     "Parser",
+    "Terminated",
     "UsageError",
     "check_out_dir",
     "check_path_shape",
@@ -25,6 +30,7 @@ __all__ = [
     "shorten",
     "split_list",
     "stdout_is_tty",
+    "terminating_like_ctrl_c",
 ]
 
 
@@ -39,8 +45,26 @@ class Parser(argparse.ArgumentParser):
         self._negative_number_matcher = re.compile(r"^-(\d|\.\d|inf|nan)", re.IGNORECASE)
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        sys.stderr.write(f"{self.prog}: error: {one_line(message)}\n")
+        sys.stderr.write(f"{self.prog}: error: {one_line(_suggest(message))}\n")
         raise SystemExit(2)
+
+
+_INVALID = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)")
+
+
+def _suggest(message: str) -> str:
+    """argparse's "invalid choice: 'rnu' (choose from 'bits', ...)" with "did you mean
+    'run'?" put before the choices, when one is close."""
+    from precisionlab._schema import did_you_mean
+
+    found = _INVALID.search(message)
+    if not found:
+        return message
+    choices = re.findall(r"'([^']*)'", found.group(2))
+    hint = did_you_mean(found.group(1), choices).strip()
+    if not hint:
+        return message
+    return message.replace(" (choose from", f"; {hint} (choose from", 1)
 
 
 def shorten(text: str, limit: int = MAX_ECHO) -> str:
@@ -96,3 +120,37 @@ def check_out_dir(out: str | None, *, new: bool = False, force_hint: bool = Fals
             f"--out {shorten(out)}: the directory is not empty; name a new one"
             + (" or pass --force" if force_hint else "")
         )
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised like Ctrl-C's KeyboardInterrupt so that a run ends the same
+    way (state written, ``run.json`` interrupted, lock released); ``signum`` says which."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_terminated(signum: int, _frame: object) -> None:
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def terminating_like_ctrl_c() -> Iterator[None]:
+    """Within the block, SIGTERM and SIGHUP raise :class:`Terminated` (a KeyboardInterrupt)
+    in the main thread; the previous handlers come back after it. Nothing outside the main
+    thread (signals go to it only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    wanted = [s for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None]
+    previous = {}
+    for sig in wanted:
+        if signal.getsignal(sig) is signal.SIG_IGN:  # nohup: the user asked to ignore it
+            continue
+        previous[sig] = signal.signal(sig, _raise_terminated)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

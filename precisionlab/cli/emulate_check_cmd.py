@@ -71,6 +71,19 @@ def _load(target: str) -> tuple[Any, tuple]:
     return fn, args if isinstance(args, tuple) else (args,)
 
 
+def _trace_natively(fn: Any, inputs: tuple, target: str) -> None:
+    """Trace the user's function on its inputs (shapes only, no compilation): an exception
+    there is the function's, said in one line (UsageError) rather than a traceback from
+    inside ``emulate``."""
+    import jax
+
+    try:
+        jax.eval_shape(fn, *inputs)
+    except Exception as err:  # the user's code: one line naming it
+        why = f"{type(err).__name__}: {err}".splitlines()[0] if str(err) else type(err).__name__
+        raise UsageError(f"{shorten(target)}: calling it on {INPUTS}() failed: {why}") from err
+
+
 def run(args: argparse.Namespace) -> int:
     from precisionlab.emulate import check, emulate
     from precisionlab.mixed.policy import get_policy
@@ -81,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise UsageError(str(err)) from None
     fn, inputs = _load(args.target)
+    _trace_natively(fn, inputs, args.target)
     try:
         report = check(emulate(fn, args.policy, hardware=args.hardware), args.policy, *inputs)
     except NotImplementedError as err:  # an operation emulate cannot enter, named

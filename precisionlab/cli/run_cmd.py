@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-from precisionlab.cli._common import UsageError, check_out_dir
+from precisionlab.cli._common import UsageError, check_out_dir, terminating_like_ctrl_c
 
 HELP = "run an experiment (TOML) into a run directory; --resume DIR continues a killed run"
 
@@ -42,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--force",
         action="store_true",
-        help="let --out name a directory that holds other files (a run in it is still kept)",
+        help="let --out name a directory that holds other files (a run in it is still kept), "
+        "or start a new run although an unfinished one of the same experiment is under runs/",
     )
     parser.add_argument(
         "--set",
@@ -51,6 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         help="override a key of the file, e.g. train.steps=50 or variant.fp16-static.lr=0.01",
+    )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="matmuls and sums in a fixed order, so that a train experiment's numbers are the "
+        "same bits on any CPU (at a cost; sets train.deterministic = true)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     parser.add_argument("--no-report", action="store_true", help="skip report.md and plots")
@@ -128,8 +135,8 @@ def distributed_spec(args: argparse.Namespace) -> tuple[str, int, int, int] | No
 def _check_args(args: argparse.Namespace) -> None:
     if args.resume and args.config:
         raise UsageError("give either CONFIG or --resume DIR, not both")
-    if args.resume and (args.overrides or args.out):
-        raise UsageError("--set and --out apply to a new run, not to --resume")
+    if args.resume and (args.overrides or args.out or getattr(args, "deterministic", False)):
+        raise UsageError("--set, --out and --deterministic apply to a new run, not to --resume")
     if not args.resume and not args.config:
         raise UsageError("give an experiment file (CONFIG) or --resume DIR")
     # an existing directory's files (report.md, summary.json) are never replaced unasked
@@ -141,25 +148,34 @@ def _check_args(args: argparse.Namespace) -> None:
 def _cache(args: argparse.Namespace) -> None:
     from precisionlab.train.compile_cache import OFF, enable_compilation_cache
 
-    enable_compilation_cache(OFF if args.no_cache else args.cache_dir)
+    where = enable_compilation_cache(OFF if args.no_cache else args.cache_dir)
+    # the report's telemetry figures are kept beside the compiled programs (by content)
+    args.figure_cache = None if where is None else where / "figures"
 
 
 def _train(args: argparse.Namespace):
-    from precisionlab.experiments import runner
+    from precisionlab._clock import phase
 
-    _cache(args)
+    with phase("imports"):  # JAX, the trainer, the runner
+        from precisionlab.experiments import runner
+    with phase("compilation cache"):
+        _cache(args)
     timings = getattr(args, "timings", False)
     if args.resume:
         return runner.resume(args.resume, quiet=args.quiet, timings=timings)
+    overrides = list(args.overrides)
+    if getattr(args, "deterministic", False):
+        overrides.append("train.deterministic=true")
     return runner.run_file(
-        args.config, out=args.out, overrides=args.overrides, quiet=args.quiet, timings=timings
-    )
+        args.config, out=args.out, overrides=overrides, quiet=args.quiet, timings=timings,
+        force=bool(getattr(args, "force", False)),
+    )  # fmt: skip
 
 
 def _finish(args: argparse.Namespace, run_dir) -> int:
-    from precisionlab.experiments import report
+    from precisionlab._clock import phase
     from precisionlab.experiments.summary import failed_units
-    from precisionlab.experiments.timings import FILE, record_report, timings_table
+    from precisionlab.experiments.timings import FILE, record_phases, record_report, timings_table
     from precisionlab.train.timing import Stopwatch
 
     failed = failed_units(run_dir)
@@ -168,12 +184,18 @@ def _finish(args: argparse.Namespace, run_dir) -> int:
         print(run_dir)
     else:
         watch = Stopwatch()
-        path, table = report.write_report(run_dir)
+        with phase("report"):
+            from precisionlab.experiments import report
+
+            path, table = report.write_report(
+                run_dir, figure_cache=getattr(args, "figure_cache", None)
+            )
         if timings:
             record_report(run_dir, *watch.elapsed())
         print(table)
         print(f"\nrun directory: {run_dir}\nreport: {path}")
     if timings:
+        record_phases(run_dir)  # the whole process so far, by phase
         print(f"\ntimings ({run_dir / FILE}):\n{timings_table(run_dir)}")
     if failed:
         sys.stderr.write(f"{failed} variant(s) failed: see their error.log\n")
@@ -185,7 +207,12 @@ def run(args: argparse.Namespace) -> int:
     _check_args(args)
     spec = distributed_spec(args)
     if spec is None:
-        return _finish(args, _train(args))
+        if getattr(args, "timings", False):
+            from precisionlab import _clock
+
+            _clock.start()  # timings.json accounts for the process from its start
+        with terminating_like_ctrl_c():
+            return _finish(args, _train(args))
     from precisionlab.cli import _supervise
 
     if os.environ.get(_supervise.CHILD_ENV) == "1":

@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from precisionlab import hardware as hw
+from precisionlab._text import table
 
 __all__ = ["GEMM_CASES", "GemmResult", "gemm_tables", "run_gemm_conformance"]
 
@@ -104,13 +105,13 @@ def gemm_tables(res: GemmResult) -> list[tuple[str, str]]:
     """One text table per case: implementations x models, percent bit-identical."""
     tables = []
     for case in res.cases:
-        head = f"{'GEMM':<28}" + "".join(f"{m:>12}" for m in MODELS)
-        rows = [head, "-" * len(head)]
+        rows = []
         for impl in res.implementations:
-            cells = []
+            cells = [impl]
             for model in MODELS:
                 v = res.share[(impl, case, model)]
-                cells.append(f"{'n/a' if v is None else f'{100 * v:.1f}%':>12}")
-            rows.append(f"{impl:<28}" + "".join(cells))
-        tables.append((f"{case}: outputs bit-identical to each model", "\n".join(rows)))
+                cells.append("n/a" if v is None else f"{100 * v:.1f}%")
+            rows.append(cells)
+        text = table(rows, ["GEMM", *MODELS], "l" + "r" * len(MODELS))  # columns fit the names
+        tables.append((f"{case}: outputs bit-identical to each model", text))
     return tables

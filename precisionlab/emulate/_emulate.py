@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from precisionlab.emulate import _matmul, _model, _simplify
+from precisionlab.emulate import _matmul, _model, _simplify, _subnormal
 from precisionlab.emulate._simplify import Folds
 from precisionlab.intercept import Context, Intercepted, Site, boundary, intercept
 from precisionlab.mixed.numerics import enforce
@@ -219,8 +219,17 @@ class _RoundRule:
         if name == "integer_pow":
             return [_model.integer_power(ins[0], params["y"], lambda v: self._rnd(v, out_aval))]
         if name == "div" and _is_float(out_aval):
-            return [self._rnd(_model.divide(ins[0], ins[1]), out_aval)]
-        return None
+            plain = self._rnd(_model.divide(ins[0], ins[1]), out_aval)
+        elif name in _subnormal.ARITHMETIC and _is_float(out_aval):
+            plain = self._rnd(boundary.bind(eqn.primitive, params, *ins)[0], out_aval)
+        else:
+            return None
+        if np.dtype(tgt) != np.dtype(jnp.bfloat16) or not all(
+            _is_float(v.aval) for v in eqn.invars
+        ):
+            return [plain]
+        # bfloat16's subnormals are float32's, which this CPU flushes: computed exactly
+        return [_subnormal.arithmetic(name, ins[0], ins[1], plain).astype(out_aval.dtype)]
 
     def _compute(self, eqn, ins: list) -> list:
         """The primitive on rounded operands, results rounded."""
@@ -236,8 +245,10 @@ class _RoundRule:
             # tensor-core model sees 16-bit inputs in a float32 program under a 16-bit policy
             ops = [self._narrowed(x, v.aval) for x, v in zip(ins, eqn.invars, strict=True)]
             outs = [self.matmul(*ops, params, eqn.outvars[0].aval.dtype)]
-        elif name == "reduce_sum" and (self.backward or not self.reduce_fp32) and (
-            self.target(eqn.outvars[0].aval) is not None
+        elif (
+            name == "reduce_sum"
+            and (self.backward or not self.reduce_fp32)
+            and (self.target(eqn.outvars[0].aval) is not None)
         ):
             tgt = self.target(eqn.outvars[0].aval)
             outs = [_reduce_rounded(ins[0], params["axes"], tgt)]

@@ -3,12 +3,14 @@
 ``precisionlab run CONFIG`` -> :func:`run_file`; ``--resume DIR`` -> :func:`resume`;
 ``precisionlab report DIR`` -> :func:`write_report`; ``precisionlab compare`` ->
 :func:`compare_runs`.
+
+Names are imported on first use (PEP 562): a module of this package that needs no JAX (the
+run store, the report's figures, drawn in worker processes) is imported without it.
 """
 
-from precisionlab.experiments.compare import compare_runs
-from precisionlab.experiments.config import ConfigError, Experiment, Unit, load_experiment
-from precisionlab.experiments.report import write_report
-from precisionlab.experiments.runner import resume, run_file
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = [
     "ConfigError",
@@ -20,3 +22,23 @@ __all__ = [
     "run_file",
     "write_report",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "compare_runs":
+        import precisionlab.experiments.compare as home
+    elif name in ("ConfigError", "Experiment", "Unit", "load_experiment"):
+        import precisionlab.experiments.config as home
+    elif name == "write_report":
+        import precisionlab.experiments.report as home
+    elif name in ("resume", "run_file"):
+        import precisionlab.experiments.runner as home
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(home, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

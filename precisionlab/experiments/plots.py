@@ -8,8 +8,8 @@
 - ``loss_scale.png``: the loss scale per step (log2 axis), for variants with loss scaling; a
   scale that underflowed to 0 (no log) is marked with triangles on the bottom edge.
 - ``skipped.png``: cumulative skipped steps (non-finite gradients), settings with skips only.
-- ``underflow.png``: the underflow meter, % of gradient elements zero/subnormal/non-finite in
-  the compute dtype.
+- ``underflow.png``: the underflow meter, % of gradient elements zero or subnormal in the
+  compute dtype (inf/NaN elements are counted apart: the summary's ``mean_nonfinite_fraction``).
 - ``hist_grad.png`` / ``hist_act.png``: histograms of log2|gradient| and log2|activation| at
   the last histogram step, with the float16 and bfloat16 representable ranges shaded (subnormal
   range light, normal range dark, max as a line), in the manner of Fig. 3 of Micikevicius et al.
@@ -389,14 +389,15 @@ def write_plots(data: dict[str, Any], plot_dir: Path) -> list[tuple[str, Path]]:
         ),
     )
     add(
-        "Underflow meter: % of gradient elements zero, subnormal or inf/NaN in the compute dtype.",
+        "Underflow meter: % of gradient elements zero or subnormal in the compute dtype "
+        "(inf/NaN elements are counted apart, in the table's inf/nan column).",
         "underflow.png",
         _plot_curves(
             units,
             "underflow_fraction",
             plot_dir / "underflow.png",
             what="underflow meter",
-            ylabel="% of gradient elements lost\n(zero, subnormal or inf/NaN)",
+            ylabel="% of gradient elements lost\n(zero or subnormal)",
             transform=lambda v: 100 * v,
             log="no",
         ),

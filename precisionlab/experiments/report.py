@@ -33,6 +33,7 @@ TABLE: tuple[tuple[str, str, str], ...] = (
     ("skipped", "skipped_steps", "d"),
     ("diverged@", "divergence_step", "div"),
     ("underflow", "mean_underflow_fraction", "pct"),
+    ("inf/nan", "mean_nonfinite_fraction", "pct"),
     ("scale_min", "min_loss_scale", "pow2"),
     ("scale_max", "max_loss_scale", "pow2"),
     ("time_s", "wall_time_s", "f1"),
@@ -68,6 +69,20 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
                 }
             )
     return data
+
+
+def run_status(run_dir: Path, run_info: dict[str, Any]) -> str:
+    """``run.json``'s status, with the truth about a ``running`` one whose process has ended
+    without marking it (killed): it says so and how to continue."""
+    status = str(run_info.get("status", "?"))
+    if status == "running":
+        holder = store.lock_holder(run_dir)
+        if holder is not None and not holder[1]:
+            return (
+                f"running, but its process {holder[0]} has ended without finishing (killed?): "
+                f"continue with `precisionlab run --resume {run_dir}`"
+            )
+    return status
 
 
 def _maybe(path: Path) -> Any:
@@ -146,14 +161,19 @@ def headers() -> list[str]:
     return [h for h, _, _ in TABLE]
 
 
-def write_report(run_dir: str | Path, *, plots: bool = True) -> tuple[Path, str]:
+def write_report(
+    run_dir: str | Path, *, plots: bool = True, figure_cache: str | Path | None = None
+) -> tuple[Path, str]:
     """Write ``report.md`` (and plots) for ``run_dir``; returns its path and the text table.
-    No link inside ``run_dir`` is followed (:func:`precisionlab._io.confined`)."""
+    No link inside ``run_dir`` is followed (:func:`precisionlab._io.confined`).
+    ``figure_cache``: a directory keeping the telemetry figures by the content they are drawn
+    from, so that a rerun with the same results copies them instead of drawing them (``run``
+    passes ``figures/`` of its compilation cache directory); None: draw every figure."""
     with store.confined(run_dir):
-        return _write_report(run_dir, plots=plots)
+        return _write_report(run_dir, plots=plots, figure_cache=figure_cache)
 
 
-def _write_report(run_dir: str | Path, *, plots: bool) -> tuple[Path, str]:
+def _write_report(run_dir: str | Path, *, plots: bool, figure_cache=None) -> tuple[Path, str]:
     data = load_run(run_dir)
     store.check_no_symlinks(Path(run_dir))  # report.md and plots/ must not land elsewhere
     run_dir = Path(run_dir)
@@ -166,15 +186,17 @@ def _write_report(run_dir: str | Path, *, plots: bool) -> tuple[Path, str]:
     lines = [f"# {summary.get('name', run_dir.name)}", ""]
     if summary.get("description"):
         lines += [summary["description"], ""]
-    status = data["run"].get("status", "?")
+    status = run_status(run_dir, data["run"])
     lines += [f"Run directory `{run_dir}` (status: {status}).", ""]
     lines += ["## Results", "", markdown_table(rows, headers()), ""]
     lines += [
         f"final_loss: mean finite training loss over the last {summary.get('final_loss_window')} "
         "steps (nan/inf when the run ended diverged; summary.json's final_loss_finite keeps the "
-        "finite mean); eval_acc: accuracy on held-out batches at the end; underflow: "
-        "mean % of gradient elements zero/subnormal/non-finite in the compute dtype; "
-        "scale_min/max: extremes of the loss scale.",
+        "finite mean); eval_acc: accuracy on held-out batches at the end; diverged@: the first "
+        "step whose loss was inf/NaN (or exploded), which can come after the first inf/NaN "
+        "inside a step (telemetry below); underflow: mean % of gradient elements zero or "
+        "subnormal in the compute dtype; inf/nan: mean % of them inf or NaN (apart, so that a "
+        "step of NaNs does not read as underflow); scale_min/max: extremes of the loss scale.",
         "",
     ]
     failed = [u for u in summary["variants"] if u.get("status") == "failed"]
@@ -199,7 +221,7 @@ def _write_report(run_dir: str | Path, *, plots: bool) -> tuple[Path, str]:
 
     want_plots = plots and resolved.get("report", {}).get("plots", True)
     plot_dir = run_dir / "plots" if want_plots else None
-    lines += telemetry_report(run_dir, summary["variants"], plot_dir)
+    lines += telemetry_report(run_dir, summary["variants"], plot_dir, figure_cache=figure_cache)
     lines += ["## Setup", ""]
     if resolved:
         base = resolved.get("train", {})
@@ -277,11 +299,12 @@ def _write_other_report(data: dict[str, Any]) -> tuple[Path, str]:
         lines += [markdown_table(table_rows, ["key", "value"]), ""]
     # A kind's plain-text tables (e.g. survey/summary.txt) are the most useful terminal output.
     texts = sorted(run_dir.rglob("*.txt"))
-    for txt in texts:
-        body = txt.read_text(encoding="utf-8").rstrip()
+    bodies = [_io.read_bytes(t, _io.MAX_JSON_BYTES).decode("utf-8", "replace") for t in texts]
+    for txt, body in zip(texts, bodies, strict=True):
+        body = body.rstrip()
         lines += [f"## {txt.relative_to(run_dir).as_posix()}", "", "```", body, "```", ""]
     if texts:
-        table = "\n\n".join(t.read_text(encoding="utf-8").rstrip() for t in texts)
+        table = "\n\n".join(b.rstrip() for b in bodies)
     pngs = sorted(run_dir.rglob("*.png"))
     for png in pngs:
         caption = CAPTIONS.get(png.name, png.stem.replace("_", " "))
@@ -330,6 +353,32 @@ def _close(a: float | None, b: float | None, rel: float = 0.02) -> bool:
 _SCALE_FLOORS = {2.0**-126: -126, 2.0**-14: -14}
 
 
+def _divergence_fact(u: dict[str, Any]) -> str:
+    """ "diverged at step N", with where inf/NaN first appeared inside a step (telemetry)
+    beside it: the loss can stay finite for a step or more after a tensor inside the step
+    (GELU's cubic term, a gradient) became inf/NaN, so the two steps can differ."""
+    step = u.get("divergence_step")
+    text = f"diverged at step {step}" if step is not None else "diverged"
+    first = (u.get("telemetry") or {}).get("first_nonfinite")
+    if not first:
+        return text
+    where = first.get("layer", "?")
+    if first.get("site") and first["site"] != where:
+        where = f"{where}:{first['site']}"
+    if first.get("tensor"):
+        where = f"{where}.{first['tensor']}"
+    pass_ = "backward" if first.get("backward") else "forward"
+    at = first.get("step")
+    if step is not None and at is not None and at < step:
+        why = (
+            f"; inf/NaN first appeared inside step {at} ({pass_} pass, `{where}`) while that "
+            f"step's loss stayed finite: the non-finite values reached the loss at step {step}"
+        )
+    else:
+        why = f"; inf/NaN first appeared at step {at} ({pass_} pass, `{where}`)"
+    return text + why
+
+
 def interpret(summary: dict[str, Any]) -> list[str]:
     """Bullets of what a ``train`` run shows, from its summary: per setting, each variant
     against the setting's first variant (the reference): divergence and when, skipped steps,
@@ -358,8 +407,7 @@ def interpret(summary: dict[str, Any]) -> list[str]:
             if u.get("status") == "failed":
                 facts.append(f"failed ({u.get('error')})")
             if u.get("diverged"):
-                step = u.get("divergence_step")
-                facts.append(f"diverged at step {step}" if step is not None else "diverged")
+                facts.append(_divergence_fact(u))
             if skipped:
                 facts.append(f"skipped {skipped} of {steps} steps (inf/NaN gradients)")
             low = _num(u.get("min_loss_scale"))
@@ -378,6 +426,9 @@ def interpret(summary: dict[str, Any]) -> list[str]:
                     f"underflow meter {100 * underflow:.0f}% "
                     f"(reference {100 * (ref_underflow or 0):.0f}%)"
                 )
+            nonfinite = _num(u.get("mean_nonfinite_fraction"))
+            if nonfinite:
+                facts.append(f"inf/NaN in {100 * nonfinite:.0f}% of gradient elements (mean)")
             if not facts and _close(ev, ref_eval):
                 matching.append(name)
                 continue

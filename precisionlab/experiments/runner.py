@@ -17,6 +17,7 @@ checkpoints and writing nothing.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -25,6 +26,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from precisionlab import _io
+from precisionlab._clock import phase
 from precisionlab.experiments import kinds, store, train_kind
 from precisionlab.experiments.config import (
     Experiment,
@@ -39,7 +42,7 @@ from precisionlab.train import ProgressHook, distributed, train
 from precisionlab.train.compose import program_key
 from precisionlab.train.timing import LoopTimings, Stopwatch
 
-__all__ = ["DONE", "follow", "resume", "run_experiment", "run_file"]
+__all__ = ["DONE", "config_hash", "follow", "resume", "run_experiment", "run_file"]
 
 #: Unit statuses that resume does not redo.
 DONE = ("finished", "failed")
@@ -60,26 +63,92 @@ def run_file(
     overrides: Sequence[str] = (),
     quiet: bool = False,
     timings: bool = False,
+    force: bool = False,
 ) -> Path:
     """Validate ``path`` (with ``--set`` overrides), then run it; returns the run directory.
 
-    ``out`` is the run directory to create (it must not hold a run already); by default a new
-    ``runs/<name>-<timestamp>`` under the current directory. ``timings``: write where each
-    unit's time went to ``timings.json`` (see :mod:`precisionlab.experiments.timings`).
+    ``out`` is the run directory to create: it must not hold a run (ValueError naming
+    ``--resume``), nor another run's files without its ``config.json`` (they cannot be told
+    apart from this run's). By default a new ``runs/<name>-<timestamp>`` under the current
+    directory; then an unfinished run of the same experiment there (interrupted, or left
+    ``running`` by a process that died) is a ValueError naming it and ``--resume``, unless
+    ``force``. The run's lock is taken before anything is written in the directory.
+    ``timings``: write where the run's time went to ``timings.json`` (see
+    :mod:`precisionlab.experiments.timings`).
     """
-    experiment = load_experiment(path, overrides)
+    with phase("plan"):  # read, validate and resolve the experiment
+        experiment = load_experiment(path, overrides)
     if out is None:
+        if not force:
+            _refuse_unfinished(Path("runs"), experiment)
         run_dir = store.new_run_dir(Path("runs"), experiment.name)
     else:
         run_dir = Path(out)
-        if (run_dir / "config.json").exists():
-            raise ValueError(
-                f"{run_dir} already holds a run; continue it with --resume {run_dir} "
-                "or choose another --out"
-            )
-        run_dir.mkdir(parents=True, exist_ok=True)
-    _write_config(run_dir, experiment, overrides)
-    return run_experiment(experiment, run_dir, quiet=quiet, timings=timings)
+    with store.locked_run(run_dir) as previous:
+        _refuse_old_files(run_dir)
+        _write_config(run_dir, experiment, overrides)
+        return _run_locked(experiment, run_dir, quiet=quiet, timings=timings, previous=previous)
+
+
+#: What a run writes in its directory, besides config.json: a directory holding any of these
+#: holds (part of) a run.
+RUN_FILES = ("run.json", "summary.json", "environment.json", "timings.json", "variants")
+
+
+def _refuse_old_files(run_dir: Path) -> None:
+    if (run_dir / "config.json").exists():
+        raise ValueError(
+            f"{run_dir} already holds a run; continue it with --resume {run_dir} "
+            "or choose another --out"
+        )
+    old = [name for name in RUN_FILES if os.path.lexists(run_dir / name)]
+    if old:
+        raise ValueError(
+            f"{run_dir} holds another run's files ({', '.join(old)}) but no config.json, so "
+            "nothing proves which experiment made them; remove them or choose another --out"
+        )
+
+
+def _refuse_unfinished(root: Path, experiment: Experiment) -> None:
+    """ValueError when ``root`` holds an unfinished run of ``experiment`` (the same resolved
+    configuration): a plain re-run would otherwise start afresh beside it."""
+    if not root.is_dir():
+        return
+    mine = config_hash(experiment.resolved)
+    prefix = store.safe_name(experiment.name) + "-"
+    for run_dir in sorted(root.iterdir(), reverse=True):
+        if not run_dir.name.startswith(prefix) or not (run_dir / "config.json").is_file():
+            continue
+        try:
+            saved = store.read_json(run_dir / "config.json")
+            info = store.read_json(run_dir / "run.json") if (run_dir / "run.json").exists() else {}
+        except ValueError:
+            continue  # a damaged run is no one's to resume
+        status = info.get("status")
+        if status not in ("running", "interrupted") or config_hash(saved.get("resolved")) != mine:
+            continue
+        holder = store.lock_holder(run_dir)
+        if status == "running" and holder is not None and holder[1]:
+            state = f"is being run by process {holder[0]}"
+        elif status == "running":
+            pid = f"process {holder[0]}" if holder else "its process"
+            state = f"was left running by {pid}, which has ended (killed?)"
+        else:
+            state = "was interrupted"
+        raise ValueError(
+            f"{run_dir} holds an unfinished run of this experiment ({state}): continue it with "
+            f"`precisionlab run --resume {run_dir}`, or pass --force to start a new run"
+        )
+
+
+def config_hash(resolved: Any) -> str:
+    """A short hash of a resolved configuration (JSON-able): what proves a recorded unit or
+    run was made under the same configuration."""
+    import hashlib
+    import json
+
+    text = json.dumps(_io.to_jsonable(resolved), sort_keys=True, allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _write_config(run_dir: Path, experiment: Experiment, overrides: Sequence[str]) -> None:
@@ -90,27 +159,36 @@ def _write_config(run_dir: Path, experiment: Experiment, overrides: Sequence[str
             "overrides": list(overrides),
             "document": experiment.document,
             "resolved": experiment.resolved,
+            "config_hash": config_hash(experiment.resolved),
         },
     )
 
 
 def resume(run_dir: str | Path, *, quiet: bool = False, timings: bool = False) -> Path:
     """Continue the run in ``run_dir``: finished units are kept, the others continue from their
-    last checkpoint (or start over when they have none)."""
+    last checkpoint (or start over when they have none). A unit recorded under another
+    configuration than the run's (its ``config_hash``) is a ValueError, never reused."""
     run_dir = Path(run_dir)
     config_path = run_dir / "config.json"
     if not config_path.exists():
         raise ValueError(f"{run_dir}: not a run directory (no config.json)")
-    saved = store.read_json(config_path)  # checked against its schema (runfiles)
-    if "document" not in saved:
-        raise ValueError(f"{config_path}: missing field 'document' (the experiment to resume)")
-    experiment = experiment_from_document(
-        saved["document"], saved.get("source", str(config_path)), default_name=run_dir.name
-    )
-    return run_experiment(experiment, run_dir, quiet=quiet, resuming=True, timings=timings)
+    with store.locked_run(run_dir) as previous:
+        saved = store.read_json(config_path)  # checked against its schema (runfiles)
+        if "document" not in saved:
+            raise ValueError(f"{config_path}: missing field 'document' (the experiment to resume)")
+        experiment = experiment_from_document(
+            saved["document"], saved.get("source", str(config_path)), default_name=run_dir.name
+        )
+        if "config_hash" in saved and saved["config_hash"] != config_hash(experiment.resolved):
+            raise ValueError(
+                f"{config_path}: its document no longer resolves to the recorded configuration "
+                "(edited, or another precisionlab version's defaults); start a new run"
+            )
+        return _run_locked(
+            experiment, run_dir, quiet=quiet, resuming=True, timings=timings, previous=previous
+        )
 
 
-@store.holding_run_lock
 def run_experiment(
     experiment: Experiment,
     run_dir: Path,
@@ -119,23 +197,49 @@ def run_experiment(
     resuming: bool = False,
     timings: bool = False,
 ) -> Path:
-    """Run (or continue) ``experiment`` in ``run_dir``; returns ``run_dir``."""
+    """Run (or continue) ``experiment`` in ``run_dir``; returns ``run_dir``. The run's lock
+    is held throughout (:func:`precisionlab.experiments.store.locked_run`)."""
+    with store.locked_run(run_dir) as previous:
+        return _run_locked(
+            experiment, run_dir, quiet=quiet, resuming=resuming, timings=timings,
+            previous=previous,
+        )  # fmt: skip
+
+
+def _run_locked(
+    experiment: Experiment,
+    run_dir: Path,
+    *,
+    quiet: bool = False,
+    resuming: bool = False,
+    timings: bool = False,
+    previous: str | None = None,
+) -> Path:
+    """:func:`run_experiment` with the lock held; ``previous``: the pid the lock file named
+    before (a process that ended while the run said ``running``)."""
     say = _printer(quiet)
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     if not (run_dir / "config.json").exists():
         _write_config(run_dir, experiment, ())
     run_json = run_dir / "run.json"
     run_info = store.read_json(run_json) if run_json.exists() else {"created": _now()}
+    if run_info.get("status") == "running" and previous and previous != str(os.getpid()):
+        say(
+            f"note: {run_dir} was left running by process {previous}, which has ended (killed?); "
+            "continuing from the last checkpoints"
+        )
+        run_info["killed"] = [*run_info.get("killed", []), previous]
     run_info.update({"status": "running", "updated": _now(), "kind": experiment.kind})
     run_info["resumed"] = run_info.get("resumed", 0) + int(resuming)
+    run_info["config_hash"] = config_hash(experiment.resolved)
     store.write_json(run_json, run_info)
     env_path = run_dir / "environment.json"
-    env = store.environment()
+    with phase("environment"):  # JAX's backend starts here
+        env = store.environment()
     if env_path.exists() and resuming:
-        previous = store.read_json(env_path)
-        previous.setdefault("resumed_with", []).append(env)
-        env = previous
+        previous_env = store.read_json(env_path)
+        previous_env.setdefault("resumed_with", []).append(env)
+        env = previous_env
     store.write_json(env_path, env)
     _lead(experiment, run_dir)
     try:
@@ -165,9 +269,14 @@ def _now() -> str:
 def _run_other(experiment: Experiment, run_dir: Path, *, say: Printer, quiet: bool) -> None:
     kind = experiment.kind
     summary_path = run_dir / "summary.json"
-    if summary_path.exists() and store.read_json(summary_path).get("status") == "finished":
-        say(f"{kind}: already finished")
-        return
+    mine = config_hash(experiment.resolved)
+    if summary_path.exists():
+        done = store.read_json(summary_path)
+        if done.get("config_hash", mine) != mine:
+            raise ValueError(f"{summary_path}: recorded under another configuration")
+        if done.get("status") == "finished":
+            say(f"{kind}: already finished")
+            return
     module = kinds.load(kind)
     out_dir = store.makedirs(run_dir / kind)
     start = time.perf_counter()
@@ -189,6 +298,7 @@ def _run_other(experiment: Experiment, run_dir: Path, *, say: Printer, quiet: bo
             "error": error,
             "wall_time_s": time.perf_counter() - start,
             "result": result,
+            "config_hash": mine,
         },
     )
 
@@ -197,13 +307,30 @@ def _run_other(experiment: Experiment, run_dir: Path, *, say: Printer, quiet: bo
 
 
 def _statuses(experiment: Experiment, run_dir: Path) -> list[dict[str, Any]]:
+    """Each unit's ``status.json`` ({} when it has none); ValueError for a unit recorded under
+    another configuration than its own (``config_hash``; a unit without one only in a run
+    directory of a precisionlab that wrote none)."""
     if experiment.kind != "train":
         return []
     out = []
+    hashed = _run_is_hashed(run_dir)
     for unit in experiment.units:
         status_path = run_dir / "variants" / unit.id / "status.json"
-        out.append(store.read_json(status_path) if status_path.exists() else {})
+        status = store.read_json(status_path) if status_path.exists() else {}
+        recorded = status.get("config_hash")
+        if status and (recorded != config_hash(unit.params) if recorded or hashed else False):
+            why = "another configuration" if recorded else "no configuration hash"
+            raise ValueError(
+                f"{status_path}: unit {unit.name!r} was recorded under {why}, not this run's; "
+                "its results cannot be reused: start a new run (another --out)"
+            )
+        out.append(status)
     return out
+
+
+def _run_is_hashed(run_dir: Path) -> bool:
+    path = run_dir / "config.json"
+    return path.exists() and "config_hash" in store.read_json(path)
 
 
 def _run_train(
@@ -222,7 +349,8 @@ def _run_train(
                 say(f"[{i + 1}/{len(units)}] {unit.name}: {status['status']} earlier, kept")
                 continue
             if ahead is not None:
-                ahead.wait()  # it compiled this unit's programs: do not compile them twice
+                with phase("compile ahead (waited)"):
+                    ahead.wait()  # it compiled this unit's programs: do not compile them twice
             started.add(_key(unit))
             later = [j for j in pending if j > i]
             # the next unit's programs, unless they are this unit's or an earlier one's
@@ -238,7 +366,8 @@ def _run_train(
                 hooks = (ProgressHook(bar, own=False),)
             loop = LoopTimings() if timings else None
             watch = Stopwatch()
-            _run_unit(unit, unit_dir, status, say=say, quiet=quiet, hooks=hooks, timings=loop)
+            with phase("units"):
+                _run_unit(unit, unit_dir, status, say=say, quiet=quiet, hooks=hooks, timings=loop)
             if loop is not None:
                 wall, cpu = watch.elapsed()
                 record_unit(
@@ -247,13 +376,16 @@ def _run_train(
                     unit.name,
                     {"wall_s": wall, "cpu_s": cpu, "loop": loop.to_dict()},
                 )
-            summarize_run(run_dir, experiment)
+            with phase("summaries"):
+                summarize_run(run_dir, experiment)
     finally:
         if ahead is not None:  # not left compiling while the interpreter shuts down
-            ahead.wait()
+            with phase("compile ahead (waited)"):
+                ahead.wait()
         if bar is not None:
             bar.close()
-    summarize_run(run_dir, experiment)
+    with phase("summaries"):
+        summarize_run(run_dir, experiment)
 
 
 def _key(unit: Unit) -> str | None:
@@ -322,6 +454,7 @@ def _run_unit(
     status_path = unit_dir / "status.json"
     resuming = bool(status)
     status.update({"status": "running", "name": unit.name, "started": _now()})
+    status["config_hash"] = config_hash(unit.params)
     status.setdefault("wall_time_s", 0.0)
     store.write_json(status_path, status)
     metrics_path = unit_dir / "metrics.jsonl"

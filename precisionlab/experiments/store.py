@@ -28,6 +28,7 @@ import functools
 import os
 import platform
 import re
+import stat
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -40,7 +41,10 @@ from precisionlab.experiments import runfiles
 __all__ = [
     "JsonlWriter",
     "confined",
+    "cpu_description",
     "environment",
+    "lock_holder",
+    "locked_run",
     "makedirs",
     "new_run_dir",
     "read_json",
@@ -122,11 +126,42 @@ def environment() -> dict[str, Any]:
         "numpy": _version("numpy"),
         "precisionlab": _version("precisionlab"),
         "backend": jax.default_backend(),
+        # what decides a CPU run's last bits without train.deterministic: the instruction set
+        # XLA compiles for, the cores a reduction may be split over, XLA's build and flags
+        "cpu": cpu_description(),
+        "xla": {"jaxlib": _version("jaxlib"), "flags": os.environ.get("XLA_FLAGS", "")},
         "device_kind": devices[0].device_kind if devices else None,
         "device_count": len(devices),  # of all processes in a multi-process run
         "process_count": jax.process_count(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+
+
+#: The x86 instruction-set extensions recorded (those XLA's CPU code generation may use).
+_ISA = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+        "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")  # fmt: skip
+
+
+def cpu_description() -> dict[str, Any]:
+    """The CPU model, its instruction-set extensions that matter to XLA (x86 ``/proc/cpuinfo``
+    flags; on other machines the architecture only) and the cores this process may use."""
+    model, flags = platform.processor() or platform.machine(), []
+    try:
+        text = _io.read_head("/proc/cpuinfo", 1 << 20)[0].decode(errors="replace")
+    except (OSError, ValueError):
+        text = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and value.strip():
+            model = value.strip()
+        if key.strip() in ("flags", "Features") and not flags:
+            present = set(value.split())
+            flags = [f for f in _ISA if f in present] or sorted(present)[:40]
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count()
+    return {"model": model, "machine": platform.machine(), "isa": flags, "cores_usable": usable}
 
 
 @functools.cache
@@ -177,13 +212,14 @@ def check_no_symlinks(run_dir: Path) -> None:
 
 
 @contextlib.contextmanager
-def run_lock(run_dir: Path) -> Iterator[None]:
+def run_lock(run_dir: Path) -> Iterator[str | None]:
     """Hold an exclusive advisory lock on ``run_dir/.lock`` (with this process's pid in it)
-    while writing the run; a second writer gets a ValueError naming the holder's pid."""
+    while writing the run; a second writer gets a ValueError naming the holder's pid. Yields
+    the pid the file named before (a process that ended holding it: killed), or None."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - no advisory locks on this platform
-        yield
+        yield None
         return
     run_dir = Path(run_dir)
     path = run_dir / ".lock"
@@ -195,30 +231,74 @@ def run_lock(run_dir: Path) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            holder = _pid_text(os.pread(fd, 32, 0)) or "unknown"
             raise ValueError(
                 f"{run_dir} is being written by another precisionlab process (pid {holder}); "
                 "wait for it to finish or stop it"
             ) from None
+        previous = _pid_text(os.pread(fd, 32, 0))
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield
+        yield previous
     finally:
         os.close(fd)  # releases the lock
 
 
+def _pid_text(data: bytes) -> str | None:
+    text = data.decode(errors="replace").strip()
+    return text if text.isdigit() else None
+
+
+def lock_holder(run_dir: Path) -> tuple[str, bool] | None:
+    """``(pid, alive)`` of the process named in ``run_dir/.lock``: ``alive`` while a process
+    holds the lock (this one included), False when the process that wrote it has ended
+    without releasing the run (killed); None when there is no readable lock file. Reads only."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover
+        return None
+    path = Path(run_dir) / ".lock"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        pid = _pid_text(os.pread(fd, 32, 0))
+        if pid is None:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return pid, True
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return pid, False
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def locked_run(run_dir: Path) -> Iterator[str | None]:
+    """Create ``run_dir`` if needed, refuse it if it holds a symbolic link, then hold
+    :func:`run_lock` on it with every path below it :func:`confined`; yields what
+    :func:`run_lock` yields. Take it before writing anything in the directory."""
+    run_dir = Path(run_dir)
+    _io.makedirs(run_dir)
+    check_no_symlinks(run_dir)
+    # confined: a link planted in the run directory after this check is still never
+    # followed by a write or read through precisionlab._io
+    with _io.confined(run_dir), run_lock(run_dir) as previous:
+        yield previous
+
+
 def holding_run_lock(func):
-    """Decorator: run ``func(experiment, run_dir, ...)`` holding :func:`run_lock` on
-    ``run_dir`` after checking it holds no symbolic link."""
+    """Decorator: run ``func(experiment, run_dir, ...)`` inside :func:`locked_run`."""
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         run_dir = Path(kwargs["run_dir"] if "run_dir" in kwargs else args[1])
-        run_dir.mkdir(parents=True, exist_ok=True)
-        check_no_symlinks(run_dir)
-        # confined: a link planted in the run directory after this check is still never
-        # followed by a write or read through precisionlab._io
-        with _io.confined(run_dir), run_lock(run_dir):
+        with locked_run(run_dir):
             return func(*args, **kwargs)
 
     return wrapper

@@ -54,6 +54,7 @@ SUMMARY_KEYS = (
     "min_loss_scale",
     "max_loss_scale",
     "mean_underflow_fraction",
+    "mean_nonfinite_fraction",
     "wall_time_s",
     "recipe_metrics",
     "telemetry",
@@ -66,6 +67,7 @@ GROUP_KEYS = (
     "eval_metric",
     "skipped_steps",
     "mean_underflow_fraction",
+    "mean_nonfinite_fraction",
     "wall_time_s",
 )
 
@@ -94,6 +96,7 @@ def summarize_unit(unit: Any, unit_dir: Path, status: dict[str, Any]) -> dict[st
         final_loss = final_loss_finite
     scales = [s for s in (_float(r.get("loss_scale")) for r in rows) if s is not None]
     under = [u for u in (_float(r.get("underflow_fraction")) for r in rows) if u is not None]
+    nonfinite = [u for u in (_float(r.get("nonfinite_fraction")) for r in rows) if u is not None]
     diverged = result.get("diverged")
     divergence_step = result.get("divergence_step")
     if diverged is None:  # failed or interrupted: judge from the recorded losses
@@ -127,6 +130,8 @@ def summarize_unit(unit: Any, unit_dir: Path, status: dict[str, Any]) -> dict[st
         "min_loss_scale": min(scales) if scales else None,
         "max_loss_scale": max(scales) if scales else None,
         "mean_underflow_fraction": statistics.fmean(under) if under else None,
+        # inf/NaN gradient elements, apart from the underflow meter (None: not recorded)
+        "mean_nonfinite_fraction": statistics.fmean(nonfinite) if nonfinite else None,
         "wall_time_s": status.get("wall_time_s"),
         # recipe runs with hist_interval: {group: {stat: value}} (precisionlab.train.recipe_metrics)
         "recipe_metrics": result.get("recipe_metrics"),

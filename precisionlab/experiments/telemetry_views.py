@@ -12,6 +12,7 @@ telemetry_rows`: one per step, layer and tensor) and writes:
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -20,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from precisionlab import _io
 from precisionlab.experiments import store
 
 __all__ = ["WORST", "summarize_telemetry", "telemetry_report", "telemetry_scalars"]
@@ -178,7 +180,7 @@ def summarize_telemetry(unit_dir: Path) -> dict[str, Any] | None:
 #: all elements (what the computation did); a target: the fraction of the finite nonzero
 #: elements that format would flush to zero / overflow (what it would do).
 _ACTUAL = (("frac_zero", "% zero (as computed)"), ("frac_nonfinite", "% inf/NaN (as computed)"))
-_WHAT_IF = (("underflow", "% underflow under {}"), ("overflow", "% overflow under {}"))
+_WHAT_IF = (("underflow", "what-if: % underflow in {}"), ("overflow", "what-if: % overflow in {}"))
 #: The colour scale's floor (%): fractions from it to 100% on a log scale.
 _FLOOR_PCT = 1e-3
 
@@ -418,11 +420,65 @@ def _draw_all(jobs: list[tuple]) -> list[list[bool]]:
             raise
 
 
+def _figure_key(job: tuple) -> str:
+    """What a unit's telemetry figures are drawn from: its rows file, targets and title, this
+    module's code and matplotlib's version (sha256)."""
+    import hashlib
+    import inspect
+
+    import matplotlib
+
+    _, rows_path, targets, _, title = job
+    digest = hashlib.sha256()
+    for part in (inspect.getsource(inspect.getmodule(_draw_unit)),
+                 matplotlib.__version__, json.dumps(targets), title):  # fmt: skip
+        digest.update(part.encode())
+        digest.update(b"\0")
+    digest.update(_io.read_bytes(rows_path, _io.MAX_JSONL_BYTES) if os.path.exists(rows_path)
+                  else b"")  # fmt: skip
+    return digest.hexdigest()
+
+
+def _from_cache(cache: Path, key: str, paths: list[str]) -> list[bool] | None:
+    """The figures of ``key`` copied from ``cache`` to ``paths``; which were drawn (None: not
+    cached)."""
+    marker = cache / f"{key}.json"
+    if not marker.is_file():
+        return None
+    try:
+        flags = json.loads(_io.read_bytes(marker, 1 << 10))
+        blobs = [_io.read_bytes(cache / f"{key}-{i}.png", 64 << 20) if ok else None
+                 for i, ok in enumerate(flags)]  # fmt: skip
+    except (OSError, ValueError):
+        return None  # a damaged entry: drawn again
+    if not isinstance(flags, list) or len(flags) != len(paths):
+        return None
+    for blob, path in zip(blobs, paths, strict=True):
+        if blob is not None:
+            with _io.atomic_open(path, "wb") as f:
+                f.write(blob)
+    return [bool(x) for x in flags]
+
+
+def _to_cache(cache: Path, key: str, paths: list[str], flags: list[bool]) -> None:
+    try:
+        _io.makedirs(cache)
+        for i, (path, ok) in enumerate(zip(paths, flags, strict=True)):
+            if ok:
+                with _io.atomic_open(cache / f"{key}-{i}.png", "wb") as f:
+                    f.write(_io.read_bytes(path, 64 << 20))
+        _io.write_json(cache / f"{key}.json", [bool(x) for x in flags], indent=None)  # last
+    except (OSError, ValueError):
+        pass  # a cache that cannot be written only costs the next run the drawing
+
+
 def telemetry_report(
-    run_dir: Path, units: list[dict[str, Any]], plot_dir: Path | None
-) -> list[str]:
+    run_dir: Path, units: list[dict[str, Any]], plot_dir: Path | None, *,
+    figure_cache: str | Path | None = None,
+) -> list[str]:  # fmt: skip
     """report.md lines for the units with telemetry (and, with ``plot_dir``, their plots,
-    drawn in parallel: :data:`_WORKERS_ENV`)."""
+    drawn in parallel: :data:`_WORKERS_ENV`; with ``figure_cache``, figures drawn before from
+    the same rows, targets and code are copied from there instead)."""
     units = [u for u in units if u.get("telemetry")]
     drawn: dict[int, list[bool]] = {}
     if plot_dir is not None and units:
@@ -434,7 +490,18 @@ def telemetry_report(
             paths = [str(plot_dir / f"telemetry_{kind}_{name}.png") for kind, _ in _FIGURES]
             jobs.append((str(run_dir), str(rows_path), list(u["telemetry"]["targets"]), paths,
                          str(u.get("name"))))  # fmt: skip
-        drawn = dict(enumerate(_draw_all(jobs)))
+        cache = None if figure_cache is None else Path(figure_cache)
+        keys = [_figure_key(job) if cache is not None else "" for job in jobs]
+        for i, job in enumerate(jobs):
+            if cache is not None:
+                got = _from_cache(cache, keys[i], job[3])
+                if got is not None:
+                    drawn[i] = got
+        todo = [i for i in range(len(jobs)) if i not in drawn]
+        for i, flags in zip(todo, _draw_all([jobs[i] for i in todo]), strict=True):
+            drawn[i] = flags
+            if cache is not None:
+                _to_cache(cache, keys[i], jobs[i][3], flags)
     lines: list[str] = []
     for i, u in enumerate(units):
         summ = u["telemetry"]
@@ -455,11 +522,14 @@ def telemetry_report(
         for key, what in (("worst_underflow", "underflow"), ("worst_overflow", "overflow")):
             worst = summ.get(key) or []
             if not worst:
-                lines += [f"No finite nonzero value would {what} under any target.", ""]
+                lines += [f"What-if: no finite nonzero value would {what} in any target format.",
+                          ""]  # fmt: skip
                 continue
-            lines += [f"Worst {what} (fraction of the finite nonzero elements a target would "
-                      f"{'flush to zero' if what == 'underflow' else 'overflow'}, at its worst "
-                      "step):", ""]  # fmt: skip
+            lines += [f"What-if {what}: had the tensor been stored in the target format, the "
+                      "fraction of its finite nonzero elements that format would "
+                      f"{'flush to zero' if what == 'underflow' else 'overflow'} (at its worst "
+                      "step). The run itself computed in its own dtypes: what it did is the "
+                      "inf/NaN above and the skipped steps in the table.", ""]  # fmt: skip
             lines += _table(worst, "target")
         if plot_dir is not None:
             name = store.safe_name(str(uid))

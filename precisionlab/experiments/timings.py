@@ -14,10 +14,11 @@ import math
 from pathlib import Path
 from typing import Any
 
+from precisionlab import _clock
 from precisionlab._text import table
 from precisionlab.experiments import store
 
-__all__ = ["FILE", "record_report", "record_unit", "timings_table"]
+__all__ = ["FILE", "record_phases", "record_report", "record_unit", "timings_table"]
 
 FILE = "timings.json"
 
@@ -42,6 +43,35 @@ def record_report(run_dir: Path, wall_s: float, cpu_s: float) -> None:
     doc = _read(run_dir)
     doc["report"] = {"wall_s": wall_s, "cpu_s": cpu_s}
     store.write_json(Path(run_dir) / FILE, doc)
+
+
+def record_phases(run_dir: Path) -> None:
+    """Write the process's phases (``precisionlab._clock``: startup, imports, plan,
+    environment, units, compile waits, summaries, report), its total wall and CPU seconds
+    since it started, and what the phases leave unaccounted, as ``process``."""
+    snap = _clock.snapshot()
+    if snap is None:
+        return
+    doc = _read(run_dir)
+    doc["process"] = snap
+    store.write_json(Path(run_dir) / FILE, doc)
+
+
+def phases_table(run_dir: Path) -> str | None:
+    """The process's phases as a text table (None when ``timings.json`` has none)."""
+    proc = _read(run_dir).get("process")
+    if not proc:
+        return None
+    total = proc["total"]
+    rows = [
+        [name, _f(p["wall_s"]), _f(p["cpu_s"]), _f(100 * p["wall_s"] / total["wall_s"], 1, 1)]
+        for name, p in proc["phases"].items()
+    ]
+    rows.append(["unaccounted", _f(proc["unaccounted"]["wall_s"]),
+                 _f(proc["unaccounted"]["cpu_s"]),
+                 _f(100 * proc["unaccounted"]["wall_s"] / total["wall_s"], 1, 1)])  # fmt: skip
+    rows.append(["whole process", _f(total["wall_s"]), _f(total["cpu_s"]), "100.0"])
+    return table(rows, ["phase", "wall s", "cpu s", "% of wall"], "lrrr")
 
 
 def _f(x: Any, scale: float = 1.0, digits: int = 2) -> str:
@@ -78,4 +108,6 @@ def timings_table(run_dir: Path) -> str:
     report = doc.get("report")
     if report:
         rows.append(["report", *[""] * 9, _f(report["wall_s"]), _f(report["cpu_s"])])
-    return table(rows, header)
+    text = table(rows, header)
+    phases = phases_table(run_dir)
+    return text if phases is None else f"{text}\n\nthe whole process, by phase:\n{phases}"

@@ -5,7 +5,8 @@
 - :class:`Schedule`: how a library runs steps over K (one chain, restart every N, split-K,
   upcast); :data:`PRESETS`: names ``<device>-<library>[-fast]`` (``"h100-cublaslt-fast"``,
   ``"h100-cublaslt"``, ``"h100-xla"``, ...), :data:`PRESET_ALIASES` (``"h100-fast"``, ...);
-- :func:`gemm` / :func:`dot_general`: the vectorized model under ``jit``/``vmap``;
+- :func:`gemm` / :func:`dot_general`: the vectorized model under ``jit``/``vmap``, within
+  :data:`MEMORY_BUDGET` (:func:`check_gemm_size`);
 - :func:`mma`: one tensor-core instruction ``D = A @ B + C`` with a float32 ``C`` going in
   (the published feature tests' vectors);
 - :func:`fma_pow2`: a GPU's float32 FFMA by a power-of-two scale, exact on any backend
@@ -14,7 +15,7 @@
 """
 
 from precisionlab.hardware.fma import fma_pow2
-from precisionlab.hardware.gemm import dot_general, gemm
+from precisionlab.hardware.gemm import MEMORY_BUDGET, check_gemm_size, dot_general, gemm
 from precisionlab.hardware.mma import mma
 from precisionlab.hardware.presets import (
     AMBIGUOUS_PRESETS,
@@ -33,6 +34,7 @@ from precisionlab.hardware.step import Step
 __all__ = [
     "AMBIGUOUS_PRESETS",
     "LIBRARIES",
+    "MEMORY_BUDGET",
     "PRESETS",
     "PRESET_ALIASES",
     "PROFILES",
@@ -40,6 +42,7 @@ __all__ = [
     "Schedule",
     "Step",
     "canonical_preset",
+    "check_gemm_size",
     "dot_general",
     "fma_pow2",
     "gemm",

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from functools import partial
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jax import lax
 
@@ -16,7 +19,7 @@ from precisionlab.hardware.presets import Resolved, resolve
 from precisionlab.hardware.profiles import check_inputs
 from precisionlab.hardware.schedule import Schedule
 
-__all__ = ["dot_general", "gemm"]
+__all__ = ["MEMORY_BUDGET", "check_gemm_size", "dot_general", "gemm"]
 
 _EIGHT = ("float8_e4m3fn", "float8_e5m2")
 _SIXTEEN = ("float16", "bfloat16")
@@ -45,36 +48,113 @@ def _kind(na: str, nb: str) -> str:
     )
 
 
-def _operand(x, fmt: str | None, which: str) -> tuple[jax.Array, str]:
-    """``x`` as a JAX array and its element format name. A numpy array of an FP6 dtype
-    (ml_dtypes; JAX has none) becomes its uint8 codes; an integer array needs ``fmt``."""
+#: Bytes of working memory one :func:`gemm` call may need (its decoded operands, padded to
+#: the schedule's K, and one step's temporaries), as estimated by :func:`check_gemm_size`: a
+#: larger call (huge M, N or K, or overrides such as ``products=2**30``, ``split_k=2**40``)
+#: is a ValueError before anything is allocated, not an out-of-memory error inside XLA.
+MEMORY_BUDGET = 8 << 30
+
+#: The widest code of each format given as integer codes (``a_format``/``b_format``).
+_WIDTH = {"float8_e4m3fn": 8, "float8_e5m2": 8, "float6_e2m3fn": 6, "float6_e3m2fn": 6,
+          "float4_e2m1fn": 4}  # fmt: skip
+
+
+@functools.cache
+def _code_values(fmt: str) -> np.ndarray:
+    """float32 value of every code of ``fmt`` (NaN, inf, zeros and subnormals included), by
+    ml_dtypes: what an array of that dtype holds for the code."""
+    dt = np.dtype(getattr(ml_dtypes, fmt))
+    codes = np.arange(1 << _WIDTH[fmt], dtype=np.uint8)
+    return codes.view(dt).astype(np.float32)
+
+
+def _concrete(x) -> np.ndarray | None:
+    """``x`` as numpy when it has a value now (not a tracer under jit or vmap), else None."""
+    try:
+        return np.asarray(x)
+    except jax.errors.TracerArrayConversionError:
+        return None
+
+
+def _operand(x, fmt: str | None, which: str) -> tuple[jax.Array, str, jax.Array | None]:
+    """``x`` as a JAX array, its element format name, and (integer codes under a trace only)
+    the mask of codes out of the format's range, whose outputs become NaN. A numpy array of an
+    FP6 dtype (ml_dtypes; JAX has none) becomes its uint8 codes. Integer codes need ``fmt``:
+    FP8 and FP4 codes become arrays of that dtype (decoded exactly as such an array: NaN,
+    inf, zeros, subnormals); FP6 codes stay codes. A code past the format's width is a
+    ValueError (when ``x`` has a value now)."""
     dt = getattr(x, "dtype", None)
     if dt is not None and np.dtype(dt).name in _SIX and not isinstance(x, jax.Array):
         name = np.dtype(dt).name
         if fmt not in (None, name):
             raise ValueError(f"{which}_format={fmt!r} but {which} holds {name} values")
-        return jnp.asarray(np.asarray(x).view(np.uint8)), name
+        return jnp.asarray(np.asarray(x).view(np.uint8)), name, None
     x = jnp.asarray(x)
     if fmt is None:
         if jnp.issubdtype(x.dtype, jnp.integer):
             raise ValueError(f"{which} holds integers ({x.dtype}): pass {which}_format, the "
                              f"format of its codes (one of {', '.join(_F8F6F4)})")  # fmt: skip
-        return x, jnp.dtype(x.dtype).name
+        return x, jnp.dtype(x.dtype).name, None
     if fmt not in _F8F6F4:
         raise ValueError(f"unknown {which}_format {fmt!r}; allowed: {', '.join(_F8F6F4)}")
-    if not jnp.issubdtype(x.dtype, jnp.unsignedinteger):
+    if x.dtype not in (jnp.uint8, jnp.uint16):
         raise ValueError(f"{which}_format={fmt!r} takes {which} as unsigned integer codes "
-                         f"(uint8); got {x.dtype}")  # fmt: skip
-    return x, fmt
+                         f"(uint8 or uint16); got {x.dtype}")  # fmt: skip
+    top = 1 << _WIDTH[fmt]
+    now = _concrete(x)
+    bad = None
+    if now is not None:
+        over = now >= top
+        if over.any():
+            first = int(now[over].flat[0])
+            raise ValueError(
+                f"{which} holds code {first:#x}, out of {fmt}'s range 0..{top - 1:#x} "
+                f"({_WIDTH[fmt]}-bit codes; {int(over.sum())} such codes)"
+            )
+    wide = x.astype(jnp.int32)  # a uint8 compared with 256 would wrap the 256
+    if now is None:
+        bad = wide >= top
+    code = jnp.where(wide >= top, 0, wide).astype(jnp.uint8)
+    if fmt in _SIX:
+        return code, fmt, bad
+    if fmt in _FOUR:  # no 4-bit bitcast from a byte: through the exact values
+        table = jnp.asarray(_code_values(fmt))
+        return table[code.astype(jnp.int32)].astype(jnp.dtype(fmt)), fmt, bad
+    return lax.bitcast_convert_type(code, jnp.dtype(fmt)), fmt, bad
 
 
 def _values(x: jax.Array, fmt: str) -> jax.Array:
     """float32 values of ``x`` (values of ``fmt``, or its integer codes), exact."""
     if not jnp.issubdtype(x.dtype, jnp.integer):
         return x.astype(jnp.float32)
-    m, e = _k.decode(x, 0, False, fmt)
-    p = _k.INPUT_FORMATS[fmt][0]
-    return m.astype(jnp.float32) * jnp.exp2((e - p).astype(jnp.float32))
+    return jnp.asarray(_code_values(fmt))[x.astype(jnp.int32)]
+
+
+def check_gemm_size(
+    m: int, k: int, n: int, *, products: int = 32, restart_every: int | None = None,
+    split_k: int | None = None, batch: int = 1,
+) -> int:  # fmt: skip
+    """The bytes of working memory a ``(m, k) x (k, n)`` :func:`gemm` (``batch`` of them under
+    :func:`dot_general`) needs at most for steps of ``products`` under that schedule; a
+    ValueError naming the sizes when that exceeds :data:`MEMORY_BUDGET` or K < 1."""
+    if k < 1:
+        raise ValueError(f"K = {k}: a GEMM needs at least one product per output (K >= 1)")
+    unit = restart_every or products
+    kp = max(-(-k // 32) * 32, -(-k // unit) * unit)
+    if split_k:
+        kp = max(kp, -(-k // split_k) * split_k)
+    need = 4 * batch * (6 * (m + n) * kp + 8 * products * m * n + 4 * m * n)
+    if need > MEMORY_BUDGET:
+        raise ValueError(
+            f"a {m} x {k} x {n} GEMM"
+            + (f" (x{batch})" if batch > 1 else "")
+            + f" with {products}-product steps"
+            + (f", restart_every={restart_every}" if restart_every else "")
+            + (f", split_k={split_k}" if split_k else "")
+            + f" needs about {need / 2**30:.3g} GiB of working memory; the model's budget is "
+            f"{MEMORY_BUDGET / 2**30:.3g} GiB (hardware.MEMORY_BUDGET): use smaller sizes"
+        )
+    return need
 
 
 def _chain_all(
@@ -160,7 +240,8 @@ def _fp8_pairs(a, b, step, sch: Schedule, scaled: bool):
         raise ValueError(
             "k_order='fp8_pairs' is modelled for 16-product steps without block scales "
             f"(FP8 upcast to float16); got {step.products} products"
-            + (" with block scales" if scaled else "") + "; pass k_order='natural'"
+            + (" with block scales" if scaled else "")
+            + "; pass k_order='natural'"
         )
     for name in ("restart_every", "split_k"):
         v = getattr(sch, name)
@@ -191,15 +272,44 @@ def _reduce_slices(acc: jax.Array, sch: Schedule) -> jax.Array:
 
 
 def _specials(a, b, acc, fa=None, fb=None, init=None):
-    """Inf/NaN: where the float32 product of the inputs (plus ``init``, the accumulator going
-    in, if any) is not finite, its value (the step model covers finite values; specials
-    follow IEEE arithmetic)."""
+    """The outputs the special inputs decide, whatever the order of the sum (the step model
+    covers finite values): NaN where a product is NaN (a NaN input, or an infinity times a
+    zero) or where +inf and -inf products (with ``init``, the accumulator going in, if any)
+    meet; +-inf where the infinite products agree; elsewhere ``acc``, the chain's value, which
+    overflows to inf by itself where the chain's own sums do (in its order)."""
     fa, fb = fa or jnp.dtype(a.dtype).name, fb or jnp.dtype(b.dtype).name
     if fa in _SIX + _FOUR and fb in _SIX + _FOUR and init is None:
         return acc  # FP6 and FP4 have no inf or NaN
-    ref = jnp.matmul(_values(a, fa), _values(b, fb), precision=lax.Precision.HIGHEST)
-    ref = ref if init is None else ref + init
-    return jnp.where(jnp.isfinite(ref), acc, ref)
+    va, vb = _values(a, fa), _values(b, fb)
+
+    def meet(left, right):  # any k with left[i, k] and right[k, j]: a 0/1 matmul, exact > 0
+        lhs = jnp.concatenate([x.astype(jnp.float32) for x in left], axis=1)
+        rhs = jnp.concatenate([x.astype(jnp.float32) for x in right], axis=0)
+        return jnp.matmul(lhs, rhs, precision=lax.Precision.HIGHEST) > 0
+
+    inf_a, inf_b = jnp.isinf(va), jnp.isinf(vb)
+    a_pos, a_neg, b_pos, b_neg = va > 0, va < 0, vb > 0, vb < 0
+    a_pinf, a_ninf, b_pinf, b_ninf = inf_a & a_pos, inf_a & a_neg, inf_b & b_pos, inf_b & b_neg
+    nan = jnp.any(jnp.isnan(va), axis=1)[:, None] | jnp.any(jnp.isnan(vb), axis=0)[None, :]
+    nan = nan | meet([inf_a, va == 0], [vb == 0, inf_b])
+    pos = meet([a_pinf, a_ninf, a_pos, a_neg], [b_pos, b_neg, b_pinf, b_ninf])
+    neg = meet([a_pinf, a_ninf, a_pos, a_neg], [b_neg, b_pos, b_ninf, b_pinf])
+    if init is not None:
+        nan = nan | jnp.isnan(init)
+        pos, neg = pos | (init == jnp.inf), neg | (init == -jnp.inf)
+    out = jnp.where(pos, jnp.float32(jnp.inf), acc)
+    out = jnp.where(neg, jnp.float32(-jnp.inf), out)
+    return jnp.where(nan | (pos & neg), jnp.float32(jnp.nan), out)
+
+
+def _poison(out: jax.Array, bad_a, bad_b) -> jax.Array:
+    """NaN in every output whose row of ``a`` or column of ``b`` holds an out-of-range code
+    (masks from :func:`_operand`; None: none possible)."""
+    if bad_a is not None:
+        out = jnp.where(jnp.any(bad_a, axis=1)[:, None], jnp.float32(jnp.nan), out)
+    if bad_b is not None:
+        out = jnp.where(jnp.any(bad_b, axis=0)[None, :], jnp.float32(jnp.nan), out)
+    return out
 
 
 def _check_blocks(a, b, bsa, bsb, kind: str) -> int:
@@ -237,8 +347,8 @@ def _check_blocks(a, b, bsa, bsb, kind: str) -> int:
 
 @partial(jax.jit, static_argnames=("device", "library", "fast_accumulation", "out_dtype", "ov",
                                    "fa", "fb"))  # fmt: skip
-def _gemm(a, b, scale_a, scale_b, bias, bsa, bsb, *, device, library, fast_accumulation,
-          out_dtype, ov, fa, fb):  # fmt: skip
+def _gemm(a, b, scale_a, scale_b, bias, bsa, bsb, bad_a, bad_b, *, device, library,
+          fast_accumulation, out_dtype, ov, fa, fb):  # fmt: skip
     kind = _kind(fa, fb)  # gemm checked the call; this is the traced body
     res = resolve(device, library, fast_accumulation, kind, dict(ov), a.shape[1])
     if kind == "fp4":
@@ -258,7 +368,7 @@ def _gemm(a, b, scale_a, scale_b, bias, bsa, bsb, *, device, library, fast_accum
         acc = acc * (sa * sb)
     if bias is not None:
         acc = acc + jnp.asarray(bias, jnp.float32)
-    return acc.astype(out_dtype)
+    return _poison(acc, bad_a, bad_b).astype(out_dtype)
 
 
 def gemm(
@@ -290,8 +400,8 @@ def gemm(
     ``restart_every=64``, ``split_k=None``, ...). Pure and jittable; works under ``vmap``.
     Unknown device, library, dtypes or override: ``ValueError`` listing what exists.
     """
-    a, fa = _operand(a, a_format, "a")
-    b, fb = _operand(b, b_format, "b")
+    a, fa, bad_a = _operand(a, a_format, "a")
+    b, fb, bad_b = _operand(b, b_format, "b")
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"gemm needs a (M, K) and b (K, N); got {a.shape} and {b.shape}")
     kind = _kind(fa, fb)
@@ -309,6 +419,12 @@ def gemm(
     # resolve eagerly, so that errors surface here with their message
     res = resolve(device, library, fast_accumulation, kind, dict(ov), a.shape[1])
     check_inputs(res.profile.device, kind, (fa, fb), "gemm")
+    sch = res.schedule
+    split = sch.split_k if a.shape[1] >= sch.split_k_min_k else None
+    check_gemm_size(a.shape[0], a.shape[1], b.shape[1], products=res.step.products,
+                    restart_every=sch.restart_every, split_k=split)  # fmt: skip
+    if res.step.fraction_bits > 64:
+        raise ValueError(f"fraction_bits={res.step.fraction_bits}: at most 64 are modelled")
     if kind == "f8f6f4" and res.schedule.upcast:
         raise ValueError(f"upcast={res.schedule.upcast!r} is not modelled for {fa} x {fb} "
                          "operands (Blackwell's f8f6f4 step takes them as they are)")  # fmt: skip
@@ -319,7 +435,8 @@ def gemm(
         if a.shape[1] % res.step.products:
             raise ValueError(f"block-scaled FP4 needs K a multiple of the instruction's "
                              f"{res.step.products}; got K={a.shape[1]}")  # fmt: skip
-    return _gemm(a, b, scale_a, scale_b, bias, bsa, bsb, device=device, library=library,
+    return _gemm(a, b, scale_a, scale_b, bias, bsa, bsb, bad_a, bad_b, device=device,
+                 library=library,
                  fast_accumulation=bool(fast_accumulation), out_dtype=od, ov=ov, fa=fa,
                  fb=fb)  # fmt: skip
 
@@ -342,9 +459,22 @@ def dot_general(
 
         kw = _preset(preset)
         device, library, fast_accumulation = kw["device"], kw["library"], kw["fast_accumulation"]
-    (lc, rc), (lb, rb) = dimension_numbers
-    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-    lc, rc, lb, rb = (tuple(int(d) for d in x) for x in (lc, rc, lb, rb))
+    overrides = dict(overrides)
+    for key, x in (("a_format", lhs), ("b_format", rhs)):  # FP6 numpy arrays: their codes
+        name = np.dtype(getattr(x, "dtype", np.float32)).name
+        if name in _SIX and not isinstance(x, jax.Array):
+            if overrides.get(key, name) != name:
+                raise ValueError(f"{key}={overrides[key]!r} but the operand holds {name} values")
+            overrides[key] = name
+    lhs, rhs = (
+        jnp.asarray(np.asarray(x).view(np.uint8)) if k in overrides and
+        np.dtype(getattr(x, "dtype", np.float32)).name in _SIX else jnp.asarray(x)
+        for k, x in (("a_format", lhs), ("b_format", rhs))
+    )  # fmt: skip
+    lc, rc, lb, rb = _dimensions(dimension_numbers, lhs.shape, rhs.shape)
+    for x, key, which in ((lhs, "a_format", "lhs"), (rhs, "b_format", "rhs")):
+        if overrides.get(key) is not None:  # codes checked now, before vmap hides their values
+            _operand(x, overrides[key], which)
     lf = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
     rf = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
     bshape = tuple(lhs.shape[d] for d in lb)
@@ -352,9 +482,43 @@ def dot_general(
     rfs = tuple(rhs.shape[d] for d in rf)
     k = int(np.prod([lhs.shape[d] for d in lc], dtype=np.int64))
     bsz = int(np.prod(bshape, dtype=np.int64))
+    m, n = int(np.prod(lfs, dtype=np.int64)), int(np.prod(rfs, dtype=np.int64))
+    check_gemm_size(m, k, n, batch=bsz)
+    if bsz == 0 or m == 0 or n == 0:  # no output: nothing to compute
+        return jnp.zeros(bshape + lfs + rfs, jnp.dtype(out_dtype))
     a3 = jnp.transpose(lhs, (*lb, *lf, *lc)).reshape(bsz, -1, k)
     b3 = jnp.transpose(rhs, (*rb, *rc, *rf)).reshape(bsz, k, -1)
     f = partial(gemm, device=device, library=library, fast_accumulation=fast_accumulation,
                 out_dtype=out_dtype, **overrides)  # fmt: skip
     y = jax.vmap(f)(a3, b3)
     return y.reshape(bshape + lfs + rfs)
+
+
+def _dimensions(dimension_numbers, lshape, rshape) -> tuple[tuple[int, ...], ...]:
+    """``(lc, rc, lb, rb)`` of ``dimension_numbers`` ``((lc, rc), (lb, rb))``; ValueError
+    unless each is a sequence of distinct in-range axes, paired axes have equal sizes, and an
+    axis is contracting or batch, not both."""
+    try:
+        (lc, rc), (lb, rb) = dimension_numbers
+        lc, rc, lb, rb = (tuple(operator.index(d) for d in x) for x in (lc, rc, lb, rb))
+    except (TypeError, ValueError):
+        raise ValueError(
+            "dimension_numbers must be ((lhs_contracting, rhs_contracting), (lhs_batch, "
+            f"rhs_batch)), each a sequence of axes; got {dimension_numbers!r}"
+        ) from None
+    for dims, shape, what in ((lc + lb, lshape, "lhs"), (rc + rb, rshape, "rhs")):
+        bad = [d for d in dims if not 0 <= d < len(shape)]
+        if bad or len(set(dims)) != len(dims):
+            raise ValueError(
+                f"dot_general: {what} axes {dims} must be distinct and in 0..{len(shape) - 1} "
+                f"for its shape {tuple(shape)}"
+            )
+    for left, right, what in ((lc, rc, "contracting"), (lb, rb, "batch")):
+        if len(left) != len(right) or any(
+            lshape[i] != rshape[j] for i, j in zip(left, right, strict=True)
+        ):
+            raise ValueError(
+                f"dot_general: {what} axes {left} of lhs {tuple(lshape)} and {right} of rhs "
+                f"{tuple(rshape)} must pair axes of equal sizes"
+            )
+    return lc, rc, lb, rb

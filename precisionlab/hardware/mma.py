@@ -15,7 +15,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from precisionlab.hardware.gemm import _chain_all, _specials
+from precisionlab.hardware.gemm import _EIGHT, _chain_all, _operand, _poison, _specials
 from precisionlab.hardware.presets import Resolved
 from precisionlab.hardware.profiles import DEVICE_ALIASES, Profile, check_inputs, get_profile
 from precisionlab.hardware.schedule import Schedule
@@ -60,13 +60,14 @@ def _resolve_step(
 
 
 @partial(jax.jit, static_argnames=("prof", "step"))
-def _mma(a: jax.Array, b: jax.Array, c: jax.Array, *, prof: Profile, step: Step) -> jax.Array:
+def _mma(a, b, c, bad_a, bad_b, *, prof: Profile, step: Step) -> jax.Array:
     # gemm's chain with C as the first step's accumulator, one chain over K
     acc = _chain_all(a, b, Resolved(prof, step, Schedule()), init=c)
-    return _specials(a, b, acc, init=c)
+    return _poison(_specials(a, b, acc, init=c), bad_a, bad_b)
 
 
-def mma(a: jax.Array, b: jax.Array, c: jax.Array, device: str = "h100",
+def mma(a: jax.Array, b: jax.Array, c: jax.Array, device: str = "h100", *,
+        a_format: str | None = None, b_format: str | None = None,
         **overrides) -> jax.Array:  # fmt: skip
     """``D = A @ B + C`` as one tensor-core instruction of ``device`` computes it.
 
@@ -80,8 +81,16 @@ def mma(a: jax.Array, b: jax.Array, c: jax.Array, device: str = "h100",
     :class:`Step` field (``fraction_bits=24``, ...). Jittable (``device`` and overrides
     static) and vmappable. Unknown device, dtype, override, a device without the instruction
     (bfloat16 on v100, FP8 before Ada) or K not a multiple: ``ValueError`` saying what exists.
+    ``a_format``/``b_format`` (``"float8_e4m3fn"`` or ``"float8_e5m2"``): ``a``/``b`` hold
+    that format's codes (uint8 or uint16), decoded as an array of the dtype would be (NaN,
+    inf, zeros, subnormals); a code past 8 bits is a ValueError (under a trace: NaN outputs).
     """
-    a, b, c = jnp.asarray(a), jnp.asarray(b), jnp.asarray(c)
+    for fmt, which in ((a_format, "a"), (b_format, "b")):
+        if fmt is not None and fmt not in _EIGHT:
+            raise ValueError(f"mma: {which}_format {fmt!r}; allowed: {', '.join(_EIGHT)}")
+    a, _, bad_a = _operand(a, a_format, "a") if a_format else (jnp.asarray(a), None, None)
+    b, _, bad_b = _operand(b, b_format, "b") if b_format else (jnp.asarray(b), None, None)
+    c = jnp.asarray(c)
     if a.ndim != 2 or b.ndim != 2 or c.ndim != 2 or a.shape[1] != b.shape[0] \
             or c.shape != (a.shape[0], b.shape[1]):  # fmt: skip
         raise ValueError(
@@ -98,4 +107,4 @@ def mma(a: jax.Array, b: jax.Array, c: jax.Array, device: str = "h100",
             f"mma: K={a.shape[1]} is not a positive multiple of the {device} {kind} step's "
             f"{w} products; allowed: K = {w}, {2 * w}, {3 * w}, ..."
         )
-    return _mma(a, b, c, prof=prof, step=step)
+    return _mma(a, b, c, bad_a, bad_b, prof=prof, step=step)

@@ -7,7 +7,7 @@ A ``[memory]`` table (all keys optional)::
     policies = ["f32", "p=f32,c=bf16", "p=f32,c=f16", "bf16"]   # bytes/param per policy
     optimizer = "adam"
     batch = 1
-    seq = 0                              # 0: the model's context length
+    # seq = 2048                         # absent: the model's context length
     checkpoint_intervals = []            # K of the memory-vs-K sweep; [] = 1..n_layers
     measure = true                       # also measure a real jitted step vs K with XLA
     measure_layers = 16                  # its residual stack: layers, width, batch
@@ -51,7 +51,7 @@ DEFAULTS: dict[str, Any] = {
     "policies": ["f32", "p=f32,c=bf16", "p=f32,c=f16", "bf16"],
     "optimizer": "adam",
     "batch": 1,
-    "seq": 0,
+    "seq": None,
     "checkpoint_intervals": [],
     "measure": True,
     "measure_layers": 16,
@@ -68,7 +68,7 @@ FIELDS: dict[str, Field] = {
     # Bounds: every count here sizes a loop or an allocation (measure_layers = 2^63 hung in a
     # divisor loop); past them the sweep is not a measurement this machine can make.
     "batch": Field(int, DEFAULTS["batch"], low=1, high=1 << 24),
-    "seq": Field(int, DEFAULTS["seq"], low=0, high=1 << 24, doc="0: the preset's context length"),
+    "seq": Field(int, DEFAULTS["seq"], nullable=True, low=1, high=1 << 24),
     "checkpoint_intervals": Field(
         list, DEFAULTS["checkpoint_intervals"], item=int, low=1, high=1 << 16
     ),
@@ -90,7 +90,7 @@ FIELDS = with_docs(
         "policies": "precision policies compared (bytes per parameter per policy)",
         "optimizer": "optimizer whose state is counted",
         "batch": "sequences per step",
-        "seq": "sequence length (0: the model's context length)",
+        "seq": "sequence length (absent: the model's context length)",
         "checkpoint_intervals": "K of the memory-vs-K sweep ([] = 1 .. the layer count)",
         "measure": "also measure a real jitted step vs K with XLA",
         "measure_layers": "layers of the measured residual stack",

@@ -24,21 +24,21 @@ High level (one call per run)::
   -> TrainResult``; ``build(config) -> TrainSetup`` (the typed pieces: data, model, optimizer,
   schedule, params, loss_fn, eval batches, ``StepOptions``, ``LoopOptions``).
   ``callback(metrics: dict)`` is called once per step with plain Python values: ``step`` (1-based
-  count of steps done), ``loss``, ``grad_norm`` (global norm of the
-  unscaled gradient, float32), ``loss_scale`` (scale used in this step), ``skipped`` (bool),
-  ``skip_reason`` ("", "nonfinite_loss" (the forward overflowed) or "nonfinite_grads" (the
-  backward did)), ``nonfinite_leaves`` (list of key paths, only with
-  ``report_leaves``), ``underflow_fraction`` (fraction of the compute-dtype gradient elements that
-  are zero, subnormal or non-finite), ``lr`` (the rate applied: optax counts applied updates only,
-  so skipped steps do not advance it), ``metric`` (train accuracy of the batch),
-  ``diverged`` (bool, sticky), ``step_time_s``; at eval steps also ``eval_loss``,
-  ``eval_metric``; at histogram steps ``grad_hist`` / ``act_hist`` (dicts: ``edges`` (log2 bin
-  edges), ``counts``, ``zeros``, ``nonfinite``; the gradient histogram is of the SCALED
-  gradient as the compute dtype holds it, i.e. what the format must represent); at shadow steps
-  ``shadow_cosine`` and ``shadow_underflow_lost`` (fraction of elements nonzero in the fp32
-  gradient and zero in the compute-dtype gradient); with a recipe, at histogram steps
-  ``recipe_<group>_<stat>`` (group ``x`` activations, ``w`` weights, ``g`` output gradients;
-  stat ``saturated``, ``underflow``, ``sqnr_db``, ``log2_scale_min``, ``log2_scale_max``, see
+  count of steps done), ``loss``, ``grad_norm`` (global norm of the unscaled gradient, float32),
+  ``loss_scale`` (scale used in this step), ``skipped`` (bool), ``skip_reason`` ("",
+  "nonfinite_loss" (the forward overflowed) or "nonfinite_grads" (the backward did)),
+  ``nonfinite_leaves`` (list of key paths, only with ``report_leaves``), ``underflow_fraction``
+  (fraction of the compute-dtype gradient elements that are zero or subnormal),
+  ``nonfinite_fraction`` (those that are inf/NaN), ``lr`` (the rate applied: optax counts applied
+  updates only, so skipped steps do not advance it), ``metric`` (train accuracy of the batch),
+  ``diverged`` (bool, sticky), ``step_time_s``; at eval steps also ``eval_loss``, ``eval_metric``;
+  at histogram steps ``grad_hist`` / ``act_hist`` (dicts: ``edges`` (log2 bin edges), ``counts``,
+  ``zeros``, ``nonfinite``; the gradient histogram is of the SCALED gradient as the compute dtype
+  holds it, i.e. what the format must represent); at shadow steps ``shadow_cosine`` and
+  ``shadow_underflow_lost`` (fraction of elements nonzero in the fp32 gradient and zero in the
+  compute-dtype gradient); with a recipe, at histogram steps ``recipe_<group>_<stat>`` (group
+  ``x`` activations, ``w`` weights, ``g`` output gradients; stat ``saturated``, ``underflow``,
+  ``sqnr_db``, ``log2_scale_min``, ``log2_scale_max``, see
   :mod:`precisionlab.train.recipe_metrics`).
 - ``TrainConfig.recipe``: a low-precision matmul recipe (FP8, MX, NVFP4) for every matmul of
   the model: a name (``"mxfp8"``) or a table ``{name = "mxfp8", scale_rule = "floor",
@@ -108,7 +108,8 @@ Low level (any user model):
 - ``save_checkpoint(dir, state, *, step, extra)`` / ``load_checkpoint(dir, template)`` /
   ``latest_checkpoint(dir)``: atomic, bitwise; ``meta.json`` strict JSON (see
   :mod:`precisionlab._io`).
-- Meters: ``underflow_fraction(tree, dtype)``, ``log2_histogram(tree)``,
+- Meters: ``underflow_fraction(tree, dtype)``, ``nonfinite_fraction(tree)``,
+  ``log2_histogram(tree)``,
   ``shadow_stats(grads, grads_fp32)``.
 """
 
@@ -120,7 +121,12 @@ from precisionlab.train.data import DATASETS, Dataset, make_data
 from precisionlab.train.evaluation import evaluate, make_eval_fn
 from precisionlab.train.hooks import CallbackHook, CheckpointHook, Hook, ProgressHook, StepEnd
 from precisionlab.train.loop import LoopOptions, train_loop
-from precisionlab.train.meters import log2_histogram, shadow_stats, underflow_fraction
+from precisionlab.train.meters import (
+    log2_histogram,
+    nonfinite_fraction,
+    shadow_stats,
+    underflow_fraction,
+)
 from precisionlab.train.models import MODELS, Model, make_model
 from precisionlab.train.optim import OPTIMIZERS, SCHEDULES, make_optimizer
 from precisionlab.train.step import StepOptions, TrainState, TrainStep, build_step, make_train_step
@@ -158,6 +164,7 @@ __all__ = [
     "make_model",
     "make_optimizer",
     "make_train_step",
+    "nonfinite_fraction",
     "save_checkpoint",
     "shadow_stats",
     "train",

@@ -186,6 +186,7 @@ def build(config: TrainConfig) -> TrainSetup:
         shadow_interval=config.shadow_interval,
         loss_weight=config.loss_weight,
         chunk_steps=config.chunk_steps,
+        deterministic=config.deterministic,
     )
     return TrainSetup(
         config=config,
@@ -225,8 +226,9 @@ def _loop_args(setup: TrainSetup) -> dict[str, Any]:
 
 def _eval_fn(setup: TrainSetup) -> Callable:
     return make_eval_fn(
-        setup.loss_fn, setup.policy, setup.eval_batches, program_key=setup.program_key
-    )
+        setup.loss_fn, setup.policy, setup.eval_batches, program_key=setup.program_key,
+        deterministic=setup.config.deterministic,
+    )  # fmt: skip
 
 
 def train(

@@ -124,6 +124,12 @@ TRAIN_FIELDS: dict[str, Field] = {
     "remat_every": Field(int, 0, low=0, high=2**16, why="2**16 layers"),
     "remat_policy": Field(str, "nothing_saveable", choices=REMAT_POLICIES),
     "report_leaves": Field(bool, False),
+    "deterministic": Field(
+        bool,
+        False,
+        doc="matmuls and sums in a fixed pairwise order: the same bits on any CPU, at a cost "
+        "(precisionlab.train.deterministic)",
+    ),
     "chunk_steps": Field(
         int,
         0,
@@ -296,6 +302,7 @@ class TrainConfig:
     remat_every: int = 0
     remat_policy: str = "nothing_saveable"
     report_leaves: bool = False
+    deterministic: bool = False
     chunk_steps: int = 0
     progress: bool | None = None
     loss_weight: float = 1.0

@@ -19,18 +19,21 @@ __all__ = ["evaluate", "make_eval_fn"]
 
 
 def make_eval_fn(
-    loss_fn: Callable, policy: Policy, batches: list[Any], *, program_key: Hashable = None
-) -> Callable[[Any], dict[str, float]]:
+    loss_fn: Callable, policy: Policy, batches: list[Any], *, program_key: Hashable = None,
+    deterministic: bool = False,
+) -> Callable[[Any], dict[str, float]]:  # fmt: skip
     """``eval_fn(params) -> {"eval_loss", "eval_metric"}``: mean over ``batches`` of the loss and
     of aux ``metric`` (nan if absent), with params cast to the compute dtype. Jitted; with a
     ``program_key`` (see :mod:`precisionlab.train.programs`), one jitted function serves every
     call under that key (the batches are its argument). ``eval_fn.lower(params)`` lowers it
-    (``.compile()`` then compiles it ahead of the first call)."""
+    (``.compile()`` then compiles it ahead of the first call). ``deterministic``: its matmuls
+    and sums in a fixed order (``precisionlab.train.deterministic.fixed_order``)."""
     stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *batches)
     if program_key is None:
-        run = _make_run(loss_fn, policy)
+        run = _make_run(loss_fn, policy, deterministic)
     else:
-        run = programs.get(("eval", program_key), lambda: _make_run(loss_fn, policy))
+        key = ("eval", program_key, deterministic)
+        run = programs.get(key, lambda: _make_run(loss_fn, policy, deterministic))
 
     def eval_fn(params: Any) -> dict[str, float]:
         loss, metric = run(params, stacked)
@@ -41,11 +44,10 @@ def make_eval_fn(
     return eval_fn
 
 
-def _make_run(loss_fn: Callable, policy: Policy) -> Callable:
+def _make_run(loss_fn: Callable, policy: Policy, deterministic: bool = False) -> Callable:
     """``run(params, stacked_batches) -> (mean loss, mean metric)``, jitted."""
     f = normalize_loss_fn(loss_fn)
 
-    @jax.jit
     def run(params, stacked):
         pc = cast_floating(params, policy.compute_dtype)
 
@@ -57,7 +59,11 @@ def _make_run(loss_fn: Callable, policy: Policy) -> Callable:
         _, (losses, metrics) = jax.lax.scan(one, None, stacked)
         return jnp.mean(losses), jnp.mean(metrics)
 
-    return run
+    if deterministic:
+        from precisionlab.train.deterministic import fixed_order
+
+        return jax.jit(fixed_order(run))
+    return jax.jit(run)
 
 
 def evaluate(

@@ -31,6 +31,7 @@ from precisionlab.train.config import (
     TrainResult,
     check_loss_weight,
 )
+from precisionlab.train.deterministic import fixed_order
 from precisionlab.train.distributed import is_main, restore_checkpoint
 from precisionlab.train.hooks import CallbackHook, CheckpointHook, Hook, ProgressHook, StepEnd
 from precisionlab.train.meters import hist_edges
@@ -60,6 +61,8 @@ class LoopOptions:
     shadow_interval: int = 0
     loss_weight: float = 1.0
     chunk_steps: int = 0
+    #: matmuls and sums of every program in a fixed order (precisionlab.train.deterministic)
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.divergence_action not in DIVERGENCE_ACTIONS:
@@ -450,6 +453,9 @@ def _programs(
     (histograms, shadow) and the recipe probe of a run; nothing is traced until called."""
     halt = loop.divergence_action == "stop"
     jstep = jchunk = None
+    names_of = step_fn  # telemetry names are filled on it when traced
+    if loop.deterministic:
+        step_fn = fixed_order(step_fn)
     if chunk == 1:
         jstep = jax.jit(step_fn, donate_argnums=0)
     else:
@@ -462,7 +468,7 @@ def _programs(
             shadow_loss_fn=shadow_loss_fn,
             histograms=bool(loop.hist_interval),
         )
-        probe = jax.jit(probe_fn)
+        probe = jax.jit(fixed_order(probe_fn) if loop.deterministic else probe_fn)
     recipe_probe = None
     if loop.hist_interval and options.recipe is not None:
         from precisionlab.train.recipe_metrics import make_recipe_metrics_fn
@@ -477,7 +483,7 @@ def _programs(
             return rfn(pc, batch, state.loss_scale, state.recipe_state, key)
 
         recipe_probe = jax.jit(recipe_probe_fn)
-    names = getattr(step_fn, "telemetry_names", {})  # filled when the step is traced
+    names = getattr(names_of, "telemetry_names", {})  # filled when the step is traced
     return _Programs(jstep, jchunk, probe, recipe_probe, names)
 
 

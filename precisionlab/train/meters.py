@@ -16,6 +16,7 @@ __all__ = [
     "HIST_LO",
     "hist_edges",
     "log2_histogram",
+    "nonfinite_fraction",
     "shadow_stats",
     "underflow_fraction",
 ]
@@ -34,17 +35,29 @@ def _floats(tree: Any) -> list[jax.Array]:
     return [x for x in jax.tree_util.tree_leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
 
 
-def underflow_fraction(tree: Any, dtype: Any = None) -> jax.Array:
-    """Fraction (float32 scalar) of elements that are zero, subnormal or non-finite in ``dtype``
-    (default: each leaf's own dtype). Elements are compared as float32 magnitudes against the
-    format's smallest normal, so the check is the same on every backend."""
+def underflow_fraction(tree: Any, dtype: Any = None, *, nonfinite: bool = True) -> jax.Array:
+    """Fraction (float32 scalar) of elements that are zero or subnormal in ``dtype`` (default:
+    each leaf's own dtype), and also those that are inf/NaN unless ``nonfinite=False`` (the
+    train step's meter separates them: :func:`nonfinite_fraction`). Elements are compared as
+    float32 magnitudes against the format's smallest normal, so the check is the same on every
+    backend."""
     bad = jnp.zeros((), jnp.float32)
     total = 0
     for x in _floats(tree):
         tiny = float(jnp.finfo(x.dtype if dtype is None else dtype).tiny)
         a = jnp.abs(x.astype(jnp.float32))
-        hit = (a < jnp.float32(tiny)) | ~jnp.isfinite(a)
+        hit = (a < jnp.float32(tiny)) | ~jnp.isfinite(a) if nonfinite else a < jnp.float32(tiny)
         bad = bad + jnp.sum(hit, dtype=jnp.float32)
+        total += x.size
+    return bad / jnp.float32(max(total, 1))
+
+
+def nonfinite_fraction(tree: Any) -> jax.Array:
+    """Fraction (float32 scalar) of the floating elements of ``tree`` that are inf or NaN."""
+    bad = jnp.zeros((), jnp.float32)
+    total = 0
+    for x in _floats(tree):
+        bad = bad + jnp.sum(~jnp.isfinite(x), dtype=jnp.float32)
         total += x.size
     return bad / jnp.float32(max(total, 1))
 

@@ -33,7 +33,7 @@ from precisionlab.mixed.storage import (
     init_storage_state,
     store_opt_state,
 )
-from precisionlab.train.meters import underflow_fraction
+from precisionlab.train.meters import nonfinite_fraction, underflow_fraction
 from precisionlab.train.recipe import TrainRecipe
 
 __all__ = [
@@ -162,7 +162,8 @@ def make_grad_fn(
 
     grads: gradients of the SCALED loss w.r.t. the compute-dtype params, summed over micro-batches
     in float32 (divided by their count), as float32. loss: unscaled float32 mean loss. underflow:
-    the underflow meter of the compute-dtype gradients (mean over micro-batches). With a
+    the meters of the compute-dtype gradients (mean over micro-batches), ``{"underflow": zero or
+    subnormal, "nonfinite": inf/NaN}`` fractions of their elements. With a
     ``recipe``, ``extra`` is ``(recipe_state, key)``: every matmul of ``loss_fn`` runs through
     the recipe, and ``observed`` holds the amaxes each matmul saw (delayed scaling; the max over
     micro-batches, see :func:`precisionlab.recipes.combine_observed`); else ``extra`` and
@@ -190,7 +191,11 @@ def make_grad_fn(
 
     def one(pc: Any, batch: Any, ls: LossScale, extra: Any):
         loss, aux, g, observed = value_grad(pc, batch, ls, extra)
-        meter = underflow_fraction(g, policy.compute_dtype)
+        # zeros/subnormals and inf/NaN apart: a step of NaNs is not an underflow
+        meter = {
+            "underflow": underflow_fraction(g, policy.compute_dtype, nonfinite=False),
+            "nonfinite": nonfinite_fraction(g),
+        }
         return loss.astype(jnp.float32), _scalar_aux(aux), g, meter, observed
 
     if microbatches == 1:
@@ -394,7 +399,8 @@ def build_step(
 
     Returns:
       A :class:`TrainStep`. The step's metrics (device arrays): loss, grad_norm, loss_scale (used
-      in this step), skipped (bool), underflow_fraction, plus aux scalars (e.g. metric) and,
+      in this step), skipped (bool), underflow_fraction (zero/subnormal), nonfinite_fraction
+      (inf/NaN), plus aux scalars (e.g. metric) and,
       with report_leaves, finite_leaves.
     """
     opts = StepOptions() if options is None else options
@@ -513,7 +519,8 @@ def build_step(
             "grad_norm": grad_norm.astype(jnp.float32),
             "loss_scale": ls.loss_scale.astype(jnp.float32),
             "skipped": skipped,
-            "underflow_fraction": meter,
+            "underflow_fraction": meter["underflow"],
+            "nonfinite_fraction": meter["nonfinite"],
             **aux,
         }
         if opts.report_leaves:

@@ -71,6 +71,11 @@ def check_int(name: str, value: Any, low: int) -> int:
     return int(value)
 
 
+#: Largest ``input_scale`` of the generated data sets: |x| reaches a few units times it, and
+#: the data is float32 (max 3.4e38): past this it would be inf, not data.
+MAX_INPUT_SCALE = 1e30
+
+
 def check_float(name: str, value: Any, low: float, high: float | None = None) -> float:
     if (
         isinstance(value, bool)

@@ -22,7 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from precisionlab.train.data.base import Dataset, check_float, check_int, split_rng
+from precisionlab.train.data.base import (
+    MAX_INPUT_SCALE,
+    Dataset,
+    check_float,
+    check_int,
+    split_rng,
+)
 
 __all__ = ["DigitsData", "MissingExtraError", "load_digits_arrays"]
 
@@ -66,7 +72,7 @@ class DigitsData(Dataset):
     image_shape = (8, 8, 1)
 
     def __post_init__(self) -> None:
-        check_float("input_scale", self.input_scale, 1e-30)
+        check_float("input_scale", self.input_scale, 1e-30, MAX_INPUT_SCALE)
         check_int("eval_size", self.eval_size, 1)
         if self.eval_size > _N_IMAGES - 100:
             raise ValueError(

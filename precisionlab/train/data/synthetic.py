@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from precisionlab.train.data.base import Dataset
+from precisionlab.train.data.base import MAX_INPUT_SCALE, Dataset
 from precisionlab.train.data.base import check_float as _check_float
 from precisionlab.train.data.base import check_int as _check_int
 from precisionlab.train.data.base import split_rng as _rng
@@ -34,7 +34,7 @@ class TeacherData(Dataset):
         _check_int("in_dim", self.in_dim, 1)
         _check_int("num_classes", self.num_classes, 2)
         _check_int("teacher_width", self.teacher_width, 1)
-        _check_float("input_scale", self.input_scale, 1e-30)
+        _check_float("input_scale", self.input_scale, 1e-30, MAX_INPUT_SCALE)
         _check_float("label_noise", self.label_noise, 0.0, 1.0)
         _check_int("task_seed", self.task_seed, 0)
         g = np.random.default_rng([self.task_seed, 12345])

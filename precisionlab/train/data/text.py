@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from precisionlab import _io
 from precisionlab.train.data.base import Dataset, check_float, check_int, split_rng
 
 __all__ = ["MAX_BYTES_LIMIT", "TextData", "stdlib_dir"]
@@ -75,9 +76,7 @@ def _is_text(data: bytes, *, cut: bool = False) -> bool:
 def _read_head(path: pathlib.Path, limit: int) -> tuple[bytes, bool]:
     """At most ``limit`` bytes of ``path`` and whether there were more: ``max_bytes`` bounds
     what is read, not only what is kept (a 3 GB file with a 1 MiB limit read 3 GB)."""
-    with open(path, "rb") as fh:
-        data = fh.read(limit + 1)
-    return data[:limit], len(data) > limit
+    return _io.read_head(path, limit)  # a regular file only: a FIFO never blocks
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
