@@ -236,6 +236,16 @@ class _RoundRule:
             # tensor-core model sees 16-bit inputs in a float32 program under a 16-bit policy
             ops = [self._narrowed(x, v.aval) for x, v in zip(ins, eqn.invars, strict=True)]
             outs = [self.matmul(*ops, params, eqn.outvars[0].aval.dtype)]
+        elif name == "conv_general_dilated" and _is_float(eqn.outvars[0].aval):
+            # the implicit GEMM over the patches, through the same matmul model
+            ops = [self._narrowed(x, v.aval) for x, v in zip(ins, eqn.invars, strict=True)]
+            out_dtype = eqn.outvars[0].aval.dtype
+            if self.accumulate_bits is not None:
+                bits = self.accumulate_bits
+                model = lambda a, b, p, dt: _narrow_dot(a, b, p["dimension_numbers"], bits)  # noqa: E731
+            else:
+                model = self.matmul
+            outs = [_matmul.implicit_gemm(model, *ops, params, out_dtype).astype(out_dtype)]
         elif name == "reduce_sum" and (self.backward or not self.reduce_fp32) and (
             self.target(eqn.outvars[0].aval) is not None
         ):

@@ -23,6 +23,7 @@ from precisionlab.intercept._interpret import (
     Intercepted,
     PerIteration,
     Rule,
+    SkippedOperationWarning,
     intercept,
 )
 from precisionlab.intercept._sites import Site, select
@@ -35,6 +36,7 @@ __all__ = [
     "PerIteration",
     "Rule",
     "Site",
+    "SkippedOperationWarning",
     "intercept",
     "select",
 ]

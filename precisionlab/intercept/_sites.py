@@ -7,7 +7,7 @@ import fnmatch
 import re
 from collections.abc import Sequence
 
-__all__ = ["Site", "select"]
+__all__ = ["Site", "numbered", "select"]
 
 #: A scope part naming the layer of each iteration of a scan over stacked layers:
 #: ``"layer{1+i}"`` (flat iteration ``i`` runs ``layer{1 + i}``), see ``train.layers``.
@@ -35,6 +35,10 @@ class Site:
         function counts as ``"custom_jvp"`` / ``"custom_vjp"``.
       lengths: the iteration count of each enclosing loop of ``loops`` (None for a
         ``while_loop``), outermost first: the leading axes of a per-iteration value.
+      in_dtypes: every operand's dtype.
+      skipped: why the rule leaves this operation as it was although it could act on it
+        (``"integer operands"``, ``"no rule for ragged_dot"``), or ``""``; a skipped site is
+        never selected, and is listed by :meth:`~precisionlab.intercept.Intercepted.report`.
     """
 
     index: int
@@ -49,6 +53,8 @@ class Site:
     selected: bool = True
     within: tuple[str, ...] = ()
     lengths: tuple[int | None, ...] = ()
+    in_dtypes: tuple[str, ...] = ()
+    skipped: str = ""
 
     @property
     def name(self) -> str:
@@ -82,17 +88,21 @@ class Site:
             parts.append(f"in {'/'.join(self.loops)}")
         if self.where:
             parts.append(f"at {self.where}")
-        parts.append("replaced" if self.selected else "kept")
+        if self.skipped:
+            parts.append(f"skipped: {self.skipped}")
+        else:
+            parts.append("replaced" if self.selected else "kept")
         return "  ".join(parts)
 
 
-def _matches(site: Site, item: int | str, count: int) -> bool:
+def _matches(site: Site, item: int | str, pos: int, count: int) -> bool:
+    """Whether ``item`` names the site at position ``pos`` of ``count`` matched operations."""
     if isinstance(item, bool):
         raise TypeError(f"include/exclude items are ints or strings, got {item!r}")
     if isinstance(item, int):
         if not -count <= item < count:
             return False
-        return site.index == item % count
+        return pos == item % count
     if not isinstance(item, str):
         raise TypeError(f"include/exclude items are ints or strings, got {item!r}")
     full = f"{site.scope}/{site.name}" if site.scope else site.name
@@ -109,7 +119,7 @@ def _check_items(items: Sequence[int | str], what: str, sites: list[Site]) -> No
                 f"{what} position {item} is out of range: the program has {n} matched "
                 f"operations (positions 0..{n - 1}, or -{n}..-1 from the end)"
             )
-        if isinstance(item, str) and not any(_matches(s, item, n) for s in sites):
+        if isinstance(item, str) and not any(_matches(s, item, i, n) for i, s in enumerate(sites)):
             names = ", ".join(s.name for s in sites) or "none"
             raise ValueError(f"{what} pattern {item!r} matches no operation; matched: {names}")
 
@@ -121,16 +131,31 @@ def select(
 ) -> list[Site]:
     """Mark each site selected when included (all when ``include`` is None) and not excluded.
 
-    Items are positions (negative counts from the end: ``-1`` is the last matched op), exact
-    names (``"dot_general[3]"``) or glob patterns matched against the name, the scope and
-    ``scope/name`` (``"head/*"``). An item that matches nothing is a ValueError.
+    Items are positions in program order (negative counts from the end: ``-1`` is the last
+    matched op), exact names (``"dot_general[3]"``) or glob patterns matched against the name,
+    the scope and ``scope/name`` (``"head/*"``). An item that matches nothing is a ValueError.
+    A site the rule skips (:attr:`Site.skipped`) is never selected.
     """
     _check_items(include or (), "include", sites)
     _check_items(exclude, "exclude", sites)
     n = len(sites)
     out = []
-    for s in sites:
-        keep = include is None or any(_matches(s, i, n) for i in include)
-        keep = keep and not any(_matches(s, e, n) for e in exclude)
+    for i, s in enumerate(sites):
+        keep = include is None or any(_matches(s, x, i, n) for x in include)
+        keep = keep and not any(_matches(s, e, i, n) for e in exclude) and not s.skipped
         out.append(dataclasses.replace(s, selected=keep))
+    return out
+
+
+def numbered(sites: list[Site], numbering: str) -> list[Site]:
+    """The sites with their :attr:`Site.index`: the position among all of them in program
+    order (``"program"``), or among those of the same primitive (``"primitive"``: the
+    matmuls keep their names, ``dot_general[0..]``, whatever else is matched)."""
+    if numbering == "program":
+        return [dataclasses.replace(s, index=i) for i, s in enumerate(sites)]
+    seen: dict[str, int] = {}
+    out = []
+    for s in sites:
+        out.append(dataclasses.replace(s, index=seen.get(s.primitive, 0)))
+        seen[s.primitive] = seen.get(s.primitive, 0) + 1
     return out

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import re
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -52,6 +53,7 @@ __all__ = [
     "loop_length",
     "name_stack",
     "open_jaxpr",
+    "primitive_names",
     "rebind",
     "retrace",
     "scan_split",
@@ -151,6 +153,23 @@ _COMBINER_NAMES = (
     "scatter_min", "scatter_max", "scatter_apply",
 )  # fmt: skip
 _COMBINERS = _Identity(tuple(f"{n}_p" for n in _COMBINER_NAMES), _COMBINER_NAMES)
+
+
+def primitive_names() -> frozenset[str]:
+    """The names of every primitive of this JAX: those it exports (``jax.extend.core.
+    primitives``, ``jax.lax``) and every ``Primitive`` object at module level in its loaded
+    modules (``ragged_dot_general``, ``one_minus_square`` are not exported): what an option
+    naming primitives may name."""
+    names = {p.name for p in _exported([a for m in _EXPORTERS for a in dir(m) if a.endswith("_p")])}
+    for ident in _IDENTITIES.values():
+        names |= ident.names | {p.name for p in ident.objects}
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or not (mod_name == "jax" or mod_name.startswith(("jax.", "jaxlib."))):
+            continue
+        for v in list(getattr(mod, "__dict__", {}).values()):
+            if isinstance(v, jex.core.Primitive):
+                names.add(v.name)
+    return frozenset(names)
 
 
 def kind(prim: Any) -> str | None:

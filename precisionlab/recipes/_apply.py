@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from precisionlab.intercept import Context, Intercepted, Site, intercept
+from precisionlab.recipes._conv import NOT_COVERED, conv_site
 from precisionlab.recipes._dot import WEIGHT_OPERANDS, dot_general
 from precisionlab.recipes._recipes import Delayed, Recipe, get_recipe
 
@@ -75,10 +76,27 @@ def combine_observed(a: dict, b: dict) -> dict:
 class _DotRule:
     recipe: Recipe
     weight: str
-    primitives: tuple[str, ...] = ("dot_general",)
+    primitives: tuple[str, ...] = ("dot_general", "conv_general_dilated")
+    candidates: tuple[str, ...] = NOT_COVERED
     emits = False  # never an Emit: a stateless call without a key is rewritten by type
 
-    def apply(self, ctx: Context, lhs, rhs, *, dimension_numbers, **params) -> list:
+    @property
+    def label(self) -> str:
+        return f"recipe {self.recipe.name!r}"
+
+    def declines(self, site: Site) -> str | None:
+        """Integer (and 8-bit) matmuls and convolutions are left as they were."""
+        bad = [d for d in site.in_dtypes if d not in _FLOATS]
+        if bad:
+            return f"{' x '.join(site.in_dtypes)} operands (recipes take {', '.join(_FLOATS)})"
+        return None
+
+    def apply(self, ctx: Context, lhs, rhs, **params) -> list:
+        if ctx.site.skipped:
+            return ctx.original(lhs, rhs)
+        if ctx.site.primitive == "conv_general_dilated":
+            return [conv_site(ctx, lhs, rhs, params, self.recipe, self.weight)]
+        dimension_numbers = params["dimension_numbers"]
         pet = params.get("preferred_element_type")
         if str(lhs.dtype) not in _FLOATS or str(rhs.dtype) not in _FLOATS:
             # an integer matmul (indices, masks) is left as it was
@@ -105,7 +123,7 @@ class Applied:
             )
         self.recipe, self.weight = recipe, weight
         self.intercepted: Intercepted = intercept(
-            fn, _DotRule(recipe, weight), include=include, exclude=exclude
+            fn, _DotRule(recipe, weight), include=include, exclude=exclude, numbering="primitive"
         )
 
     def sites(self, *args, **kwargs) -> list[Site]:
