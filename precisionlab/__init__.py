@@ -1,7 +1,9 @@
 """precisionlab: exact, measured answers about number formats, quantization and mixed precision.
 
 The curated top-level API; the submodules (``formats``, ``bits``, ``quant``, ``metrics``,
-``mixed``, ``train``, ``memory``, ``experiments``) hold the rest.
+``mixed``, ``train``, ``memory``, ``experiments``) hold the rest. :func:`audit` says which
+dtype each matmul and convolution of a function multiplies in
+(:mod:`precisionlab.compute_audit`).
 """
 
 from precisionlab.bits import (
@@ -14,6 +16,7 @@ from precisionlab.bits import (
     fields,
     round_to_format,
 )
+from precisionlab.compute_audit import audit
 from precisionlab.formats import FloatFormat, IntFormat, Specials, format_names, get_format
 from precisionlab.quant import QArray, dequantize, fake_quant, quantize
 
@@ -27,6 +30,7 @@ __all__ = [
     "QArray",
     "Rounding",
     "Specials",
+    "audit",
     "classify",
     "decode",
     "dequantize",

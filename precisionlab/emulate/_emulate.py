@@ -42,7 +42,7 @@ from jax import lax
 
 from precisionlab.emulate import _matmul, _model, _simplify
 from precisionlab.emulate._simplify import Folds
-from precisionlab.intercept import Context, Intercepted, Site, boundary, intercept
+from precisionlab.intercept import Context, Intercepted, Site, boundary, compute_line, intercept
 from precisionlab.mixed.numerics import enforce
 from precisionlab.mixed.policy import Policy, get_policy
 
@@ -446,8 +446,17 @@ class Emulated:
         return self._intercepted(args, kwargs)[0].sites(*args, **kwargs)
 
     def report(self, *args, **kwargs) -> str:
-        """One line per floating-point operation (see :meth:`Site.describe`)."""
-        return self._intercepted(args, kwargs)[0].report(*args, **kwargs)
+        """One line per floating-point operation (see :meth:`Site.describe`), then the
+        compute-dtype line of the program's matmuls and convolutions
+        (:func:`precisionlab.intercept.compute_line`) and what emulate rounds them to."""
+        inter, rule = self._intercepted(args, kwargs)
+        text = inter.report(*args, **kwargs)
+        line = compute_line(inter.sites(*args, **kwargs))
+        how = (
+            "the program's own dtypes are kept" if rule.program_typed
+            else f"emulate rounds every float32 result to {np.dtype(self.dtype).name}"
+        )  # fmt: skip
+        return f"{text}\n{line} ({how})"
 
     def __call__(self, *args, **kwargs) -> Any:
         return self._call((), args, kwargs)

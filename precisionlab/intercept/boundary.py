@@ -54,6 +54,7 @@ __all__ = [
     "name_stack",
     "open_jaxpr",
     "primitive_names",
+    "product_flops",
     "rebind",
     "retrace",
     "scan_split",
@@ -380,6 +381,32 @@ def call_name(eqn: Any) -> str:
 def loop_length(eqn: Any) -> int | None:
     """The iteration count of a ``scan`` (None for a ``while``)."""
     return int(eqn.params["length"]) if kind(eqn.primitive) == "scan" else None
+
+
+def product_flops(eqn: Any) -> int:
+    """2 x the multiply-adds of a ``dot_general`` or ``conv_general_dilated`` equation (its
+    parameters read here); 0 for any other equation."""
+    name = eqn.primitive.name
+    out = eqn.outvars[0].aval.shape if eqn.outvars else ()
+    size = 1
+    for d in out:
+        size *= int(d)
+    if name == "dot_general":
+        (lc, _), _ = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval.shape
+        k = 1
+        for d in lc:
+            k *= int(lhs[d])
+        return 2 * size * k
+    if name == "conv_general_dilated":
+        rhs = eqn.invars[1].aval.shape
+        spec = getattr(eqn.params.get("dimension_numbers"), "rhs_spec", None)
+        spec = tuple(range(len(rhs))) if spec is None else tuple(spec)
+        k = int(rhs[spec[1]])
+        for d in spec[2:]:
+            k *= int(rhs[d])
+        return 2 * size * k
+    return 0
 
 
 # --- errors --------------------------------------------------------------------------------

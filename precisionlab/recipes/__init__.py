@@ -9,8 +9,10 @@
   custom VJP quantizing the fprop, dgrad and wgrad GEMMs' operands as the recipe says;
   :func:`conv_general_dilated`: a convolution quantized as the GEMM over its patches
   (K = kernel taps, then input channels fastest).
-- :func:`apply`: any JAX function with its matmuls and convolutions quantized (a jaxpr interpreter,
-  :mod:`precisionlab.intercept`), with include/exclude and delayed-scaling state.
+- :func:`apply`: any JAX function with its matmuls and convolutions quantized (a jaxpr
+  interpreter, :mod:`precisionlab.intercept`), each site named by the parameter it multiplies
+  (include/exclude by path, glob or regular expression), products of two activations
+  (attention) left out unless ``attention=True``, and delayed-scaling state.
 - :class:`RecipeSpec` / :class:`AppliedRecipe`: the contract a training recipe and its applied
   form keep (``stateful``, ``apply``; ``sites``, ``init_state``, ``value_and_grad``,
   ``update_state``), kept by ``train.TrainRecipe`` and ``diagnose``'s ``AutoSwitchRecipe``.

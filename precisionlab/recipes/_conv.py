@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from precisionlab.hardware.conv import conv_gemm
-from precisionlab.recipes._dot import WEIGHT_OPERANDS, _check_float, _qdot3_jit
+from precisionlab.recipes._dot import _check_float, _qdot3_jit, operand_kinds
 from precisionlab.recipes._recipes import Delayed, Recipe, get_recipe
 
 __all__ = ["NOT_COVERED", "conv_general_dilated", "conv_site"]
@@ -70,15 +70,14 @@ def conv_general_dilated(
       state: the delayed recipe's state for this convolution (lhs = patches, rhs = kernel,
         output gradient), as for :func:`~precisionlab.recipes.dot_general`.
       key: PRNG key for stochastic rounding of gradients (NVFP4).
-      weight: which operand is the weight: ``"rhs"`` (the kernel; default), ``"lhs"`` or
-        ``"none"``.
+      weight: which operand is the weight: ``"rhs"`` (the kernel; default), ``"lhs"``,
+        ``"none"``, ``"both"`` or a pair of kinds, as for ``dot_general``.
 
     Returns:
       The convolution, dtype ``preferred_element_type`` or the operands' result dtype.
     """
     recipe = get_recipe(recipe)
-    if weight not in WEIGHT_OPERANDS:
-        raise ValueError(f"unknown weight {weight!r}; allowed: {', '.join(WEIGHT_OPERANDS)}")
+    kinds = operand_kinds(weight)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     _check_float(lhs, "lhs")
     _check_float(rhs, "rhs")
@@ -98,12 +97,14 @@ def conv_general_dilated(
     if not isinstance(recipe, Delayed):
         state = None
     nums = recipe.given_numbers
-    y = _qdot3_jit(recipe.with_numbers(None), WEIGHT_OPERANDS[weight], a3, b3, state, key, nums)
+    y = _qdot3_jit(recipe.with_numbers(None), kinds, a3, b3, state, key, nums)
     return plan.output(y).astype(out_dtype)
 
 
-def conv_site(ctx: Any, lhs: jax.Array, rhs: jax.Array, params: dict, recipe: Recipe,
-              weight: str) -> jax.Array:  # fmt: skip
+def conv_site(
+    ctx: Any, lhs: jax.Array, rhs: jax.Array, params: dict, recipe: Recipe,
+    weight: str | tuple[str, str],
+) -> jax.Array:  # fmt: skip
     """A matched ``conv_general_dilated`` equation (its parameters ``params``) quantized."""
     return conv_general_dilated(
         lhs, rhs, params["window_strides"], params["padding"], params.get("lhs_dilation"),

@@ -109,14 +109,14 @@ class _TapRule:
         (lc, rc), (lb, rb) = dn
         rstate = ctx.state.get("recipe")
         key = ctx.site_key()
-        kx, kw = WEIGHT_OPERANDS["rhs"]
+        kx, kw = ctx.site.roles or WEIGHT_OPERANDS["rhs"]  # the recipe's roles
         scales = (
             (None, None, None) if rstate is None else tuple(rstate["scale"][i] for i in range(3))
         )
 
         def qdot(a, b):
             return dot_general(a, b, dn, preferred_element_type=pet, recipe=recipe,
-                               state=rstate, key=key, weight="rhs")  # fmt: skip
+                               state=rstate, key=key, weight=(kx, kw))  # fmt: skip
 
         @jax.custom_vjp
         def tap(a, b, probe):
@@ -178,7 +178,7 @@ def make_recipe_metrics_fn(loss_fn, recipe: TrainRecipe):
         return ls.scale(loss)
 
     tapped = intercept(scaled, _TapRule(recipe.recipe), include=recipe.include,
-                       exclude=recipe.exclude)  # fmt: skip
+                       exclude=recipe.exclude, default=recipe.selects)  # fmt: skip
 
     def fn(pc, batch, ls, recipe_state, key):
         sites = [s.name for s in tapped.sites(pc, batch, ls) if s.selected]
