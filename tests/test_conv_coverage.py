@@ -351,3 +351,6 @@ def test_ragged_and_integer_matmuls_are_listed_and_warned_once(monkeypatch):
     obs = telemetry.observe(_ragged)
     with pytest.warns(SkippedOperationWarning, match="telemetry"):
         assert [s.primitive for s in obs.skipped(x, w)] == ["ragged_dot_general"]
+    assert "1 not observed: ragged_dot_general[0] (no rule for ragged_dot_general)" in (
+        obs.report(x, w)
+    )

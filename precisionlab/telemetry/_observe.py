@@ -234,6 +234,17 @@ class Observed:
         <precisionlab.intercept.Site.skipped>` says why), warned about once when traced."""
         return self._intercepted().skipped(*args, **kwargs)
 
+    def report(self, *args, **kwargs) -> str:
+        """One line per observed operation (the parameter it multiplies, its shapes and
+        source line), then those telemetry could observe but does not (:meth:`skipped`)."""
+        sites = self.sites(*args, **kwargs)
+        lines = [f"{len(sites)} observed", *(s.describe() for s in sites)]
+        skipped = self.skipped(*args, **kwargs)
+        if skipped:
+            lines.append(f"{len(skipped)} not observed: " + ", ".join(
+                f"{s.name} ({s.skipped})" for s in skipped))  # fmt: skip
+        return "\n".join(lines)
+
     def __call__(self, *args, **kwargs) -> tuple[Any, dict[str, dict[str, TensorStats]]]:
         """``(fn(*args, **kwargs), {site: {"lhs", "rhs", "out": TensorStats[, "valid"]}})``
         (other operations: ``"out"`` only; per-iteration statistics of sites inside loops:
