@@ -11,7 +11,7 @@ convolution with the parameter it multiplies, its operand dtypes and the dtype i
 in; with a 16-bit ``policy`` it warns (:class:`ComputeDtypeWarning`) when most of the FLOPs
 run in float32, naming the first float32 matmul and the first operation that promoted its
 operands, and why (read from the program's dataflow,
-:mod:`precisionlab.intercept._dataflow`).
+``precisionlab.intercept._dataflow``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ low-precision matmul recipes), recursing into ``jit``, custom-derivative functio
 name (``"dot_general[3]"``), its scope (``jax.named_scope`` and ``jit`` names) and source
 line; ``include``/``exclude`` pick which are replaced, by position, name, scope, or the
 parameter each operand is (its input leaf's pytree path, traced through the dataflow: see
-:attr:`Site.operands`, :attr:`Site.roles`), as globs or regular expressions. The result
+``Site.operands``, ``Site.roles``), as globs or regular expressions. The result
 composes with ``jit``, ``grad`` and ``vmap``. A rule may also return auxiliary values
 (:class:`Emit`), which :meth:`Intercepted.call_with_aux` threads out of loops (stacked per
 iteration), conds and checkpoints as :class:`Aux`; :class:`PerIteration` state is sliced per

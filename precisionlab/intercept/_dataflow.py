@@ -411,7 +411,7 @@ def label(
 ) -> Labels:
     """The dataflow of the traced program ``closed`` whose inputs have ``leaf_flows`` and
     whose captured constants ``const_flows`` (:class:`Labels`); paths as the interpreter gives
-    them (:attr:`precisionlab.intercept.Site.path`)."""
+    them (``Site.path``)."""
     lab = _Labeller(frozenset(prims))
     lab.run(closed.jaxpr, list(const_flows), list(leaf_flows), ())
     explicit = (

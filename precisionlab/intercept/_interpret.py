@@ -69,7 +69,7 @@ __all__ = [
     "intercept",
 ]
 
-#: How sites may be numbered (see :func:`precisionlab.intercept._sites.numbered`).
+#: How sites may be numbered (see ``precisionlab.intercept._sites.numbered``).
 NUMBERINGS = ("program", "primitive")
 
 
@@ -175,7 +175,7 @@ class Rule(Protocol):
     ``candidates`` (optional): primitives it could act on but has no rule for
     (``("ragged_dot",)``): each is listed as a skipped site and warned about once.
     ``declines(site)`` (optional): why a matched site is left as it was (``"integer
-    operands"``), or None; such a site is skipped (:attr:`Site.skipped`), never selected.
+    operands"``), or None; such a site is skipped (``Site.skipped``), never selected.
     ``label`` (optional): how warnings name the rule (``"recipe mxfp8"``).
     ``apply(ctx, *operands, **params)``: the replacement's outputs as a list (one per output
     of the primitive), with the primitive's avals, or an :class:`Emit` of that list and
@@ -586,7 +586,7 @@ class Intercepted:
         return self._walk(self._trace(args, kwargs))[0]
 
     def skipped(self, *args, **kwargs) -> list[Site]:
-        """The operations the rule could act on but leaves as they were (:attr:`Site.skipped`
+        """The operations the rule could act on but leaves as they were (``Site.skipped``
         says why): matched ones it declines, then those of its ``candidates``."""
         matched, others, _ = self._found(self._trace(args, kwargs))
         return [s for s in matched if s.skipped] + others
@@ -702,9 +702,9 @@ def intercept(
         (``"dot_general[0]"``, ``"conv_general_dilated[0]"``), so adding a primitive to a rule
         renames no matmul. Positions in ``include``/``exclude`` count all of them either way.
       params: the positions of the arguments holding the parameters, for the sites' labels
-        and roles (:attr:`Site.operands`, :attr:`Site.roles`); None: the first argument
+        and roles (``Site.operands``, ``Site.roles``); None: the first argument
         when there are two or more, or when the only one holds several arrays (see
-        :func:`precisionlab.intercept._dataflow.param_args`). Captured constants always count
+        ``precisionlab.intercept._dataflow.param_args``). Captured constants always count
         as parameters.
       default: which sites are selected when ``include`` is None (a predicate; None: all).
 

@@ -48,7 +48,7 @@ class Site:
         never selected, and is listed by :meth:`~precisionlab.intercept.Intercepted.report`.
       operands: per operand, the parameter it is (``"layers/0/attn/q_proj/kernel"``: the
         input leaf's pytree path, traced through the program's dataflow) or ``""`` for an
-        activation (a value that depends on data); see :mod:`precisionlab.intercept._dataflow`.
+        activation (a value that depends on data); see ``precisionlab.intercept._dataflow``.
       roles: for a matmul or convolution, each operand's role: ``"w"`` (a weight: parameters
         only) or ``"x"`` (an activation); ``()`` for other operations.
       flops: a matmul's or convolution's FLOPs per run (2 x multiply-adds; the iterations
@@ -226,7 +226,7 @@ def select(
     An item that matches nothing is a ValueError listing what exists. Without ``include``, a
     site is selected when ``default(site)`` (every site when ``default`` is None); an
     ``include`` item selects what it names, ``default`` or not. A site the rule skips
-    (:attr:`Site.skipped`) is never selected.
+    (``Site.skipped``) is never selected.
     """
     _check_items(include or (), "include", sites)
     _check_items(exclude, "exclude", sites)
@@ -243,7 +243,7 @@ def select(
 
 
 def numbered(sites: list[Site], numbering: str) -> list[Site]:
-    """The sites with their :attr:`Site.index`: the position among all of them in program
+    """The sites with their ``Site.index``: the position among all of them in program
     order (``"program"``), or among those of the same primitive (``"primitive"``: the
     matmuls keep their names, ``dot_general[0..]``, whatever else is matched)."""
     if numbering == "program":

@@ -6,7 +6,7 @@ A convolution is the (batched, one GEMM per group) matmul ``y = P W^T`` of its p
 output positions (batch x output spatial), K the window **in the order (kernel taps
 row-major, then C_in fastest)**, K = (kh, kw, C_in) for a 2-D convolution, O the output
 features. The recipe quantizes the three GEMMs of that matmul exactly as a dense layer's
-(:mod:`precisionlab.recipes._dot`), with the same kinds (the kernel is the weight):
+(``precisionlab.recipes._dot``), with the same kinds (the kernel is the weight):
 
 - fprop ``y = Q(P) Q(W)^T``: the patches scaled along K per output position (a row of P),
   the kernel along K per output feature (a row of W);

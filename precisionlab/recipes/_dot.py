@@ -262,7 +262,7 @@ _qdot3_jit = jax.jit(_qdot3, static_argnums=(0, 1))
 # --- public --------------------------------------------------------------------------------
 def operand_kinds(weight: str | tuple[str, str]) -> tuple[str, str]:
     """The kinds of (lhs, rhs): a name of :data:`WEIGHT_OPERANDS` or the pair itself
-    (``("x", "w")``, a site's :attr:`~precisionlab.intercept.Site.roles`)."""
+    (``("x", "w")``, a site's ``Site.roles``)."""
     if isinstance(weight, str) and weight in WEIGHT_OPERANDS:
         return WEIGHT_OPERANDS[weight]
     if isinstance(weight, tuple) and len(weight) == 2 and all(k in ("x", "w") for k in weight):

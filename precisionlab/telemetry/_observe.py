@@ -230,8 +230,8 @@ class Observed:
         return list(self._plan(args, kwargs).values())
 
     def skipped(self, *args, **kwargs) -> list[Site]:
-        """Operations telemetry could observe but does not (``ragged_dot``; :attr:`Site.skipped
-        <precisionlab.intercept.Site.skipped>` says why), warned about once when traced."""
+        """Operations telemetry could observe but does not (``ragged_dot``; ``Site.skipped``
+        says why), warned about once when traced."""
         return self._intercepted().skipped(*args, **kwargs)
 
     def report(self, *args, **kwargs) -> str:
