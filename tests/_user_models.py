@@ -52,9 +52,9 @@ class MiniLM(nnx.Module):
         return self.head(self.ln_f(x))
 
 
-def nnx_lm(seed: int = 0, dtype=None):
+def nnx_lm(seed: int = 0, dtype=None, depth: int = 2):
     """(graphdef, state, tokens): ``nnx.merge(graphdef, state)(tokens)`` is the model."""
-    model = MiniLM(rngs=nnx.Rngs(seed), dtype=dtype)
+    model = MiniLM(rngs=nnx.Rngs(seed), dtype=dtype, depth=depth)
     graphdef, state = nnx.split(model)
     tokens = jax.random.randint(jax.random.key(seed + 1), (2, SEQ), 0, VOCAB)
     return graphdef, state, tokens
