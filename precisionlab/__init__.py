@@ -1,7 +1,9 @@
 """precisionlab: exact, measured answers about number formats, quantization and mixed precision.
 
 The curated top-level API; the submodules (``formats``, ``bits``, ``quant``, ``metrics``,
-``mixed``, ``train``, ``memory``, ``experiments``) hold the rest.
+``mixed``, ``train``, ``memory``, ``experiments``) hold the rest. :func:`audit` says which
+dtype each matmul and convolution of a function multiplies in
+(:mod:`precisionlab.compute_audit`).
 
 Names are imported on first use (PEP 562): ``import precisionlab`` alone imports neither JAX
 nor a submodule, so that ``precisionlab --version`` answers at once.
@@ -21,6 +23,7 @@ __all__ = [
     "QArray",
     "Rounding",
     "Specials",
+    "audit",
     "classify",
     "decode",
     "dequantize",
@@ -47,6 +50,11 @@ def __getattr__(name: str) -> Any:
         import precisionlab.formats as home
     elif name == "quant" or name in _QUANT:
         import precisionlab.quant as home
+    elif name == "audit":
+        from precisionlab.compute_audit import audit
+
+        globals()[name] = audit
+        return audit
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = home if name in ("bits", "formats", "quant") else getattr(home, name)

@@ -3,9 +3,10 @@
 Read from the source (every ``import`` statement, also those inside functions), so a lazy import
 cannot hide an edge. Layers, lowest first; a module may import its own layer and those below:
 
-    _schema, _io, _text, _clock (neutral helpers) -> formats -> bits -> quant -> (facade)
-    -> metrics -> survey -> mixed -> intercept, recipes, emulate -> telemetry -> train -> memory
-    -> bench -> consistency -> experiments -> diagnose -> conformance -> cli -> __main__
+    _schema, _io, _text, _clock (neutral helpers) -> formats -> bits -> quant -> metrics
+    -> survey -> mixed -> intercept, recipes, emulate -> compute_audit -> (precisionlab facade)
+    -> telemetry -> train -> memory -> bench -> consistency -> experiments -> diagnose
+    -> conformance -> cli -> __main__
 """
 
 import ast
@@ -20,11 +21,12 @@ LAYERS = [
     ("formats",),
     ("bits",),
     ("quant",),
-    ("",),  # precisionlab/__init__.py: re-exports formats, bits and quant
     ("metrics", "hardware"),
     ("survey",),
     ("mixed",),
     ("intercept", "recipes", "emulate"),
+    ("compute_audit",),
+    ("",),  # precisionlab/__init__.py: re-exports formats, bits, quant and compute_audit.audit
     ("telemetry",),
     ("train",),
     ("memory",),

@@ -42,7 +42,7 @@ from jax import lax
 
 from precisionlab.emulate import _matmul, _model, _simplify, _subnormal
 from precisionlab.emulate._simplify import Folds
-from precisionlab.intercept import Context, Intercepted, Site, boundary, intercept
+from precisionlab.intercept import Context, Intercepted, Site, boundary, compute_line, intercept
 from precisionlab.mixed.numerics import enforce
 from precisionlab.mixed.policy import Policy, get_policy
 
@@ -245,6 +245,16 @@ class _RoundRule:
             # tensor-core model sees 16-bit inputs in a float32 program under a 16-bit policy
             ops = [self._narrowed(x, v.aval) for x, v in zip(ins, eqn.invars, strict=True)]
             outs = [self.matmul(*ops, params, eqn.outvars[0].aval.dtype)]
+        elif name == "conv_general_dilated" and _is_float(eqn.outvars[0].aval):
+            # the implicit GEMM over the patches, through the same matmul model
+            ops = [self._narrowed(x, v.aval) for x, v in zip(ins, eqn.invars, strict=True)]
+            out_dtype = eqn.outvars[0].aval.dtype
+            if self.accumulate_bits is not None:
+                bits = self.accumulate_bits
+                model = lambda a, b, p, dt: _narrow_dot(a, b, p["dimension_numbers"], bits)  # noqa: E731
+            else:
+                model = self.matmul
+            outs = [_matmul.implicit_gemm(model, *ops, params, out_dtype).astype(out_dtype)]
         elif (
             name == "reduce_sum"
             and (self.backward or not self.reduce_fp32)
@@ -447,8 +457,17 @@ class Emulated:
         return self._intercepted(args, kwargs)[0].sites(*args, **kwargs)
 
     def report(self, *args, **kwargs) -> str:
-        """One line per floating-point operation (see :meth:`Site.describe`)."""
-        return self._intercepted(args, kwargs)[0].report(*args, **kwargs)
+        """One line per floating-point operation (see :meth:`Site.describe`), then the
+        compute-dtype line of the program's matmuls and convolutions
+        (:func:`precisionlab.intercept.compute_line`) and what emulate rounds them to."""
+        inter, rule = self._intercepted(args, kwargs)
+        text = inter.report(*args, **kwargs)
+        line = compute_line(inter.sites(*args, **kwargs))
+        how = (
+            "the program's own dtypes are kept" if rule.program_typed
+            else f"emulate rounds every float32 result to {np.dtype(self.dtype).name}"
+        )  # fmt: skip
+        return f"{text}\n{line} ({how})"
 
     def __call__(self, *args, **kwargs) -> Any:
         return self._call((), args, kwargs)

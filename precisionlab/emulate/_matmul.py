@@ -18,6 +18,12 @@
 A ``dot_general`` whose operands are not both 16-bit of one format, or both 8-bit, (float32
 operands of a float32 program that computes in float32 on purpose, integer matmuls) uses
 ``"float32"`` under every name: the tensor-core models cover 8- and 16-bit inputs only.
+
+A convolution (``conv_general_dilated``, forward and the transposed convolutions of its
+gradient) runs through the same model as the implicit GEMM over its patches
+(:func:`implicit_gemm`, :mod:`precisionlab.hardware.conv`): K = (kernel taps row-major, then
+the input channels fastest), the channels-last order of cuDNN's tensor-core convolutions.
+That order and the schedule of the GEMM model are assumed, not checked against a GPU capture.
 """
 
 from __future__ import annotations
@@ -31,8 +37,17 @@ import jax.numpy as jnp
 from jax import lax
 
 from precisionlab import hardware
+from precisionlab.hardware.conv import from_params
 
-__all__ = ["DEFAULT", "HARDWARE", "MatmulModel", "float32_once", "names", "resolve"]
+__all__ = [
+    "DEFAULT",
+    "HARDWARE",
+    "MatmulModel",
+    "float32_once",
+    "implicit_gemm",
+    "names",
+    "resolve",
+]
 
 #: ``(lhs, rhs, dot_general params, result dtype) -> result``: operands hold values of the
 #: program's (or policy's) 8- or 16-bit format, in that dtype where the program's operand is
@@ -52,6 +67,19 @@ def float32_once(lhs: jax.Array, rhs: jax.Array, params: dict[str, Any], out_dty
         preferred_element_type=jnp.promote_types(out_dtype, jnp.float32),
     )
     return out.astype(out_dtype)
+
+
+def implicit_gemm(
+    model: MatmulModel, lhs: jax.Array, rhs: jax.Array, params: dict[str, Any], out_dtype
+) -> jax.Array:
+    """A ``conv_general_dilated`` (its equation's ``params``) as the GEMM over its patches,
+    computed by ``model``: (G, M, K) patches times (G, O_g, K) kernel rows, batched over the
+    groups; the result in the convolution's layout and ``out_dtype``."""
+    plan = from_params(lhs.shape, rhs.shape, params)
+    dn = (((2,), (2,)), ((0,), (0,)))
+    gemm_params = {"dimension_numbers": dn, "precision": None, "preferred_element_type": None}
+    y = model(plan.patches(lhs), plan.kernel_rows(rhs), gemm_params, out_dtype)
+    return plan.output(y)
 
 
 def _narrow_pair(lhs: jax.Array, rhs: jax.Array) -> bool:

@@ -7,6 +7,8 @@
   ``"h100-cublaslt"``, ``"h100-xla"``, ...), :data:`PRESET_ALIASES` (``"h100-fast"``, ...);
 - :func:`gemm` / :func:`dot_general`: the vectorized model under ``jit``/``vmap``, within
   :data:`MEMORY_BUDGET` (:func:`check_gemm_size`);
+  :func:`conv_general_dilated`: a convolution as the implicit GEMM over its patches
+  (:class:`ConvGemm`, :func:`conv_gemm`; K = kernel taps, then input channels fastest);
 - :func:`mma`: one tensor-core instruction ``D = A @ B + C`` with a float32 ``C`` going in
   (the published feature tests' vectors);
 - :func:`fma_pow2`: a GPU's float32 FFMA by a power-of-two scale, exact on any backend
@@ -14,6 +16,7 @@
 - :mod:`precisionlab.hardware.reference`: the scalar reference (Python integers).
 """
 
+from precisionlab.hardware.conv import ConvGemm, conv_gemm, conv_general_dilated
 from precisionlab.hardware.fma import fma_pow2
 from precisionlab.hardware.gemm import MEMORY_BUDGET, check_gemm_size, dot_general, gemm
 from precisionlab.hardware.mma import mma
@@ -38,11 +41,14 @@ __all__ = [
     "PRESETS",
     "PRESET_ALIASES",
     "PROFILES",
+    "ConvGemm",
     "Profile",
     "Schedule",
     "Step",
     "canonical_preset",
     "check_gemm_size",
+    "conv_gemm",
+    "conv_general_dilated",
     "dot_general",
     "fma_pow2",
     "gemm",

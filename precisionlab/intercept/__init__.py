@@ -5,10 +5,13 @@ by equation, calling a :class:`Rule` for every matched primitive (``dot_general`
 low-precision matmul recipes), recursing into ``jit``, custom-derivative functions, ``scan``,
 ``while_loop``, ``cond`` and ``checkpoint``. Each match is a :class:`Site` with a stable
 name (``"dot_general[3]"``), its scope (``jax.named_scope`` and ``jit`` names) and source
-line; ``include``/``exclude`` pick which are replaced. The result composes with ``jit``,
-``grad`` and ``vmap``. A rule may also return auxiliary values (:class:`Emit`), which
-:meth:`Intercepted.call_with_aux` threads out of loops (stacked per iteration), conds and
-checkpoints as :class:`Aux`; :class:`PerIteration` state is sliced per loop iteration.
+line; ``include``/``exclude`` pick which are replaced, by position, name, scope, or the
+parameter each operand is (its input leaf's pytree path, traced through the dataflow: see
+``Site.operands``, ``Site.roles``), as globs or regular expressions. The result
+composes with ``jit``, ``grad`` and ``vmap``. A rule may also return auxiliary values
+(:class:`Emit`), which :meth:`Intercepted.call_with_aux` threads out of loops (stacked per
+iteration), conds and checkpoints as :class:`Aux`; :class:`PerIteration` state is sliced per
+loop iteration.
 
 :mod:`precisionlab.intercept.boundary` is the one module that reads JAX's internals (primitive
 identities, parameter keys, the bind protocol, source information); a selected operation inside
@@ -16,6 +19,8 @@ a higher-order primitive it does not know raises
 :class:`~precisionlab.intercept.boundary.UnsupportedPrimitive`.
 """
 
+from precisionlab.intercept._dataflow import Promotion
+from precisionlab.intercept._dtypes import compute_line, flops_by_dtype
 from precisionlab.intercept._interpret import (
     Aux,
     Context,
@@ -23,6 +28,7 @@ from precisionlab.intercept._interpret import (
     Intercepted,
     PerIteration,
     Rule,
+    SkippedOperationWarning,
     intercept,
 )
 from precisionlab.intercept._sites import Site, select
@@ -33,8 +39,12 @@ __all__ = [
     "Emit",
     "Intercepted",
     "PerIteration",
+    "Promotion",
     "Rule",
     "Site",
+    "SkippedOperationWarning",
+    "compute_line",
+    "flops_by_dtype",
     "intercept",
     "select",
 ]

@@ -44,6 +44,8 @@ their rules.
 from __future__ import annotations
 
 import dataclasses
+import warnings
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, NamedTuple, Protocol
@@ -52,10 +54,51 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from precisionlab.intercept import boundary
-from precisionlab.intercept._sites import Site, select
+from precisionlab.intercept import _dataflow, boundary
+from precisionlab.intercept._dataflow import Promotion
+from precisionlab.intercept._sites import Site, _width, numbered, select
 
-__all__ = ["Aux", "Context", "Emit", "Intercepted", "PerIteration", "Rule", "intercept"]
+__all__ = [
+    "Aux",
+    "Context",
+    "Emit",
+    "Intercepted",
+    "PerIteration",
+    "Rule",
+    "SkippedOperationWarning",
+    "intercept",
+]
+
+#: How sites may be numbered (see ``precisionlab.intercept._sites.numbered``).
+NUMBERINGS = ("program", "primitive")
+
+
+class SkippedOperationWarning(UserWarning):
+    """An operation a rule could act on (a matmul, a convolution) that it leaves as it was:
+    an integer matmul, a primitive it has no rule for (``ragged_dot``). Issued once per
+    rule, primitive and reason; :meth:`Intercepted.report` lists every such operation."""
+
+
+_WARNED: set[tuple[str, str, str]] = set()
+
+
+def _warn_skipped(rule: Any, sites: list[Site]) -> None:
+    """One :class:`SkippedOperationWarning` per (rule, primitive, reason) not yet warned."""
+    by_key: dict[tuple[str, str, str], list[str]] = {}
+    for s in sites:
+        by_key.setdefault((type(rule).__name__, s.primitive, s.skipped), []).append(s.name)
+    for key, names in by_key.items():
+        if key in _WARNED:
+            continue
+        _WARNED.add(key)
+        what = getattr(rule, "label", type(rule).__name__)
+        warnings.warn(
+            f"{what} leaves {len(names)} {key[1]} operation(s) as they were "
+            f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): {key[2]}; "
+            ".report(...) lists them (this warning is given once)",
+            SkippedOperationWarning,
+            stacklevel=4,
+        )
 
 #: The loop kinds (their sites run once per iteration).
 _LOOPS = ("scan", "while")
@@ -118,6 +161,8 @@ class Context(NamedTuple):
         if self.key is None:
             return None
         k = jax.random.fold_in(self.key, self.site.index)
+        if self.site.primitive != "dot_general":  # indices may count per primitive
+            k = jax.random.fold_in(k, zlib.crc32(self.site.primitive.encode()) & 0x7FFFFFFF)
         for i in self.loop_indices:
             k = jax.random.fold_in(k, i)
         return k
@@ -127,6 +172,11 @@ class Rule(Protocol):
     """What :func:`intercept` needs from a rule.
 
     ``primitives``: names of the primitives it replaces (``("dot_general",)``).
+    ``candidates`` (optional): primitives it could act on but has no rule for
+    (``("ragged_dot",)``): each is listed as a skipped site and warned about once.
+    ``declines(site)`` (optional): why a matched site is left as it was (``"integer
+    operands"``), or None; such a site is skipped (``Site.skipped``), never selected.
+    ``label`` (optional): how warnings name the rule (``"recipe mxfp8"``).
     ``apply(ctx, *operands, **params)``: the replacement's outputs as a list (one per output
     of the primitive), with the primitive's avals, or an :class:`Emit` of that list and
     auxiliary values.
@@ -166,6 +216,9 @@ def _walk(
                     path=(*path, i),
                     within=within,
                     lengths=lengths,
+                    in_dtypes=tuple(str(v.aval.dtype) for v in eqn.invars),
+                    flops=boundary.product_flops(eqn),
+                    out_dtype=str(eqn.outvars[0].aval.dtype) if eqn.outvars else "",
                 )
             )
             continue
@@ -443,10 +496,33 @@ def _prefixes(paths) -> frozenset:
     return frozenset(out)
 
 
+class _Traced(NamedTuple):
+    closed: Any
+    out_shape: Any
+    dyn: list
+    leaves: list  # a Flow per traced leaf (parameter or data)
+    consts: list  # a Flow per captured constant
+
+
+def _labelled(site: Site, flows: tuple) -> Site:
+    """``site`` with its operands' labels and, for a matmul or convolution, their roles."""
+    if not flows:
+        return site
+    roles = tuple("w" if f.weight else "x" for f in flows[:2])
+    return dataclasses.replace(
+        site, operands=tuple(f.label() for f in flows),
+        roles=roles if site.primitive in _dataflow.PRODUCTS else (),
+    )  # fmt: skip
+
+
 class Intercepted:
     """``fn`` with the rule's primitives replaced; see :func:`intercept`."""
 
-    def __init__(self, fn, rule: Rule, include, exclude, while_capacity: int = 16):
+    def __init__(
+        self, fn, rule: Rule, include, exclude, while_capacity: int = 16,
+        numbering: str = "program", params: int | Sequence[int] | None = None,
+        default: Callable[[Site], bool] | None = None,
+    ):  # fmt: skip
         if not callable(fn):
             raise TypeError(f"intercept needs a callable, got {type(fn).__name__}")
         prims = getattr(rule, "primitives", None)
@@ -464,32 +540,93 @@ class Intercepted:
         if while_capacity < 1:
             raise ValueError(f"while_capacity must be an int >= 1, got {while_capacity!r}")
         self.while_capacity = while_capacity
+        if numbering not in NUMBERINGS:
+            raise ValueError(f"unknown numbering {numbering!r}; allowed: {', '.join(NUMBERINGS)}")
+        self.numbering = numbering
+        self.params, self.default = params, default
         self.__wrapped__ = fn
 
-    def _trace(self, args, kwargs):
-        return boundary.trace(self.fn, args, kwargs)
+    def _trace(self, args, kwargs) -> _Traced:
+        closed, out_shape, dyn = boundary.trace(self.fn, args, kwargs)
+        nums = _dataflow.param_args(args, self.params)
+        leaves, consts = _dataflow.input_flows(self.fn, args, kwargs, nums, closed.consts)
+        return _Traced(closed, out_shape, dyn, leaves, consts)
 
-    def _walk(self, closed) -> tuple[list[Site], dict]:
+    def _found(self, t: _Traced) -> tuple[list[Site], list[Site], dict]:
+        """(matched sites, numbered, labelled, skipped ones marked; candidate sites the rule
+        has no rule for; paths of unknown higher-order primitives)."""
+        prims = tuple(self.rule.primitives)
+        extra = tuple(p for p in getattr(self.rule, "candidates", ()) if p not in prims)
         found: list[Site] = []
         unknown: dict = {}
-        _walk(closed.jaxpr, (), "", (), tuple(self.rule.primitives), found, unknown=unknown)
-        return select(found, self.include, self.exclude), unknown
+        _walk(t.closed.jaxpr, (), "", (), prims + extra, found, unknown=unknown)
+        flows = _dataflow.label(t.closed, t.leaves, t.consts, prims + extra).flows
+        found = [_labelled(s, flows.get(s.path, ())) for s in found]
+        matched = numbered([s for s in found if s.primitive in prims], self.numbering)
+        declines = getattr(self.rule, "declines", None)
+        if declines is not None:
+            matched = [dataclasses.replace(s, skipped=declines(s) or "") for s in matched]
+        others = numbered([s for s in found if s.primitive in extra], "primitive")
+        others = [
+            dataclasses.replace(s, selected=False, skipped=f"no rule for {s.primitive}")
+            for s in others
+        ]
+        skipped = [s for s in matched if s.skipped] + others
+        if skipped:
+            _warn_skipped(self.rule, skipped)
+        return matched, others, unknown
 
-    def _sites(self, closed) -> list[Site]:
-        return self._walk(closed)[0]
+    def _walk(self, t: _Traced) -> tuple[list[Site], dict]:
+        matched, _, unknown = self._found(t)
+        return select(matched, self.include, self.exclude, self.default), unknown
 
     def sites(self, *args, **kwargs) -> list[Site]:
         """Every matched operation of ``fn`` on these arguments, in program order, with
         ``selected`` telling which the call replaces (arguments may be ShapeDtypeStructs)."""
-        closed, _, _ = self._trace(args, kwargs)
-        return self._sites(closed)
+        return self._walk(self._trace(args, kwargs))[0]
+
+    def skipped(self, *args, **kwargs) -> list[Site]:
+        """The operations the rule could act on but leaves as they were (``Site.skipped``
+        says why): matched ones it declines, then those of its ``candidates``."""
+        matched, others, _ = self._found(self._trace(args, kwargs))
+        return [s for s in matched if s.skipped] + others
+
+    def promotions(self, *args, **kwargs) -> list[tuple[Site, Promotion | None, str]]:
+        """For every matmul or convolution that multiplies in 32 bits or more, in program
+        order: the earliest operation that turned a 16-bit value into what its operands
+        carry (:class:`Promotion`, with its reason) and ``""``; or None and why its
+        operands never were 16-bit (a float32 input or parameter that nothing cast)."""
+        t = self._trace(args, kwargs)
+        sites = self._walk(t)[0]
+        prims = tuple(self.rule.primitives)
+        labels = _dataflow.label(t.closed, t.leaves, t.consts, prims)
+        out = []
+        for s in sites:
+            if s.primitive not in _dataflow.PRODUCTS or _width(s.compute_dtype) < 32:
+                continue
+            flows = labels.flows.get(s.path, ())
+            paths = [f.promoted for f in flows if f.promoted is not None]
+            if paths:
+                out.append((s, labels.promotions.get(min(paths)), ""))
+            else:
+                out.append((s, None, _dataflow.unpromoted(flows, s.in_dtypes)))
+        return out
 
     def report(self, *args, **kwargs) -> str:
-        """The matched operations, one line each (see :meth:`Site.describe`)."""
-        sites = self.sites(*args, **kwargs)
+        """The matched operations, one line each (see :meth:`Site.describe`), then the
+        operations the rule leaves as they were although it could act on them."""
+        t = self._trace(args, kwargs)
+        sites = self._walk(t)[0]
+        _, others, _ = self._found(t)
         n = sum(s.selected for s in sites)
         head = f"{len(sites)} matched ({', '.join(self.rule.primitives)}), {n} replaced"
-        return "\n".join([head, *(s.describe() for s in sites)])
+        lines = [head, *(s.describe() for s in sites)]
+        skipped = [s for s in sites if s.skipped] + others
+        if skipped:
+            lines.append(f"{len(skipped)} left as they were (not covered): " + ", ".join(
+                f"{s.name} ({s.skipped})" for s in skipped))  # fmt: skip
+        lines.extend(s.describe() for s in others)
+        return "\n".join(lines)
 
     def call_with_aux(
         self,
@@ -501,8 +638,9 @@ class Intercepted:
         """``(fn(*args, **kwargs), aux)`` with the replacements: ``aux`` maps the name of
         each site whose rule returned an :class:`Emit` to its :class:`Aux` (see the module
         docstring); ``state`` and ``key`` as in :meth:`call_with_state`."""
-        closed, out_shape, dyn = self._trace(args, kwargs)
-        sites, foreign = self._walk(closed)
+        t = self._trace(args, kwargs)
+        closed, out_shape, dyn = t.closed, t.out_shape, t.dyn
+        sites, foreign = self._walk(t)
         state = dict(state or {})
         unknown = set(state) - {s.name for s in sites}
         if unknown:
@@ -543,6 +681,9 @@ def intercept(
     include: Sequence[int | str] | int | str | None = None,
     exclude: Sequence[int | str] | int | str = (),
     while_capacity: int = 16,
+    numbering: str = "program",
+    params: int | Sequence[int] | None = None,
+    default: Callable[[Site], bool] | None = None,
 ) -> Intercepted:
     """``fn`` with every matched primitive replaced by ``rule.apply``.
 
@@ -556,10 +697,20 @@ def intercept(
       exclude: the same, left as they are (``exclude=(0, -1)`` keeps the first and last).
       while_capacity: how many iterations of a ``while_loop`` the auxiliary outputs of
         :meth:`Intercepted.call_with_aux` keep (static int >= 1; later ones are dropped).
+      numbering: ``"program"`` (default): a site's index is its position among all matched
+        operations (``"exp[0]"``, ``"div[2]"``); ``"primitive"``: among those of its primitive
+        (``"dot_general[0]"``, ``"conv_general_dilated[0]"``), so adding a primitive to a rule
+        renames no matmul. Positions in ``include``/``exclude`` count all of them either way.
+      params: the positions of the arguments holding the parameters, for the sites' labels
+        and roles (``Site.operands``, ``Site.roles``); None: the first argument
+        when there are two or more, or when the only one holds several arrays (see
+        ``precisionlab.intercept._dataflow.param_args``). Captured constants always count
+        as parameters.
+      default: which sites are selected when ``include`` is None (a predicate; None: all).
 
     Returns:
       An :class:`Intercepted`: call it like ``fn``; ``.sites(...)`` / ``.report(...)`` list
       the matched operations; ``.call_with_state(state, ...)`` passes per-site state;
       ``.call_with_aux(state, ...)`` also returns the rule's auxiliary outputs.
     """
-    return Intercepted(fn, rule, include, exclude, while_capacity)
+    return Intercepted(fn, rule, include, exclude, while_capacity, numbering, params, default)

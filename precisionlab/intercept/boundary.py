@@ -27,6 +27,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import re
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -52,6 +53,8 @@ __all__ = [
     "loop_length",
     "name_stack",
     "open_jaxpr",
+    "primitive_names",
+    "product_flops",
     "rebind",
     "retrace",
     "scan_split",
@@ -151,6 +154,23 @@ _COMBINER_NAMES = (
     "scatter_min", "scatter_max", "scatter_apply",
 )  # fmt: skip
 _COMBINERS = _Identity(tuple(f"{n}_p" for n in _COMBINER_NAMES), _COMBINER_NAMES)
+
+
+def primitive_names() -> frozenset[str]:
+    """The names of every primitive of this JAX: those it exports (``jax.extend.core.
+    primitives``, ``jax.lax``) and every ``Primitive`` object at module level in its loaded
+    modules (``ragged_dot_general``, ``one_minus_square`` are not exported): what an option
+    naming primitives may name."""
+    names = {p.name for p in _exported([a for m in _EXPORTERS for a in dir(m) if a.endswith("_p")])}
+    for ident in _IDENTITIES.values():
+        names |= ident.names | {p.name for p in ident.objects}
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or not (mod_name == "jax" or mod_name.startswith(("jax.", "jaxlib."))):
+            continue
+        for v in list(getattr(mod, "__dict__", {}).values()):
+            if isinstance(v, jex.core.Primitive):
+                names.add(v.name)
+    return frozenset(names)
 
 
 def kind(prim: Any) -> str | None:
@@ -361,6 +381,32 @@ def call_name(eqn: Any) -> str:
 def loop_length(eqn: Any) -> int | None:
     """The iteration count of a ``scan`` (None for a ``while``)."""
     return int(eqn.params["length"]) if kind(eqn.primitive) == "scan" else None
+
+
+def product_flops(eqn: Any) -> int:
+    """2 x the multiply-adds of a ``dot_general`` or ``conv_general_dilated`` equation (its
+    parameters read here); 0 for any other equation."""
+    name = eqn.primitive.name
+    out = eqn.outvars[0].aval.shape if eqn.outvars else ()
+    size = 1
+    for d in out:
+        size *= int(d)
+    if name == "dot_general":
+        (lc, _), _ = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval.shape
+        k = 1
+        for d in lc:
+            k *= int(lhs[d])
+        return 2 * size * k
+    if name == "conv_general_dilated":
+        rhs = eqn.invars[1].aval.shape
+        spec = getattr(eqn.params.get("dimension_numbers"), "rhs_spec", None)
+        spec = tuple(range(len(rhs))) if spec is None else tuple(spec)
+        k = int(rhs[spec[1]])
+        for d in spec[2:]:
+            k *= int(rhs[d])
+        return 2 * size * k
+    return 0
 
 
 # --- errors --------------------------------------------------------------------------------

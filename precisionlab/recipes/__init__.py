@@ -6,9 +6,13 @@
   ``current``, ``rowwise``, ``rowwise_with_gw_hp``, ``blockwise``, ``mxfp8``, ``mxfp6``,
   ``mxfp4``, ``nvfp4``, ``bf16``, ``fp32``).
 - :func:`dot_general` (``lax.dot_general``'s signature), :func:`matmul`, :func:`einsum`:
-  custom VJP quantizing the fprop, dgrad and wgrad GEMMs' operands as the recipe says.
-- :func:`apply`: any JAX function with its matmuls quantized (a jaxpr interpreter,
-  :mod:`precisionlab.intercept`), with include/exclude and delayed-scaling state.
+  custom VJP quantizing the fprop, dgrad and wgrad GEMMs' operands as the recipe says;
+  :func:`conv_general_dilated`: a convolution quantized as the GEMM over its patches
+  (K = kernel taps, then input channels fastest).
+- :func:`apply`: any JAX function with its matmuls and convolutions quantized (a jaxpr
+  interpreter, :mod:`precisionlab.intercept`), each site named by the parameter it multiplies
+  (include/exclude by path, glob or regular expression), products of two activations
+  (attention) left out unless ``attention=True``, and delayed-scaling state.
 - :class:`RecipeSpec` / :class:`AppliedRecipe`: the contract a training recipe and its applied
   form keep (``stateful``, ``apply``; ``sites``, ``init_state``, ``value_and_grad``,
   ``update_state``), kept by ``train.TrainRecipe`` and ``diagnose``'s ``AutoSwitchRecipe``.
@@ -29,6 +33,7 @@ from precisionlab.recipes._apply import (
     update_site_state,
 )
 from precisionlab.recipes._contract import AppliedRecipe, RecipeSpec
+from precisionlab.recipes._conv import conv_general_dilated
 from precisionlab.recipes._dot import WEIGHT_OPERANDS, dot_general, matmul
 from precisionlab.recipes._recipes import (
     MX,
@@ -60,6 +65,7 @@ __all__ = [
     "accumulate",
     "apply",
     "combine_observed",
+    "conv_general_dilated",
     "dot_general",
     "einsum",
     "get_recipe",

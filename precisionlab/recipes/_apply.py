@@ -19,13 +19,15 @@ iterations with max, not sum). :meth:`Applied.value_and_grad` returns them separ
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from precisionlab.intercept import Context, Intercepted, Site, intercept
+from precisionlab.intercept import Context, Intercepted, Site, compute_line, intercept
+from precisionlab.recipes._conv import NOT_COVERED, conv_site
 from precisionlab.recipes._dot import WEIGHT_OPERANDS, dot_general
 from precisionlab.recipes._recipes import Delayed, Recipe, get_recipe
 
@@ -52,7 +54,7 @@ def init_site_state(recipe: Delayed) -> dict[str, jax.Array]:
 
 
 def _kind_max(recipe: Delayed, weight: str) -> jax.Array:
-    kinds = (*WEIGHT_OPERANDS[weight], "g")
+    kinds = (*WEIGHT_OPERANDS.get(weight, WEIGHT_OPERANDS["rhs"]), "g")
     return jnp.asarray([recipe.fmt(k).max for k in kinds], jnp.float32)
 
 
@@ -75,27 +77,61 @@ def combine_observed(a: dict, b: dict) -> dict:
 class _DotRule:
     recipe: Recipe
     weight: str
-    primitives: tuple[str, ...] = ("dot_general",)
+    primitives: tuple[str, ...] = ("dot_general", "conv_general_dilated")
+    candidates: tuple[str, ...] = NOT_COVERED
     emits = False  # never an Emit: a stateless call without a key is rewritten by type
 
-    def apply(self, ctx: Context, lhs, rhs, *, dimension_numbers, **params) -> list:
+    @property
+    def label(self) -> str:
+        return f"recipe {self.recipe.name!r}"
+
+    def declines(self, site: Site) -> str | None:
+        """Integer (and 8-bit) matmuls and convolutions are left as they were."""
+        bad = [d for d in site.in_dtypes if d not in _FLOATS]
+        if bad:
+            return f"{' x '.join(site.in_dtypes)} operands (recipes take {', '.join(_FLOATS)})"
+        return None
+
+    def apply(self, ctx: Context, lhs, rhs, **params) -> list:
+        if ctx.site.skipped:
+            return ctx.original(lhs, rhs)
+        weight = self.weight
+        if weight == "auto":  # each operand's role from the dataflow (K and V: activations)
+            weight = ctx.site.roles or "rhs"
+        if ctx.site.primitive == "conv_general_dilated":
+            return [conv_site(ctx, lhs, rhs, params, self.recipe, weight)]
+        dimension_numbers = params["dimension_numbers"]
         pet = params.get("preferred_element_type")
         if str(lhs.dtype) not in _FLOATS or str(rhs.dtype) not in _FLOATS:
             # an integer matmul (indices, masks) is left as it was
             return [jax.lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=pet)]
         out = dot_general(
             lhs, rhs, dimension_numbers, preferred_element_type=pet, recipe=self.recipe,
-            state=ctx.state, key=ctx.site_key(), weight=self.weight,
+            state=ctx.state, key=ctx.site_key(), weight=weight,
         )  # fmt: skip
         return [out]
+
+
+WEIGHTS = ("auto", *WEIGHT_OPERANDS)
+
+
+def weight_products(site: Site) -> bool:
+    """The default selection of a recipe: every operation but the products of two
+    activations (attention's ``QK^T`` and ``PV``), as Transformer Engine quantizes."""
+    return not site.activations_only
 
 
 class Applied:
     """A function with a recipe applied; see :func:`apply`."""
 
-    def __init__(self, fn, recipe: Recipe, include, exclude, weight: str):
-        if weight not in WEIGHT_OPERANDS:
-            raise ValueError(f"unknown weight {weight!r}; allowed: {', '.join(WEIGHT_OPERANDS)}")
+    def __init__(
+        self, fn, recipe: Recipe, include, exclude, weight: str, attention: bool = False,
+        params: int | Sequence[int] | None = None,
+    ):  # fmt: skip
+        if weight not in WEIGHTS:
+            raise ValueError(f"unknown weight {weight!r}; allowed: {', '.join(WEIGHTS)}")
+        if not isinstance(attention, bool):
+            raise TypeError(f"attention must be True or False, got {attention!r}")
         model = getattr(fn, "matmul_model", None)  # emulate(...)'s hardware= name
         if isinstance(model, str) and model != "float32":
             raise ValueError(
@@ -103,18 +139,23 @@ class Applied:
                 "leaves no dot_general for the recipe to quantize; pass hardware='float32' to "
                 "emulate and the hardware preset to the recipe (accumulate=...)"
             )
-        self.recipe, self.weight = recipe, weight
+        self.recipe, self.weight, self.attention = recipe, weight, attention
         self.intercepted: Intercepted = intercept(
-            fn, _DotRule(recipe, weight), include=include, exclude=exclude
-        )
+            fn, _DotRule(recipe, weight), include=include, exclude=exclude,
+            numbering="primitive", params=params, default=None if attention else weight_products,
+        )  # fmt: skip
 
     def sites(self, *args, **kwargs) -> list[Site]:
         """The matched matmuls (see :class:`precisionlab.intercept.Site`)."""
         return self.intercepted.sites(*args, **kwargs)
 
     def report(self, *args, **kwargs) -> str:
-        """One line per matched matmul, saying which the recipe replaces."""
-        return self.intercepted.report(*args, **kwargs)
+        """One line per matched matmul and convolution (the parameter it multiplies, whether
+        the recipe replaces it), the operations left as they were, and the compute-dtype line
+        (:func:`precisionlab.intercept.compute_line`: the dtypes the products multiply in
+        before the recipe quantizes them)."""
+        text = self.intercepted.report(*args, **kwargs)
+        return f"{text}\n{compute_line(self.sites(*args, **kwargs))}"
 
     def init_state(self, *args, **kwargs) -> dict[str, Any]:
         """Fresh state for these arguments: ``{}`` unless the recipe is stateful (delayed),
@@ -173,12 +214,15 @@ def apply(
     fn: Callable,
     recipe: Recipe | str,
     *,
-    include: Sequence[int | str] | int | str | None = None,
-    exclude: Sequence[int | str] | int | str = (),
-    weight: str = "rhs",
+    include: Sequence[int | str | re.Pattern] | int | str | None = None,
+    exclude: Sequence[int | str | re.Pattern] | int | str = (),
+    weight: str = "auto",
+    attention: bool = False,
+    params: int | Sequence[int] | None = None,
 ) -> Applied:
-    """``fn`` with every ``dot_general`` (matmul, einsum, dense layer, attention product)
-    quantized by ``recipe``.
+    """``fn`` with every matmul (``dot_general``: matmul, einsum, dense layer) and convolution
+    (``conv_general_dilated``) quantized by ``recipe``; products of two activations
+    (attention's ``QK^T`` and ``PV``) only with ``attention=True`` or an ``include`` naming them.
 
     Args:
       fn: any JAX function: a Flax ``model.apply``, an Equinox model call, a plain pytree
@@ -187,18 +231,30 @@ def apply(
         recipe pads contractions that are not a multiple of its block with zeros (as training
         does; zeros change neither a block's amax nor the products); pass a Recipe object
         (``get_recipe("mxfp8", pad=False)``) to refuse such sizes instead.
-      include / exclude: which matched matmuls to quantize, by position (``-1``: the last),
-        name (``"dot_general[3]"``) or glob pattern on the name or the ``named_scope`` /
-        ``jit`` scope; ``exclude=(0, -1)`` keeps the first and last in high precision.
-      weight: which operand of each matmul is the weight: ``"rhs"`` (``x @ w``; default),
-        ``"lhs"`` (Equinox's ``w @ x``) or ``"none"``.
+      include / exclude: which matched operations to quantize: positions in program order
+        (``-1``: the last), names (``"dot_general[3]"``, ``"conv_general_dilated[0]"``), or
+        glob patterns and regular expressions (``re.compile(...)`` or ``"re:..."``, matched
+        whole) on the parameter each multiplies (``"layers/*/mlp/kernel"``: the input
+        leaf's pytree path), its module path (``"layers/0/attn/q_proj"``), the name or the
+        ``named_scope`` / ``jit`` scope; ``exclude=(0, -1)`` keeps the first and last in
+        high precision. An item matching nothing is a ValueError listing what exists.
+      weight: which operand of each product is the weight: ``"auto"`` (default: each
+        operand's role from the dataflow; a weight depends on parameters only, so K and V
+        are activations), or for every site ``"rhs"`` (``x @ w``), ``"lhs"`` (``w @ x``),
+        ``"none"`` or ``"both"``.
+      attention: quantize the products of two activations too (Transformer Engine leaves
+        them in high precision; so does the default).
+      params: the positions of the arguments holding the parameters (default: the first
+        argument of a call with two or more, as in ``apply(params, x)``; see
+        :func:`precisionlab.intercept.intercept`). Captured constants count as parameters.
 
     Returns:
       An :class:`Applied`: call it like ``fn`` (``state=`` for delayed scaling, ``key=`` for
-      NVFP4's stochastic rounding); ``.report(...)`` lists the matmuls;
-      ``.value_and_grad(...)`` and ``.update_state(...)`` train with stateful recipes.
+      NVFP4's stochastic rounding); ``.report(...)`` lists the operations, the parameter
+      each multiplies and which are quantized; ``.value_and_grad(...)`` and
+      ``.update_state(...)`` train with stateful recipes.
     """
-    return Applied(fn, _named(recipe), include, exclude, weight)
+    return Applied(fn, _named(recipe), include, exclude, weight, attention, params)
 
 
 def _named(recipe: Recipe | str) -> Recipe:
@@ -214,5 +270,7 @@ def _named(recipe: Recipe | str) -> Recipe:
 
 def einsum(spec: str, a: jax.Array, b: jax.Array, *, recipe: Recipe | str, **kwargs) -> jax.Array:
     """Two-operand ``jnp.einsum`` whose contraction runs through :func:`dot_general`
-    (traced with ``jnp.einsum`` and its single ``dot_general`` replaced)."""
+    (traced with ``jnp.einsum`` and its single ``dot_general`` replaced; ``b`` is the weight
+    unless ``weight=`` says otherwise)."""
+    kwargs = {"weight": "rhs", "attention": True, **kwargs}
     return apply(lambda x, y: jnp.einsum(spec, x, y), recipe, **kwargs)(a, b)

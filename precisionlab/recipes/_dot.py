@@ -41,8 +41,8 @@ E4M3_NAME = "float8_e4m3fn"
 
 __all__ = ["WEIGHT_OPERANDS", "dot_general", "matmul"]
 
-#: which operand is the weight: kinds of (lhs, rhs).
-WEIGHT_OPERANDS = {"rhs": ("x", "w"), "lhs": ("w", "x"), "none": ("x", "x")}
+#: which operand is the weight: kinds of (lhs, rhs) ("both": a product of two parameters).
+WEIGHT_OPERANDS = {"rhs": ("x", "w"), "lhs": ("w", "x"), "none": ("x", "x"), "both": ("w", "w")}
 _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
 
 
@@ -260,6 +260,19 @@ _qdot3_jit = jax.jit(_qdot3, static_argnums=(0, 1))
 
 
 # --- public --------------------------------------------------------------------------------
+def operand_kinds(weight: str | tuple[str, str]) -> tuple[str, str]:
+    """The kinds of (lhs, rhs): a name of :data:`WEIGHT_OPERANDS` or the pair itself
+    (``("x", "w")``, a site's ``Site.roles``)."""
+    if isinstance(weight, str) and weight in WEIGHT_OPERANDS:
+        return WEIGHT_OPERANDS[weight]
+    if isinstance(weight, tuple) and len(weight) == 2 and all(k in ("x", "w") for k in weight):
+        return (str(weight[0]), str(weight[1]))
+    raise ValueError(
+        f"unknown weight {weight!r}; allowed: {', '.join(WEIGHT_OPERANDS)} or a pair of "
+        "operand kinds ('x' or 'w')"
+    )
+
+
 def _check_float(x, what: str) -> None:
     if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in _FLOATS]:
         raise ValueError(
@@ -291,15 +304,15 @@ def dot_general(
         cotangent carries the observed amaxes (``"probe"``: lhs, rhs, output gradient).
       key: PRNG key for stochastic rounding of gradients (NVFP4).
       weight: which operand is the weight (2-D tiles, weight-gradient GEMM): ``"rhs"``
-        (``x @ w``, Flax, plain models; default), ``"lhs"`` (Equinox's ``w @ x``) or
-        ``"none"``.
+        (``x @ w``, Flax, plain models; default), ``"lhs"`` (Equinox's ``w @ x``),
+        ``"none"`` (two activations), ``"both"`` (two parameters), or the kinds of (lhs,
+        rhs) as a pair (``("x", "w")``: an intercepted site's ``roles``).
 
     Returns:
       The product, dtype ``preferred_element_type`` or the operands' result dtype.
     """
     recipe = get_recipe(recipe)
-    if weight not in WEIGHT_OPERANDS:
-        raise ValueError(f"unknown weight {weight!r}; allowed: {', '.join(WEIGHT_OPERANDS)}")
+    kinds = operand_kinds(weight)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     _check_float(lhs, "lhs")
     _check_float(rhs, "rhs")
@@ -310,7 +323,6 @@ def dot_general(
     a3, lfree = _canon(lhs, lc, lb)
     b3, rfree = _canon(rhs, rc, rb)
     out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
-    kinds = WEIGHT_OPERANDS[weight]
     if not isinstance(recipe, Delayed):
         state = None
     # the recipe's numbers (given by with_numbers: arguments of the caller's program) enter

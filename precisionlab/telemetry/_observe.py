@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from precisionlab.intercept import Context, Emit, PerIteration, Site, intercept, select
+from precisionlab.hardware.conv import from_params as conv_plan
+from precisionlab.intercept import Context, Emit, PerIteration, Site, boundary, intercept, select
 from precisionlab.telemetry._stats import TensorStats, tensor_stats
 from precisionlab.telemetry._targets import parse_targets
 
@@ -52,6 +53,27 @@ OPS: tuple[str, ...] = (
 )  # fmt: skip
 
 
+#: The products observed with their operands (the others: their output only).
+_PRODUCTS = ("dot_general", "conv_general_dilated")
+#: Products telemetry has no rule for: listed by ``Observed.skipped`` and warned about once.
+NOT_OBSERVED = ("ragged_dot_general", "ragged_dot")
+
+
+def _check_ops(ops: Sequence[str]) -> tuple[str, ...]:
+    """``ops`` as a tuple; ValueError naming any entry that is no JAX primitive."""
+    if isinstance(ops, str):
+        ops = (ops,)
+    known = boundary.primitive_names()
+    bad = [o for o in ops if not isinstance(o, str) or o not in known]
+    if bad:
+        raise ValueError(
+            f"ops: {', '.join(map(repr, bad))} {'is' if len(bad) == 1 else 'are'} not a JAX "
+            f"primitive; telemetry.OPS lists those that can overflow or underflow: "
+            f"{', '.join(OPS)} (any primitive name of this jax {jax.__version__} is accepted)"
+        )
+    return tuple(ops)
+
+
 def _contraction_last(x: jax.Array, contract, batch) -> jax.Array:
     """(rows, K): batch and free axes flattened into rows, the contraction axes into K."""
     free = [d for d in range(x.ndim) if d not in contract and d not in batch]
@@ -64,14 +86,40 @@ def _is_float(x) -> bool:
 
 
 class _StatsRule:
-    def __init__(self, targets, record: frozenset, stat=tensor_stats, ops: tuple = ()):
+    label = "telemetry"
+    candidates = NOT_OBSERVED
+
+    def __init__(self, targets, record: frozenset, stat=tensor_stats, ops: tuple = (),
+                 axes: dict | None = None):  # fmt: skip
         self.targets, self.record, self.stat = targets, record, stat
-        self.primitives = ("dot_general", *(o for o in ops if o != "dot_general"))
+        self.primitives = (*_PRODUCTS, *(o for o in ops if o not in _PRODUCTS))
+        self.axes = {} if axes is None else axes  # conv site -> its output's feature axis
 
     def apply(self, ctx: Context, *operands, **params) -> list | Emit:
+        if ctx.site.primitive == "conv_general_dilated":
+            return self._conv(ctx, *operands, **params)
         if ctx.site.primitive != "dot_general":
             return self._output(ctx, operands)
         return self._matmul(ctx, *operands, **params)
+
+    def _conv(self, ctx: Context, lhs, rhs, **params) -> list | Emit:
+        """A convolution: its operands as the GEMM over the patches (rows, K), K = kernel
+        taps then input channels fastest, as the recipes quantize them; the output (and
+        its cotangent) with the features last."""
+        out = ctx.original(lhs, rhs)[0]
+        name = ctx.site.name
+        if name not in self.record or not (_is_float(lhs) and _is_float(rhs) and _is_float(out)):
+            return [out]
+        plan = conv_plan(lhs.shape, rhs.shape, params)
+        self.axes[name] = plan.out_spec[1]
+        stats = {
+            "lhs": self.stat(plan.patches(lhs).reshape(-1, plan.k), self.targets),
+            "rhs": self.stat(plan.kernel_rows(rhs).reshape(-1, plan.k), self.targets),
+            "out": self.stat(jnp.moveaxis(out, plan.out_spec[1], -1), self.targets),
+        }
+        if ctx.state is not None:
+            out = out + ctx.state.astype(out.dtype)
+        return Emit([out], stats)
 
     def _output(self, ctx: Context, operands) -> list | Emit:
         """Any other operation: the statistics of its (first) output, as it was computed."""
@@ -146,7 +194,7 @@ def _kept(site: Site) -> bool:
     """Whether an observed site is kept: every matmul; another operation unless it is inside
     a ``custom_vjp`` function (observing it would evaluate that function's primal program and
     drop its backward rule: a straight-through or rounding rule's cotangents would change)."""
-    return site.primitive == "dot_general" or "custom_vjp" not in site.within
+    return site.primitive in _PRODUCTS or "custom_vjp" not in site.within
 
 
 class Observed:
@@ -161,11 +209,12 @@ class Observed:
         self.include = None if include is None else tuple(include)
         self.exclude = tuple(exclude)
         self.while_capacity = while_capacity
-        self.ops = tuple(ops)
+        self.ops = _check_ops(ops)
+        self._axes: dict[str, int] = {}
         self.__wrapped__ = fn
 
     def _intercepted(self, record=frozenset(), stat=tensor_stats):
-        rule = _StatsRule(self.targets, record, stat, self.ops)
+        rule = _StatsRule(self.targets, record, stat, self.ops, self._axes)
         return intercept(self.fn, rule, while_capacity=self.while_capacity)
 
     def _plan(self, args, kwargs) -> dict[str, Site]:
@@ -181,9 +230,20 @@ class Observed:
         return list(self._plan(args, kwargs).values())
 
     def skipped(self, *args, **kwargs) -> list[Site]:
-        """Selected operations not observed: none since loops, conds and checkpoints are
-        (operations inside ``shard_map`` and other unsupported constructs are not matched)."""
-        return []
+        """Operations telemetry could observe but does not (``ragged_dot``; ``Site.skipped``
+        says why), warned about once when traced."""
+        return self._intercepted().skipped(*args, **kwargs)
+
+    def report(self, *args, **kwargs) -> str:
+        """One line per observed operation (the parameter it multiplies, its shapes and
+        source line), then those telemetry could observe but does not (:meth:`skipped`)."""
+        sites = self.sites(*args, **kwargs)
+        lines = [f"{len(sites)} observed", *(s.describe() for s in sites)]
+        skipped = self.skipped(*args, **kwargs)
+        if skipped:
+            lines.append(f"{len(skipped)} not observed: " + ", ".join(
+                f"{s.name} ({s.skipped})" for s in skipped))  # fmt: skip
+        return "\n".join(lines)
 
     def __call__(self, *args, **kwargs) -> tuple[Any, dict[str, dict[str, TensorStats]]]:
         """``(fn(*args, **kwargs), {site: {"lhs", "rhs", "out": TensorStats[, "valid"]}})``
@@ -227,9 +287,14 @@ class Observed:
                 if name in stats:
                     ct = ct.value if isinstance(ct, PerIteration) else ct
                     n_axes = len(plan[key].lengths)
-                    stats[name]["grad"] = _per_iteration(lambda t: stat(t, self.targets), n_axes)(
-                        ct
-                    )
+                    axis = self._axes.get(key)  # a convolution's: the features last
+
+                    def lay(t, axis=axis):
+                        return t if axis is None else jnp.moveaxis(t, axis, -1)
+
+                    stats[name]["grad"] = _per_iteration(
+                        lambda t, lay=lay: stat(lay(t), self.targets), n_axes
+                    )(ct)
             g = grads[1] if isinstance(argnums, int) else tuple(grads[1:])
             return ((value, aux) if has_aux else value), g, stats
 

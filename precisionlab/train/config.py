@@ -182,9 +182,11 @@ TRAIN_FIELDS = with_docs(
         "(``UPDATE_ROUNDINGS``)",
         "enforce_numerics": "force the compute dtype's rounding and overflow at op boundaries "
         "(``lax.reduce_precision``), so CPU runs round where a GPU would",
-        "recipe": "a low-precision matmul recipe for every matmul (off when absent): a name "
-        '("mxfp8", ``precisionlab.recipes.RECIPE_NAMES``) or a table with ``name``, the '
-        "recipe's fields and ``include``/``exclude`` (matmul positions, names or patterns)",
+        "recipe": "a low-precision recipe for every matmul and convolution (off when absent): a "
+        'name ("mxfp8", ``precisionlab.recipes.RECIPE_NAMES``) or a table with ``name``, the '
+        "recipe's fields, ``include``/``exclude`` (positions, names, parameter paths, globs or "
+        '"re:" regular expressions) and ``attention`` (true: the products of two activations, '
+        "attention's QK^T and PV, too; default false, as Transformer Engine)",
         "high_precision_layers": 'layer names or glob patterns (["layer3", "block*"]) computed '
         "in float32 with float32 params and gradients, excluded from the recipe; a pattern "
         "matching no layer is an error",

@@ -2,9 +2,11 @@
 parsing from a config value.
 
 ``TrainConfig.recipe`` is a recipe name (``"mxfp8"``) or a table with ``name``, the recipe's
-fields (``scale_rule = "floor"``) and ``include`` / ``exclude`` (positions, names or glob
-patterns of the matmuls, see :func:`precisionlab.recipes.apply`; excluded ones stay in the
-policy's compute dtype). It is parsed once, into a :class:`TrainRecipe`, when the config is
+fields (``scale_rule = "floor"``), ``include`` / ``exclude`` (positions, names, parameter
+paths, glob patterns or ``"re:..."`` regular expressions of the matmuls and convolutions,
+see :func:`precisionlab.recipes.apply`; excluded ones stay in the policy's compute dtype) and
+``attention`` (true: the products of two activations too; default false, as Transformer
+Engine). It is parsed once, into a :class:`TrainRecipe`, when the config is
 made. The train step applies it to the loss function with :func:`precisionlab.recipes.apply`,
 so every ``dot_general`` of a built-in (or any) model goes through the recipe.
 """
@@ -20,7 +22,7 @@ from precisionlab.recipes import RECIPE_NAMES, AppliedRecipe, Recipe, apply, get
 __all__ = ["RECIPE_TABLE_KEYS", "TrainRecipe", "parse_recipe"]
 
 #: Keys of a recipe table besides the recipe's own fields.
-RECIPE_TABLE_KEYS: tuple[str, ...] = ("name", "include", "exclude")
+RECIPE_TABLE_KEYS: tuple[str, ...] = ("name", "include", "exclude", "attention")
 
 
 def _sites(value: Any, where: str) -> tuple[int | str, ...]:
@@ -40,16 +42,26 @@ class TrainRecipe:
     """A recipe and which matmuls it replaces (hashable: a static part of the step).
 
     recipe: the :class:`~precisionlab.recipes.Recipe`. include: positions / names / patterns
-    of the matmuls replaced (None: all). exclude: those kept in high precision.
+    of the matmuls replaced (None: all but the products of two activations). exclude: those
+    kept in high precision. attention: replace the products of two activations (attention's
+    ``QK^T`` and ``PV``) too.
     """
 
     recipe: Recipe
     include: tuple[int | str, ...] | None = None
     exclude: tuple[int | str, ...] = ()
+    attention: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.recipe, Recipe):
             raise TypeError(f"recipe must be a Recipe, got {type(self.recipe).__name__}")
+        if not isinstance(self.attention, bool):
+            raise ValueError(f"recipe attention must be true or false, got {self.attention!r}")
+
+    def selects(self, site: Any) -> bool:
+        """Whether a site is replaced when ``include`` is not given: all but the products of
+        two activations, unless ``attention``."""
+        return self.attention or not site.activations_only
 
     @property
     def stateful(self) -> bool:
@@ -78,7 +90,9 @@ class TrainRecipe:
         """``fn`` with the recipe applied (see :func:`precisionlab.recipes.apply`): an
         :class:`~precisionlab.recipes.AppliedRecipe` (the :class:`~precisionlab.recipes.RecipeSpec`
         contract)."""
-        return apply(fn, self.recipe, include=self.include, exclude=self.exclude)
+        return apply(
+            fn, self.recipe, include=self.include, exclude=self.exclude, attention=self.attention
+        )
 
 
 def _padded(recipe: Recipe, given: Mapping[str, Any]) -> Recipe:
@@ -119,4 +133,5 @@ def parse_recipe(value: str | Mapping[str, Any] | Recipe | TrainRecipe) -> Train
         _padded(get_recipe(value["name"], **fields), fields),
         include=None if include is None else _sites(include, "include"),
         exclude=_sites(value.get("exclude", ()), "exclude"),
+        attention=value.get("attention", False),
     )

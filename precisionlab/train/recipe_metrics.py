@@ -94,6 +94,16 @@ def _stats(recipe: Recipe, t: jax.Array, kind: str, scale, key) -> jax.Array:
     )
 
 
+def _merge(rows: list) -> jax.Array:
+    """One group's ``_N`` sums from its operands' (none: an empty group)."""
+    if not rows:
+        return jnp.concatenate([jnp.zeros(6, jnp.float32), jnp.full(2, -jnp.inf, jnp.float32)])
+    if len(rows) == 1:
+        return rows[0]
+    both = jnp.stack(rows)
+    return jnp.concatenate([jnp.sum(both[:, :6], axis=0), jnp.max(both[:, 6:], axis=0)])
+
+
 @dataclasses.dataclass(frozen=True)
 class _TapRule:
     recipe: Recipe
@@ -109,14 +119,14 @@ class _TapRule:
         (lc, rc), (lb, rb) = dn
         rstate = ctx.state.get("recipe")
         key = ctx.site_key()
-        kx, kw = WEIGHT_OPERANDS["rhs"]
+        kx, kw = ctx.site.roles or WEIGHT_OPERANDS["rhs"]  # the recipe's roles
         scales = (
             (None, None, None) if rstate is None else tuple(rstate["scale"][i] for i in range(3))
         )
 
         def qdot(a, b):
             return dot_general(a, b, dn, preferred_element_type=pet, recipe=recipe,
-                               state=rstate, key=key, weight="rhs")  # fmt: skip
+                               state=rstate, key=key, weight=(kx, kw))  # fmt: skip
 
         @jax.custom_vjp
         def tap(a, b, probe):
@@ -136,14 +146,12 @@ class _TapRule:
             n_lfree = a.ndim - len(lc) - nb
             g_contract = tuple(range(nb + n_lfree, g.ndim))
             gkey = None if key is None else jax.random.fold_in(key, 2)
-            stats = jnp.stack(
-                [
-                    _stats(recipe, _canon(a, lc, lb), kx, scales[0], None),
-                    _stats(recipe, _canon(b, rc, rb), kw, scales[1], None),
-                    _stats(recipe, _canon(g, g_contract, tuple(range(nb))), "g", scales[2], gkey),
-                ]
-            )
-            return da, db, stats
+            # each operand counts in the group of its role (K and V of attention: "x")
+            rows: dict[str, list] = {"x": [], "w": []}
+            rows[kx].append(_stats(recipe, _canon(a, lc, lb), kx, scales[0], None))
+            rows[kw].append(_stats(recipe, _canon(b, rc, rb), kw, scales[1], None))
+            gs = _stats(recipe, _canon(g, g_contract, tuple(range(nb))), "g", scales[2], gkey)
+            return da, db, jnp.stack([_merge(rows["x"]), _merge(rows["w"]), gs])
 
         tap.defvjp(fwd, bwd)
         return [tap(lhs, rhs, ctx.state["probe"])]
@@ -178,7 +186,7 @@ def make_recipe_metrics_fn(loss_fn, recipe: TrainRecipe):
         return ls.scale(loss)
 
     tapped = intercept(scaled, _TapRule(recipe.recipe), include=recipe.include,
-                       exclude=recipe.exclude)  # fmt: skip
+                       exclude=recipe.exclude, default=recipe.selects)  # fmt: skip
 
     def fn(pc, batch, ls, recipe_state, key):
         sites = [s.name for s in tapped.sites(pc, batch, ls) if s.selected]

@@ -1,0 +1,115 @@
+"""The quantized convolution: ``lax.conv_general_dilated``'s signature, quantized by a recipe as
+the GEMM over its patches that it equals.
+
+A convolution is the (batched, one GEMM per group) matmul ``y = P W^T`` of its patch matrix
+``P`` (M, K) and its kernel rows ``W`` (O, K) (:mod:`precisionlab.hardware.conv`): M the
+output positions (batch x output spatial), K the window **in the order (kernel taps
+row-major, then C_in fastest)**, K = (kh, kw, C_in) for a 2-D convolution, O the output
+features. The recipe quantizes the three GEMMs of that matmul exactly as a dense layer's
+(``precisionlab.recipes._dot``), with the same kinds (the kernel is the weight):
+
+- fprop ``y = Q(P) Q(W)^T``: the patches scaled along K per output position (a row of P),
+  the kernel along K per output feature (a row of W);
+- dgrad ``dP = Q(g) Q(W^T)^T``: the output gradient (M, O) scaled along O per output position,
+  the transposed kernel (K, O) along O; ``dx`` is the sum of ``dP`` over the windows each
+  input element falls in (col2im, float32, then rounded once to ``x``'s dtype);
+- wgrad ``dW = Q(g^T) Q(P^T)^T``: both scaled along M (per output feature, per window entry).
+
+Per-tensor recipes (delayed, current) scale the whole patch matrix, which holds the input's
+values (its amax is the input's wherever every input element falls in some window). Block and
+2-D tile recipes pad K, M or O with zeros where needed (``pad=True``), as for matmuls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from precisionlab.hardware.conv import conv_gemm
+from precisionlab.recipes._dot import _check_float, _qdot3_jit, operand_kinds
+from precisionlab.recipes._recipes import Delayed, Recipe, get_recipe
+
+__all__ = ["NOT_COVERED", "conv_general_dilated", "conv_site"]
+
+#: Primitives a recipe could quantize but has no rule for: listed by ``Applied.report`` and
+#: warned about once (a grouped matmul's groups have no scaling rule here yet).
+NOT_COVERED: tuple[str, ...] = ("ragged_dot_general", "ragged_dot")
+
+
+def conv_general_dilated(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    window_strides: Sequence[int],
+    padding: str | Sequence[tuple[int, int]],
+    lhs_dilation: Sequence[int] | None = None,
+    rhs_dilation: Sequence[int] | None = None,
+    dimension_numbers: Any = None,
+    feature_group_count: int = 1,
+    batch_group_count: int = 1,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    *,
+    recipe: Recipe | str,
+    state: dict | None = None,
+    key: jax.Array | None = None,
+    weight: str = "rhs",
+) -> jax.Array:
+    """``lax.conv_general_dilated`` whose forward and backward GEMMs are quantized by
+    ``recipe``, as the GEMM over the patches (see the module docstring for the scaled axis of
+    each operand).
+
+    Args:
+      lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+        feature_group_count, batch_group_count, preferred_element_type: as in
+        ``lax.conv_general_dilated`` (``precision`` is accepted and ignored: products are
+        exact and accumulate in float32, or as the recipe's ``accumulate=`` says).
+      recipe: a :class:`~precisionlab.recipes.Recipe` or a name.
+      state: the delayed recipe's state for this convolution (lhs = patches, rhs = kernel,
+        output gradient), as for :func:`~precisionlab.recipes.dot_general`.
+      key: PRNG key for stochastic rounding of gradients (NVFP4).
+      weight: which operand is the weight: ``"rhs"`` (the kernel; default), ``"lhs"``,
+        ``"none"``, ``"both"`` or a pair of kinds, as for ``dot_general``.
+
+    Returns:
+      The convolution, dtype ``preferred_element_type`` or the operands' result dtype.
+    """
+    recipe = get_recipe(recipe)
+    kinds = operand_kinds(weight)
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    _check_float(lhs, "lhs")
+    _check_float(rhs, "rhs")
+    if isinstance(recipe, Delayed) and state is None:
+        raise ValueError("the delayed recipe needs this convolution's state: pass state=...")
+    plan = conv_gemm(
+        lhs.shape, rhs.shape, window_strides=window_strides, padding=padding,
+        lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation,
+        dimension_numbers=dimension_numbers, feature_group_count=feature_group_count,
+        batch_group_count=batch_group_count,
+    )  # fmt: skip
+    out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
+    # float32 before the patches: the data gradient's windows are summed in float32 (col2im)
+    # and rounded once to the input's dtype, as a convolution's dgrad accumulates
+    a3 = plan.patches(lhs.astype(jnp.float32))
+    b3 = plan.kernel_rows(rhs.astype(jnp.float32))
+    if not isinstance(recipe, Delayed):
+        state = None
+    nums = recipe.given_numbers
+    y = _qdot3_jit(recipe.with_numbers(None), kinds, a3, b3, state, key, nums)
+    return plan.output(y).astype(out_dtype)
+
+
+def conv_site(
+    ctx: Any, lhs: jax.Array, rhs: jax.Array, params: dict, recipe: Recipe,
+    weight: str | tuple[str, str],
+) -> jax.Array:  # fmt: skip
+    """A matched ``conv_general_dilated`` equation (its parameters ``params``) quantized."""
+    return conv_general_dilated(
+        lhs, rhs, params["window_strides"], params["padding"], params.get("lhs_dilation"),
+        params.get("rhs_dilation"), params["dimension_numbers"],
+        params.get("feature_group_count", 1), params.get("batch_group_count", 1),
+        preferred_element_type=params.get("preferred_element_type"), recipe=recipe,
+        state=ctx.state, key=ctx.site_key(), weight=weight,
+    )  # fmt: skip
