@@ -5,7 +5,7 @@ cannot hide an edge. Layers, lowest first; a module may import its own layer and
 
     _schema, _io, _text (neutral helpers) -> formats -> bits -> quant -> (precisionlab facade)
     -> metrics -> survey -> mixed -> intercept, recipes, emulate -> telemetry -> train -> memory
-    -> bench -> experiments -> diagnose -> conformance -> cli -> __main__
+    -> bench -> experiments, verify -> diagnose -> conformance -> cli -> __main__
 """
 
 import ast
@@ -29,7 +29,7 @@ LAYERS = [
     ("train",),
     ("memory",),
     ("bench",),
-    ("experiments",),
+    ("experiments", "verify"),  # verify records steps of the runner's runs (RecordHook)
     ("diagnose",),  # runs experiment variants and compares them
     ("conformance",),  # writes its report into a run directory of the store
     ("cli",),
