@@ -28,6 +28,7 @@ from precisionlab.cli import (
     run_cmd,
     survey_cmd,
     values_cmd,
+    verify_cmd,
 )
 from precisionlab.cli._common import Parser, UsageError, one_line, shorten
 
@@ -48,6 +49,7 @@ COMMANDS: dict[str, ModuleType] = {
     "conformance": conformance_cmd,
     "diagnose": diagnose_cmd,
     "emulate-check": emulate_check_cmd,
+    "verify": verify_cmd,
 }
 
 

@@ -140,8 +140,7 @@ class Report:
         lines = [
             f"dump: {self.path}",
             f"  recorded on {env.get('backend', '?')} ({env.get('device_kind', '?')}), "
-            f"jax {env.get('jax', '?')}; {self.kind} of {rec}; GEMM model "
-            f"{self.step.get('hardware') or self.step.get('gemm') or '-'}",
+            f"jax {env.get('jax', '?')}; {self.kind} of {rec}; GEMMs: {_gemm_text(self.step)}",
         ]
         checked = self.checked
         n_el = sum(t.elements for t in checked)
@@ -175,6 +174,21 @@ class Report:
         return "\n".join(lines)
 
 
+def _gemm_text(step: dict[str, Any]) -> str:
+    spec = step.get("recipe")
+    if step.get("mode") == "gemm":
+        return "as captured, each by its hardware preset"
+    if spec is None:
+        return f"the program's dot_general, model {step.get('hardware') or 'none'}"
+    if step.get("gemm") == "native":
+        return f"the backend's own (native), model {step.get('hardware') or 'none'}"
+    fields = spec.get("fields", {}) if isinstance(spec, dict) else {}
+    acc = fields.get("accumulate")
+    if acc is None and fields.get("accumulate_bits") is not None:
+        acc = f"sequential, {fields['accumulate_bits']} bits"
+    return f"the recipe's ({acc or 'float32 products summed by XLA'})"
+
+
 def _verdict(t: TensorCheck) -> str:
     ulp = "a NaN where a number is" if t.max_ulp is None else f"max {t.max_ulp} ulp"
     return f"{t.elements - t.equal} of {t.elements} elements differ, {ulp}"
@@ -187,7 +201,8 @@ def _bits_and_order(a: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray, 
                  "bool"):  # fmt: skip
         v = np.asarray(a).astype(np.int64)
         return v, v, np.zeros(v.shape, bool)
-    raw = to_storage(a, dtype).astype(np.uint64)
+    stored = to_storage(a, dtype)
+    raw = stored.view(f"uint{8 * stored.dtype.itemsize}").astype(np.uint64)  # the bits
     if dtype in ("float32", "float16", "float64"):
         bits = np.finfo(np.dtype(dtype)).bits
     else:

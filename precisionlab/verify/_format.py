@@ -87,17 +87,22 @@ def storage_dtype(name: str) -> np.dtype:
     raise ValueError(f"unknown tensor dtype {name!r}; known: {', '.join((*_NUMPY, *_ML))}")
 
 
+def _c(a: np.ndarray) -> np.ndarray:
+    """C-contiguous, keeping a 0-d array 0-d (np.ascontiguousarray makes it 1-d)."""
+    return np.array(a, order="C", copy=None)
+
+
 def to_storage(x: Any, name: str) -> np.ndarray:
     """``x`` (an array of logical dtype ``name``, float values of that format, or, for an
     ml_dtypes format, its raw codes as unsigned integers of its width) as stored."""
     a = np.asarray(x)
     if name in _ML:
         if a.dtype == storage_dtype(name):
-            return np.ascontiguousarray(a)  # raw codes
+            return _c(a)  # raw codes
         if a.dtype != _ML[name]:
             a = a.astype(np.float32).astype(_ML[name])  # exact for values of the format
-        return np.ascontiguousarray(a).view(storage_dtype(name))
-    return np.ascontiguousarray(a.astype(np.dtype(name), copy=False))
+        return _c(a).view(storage_dtype(name))
+    return _c(a.astype(np.dtype(name), copy=False))
 
 
 def from_storage(a: np.ndarray, name: str) -> np.ndarray:

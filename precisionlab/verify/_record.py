@@ -156,9 +156,10 @@ def _to_halves(x: jax.Array) -> jax.Array:
     return jnp.stack([(u >> 16).astype(jnp.float32), (u & 0xFFFF).astype(jnp.float32)])
 
 
-def _from_halves(h: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    hi = np.asarray(h[0], np.float64).astype(np.uint32)
-    lo = np.asarray(h[1], np.float64).astype(np.uint32)
+def _from_halves(h: np.ndarray, dtype: np.dtype, axis: int = 0) -> np.ndarray:
+    """Inverse of :func:`_to_halves` (the halves on ``axis``: after the loop axes)."""
+    hi = np.take(np.asarray(h, np.float64), 0, axis).astype(np.uint32)
+    lo = np.take(np.asarray(h, np.float64), 1, axis).astype(np.uint32)
     return ((hi << 16) | lo).view(dtype)
 
 
@@ -529,22 +530,57 @@ def _runner(inter, grad: bool, nums: tuple[int, ...], single: bool, has_aux: boo
 
 
 def estimate(fn: Callable, *args: Any, **options: Any) -> int:
-    """The bytes :func:`record` would write for ``fn(*args)`` with these options (traced,
-    nothing computed)."""
-    return _estimate(_plan(fn, args, **_plan_options(**options)), options.get("results", True))
+    """The bytes of arrays :func:`record` would write for ``fn(*args)`` with these options
+    (traced, nothing computed; an upper bound only where a ``cond`` branch does not run)."""
+    opts = _plan_options(**options)
+    return _estimate(_plan(fn, args, **opts), opts, options.get("results", True))
 
 
-def _estimate(plan: _Plan, results: bool) -> int:
+def _nbytes(shape, itemsize: int) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * itemsize
+
+
+def _record_bytes(key: str, sd: Any, rec, weight: str, what: str | None) -> int:
+    """Stored bytes of one record entry (``[what/]side/role`` or ``out``): element codes
+    take their format's width, everything else its own dtype."""
+    parts = key.split("/")
+    if what is None and parts[0] in ("fprop", "dgrad", "wgrad"):
+        what, parts = parts[0], parts[1:]
+    if parts[-1] == "codes":
+        kind = gemm_kinds(weight, what or "fprop")[0 if parts[0] == "lhs" else 1]
+        size = storage_dtype(element_format(rec, kind)).itemsize
+    elif parts[-1] == "input" or parts[-1] == "out":
+        size = 4
+    else:
+        size = jnp.dtype(sd.dtype).itemsize
+    return _nbytes(sd.shape, size)
+
+
+def _estimate(plan: _Plan, opts: dict[str, Any], results: bool) -> int:
+    rec, weight = opts["recipe"], opts["weight"]
     total = 0
-    for leaf in jax.tree.leaves(plan.aux_shapes):
-        total += int(np.prod(leaf.shape, dtype=np.int64)) * jnp.dtype(leaf.dtype).itemsize
+    for aux in plan.aux_shapes.values():
+        for key, sd in aux.value.items():
+            if rec is None:
+                total += _nbytes(sd.shape, jnp.dtype(sd.dtype).itemsize)
+            else:
+                total += _record_bytes(key, sd, rec, weight, "fprop")
     for s in plan.recorded:
         reps = int(np.prod(s.lengths, dtype=np.int64)) if s.lengths else 1
-        for leaf in jax.tree.leaves(plan.tape_shapes.get(s.name, {})):
-            total += reps * int(np.prod(leaf.shape, dtype=np.int64)) * 4
+        for key, sd in plan.tape_shapes.get(s.name, {}).items():
+            total += reps * _record_bytes(key, sd, rec, weight, None)
+    if rec is not None and rec.stateful:
+        hist = rec.amax_history_len  # scale (3,) and history (L, 3), before and after
+        per_site = (3 + 3 * hist) * 4 * (2 if opts["grad"] else 1)
+        total += per_site * sum(1 for s in plan.sites if s.selected)
     if results:
         for leaf in jax.tree.leaves(plan.value_shapes):
-            total += int(np.prod(leaf.shape, dtype=np.int64)) * jnp.dtype(leaf.dtype).itemsize
+            dt = jnp.dtype(leaf.dtype)
+            try:
+                storage_dtype(dt.name)
+            except ValueError:
+                continue
+            total += _nbytes(leaf.shape, dt.itemsize)
     return int(total)
 
 
@@ -615,7 +651,7 @@ def record(
 
     hw = default_hardware() if hardware is None else check_hardware(hardware)
     plan = _plan(fn, args, **opts)
-    size = _estimate(plan, results)
+    size = _estimate(plan, opts, results)
     if size > max_bytes:
         raise ValueError(
             f"the dump would hold about {size} bytes ({size / 2**20:.1f} MiB), more than "
@@ -669,8 +705,8 @@ def _write(writer, plan, rec, state, value, aux, state_grads, opts, *, grad, res
                 tape = state_grads[s.name]
                 tape = tape.value if isinstance(tape, PerIteration) else tape
                 tape = tape["tape"]
-                flat = {k: _from_halves(v, np.dtype(plan.tape_shapes[s.name][k].dtype))
-                        for k, v in tape.items()}  # fmt: skip
+                flat = {k: _from_halves(v, np.dtype(plan.tape_shapes[s.name][k].dtype),
+                                        len(s.lengths)) for k, v in tape.items()}  # fmt: skip
                 for it in reversed(_iterations(s)):
                     if not _valid(aux, s, it):
                         continue
