@@ -17,6 +17,7 @@ checkpoints and writing nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 import time
@@ -60,12 +61,15 @@ def run_file(
     overrides: Sequence[str] = (),
     quiet: bool = False,
     timings: bool = False,
+    record_steps: Sequence[int] | None = None,
 ) -> Path:
     """Validate ``path`` (with ``--set`` overrides), then run it; returns the run directory.
 
     ``out`` is the run directory to create (it must not hold a run already); by default a new
     ``runs/<name>-<timestamp>`` under the current directory. ``timings``: write where each
     unit's time went to ``timings.json`` (see :mod:`precisionlab.experiments.timings`).
+    ``record_steps``: record these steps of each training unit into its ``verify/`` directory
+    (:class:`precisionlab.verify.RecordHook`; the unit then runs one step per call).
     """
     experiment = load_experiment(path, overrides)
     if out is None:
@@ -79,7 +83,9 @@ def run_file(
             )
         run_dir.mkdir(parents=True, exist_ok=True)
     _write_config(run_dir, experiment, overrides)
-    return run_experiment(experiment, run_dir, quiet=quiet, timings=timings)
+    return run_experiment(
+        experiment, run_dir, quiet=quiet, timings=timings, record_steps=record_steps
+    )
 
 
 def _write_config(run_dir: Path, experiment: Experiment, overrides: Sequence[str]) -> None:
@@ -118,6 +124,7 @@ def run_experiment(
     quiet: bool = False,
     resuming: bool = False,
     timings: bool = False,
+    record_steps: Sequence[int] | None = None,
 ) -> Path:
     """Run (or continue) ``experiment`` in ``run_dir``; returns ``run_dir``."""
     say = _printer(quiet)
@@ -140,7 +147,8 @@ def run_experiment(
     _lead(experiment, run_dir)
     try:
         if experiment.kind == "train":
-            _run_train(experiment, run_dir, say=say, quiet=quiet, timings=timings)
+            _run_train(experiment, run_dir, say=say, quiet=quiet, timings=timings,
+                       record_steps=record_steps)  # fmt: skip
         else:
             _run_other(experiment, run_dir, say=say, quiet=quiet)
     except KeyboardInterrupt:
@@ -207,8 +215,9 @@ def _statuses(experiment: Experiment, run_dir: Path) -> list[dict[str, Any]]:
 
 
 def _run_train(
-    experiment: Experiment, run_dir: Path, *, say: Printer, quiet: bool, timings: bool = False
-) -> None:
+    experiment: Experiment, run_dir: Path, *, say: Printer, quiet: bool, timings: bool = False,
+    record_steps: Sequence[int] | None = None,
+) -> None:  # fmt: skip
     units = experiment.units
     statuses = _statuses(experiment, run_dir)
     bar = _overall_bar(experiment, statuses, quiet)
@@ -226,7 +235,7 @@ def _run_train(
             started.add(_key(unit))
             later = [j for j in pending if j > i]
             # the next unit's programs, unless they are this unit's or an earlier one's
-            if later and _key(units[later[0]]) not in started:
+            if later and _key(units[later[0]]) not in started and record_steps is None:
                 ahead = _Precompile.start(units[later[0]])
                 started.add(_key(units[later[0]]))
             else:
@@ -238,7 +247,8 @@ def _run_train(
                 hooks = (ProgressHook(bar, own=False),)
             loop = LoopTimings() if timings else None
             watch = Stopwatch()
-            _run_unit(unit, unit_dir, status, say=say, quiet=quiet, hooks=hooks, timings=loop)
+            _run_unit(unit, unit_dir, status, say=say, quiet=quiet, hooks=hooks, timings=loop,
+                      record_steps=record_steps)  # fmt: skip
             if loop is not None:
                 wall, cpu = watch.elapsed()
                 record_unit(
@@ -317,6 +327,7 @@ def _run_unit(
     quiet: bool,
     hooks: tuple = (),
     timings: LoopTimings | None = None,
+    record_steps: Sequence[int] | None = None,
 ) -> None:
     store.makedirs(unit_dir)  # no link followed below the run directory
     status_path = unit_dir / "status.json"
@@ -368,9 +379,15 @@ def _run_unit(
 
     start = time.perf_counter()
     fatal = None
+    config = unit.config
     try:
+        if record_steps is not None:  # a hook records them; each step starts a call
+            from precisionlab.verify import RecordHook
+
+            config = dataclasses.replace(config, chunk_steps=1)
+            hooks = (*hooks, RecordHook.for_config(config, unit_dir / "verify", record_steps))
         result = train_kind.run_unit(
-            unit.config,
+            config,
             unit_dir,
             on_step=on_step,
             on_hist=on_hist,

@@ -92,6 +92,9 @@ class RecordHook:
         and step options built from ``config``; run it with ``chunk_steps=1``)."""
         from precisionlab.train import build
 
+        late = [s for s in parse_steps(steps) if s > config.steps]
+        if late:
+            raise ValueError(f"record step {late[0]}: the run has {config.steps} steps")
         setup = build(config)
         return cls(out, steps, loss_fn=setup.loss_fn, options=setup.options, **kwargs)
 
