@@ -136,11 +136,12 @@ class Report:
         """A readable summary: the dump, the counts, the first difference and its label, and
         the differing tensors (``every``: all checked tensors), at most ``limit`` lines."""
         env = self.environment
-        rec = (self.step.get("recipe") or {}).get("name") or self.step.get("mode", self.kind)
+        versions = ", ".join(f"{k} {env[k]}" for k in ("jax", "torch", "cuda") if k in env)
         lines = [
             f"dump: {self.path}",
-            f"  recorded on {env.get('backend', '?')} ({env.get('device_kind', '?')}), "
-            f"jax {env.get('jax', '?')}; {self.kind} of {rec}; GEMMs: {_gemm_text(self.step)}",
+            f"  recorded on {env.get('backend', '?')} ({env.get('device_kind', '?')})"
+            + (f"; {versions}" if versions else ""),
+            f"  {_what_text(self)}",
         ]
         checked = self.checked
         n_el = sum(t.elements for t in checked)
@@ -174,19 +175,34 @@ class Report:
         return "\n".join(lines)
 
 
-def _gemm_text(step: dict[str, Any]) -> str:
+def _recipe_text(spec: dict[str, Any]) -> str:
+    """``mx (element=float8_e4m3fn, scale_rule='rceil')``: the name and the fields that
+    differ from the class's defaults."""
+    cls = getattr(recipes, str(spec.get("class")), None)
+    fields = spec.get("fields") or {}
+    if not isinstance(cls, type) or not dataclasses.is_dataclass(cls):
+        return str(spec.get("name"))
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    diff = [f"{k}={v!r}" for k, v in fields.items() if defaults.get(k, v) != v]
+    return f"{spec.get('name')}" + (f" ({', '.join(diff)})" if diff else "")
+
+
+def _what_text(report: Report) -> str:
+    step = report.step
+    if report.kind == "gemm":
+        n = sum(t.role == "output" for t in report.tensors)
+        return f"{n} GEMMs computed elsewhere, each checked by its hardware preset"
     spec = step.get("recipe")
-    if step.get("mode") == "gemm":
-        return "as captured, each by its hardware preset"
     if spec is None:
-        return f"the program's dot_general, model {step.get('hardware') or 'none'}"
+        return f"a plain step; GEMMs: the program's dot_general, model {step.get('hardware')}"
+    rec = f"a step under the {_recipe_text(spec)} recipe"
     if step.get("gemm") == "native":
-        return f"the backend's own (native), model {step.get('hardware') or 'none'}"
+        return f"{rec}; GEMMs: the backend's own (native), model {step.get('hardware')}"
     fields = spec.get("fields", {}) if isinstance(spec, dict) else {}
     acc = fields.get("accumulate")
     if acc is None and fields.get("accumulate_bits") is not None:
         acc = f"sequential, {fields['accumulate_bits']} bits"
-    return f"the recipe's ({acc or 'float32 products summed by XLA'})"
+    return f"{rec}; GEMMs: the recipe's ({acc or 'float32 products summed by XLA'})"
 
 
 def _verdict(t: TensorCheck) -> str:

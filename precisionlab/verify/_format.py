@@ -89,7 +89,7 @@ def storage_dtype(name: str) -> np.dtype:
 
 def _c(a: np.ndarray) -> np.ndarray:
     """C-contiguous, keeping a 0-d array 0-d (np.ascontiguousarray makes it 1-d)."""
-    return np.array(a, order="C", copy=None)
+    return np.asarray(a, order="C")
 
 
 def to_storage(x: Any, name: str) -> np.ndarray:

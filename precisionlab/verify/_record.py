@@ -374,7 +374,7 @@ def default_hardware() -> str | None:
 
 
 def recipe_json(recipe: recipes.Recipe) -> dict[str, Any]:
-    """A recipe as data: its class and fields (see :func:`recipe_from_json`)."""
+    """A recipe as data: its class and fields (the check rebuilds it from them)."""
     fields = {f.name: getattr(recipe, f.name) for f in dataclasses.fields(recipe)}
     return {"class": type(recipe).__name__, "name": recipe.name, "fields": fields}
 

@@ -52,7 +52,7 @@ class RecordHook:
     """Records steps ``steps`` (1-based) of a training loop into ``out/step_NNNNNN``.
 
     ``loss_fn`` and ``options``: the loop's (``train_loop``'s ``loss_fn`` and
-    :class:`~precisionlab.train.step.StepOptions`); :meth:`for_config` takes them from a
+    :class:`~precisionlab.train.step.StepOptions`); :meth:`RecordHook.for_config` takes them from a
     ``TrainConfig``. The loop must start a compiled call at each chosen step
     (``chunk_steps=1`` does; a step that ran inside a call raises ValueError after it).
     ``sites``, ``hardware``, ``max_bytes``, ``gemm``: as :func:`~precisionlab.verify.record`.
