@@ -43,7 +43,8 @@ LABELS: dict[str, str] = {
     "sr-bits": "element codes one code apart from the recipe's: other stochastic-rounding "
     "bits (another key) or another rounding direction",
     "accumulator": "the GEMM output is what another accumulation computes from the same "
-    "operands (another width, order, promotion or library: the model named)",
+    "operands (another width, promotion or library: the model named; or float32 sums in "
+    "another order, within float32's bound for reordering them)",
     "wrong-dtype": "a tensor of another format than the recipe's (bfloat16 where FP8 was "
     "asked), or a GEMM output equal to the product of the operands rounded to bfloat16",
     "zeroed-or-nonfinite": "a tensor all zero, or non-finite where the recipe's is finite",
@@ -96,10 +97,12 @@ class Report:
 
     @property
     def checked(self) -> list[TensorCheck]:
+        """The tensors compared (status ``"match"`` or ``"differ"``), in program order."""
         return [t for t in self.tensors if t.status in ("match", "differ")]
 
     @property
     def differing(self) -> list[TensorCheck]:
+        """The tensors that differ, in program order."""
         return [t for t in self.tensors if t.status == "differ"]
 
     @property
@@ -124,6 +127,7 @@ class Report:
         return 1.0 if n == 0 else sum(t.equal for t in self.checked) / n
 
     def to_dict(self) -> dict[str, Any]:
+        """The report as plain JSON-able data (what ``precisionlab verify --json`` writes)."""
         return {
             "path": self.path, "kind": self.kind, "ok": self.ok, "label": self.label,
             "first": None if self.first is None else self.first.name,
@@ -532,8 +536,30 @@ def _check_recipe_gemm(ctx: _Ctx, g: dict, ts: dict[str, Tensor]) -> None:
         if model != "hp":
             bf16 = [(name, partial(M.bf16_gemm, inputs["lhs"], inputs["rhs"], name))
                     for name in M.sixteen_bit_candidates()]  # fmt: skip
-        c = _diagnose_output(ctx, c, rec_out, ref_out, alts, bf16)
+        reorder = None
+        if model == "hp" or (model == "recipe" and M.platform_bound("recipe", recipe)):
+            reorder = partial(_exact_sums, operands, inputs, model == "hp", m, n)
+        c = _diagnose_output(ctx, c, rec_out, ref_out, alts, bf16, reorder)
     ctx.add(c)
+
+
+def _exact_sums(operands, inputs, hp: bool, m: int, n: int):
+    """The exact (float64) GEMM of the recorded operands, the sum of its |products| and K."""
+    if hp:
+        a, b, fa, fb = inputs["lhs"], inputs["rhs"], None, None
+    else:
+        qa, qb = operands["lhs"], operands["rhs"]
+        a, b = (np.asarray(q.block_values(), np.float64) for q in (qa, qb))
+        fa = None if qa.row_inv is None else np.asarray(qa.row_inv, np.float64)
+        fb = None if qb.row_inv is None else np.swapaxes(np.asarray(qb.row_inv, np.float64), -1,
+                                                         -2)  # fmt: skip
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    exact = np.einsum("bmk,bnk->bmn", a, b)[:, :m, :n]
+    absum = np.einsum("bmk,bnk->bmn", np.abs(a), np.abs(b))[:, :m, :n]
+    for f in (fa, fb):
+        if f is not None:
+            exact, absum = exact * f, absum * np.abs(f)
+    return exact, absum, a.shape[-1]
 
 
 def _layout(recipe, kind: str):
@@ -655,7 +681,18 @@ def _rule_of(recipe) -> str:
     return recipe.name
 
 
-def _diagnose_output(ctx, c, rec, ref, alts, bf16) -> TensorCheck:
+def _within_reordering(rec, exact, absum, k: int, out_bits: int = 24) -> bool:
+    """Whether every output is within the error bound of summing the same exact products in
+    float32 in some order: ``|out - sum| <= (k + 1) 2**-24 sum |a_k b_k|`` (the k - 1
+    additions, the final scaling, float32's products being exact or rounded once), plus
+    ``2**-out_bits |sum|`` for an output rounded to a narrower format."""
+    bound = (k + 1) * 2.0**-24 * absum + 2.0**-out_bits * np.abs(exact)
+    return bool(np.all(np.abs(rec.astype(np.float64) - exact) <= bound))
+
+
+def _diagnose_output(ctx, c, rec, ref, alts, bf16, reorder=None, out_bits=24) -> TensorCheck:
+    """``reorder``: for a float32 model (XLA's order), ``() -> (exact sum, sum of |products|,
+    K)`` in float64, so a difference of summation order is told apart."""
     z = _zeroed_or_nonfinite(rec, ref)
     if z:
         ctx.full()
@@ -689,6 +726,14 @@ def _diagnose_output(ctx, c, rec, ref, alts, bf16) -> TensorCheck:
             f"{100 * best[0]:.3f}% bit-equal to the GEMM of "
             f"the same codes by {best[1]} ({100 * c.share:.3f}% to the named model)",
         )
+    if reorder is not None:
+        exact, absum, k = reorder()
+        if _within_reordering(np.asarray(rec), exact, absum, k, out_bits):
+            what = f"{c.elements - c.equal} outputs differ (max {c.max_ulp} ulp)"
+            return _labelled(c, "accumulator", (
+                f"float32 sums of the same products in another order: {what}, each within "
+                f"float32's bound for summing {k} products in any order (XLA's order depends "
+                "on the program)"))  # fmt: skip
     near = "" if best[1] is None else f"; closest model {best[1]} ({100 * best[0]:.3f}%)"
     return _labelled(c, "unknown", f"{c.elements - c.equal} outputs differ, max "
                      f"{c.max_ulp} ulp{near}")  # fmt: skip
@@ -858,9 +903,37 @@ def _check_plain(ctx: _Ctx, g: dict, ts: dict[str, Tensor]) -> None:
     if c.status == "differ":
         la, ra = jnp.asarray(lhs), jnp.asarray(rhs)
         alts = [(h, partial(M.plain_gemm, la, ra, g, h)) for h in M.hardware_candidates(hw)]
+        reorder = partial(_plain_exact, lhs, rhs, g) if hw == "xla-cpu" else None
         c = _diagnose_output(ctx, c, np.asarray(rec).astype(np.float32),
-                             np.asarray(ref).astype(np.float32), alts, [])  # fmt: skip
+                             np.asarray(ref).astype(np.float32), alts, [], reorder,
+                             _BITS.get(t_o.dtype, 24))  # fmt: skip
     ctx.add(c)
+
+
+_BITS = {"float32": 24, "bfloat16": 8, "float16": 11}
+
+
+def _plain_exact(lhs, rhs, g: dict):
+    """The exact (float64) dot_general of a plain site's operands, laid out as its output,
+    the sum of its |products| and K."""
+    (lc, rc), (lb, rb) = g["dimension_numbers"]
+
+    def canon(x, contract, batch):
+        x = np.asarray(x).astype(np.float64)
+        free = [d for d in range(x.ndim) if d not in contract and d not in batch]
+        xt = np.transpose(x, (*batch, *free, *contract))
+        shape = [x.shape[d] for d in free]
+        k = int(np.prod([x.shape[d] for d in contract], dtype=np.int64))
+        bsz = int(np.prod([x.shape[d] for d in batch], dtype=np.int64))
+        return xt.reshape(bsz, -1, k), shape
+
+    a, lfree = canon(lhs, lc, lb)
+    b, rfree = canon(rhs, rc, rb)
+    bshape = [np.shape(lhs)[d] for d in lb]
+    out = (*bshape, *lfree, *rfree)
+    exact = np.einsum("bmk,bnk->bmn", a, b).reshape(out)
+    absum = np.einsum("bmk,bnk->bmn", np.abs(a), np.abs(b)).reshape(out)
+    return exact, absum, a.shape[-1]
 
 
 def _check_capture(ctx: _Ctx, g: dict, ts: dict[str, Tensor]) -> None:

@@ -84,6 +84,8 @@ class RecordHook:
         self.sites, self.hardware, self.max_bytes, self.gemm = sites, hardware, max_bytes, gemm
         self.recorded: dict[int, tuple[Path, float]] = {}
         self._loss_weight = 1.0
+        self._start: int | None = None  # the steps done when this loop (or resume) began
+        self._warned = False
 
     @classmethod
     def for_config(cls, config: Any, out: str | os.PathLike, steps: Iterable[int] | str,
@@ -103,6 +105,8 @@ class RecordHook:
         return self.out / f"step_{step:06d}"
 
     def before_step(self, step: int, state: Any, batch: Any) -> None:
+        if self._start is None:
+            self._start = step
         n = step + 1
         if n not in self.steps or n in self.recorded:
             return
@@ -132,8 +136,15 @@ class RecordHook:
         self.recorded[n] = (rec_out.path, loss)
 
     def on_step(self, end: StepEnd) -> None:
+        start = self._start or 0
         missed = [s for s in self.steps if s <= end.step and s not in self.recorded
                   and not (self.path(s) / "manifest.json").exists()]  # fmt: skip
+        before = [s for s in missed if s <= start]
+        if before and not self._warned:  # a resumed run: those steps ran in an earlier run
+            self._warned = True
+            warnings.warn(f"steps {before} ran before this run resumed at step {start} and "
+                          "were not recorded then", stacklevel=2)  # fmt: skip
+        missed = [s for s in missed if s > start]
         if missed:
             raise ValueError(
                 f"step {missed[0]} ran inside a compiled call of several steps, so it was not "
