@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax import lax
 
 from precisionlab import recipes
 from precisionlab.quant import SCALE_RULES
@@ -402,6 +403,8 @@ def _gemm_entries(raw: Any, where: Path) -> dict[str, dict[str, Any]]:
             for f in ("m", "n"):
                 if not isinstance(g.get(f), int):
                     raise DumpError(f"{where}: gemms[{i}] field {f!r} is not an integer")
+            if not isinstance(g.get("site"), str):
+                raise DumpError(f"{where}: gemms[{i}] has no site")
             if g.get("pass") not in ("fprop", "dgrad", "wgrad"):
                 raise DumpError(f"{where}: gemms[{i}] has an unknown pass {g.get('pass')!r}")
         if model == "plain":
@@ -410,6 +413,16 @@ def _gemm_entries(raw: Any, where: Path) -> dict[str, dict[str, Any]]:
                   and all(isinstance(p, list) and len(p) == 2 for p in dn))  # fmt: skip
             if not ok:
                 raise DumpError(f"{where}: gemms[{i}] has no valid dimension_numbers")
+            prec = g.get("precision")
+            names = {p.name for p in lax.Precision}
+            if prec is not None and not (
+                isinstance(prec, list) and all(p is None or str(p).split(".")[-1] in names
+                                               for p in prec)
+            ):  # fmt: skip
+                raise DumpError(f"{where}: gemms[{i}] has an unknown precision {prec!r}")
+            pet = g.get("preferred_element_type")
+            if pet is not None and pet not in ("float32", "float16", "bfloat16", "float64"):
+                raise DumpError(f"{where}: gemms[{i}] has an unknown output type {pet!r}")
         if g["id"] in out:
             raise DumpError(f"{where}: two gemms share the id {g['id']!r}")
         out[g["id"]] = g
@@ -452,6 +465,8 @@ def _check_recipe_gemm(ctx: _Ctx, g: dict, ts: dict[str, Tensor]) -> None:
     inputs = {}
     for side, kind in zip(("lhs", "rhs"), kinds, strict=True):
         t_in = _need(ts, f"{side}/input", g)
+        if len(t_in.shape) != 3 or t_in.dtype != "float32":
+            raise DumpError(f"gemm {g['id']}: {side}/input is not a float32 (B, R, K) array")
         x = np.asarray(ctx.arr(t_in), np.float32)
         inputs[side] = x
         ctx.add(_status(t_in, "input", "a stage input"))
@@ -460,14 +475,24 @@ def _check_recipe_gemm(ctx: _Ctx, g: dict, ts: dict[str, Tensor]) -> None:
             ctx.add(_status(t_key, "input", "a stochastic-rounding key"))
         t_s = ts.get(f"{side}/given_scale")
         scale = None
+        if t_s is not None and (t_s.shape != () or t_s.dtype != "float32"):
+            raise DumpError(f"gemm {g['id']}: {side}/given_scale is not a float32 scalar")
         if t_s is not None:
             scale = np.asarray(ctx.arr(t_s), np.float32).reshape(())
             _check_given_scale(ctx, g, side, t_s, scale)
         if model == "hp":
             continue
         layout = _layout(recipe, kind)
-        key = _key(ctx, t_key)
-        ref = M.quantize(recipe, kind, layout, x, scale, key)
+        t_c = _need(ts, f"{side}/codes", g)
+        if t_c.shape != t_in.shape:
+            raise DumpError(f"gemm {g['id']}: {side}/codes {list(t_c.shape)} and its input "
+                            f"{list(t_in.shape)} differ in shape")  # fmt: skip
+        try:
+            key = _key(ctx, t_key)
+            ref = M.quantize(recipe, kind, layout, x, scale, key)
+        except (TypeError, ValueError) as err:
+            raise DumpError(f"gemm {g['id']}: {side} does not recompute from the dump: "
+                            f"{str(err).splitlines()[0]}") from None  # fmt: skip
         for role in ("row_scale", "block_scale", "block_exp"):
             t = ts.get(f"{side}/{role}")
             if role in ref and t is None:
@@ -483,7 +508,6 @@ def _check_recipe_gemm(ctx: _Ctx, g: dict, ts: dict[str, Tensor]) -> None:
                 c = _diagnose_scale(ctx, c, t, role, ref[role], recipe, kind, layout, x, scale,
                                     key)  # fmt: skip
             ctx.add(c)
-        t_c = _need(ts, f"{side}/codes", g)
         want = element_format(recipe, kind)
         codes = ctx.arr(t_c)
         if t_c.dtype != want:
@@ -523,6 +547,9 @@ def _check_recipe_gemm(ctx: _Ctx, g: dict, ts: dict[str, Tensor]) -> None:
     except M.NotModelled as why:
         ctx.add(_status(t_out, "not checked", str(why)))
         return
+    except (TypeError, ValueError) as err:
+        raise DumpError(f"gemm {g['id']}: its output does not recompute from the recorded "
+                        f"operands: {str(err).splitlines()[0]}") from None  # fmt: skip
     c = _check(t_out, rec_out, ref_out)
     if c.status == "differ":
         if model == "recipe":

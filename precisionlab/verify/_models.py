@@ -114,6 +114,7 @@ def quantize(recipe, kind: str, layout, x: np.ndarray, scale, key) -> dict[str, 
 # --- GEMMs -----------------------------------------------------------------------------
 @partial(jax.jit, static_argnames=("recipe", "kinds", "m", "n"))
 def _recipe_gemm(recipe, kinds, m, n, qa, qb):
+    qa, qb = lax.optimization_barrier((qa, qb))  # as the recorder computes it
     return recipes.operand_gemm(recipe, qa, qb, kinds)[:, :m, :n]
 
 

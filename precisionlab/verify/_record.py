@@ -218,6 +218,13 @@ def _bwd_shapes(recipe, kinds, gemm, a3, b3, state, key, nums, g) -> dict[str, A
     return jax.eval_shape(run, a3, b3, state, key, nums, g)
 
 
+def pinned_gemm(recipe, qa: S.QOperand, qb: S.QOperand, kinds) -> jax.Array:
+    """The recipe's own GEMM on operands materialized first (an optimization barrier): XLA
+    then sums a float32 GEMM as it does in a program of that GEMM alone, the check's."""
+    qa, qb = lax.optimization_barrier((qa, qb))
+    return recipes.operand_gemm(recipe, qa, qb, kinds)
+
+
 def native_gemm(recipe, qa: S.QOperand, qb: S.QOperand, kinds) -> jax.Array:
     """The GEMM of two quantized operands as the backend's own ``dot_general`` computes it:
     elements in their dtype (FP8, bfloat16), float32 output, then the per-row factors."""
@@ -593,7 +600,7 @@ def _plan_options(*, recipe=None, state=None, key=None, grad=True, argnums=0, ha
     _check_args(rec, gemm, weight, grad, has_aux)
     return dict(recipe=rec, state=state, key=key, grad=grad, argnums=argnums, has_aux=has_aux,
                 include=include, exclude=exclude, weight=weight, sites=sites,
-                gemm_fn=native_gemm if gemm == "native" else None)  # fmt: skip
+                gemm_fn=native_gemm if gemm == "native" else pinned_gemm)  # fmt: skip
 
 
 def record(
