@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -27,234 +26,22 @@ import numpy as np
 from jax import lax
 
 from precisionlab import recipes
-from precisionlab.quant import SCALE_RULES
 from precisionlab.recipes import scaling as S
 from precisionlab.verify import _models as M
+from precisionlab.verify._diagnose import (
+    OUT_BITS,
+    diagnose_codes,
+    diagnose_output,
+    diagnose_scale,
+    exact_sums,
+    labelled,
+    plain_exact,
+)
 from precisionlab.verify._format import Dump, DumpError, Tensor, read_dump, to_storage
-from precisionlab.verify._record import element_format, expand, gemm_kinds
+from precisionlab.verify._report import LABELS, Report, TensorCheck, compare
+from precisionlab.verify._tape import element_format, expand, gemm_kinds
 
 __all__ = ["LABELS", "Report", "TensorCheck", "check", "find_dumps"]
-
-#: The mechanism labels, each with what it means (the fixed set of the guide).
-LABELS: dict[str, str] = {
-    "scale-rule": "a scale was computed by another rule (floor instead of rceil E8M0, a "
-    "power of two one binade off, pow2 scales on or off)",
-    "stale-amax": "delayed scaling used or stored an amax history one step off (the scale "
-    "from the history before this step's amax, or the history not rolled)",
-    "sr-bits": "element codes one code apart from the recipe's: other stochastic-rounding "
-    "bits (another key) or another rounding direction",
-    "accumulator": "the GEMM output is what another accumulation computes from the same "
-    "operands (another width, promotion or library: the model named; or float32 sums in "
-    "another order, within float32's bound for reordering them)",
-    "wrong-dtype": "a tensor of another format than the recipe's (bfloat16 where FP8 was "
-    "asked), or a GEMM output equal to the product of the operands rounded to bfloat16",
-    "zeroed-or-nonfinite": "a tensor all zero, or non-finite where the recipe's is finite",
-    "unknown": "differs in a way none of the mechanisms above reproduces",
-}
-#: Roles a check only reads (inputs of a stage): reported, never compared.
-INPUT_ROLES = ("input", "key", "result")
-_MAX_CANDIDATES_SHARE = 0.999
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorCheck:
-    """The verdict on one recorded tensor.
-
-    ``status``: ``"match"`` (bit-equal), ``"differ"``, ``"input"`` (read, not recomputed:
-    stage inputs, keys, the step's outputs) or ``"not checked"`` (``detail`` says why).
-    ``elements`` and ``equal``: how many elements, how many bit-equal; ``max_ulp``: the
-    largest difference in units in the last place of the tensor's format (codes apart for
-    element codes; None when a NaN meets a number); ``label``: a key of :data:`LABELS` for a
-    differing tensor that was diagnosed (the first one always is).
-    """
-
-    name: str
-    role: str
-    order: int
-    gemm: str | None
-    status: str
-    elements: int = 0
-    equal: int = 0
-    max_ulp: int | None = 0
-    label: str | None = None
-    detail: str = ""
-
-    @property
-    def share(self) -> float:
-        """The bit-equal fraction (1.0 for an empty tensor)."""
-        return 1.0 if self.elements == 0 else self.equal / self.elements
-
-
-@dataclasses.dataclass(frozen=True)
-class Report:
-    """What :func:`check` found for one dump."""
-
-    path: str
-    kind: str
-    environment: dict[str, Any]
-    step: dict[str, Any]
-    tensors: tuple[TensorCheck, ...]
-    notes: tuple[str, ...]
-
-    @property
-    def checked(self) -> list[TensorCheck]:
-        """The tensors compared (status ``"match"`` or ``"differ"``), in program order."""
-        return [t for t in self.tensors if t.status in ("match", "differ")]
-
-    @property
-    def differing(self) -> list[TensorCheck]:
-        """The tensors that differ, in program order."""
-        return [t for t in self.tensors if t.status == "differ"]
-
-    @property
-    def ok(self) -> bool:
-        """Every checked tensor matches."""
-        return not self.differing
-
-    @property
-    def first(self) -> TensorCheck | None:
-        """The first differing tensor in program order, or None."""
-        d = self.differing
-        return d[0] if d else None
-
-    @property
-    def label(self) -> str | None:
-        """The mechanism label of the first difference (None when everything matches)."""
-        return None if self.first is None else self.first.label
-
-    def share(self) -> float:
-        """Bit-equal elements over all checked elements."""
-        n = sum(t.elements for t in self.checked)
-        return 1.0 if n == 0 else sum(t.equal for t in self.checked) / n
-
-    def to_dict(self) -> dict[str, Any]:
-        """The report as plain JSON-able data (what ``precisionlab verify --json`` writes)."""
-        return {
-            "path": self.path, "kind": self.kind, "ok": self.ok, "label": self.label,
-            "first": None if self.first is None else self.first.name,
-            "share": self.share(), "environment": self.environment, "step": self.step,
-            "notes": list(self.notes),
-            "tensors": [dataclasses.asdict(t) for t in self.tensors],
-        }  # fmt: skip
-
-    def text(self, *, every: bool = False, limit: int = 20) -> str:
-        """A readable summary: the dump, the counts, the first difference and its label, and
-        the differing tensors (``every``: all checked tensors), at most ``limit`` lines."""
-        env = self.environment
-        versions = ", ".join(f"{k} {env[k]}" for k in ("jax", "torch", "cuda") if k in env)
-        lines = [
-            f"dump: {self.path}",
-            f"  recorded on {env.get('backend', '?')} ({env.get('device_kind', '?')})"
-            + (f"; {versions}" if versions else ""),
-            f"  {_what_text(self)}",
-        ]
-        checked = self.checked
-        n_el = sum(t.elements for t in checked)
-        n_eq = sum(t.equal for t in checked)
-        others = len(self.tensors) - len(checked)
-        lines.append(
-            f"  {len(checked)} tensors checked, {len(checked) - len(self.differing)} "
-            f"bit-equal; {n_eq} of {n_el} elements ({100 * self.share():.3f}%); {others} "
-            "read as inputs or not checked"
-        )
-        first = self.first
-        if first is None:
-            lines.append("  every checked tensor matches")
-        else:
-            lines.append(f"  first difference: {first.name} ({_verdict(first)})")
-            lines.append(f"  mechanism: {first.label}: {first.detail}")
-        shown = checked if every else self.differing
-        if shown:
-            lines.append("")
-            lines.append(f"  {'tensor':<44} {'bit-equal':>10} {'max ulp':>8}  label")
-            for t in shown[:limit]:
-                ulp = "nan" if t.max_ulp is None else str(t.max_ulp)
-                lines.append(f"  {t.name:<44} {100 * t.share:>9.3f}% {ulp:>8}  {t.label or ''}")
-            if len(shown) > limit:
-                lines.append(f"  ... {len(shown) - limit} more")
-        not_checked = [t for t in self.tensors if t.status == "not checked"]
-        if not_checked:
-            why = sorted({t.detail for t in not_checked})
-            lines.append(f"  not checked: {len(not_checked)} ({'; '.join(why[:3])})")
-        lines.extend(f"  note: {n}" for n in self.notes)
-        return "\n".join(lines)
-
-
-def _recipe_text(spec: dict[str, Any]) -> str:
-    """``mx (element=float8_e4m3fn, scale_rule='rceil')``: the name and the fields that
-    differ from the class's defaults."""
-    cls = getattr(recipes, str(spec.get("class")), None)
-    fields = spec.get("fields") or {}
-    if not isinstance(cls, type) or not dataclasses.is_dataclass(cls):
-        return str(spec.get("name"))
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-    diff = [f"{k}={v!r}" for k, v in fields.items() if defaults.get(k, v) != v]
-    return f"{spec.get('name')}" + (f" ({', '.join(diff)})" if diff else "")
-
-
-def _what_text(report: Report) -> str:
-    step = report.step
-    if report.kind == "gemm":
-        n = sum(t.role == "output" for t in report.tensors)
-        return f"{n} GEMMs computed elsewhere, each checked by its hardware preset"
-    spec = step.get("recipe")
-    if spec is None:
-        return f"a plain step; GEMMs: the program's dot_general, model {step.get('hardware')}"
-    rec = f"a step under the {_recipe_text(spec)} recipe"
-    if step.get("gemm") == "native":
-        return f"{rec}; GEMMs: the backend's own (native), model {step.get('hardware')}"
-    fields = spec.get("fields", {}) if isinstance(spec, dict) else {}
-    acc = fields.get("accumulate")
-    if acc is None and fields.get("accumulate_bits") is not None:
-        acc = f"sequential, {fields['accumulate_bits']} bits"
-    return f"{rec}; GEMMs: the recipe's ({acc or 'float32 products summed by XLA'})"
-
-
-def _verdict(t: TensorCheck) -> str:
-    ulp = "a NaN where a number is" if t.max_ulp is None else f"max {t.max_ulp} ulp"
-    return f"{t.elements - t.equal} of {t.elements} elements differ, {ulp}"
-
-
-# --- comparing ------------------------------------------------------------------------
-def _bits_and_order(a: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(raw bits, an ordered integer per element, NaN mask) of ``a`` of logical ``dtype``."""
-    if dtype in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-                 "bool"):  # fmt: skip
-        v = np.asarray(a).astype(np.int64)
-        return v, v, np.zeros(v.shape, bool)
-    stored = to_storage(a, dtype)
-    raw = stored.view(f"uint{8 * stored.dtype.itemsize}").astype(np.uint64)  # the bits
-    if dtype in ("float32", "float16", "float64"):
-        bits = np.finfo(np.dtype(dtype)).bits
-    else:
-        bits = ml_dtypes.finfo(getattr(ml_dtypes, dtype)).bits
-    nan = np.isnan(np.asarray(a).astype(np.float32)) if dtype != "float64" else np.isnan(a)
-    if dtype == "float8_e8m0fnu":  # unsigned: the code is the order
-        return raw, raw.astype(np.int64), nan
-    sign = np.uint64(1 << (bits - 1))
-    mag = (raw & ~sign).astype(np.int64)
-    order = np.where((raw & sign) != 0, -mag, mag)
-    return raw, order, nan
-
-
-def compare(rec: np.ndarray, ref: np.ndarray, dtype: str) -> tuple[int, int, int | None, Any]:
-    """(elements, bit-equal elements, max difference in ordered codes (None: a NaN against a
-    number), differing mask) of a recorded and a recomputed array of logical ``dtype``."""
-    rec, ref = np.asarray(rec), np.asarray(ref)
-    if rec.shape != ref.shape:
-        return int(rec.size), 0, None, np.ones(rec.shape, bool)
-    br, orr, nr = _bits_and_order(rec, dtype)
-    bf, orf, nf = _bits_and_order(ref, dtype)
-    eq = (br == bf) | (nr & nf)
-    diff = ~eq
-    if not diff.any():
-        return int(rec.size), int(rec.size), 0, diff
-    if (diff & (nr ^ nf)).any():
-        ulp = None
-    else:
-        d = np.abs(orr - orf)[diff & ~(nr | nf)]
-        ulp = int(d.max()) if d.size else 0
-    return int(rec.size), int(eq.sum()), ulp, diff
 
 
 def _check(t: Tensor, rec, ref, dtype=None, **kw) -> TensorCheck:
@@ -505,7 +292,7 @@ def _check_recipe_gemm(ctx: _Ctx, g: dict, ts: dict[str, Tensor]) -> None:
                 continue
             c = _check(t, ctx.arr(t), ref[role])
             if c.status == "differ":
-                c = _diagnose_scale(ctx, c, t, role, ref[role], recipe, kind, layout, x, scale,
+                c = diagnose_scale(ctx, c, t, role, ref[role], recipe, kind, layout, x, scale,
                                     key)  # fmt: skip
             ctx.add(c)
         want = element_format(recipe, kind)
@@ -521,7 +308,7 @@ def _check_recipe_gemm(ctx: _Ctx, g: dict, ts: dict[str, Tensor]) -> None:
             refc = refc.view(codes.dtype) if want != "float32" else ref["codes"]
             c = _check(t_c, codes, refc)
             if c.status == "differ":
-                c = _diagnose_codes(ctx, c, codes, refc, want, t_key is not None)
+                c = diagnose_codes(ctx, c, codes, refc, want, t_key is not None)
         ctx.add(c)
         operands[side] = _operand(ctx, ts, side, codes, recipe, kind)
     t_out = _need(ts, "out", g)
@@ -565,28 +352,9 @@ def _check_recipe_gemm(ctx: _Ctx, g: dict, ts: dict[str, Tensor]) -> None:
                     for name in M.sixteen_bit_candidates()]  # fmt: skip
         reorder = None
         if model == "hp" or (model == "recipe" and M.platform_bound("recipe", recipe)):
-            reorder = partial(_exact_sums, operands, inputs, model == "hp", m, n)
-        c = _diagnose_output(ctx, c, rec_out, ref_out, alts, bf16, reorder)
+            reorder = partial(exact_sums, operands, inputs, model == "hp", m, n)
+        c = diagnose_output(ctx, c, rec_out, ref_out, alts, bf16, reorder)
     ctx.add(c)
-
-
-def _exact_sums(operands, inputs, hp: bool, m: int, n: int):
-    """The exact (float64) GEMM of the recorded operands, the sum of its |products| and K."""
-    if hp:
-        a, b, fa, fb = inputs["lhs"], inputs["rhs"], None, None
-    else:
-        qa, qb = operands["lhs"], operands["rhs"]
-        a, b = (np.asarray(q.block_values(), np.float64) for q in (qa, qb))
-        fa = None if qa.row_inv is None else np.asarray(qa.row_inv, np.float64)
-        fb = None if qb.row_inv is None else np.swapaxes(np.asarray(qb.row_inv, np.float64), -1,
-                                                         -2)  # fmt: skip
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    exact = np.einsum("bmk,bnk->bmn", a, b)[:, :m, :n]
-    absum = np.einsum("bmk,bnk->bmn", np.abs(a), np.abs(b))[:, :m, :n]
-    for f in (fa, fb):
-        if f is not None:
-            exact, absum = exact * f, absum * np.abs(f)
-    return exact, absum, a.shape[-1]
 
 
 def _layout(recipe, kind: str):
@@ -627,152 +395,6 @@ def _factor(qa: S.QOperand, qb: S.QOperand):
     return factor
 
 
-# --- diagnoses -------------------------------------------------------------------------
-def _zeroed_or_nonfinite(rec: np.ndarray, ref: np.ndarray) -> str | None:
-    r = np.asarray(rec).astype(np.float32)
-    f = np.asarray(ref).astype(np.float32)
-    if r.size and not np.any(r) and np.any(f):
-        return "all zero where the recipe's has nonzero values"
-    bad = ~np.isfinite(r) & np.isfinite(f)
-    if bad.any():
-        return f"{int(bad.sum())} non-finite values where the recipe's are finite"
-    return None
-
-
-def _labelled(c: TensorCheck, label: str, detail: str) -> TensorCheck:
-    return dataclasses.replace(c, label=label, detail=detail)
-
-
-def _diagnose_codes(ctx, c, rec, ref, fmt: str, stochastic: bool) -> TensorCheck:
-    z = _zeroed_or_nonfinite(rec, ref)
-    if z:
-        ctx.full()
-        return _labelled(c, "zeroed-or-nonfinite", z)
-    if c.max_ulp == 1:
-        ctx.full()
-        how = "stochastically rounded by the recipe" if stochastic else "rounded to nearest"
-        return _labelled(c, "sr-bits", (
-            f"{c.elements - c.equal} codes one {fmt} code from the recipe's ({how}): other "
-            "stochastic-rounding bits or another rounding direction"))  # fmt: skip
-    if not ctx.full():
-        return _labelled(c, None, "not analysed (only the first difference is)")
-    return _labelled(c, "unknown", f"codes up to {c.max_ulp} codes apart")
-
-
-def _scale_alternatives(recipe) -> list[tuple[str, Any]]:
-    out = []
-    if isinstance(recipe, recipes.MX):
-        out += [(f"scale_rule={r!r}", dataclasses.replace(recipe, scale_rule=r))
-                for r in SCALE_RULES if r != recipe.scale_rule]  # fmt: skip
-    if isinstance(recipe, recipes.Current):
-        out.append((f"pow2_scales={not recipe.pow2_scales}",
-                    dataclasses.replace(recipe, pow2_scales=not recipe.pow2_scales)))  # fmt: skip
-    return out
-
-
-def _diagnose_scale(ctx, c, t, role, ref, recipe, kind, layout, x, scale, key) -> TensorCheck:
-    rec = ctx.arr(t)
-    z = _zeroed_or_nonfinite(rec, ref) if role != "block_exp" else None
-    if z:
-        ctx.full()
-        return _labelled(c, "zeroed-or-nonfinite", z)
-    full = ctx.full()
-    if full:
-        for name, alt in _scale_alternatives(recipe):
-            other = M.quantize(alt, kind, layout, x, scale, key).get(role)
-            if other is not None and compare(rec, other, t.dtype)[1] == c.elements:
-                return _labelled(c, "scale-rule", f"equals the {role} of {name} (the recipe "
-                                 f"has {_rule_of(recipe)})")  # fmt: skip
-    diff = compare(rec, ref, t.dtype)[3]
-    r = np.asarray(rec)[diff].astype(np.float64)
-    f = np.asarray(ref)[diff].astype(np.float64)
-    if role == "block_exp":
-        binade = np.all(np.abs(r - f) == 1)
-    else:
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ratio = r / f
-        binade = np.all((ratio == 2) | (ratio == 0.5))
-    if binade:
-        return _labelled(c, "scale-rule", f"{int(diff.sum())} scales one binade (a factor 2) "
-                         "from the recipe's rule, as another rounding of log2 gives")  # fmt: skip
-    if not full:
-        return _labelled(c, None, "not analysed (only the first difference is)")
-    return _labelled(c, "unknown", f"scales differ, up to {c.max_ulp} ulp")
-
-
-def _rule_of(recipe) -> str:
-    if isinstance(recipe, recipes.MX):
-        return f"scale_rule={recipe.scale_rule!r}"
-    if isinstance(recipe, recipes.Current):
-        return f"pow2_scales={recipe.pow2_scales}"
-    return recipe.name
-
-
-def _within_reordering(rec, exact, absum, k: int, out_bits: int = 24) -> bool:
-    """Whether every output is within the error bound of summing the same exact products in
-    float32 in some order: ``|out - sum| <= (k + 1) 2**-24 sum |a_k b_k|`` (the k - 1
-    additions, the final scaling, float32's products being exact or rounded once), plus
-    ``2**-out_bits |sum|`` for an output rounded to a narrower format."""
-    bound = (k + 1) * 2.0**-24 * absum + 2.0**-out_bits * np.abs(exact)
-    return bool(np.all(np.abs(rec.astype(np.float64) - exact) <= bound))
-
-
-def _diagnose_output(ctx, c, rec, ref, alts, bf16, reorder=None, out_bits=24) -> TensorCheck:
-    """``reorder``: for a float32 model (XLA's order), ``() -> (exact sum, sum of |products|,
-    K)`` in float64, so a difference of summation order is told apart."""
-    z = _zeroed_or_nonfinite(rec, ref)
-    if z:
-        ctx.full()
-        return _labelled(c, "zeroed-or-nonfinite", z)
-    if not ctx.full():
-        return _labelled(c, None, "not analysed (only the first difference is)")
-    for name, f in bf16:
-        other = _try(f)
-        if other is not None and compare(rec, other, "float32")[1] == c.elements:
-            return _labelled(
-                c,
-                "wrong-dtype",
-                "equals the GEMM of the operands' inputs "
-                f"rounded to bfloat16 ({name}), not of the recipe's codes",
-            )
-    best = (c.share, None)
-    for name, f in alts:
-        other = _try(f)
-        if other is None:
-            continue
-        n, eq, _, _ = compare(rec, other, "float32")
-        if eq == n:
-            return _labelled(c, "accumulator", f"equals, bit for bit, the GEMM of the same "
-                             f"codes by {name}")  # fmt: skip
-        if eq / n > best[0]:
-            best = (eq / n, name)
-    if best[1] is not None and best[0] >= _MAX_CANDIDATES_SHARE:
-        return _labelled(
-            c,
-            "accumulator",
-            f"{100 * best[0]:.3f}% bit-equal to the GEMM of "
-            f"the same codes by {best[1]} ({100 * c.share:.3f}% to the named model)",
-        )
-    if reorder is not None:
-        exact, absum, k = reorder()
-        if _within_reordering(np.asarray(rec), exact, absum, k, out_bits):
-            what = f"{c.elements - c.equal} outputs differ (max {c.max_ulp} ulp)"
-            return _labelled(c, "accumulator", (
-                f"float32 sums of the same products in another order: {what}, each within "
-                f"float32's bound for summing {k} products in any order (XLA's order depends "
-                "on the program)"))  # fmt: skip
-    near = "" if best[1] is None else f"; closest model {best[1]} ({100 * best[0]:.3f}%)"
-    return _labelled(c, "unknown", f"{c.elements - c.equal} outputs differ, max "
-                     f"{c.max_ulp} ulp{near}")  # fmt: skip
-
-
-def _try(f: Callable[[], Any]) -> Any:
-    try:
-        return f()
-    except (M.NotModelled, ValueError):
-        return None
-
-
 # --- delayed scaling's state -------------------------------------------------------------
 def _kind_max(recipe, weight: str) -> np.ndarray:
     kinds = (*recipes.WEIGHT_OPERANDS[weight], "g")
@@ -811,10 +433,10 @@ def _check_state(ctx: _Ctx, t: Tensor) -> None:
         ctx.full()
         stale = _next_scale(ctx.recipe, _older(hist), scale, ctx.weight)
         if compare(scale, stale, "float32")[1] == c.elements:
-            c = _labelled(c, "stale-amax", "the scale is the one of the history before its "
+            c = labelled(c, "stale-amax", "the scale is the one of the history before its "
                           "newest amax (one step old)")  # fmt: skip
         else:
-            c = _labelled(c, "unknown", "the scale is not the recipe's rule of its history")
+            c = labelled(c, "unknown", "the scale is not the recipe's rule of its history")
     ctx.add(c)
 
 
@@ -831,10 +453,10 @@ def _check_given_scale(ctx, g, side, t, scale) -> None:
         ctx.full()
         stale = _next_scale(recipe, _older(hist), st_scale, ctx.weight)[i]
         if compare(scale, stale, "float32")[1] == 1:
-            c = _labelled(c, "stale-amax", "the quantizer used the scale of the history "
+            c = labelled(c, "stale-amax", "the quantizer used the scale of the history "
                           "before its newest amax (one step old), not the state's")  # fmt: skip
         else:
-            c = _labelled(c, "unknown", "the quantizer used another scale than the state's")
+            c = labelled(c, "unknown", "the quantizer used another scale than the state's")
     ctx.add(c)
 
 
@@ -894,21 +516,21 @@ def _diagnose_state_after(ctx, c, part, rec, scale0, hist0) -> TensorCheck:
     rec = np.asarray(rec, np.float32)
     if part == "history":
         if rec.shape == hist0.shape and compare(rec, hist0, "float32")[1] == rec.size:
-            return _labelled(c, "stale-amax", "the history was not rolled: it lacks this "
+            return labelled(c, "stale-amax", "the history was not rolled: it lacks this "
                              "step's amax")  # fmt: skip
         if (
             rec.shape == hist0.shape
             and len(hist0) > 1
             and compare(rec[0], hist0[0], "float32")[1] == rec.shape[1]
         ):
-            return _labelled(c, "stale-amax", "the newest history row holds the previous "
+            return labelled(c, "stale-amax", "the newest history row holds the previous "
                              "step's amax, not this step's")  # fmt: skip
-        return _labelled(c, "unknown", "the history is not this step's amaxes rolled in")
+        return labelled(c, "unknown", "the history is not this step's amaxes rolled in")
     stale = _next_scale(ctx.recipe, hist0, scale0, ctx.weight)
     if compare(rec, stale, "float32")[1] == rec.size:
-        return _labelled(c, "stale-amax", "the new scale is computed from the history before "
+        return labelled(c, "stale-amax", "the new scale is computed from the history before "
                          "this step's amax")  # fmt: skip
-    return _labelled(c, "unknown", "the new scale is not the recipe's rule of the new history")
+    return labelled(c, "unknown", "the new scale is not the recipe's rule of the new history")
 
 
 # --- plain GEMMs and captures ------------------------------------------------------------
@@ -930,37 +552,11 @@ def _check_plain(ctx: _Ctx, g: dict, ts: dict[str, Tensor]) -> None:
     if c.status == "differ":
         la, ra = jnp.asarray(lhs), jnp.asarray(rhs)
         alts = [(h, partial(M.plain_gemm, la, ra, g, h)) for h in M.hardware_candidates(hw)]
-        reorder = partial(_plain_exact, lhs, rhs, g) if hw == "xla-cpu" else None
-        c = _diagnose_output(ctx, c, np.asarray(rec).astype(np.float32),
+        reorder = partial(plain_exact, lhs, rhs, g) if hw == "xla-cpu" else None
+        c = diagnose_output(ctx, c, np.asarray(rec).astype(np.float32),
                              np.asarray(ref).astype(np.float32), alts, [], reorder,
-                             _BITS.get(t_o.dtype, 24))  # fmt: skip
+                             OUT_BITS.get(t_o.dtype, 24))  # fmt: skip
     ctx.add(c)
-
-
-_BITS = {"float32": 24, "bfloat16": 8, "float16": 11}
-
-
-def _plain_exact(lhs, rhs, g: dict):
-    """The exact (float64) dot_general of a plain site's operands, laid out as its output,
-    the sum of its |products| and K."""
-    (lc, rc), (lb, rb) = g["dimension_numbers"]
-
-    def canon(x, contract, batch):
-        x = np.asarray(x).astype(np.float64)
-        free = [d for d in range(x.ndim) if d not in contract and d not in batch]
-        xt = np.transpose(x, (*batch, *free, *contract))
-        shape = [x.shape[d] for d in free]
-        k = int(np.prod([x.shape[d] for d in contract], dtype=np.int64))
-        bsz = int(np.prod([x.shape[d] for d in batch], dtype=np.int64))
-        return xt.reshape(bsz, -1, k), shape
-
-    a, lfree = canon(lhs, lc, lb)
-    b, rfree = canon(rhs, rc, rb)
-    bshape = [np.shape(lhs)[d] for d in lb]
-    out = (*bshape, *lfree, *rfree)
-    exact = np.einsum("bmk,bnk->bmn", a, b).reshape(out)
-    absum = np.einsum("bmk,bnk->bmn", np.abs(a), np.abs(b)).reshape(out)
-    return exact, absum, a.shape[-1]
 
 
 def _check_capture(ctx: _Ctx, g: dict, ts: dict[str, Tensor]) -> None:
@@ -995,7 +591,7 @@ def _check_capture(ctx: _Ctx, g: dict, ts: dict[str, Tensor]) -> None:
     c = _check(t_o, rec, ref)
     if c.status == "differ":
         alts = [(h, partial(run, hardware.preset(h), {})) for h in hardware.PRESETS if h != hw]
-        c = _diagnose_output(ctx, c, np.asarray(rec).astype(np.float32),
+        c = diagnose_output(ctx, c, np.asarray(rec).astype(np.float32),
                              np.asarray(ref).astype(np.float32), alts, [])  # fmt: skip
     ctx.add(c)
 
