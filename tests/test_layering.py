@@ -5,7 +5,7 @@ cannot hide an edge. Layers, lowest first; a module may import its own layer and
 
     _schema, _io, _text, _clock (neutral helpers) -> formats -> bits -> quant -> metrics
     -> survey -> mixed -> intercept, recipes, emulate -> compute_audit -> (precisionlab facade)
-    -> telemetry -> train -> memory -> bench -> consistency -> experiments -> diagnose
+    -> telemetry -> train -> memory -> bench -> consistency -> experiments, verify -> diagnose
     -> conformance -> cli -> __main__
 """
 
@@ -32,7 +32,7 @@ LAYERS = [
     ("memory",),
     ("bench",),
     ("consistency",),  # runs models under numerics stacks; the mismatch experiment uses it
-    ("experiments",),
+    ("experiments", "verify"),  # verify records steps of the runner's runs (RecordHook)
     ("diagnose",),  # runs experiment variants and compares them
     ("conformance",),  # writes its report into a run directory of the store
     ("cli",),

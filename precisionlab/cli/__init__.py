@@ -20,7 +20,8 @@ __all__ = ["COMMANDS", "UsageError", "main"]
 
 #: The subcommands, in the order ``--help`` lists them.
 _NAMES = ("bits", "formats", "values", "env", "survey", "memory", "run", "report", "compare",
-          "bench", "conformance", "diagnose", "emulate-check", "invariance", "order")  # fmt: skip
+          "bench", "conformance", "diagnose", "emulate-check", "invariance", "order",
+          "verify")  # fmt: skip
 
 
 def _module(name: str) -> ModuleType:
@@ -56,6 +57,8 @@ def _module(name: str) -> ModuleType:
         from precisionlab.cli import invariance_cmd as module
     elif name == "order":
         from precisionlab.cli import order_cmd as module
+    elif name == "verify":
+        from precisionlab.cli import verify_cmd as module
     else:
         raise KeyError(name)
     return module

@@ -68,6 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "syncs, report) to timings.json in the run directory and print a table",
     )
     parser.add_argument(
+        "--record-steps",
+        metavar="N[,N...]",
+        help="record these steps of each variant for `precisionlab verify` (into "
+        "variants/ID/verify/step_N; the variant then runs one step per compiled call)",
+    )
+    parser.add_argument(
         "--cache-dir",
         metavar="DIR",
         help="JAX's persistent compilation cache (default $PRECISIONLAB_CACHE_DIR, else "
@@ -143,6 +149,15 @@ def _check_args(args: argparse.Namespace) -> None:
     check_out_dir(args.out, new=not args.force, force_hint=True)
     if args.no_cache and args.cache_dir:
         raise UsageError("give either --cache-dir DIR or --no-cache, not both")
+    if getattr(args, "record_steps", None) is not None:
+        if args.resume:
+            raise UsageError("--record-steps applies to a new run, not to --resume")
+        from precisionlab.verify.hook import parse_steps
+
+        try:
+            args.record_steps = parse_steps(args.record_steps)
+        except ValueError as err:
+            raise UsageError(f"--record-steps: {err}") from None
 
 
 def _cache(args: argparse.Namespace) -> None:
@@ -169,6 +184,7 @@ def _train(args: argparse.Namespace):
     return runner.run_file(
         args.config, out=args.out, overrides=overrides, quiet=args.quiet, timings=timings,
         force=bool(getattr(args, "force", False)),
+        record_steps=getattr(args, "record_steps", None),
     )  # fmt: skip
 
 

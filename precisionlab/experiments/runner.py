@@ -17,6 +17,7 @@ checkpoints and writing nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import threading
@@ -64,6 +65,7 @@ def run_file(
     quiet: bool = False,
     timings: bool = False,
     force: bool = False,
+    record_steps: Sequence[int] | None = None,
 ) -> Path:
     """Validate ``path`` (with ``--set`` overrides), then run it; returns the run directory.
 
@@ -75,6 +77,8 @@ def run_file(
     ``force``. The run's lock is taken before anything is written in the directory.
     ``timings``: write where the run's time went to ``timings.json`` (see
     :mod:`precisionlab.experiments.timings`).
+    ``record_steps``: record these steps of each training unit into its ``verify/`` directory
+    (:class:`precisionlab.verify.RecordHook`; the unit then runs one step per call).
     """
     with phase("plan"):  # read, validate and resolve the experiment
         experiment = load_experiment(path, overrides)
@@ -87,7 +91,10 @@ def run_file(
     with store.locked_run(run_dir) as previous:
         _refuse_old_files(run_dir)
         _write_config(run_dir, experiment, overrides)
-        return _run_locked(experiment, run_dir, quiet=quiet, timings=timings, previous=previous)
+        return _run_locked(
+            experiment, run_dir, quiet=quiet, timings=timings, previous=previous,
+            record_steps=record_steps,
+        )  # fmt: skip
 
 
 #: What a run writes in its directory, besides config.json: a directory holding any of these
@@ -196,13 +203,14 @@ def run_experiment(
     quiet: bool = False,
     resuming: bool = False,
     timings: bool = False,
+    record_steps: Sequence[int] | None = None,
 ) -> Path:
     """Run (or continue) ``experiment`` in ``run_dir``; returns ``run_dir``. The run's lock
     is held throughout (:func:`precisionlab.experiments.store.locked_run`)."""
     with store.locked_run(run_dir) as previous:
         return _run_locked(
             experiment, run_dir, quiet=quiet, resuming=resuming, timings=timings,
-            previous=previous,
+            previous=previous, record_steps=record_steps,
         )  # fmt: skip
 
 
@@ -214,6 +222,7 @@ def _run_locked(
     resuming: bool = False,
     timings: bool = False,
     previous: str | None = None,
+    record_steps: Sequence[int] | None = None,
 ) -> Path:
     """:func:`run_experiment` with the lock held; ``previous``: the pid the lock file named
     before (a process that ended while the run said ``running``)."""
@@ -244,7 +253,8 @@ def _run_locked(
     _lead(experiment, run_dir)
     try:
         if experiment.kind == "train":
-            _run_train(experiment, run_dir, say=say, quiet=quiet, timings=timings)
+            _run_train(experiment, run_dir, say=say, quiet=quiet, timings=timings,
+                       record_steps=record_steps)  # fmt: skip
         else:
             _run_other(experiment, run_dir, say=say, quiet=quiet)
     except KeyboardInterrupt:
@@ -334,8 +344,9 @@ def _run_is_hashed(run_dir: Path) -> bool:
 
 
 def _run_train(
-    experiment: Experiment, run_dir: Path, *, say: Printer, quiet: bool, timings: bool = False
-) -> None:
+    experiment: Experiment, run_dir: Path, *, say: Printer, quiet: bool, timings: bool = False,
+    record_steps: Sequence[int] | None = None,
+) -> None:  # fmt: skip
     units = experiment.units
     statuses = _statuses(experiment, run_dir)
     bar = _overall_bar(experiment, statuses, quiet)
@@ -354,7 +365,7 @@ def _run_train(
             started.add(_key(unit))
             later = [j for j in pending if j > i]
             # the next unit's programs, unless they are this unit's or an earlier one's
-            if later and _key(units[later[0]]) not in started:
+            if later and _key(units[later[0]]) not in started and record_steps is None:
                 ahead = _Precompile.start(units[later[0]])
                 started.add(_key(units[later[0]]))
             else:
@@ -367,7 +378,8 @@ def _run_train(
             loop = LoopTimings() if timings else None
             watch = Stopwatch()
             with phase("units"):
-                _run_unit(unit, unit_dir, status, say=say, quiet=quiet, hooks=hooks, timings=loop)
+                _run_unit(unit, unit_dir, status, say=say, quiet=quiet, hooks=hooks, timings=loop,
+                          record_steps=record_steps)  # fmt: skip
             if loop is not None:
                 wall, cpu = watch.elapsed()
                 record_unit(
@@ -449,6 +461,7 @@ def _run_unit(
     quiet: bool,
     hooks: tuple = (),
     timings: LoopTimings | None = None,
+    record_steps: Sequence[int] | None = None,
 ) -> None:
     store.makedirs(unit_dir)  # no link followed below the run directory
     status_path = unit_dir / "status.json"
@@ -501,9 +514,15 @@ def _run_unit(
 
     start = time.perf_counter()
     fatal = None
+    config = unit.config
     try:
+        if record_steps is not None:  # a hook records them; each step starts a call
+            from precisionlab.verify import RecordHook
+
+            config = dataclasses.replace(config, chunk_steps=1)
+            hooks = (*hooks, RecordHook.for_config(config, unit_dir / "verify", record_steps))
         result = train_kind.run_unit(
-            unit.config,
+            config,
             unit_dir,
             on_step=on_step,
             on_hist=on_hist,

@@ -16,6 +16,9 @@
 - :class:`RecipeSpec` / :class:`AppliedRecipe`: the contract a training recipe and its applied
   form keep (``stateful``, ``apply``; ``sites``, ``init_state``, ``value_and_grad``,
   ``update_state``), kept by ``train.TrainRecipe`` and ``diagnose``'s ``AutoSwitchRecipe``.
+- :func:`fprop_gemm`, :func:`vjp_gemms`, :func:`operand_gemm`, :class:`GemmRecord`: the
+  steps of :func:`dot_general` one by one, with a ``tap`` receiving what each GEMM computed
+  (:mod:`precisionlab.verify` records and recomputes them).
 - :func:`accumulate`: the sequential m-bit accumulator, a study model, not hardware
   (``accumulate_bits``, ``promote_every`` on every recipe); ``accumulate="h100-fast"``,
   ``"h100-cublaslt"``, ... on every recipe computes the GEMMs as that device does instead
@@ -34,7 +37,15 @@ from precisionlab.recipes._apply import (
 )
 from precisionlab.recipes._contract import AppliedRecipe, RecipeSpec
 from precisionlab.recipes._conv import conv_general_dilated
-from precisionlab.recipes._dot import WEIGHT_OPERANDS, dot_general, matmul
+from precisionlab.recipes._dot import (
+    WEIGHT_OPERANDS,
+    GemmRecord,
+    dot_general,
+    fprop_gemm,
+    matmul,
+    operand_gemm,
+    vjp_gemms,
+)
 from precisionlab.recipes._recipes import (
     MX,
     NVFP4,
@@ -58,6 +69,7 @@ __all__ = [
     "Blockwise",
     "Current",
     "Delayed",
+    "GemmRecord",
     "Recipe",
     "RecipeSpec",
     "Reference",
@@ -68,8 +80,11 @@ __all__ = [
     "conv_general_dilated",
     "dot_general",
     "einsum",
+    "fprop_gemm",
     "get_recipe",
     "init_site_state",
     "matmul",
+    "operand_gemm",
     "update_site_state",
+    "vjp_gemms",
 ]

@@ -15,8 +15,9 @@ float32 (HIGHEST precision) unless the recipe emulates a narrower accumulator.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,15 @@ from precisionlab.recipes._recipes import (
 
 E4M3_NAME = "float8_e4m3fn"
 
-__all__ = ["WEIGHT_OPERANDS", "dot_general", "matmul"]
+__all__ = [
+    "WEIGHT_OPERANDS",
+    "GemmRecord",
+    "dot_general",
+    "fprop_gemm",
+    "matmul",
+    "operand_gemm",
+    "vjp_gemms",
+]
 
 #: which operand is the weight: kinds of (lhs, rhs) ("both": a product of two parameters).
 WEIGHT_OPERANDS = {"rhs": ("x", "w"), "lhs": ("w", "x"), "none": ("x", "x"), "both": ("w", "w")}
@@ -156,9 +165,41 @@ def _gemm(recipe: Recipe, qa: S.QOperand, qb: S.QOperand, kinds=("x", "w")) -> j
     return acc if factor is None else acc * factor
 
 
+class GemmRecord(NamedTuple):
+    """What one GEMM of the quantized matmul computed, handed to a ``tap`` (instruments that
+    record a step, :mod:`precisionlab.verify`): ``what`` ("fprop", "dgrad", "wgrad"),
+    ``kinds`` of (lhs, rhs), ``inputs`` the float32 (B, R, K) operands as quantized (padded,
+    Hadamard-transformed), ``scales`` / ``keys`` as given to the quantizer, ``operands`` the
+    two :class:`~precisionlab.recipes.scaling.QOperand` (None for a GEMM the recipe keeps in
+    high precision), ``out`` the float32 (B, M, N) product."""
+
+    what: str
+    kinds: tuple[str, str]
+    inputs: tuple[jax.Array, jax.Array]
+    scales: tuple[Any, Any]
+    keys: tuple[Any, Any]
+    operands: tuple[S.QOperand, S.QOperand] | None
+    out: jax.Array
+
+
+#: A function receiving each :class:`GemmRecord` while the GEMMs are traced.
+Tap = Callable[[GemmRecord], None]
+#: A replacement of :func:`operand_gemm`: ``gemm(recipe, qa, qb, kinds) -> (B, M, N)``.
+GemmFn = Callable[..., jax.Array]
+
+
+def operand_gemm(
+    recipe: Recipe, qa: S.QOperand, qb: S.QOperand, kinds: tuple[str, str] = ("x", "w")
+) -> jax.Array:
+    """The float32 (B, M, N) GEMM of two quantized (B, M, K) and (B, N, K) operands as
+    ``recipe`` computes it (its accumulator, hardware preset, row and block factors)."""
+    return _gemm(recipe, qa, qb, kinds)
+
+
 def quantized_gemm(
     recipe: Recipe, a: jax.Array, b: jax.Array, kinds: tuple[str, str], *, what: str,
-    scales=(None, None), keys=(None, None), hadamard: bool = False,
+    scales=(None, None), keys=(None, None), hadamard: bool = False, tap: Tap | None = None,
+    gemm: GemmFn | None = None,
 ) -> jax.Array:  # fmt: skip
     """``Q(a) Q(b)^T`` of float32 (B, M, K) and (B, N, K) operands: (B, M, N) float32."""
     m, n = a.shape[1], b.shape[1]
@@ -173,14 +214,20 @@ def quantized_gemm(
         b = S.apply_hadamard(_pad_to(b, -1, 16), h)
     qa = recipe.quantize(a, kinds[0], scale=scales[0], key=keys[0])
     qb = recipe.quantize(b, kinds[1], scale=scales[1], key=keys[1])
-    return _gemm(recipe, qa, qb, kinds)[:, :m, :n]
+    out = (gemm or _gemm)(recipe, qa, qb, kinds)[:, :m, :n]
+    if tap is not None:
+        tap(GemmRecord(what, kinds, (a, b), tuple(scales), tuple(keys), (qa, qb), out))
+    return out
 
 
 # --- custom VJP ----------------------------------------------------------------------------
-def _hp_gemm(a, b) -> jax.Array:
-    return jnp.einsum(
+def _hp_gemm(a, b, kinds=("g", "x"), what="wgrad", tap: Tap | None = None) -> jax.Array:
+    out = jnp.einsum(
         "bmk,bnk->bmn", a, b, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
     )
+    if tap is not None:
+        tap(GemmRecord(what, kinds, (a, b), (None, None), (None, None), None, out))
+    return out
 
 
 def _observe(a3, b3) -> jax.Array:
@@ -199,21 +246,44 @@ def _scales(state):
     return s[0], s[1], s[2]
 
 
-def _fprop(recipe, kinds, a3, b3, state):
+def fprop_gemm(
+    recipe: Recipe, kinds: tuple[str, str], a3: jax.Array, b3: jax.Array, state: dict | None,
+    *, tap: Tap | None = None, gemm: GemmFn | None = None,
+) -> jax.Array:  # fmt: skip
+    """The forward GEMM of :func:`dot_general` on (B, M, K) and (B, N, K) operands (float32
+    (B, M, N)); ``tap`` receives its :class:`GemmRecord`, ``gemm`` replaces
+    :func:`operand_gemm`."""
     sa, sb, _ = _scales(state)
     return quantized_gemm(
         recipe, a3.astype(jnp.float32), b3.astype(jnp.float32), kinds, what="fprop",
-        scales=(sa, sb),
+        scales=(sa, sb), tap=tap, gemm=gemm,
     )  # fmt: skip
+
+
+def _fprop(recipe, kinds, a3, b3, state):
+    return fprop_gemm(recipe, kinds, a3, b3, state)
 
 
 def _qdot3_fwd(recipe, kinds, a3, b3, state, key, nums):
     return _fprop(recipe.with_numbers(nums), kinds, a3, b3, state), (a3, b3, state, key, nums)
 
 
-def _qdot3_bwd(recipe, kinds, res, g):
-    a3, b3, state, key, nums = res
-    recipe = recipe.with_numbers(nums)
+def vjp_gemms(
+    recipe: Recipe,
+    kinds: tuple[str, str],
+    a3: jax.Array,
+    b3: jax.Array,
+    state: dict | None,
+    key: jax.Array | None,
+    g: jax.Array,
+    *,
+    tap: Tap | None = None,
+    gemm: GemmFn | None = None,
+) -> tuple[jax.Array, jax.Array, dict | None]:
+    """The backward GEMMs of :func:`dot_general` for the output gradient ``g`` (B, M, N):
+    ``(da, db, state cotangent)`` (the cotangent carries the observed amaxes, delayed
+    scaling); ``tap`` receives the dgrad and wgrad :class:`GemmRecord`, ``gemm`` replaces
+    :func:`operand_gemm`."""
     a = a3.astype(jnp.float32)
     b = b3.astype(jnp.float32)
     g = g.astype(jnp.float32)
@@ -230,19 +300,19 @@ def _qdot3_bwd(recipe, kinds, res, g):
     # dgrad: da (B, M, K) = g (B, M, N) . b^T (B, K, N), contraction N
     da = quantized_gemm(
         recipe, g, jnp.swapaxes(b, -1, -2), ("g", kinds[1]), what="dgrad",
-        scales=(sg, sb), keys=(kg1, None),
+        scales=(sg, sb), keys=(kg1, None), tap=tap, gemm=gemm,
     )  # fmt: skip
     # wgrad: db (B, N, K) = g^T (B, N, M) . a^T (B, K, M), contraction M
     if recipe.wgrad_hp and kinds[1] == "w":
-        db = _hp_gemm(gt, jnp.swapaxes(a, -1, -2))
+        db = _hp_gemm(gt, jnp.swapaxes(a, -1, -2), ("g", kinds[0]), "wgrad", tap)
     else:
         db = quantized_gemm(
             recipe, gt, jnp.swapaxes(a, -1, -2), ("g", kinds[0]), what="wgrad",
             scales=(sg, sa), keys=(kg2, None),
-            hadamard=isinstance(recipe, NVFP4) and recipe.hadamard,
+            hadamard=isinstance(recipe, NVFP4) and recipe.hadamard, tap=tap, gemm=gemm,
         )  # fmt: skip
     if recipe.wgrad_hp and kinds[0] == "w":  # the weight is the lhs: its gradient is da
-        da = _hp_gemm(g, b3.astype(jnp.float32).swapaxes(-1, -2))
+        da = _hp_gemm(g, b3.astype(jnp.float32).swapaxes(-1, -2), ("g", kinds[1]), "dgrad", tap)
     ct_state = None
     if state is not None:
         seen = jnp.concatenate([_observe(a3, b3), S.amax(g, None, False)[None]])
@@ -251,7 +321,13 @@ def _qdot3_bwd(recipe, kinds, res, g):
             "history": jnp.zeros_like(state["history"]),
             "probe": seen.astype(state["probe"].dtype),
         }
-    return da.astype(a3.dtype), db.astype(b3.dtype), ct_state, None, None
+    return da.astype(a3.dtype), db.astype(b3.dtype), ct_state
+
+
+def _qdot3_bwd(recipe, kinds, res, g):
+    a3, b3, state, key, nums = res
+    da, db, ct_state = vjp_gemms(recipe.with_numbers(nums), kinds, a3, b3, state, key, g)
+    return da, db, ct_state, None, None
 
 
 _qdot3.defvjp(_qdot3_fwd, _qdot3_bwd)

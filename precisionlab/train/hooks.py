@@ -34,7 +34,11 @@ class StepEnd:
 
 
 class Hook(Protocol):
-    """Something done after each step (``on_step``) and when the loop ends (``close``)."""
+    """Something done after each step (``on_step``) and when the loop ends (``close``).
+
+    A hook may also define ``before_step(step, state, batch)``: called before each compiled
+    call with the steps done, the state the call starts from and its first batch (every
+    step's with ``chunk_steps=1``), e.g. to record that step (``precisionlab.verify``)."""
 
     def on_step(self, end: StepEnd) -> None: ...
 

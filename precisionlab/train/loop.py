@@ -280,6 +280,11 @@ def train_loop(
 
                         rmetrics = recipe_metrics(recipe_probe(state, batch))
                         clock.sync()
+                with clock("hooks_s"):  # a hook that reads the state a step starts from
+                    for hook in all_hooks:
+                        before = getattr(hook, "before_step", None)
+                        if before is not None:
+                            before(step, state, raw[0])
                 ts = time.perf_counter()
                 if chunk == 1:
                     state, metrics = jstep(state, batch)

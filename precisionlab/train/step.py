@@ -46,6 +46,7 @@ __all__ = [
     "init_recipe_state",
     "make_train_step",
     "normalize_loss_fn",
+    "recipe_key",
     "split_micro",
     "weighted_loss",
 ]
@@ -555,6 +556,12 @@ def build_step(
 #: Folded into the step's key for the recipe's randomness (NVFP4's stochastic rounding), so a
 #: run without a recipe draws exactly as before.
 _RECIPE_KEY = 0x5EC
+
+
+def recipe_key(rng: jax.Array) -> jax.Array:
+    """The key the step started from ``rng`` (``TrainState.rng``) gives its recipe, as
+    ``step_fn`` derives it (for recorders replaying that step, :mod:`precisionlab.verify`)."""
+    return jax.random.fold_in(jax.random.split(rng)[1], _RECIPE_KEY)
 
 
 def init_recipe_state(

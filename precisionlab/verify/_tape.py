@@ -1,0 +1,317 @@
+"""The recorder's taps: a recipe's GEMM steps with their records passed out of ``jit``.
+
+The forward GEMM's record leaves the interception layer as auxiliary output
+(:class:`~precisionlab.intercept.Emit`); the backward GEMMs' records leave the backward pass
+as the cotangent of a zero "tape" handed to the site, bit for bit: each 32-bit word travels as
+two 16-bit halves held exactly by float32, so no addition of a zero cotangent can change a
+sign of zero or a NaN payload. Also: what a recipe's operands look like in a dump (element
+formats, block layouts) and the interception rules of both recording modes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from precisionlab import recipes
+from precisionlab.intercept import Emit
+from precisionlab.recipes import scaling as S
+from precisionlab.verify._format import storage_dtype
+
+__all__ = [
+    "FLOATS", "PlainRule", "RecipeRule", "block_layout", "compact", "element_format", "expand",
+    "from_halves", "gemm_kinds", "key_data", "native_gemm", "pinned_gemm",
+]  # fmt: skip
+
+#: dtypes of the matmul operands the recorders take (others, e.g. integer matmuls, run as
+#: they are, unrecorded)
+FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+def gemm_kinds(weight: str, what: str) -> tuple[str, str]:
+    """The operand kinds of a GEMM of a matmul whose weight is ``weight``."""
+    x0, x1 = recipes.WEIGHT_OPERANDS[weight]
+    return {"fprop": (x0, x1), "dgrad": ("g", x1), "wgrad": ("g", x0)}[what]
+
+
+# --- what a recipe's operand looks like ------------------------------------------------
+def element_format(recipe: recipes.Recipe, kind: str) -> str:
+    """The dtype name of ``recipe``'s elements for an operand of ``kind`` (``"float32"``
+    when the recipe is not one this module knows: its elements are then kept as float32)."""
+    if isinstance(recipe, recipes.Reference):
+        return recipe.dtype
+    if isinstance(recipe, recipes.NVFP4):
+        return "float4_e2m1fn"
+    if isinstance(recipe, (recipes.Rowwise, recipes.Blockwise)):
+        return "float8_e4m3fn"
+    fmt = getattr(recipe, "fmt", None)
+    if callable(fmt):
+        try:
+            name = fmt(kind).name
+            storage_dtype(name)
+            return name
+        except (ValueError, KeyError, AttributeError):
+            pass
+    return "float32"
+
+
+def block_layout(recipe: recipes.Recipe, kind: str) -> tuple[int, bool] | None:
+    """(block, two_d) of an operand of ``kind``, or None for a recipe without blocks."""
+    sizes = recipe.block_sizes(kind)
+    if not sizes:
+        return None
+    return int(sizes[0]), bool(recipe.two_d(kind))
+
+
+def compact(x: jax.Array, layout: tuple[int, bool] | None) -> jax.Array:
+    """A per-element block factor (B, R, K) kept once per block: (B, R, K/b) for 1 x b
+    blocks, (B, R/b, K/b) for b x b tiles."""
+    if layout is None:
+        return x
+    b, two_d = layout
+    bb, r, k = x.shape
+    if two_d:
+        return x.reshape(bb, r // b, b, k // b, b)[:, :, 0, :, 0]
+    return x.reshape(bb, r, k // b, b)[..., 0]
+
+
+def expand(x: np.ndarray, layout: tuple[int, bool] | None) -> np.ndarray:
+    """Inverse of :func:`compact`."""
+    if layout is None:
+        return x
+    b, two_d = layout
+    x = np.repeat(x, b, axis=-1)
+    return np.repeat(x, b, axis=-2) if two_d else x
+
+
+def key_data(k: jax.Array) -> tuple[jax.Array, str]:
+    """(raw uint32 key data, ``"raw"`` or ``"typed:<impl>"``)."""
+    if jnp.issubdtype(k.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(k), f"typed:{jax.random.key_impl(k)}"
+    return k, "raw"
+
+
+def _pack(rec: recipes.GemmRecord, recipe: recipes.Recipe) -> dict[str, jax.Array]:
+    """A GEMM's record as a flat dict of arrays (block factors kept once per block)."""
+    out: dict[str, jax.Array] = {"out": rec.out}
+    ops = rec.operands or (None, None)
+    for side, x, q, s, k, kind in zip(
+        ("lhs", "rhs"), rec.inputs, ops, rec.scales, rec.keys, rec.kinds, strict=True
+    ):
+        out[f"{side}/input"] = x
+        if s is not None:
+            out[f"{side}/given_scale"] = jnp.asarray(s, jnp.float32).reshape(())
+        if k is not None:
+            out[f"{side}/key"] = key_data(k)[0]
+        if q is None:
+            continue
+        out[f"{side}/codes"] = q.elems
+        if q.row_inv is not None:
+            out[f"{side}/row_scale"] = jnp.asarray(q.row_inv, jnp.float32)
+        layout = block_layout(recipe, kind)
+        if q.block_inv is not None:
+            out[f"{side}/block_scale"] = compact(jnp.broadcast_to(q.block_inv, x.shape), layout)
+        if q.block_exp is not None:
+            e = jnp.broadcast_to(q.block_exp, x.shape).astype(jnp.int32)
+            out[f"{side}/block_exp"] = compact(e, layout)
+    return out
+
+
+# --- the tape: records leaving the backward pass as a cotangent, bit for bit ------------
+def _to_halves(x: jax.Array) -> jax.Array:
+    """A 32-bit array as float32 (2, ...): its high and low 16-bit halves (exact)."""
+    u = lax.bitcast_convert_type(x, jnp.uint32) if x.dtype != jnp.uint32 else x
+    return jnp.stack([(u >> 16).astype(jnp.float32), (u & 0xFFFF).astype(jnp.float32)])
+
+
+def from_halves(h: np.ndarray, dtype: np.dtype, axis: int = 0) -> np.ndarray:
+    """Inverse of :func:`_to_halves` (the halves on ``axis``: after the loop axes)."""
+    hi = np.take(np.asarray(h, np.float64), 0, axis).astype(np.uint32)
+    lo = np.take(np.asarray(h, np.float64), 1, axis).astype(np.uint32)
+    return ((hi << 16) | lo).view(dtype)
+
+
+def _to_tape(tree: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    out = {}
+    for k, v in tree.items():
+        if jnp.dtype(v.dtype).itemsize != 4:
+            v = v.astype(jnp.float32)  # narrower floats widen exactly
+        out[k] = _to_halves(v)
+    return out
+
+
+def _bwd_records(taps: list, recipe) -> dict[str, jax.Array]:
+    out = {}
+    for rec in taps:
+        for k, v in _pack(rec, recipe).items():
+            out[f"{rec.what}/{k}"] = v
+    return out
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _tdot(recipe, kinds, gemm, a3, b3, state, key, nums, tape):
+    return _tdot_fwd(recipe, kinds, gemm, a3, b3, state, key, nums, tape)[0]
+
+
+def _tdot_fwd(recipe, kinds, gemm, a3, b3, state, key, nums, tape):
+    taps: list = []
+    rec = recipe.with_numbers(nums)
+    out = recipes.fprop_gemm(rec, kinds, a3, b3, state, tap=taps.append, gemm=gemm)
+    return (out, _pack(taps[0], rec)), (a3, b3, state, key, nums)
+
+
+def _tdot_bwd(recipe, kinds, gemm, res, cts):
+    g, _ = cts
+    a3, b3, state, key, nums = res
+    rec = recipe.with_numbers(nums)
+    taps: list = []
+    da, db, ct_state = recipes.vjp_gemms(
+        rec, kinds, a3, b3, state, key, g, tap=taps.append, gemm=gemm
+    )
+    return da, db, ct_state, None, None, _to_tape(_bwd_records(taps, rec))
+
+
+_tdot.defvjp(_tdot_fwd, _tdot_bwd)
+
+
+def _bwd_shapes(recipe, kinds, gemm, a3, b3, state, key, nums, g) -> dict[str, Any]:
+    """Shapes and dtypes of the backward records of one site (traced, nothing computed)."""
+
+    def run(a3, b3, state, key, nums, g):
+        rec = recipe.with_numbers(nums)
+        taps: list = []
+        recipes.vjp_gemms(rec, kinds, a3, b3, state, key, g, tap=taps.append, gemm=gemm)
+        return _bwd_records(taps, rec)
+
+    return jax.eval_shape(run, a3, b3, state, key, nums, g)
+
+
+def pinned_gemm(recipe, qa: S.QOperand, qb: S.QOperand, kinds) -> jax.Array:
+    """The recipe's own GEMM on operands materialized first (an optimization barrier): XLA
+    then sums a float32 GEMM as it does in a program of that GEMM alone, the check's."""
+    qa, qb = lax.optimization_barrier((qa, qb))
+    return recipes.operand_gemm(recipe, qa, qb, kinds)
+
+
+def native_gemm(recipe, qa: S.QOperand, qb: S.QOperand, kinds) -> jax.Array:
+    """The GEMM of two quantized operands as the backend's own ``dot_general`` computes it:
+    elements in their dtype (FP8, bfloat16), float32 output, then the per-row factors."""
+    if qa.block_inv is not None or qb.block_inv is not None:
+        raise ValueError(
+            f"gemm='native': the {recipe.name} recipe scales blocks inside the contraction; "
+            "no backend dot_general takes block scales: use gemm='recipe'"
+        )
+    da = element_format(recipe, kinds[0])
+    db = element_format(recipe, kinds[1])
+    a = qa.elems.astype(jnp.dtype(da))
+    b = qb.elems.astype(jnp.dtype(db))
+    acc = lax.dot_general(a, b, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32)
+    factor = None
+    if qa.row_inv is not None:
+        factor = qa.row_inv
+    if qb.row_inv is not None:
+        fb = jnp.swapaxes(qb.row_inv, -1, -2)
+        factor = fb if factor is None else factor * fb
+    return acc if factor is None else acc * factor
+
+
+# --- the interception rules --------------------------------------------------------------
+def _canon(x: jax.Array, contract, batch) -> tuple[jax.Array, tuple[int, ...]]:
+    """(B, R, K): batch, kept and contracted axes, as the recipes lay operands out."""
+    free = [d for d in range(x.ndim) if d not in contract and d not in batch]
+    xt = jnp.transpose(x, (*batch, *free, *contract))
+    bsz = math.prod(x.shape[d] for d in batch)
+    r = math.prod(x.shape[d] for d in free)
+    k = math.prod(x.shape[d] for d in contract)
+    return xt.reshape(bsz, r, k), tuple(x.shape[d] for d in free)
+
+
+@dataclasses.dataclass
+class RecipeRule:
+    """The recipe's dot_general, recording the sites in ``recorded``."""
+
+    recipe: recipes.Recipe
+    weight: str
+    recorded: frozenset[str]
+    gemm: Callable | None
+    shapes: dict[str, Any] | None = None  # filled by a discovery pass: backward records
+    primitives: tuple[str, ...] = ("dot_general",)
+
+    def apply(self, ctx, lhs, rhs, *, dimension_numbers, **params):
+        pet = params.get("preferred_element_type")
+        if str(lhs.dtype) not in FLOATS or str(rhs.dtype) not in FLOATS:
+            return [lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=pet)]
+        entry = ctx.state or {}
+        rstate = entry.get("recipe") if isinstance(entry, dict) else None
+        if ctx.site.name not in self.recorded:
+            out = recipes.dot_general(
+                lhs, rhs, dimension_numbers, preferred_element_type=pet, recipe=self.recipe,
+                state=rstate, key=ctx.site_key(), weight=self.weight,
+            )  # fmt: skip
+            return [out]
+        recipe = self.recipe
+        (lc, rc), (lb, rb) = dimension_numbers
+        lc, rc, lb, rb = (tuple(int(d) for d in t) for t in (lc, rc, lb, rb))
+        a3, lfree = _canon(lhs, lc, lb)
+        b3, rfree = _canon(rhs, rc, rb)
+        out_dtype = pet or jnp.result_type(lhs.dtype, rhs.dtype)
+        kinds = recipes.WEIGHT_OPERANDS[self.weight]
+        state = rstate if isinstance(recipe, recipes.Delayed) else None
+        nums = recipe.given_numbers
+        static = recipe.with_numbers(None)
+        key = ctx.site_key()
+        if self.shapes is not None:  # discovery: the backward records' shapes
+            g = jax.ShapeDtypeStruct((a3.shape[0], a3.shape[1], b3.shape[1]), jnp.float32)
+            self.shapes[ctx.site.name] = _bwd_shapes(
+                static, kinds, self.gemm, a3, b3, state, key, nums, g
+            )
+            tape = None
+        else:
+            tape = entry["tape"]
+        if tape is None:
+            out3, fwd = _tdot_fwd(static, kinds, self.gemm, a3, b3, state, key, nums, None)[0]
+        else:
+            out3, fwd = _tdot(static, kinds, self.gemm, a3, b3, state, key, nums, tape)
+        bshape = tuple(lhs.shape[d] for d in lb)
+        out = out3.reshape(*bshape, *lfree, *rfree).astype(out_dtype)
+        return Emit([out], fwd)
+
+
+@dataclasses.dataclass
+class PlainRule:
+    """Any dot_general as the program has it, recording operands and output."""
+
+    recorded: frozenset[str]
+    params: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    primitives: tuple[str, ...] = ("dot_general",)
+
+    def apply(self, ctx, lhs, rhs, **params):
+        (out,) = ctx.original(lhs, rhs)
+        if ctx.site.name not in self.recorded or str(lhs.dtype) not in FLOATS:
+            return [out]
+        self.params[ctx.site.name] = _plain_params(params)
+        return Emit([out], {"lhs": lhs, "rhs": rhs, "out": out})
+
+
+def _plain_params(params: dict) -> dict[str, Any]:
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    prec = params.get("precision")
+    if prec is not None and not isinstance(prec, (tuple, list)):
+        prec = (prec, prec)
+    pet = params.get("preferred_element_type")
+    return {
+        "dimension_numbers": [
+            [list(map(int, lc)), list(map(int, rc))],
+            [list(map(int, lb)), list(map(int, rb))],
+        ],
+        "precision": None if prec is None else [None if p is None else str(p) for p in prec],
+        "preferred_element_type": None if pet is None else jnp.dtype(pet).name,
+    }
