@@ -11,7 +11,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from precisionlab import survey
-from precisionlab.experiments import train_kind
+from precisionlab.experiments import tournament, train_kind
 from precisionlab.memory import checkpointing as checkpointing_experiment
 from precisionlab.memory import experiment as memory_experiment
 
@@ -23,6 +23,7 @@ KINDS: dict[str, ModuleType] = {
     "survey": survey,
     "memory": memory_experiment,
     "checkpointing": checkpointing_experiment,
+    "tournament": tournament,
 }
 
 

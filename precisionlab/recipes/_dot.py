@@ -34,8 +34,8 @@ from precisionlab.recipes._recipes import (
     Delayed,
     Recipe,
     Reference,
-    get_recipe,
 )
+from precisionlab.recipes._names import get_recipe
 
 E4M3_NAME = "float8_e4m3fn"
 
@@ -311,8 +311,13 @@ def dot_general(
     b3, rfree = _canon(rhs, rc, rb)
     out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
     kinds = WEIGHT_OPERANDS[weight]
-    if not isinstance(recipe, Delayed):
+    if not recipe.stateful:
         state = None
+    if hasattr(recipe, "dot3"):  # a recipe owning its three GEMMs (recipes._fp4)
+        wc, wb = (lc, lb) if weight == "lhs" else (rc, rb)
+        out = recipe.dot3(kinds, a3, b3, state, key, canon=lambda t: _canon(t, wc, wb)[0])
+        batch_shape = tuple(lhs.shape[d] for d in lb)
+        return out.reshape(*batch_shape, *lfree, *rfree).astype(out_dtype)
     # the recipe's numbers (given by with_numbers: arguments of the caller's program) enter
     # as arguments, the recipe without them as the static part
     nums = recipe.given_numbers
