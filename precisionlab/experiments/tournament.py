@@ -224,7 +224,7 @@ def _config(section: dict, unit: Unit, include: list[int] | None) -> TrainConfig
             rec["fmt"] = unit.fmt
         steps = int(table.get("steps", TRAIN_FIELDS["steps"].default))
         if e["outlier_start_fraction"] >= 0:
-            rec["outlier_start"] = int(round(e["outlier_start_fraction"] * steps))
+            rec["outlier_start"] = round(e["outlier_start_fraction"] * steps)
         if include is not None:
             inc = include[: len(include) - e["bf16_last"]] if e["bf16_last"] else include
             rec["include"] = inc
@@ -302,7 +302,7 @@ def _optimizer(setup: Any, entry: dict, steps: int) -> Any:
 
     def make(values):
         reset = osci_reset(
-            q, start=int(round(o["start"] * steps)), period=o["period"], track=o["track"],
+            q, start=round(o["start"] * steps), period=o["period"], track=o["track"],
             threshold=o["threshold"], mask=mask,
         )  # fmt: skip
         return optax.chain(factory(values), reset)

@@ -203,10 +203,15 @@ def _ranking(out: dict, runs: dict, baseline: str) -> list[dict[str, Any]]:
     names.sort(key=lambda n: 0.0 if n == baseline else out[n]["gap_nats"])
     rows = []
     for i, n in enumerate(names):
-        row = {"rank": i + 1, "variant": n, "gap_nats": out[n]["gap_nats"] or 0.0,
-               "ci95_low": out[n]["ci95_low"], "ci95_high": out[n]["ci95_high"],
-               "vs_baseline": "baseline" if n == baseline else _sig(out[n]["ci95_low"],
-                                                                   out[n]["ci95_high"])}  # fmt: skip
+        lo, hi = out[n]["ci95_low"], out[n]["ci95_high"]
+        row = {
+            "rank": i + 1,
+            "variant": n,
+            "gap_nats": out[n]["gap_nats"] or 0.0,
+            "ci95_low": None if n == baseline else lo,
+            "ci95_high": None if n == baseline else hi,
+            "vs_baseline": "baseline" if n == baseline else _sig(lo, hi),
+        }
         if i + 1 < len(names):
             m, lo, hi = _paired(runs[names[i + 1]], runs[n])
             row["vs_next"] = {"next": names[i + 1], "diff": m, "ci95_low": lo, "ci95_high": hi,
@@ -397,13 +402,19 @@ def report_markdown(s: dict[str, Any]) -> str:
     for r in s["ranking"]:
         v = s["variants"][r["variant"]]
         nxt = r.get("vs_next")
-        nxt_s = "-" if not nxt else (
-            f"{'significant' if nxt['significant'] else 'not significant'} "
-            f"({_f(nxt['diff'], '+.3f')})"
+        nxt_s = (
+            "-"
+            if not nxt
+            else (
+                f"{'significant' if nxt['significant'] else 'not significant'} "
+                f"({_f(nxt['diff'], '+.3f')})"
+            )
         )
         ttm = v["tokens_to_match"]
-        ttm_s = "not reached" if ttm is None else (
-            f"{ttm / 1e6:.2f}M (x{_f(v['tokens_to_match_vs_baseline'], '.2f')})"
+        ttm_s = (
+            "not reached"
+            if ttm is None
+            else (f"{_tokens(ttm)} (x{_f(v['tokens_to_match_vs_baseline'], '.2f')})")
         )
         ci = "-" if r["ci95_low"] is None else f"[{r['ci95_low']:+.3f}, {r['ci95_high']:+.3f}]"
         lines.append(
@@ -470,6 +481,10 @@ def report_markdown(s: dict[str, Any]) -> str:
         + "."
     )
     return "\n".join(lines) + "\n"
+
+
+def _tokens(n: float) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}k"
 
 
 def _verdict(ok: bool | None) -> str:

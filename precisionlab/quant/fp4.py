@@ -45,16 +45,16 @@ from precisionlab.quant import pow2
 
 __all__ = [
     "E2M1_MAX",
-    "FP4Block",
     "QUEST_GAUSSIAN_SCALE",
+    "FP4Block",
     "e2m1",
     "e2m1_nearest",
     "e2m1_stochastic",
     "e4m3_nearest",
     "e4m3_stochastic",
     "hadamard",
-    "mxfp4",
     "ms_eden",
+    "mxfp4",
     "nvfp4",
     "qema_nearest",
     "quest",
@@ -296,8 +296,10 @@ def nvfp4(
         q = jnp.where(pick4, q4, q)
         sb = jnp.where(pick4, sb4, sb6)
     scale = jnp.broadcast_to(sb, g.shape).reshape(x.shape)
-    tinv = jnp.broadcast_to(inv, g.shape).reshape(x.shape) if outer is not None else inv.reshape(
-        (1,) * x.ndim
+    tinv = (
+        jnp.broadcast_to(inv, g.shape).reshape(x.shape)
+        if outer is not None
+        else inv.reshape((1,) * x.ndim)
     )
     return FP4Block(q.reshape(x.shape), scale, tinv)
 

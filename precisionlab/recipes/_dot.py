@@ -27,6 +27,7 @@ from precisionlab.recipes import scaling as S
 from precisionlab.recipes._accumulate import accumulate
 from precisionlab.recipes._blockhw import block_gemm
 from precisionlab.recipes._deepgemm import blockwise_gemm
+from precisionlab.recipes._names import get_recipe
 from precisionlab.recipes._recipes import (
     MX,
     NVFP4,
@@ -35,7 +36,6 @@ from precisionlab.recipes._recipes import (
     Recipe,
     Reference,
 )
-from precisionlab.recipes._names import get_recipe
 
 E4M3_NAME = "float8_e4m3fn"
 

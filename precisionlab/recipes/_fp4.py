@@ -432,7 +432,8 @@ class Quartet(FP4Recipe):
             self._sr(self._post_signed(g, s_n), k1), self._sr(self._post_signed(_t(vb), s_n), k2)
         )
         dvb = self._mm(
-            self._sr(self._post_signed(_t(g), s_m), k3), self._sr(self._post_signed(_t(va), s_m), k4)
+            self._sr(self._post_signed(_t(g), s_m), k3),
+            self._sr(self._post_signed(_t(va), s_m), k4),
         )
         ones = self._h(va.shape[-1])
         da = fp4.rotate(jnp.where(ma, dva, 0.0), ones, inverse=True)
@@ -697,7 +698,7 @@ class TetraJetV2(FP4Recipe):
         return {**state, "norm": norm, "count": c + 1.0}
 
     def _split(self, k: int) -> int:
-        return int(round(self.outlier_ratio * k))
+        return round(self.outlier_ratio * k)
 
     def forward(self, kinds, a, b, state, key):
         k8 = self._split(a.shape[-1])
@@ -855,7 +856,8 @@ def osci_reset(
     def init(params):
         f = flags(params)
         leaves, tree = jax.tree.flatten(params)
-        z = [jnp.zeros_like(p) if on else jnp.zeros((), p.dtype) for p, on in zip(leaves, f)]
+        z = [jnp.zeros_like(p) if on else jnp.zeros((), p.dtype)
+             for p, on in zip(leaves, f, strict=True)]  # fmt: skip
         z = jax.tree.unflatten(tree, z)
         return OsciResetState(jnp.zeros((), jnp.int32), z, z, z)
 
@@ -902,4 +904,3 @@ def forward_weight_quantizer(recipe: FP4Recipe, contract_axis: int = 0) -> Calla
         return jnp.moveaxis(vals[0], -1, contract_axis).astype(w.dtype)
 
     return q
-

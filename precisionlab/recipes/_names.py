@@ -27,7 +27,8 @@ def get_recipe(name: str | Recipe, **overrides) -> Recipe:
         except ValueError as err:
             if not str(err).startswith("unknown recipe"):
                 raise
-            raise ValueError(f"unknown recipe {name!r}; allowed: {', '.join(RECIPE_NAMES)}") from None
+            allowed = ", ".join(RECIPE_NAMES)
+            raise ValueError(f"unknown recipe {name!r}; allowed: {allowed}") from None
     cls, kw = FP4_RECIPES[key]
     fields = {f.name for f in dataclasses.fields(cls)}
     bad = set(overrides) - fields

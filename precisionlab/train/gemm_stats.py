@@ -124,9 +124,7 @@ class _StatsRule:
             g32 = g.astype(jnp.float32)
             (da1, db1), (da2, db2) = vjp1(g), vjp2(g)
             dah, dbh = vjph(g32)
-            stats = jnp.stack(
-                [_sums(yh, y1, y2), _sums(dah, da1, da2), _sums(dbh, db1, db2)]
-            )
+            stats = jnp.stack([_sums(yh, y1, y2), _sums(dah, da1, da2), _sums(dbh, db1, db2)])
             return da, db, stats
 
         tap.defvjp(fwd, bwd)
@@ -264,4 +262,3 @@ class GemmStatsHook:
 
     def close(self) -> None:
         pass
-
