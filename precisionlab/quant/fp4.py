@@ -32,7 +32,8 @@ Shared with the recipes (:mod:`precisionlab.recipes`); the public entry is
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from functools import partial
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,7 @@ from precisionlab.quant import pow2
 
 __all__ = [
     "E2M1_MAX",
+    "FP4_QUANTIZERS",
     "QUEST_GAUSSIAN_SCALE",
     "FP4Block",
     "e2m1",
@@ -52,6 +54,7 @@ __all__ = [
     "e2m1_stochastic",
     "e4m3_nearest",
     "e4m3_stochastic",
+    "fake_quant_named",
     "hadamard",
     "ms_eden",
     "mxfp4",
@@ -496,3 +499,107 @@ def rotate(x: jax.Array, signs: jax.Array, *, inverse: bool = False) -> jax.Arra
     g = x.reshape(*x.shape[:-1], x.shape[-1] // n, n).astype(jnp.float32)
     out = jnp.einsum("...j,jk->...k", g, m, precision=lax.Precision.HIGHEST)
     return out.reshape(x.shape)
+
+
+# --- by name (fake_quant) --------------------------------------------------------------------
+#: The 4-bit quantizers :func:`precisionlab.quant.fake_quant` takes by name (blocks along
+#: ``axis``, default the last): what each recipe of :mod:`precisionlab.recipes` does to an
+#: operand. ``key`` for stochastic rounding and random rotations.
+FP4_QUANTIZERS: dict[str, str] = {
+    "nvfp4": "NVFP4, 1 x 16 blocks (E4M3 scales, a float32 tensor scale)",
+    "nvfp4_2d": "NVFP4 with 16 x 16 tiles over the last two axes (NVIDIA's weights)",
+    "nvfp4_4over6": "NVFP4 with Four Over Six's per-block choice of 4 or 6 (squared error)",
+    "nvfp4_double": "TetraJet-v2's NVFP4: tensor scales per 1 x 128 outer block",
+    "mxfp4_prescaled": "Tseng et al.'s MXFP4: OCP floor scale, elements x 3/4 (SR never clips)",
+    "quest": "Quartet's forward: 32-point Hadamard, QuEST scale from the block's deviation",
+    "ms_eden": "Quartet II's MS-EDEN after a 128-point random Hadamard transform (unbiased)",
+}
+
+
+def fake_quant_named(
+    x: jax.Array,
+    name: str,
+    *,
+    axis: int | None = None,
+    rounding: str = "nearest_even",
+    key: jax.Array | None = None,
+) -> jax.Array:
+    """``x`` quantized and dequantized by the quantizer ``name`` of :data:`FP4_QUANTIZERS`,
+    in ``x``'s dtype and layout; rotated quantizers rotate back, so every result estimates
+    ``x``. The gradient is straight-through (QuEST: only where the element did not clip)."""
+    if name not in FP4_QUANTIZERS:
+        raise ValueError(f"unknown FP4 quantizer {name!r}; allowed: {', '.join(FP4_QUANTIZERS)}")
+    if rounding not in ("nearest_even", "stochastic"):
+        raise ValueError(f"{name}: rounding must be 'nearest_even' or 'stochastic', "
+                         f"got {rounding!r}")  # fmt: skip
+    needs_key = rounding == "stochastic" or name == "ms_eden"
+    if needs_key and key is None:
+        raise ValueError(f"{name} with rounding={rounding!r} needs a PRNG key: pass key=...")
+    if not needs_key and key is not None:
+        raise ValueError(f"key is only used by stochastic rounding and ms_eden, not {name} with "
+                         f"rounding={rounding!r}")  # fmt: skip
+    if name in ("quest", "ms_eden") and rounding != "nearest_even":
+        raise ValueError(f"{name} rounds its elements to nearest (its own randomness: pass key)")
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"fake_quant takes a float array, got {x.dtype}")
+    ax = x.ndim - 1 if axis is None else axis % x.ndim
+    moved = jnp.moveaxis(x, ax, -1)
+    return jnp.moveaxis(_fake_ste(moved, name, rounding, key), -1, ax).astype(x.dtype)
+
+
+def _named_values(x: jax.Array, name: str, rounding: str, key) -> tuple[jax.Array, Any]:
+    """(values, gradient residual) of the quantizer on float32 ``x`` blocked along the last
+    axis; the residual is None (straight through) or QuEST's (trust mask, rotation)."""
+    x = x.astype(jnp.float32)
+    if name == "nvfp4":
+        return nvfp4(x, rounding=rounding, key=key).values(), None
+    if name == "nvfp4_2d":
+        return nvfp4(x, two_d=True, rounding=rounding, key=key).values(), None
+    if name == "nvfp4_4over6":
+        q = nvfp4(x, rounding=rounding, key=key, scale_max=256.0, four_over_six="mse")
+        return q.values(), None
+    if name == "nvfp4_double":
+        q = nvfp4(x, outer=_divisor(x.shape[-1], 128), rounding=rounding, key=key)
+        return q.values(), None
+    if name == "mxfp4_prescaled":
+        return mxfp4(x, rounding=rounding, key=key, prescale=True).values(), None
+    if name == "quest":
+        signs = jnp.ones((_divisor(x.shape[-1], 32),), jnp.float32)
+        q = quest(rotate(x, signs))
+        return rotate(q.values(), signs, inverse=True), (q.mask, signs)
+    ks, kq = jax.random.split(key)
+    n = _divisor(x.shape[-1], 128)
+    signs = random_signs(ks, n)
+    q = ms_eden(rotate(x, signs), kq, group=n)
+    return rotate(q.values(), signs, inverse=True), None
+
+
+def _divisor(n: int, cap: int) -> int:
+    p = cap
+    while p > 16 and n % p:
+        p //= 2
+    if n % p:
+        raise ValueError(f"the quantized axis has size {n}, not a multiple of 16")
+    return p
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _fake_ste(x, name, rounding, key):
+    return _named_values(x, name, rounding, key)[0]
+
+
+def _fake_ste_fwd(x, name, rounding, key):
+    return _named_values(x, name, rounding, key)
+
+
+def _fake_ste_bwd(name, rounding, res, g):
+    if res is None:
+        return g, None
+    # QuEST: y = Q(x M) M^T, so dy/dx = M diag(mask) M^T (M the rotation)
+    mask, signs = res
+    gr = rotate(g.astype(jnp.float32), signs) * mask
+    return rotate(gr, signs, inverse=True).astype(g.dtype), None
+
+
+_fake_ste.defvjp(_fake_ste_fwd, _fake_ste_bwd)
