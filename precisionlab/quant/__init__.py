@@ -3,7 +3,8 @@
 - :func:`quantize` / :func:`dequantize`: per-tensor, per-channel or per-block scales;
   symmetric or asymmetric ints, scaled floats, and the OCP MX formats.
 - :func:`fake_quant`: both in one jittable op with a straight-through gradient; also the
-  4-bit training recipes' quantizers by name (:data:`FP4_QUANTIZERS`, :mod:`precisionlab.quant.fp4`).
+  4-bit training recipes' quantizers by name (:data:`FP4_QUANTIZERS`,
+  :mod:`precisionlab.quant.fp4`).
 - :class:`QArray`: the quantized pytree (codes, scales, zero points, static metadata).
 - :func:`pack` / :func:`unpack`: two 4-bit codes per byte.
 
