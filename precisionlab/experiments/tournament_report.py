@@ -30,7 +30,18 @@ from precisionlab import _io
 from precisionlab.experiments import store
 from precisionlab.train.gemm_stats import GEMMS, SQRT3
 
-__all__ = ["T975", "ci95", "claims", "quantizer_claims", "summarize", "write"]
+__all__ = [
+    "T975",
+    "ci95",
+    "claims",
+    "claims_markdown",
+    "quantizer_claims",
+    "ranking_markdown",
+    "report_markdown",
+    "stats_markdown",
+    "summarize",
+    "write",
+]
 
 #: Student's t 97.5% quantiles for 1..30 degrees of freedom (two-sided 95% intervals).
 T975 = (
@@ -382,7 +393,7 @@ def _f(v: Any, fmt: str = ".3f") -> str:
 
 
 def report_markdown(s: dict[str, Any]) -> str:
-    """The ranking table, the variants' numbers and the claims' verdicts, in Markdown."""
+    """The ranking table, the gradient statistics and the claims' verdicts, in Markdown."""
     lines = [
         "# FP4 recipe tournament",
         "",
@@ -391,6 +402,22 @@ def report_markdown(s: dict[str, Any]) -> str:
         f"({_f(s['tokens_per_param'], '.1f')} per parameter); seeds {s['seeds']}; "
         f"{_f(s['cpu_s'] / 3600 if s['cpu_s'] else None, '.2f')} CPU hours.",
         "",
+        ranking_markdown(s),
+        "",
+        "## Gradient statistics (all matmuls, seed mean, last measured step)",
+        "",
+        stats_markdown(s),
+        "",
+        "## The papers' claims at this scale",
+        "",
+        claims_markdown(s),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def ranking_markdown(s: dict[str, Any]) -> str:
+    """The ranking table (gap, interval, significance, tokens to match) with its legend."""
+    lines = [
         f"Gap: final evaluation loss minus the baseline's ({s['baseline']}), paired by seed, "
         "in nats, with a 95% Student-t interval over seeds. Tokens to match: tokens until the "
         f"seed-mean evaluation loss reaches {_f(s['match_loss'])} (the baseline's at "
@@ -421,9 +448,16 @@ def report_markdown(s: dict[str, Any]) -> str:
             f"| {r['rank']} | {r['variant']} | {r['gap_nats']:+.3f} | {ci} | {r['vs_baseline']} "
             f"| {nxt_s} | {ttm_s} |"
         )
-    lines += ["", "## Gradient statistics (all matmuls, seed mean, last measured step)", "",
-              "| variant | GEMM | rel. bias | rel. variance | cosine | norm/noise |",
-              "|---|---|---:|---:|---:|---:|"]  # fmt: skip
+    return "\n".join(lines)
+
+
+def stats_markdown(s: dict[str, Any]) -> str:
+    """Per variant and GEMM: relative bias, variance, cosine and norm-to-noise ratio at the
+    last measured step (seed means over all matmuls)."""
+    lines = [
+        "| variant | GEMM | rel. bias | rel. variance | cosine | norm/noise |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
     for name, v in s["variants"].items():
         st = v["gemm_stats"]
         if not st:
@@ -435,11 +469,18 @@ def report_markdown(s: dict[str, Any]) -> str:
                 f"{_f(g['rel_var'][-1], '.2e')} | {_f(g['cosine'][-1], '.4f')} | "
                 f"{_f(g['ratio'][-1], '.2f')} |"
             )
+    return "\n".join(lines)
+
+
+def claims_markdown(s: dict[str, Any]) -> str:
+    """Each claim of the papers: reproduced or not, with the numbers."""
     c = s["claims"]
-    lines += ["", "## The papers' claims at this scale", ""]
+    lines = []
     p = c["nvfp4_gap_below_mxfp4"]
-    lines.append(f"- **NVFP4's gap below MXFP4's for the same recipe** ({p['source']}): "
-                 f"{_verdict(p['reproduced'])}.")  # fmt: skip
+    lines.append(
+        f"- **NVFP4's gap below MXFP4's for the same recipe** ({p['source']}): "
+        f"{_verdict(p['reproduced'])}."
+    )
     for q in p["pairs"]:
         lines.append(
             f"  - {q['recipe']}: NVFP4 {_f(q['gap_nvfp4'], '+.3f')}, MXFP4 "
@@ -449,8 +490,10 @@ def report_markdown(s: dict[str, Any]) -> str:
         )
     qz = c["quantizers"]
     e = qz["ms_eden_vs_sr"]
-    lines.append(f"- **MS-EDEN's error at most half of stochastic rounding's** ({e['source']}): "
-                 f"{_verdict(e['reproduced'])}.")  # fmt: skip
+    lines.append(
+        f"- **MS-EDEN's error at most half of stochastic rounding's** ({e['source']}): "
+        f"{_verdict(e['reproduced'])}."
+    )
     for name, b in e["blocks"].items():
         lines.append(
             f"  - {name} blocks: MS-EDEN {b['ms_eden_mse']:.4f}, SR {b['sr_mse_rotated']:.4f} "
@@ -480,7 +523,7 @@ def report_markdown(s: dict[str, Any]) -> str:
         + ", ".join(f"{k} {_f(v, '.2f')}" for k, v in sq["final_wgrad_ratio"].items())
         + "."
     )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines)
 
 
 def _tokens(n: float) -> str:
