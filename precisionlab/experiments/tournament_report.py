@@ -139,8 +139,11 @@ def _stats(runs: list[dict]) -> dict[str, Any]:
     return out
 
 
-def summarize(section: dict, units: list, out_dir: Path) -> dict[str, Any]:
-    """The tournament's summary (the content of ``tournament.json``)."""
+def summarize(
+    section: dict, units: list, out_dir: Path, *, measure_quantizers: bool = True
+) -> dict[str, Any]:
+    """The tournament's summary (the content of ``tournament.json``); ``measure_quantizers``:
+    also measure the quantizer-level claims (:func:`quantizer_claims`, a minute of CPU)."""
     found = _units(units, Path(out_dir))
     variants: dict[str, list] = {}
     for u in units:
@@ -198,7 +201,7 @@ def summarize(section: dict, units: list, out_dir: Path) -> dict[str, Any]:
         "cpu_s": sum(v["cpu_s"] for v in out_variants.values()),
         "variants": out_variants,
         "ranking": ranking,
-        "claims": claims(out_variants, variants, section["baseline"]),
+        "claims": claims(out_variants, variants, section["baseline"], measure_quantizers),
     }
 
 
@@ -231,6 +234,17 @@ def _ranking(out: dict, runs: dict, baseline: str) -> list[dict[str, Any]]:
     return rows
 
 
+def _direction(m, lo, hi) -> str:
+    """A claimed negative difference: reproduced (significant), in its direction but within
+    the noise, not reproduced, or contradicted (significantly positive)."""
+    if m is None:
+        return "not measured"
+    sig = lo is not None and (lo > 0 or hi < 0)
+    if m < 0:
+        return "reproduced" if sig else "same direction, not significant"
+    return "contradicted" if sig else "not reproduced"
+
+
 def _sig(lo, hi) -> str:
     if lo is None:
         return "n/a"
@@ -238,8 +252,8 @@ def _sig(lo, hi) -> str:
 
 
 # --- claims -----------------------------------------------------------------------------------
-def claims(out: dict, runs: dict, baseline: str) -> dict[str, Any]:
-    """The papers' claims, from the runs and :func:`quantizer_claims`."""
+def claims(out: dict, runs: dict, baseline: str, quantizers: bool = True) -> dict[str, Any]:
+    """The papers' claims, from the runs and (``quantizers``) :func:`quantizer_claims`."""
     pairs = []
     recipes = {v["recipe"] for v in out.values()}
     for r in sorted(x for x in recipes if x):
@@ -251,6 +265,7 @@ def claims(out: dict, runs: dict, baseline: str) -> dict[str, Any]:
                 "nvfp4_minus_mxfp4": m, "ci95_low": lo, "ci95_high": hi,
                 "reproduced": None if m is None else bool(m < 0),
                 "significant": _sig(lo, hi) == "significant",
+                "verdict": _direction(m, lo, hi),
             })  # fmt: skip
     crossings = {n: v["gemm_stats"].get("sqrt3_crossing_step") for n, v in out.items()
                  if v["gemm_stats"]}  # fmt: skip
@@ -263,7 +278,7 @@ def claims(out: dict, runs: dict, baseline: str) -> dict[str, Any]:
         "nvfp4_gap_below_mxfp4": {
             "source": "NVIDIA, arXiv 2509.25149 sec. 5 (MXFP4 needs more tokens than NVFP4)",
             "pairs": pairs,
-            "reproduced": (all(p["reproduced"] for p in pairs) if pairs else None),
+            "reproduced": (all(p["verdict"] == "reproduced" for p in pairs) if pairs else None),
         },
         "sqrt3_crossing": {
             "source": "Chmiel et al., arXiv 2505.19115 sec. 5",
@@ -271,7 +286,7 @@ def claims(out: dict, runs: dict, baseline: str) -> dict[str, Any]:
             "final_wgrad_ratio": final_ratio,
             "observed": any(s is not None for s in crossings.values()) if crossings else None,
         },
-        "quantizers": quantizer_claims(),
+        "quantizers": quantizer_claims() if quantizers else None,
     }
 
 
@@ -477,18 +492,40 @@ def claims_markdown(s: dict[str, Any]) -> str:
     c = s["claims"]
     lines = []
     p = c["nvfp4_gap_below_mxfp4"]
+    verdicts = sorted({q["verdict"] for q in p["pairs"]})
+    overall = _verdict(p["reproduced"]) if p["reproduced"] is not False else ", ".join(verdicts)
     lines.append(
-        f"- **NVFP4's gap below MXFP4's for the same recipe** ({p['source']}): "
-        f"{_verdict(p['reproduced'])}."
+        f"- **NVFP4's gap below MXFP4's for the same recipe** ({p['source']}): {overall} "
+        f"({sum(q['verdict'] == 'reproduced' for q in p['pairs'])} of {len(p['pairs'])} "
+        "recipes significantly)."
     )
     for q in p["pairs"]:
         lines.append(
             f"  - {q['recipe']}: NVFP4 {_f(q['gap_nvfp4'], '+.3f')}, MXFP4 "
             f"{_f(q['gap_mxfp4'], '+.3f')} nats; difference {_f(q['nvfp4_minus_mxfp4'], '+.3f')} "
-            f"[{_f(q['ci95_low'], '+.3f')}, {_f(q['ci95_high'], '+.3f')}] "
-            f"({'significant' if q['significant'] else 'not significant'})"
+            f"[{_f(q['ci95_low'], '+.3f')}, {_f(q['ci95_high'], '+.3f')}]: {q['verdict']}"
         )
     qz = c["quantizers"]
+    if qz is None:
+        lines.append("- The quantizer-level claims (MS-EDEN, SR, Hadamard): not measured.")
+        qz = {}
+    else:
+        lines.extend(_quantizer_lines(qz))
+    sq = c["sqrt3_crossing"]
+    crossed = {k: v for k, v in sq["crossing_step"].items() if v is not None}
+    lines.append(
+        f"- **The sqrt(3) crossing of the weight gradient's norm-to-noise ratio** "
+        f"({sq['source']}): {'observed' if crossed else 'not observed'} at this scale"
+        + (f" (first step: {crossed})" if crossed else "")
+        + "; final ratios: "
+        + ", ".join(f"{k} {_f(v, '.2f')}" for k, v in sq["final_wgrad_ratio"].items())
+        + "."
+    )
+    return "\n".join(lines)
+
+
+def _quantizer_lines(qz: dict[str, Any]) -> list[str]:
+    lines = []
     e = qz["ms_eden_vs_sr"]
     lines.append(
         f"- **MS-EDEN's error at most half of stochastic rounding's** ({e['source']}): "
@@ -513,17 +550,7 @@ def claims_markdown(s: dict[str, Any]) -> str:
         f"({h['source']}): {_verdict(h['reproduced'])}: relative variance "
         f"{h['sr_var_plain']:.4f} without, {h['sr_var_hadamard64']:.4f} with."
     )
-    sq = c["sqrt3_crossing"]
-    crossed = {k: v for k, v in sq["crossing_step"].items() if v is not None}
-    lines.append(
-        f"- **The sqrt(3) crossing of the weight gradient's norm-to-noise ratio** "
-        f"({sq['source']}): {'observed' if crossed else 'not observed'} at this scale"
-        + (f" (first step: {crossed})" if crossed else "")
-        + "; final ratios: "
-        + ", ".join(f"{k} {_f(v, '.2f')}" for k, v in sq["final_wgrad_ratio"].items())
-        + "."
-    )
-    return "\n".join(lines)
+    return lines
 
 
 def _tokens(n: float) -> str:
