@@ -28,8 +28,11 @@ def test_validate_fills_defaults_and_plans_entry_format_seed():
     s = _section(seeds=[0, 5, 9], eval_every=2, stats_every=4)
     assert s["match_fraction"] == 0.5 and s["layers"] == "linear"
     units = tournament.plan(s)
-    assert [u.id for u in units[:4]] == ["bf16-s0", "bf16-s5", "bf16-s9", "nvidia_fp4-nvfp4-s0"]
-    assert len(units) == 9 and units[-1].variant == "nvidia_fp4-mxfp4"
+    # seed-major: a run stopped early has every variant from its first seeds
+    assert [u.id for u in units[:4]] == [
+        "bf16-s0", "nvidia_fp4-nvfp4-s0", "nvidia_fp4-mxfp4-s0", "bf16-s5"
+    ]  # fmt: skip
+    assert len(units) == 9 and units[-1].id == "nvidia_fp4-mxfp4-s9"
 
 
 @pytest.mark.parametrize(

@@ -187,12 +187,13 @@ def validate(section: dict, where: str) -> dict:
 
 
 def plan(section: dict) -> list[Unit]:
-    """The units of a validated section, entry by entry, format by format, seed by seed."""
+    """The units of a validated section: seed by seed, and within a seed entry by entry,
+    format by format (so a run stopped early has every variant from the first seeds)."""
     units = []
-    for e in section["entry"]:
-        for fmt in e["formats"] or [None]:
-            variant = e["name"] if fmt is None else f"{e['name']}-{fmt}"
-            for s in section["seeds"]:
+    for s in section["seeds"]:
+        for e in section["entry"]:
+            for fmt in e["formats"] or [None]:
+                variant = e["name"] if fmt is None else f"{e['name']}-{fmt}"
                 units.append(Unit(f"{variant}-s{s}", variant, e, fmt, s))
     return units
 
