@@ -275,7 +275,7 @@ def _schema_table(schema, undocumented: list[str], where: str) -> list[str]:
 
 def _experiment_page() -> str:
     from precisionlab import survey
-    from precisionlab.experiments import config
+    from precisionlab.experiments import config, tournament
     from precisionlab.memory import checkpointing
     from precisionlab.memory import experiment as memory
     from precisionlab.train.config import TRAIN_FIELDS
@@ -301,6 +301,9 @@ def _experiment_page() -> str:
         ('``[survey]`` (``kind = "survey"``)', "survey", survey.FIELDS),
         ('``[memory]`` (``kind = "memory"``)', "memory", memory.FIELDS),
         ('``[checkpointing]`` (``kind = "checkpointing"``)', "checkpointing", checkpointing.FIELDS),
+        ('``[tournament]`` (``kind = "tournament"``)', "tournament", tournament.FIELDS),
+        ("``[[tournament.entry]]``", "tournament.entry", tournament.ENTRY_FIELDS),
+        ("``osci_reset`` of an entry", "tournament.entry.osci_reset", tournament.OSCI_FIELDS),
     ]
     for title, where, schema in tables:
         lines += _title(title, "-") + _schema_table(schema, undocumented, where)

@@ -56,7 +56,18 @@ from precisionlab.train.gemm_stats import GemmStatsHook
 from precisionlab.train.hooks import StepEnd
 from precisionlab.train.step import normalize_loss_fn
 
-__all__ = ["ENTRY_FIELDS", "FIELDS", "KIND", "Unit", "plan", "run", "validate"]
+__all__ = [
+    "ENTRY_FIELDS",
+    "FIELDS",
+    "KIND",
+    "OSCI_FIELDS",
+    "Unit",
+    "linear_sites",
+    "plan",
+    "run",
+    "run_unit",
+    "validate",
+]
 
 KIND = "tournament"
 REFERENCE = "bf16"  # an entry without a recipe: the policy's compute dtype
@@ -81,12 +92,21 @@ ENTRY_FIELDS: dict[str, Field] = with_docs(
         "(-1: the recipe's outlier_start)",
     },
 )
-_OSCI = {
-    "start": Field(float, 0.59, low=0.0, high=1.0),
-    "period": Field(int, 200, low=2, high=1 << 30),
-    "track": Field(int, 50, low=1, high=1 << 30),
-    "threshold": Field(float, 8.0, above=0.0),
-}
+#: ``osci_reset = {...}`` of an entry (TetraJet-v2's OsciReset, :func:`recipes.osci_reset`).
+OSCI_FIELDS: dict[str, Field] = with_docs(
+    {
+        "start": Field(float, 0.59, low=0.0, high=1.0),
+        "period": Field(int, 200, low=2, high=1 << 30),
+        "track": Field(int, 50, low=1, high=1 << 30),
+        "threshold": Field(float, 8.0, above=0.0),
+    },
+    {
+        "start": "the first reset window, as a fraction of the steps (the authors' 59%)",
+        "period": "updates between reset windows",
+        "track": "updates whose distances a window adds up",
+        "threshold": "quantized distance over master distance that resets an element",
+    },
+)
 
 #: ``[tournament]`` keys.
 FIELDS: dict[str, Field] = with_docs(
@@ -155,7 +175,7 @@ def _entry(table: Any, where: str) -> dict[str, Any]:
                     f"{where}.formats: {name} runs on {', '.join(recipe.formats)}, not {f!r}"
                 )
     if e["osci_reset"]:
-        e["osci_reset"] = validate_table(e["osci_reset"], _OSCI, f"{where}.osci_reset")
+        e["osci_reset"] = validate_table(e["osci_reset"], OSCI_FIELDS, f"{where}.osci_reset")
     return e
 
 
