@@ -212,6 +212,8 @@ def _mx_ref(x, prescale=False):
 @pytest.mark.parametrize("prescale", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_mxfp4_matches_the_numpy_reference(prescale):
     x = np.random.default_rng(6).standard_normal((8, 64)).astype(np.float32) * 3
+    x[1, 3] = 1e-41  # a subnormal beside normal values: the fast multiply path's edge
+    x[2, 32:] *= 2.0**-90  # a block near the end of that path's exponent range
     got = fp4.mxfp4(jnp.asarray(x), prescale=prescale).values()
     assert _bits_equal(got, _mx_ref(x, prescale))
 

@@ -123,6 +123,22 @@ def uniform(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
 
 
+# --- power-of-two scaling --------------------------------------------------------------------
+def _mul_pow2(x: jax.Array, k: jax.Array) -> jax.Array:
+    """``x * 2**k`` (``k`` int32, broadcastable): a float multiply when every ``|k| <= 100``
+    (the factor is a normal float32; an input or result a CPU would flush as subnormal is
+    below 2**-26 of its block's largest value and rounds to 0 in E2M1 either way, so the
+    quantized values are those of the exact path, tested), else :func:`pow2.ldexp` (exact)."""
+    safe = jnp.all(jnp.abs(k) <= 100)
+    return lax.cond(
+        safe,
+        lambda x, k: x * pow2.pow2(k),
+        lambda x, k: pow2.ldexp(x, jnp.broadcast_to(k, x.shape)),
+        x,
+        k,
+    )
+
+
 # --- E2M1 elements ---------------------------------------------------------------------------
 def e2m1_nearest(y: jax.Array) -> jax.Array:
     """``y`` rounded to E2M1 (values 0, 0.5, 1, 1.5, 2, 3, 4, 6) to nearest, ties to even,
@@ -346,10 +362,10 @@ def mxfp4(
     bad = ~jnp.isfinite(a)
     e = jnp.where(bad, 0, e)
     if prescale:
-        y = pow2.ldexp(g * jnp.float32(3.0), -(e + 2))
+        y = _mul_pow2(g * jnp.float32(3.0), -(e + 2))
         sc = pow2.pow2(e + 2) / jnp.float32(3.0)
     else:
-        y = pow2.ldexp(g, -e)
+        y = _mul_pow2(g, -e)
         sc = pow2.pow2(e)
     y = jnp.where(bad, jnp.float32(jnp.nan), y)
     q = e2m1(y, rounding, key)
@@ -372,7 +388,7 @@ def quest(x: jax.Array, *, block: int = 32) -> FP4Block:
     sd = jnp.sqrt(jnp.maximum(jnp.mean(g * g, axis=-1, keepdims=True) - mean * mean, 0.0))
     s = jnp.float32(QUEST_GAUSSIAN_SCALE) * sd + jnp.float32(1e-8)
     e = jnp.clip(pow2.floor_log2(s), pow2.SCALE_EXPONENT_MIN, pow2.SCALE_EXPONENT_MAX)
-    y = pow2.ldexp(g, -e)
+    y = _mul_pow2(g, -e)
     q = e2m1_nearest(y)
     sc = jnp.broadcast_to(pow2.pow2(e), g.shape).reshape(x.shape)
     return FP4Block(q.reshape(x.shape), sc, None, (jnp.abs(y) < E2M1_MAX).reshape(x.shape))
@@ -422,7 +438,7 @@ def ms_eden(
         e = jnp.clip(e, pow2.SCALE_EXPONENT_MIN, pow2.SCALE_EXPONENT_MAX)
         sb = pow2.pow2(e)
         tinv = jnp.float32(np.float32(1.0) / np.float32(3.0))
-        y = pow2.ldexp(g * jnp.float32(3.0), -e)
+        y = _mul_pow2(g * jnp.float32(3.0), -e)
     else:
         ga = _bits_amax(x, tuple(range(x.ndim)))
         s_enc = _global_scale(ga, scale_max * val_max)
