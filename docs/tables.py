@@ -456,14 +456,22 @@ def bench_text(*args: str) -> Callable[[Context], str]:
 
 
 def fp4_tournament(ctx: Context) -> str:
-    """The FP4 tournament's ranking, gradient statistics and claims (tournament.json of a
-    finished run of experiments/fp4_tournament.toml, or of ``--run-dir``)."""
+    """The FP4 tournament's status, ranking, gradient statistics and claims (tournament.json of
+    a run of experiments/fp4_tournament.toml, or of ``--run-dir``); the run's three plots are
+    copied to docs/img/fp4_tournament_{loss,gaps,gemm_stats}.png, which the page shows."""
+    import shutil
+
     from precisionlab.experiments import tournament_report
 
     config = "experiments/fp4_tournament.toml"
-    summary = json.loads((run_dir(ctx, config) / "tournament" / "tournament.json").read_text())
+    out = run_dir(ctx, config) / "tournament"
+    summary = json.loads((out / "tournament.json").read_text())
+    for src, dst in (("loss_curves", "loss"), ("gaps", "gaps"), ("gemm_stats", "gemm_stats")):
+        if (out / f"{src}.png").exists():
+            shutil.copyfile(out / f"{src}.png", ROOT / "docs" / "img" / f"fp4_tournament_{dst}.png")
     return "\n\n".join(
         [
+            tournament_report.status_markdown(summary),
             tournament_report.ranking_markdown(summary),
             tournament_report.stats_markdown(summary),
             tournament_report.claims_markdown(summary),

@@ -39,6 +39,7 @@ __all__ = [
     "ranking_markdown",
     "report_markdown",
     "stats_markdown",
+    "status_markdown",
     "summarize",
     "write",
 ]
@@ -412,10 +413,7 @@ def report_markdown(s: dict[str, Any]) -> str:
     lines = [
         "# FP4 recipe tournament",
         "",
-        f"{s['units_done']} of {s['units_total']} runs; {s['params']} parameters, "
-        f"{_f(s['tokens_per_run'], '.0f')} tokens per run "
-        f"({_f(s['tokens_per_param'], '.1f')} per parameter); seeds {s['seeds']}; "
-        f"{_f(s['cpu_s'] / 3600 if s['cpu_s'] else None, '.2f')} CPU hours.",
+        status_markdown(s),
         "",
         ranking_markdown(s),
         "",
@@ -428,6 +426,22 @@ def report_markdown(s: dict[str, Any]) -> str:
         claims_markdown(s),
     ]
     return "\n".join(lines) + "\n"
+
+
+def status_markdown(s: dict[str, Any]) -> str:
+    """One paragraph: the runs finished, the model's size and tokens, and the time spent (the
+    sum over the finished runs of their wall and CPU seconds)."""
+    missing = sorted(n for n, v in s["variants"].items() if len(v["seeds"]) < len(s["seeds"]))
+    text = (
+        f"{s['units_done']} of {s['units_total']} runs finished; {s['params']} parameters, "
+        f"{_f(s['tokens_per_run'], ',.0f')} tokens per run ({_f(s['tokens_per_param'], '.1f')} "
+        f"per parameter); {_f(s['wall_s'] / 3600 if s['wall_s'] else None, '.2f')} hours of "
+        f"wall time and {_f(s['cpu_s'] / 3600 if s['cpu_s'] else None, '.2f')} hours of CPU "
+        "time over the finished runs."
+    )
+    if missing:
+        text += " Variants with fewer seeds than planned: " + ", ".join(missing) + "."
+    return text
 
 
 def ranking_markdown(s: dict[str, Any]) -> str:
