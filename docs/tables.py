@@ -483,6 +483,37 @@ def bench_text(*args: str) -> Callable[[Context], str]:
     return make
 
 
+def fp4_tournament(ctx: Context) -> str:
+    """The FP4 tournament's status, ranking, gradient statistics and claims (tournament.json of
+    a run of experiments/fp4_tournament.toml, or of ``--run-dir``); the run's three plots are
+    copied to docs/img/fp4_tournament_{loss,gaps,gemm_stats}.png, which the page shows."""
+    import shutil
+
+    from precisionlab.experiments import tournament_report
+
+    config = "experiments/fp4_tournament.toml"
+    out = run_dir(ctx, config) / "tournament"
+    summary = json.loads((out / "tournament.json").read_text())
+    for src, dst in (("loss_curves", "loss"), ("gaps", "gaps"), ("gemm_stats", "gemm_stats")):
+        if (out / f"{src}.png").exists():
+            shutil.copyfile(out / f"{src}.png", ROOT / "docs" / "img" / f"fp4_tournament_{dst}.png")
+    return "\n\n".join(
+        [
+            tournament_report.status_markdown(summary),
+            tournament_report.ranking_markdown(summary),
+            tournament_report.stats_markdown(summary),
+            tournament_report.claims_markdown(summary),
+        ]
+    )
+
+
+#: The recipes of the 4-bit step cost table (item 5 of the FP4 tournament issue).
+FP4_BENCH_RECIPES = (
+    "bf16,nvfp4,mxfp4,nvidia_fp4,tseng_fp4,quartet,quartet2,four_over_six,tetrajet,"
+    "tetrajet_v2,fp4_all_the_way"
+)
+
+
 _CODEC_FORMATS = (
     "bf16,fp16,e4m3fn,e5m2,e4m3fnuz,e5m2fnuz,e4m3b11fnuz,e3m4,float8_e4m3,e8m0,e2m3,e3m2,e2m1,int8"
 )
@@ -587,6 +618,20 @@ REGIONS: dict[str, Region] = {
         "timing",
         100,
         timed(main_job_timings(warm=True)),
+    ),
+    "fp4-tournament": Region(
+        "docs/guides/fp4-tournament.md",
+        "precisionlab run experiments/fp4_tournament.toml",
+        "exact",
+        14400,
+        fp4_tournament,
+    ),
+    "bench-fp4-recipes": Region(
+        "docs/guides/fp4-tournament.md",
+        f"precisionlab bench recipes --recipes {FP4_BENCH_RECIPES} --repeats 5",
+        "timing",
+        1800,
+        timed(bench_console("recipes", "--recipes", FP4_BENCH_RECIPES, "--repeats", "5")),
     ),
     "bench-codecs-whole-array": Region(
         "docs/benchmarks/codecs.md",

@@ -275,7 +275,7 @@ def _schema_table(schema, undocumented: list[str], where: str) -> list[str]:
 
 def _experiment_page() -> str:
     from precisionlab import survey
-    from precisionlab.experiments import config, mismatch_kind
+    from precisionlab.experiments import config, mismatch_kind, tournament
     from precisionlab.memory import checkpointing
     from precisionlab.memory import experiment as memory
     from precisionlab.train.config import TRAIN_FIELDS
@@ -303,6 +303,9 @@ def _experiment_page() -> str:
         ('``[checkpointing]`` (``kind = "checkpointing"``)', "checkpointing", checkpointing.FIELDS),
         ('``[mismatch]`` (``kind = "mismatch"``)', "mismatch", mismatch_kind.FIELDS),
         ("``[mismatch.rl]``", "mismatch.rl", mismatch_kind.RL_FIELDS),
+        ('``[tournament]`` (``kind = "tournament"``)', "tournament", tournament.FIELDS),
+        ("``[[tournament.entry]]``", "tournament.entry", tournament.ENTRY_FIELDS),
+        ("``osci_reset`` of an entry", "tournament.entry.osci_reset", tournament.OSCI_FIELDS),
     ]
     for title, where, schema in tables:
         lines += _title(title, "-") + _schema_table(schema, undocumented, where)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from precisionlab import survey
-from precisionlab.experiments import mismatch_kind, train_kind
+from precisionlab.experiments import mismatch_kind, tournament, train_kind
 from precisionlab.memory import checkpointing as checkpointing_experiment
 from precisionlab.memory import experiment as memory_experiment
 
@@ -24,6 +24,7 @@ KINDS: dict[str, ModuleType] = {
     "memory": memory_experiment,
     "checkpointing": checkpointing_experiment,
     "mismatch": mismatch_kind,
+    "tournament": tournament,
 }
 
 

@@ -2,7 +2,9 @@
 
 - :func:`quantize` / :func:`dequantize`: per-tensor, per-channel or per-block scales;
   symmetric or asymmetric ints, scaled floats, and the OCP MX formats.
-- :func:`fake_quant`: both in one jittable op with a straight-through gradient.
+- :func:`fake_quant`: both in one jittable op with a straight-through gradient; also the
+  4-bit training recipes' quantizers by name (:data:`FP4_QUANTIZERS`,
+  :mod:`precisionlab.quant.fp4`).
 - :class:`QArray`: the quantized pytree (codes, scales, zero points, static metadata).
 - :func:`pack` / :func:`unpack`: two 4-bit codes per byte.
 
@@ -10,6 +12,7 @@ Every element conversion goes through the codecs of :mod:`precisionlab.bits`.
 """
 
 from precisionlab.quant.fake_quant import STE_MODES, fake_quant
+from precisionlab.quant.fp4 import FP4_QUANTIZERS
 from precisionlab.quant.mx import MX_BLOCK_SIZE, MX_FORMATS, SCALE_RULES, MXFormat, get_mx_format
 from precisionlab.quant.pack import pack, unpack
 from precisionlab.quant.qarray import SCALE_FORMATS, QArray
@@ -17,6 +20,7 @@ from precisionlab.quant.quantize import dequantize, element_scales, quantize
 from precisionlab.quant.spec import SCALE_METHODS, SCHEMES
 
 __all__ = [
+    "FP4_QUANTIZERS",
     "MX_BLOCK_SIZE",
     "MX_FORMATS",
     "SCALE_FORMATS",

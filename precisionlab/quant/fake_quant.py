@@ -7,7 +7,7 @@ from functools import lru_cache
 import jax
 import jax.numpy as jnp
 
-from precisionlab.quant import core
+from precisionlab.quant import core, fp4
 from precisionlab.quant.quantize import _check_key, _check_padding, check_input
 from precisionlab.quant.spec import QuantSpec, resolve
 
@@ -70,7 +70,26 @@ def fake_quant(
     scaled value rounds inside the element range (so the element at amax gets 1, unlike
     ``jnp.clip``'s 0.5 at its bound) and 0 where it was clipped; ``ste="identity"`` passes
     it everywhere. Scales are computed from ``x`` but carry no gradient.
+
+    ``fmt`` may also name a 4-bit training recipe's quantizer (:data:`FP4_QUANTIZERS`:
+    ``"nvfp4"``, ``"nvfp4_2d"``, ``"nvfp4_4over6"``, ``"nvfp4_double"``,
+    ``"mxfp4_prescaled"``, ``"quest"``, ``"ms_eden"``; see :mod:`precisionlab.quant.fp4`),
+    blocked along ``axis`` (default the last), with ``rounding`` ``"nearest_even"`` or
+    ``"stochastic"`` and ``key``; it takes no other option.
     """
+    if isinstance(fmt, str) and fmt.strip().lower() in fp4.FP4_QUANTIZERS:
+        given = {
+            "block_size": block_size, "scheme": scheme, "scale": scale,
+            "scale_format": scale_format, "scale_rule": scale_rule,
+        }  # fmt: skip
+        extra = [k for k, v in given.items() if v is not None] + (["full_range"] * full_range)
+        if extra or ste != "clipped":
+            raise ValueError(
+                f"{fmt!r} is a 4-bit recipe quantizer: it takes axis, rounding and key only, "
+                f"not {', '.join(extra) or 'ste'}"
+            )
+        x = check_input(x)
+        return fp4.fake_quant_named(x, fmt.strip().lower(), axis=axis, rounding=rounding, key=key)
     x = check_input(x)
     if ste not in STE_MODES:
         raise ValueError(f"unknown ste {ste!r}; allowed: {', '.join(STE_MODES)}")

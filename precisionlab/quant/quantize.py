@@ -111,6 +111,11 @@ def quantize(
       A :class:`QArray`.
     """
     x = check_input(x)
+    if isinstance(fmt, str) and fmt.strip().lower() in _fp4_names():
+        raise ValueError(
+            f"{fmt!r} is a 4-bit recipe quantizer (two scale levels, rotations): use "
+            f"fake_quant(x, {fmt!r}, ...) for its values; quantize stores one level of scales"
+        )
     spec = resolve(
         x.ndim, fmt, axis=axis, block_size=block_size, scheme=scheme, scale=scale,
         scale_format=scale_format, scale_rule=scale_rule, rounding=rounding,
@@ -128,6 +133,12 @@ def quantize(
         scheme=spec.scheme, scale_method=spec.scale_method, scale_format=spec.scale_format,
         scale_rule=spec.scale_rule, rounding=spec.rounding, packed=packed, dtype=str(x.dtype),
     )  # fmt: skip
+
+
+def _fp4_names():
+    from precisionlab.quant.fp4 import FP4_QUANTIZERS
+
+    return FP4_QUANTIZERS
 
 
 # Blocks pad their axis to whole blocks; a block far longer than its axis (block_size 100000

@@ -4,7 +4,12 @@
   :class:`Current`, :class:`Rowwise`, :class:`Blockwise`, :class:`MX`, :class:`NVFP4`,
   :class:`Reference`; by name with :func:`get_recipe` (:data:`RECIPE_NAMES`: ``delayed``,
   ``current``, ``rowwise``, ``rowwise_with_gw_hp``, ``blockwise``, ``mxfp8``, ``mxfp6``,
-  ``mxfp4``, ``nvfp4``, ``bf16``, ``fp32``).
+  ``mxfp4``, ``nvfp4``, ``bf16``, ``fp32``), and the published 4-bit training recipes, each
+  exact to its paper (:class:`NvidiaFP4`, :class:`TsengFP4`, :class:`Quartet`,
+  :class:`QuartetII`, :class:`FourOverSix`, :class:`TetraJet`, :class:`TetraJetV2`,
+  :class:`FP4AllTheWay`: ``nvidia_fp4``, ``tseng_fp4``, ``quartet``, ``quartet2``,
+  ``four_over_six``, ``tetrajet``, ``tetrajet_v2``, ``fp4_all_the_way``; :func:`osci_reset`,
+  TetraJet-v2's OsciReset, an optax transformation).
 - :func:`dot_general` (``lax.dot_general``'s signature), :func:`matmul`, :func:`einsum`:
   custom VJP quantizing the fprop, dgrad and wgrad GEMMs' operands as the recipe says;
   :func:`conv_general_dilated`: a convolution quantized as the GEMM over its patches
@@ -46,17 +51,29 @@ from precisionlab.recipes._dot import (
     operand_gemm,
     vjp_gemms,
 )
+from precisionlab.recipes._fp4 import (
+    FourOverSix,
+    FP4AllTheWay,
+    FP4Recipe,
+    NvidiaFP4,
+    Quartet,
+    QuartetII,
+    TetraJet,
+    TetraJetV2,
+    TsengFP4,
+    forward_weight_quantizer,
+    osci_reset,
+)
+from precisionlab.recipes._names import RECIPE_NAMES, get_recipe
 from precisionlab.recipes._recipes import (
     MX,
     NVFP4,
-    RECIPE_NAMES,
     Blockwise,
     Current,
     Delayed,
     Recipe,
     Reference,
     Rowwise,
-    get_recipe,
 )
 
 __all__ = [
@@ -69,22 +86,33 @@ __all__ = [
     "Blockwise",
     "Current",
     "Delayed",
+    "FP4AllTheWay",
+    "FP4Recipe",
+    "FourOverSix",
     "GemmRecord",
+    "NvidiaFP4",
+    "Quartet",
+    "QuartetII",
     "Recipe",
     "RecipeSpec",
     "Reference",
     "Rowwise",
+    "TetraJet",
+    "TetraJetV2",
+    "TsengFP4",
     "accumulate",
     "apply",
     "combine_observed",
     "conv_general_dilated",
     "dot_general",
     "einsum",
+    "forward_weight_quantizer",
     "fprop_gemm",
     "get_recipe",
     "init_site_state",
     "matmul",
     "operand_gemm",
+    "osci_reset",
     "update_site_state",
     "vjp_gemms",
 ]

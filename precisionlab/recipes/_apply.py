@@ -29,7 +29,8 @@ import jax.numpy as jnp
 from precisionlab.intercept import Context, Intercepted, Site, compute_line, intercept
 from precisionlab.recipes._conv import NOT_COVERED, conv_site
 from precisionlab.recipes._dot import WEIGHT_OPERANDS, dot_general
-from precisionlab.recipes._recipes import Delayed, Recipe, get_recipe
+from precisionlab.recipes._names import get_recipe
+from precisionlab.recipes._recipes import Delayed, Recipe
 
 __all__ = [
     "Applied",
@@ -162,8 +163,11 @@ class Applied:
         then one :func:`init_site_state` per replaced matmul."""
         if not self.recipe.stateful:
             return {}
+        own = getattr(self.recipe, "site_state", None)  # recipes._fp4: per-site shapes
         return {
-            s.name: init_site_state(self.recipe) for s in self.sites(*args, **kwargs) if s.selected
+            s.name: own(s, self.weight) if own else init_site_state(self.recipe)
+            for s in self.sites(*args, **kwargs)
+            if s.selected
         }
 
     def _check_state(self, state):
@@ -194,7 +198,7 @@ class Applied:
 
             vg = jax.value_and_grad(run, argnums=(0, *(n + 1 for n in nums)), has_aux=has_aux)
             value, grads = vg(state, *args)
-            observed = {k: v["probe"] for k, v in grads[0].items()}
+            observed = {k: v["probe"] for k, v in grads[0].items() if "probe" in v}
             g = grads[1] if isinstance(argnums, int) else tuple(grads[1:])
             return value, g, observed
 
@@ -204,9 +208,12 @@ class Applied:
         """The state after a step that observed ``observed``; unchanged where ``skip``."""
         if not self.recipe.stateful:
             return state
+        own = getattr(self.recipe, "update_site", None)  # recipes._fp4
         new = {
-            k: update_site_state(self.recipe, v, observed[k], self.weight) for k, v in state.items()
-        }
+            k: own(v, observed.get(k)) if own else update_site_state(self.recipe, v, observed[k],
+                                                                  self.weight)
+            for k, v in state.items()
+        }  # fmt: skip
         return jax.tree.map(lambda old, n: jnp.where(skip, old, n), state, new)
 
 

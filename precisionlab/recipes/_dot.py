@@ -28,6 +28,7 @@ from precisionlab.recipes import scaling as S
 from precisionlab.recipes._accumulate import accumulate
 from precisionlab.recipes._blockhw import block_gemm
 from precisionlab.recipes._deepgemm import blockwise_gemm
+from precisionlab.recipes._names import get_recipe
 from precisionlab.recipes._recipes import (
     MX,
     NVFP4,
@@ -35,7 +36,6 @@ from precisionlab.recipes._recipes import (
     Delayed,
     Recipe,
     Reference,
-    get_recipe,
 )
 
 E4M3_NAME = "float8_e4m3fn"
@@ -399,8 +399,13 @@ def dot_general(
     a3, lfree = _canon(lhs, lc, lb)
     b3, rfree = _canon(rhs, rc, rb)
     out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
-    if not isinstance(recipe, Delayed):
+    if not recipe.stateful:
         state = None
+    if hasattr(recipe, "dot3"):  # a recipe owning its three GEMMs (recipes._fp4)
+        wc, wb = (lc, lb) if kinds == ("w", "x") else (rc, rb)
+        out = recipe.dot3(kinds, a3, b3, state, key, canon=lambda t: _canon(t, wc, wb)[0])
+        batch_shape = tuple(lhs.shape[d] for d in lb)
+        return out.reshape(*batch_shape, *lfree, *rfree).astype(out_dtype)
     # the recipe's numbers (given by with_numbers: arguments of the caller's program) enter
     # as arguments, the recipe without them as the static part
     nums = recipe.given_numbers
