@@ -117,5 +117,12 @@ _ieee_round.defvjp(_ieee_round_fwd, _ieee_round_bwd)
 
 
 def enforce_tree(tree: T, dtype: Any = None) -> T:
-    """:func:`enforce` on every floating leaf."""
-    return jax.tree_util.tree_map(lambda x: enforce(x, dtype), tree)
+    """:func:`enforce` on every floating leaf; leaves that are neither arrays nor Python
+    numbers (an Equinox module's activation function, a string) pass through unchanged."""
+
+    def one(x: Any) -> Any:
+        if isinstance(x, (bool, int, float, complex)) or hasattr(x, "dtype"):
+            return enforce(x, dtype)
+        return x
+
+    return jax.tree_util.tree_map(one, tree)

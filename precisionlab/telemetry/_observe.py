@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from precisionlab.intercept import Context, Emit, PerIteration, Site, intercept, select
+from precisionlab.intercept import Context, Emit, PerIteration, Site, boundary, intercept, select
+from precisionlab.mixed import filter_value_and_grad
 from precisionlab.telemetry._stats import TensorStats, tensor_stats
 from precisionlab.telemetry._targets import parse_targets
 
@@ -60,7 +61,11 @@ def _contraction_last(x: jax.Array, contract, batch) -> jax.Array:
 
 
 def _is_float(x) -> bool:
-    return jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
+    """A floating array (or Python float); not a function or other static leaf of a model."""
+    if isinstance(x, float):
+        return True
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and not isinstance(x, type) and jnp.issubdtype(dtype, jnp.floating)
 
 
 class _StatsRule:
@@ -203,7 +208,14 @@ class Observed:
         loop). ``tensors=True`` gives the tensors themselves (float, laid out as their
         statistics would be: operands ``(rows, K)``, with the loop axes in front) instead of
         their statistics, for a caller that batches the statistics of many tensors.
-        ``f.sites``: the observed :class:`Site` list of the last call (set when it traces)."""
+        ``f.sites``: the observed :class:`Site` list of the last call (set when it traces).
+
+        The differentiated arguments may hold non-array leaves (an Equinox module's activation
+        function): only floating arrays are differentiated, the others pass through with
+        gradient None (:func:`precisionlab.mixed.filter_value_and_grad`). Inside a user's
+        ``shard_map`` the statistics are each device's (reduce them with
+        :func:`~precisionlab.telemetry.reduce_over`); the gradients are JAX's (a replicated
+        argument's summed over the devices)."""
         nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
         stat = (lambda x, _: x) if tensors else tensor_stats
 
@@ -211,6 +223,8 @@ class Observed:
             plan = self._plan(args, kwargs)
             f.sites = list(plan.values())  # type: ignore[attr-defined]
             probes = {k: _probe(s) for k, s in plan.items() if _probed(s)}
+            # inside shard_map the probes vary as the data does: each device's own cotangent
+            probes = boundary.match_varying(probes, boundary.tree_varying_axes((args, kwargs)))
 
             def run(pr, *a):
                 inter = self._intercepted(frozenset(plan), stat)
@@ -219,7 +233,8 @@ class Observed:
                     return out[0], (out[1], aux)
                 return out, (None, aux)
 
-            vg = jax.value_and_grad(run, argnums=(0, *(n + 1 for n in nums)), has_aux=True)
+            # filtered: an Equinox model's non-array leaves pass through (gradient None)
+            vg = filter_value_and_grad(run, argnums=(0, *(n + 1 for n in nums)), has_aux=True)
             (value, (aux, fwd)), grads = vg(probes, *args)
             stats = _collect(fwd, plan)
             for key, ct in grads[0].items():
@@ -291,9 +306,24 @@ def every(n: int, step: jax.Array, fn: Callable, *args: Any) -> Any:
     integer (traced or not)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"every: n must be an int >= 1, got {n!r}")
-    shapes = jax.eval_shape(fn, *args)
+    # array leaves go through the cond; the others (an Equinox model's functions) are static
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    dyn = [i for i, x in enumerate(leaves) if boundary.is_array(x)]
+
+    def call(*values):
+        full = list(leaves)
+        for i, v in zip(dyn, values, strict=True):
+            full[i] = v
+        return fn(*treedef.unflatten(full))
+
+    values = [leaves[i] for i in dyn]
+    shapes = jax.eval_shape(call, *values)
 
     def skip(*_):
-        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        # inside shard_map: each as varying as the statistic the other branch computes
+        return jax.tree.map(
+            lambda s: boundary.pvary(jnp.zeros(s.shape, s.dtype), boundary.varying_axes(s)),
+            shapes,
+        )
 
-    return lax.cond(jnp.asarray(step) % n == 0, fn, skip, *args)
+    return lax.cond(jnp.asarray(step) % n == 0, call, skip, *values)
