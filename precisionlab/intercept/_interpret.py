@@ -225,7 +225,7 @@ def _slice_state(state: dict, keys, index) -> dict:
 
 
 def _zeros(shape, like) -> jax.Array:
-    """Zeros varying over the manual axes ``like`` (a shape struct) varies over inside
+    """Zeros varying over the manual axes ``like`` (an aval) varies over inside
     ``shard_map``, so a branch or loop carry holding them has the type the computed values
     have."""
     return boundary.pvary(jnp.zeros(shape, like.dtype), boundary.varying_axes(like))
@@ -366,7 +366,7 @@ class _Run:
         if len(subs) == 1:
             return subs[0](*ops)
         # every branch returns every branch's aux: its own, and zeros (valid False) for others
-        shapes = [jax.eval_shape(f, *ops)[1] for f in subs]
+        shapes = [boundary.eval_shape(f, *ops)[1] for f in subs]
 
         def branch(k):
             def run(*a):
@@ -424,7 +424,7 @@ class _Run:
             st = _slice_state(state, inner, jnp.minimum(i, cap - 1))
             return self.eval(body_j, body_c, [*bconsts, *c], body_path, st, (*loops, i))
 
-        shapes = jax.eval_shape(run_body, jnp.int32(0), list(init))[1]
+        shapes = boundary.eval_shape(run_body, jnp.int32(0), list(init))[1]
         buf0 = jax.tree.map(lambda a: _zeros((cap, *a.shape), a), shapes)
 
         def cond(carry):

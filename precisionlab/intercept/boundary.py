@@ -46,6 +46,7 @@ __all__ = [
     "check_version",
     "checkpoint_parts",
     "cond_branches",
+    "eval_shape",
     "is_combiner",
     "is_literal",
     "kind",
@@ -444,7 +445,7 @@ def _varying(aval: Any) -> frozenset:
 def varying_axes(x: Any) -> frozenset:
     """The manual mesh axes ``x`` varies over inside ``shard_map`` with ``check_vma=True``
     (empty outside ``shard_map``, for a non-array and under ``check_vma=False``)."""
-    if isinstance(x, jax.ShapeDtypeStruct):
+    if isinstance(x, (jax.ShapeDtypeStruct, jax.core.ShapedArray)):
         return _varying(x)
     if not is_array(x):
         return frozenset()
@@ -465,6 +466,14 @@ def pvary(x: Any, axes: Any) -> Any:
     if hasattr(jax.lax, "pcast"):
         return jax.lax.pcast(x, missing, to="varying")
     return jax.lax.pvary(x, missing)
+
+
+def eval_shape(fn: Callable, *args: Any) -> Any:
+    """``jax.eval_shape(fn, *args)`` whose leaves keep the manual axes they vary over inside
+    ``shard_map`` (:func:`varying_axes` reads them; jax < 0.7's ``eval_shape`` drops them):
+    the traced program's output avals."""
+    closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    return jax.tree_util.tree_structure(shape).unflatten(list(closed.out_avals))
 
 
 def tree_varying_axes(tree: Any) -> frozenset:

@@ -306,17 +306,15 @@ class DynamicLossScale(LossScale):
 
 
 def _floating_leaf(x: Any) -> bool:
-    """A floating array (or Python float) leaf; functions, strings and other static leaves of a
-    model (an Equinox module's activation) are not."""
-    if isinstance(x, float):
-        return True
+    """A floating array leaf; functions, Python numbers and other static leaves of a model (an
+    Equinox module's activation, a max pool's ``init``) are not, as ``eqx.is_array`` says."""
     dtype = getattr(x, "dtype", None)
     return dtype is not None and not isinstance(x, type) and jnp.issubdtype(dtype, jnp.floating)
 
 
 def leaf_finite(tree: Any) -> list[jax.Array]:
-    """One boolean scalar per floating leaf (in ``tree_leaves`` order): all elements finite.
-    Non-array leaves (an Equinox module's functions, sizes, flags) are skipped."""
+    """One boolean scalar per floating array leaf (in ``tree_leaves`` order): all elements
+    finite. Other leaves (an Equinox module's functions, Python numbers) are skipped."""
     return [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree) if _floating_leaf(x)]
 
 

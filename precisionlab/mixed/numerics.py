@@ -117,12 +117,11 @@ _ieee_round.defvjp(_ieee_round_fwd, _ieee_round_bwd)
 
 
 def enforce_tree(tree: T, dtype: Any = None) -> T:
-    """:func:`enforce` on every floating leaf; leaves that are neither arrays nor Python
-    numbers (an Equinox module's activation function, a string) pass through unchanged."""
+    """:func:`enforce` on every floating array leaf; other leaves (an Equinox module's
+    activation function, its Python numbers) pass through unchanged."""
 
     def one(x: Any) -> Any:
-        if isinstance(x, (bool, int, float, complex)) or hasattr(x, "dtype"):
-            return enforce(x, dtype)
-        return x
+        floating = hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+        return enforce(x, dtype) if floating and not isinstance(x, type) else x
 
     return jax.tree_util.tree_map(one, tree)

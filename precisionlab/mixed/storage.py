@@ -117,14 +117,12 @@ def _is_float(x: Any) -> bool:
 
 
 def _values(tree: Any) -> Any:
-    """``tree`` with its leaves that are neither arrays nor Python numbers (an Equinox
-    module's activation function, a string) replaced by None, as ``eqx.filter`` leaves a
-    model for an optax transformation (which cannot make zeros of a function)."""
+    """``tree`` with its non-array leaves (an Equinox module's activation function, its
+    Python numbers) replaced by None, as ``eqx.filter(model, eqx.is_array)`` gives a model to
+    an optax transformation (which cannot make zeros of a function)."""
 
     def keep(x: Any) -> Any:
-        if isinstance(x, (bool, int, float, complex)) or hasattr(x, "dtype"):
-            return x
-        return None
+        return x if hasattr(x, "dtype") and hasattr(x, "shape") else None
 
     return jax.tree_util.tree_map(keep, tree)
 
@@ -177,8 +175,8 @@ def store_opt_state(
     on float32 gradients and params, and the new state is compressed again. Scalars (step counts,
     per-tensor statistics) stay as they are. float32 keeps the state as the optimizer makes it.
 
-    Params and updates may be a whole model: leaves that are neither arrays nor Python numbers
-    (an Equinox module's activation function) reach the optimizer as None, as
+    Params and updates may be a whole model: its non-array leaves (an Equinox module's
+    activation function, its Python numbers) reach the optimizer as None, as
     ``eqx.filter(model, eqx.is_array)`` would give them (their updates are None).
     """
     dt = parse_dtype(dtype)

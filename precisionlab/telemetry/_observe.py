@@ -290,13 +290,14 @@ def observe(
 
 
 def tree_stats(tree: Any, targets: Sequence[str] | str = ()) -> dict[str, TensorStats]:
-    """Statistics of every float leaf of a pytree (params, grads, optimizer state), keyed by
-    the leaf's path (``jax.tree_util.keystr``); integer leaves are left out."""
+    """Statistics of every float array leaf of a pytree (params, grads, optimizer state, an
+    Equinox model), keyed by the leaf's path (``jax.tree_util.keystr``); integer arrays and
+    other leaves (functions, Python numbers) are left out."""
     leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
     return {
         jax.tree_util.keystr(path): tensor_stats(leaf, targets)
         for path, leaf in leaves
-        if _is_float(leaf)
+        if hasattr(leaf, "shape") and _is_float(leaf)
     }
 
 
@@ -317,7 +318,7 @@ def every(n: int, step: jax.Array, fn: Callable, *args: Any) -> Any:
         return fn(*treedef.unflatten(full))
 
     values = [leaves[i] for i in dyn]
-    shapes = jax.eval_shape(call, *values)
+    shapes = boundary.eval_shape(call, *values)
 
     def skip(*_):
         # inside shard_map: each as varying as the statistic the other branch computes
