@@ -171,6 +171,10 @@ def _leaves(tree: Any) -> list[np.ndarray]:
     return [np.asarray(v) for v in jax.tree.leaves(tree) if _arrays(v)]
 
 
+def _flat(tree: Any) -> np.ndarray:
+    return np.concatenate([v.ravel().astype(np.float64) for v in _leaves(tree)])
+
+
 def _bitwise(a: Any, b: Any) -> bool:
     la, lb = _leaves(a), _leaves(b)
     return len(la) == len(lb) and all(
@@ -290,8 +294,9 @@ def check_recipe_exclusion_takes_effect(s: Subject) -> None:
 
 def check_delayed_recipe_trains(s: Subject) -> None:
     """Delayed scaling's value_and_grad observes every matmul's amaxes (finite, > 0) and
-    update_state rolls them into the history and moves the scales; the gradients differ from
-    the unquantized ones by a quantization-sized error."""
+    update_state rolls them into the history and moves the scales; with those scales the
+    next step's gradients differ from the unquantized ones by a quantization-sized error (the
+    first step's scales of 1 may flush small gradients in E5M2)."""
     f = recipes.apply(s.loss, "delayed", weight=s.weight)
     state = f.init_state(s.params, s.x, s.y)
     assert len(state) == len(s.dots)
@@ -300,7 +305,8 @@ def check_delayed_recipe_trains(s: Subject) -> None:
         value, grads, observed = f.value_and_grad()(st, p, x, y)
         return value, grads, observed, f.update_state(st, observed)
 
-    _, grads, observed, new = s.jit(vg)(state, s.params, s.x, s.y)
+    run = s.jit(vg)
+    _, grads, observed, new = run(state, s.params, s.x, s.y)
     ref = s.grads32[1]
     for name, o in observed.items():
         o = np.asarray(o)
@@ -308,8 +314,10 @@ def check_delayed_recipe_trains(s: Subject) -> None:
         np.testing.assert_array_equal(np.asarray(new[name]["history"])[0], o)
         assert not np.array_equal(np.asarray(new[name]["scale"]), np.ones(3, np.float32))
     assert not _bitwise(grads, ref)
-    for g, r in zip(_leaves(grads), _leaves(ref), strict=True):
-        assert _rel(g, r) < 0.2
+    grads = run(new, s.params, s.x, s.y)[1]
+    # over all leaves together: a leaf whose true gradient is 0 (an attention key's bias:
+    # softmax ignores it) has a relative error of float32 noise
+    assert _rel(_flat(grads), _flat(ref)) < 0.2
 
 
 # --- telemetry -------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from _model_features import PARAMS, Subject
+from _model_features import Subject, params
 
 D_IN, WIDTH, LAYERS, CLASSES, BATCH = 8, 16, 2, 10, 8
 
@@ -49,6 +49,7 @@ def criterion(logits: jax.Array, y: jax.Array) -> jax.Array:
 
 @pytest.fixture(scope="module")
 def subject() -> Subject:
+    """Eight examples of a 10-class problem (the loss of random logits, about ln 10, is > 1)."""
     kx, ky = jax.random.split(jax.random.key(1))
     x = jax.random.normal(kx, (BATCH, D_IN))
     y = jax.random.randint(ky, (BATCH,), 0, CLASSES)
@@ -63,6 +64,9 @@ def test_the_model_is_what_it_claims(subject):
     assert len(subject.dots) == 3  # embed, the scanned layer's, head
 
 
-@pytest.mark.parametrize("feature", PARAMS)
+DEFAULT = {"policy_casts", "static_loss_scale", "recipe_current", "recipe_delayed_training"}
+
+
+@pytest.mark.parametrize("feature", params(DEFAULT))
 def test_feature(subject, feature):
     feature.check(subject)

@@ -171,7 +171,10 @@ class Observed:
 
     def _intercepted(self, record=frozenset(), stat=tensor_stats):
         rule = _StatsRule(self.targets, record, stat, self.ops)
-        return intercept(self.fn, rule, while_capacity=self.while_capacity)
+        # only the recorded sites go through the rule: an excluded one inside a construct the
+        # interception layer cannot enter (a shard_map in fn) is left to run as it is
+        include = tuple(sorted(record))
+        return intercept(self.fn, rule, include=include, while_capacity=self.while_capacity)
 
     def _plan(self, args, kwargs) -> dict[str, Site]:
         """Internal site name -> the public (per-primitive numbered) selected site."""
