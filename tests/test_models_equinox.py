@@ -213,7 +213,8 @@ def test_applied_value_and_grad_takes_the_model(subject):
 
 
 def test_autoswitch_value_and_grad_takes_the_model(subject):
-    f = AutoSwitchRecipe(recipes.get_recipe("current"), underflow=0.0, mse=0.0).apply(loss)
+    spec = AutoSwitchRecipe(recipes.get_recipe("current"), include=(-1,), underflow=0.0, mse=0.0)
+    f = spec.apply(loss)
     state = f.init_state(subject.params, subject.x, subject.y)
 
     @eqx.filter_jit
@@ -223,6 +224,7 @@ def test_autoswitch_value_and_grad_takes_the_model(subject):
 
     g, new = step(state, subject.params, subject.x, subject.y)
     assert jax.tree.structure(g) == jax.tree.structure(subject.grads32[1])
+    assert list(new) == ["dot_general[1]"]  # the head
     assert {float(v["switched"]) for v in new.values()} == {1.0}
 
 
@@ -250,6 +252,24 @@ def test_tree_stats_every_meters_and_bytes_skip_the_functions(subject):
     assert float(under) == np.float32(sum(int(np.sum(np.abs(a) < tiny)) for a in arrays) / total)
     assert int(zeros) == sum(int(np.sum(a == 0)) for a in arrays)
     assert memory.tree_bytes(subject.params) == sum(a.nbytes for a in arrays)
+
+
+def test_build_step_refuses_the_model_with_advice_that_works(subject):
+    """The train step holds its state through jax.jit, so build_step takes arrays: given the
+    whole model, a TypeError names the function leaf and the partition to do, as code; that
+    code, run as it is, gives a step that trains."""
+    batch = (subject.x, subject.y)
+    with pytest.raises(TypeError, match=r"params\.layers\[1\]\.operation is a function") as err:
+        train.build_step(lambda m, b: loss(m, *b), subject.params, optax.adam(1e-2))
+    advice = str(err.value).split("close over the rest: ")[1]
+    first, second = advice.split(" and ")
+    ns = {"eqx": eqx, "model": subject.params, "loss": lambda m, b: loss(m, *b)}
+    exec(first, ns)  # params, static = eqx.partition(model, eqx.is_array)
+    loss_fn = eval(second.removeprefix("loss_fn="), ns)
+    step, state, _ = train.build_step(loss_fn, ns["params"], optax.adam(1e-2))
+    step = jax.jit(step)
+    first_loss = float(step(state, batch)[1]["loss"])
+    assert first_loss == pytest.approx(float(subject.grads32[0]), rel=1e-6)
 
 
 def test_filter_value_and_grad_is_equinox_s(subject):
@@ -288,6 +308,6 @@ def test_tutorial_training_step_with_a_delayed_recipe(subject):
 
 
 # --- the shared feature table ----------------------------------------------------------------
-@pytest.mark.parametrize("feature", params({"dynamic_loss_scale_overflow"}))
+@pytest.mark.parametrize("feature", params(set()))  # the entry points above are its default
 def test_feature(subject, feature):
     feature.check(subject)

@@ -106,9 +106,10 @@ def test_casting_params_alone_leaves_nnx_in_float32(subject):
 def test_nnx_value_and_grad_takes_the_recipe(subject, tokens):
     """nnx.value_and_grad over recipes.apply(loss_fn) inside nnx.jit, on the module itself:
     a State of gradients for every Param, and an FP8 loss that differs from the float32 one
-    by a quantization-sized amount."""
+    by a quantization-sized amount. (The head alone is quantized, include=[-1]: nine FP8
+    matmuls cost seconds of compile time; the shared table quantizes them all.)"""
     model = LM(rngs=nnx.Rngs(0))
-    fp8_loss = recipes.apply(loss_fn, "current")
+    fp8_loss = recipes.apply(loss_fn, "current", include=[-1])
     loss, grads = nnx.jit(nnx.value_and_grad(fp8_loss))(model, tokens)
     assert isinstance(grads, nnx.State)
     n_params = len(jax.tree.leaves(nnx.state(model, nnx.Param)))
@@ -148,7 +149,7 @@ def test_nnx_step_observes_the_module(tokens):
     assert all(float(s["out"].amax) > 0 for s in stats.values())
 
 
-DEFAULT = {"policy_casts", "recipe_current"}
+DEFAULT = {"policy_casts"}
 
 
 @pytest.mark.parametrize("feature", params(DEFAULT))

@@ -64,7 +64,9 @@ def test_the_model_is_what_it_claims(subject):
     assert len(subject.dots) == 3  # embed, the scanned layer's, head
 
 
-DEFAULT = {"policy_casts", "static_loss_scale", "recipe_current", "recipe_delayed_training"}
+DEFAULT = {
+    "policy_casts", "dynamic_loss_scale_overflow", "recipe_current", "recipe_delayed_training",
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("feature", params(DEFAULT))
