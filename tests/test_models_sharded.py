@@ -9,23 +9,14 @@ each shard (values and gradients to float32 summation order, amaxes and counts b
 
 The device count must be set before jax is imported, so the checks run in a subprocess
 (``run_on_host_devices``, tests/conftest.py); the default suite runs a few, ``-m slow`` all.
-The errors' hints are checked in this process (a one-device mesh is enough).
+A wrapper around a function that calls shard_map itself: tests/test_hints.py.
 """
 
 from __future__ import annotations
 
-import ast
-import re
 import textwrap
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec
-
-from precisionlab import recipes, telemetry
-from precisionlab.intercept import boundary
 
 SCRIPT = textwrap.dedent(
     """
@@ -174,59 +165,3 @@ def test_every_feature_on_two_devices(run_on_host_devices):
     for line in ("recipe nvfp4 ok", "recipe blockwise ok", "every ok", "loss scale ok",
                  "policy ok"):  # fmt: skip
         assert line in out, out
-
-
-# --- a shard_map inside the function: the hint is code that works -------------------------
-def _inner_shard_map(p, x):
-    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-    spec = PartitionSpec()
-    inner = jax.shard_map(lambda p, x: jnp.tanh(x @ p), mesh=mesh, in_specs=(spec, spec),
-                          out_specs=spec)  # fmt: skip
-    return inner(p, x) @ p.T @ p
-
-
-@pytest.mark.parametrize("wrap", ["apply", "observe"])
-def test_the_unsupported_primitive_hint_is_valid_code_that_works(wrap):
-    """A recipe around a function that calls shard_map itself cannot enter it: the error
-    names the sites and suggests exclude=[...]; that suggestion, evaluated as Python and passed
-    as it is, runs (the excluded matmul unquantized, the others quantized)."""
-    p = jnp.asarray(np.random.default_rng(0).normal(size=(4, 4)), jnp.float32)
-    x = jnp.asarray(np.random.default_rng(1).normal(size=(3, 4)), jnp.float32)
-
-    def wrapped(**kw):
-        if wrap == "apply":
-            return recipes.apply(_inner_shard_map, "current", **kw)
-        return lambda *a: telemetry.observe(_inner_shard_map, **kw)(*a)[0]
-
-    with pytest.raises(boundary.UnsupportedPrimitive) as err:
-        wrapped()(p, x)
-    msg = str(err.value)
-    hint = re.search(r"\(exclude=(\[.*?\])\)", msg)
-    assert hint, msg
-    exclude = ast.literal_eval(hint.group(1))
-    assert exclude == ["dot_general[0]"], msg
-    out = wrapped(exclude=exclude)(p, x)
-    assert out.shape == (3, 4)
-    if wrap == "observe":
-        np.testing.assert_array_equal(out, jax.jit(_inner_shard_map)(p, x))
-    else:
-        assert not np.array_equal(out, _inner_shard_map(p, x))
-
-
-def test_the_hint_lists_several_sites_as_one_valid_list():
-    def two_inside(p, x):
-        mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-        spec = PartitionSpec()
-        f = jax.shard_map(lambda p, x: (x @ p) @ p, mesh=mesh, in_specs=(spec, spec),
-                          out_specs=spec)  # fmt: skip
-        return f(p, x)
-
-    p = jnp.eye(4)
-    x = jnp.ones((2, 4))
-    with pytest.raises(boundary.UnsupportedPrimitive) as err:
-        recipes.apply(two_inside, "current")(p, x)
-    exclude = ast.literal_eval(re.search(r"\(exclude=(\[.*?\])\)", str(err.value)).group(1))
-    assert exclude == ["dot_general[0]", "dot_general[1]"]
-    np.testing.assert_array_equal(
-        recipes.apply(two_inside, "current", exclude=exclude)(p, x), two_inside(p, x)
-    )
