@@ -131,7 +131,8 @@ class Applied:
     def _check_state(self, state):
         if self.recipe.stateful and state is None:
             raise ValueError(
-                f"the {self.recipe.name} recipe is stateful: pass state=init_state(*args)"
+                f"the {self.recipe.name} recipe is stateful: pass state=f.init_state(*args), "
+                "f being this recipes.apply(...) result"
             )
 
     def __call__(self, *args, state: dict | None = None, key=None, **kwargs) -> Any:

@@ -225,8 +225,8 @@ def _qdot3_bwd(recipe, kinds, res, g):
     if isinstance(recipe, NVFP4) and recipe.stochastic_gradients:
         if key is None:
             raise ValueError(
-                "nvfp4 rounds gradients stochastically and needs a PRNG key: pass key=... "
-                "(or stochastic_gradients=False)"
+                "nvfp4 rounds gradients stochastically and needs a PRNG key: pass "
+                "key=jax.random.key(0) (or recipe=get_recipe('nvfp4', stochastic_gradients=False))"
             )
         kg1, kg2 = jax.random.split(key)
     gt = jnp.swapaxes(g, -1, -2)
@@ -321,7 +321,9 @@ def dot_general(
     _check_float(lhs, "lhs")
     _check_float(rhs, "rhs")
     if isinstance(recipe, Delayed) and state is None:
-        raise ValueError("the delayed recipe needs this matmul's state: pass state=...")
+        raise ValueError(
+            "the delayed recipe needs this matmul's state: pass state=init_site_state(recipe)"
+        )
     (lc, rc), (lb, rb) = dimension_numbers
     lc, rc, lb, rb = (tuple(int(d) for d in t) for t in (lc, rc, lb, rb))
     a3, lfree = _canon(lhs, lc, lb)
