@@ -261,7 +261,10 @@ def run_python(source: str, where: str) -> str:
     buffer = io.StringIO()
     namespace = {"__name__": "__readme__"}
     with contextlib.redirect_stdout(buffer):
-        exec(compile(source, where, "exec"), namespace)
+        # compiled as a user's script is: without this file's `from __future__ import
+        # annotations` (string annotations send dataclasses, an eqx.Module's fields, looking
+        # for a module "__readme__" that does not exist)
+        exec(compile(source, where, "exec", dont_inherit=True), namespace)
     return buffer.getvalue()
 
 

@@ -460,8 +460,11 @@ def test_accumulator_recipe_field_changes_the_gemm():
         (lambda: R.get_recipe("current", promote_every=128), "needs accumulate_bits"),
         (lambda: R.get_recipe("mxfp8", blok=3), "no field"),
         (
-            lambda: R.matmul(jnp.ones((4, 48)), jnp.ones((48, 4)), recipe="mxfp8"),
-            "contraction size 48 is not a multiple of the block size 32; pass pad=True",
+            lambda: R.matmul(
+                jnp.ones((4, 48)), jnp.ones((48, 4)), recipe=R.get_recipe("mxfp8", pad=False)
+            ),
+            "contraction size 48 is not a multiple of the block size 32; pass "
+            r"recipe=get_recipe\(recipe, pad=True\)",
         ),
         (
             lambda: R.matmul(jnp.ones((4, 8), jnp.int32), jnp.ones((8, 4)), recipe="current"),
@@ -484,3 +487,59 @@ def test_padding_is_exact_for_blocks():
     wp = np.pad(w, ((0, 16), (0, 0)))
     want = R.matmul(xp, wp, recipe="mxfp8")
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("name", ["blockwise", "mxfp8", "mxfp4", "nvfp4"])
+def test_matmul_pads_a_named_block_recipe_as_apply_does(name):
+    """recipes.matmul by name pads what recipes.apply by name pads (K = 100: no block of 16,
+    32 or 128 divides it), bitwise as the zero-padded operands multiply."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((4, 100)).astype(F32)
+    w = rng.standard_normal((100, 8)).astype(F32)
+    by_name = np.asarray(R.matmul(x, w, recipe=name))
+    # weight="rhs" as matmul's default (apply would take the first argument, x, for the
+    # parameters and so for the weight)
+    applied = np.asarray(R.apply(lambda a, b: a @ b, name, weight="rhs")(x, w))
+    np.testing.assert_array_equal(by_name, applied)
+    k = -100 % 128
+    xp, wp = np.pad(x, ((0, 0), (0, k))), np.pad(w, ((0, k), (0, 0)))
+    np.testing.assert_array_equal(by_name, np.asarray(R.matmul(xp, wp, recipe=name)))
+    assert not np.array_equal(by_name, x @ w)
+
+
+def oracle_blockwise_ragged(x, block=128, two_d=False):
+    """Blockwise quantize-dequantize of a 2-D (R, K) float32 array whose sizes need not be
+    multiples of ``block``: each tile (1 x block, or block x block) is cut short at the edge and
+    scaled by its own amax, in float64 (no padding involved)."""
+    x64 = x.astype(np.float64)
+    out = np.empty_like(x64)
+    rows = block if two_d else 1
+    for i in range(0, x.shape[0], rows):
+        for j in range(0, x.shape[1], block):
+            t = x64[i : i + rows, j : j + block]
+            s = oracle_block_scale(np.max(np.abs(t)))
+            out[i : i + rows, j : j + block] = cast(t * s, "float8_e4m3fn") / s
+    return out
+
+
+def test_blockwise_matmul_pads_to_the_ragged_tile_oracle():
+    """K = 300 and N = 136 (no multiple of 128): recipes.matmul by name equals recipes.apply
+    bitwise and the float64 blockwise quantization on the unpadded shape (the last tiles cut
+    short). Against an identity (exactly representable, one product per output) the product is
+    the quantized operand itself, so that comparison is bitwise; the values span 16 decades
+    along K, so a tile cut in another place flushes other values to zero."""
+    rng = np.random.default_rng(12)
+    x = (rng.standard_normal((4, 300)) * np.geomspace(1e-8, 1e8, 300)).astype(F32)
+    w = (rng.standard_normal((300, 136)) * np.geomspace(1e-8, 1e8, 300)[:, None]).astype(F32)
+    got = np.asarray(R.matmul(x, w, recipe="blockwise"))
+    np.testing.assert_array_equal(
+        got, np.asarray(R.apply(lambda a, b: a @ b, "blockwise", weight="rhs")(x, w))
+    )
+    qx = oracle_blockwise_ragged(x)
+    qw = oracle_blockwise_ragged(np.ascontiguousarray(w.T), two_d=True).T  # tiles of w as (N, K)
+    eye = np.eye(300, dtype=F32)
+    np.testing.assert_array_equal(np.asarray(R.matmul(x, eye, recipe="blockwise")), qx)
+    np.testing.assert_array_equal(np.asarray(R.matmul(eye, w, recipe="blockwise")), qw)
+    assert np.count_nonzero(qx == 0) > 0 and not np.array_equal(qx, x)  # flushed and rounded
+    want = qx @ qw
+    _close(got, want, 300 * 2.0**-23 * (np.abs(qx) @ np.abs(qw)) + 1e-30)

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from precisionlab.experiments.config import Unit
-from precisionlab.intercept import Context, Site, intercept
+from precisionlab.intercept import Context, Site, boundary, intercept
+from precisionlab.mixed import filter_value_and_grad
 from precisionlab.recipes import WEIGHT_OPERANDS, AppliedRecipe
 from precisionlab.recipes import dot_general as recipe_dot
 from precisionlab.train import build, train
@@ -170,7 +171,10 @@ class _Switched:
                 value, aux = out if has_aux else (out, None)
                 return value, (aux, sink)
 
-            vg = jax.value_and_grad(run, argnums=(0, 1), has_aux=True)
+            # each device's own statistics inside shard_map; an Equinox model's non-array
+            # leaves pass through (gradient None)
+            state = boundary.match_varying(state, boundary.tree_varying_axes((args, kwargs)))
+            vg = filter_value_and_grad(run, argnums=(0, 1), has_aux=True)
             (value, (aux, sink)), (gst, gp) = vg(state, *args)
             observed = {}
             for name in state:

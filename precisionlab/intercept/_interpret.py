@@ -277,8 +277,15 @@ def _slice_state(state: dict, keys, index) -> dict:
     }
 
 
+def _zeros(shape, like) -> jax.Array:
+    """Zeros varying over the manual axes ``like`` (an aval) varies over inside
+    ``shard_map``, so a branch or loop carry holding them has the type the computed values
+    have."""
+    return boundary.pvary(jnp.zeros(shape, like.dtype), boundary.varying_axes(like))
+
+
 def _zeros_like(tree):
-    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
+    return jax.tree.map(lambda a: _zeros(a.shape, a), tree)
 
 
 @dataclasses.dataclass
@@ -359,7 +366,7 @@ class _Run:
         kind = boundary.kind(eqn.primitive)
         if kind is None:
             inside = sorted(s.name for p, s in self.sites.items() if p[: len(path)] == path)
-            raise boundary.unsupported(", ".join(inside), eqn)
+            raise boundary.unsupported(inside, eqn)
         if kind in boundary.CALLS:
             # inlined: a custom_jvp/vjp holding a replaced operation loses its custom rule
             return self._sub(boundary.call_program(eqn), (*path, 0), state, loops)(*invals)
@@ -412,7 +419,7 @@ class _Run:
         if len(subs) == 1:
             return subs[0](*ops)
         # every branch returns every branch's aux: its own, and zeros (valid False) for others
-        shapes = [jax.eval_shape(f, *ops)[1] for f in subs]
+        shapes = [boundary.eval_shape(f, *ops)[1] for f in subs]
 
         def branch(k):
             def run(*a):
@@ -470,8 +477,8 @@ class _Run:
             st = _slice_state(state, inner, jnp.minimum(i, cap - 1))
             return self.eval(body_j, body_c, [*bconsts, *c], body_path, st, (*loops, i))
 
-        shapes = jax.eval_shape(run_body, jnp.int32(0), list(init))[1]
-        buf0 = jax.tree.map(lambda a: jnp.zeros((cap, *a.shape), a.dtype), shapes)
+        shapes = boundary.eval_shape(run_body, jnp.int32(0), list(init))[1]
+        buf0 = jax.tree.map(lambda a: _zeros((cap, *a.shape), a), shapes)
 
         def cond(carry):
             _, c, _ = carry
@@ -652,7 +659,7 @@ class Intercepted:
         for path, name in foreign.items():
             inside = [s.name for p, s in chosen.items() if p[: len(path)] == path]
             if inside:
-                raise boundary.unsupported(", ".join(inside), name)
+                raise boundary.unsupported(inside, name)
         plain = getattr(self.rule, "emits", True) is False and key is None and not state
         run = _Run(self.rule, chosen, _prefixes(chosen), key, self.while_capacity, plain)
         outs, aux = run.eval(closed.jaxpr, closed.consts, dyn, (), state, ())

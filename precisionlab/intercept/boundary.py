@@ -47,21 +47,26 @@ __all__ = [
     "check_version",
     "checkpoint_parts",
     "cond_branches",
+    "eval_shape",
     "is_combiner",
     "is_literal",
     "kind",
     "loop_length",
+    "match_varying",
     "name_stack",
     "open_jaxpr",
     "primitive_names",
     "product_flops",
+    "pvary",
     "rebind",
     "retrace",
     "scan_split",
     "source_context",
     "subprograms",
     "trace",
+    "tree_varying_axes",
     "unsupported",
+    "varying_axes",
     "where",
     "while_body_index",
     "while_cond_index",
@@ -414,13 +419,24 @@ class UnsupportedPrimitive(NotImplementedError):
     """A selected operation sits inside a higher-order primitive the interpreter does not know."""
 
 
-def unsupported(site: str, eqn_or_name: Any, what: str = "replaced") -> UnsupportedPrimitive:
-    """The error for a selected operation ``site`` inside an unknown higher-order primitive."""
+def unsupported(
+    sites: Sequence[str] | str, eqn_or_name: Any, what: str = "replaced"
+) -> UnsupportedPrimitive:
+    """The error for selected operations inside an unknown higher-order primitive.
+
+    ``sites``: the operations' names (``["dot_general[0]", "dot_general[1]"]``: the message
+    suggests ``exclude=[...]`` with them, valid Python to pass as it is), or a description
+    (a string: no suggestion)."""
     name = getattr(getattr(eqn_or_name, "primitive", None), "name", None) or str(eqn_or_name)
+    if isinstance(sites, str):
+        label, advice = sites, ""
+    else:
+        names = [str(s) for s in sites]
+        label, advice = ", ".join(names), f"exclude it (exclude={names!r}), "
     return UnsupportedPrimitive(
-        f"{site} sits inside {name!r}, a higher-order primitive precisionlab does not know "
+        f"{label} sits inside {name!r}, a higher-order primitive precisionlab does not know "
         f"(jax {jax.__version__}; known: {', '.join(KINDS)}), so it would not be {what}: "
-        f"exclude it (exclude=[{site!r}]), move it out of {name}, or report the primitive"
+        f"{advice}move it out of {name}, or report the primitive"
     )
 
 
@@ -463,6 +479,68 @@ def source_context(eqn: Any) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
 
+# --- varying manual axes (shard_map) ---------------------------------------------------------
+def _varying(aval: Any) -> frozenset:
+    # jax < 0.8 (from 0.6.1): ``aval.vma``; later: ``aval.manual_axis_type.varying``
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    return frozenset(vma or ())
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The manual mesh axes ``x`` varies over inside ``shard_map`` with ``check_vma=True``
+    (empty outside ``shard_map``, for a non-array and under ``check_vma=False``)."""
+    if isinstance(x, (jax.ShapeDtypeStruct, jax.core.ShapedArray)):
+        return _varying(x)
+    if not is_array(x):
+        return frozenset()
+    try:
+        return _varying(jax.typeof(x))
+    except TypeError:
+        return frozenset()
+
+
+def pvary(x: Any, axes: Any) -> Any:
+    """``x`` marked as varying over the manual ``axes`` too (``lax.pcast(..., to="varying")``,
+    ``lax.pvary`` before it existed); axes it already varies over are left as they are, and
+    with nothing to add ``x`` is returned itself. Its transpose is a ``psum``: a gradient
+    flowing back into an invariant value is summed over the axes."""
+    missing = tuple(sorted(frozenset(axes) - varying_axes(x), key=str))
+    if not missing:
+        return x
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, missing, to="varying")
+    return jax.lax.pvary(x, missing)
+
+
+def eval_shape(fn: Callable, *args: Any) -> Any:
+    """``jax.eval_shape(fn, *args)`` whose leaves keep the manual axes they vary over inside
+    ``shard_map`` (:func:`varying_axes` reads them; jax < 0.7's ``eval_shape`` drops them):
+    the traced program's output avals."""
+    closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    return jax.tree_util.tree_structure(shape).unflatten(list(closed.out_avals))
+
+
+def tree_varying_axes(tree: Any) -> frozenset:
+    """The union of :func:`varying_axes` over the array leaves of ``tree``."""
+    out: frozenset = frozenset()
+    for leaf in jax.tree_util.tree_leaves(tree):
+        out |= varying_axes(leaf)
+    return out
+
+
+def match_varying(tree: Any, axes: Any = None) -> Any:
+    """Every array leaf of ``tree`` varying over ``axes`` (default: the union over its
+    leaves), so the values can meet in one primitive or a ``custom_vjp`` whose backward rule
+    returns cotangents as varying as the data (``check_vma=True``); other leaves as they are.
+    Outside ``shard_map`` the tree itself."""
+    axes = tree_varying_axes(tree) if axes is None else frozenset(axes)
+    if not axes:
+        return tree
+    return jax.tree_util.tree_map(lambda x: pvary(x, axes) if is_array(x) else x, tree)
+
+
 # --- tracing -------------------------------------------------------------------------------
 def is_array(x: Any) -> bool:
     """Whether a pytree leaf is traced (an array or ShapeDtypeStruct) rather than static."""
@@ -471,12 +549,17 @@ def is_array(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, type)
 
 
-def _spec(aval: Any) -> jax.ShapeDtypeStruct:
+def _spec(aval: Any) -> Any:
+    if _varying(aval):
+        # inside shard_map: the aval itself, so the program is traced with the manual axes
+        # the value varies over (JAX then inserts the pvary a mixed operation needs)
+        return aval
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
 
 
-def abstract(x: Any) -> jax.ShapeDtypeStruct:
-    """The shape, dtype and weak type of an array (a ShapeDtypeStruct as it is)."""
+def abstract(x: Any) -> Any:
+    """The shape, dtype and weak type of an array (a ShapeDtypeStruct as it is); inside
+    ``shard_map`` a value varying over manual axes keeps them (its aval is returned)."""
     return _spec(x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x))
 
 
@@ -495,9 +578,7 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, Any, list]:
         a, kw = jax.tree.unflatten(treedef, full)
         return fn(*a, **kw)
 
-    closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(
-        *[abstract(leaves[i]) for i in dyn]
-    )
+    closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*[abstract(leaves[i]) for i in dyn])
     return closed, out_shape, [leaves[i] for i in dyn]
 
 

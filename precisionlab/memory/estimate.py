@@ -363,9 +363,12 @@ def best_checkpoint_interval(model: ModelSpec, setup: TrainSetup, *, full: bool 
 
 def tree_bytes(tree: Any, dtype: Any = None) -> int:
     """Bytes of the array leaves of ``tree`` (arrays or ``jax.ShapeDtypeStruct``), each in
-    ``dtype`` if given, else in its own dtype."""
+    ``dtype`` if given, else in its own dtype; other leaves (an Equinox module's activation
+    function, sizes) hold no array memory and count 0."""
     total = 0
     for leaf in jax.tree_util.tree_leaves(tree):
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+            continue
         size = int(np.prod(leaf.shape, dtype=np.int64))
         total += size * _nbytes(leaf.dtype if dtype is None else dtype)
     return total

@@ -305,13 +305,17 @@ class DynamicLossScale(LossScale):
         )
 
 
+def _floating_leaf(x: Any) -> bool:
+    """A floating array leaf; functions, Python numbers and other static leaves of a model (an
+    Equinox module's activation, a max pool's ``init``) are not, as ``eqx.is_array`` says."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and not isinstance(x, type) and jnp.issubdtype(dtype, jnp.floating)
+
+
 def leaf_finite(tree: Any) -> list[jax.Array]:
-    """One boolean scalar per floating leaf (in ``tree_leaves`` order): all elements finite."""
-    return [
-        jnp.all(jnp.isfinite(x))
-        for x in jax.tree_util.tree_leaves(tree)
-        if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
-    ]
+    """One boolean scalar per floating array leaf (in ``tree_leaves`` order): all elements
+    finite. Other leaves (an Equinox module's functions, Python numbers) are skipped."""
+    return [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree) if _floating_leaf(x)]
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -328,17 +332,56 @@ def nonfinite_leaf_names(tree: Any, flags: Any) -> list[str]:
     paths = [
         jax.tree_util.keystr(path)
         for path, x in jax.tree_util.tree_leaves_with_path(tree)
-        if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
+        if _floating_leaf(x)
     ]
     return [p for p, ok in zip(paths, np.asarray(flags).reshape(-1), strict=True) if not ok]
 
 
+_NUMBERS = (bool, int, float, complex)
+
+
+def _selectable(x: Any) -> bool:
+    """A leaf ``jnp.where`` can choose: an array (or tracer) or a Python number."""
+    if isinstance(x, _NUMBERS):
+        return True
+    return hasattr(x, "dtype") and hasattr(x, "shape") and not isinstance(x, type)
+
+
 def select_tree(pred: jax.Array, on_true: T, on_false: T) -> T:
-    """Leafwise ``jnp.where(pred, on_true, on_false)`` for a boolean scalar ``pred``."""
+    """Leafwise ``jnp.where(pred, on_true, on_false)`` for a boolean scalar ``pred``.
+
+    Array leaves are selected; other leaves (an Equinox module's activation function, a
+    string, a size) pass through and must be equal in both trees, as a traced ``pred`` cannot
+    choose between them (a ValueError names the first that differs). Python numbers equal in
+    both trees pass through as they are.
+    """
     pred = jnp.asarray(pred)
     if pred.shape != () or pred.dtype != bool:
         raise ValueError(f"pred must be a boolean scalar, got {pred.dtype}{list(pred.shape)}")
-    return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+    def pick(path: Any, a: Any, b: Any) -> Any:
+        if isinstance(a, _NUMBERS) and isinstance(b, _NUMBERS) and a == b:
+            return a  # the leaf as it is (an Equinox hyperparameter stays a Python number)
+        if _selectable(a) and _selectable(b):
+            return jnp.where(pred, a, b)
+        if a is b or _static_equal(a, b):
+            return a
+        raise ValueError(
+            f"select_tree: the non-array leaf at {jax.tree_util.keystr(path) or 'the root'} "
+            f"differs between on_true ({a!r}) and on_false ({b!r}); a traced predicate chooses "
+            "between arrays only"
+        )
+
+    return jax.tree_util.tree_map_with_path(pick, on_true, on_false)
+
+
+def _static_equal(a: Any, b: Any) -> bool:
+    if _selectable(a) or _selectable(b):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # an object whose == is not a bool
+        return False
 
 
 def parse_loss_scale(spec: str | LossScale, **kwargs: Any) -> LossScale:

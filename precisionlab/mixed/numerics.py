@@ -117,5 +117,11 @@ _ieee_round.defvjp(_ieee_round_fwd, _ieee_round_bwd)
 
 
 def enforce_tree(tree: T, dtype: Any = None) -> T:
-    """:func:`enforce` on every floating leaf."""
-    return jax.tree_util.tree_map(lambda x: enforce(x, dtype), tree)
+    """:func:`enforce` on every floating array leaf; other leaves (an Equinox module's
+    activation function, its Python numbers) pass through unchanged."""
+
+    def one(x: Any) -> Any:
+        floating = hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+        return enforce(x, dtype) if floating and not isinstance(x, type) else x
+
+    return jax.tree_util.tree_map(one, tree)

@@ -116,6 +116,17 @@ def _is_float(x: Any) -> bool:
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
 
 
+def _values(tree: Any) -> Any:
+    """``tree`` with its non-array leaves (an Equinox module's activation function, its
+    Python numbers) replaced by None, as ``eqx.filter(model, eqx.is_array)`` gives a model to
+    an optax transformation (which cannot make zeros of a function)."""
+
+    def keep(x: Any) -> Any:
+        return x if hasattr(x, "dtype") and hasattr(x, "shape") else None
+
+    return jax.tree_util.tree_map(keep, tree)
+
+
 def compress(tree: Any, dtype: Any) -> Any:
     """Store the floating leaves of ``tree`` in ``dtype`` (fp8: as :class:`ScaledArray` with a
     per-tensor scale mapping the largest finite magnitude to the format's max; NaN and inf do
@@ -162,18 +173,30 @@ def store_opt_state(
 
     Inside ``update`` the state is decompressed to float32, the wrapped optimizer runs in float32
     on float32 gradients and params, and the new state is compressed again. Scalars (step counts,
-    per-tensor statistics) stay as they are. float32 returns ``optimizer`` unchanged.
+    per-tensor statistics) stay as they are. float32 keeps the state as the optimizer makes it.
+
+    Params and updates may be a whole model: its non-array leaves (an Equinox module's
+    activation function, its Python numbers) reach the optimizer as None, as
+    ``eqx.filter(model, eqx.is_array)`` would give them (their updates are None).
     """
     dt = parse_dtype(dtype)
     if dt == _F32:
-        return optimizer
+
+        def init32(params: Any) -> Any:
+            return optimizer.init(_values(params))
+
+        def update32(updates: Any, state: Any, params: Any = None, **extra: Any):
+            params = None if params is None else _values(params)
+            return optimizer.update(_values(updates), state, params, **extra)
+
+        return optax.GradientTransformationExtraArgs(init32, update32)
 
     def init(params: Any) -> Any:
-        return compress(optimizer.init(decompress(params)), dt)
+        return compress(optimizer.init(decompress(_values(params))), dt)
 
     def update(updates: Any, state: Any, params: Any = None, **extra: Any):
-        updates32 = decompress(updates)
-        params32 = None if params is None else decompress(params)
+        updates32 = decompress(_values(updates))
+        params32 = None if params is None else decompress(_values(params))
         new_updates, new_state = optimizer.update(updates32, decompress(state), params32, **extra)
         return new_updates, compress(new_state, dt)
 
@@ -229,7 +252,9 @@ def apply_updates(
     - kahan: ``y = u - c; t = round(p + y); c = round((t - p) - y); p = t`` with float32
       arithmetic and ``c`` stored in the param dtype (Zamirai et al. 2020).
 
-    Params at float32 or wider are updated as ``p + u`` whatever the mode.
+    Params at float32 or wider are updated as ``p + u`` whatever the mode. Leaves that are not
+    floating arrays (an Equinox module's activation function) and leaves whose update is None
+    (``eqx.filter_grad``'s gradient of a non-array leaf) are returned as they are.
     Returns the new params (same dtypes) and storage state.
     """
     leaves, treedef = jax.tree_util.tree_flatten(params)
@@ -244,7 +269,7 @@ def apply_updates(
         keys = list(jax.random.split(key, max(len(leaves), 1)))
     new_p, new_c = [], []
     for i, (p, u, c) in enumerate(zip(leaves, ups, comps, strict=True)):
-        if not _is_float(p):
+        if not _is_float(p) or u is None:  # a static leaf, or one the update leaves alone
             new_p.append(p)
             new_c.append(c)
             continue

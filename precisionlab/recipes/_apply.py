@@ -26,10 +26,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from precisionlab.intercept import Context, Intercepted, Site, compute_line, intercept
+from precisionlab.intercept import Context, Intercepted, Site, boundary, compute_line, intercept
+from precisionlab.mixed import filter_value_and_grad
 from precisionlab.recipes._conv import NOT_COVERED, conv_site
-from precisionlab.recipes._dot import WEIGHT_OPERANDS, dot_general
-from precisionlab.recipes._names import get_recipe
+from precisionlab.recipes._dot import WEIGHT_OPERANDS, _named, dot_general
 from precisionlab.recipes._recipes import Delayed, Recipe
 
 __all__ = [
@@ -141,6 +141,8 @@ class Applied:
                 "emulate and the hardware preset to the recipe (accumulate=...)"
             )
         self.recipe, self.weight, self.attention = recipe, weight, attention
+        # inspect.signature reads fn's: nnx.value_and_grad and nnx.jit bind arguments by it
+        self.__wrapped__ = fn
         self.intercepted: Intercepted = intercept(
             fn, _DotRule(recipe, weight), include=include, exclude=exclude,
             numbering="primitive", params=params, default=None if attention else weight_products,
@@ -173,7 +175,8 @@ class Applied:
     def _check_state(self, state):
         if self.recipe.stateful and state is None:
             raise ValueError(
-                f"the {self.recipe.name} recipe is stateful: pass state=init_state(*args)"
+                f"the {self.recipe.name} recipe is stateful: pass state=f.init_state(*args), "
+                "f being this recipes.apply(...) result"
             )
 
     def __call__(self, *args, state: dict | None = None, key=None, **kwargs) -> Any:
@@ -186,17 +189,27 @@ class Applied:
     ) -> Callable[..., tuple[Any, Any, dict]]:
         """``f(state, *args, key=None, **kwargs) -> (value, grads, observed)``: like
         ``jax.value_and_grad(fn, argnums, has_aux)`` plus the observed amaxes per site
-        (``{}`` for stateless recipes), to pass to :meth:`update_state`."""
+        (``{}`` for stateless recipes), to pass to :meth:`update_state`.
+
+        The differentiated arguments may hold non-array leaves (an Equinox module's activation
+        function): only floating arrays are differentiated, the others pass through with
+        gradient None (:func:`precisionlab.mixed.filter_value_and_grad`). Inside a user's
+        ``shard_map`` the observed amaxes are each device's (``lax.pmax`` them before
+        :meth:`update_state`); the gradients are JAX's (a replicated argument's summed)."""
         nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
         def f(state, *args, key=None, **kwargs):
             self._check_state(state)
             state = state or {}
+            # inside shard_map: the state varies as the data does, so each device observes
+            # its own amaxes (a replicated state's cotangent would be their sum)
+            state = boundary.match_varying(state, boundary.tree_varying_axes((args, kwargs)))
 
             def run(st, *a):
                 return self.intercepted.call_with_state(st, *a, key=key, **kwargs)
 
-            vg = jax.value_and_grad(run, argnums=(0, *(n + 1 for n in nums)), has_aux=has_aux)
+            # filtered: an Equinox model's non-array leaves pass through (gradient None)
+            vg = filter_value_and_grad(run, argnums=(0, *(n + 1 for n in nums)), has_aux=has_aux)
             value, grads = vg(state, *args)
             observed = {k: v["probe"] for k, v in grads[0].items() if "probe" in v}
             g = grads[1] if isinstance(argnums, int) else tuple(grads[1:])
@@ -262,17 +275,6 @@ def apply(
       ``.update_state(...)`` train with stateful recipes.
     """
     return Applied(fn, _named(recipe), include, exclude, weight, attention, params)
-
-
-def _named(recipe: Recipe | str) -> Recipe:
-    """The recipe; a name gets ``pad=True`` where the recipe has the field (a 10-class
-    output's data-gradient GEMM contracts over 10, not a multiple of a 32-element block)."""
-    if not isinstance(recipe, str):
-        return get_recipe(recipe)
-    r = get_recipe(recipe)
-    if "pad" in {f.name for f in dataclasses.fields(r)}:
-        return dataclasses.replace(r, pad=True)  # type: ignore[type-var]
-    return r
 
 
 def einsum(spec: str, a: jax.Array, b: jax.Array, *, recipe: Recipe | str, **kwargs) -> jax.Array:

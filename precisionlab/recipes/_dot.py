@@ -14,6 +14,7 @@ float32 (HIGHEST precision) unless the recipe emulates a narrower accumulator.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from functools import partial
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from precisionlab.intercept import boundary
 from precisionlab.recipes import scaling as S
 from precisionlab.recipes._accumulate import accumulate
 from precisionlab.recipes._blockhw import block_gemm
@@ -93,8 +95,9 @@ def _check_blocks(recipe: Recipe, t: jax.Array, kind: str, what: str) -> None:
             if n % blk and not recipe.pad_ok():
                 raise ValueError(
                     f"{recipe.name}: the {what} operand's {label} size {n} is not a multiple "
-                    f"of the block size {blk}; pass pad=True to the recipe (zeros fill the last "
-                    "block: they change neither its amax nor the products) or use other sizes"
+                    f"of the block size {blk}; pass recipe=get_recipe(recipe, pad=True) (zeros "
+                    "fill the last block: they change neither its amax nor the products) or use "
+                    "other sizes"
                 )
 
 
@@ -292,8 +295,8 @@ def vjp_gemms(
     if isinstance(recipe, NVFP4) and recipe.stochastic_gradients:
         if key is None:
             raise ValueError(
-                "nvfp4 rounds gradients stochastically and needs a PRNG key: pass key=... "
-                "(or stochastic_gradients=False)"
+                "nvfp4 rounds gradients stochastically and needs a PRNG key: pass "
+                "key=jax.random.key(0) (or recipe=get_recipe('nvfp4', stochastic_gradients=False))"
             )
         kg1, kg2 = jax.random.split(key)
     gt = jnp.swapaxes(g, -1, -2)
@@ -349,6 +352,17 @@ def operand_kinds(weight: str | tuple[str, str]) -> tuple[str, str]:
     )
 
 
+def _named(recipe: Recipe | str) -> Recipe:
+    """The recipe; a name gets ``pad=True`` where the recipe has the field (a 10-class
+    output's data-gradient GEMM contracts over 10, not a multiple of a 32-element block)."""
+    if not isinstance(recipe, str):
+        return get_recipe(recipe)
+    r = get_recipe(recipe)
+    if "pad" in {f.name for f in dataclasses.fields(r)}:
+        return dataclasses.replace(r, pad=True)  # type: ignore[type-var]
+    return r
+
+
 def _check_float(x, what: str) -> None:
     if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in _FLOATS]:
         raise ValueError(
@@ -375,7 +389,10 @@ def dot_general(
       lhs, rhs, dimension_numbers, preferred_element_type: as in ``lax.dot_general``
         (``precision`` is accepted and ignored: products are exact and accumulate in
         float32, or in the recipe's emulated accumulator).
-      recipe: a :class:`Recipe` or a name of :data:`RECIPE_NAMES`.
+      recipe: a :class:`Recipe` or a name of :data:`RECIPE_NAMES`. A named block recipe pads
+        contractions that are not a multiple of its block with zeros, as
+        :func:`~precisionlab.recipes.apply` does; a Recipe object with ``pad=False`` refuses
+        them.
       state: for :class:`Delayed`, this matmul's state (see :func:`init_site_state`); its
         cotangent carries the observed amaxes (``"probe"``: lhs, rhs, output gradient).
       key: PRNG key for stochastic rounding of gradients (NVFP4).
@@ -387,13 +404,15 @@ def dot_general(
     Returns:
       The product, dtype ``preferred_element_type`` or the operands' result dtype.
     """
-    recipe = get_recipe(recipe)
+    recipe = _named(recipe)
     kinds = operand_kinds(weight)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     _check_float(lhs, "lhs")
     _check_float(rhs, "rhs")
     if isinstance(recipe, Delayed) and state is None:
-        raise ValueError("the delayed recipe needs this matmul's state: pass state=...")
+        raise ValueError(
+            "the delayed recipe needs this matmul's state: pass state=init_site_state(recipe)"
+        )
     (lc, rc), (lb, rb) = dimension_numbers
     lc, rc, lb, rb = (tuple(int(d) for d in t) for t in (lc, rc, lb, rb))
     a3, lfree = _canon(lhs, lc, lb)
@@ -409,6 +428,10 @@ def dot_general(
     # the recipe's numbers (given by with_numbers: arguments of the caller's program) enter
     # as arguments, the recipe without them as the static part
     nums = recipe.given_numbers
+    # inside shard_map (check_vma=True) every input varies over the data's axes, so the custom
+    # VJP's cotangents (as varying as the data) match their inputs' types; JAX sums the
+    # gradient of an invariant input (a replicated weight) over those axes as it does for x @ w
+    a3, b3, state, key, nums = boundary.match_varying((a3, b3, state, key, nums))
     out = _qdot3_jit(recipe.with_numbers(None), kinds, a3, b3, state, key, nums)
     batch_shape = tuple(lhs.shape[d] for d in lb)
     return out.reshape(*batch_shape, *lfree, *rfree).astype(out_dtype)

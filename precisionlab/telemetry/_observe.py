@@ -36,6 +36,7 @@ from jax import lax
 
 from precisionlab.hardware.conv import from_params as conv_plan
 from precisionlab.intercept import Context, Emit, PerIteration, Site, boundary, intercept, select
+from precisionlab.mixed import filter_value_and_grad
 from precisionlab.telemetry._stats import TensorStats, tensor_stats
 from precisionlab.telemetry._targets import parse_targets
 
@@ -82,7 +83,11 @@ def _contraction_last(x: jax.Array, contract, batch) -> jax.Array:
 
 
 def _is_float(x) -> bool:
-    return jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
+    """A floating array (or Python float); not a function or other static leaf of a model."""
+    if isinstance(x, float):
+        return True
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and not isinstance(x, type) and jnp.issubdtype(dtype, jnp.floating)
 
 
 class _StatsRule:
@@ -215,7 +220,10 @@ class Observed:
 
     def _intercepted(self, record=frozenset(), stat=tensor_stats):
         rule = _StatsRule(self.targets, record, stat, self.ops, self._axes)
-        return intercept(self.fn, rule, while_capacity=self.while_capacity)
+        # only the recorded sites go through the rule: an excluded one inside a construct the
+        # interception layer cannot enter (a shard_map in fn) is left to run as it is
+        include = tuple(sorted(record))
+        return intercept(self.fn, rule, include=include, while_capacity=self.while_capacity)
 
     def _plan(self, args, kwargs) -> dict[str, Site]:
         """Internal site name -> the public (per-primitive numbered) selected site."""
@@ -263,7 +271,14 @@ class Observed:
         loop). ``tensors=True`` gives the tensors themselves (float, laid out as their
         statistics would be: operands ``(rows, K)``, with the loop axes in front) instead of
         their statistics, for a caller that batches the statistics of many tensors.
-        ``f.sites``: the observed :class:`Site` list of the last call (set when it traces)."""
+        ``f.sites``: the observed :class:`Site` list of the last call (set when it traces).
+
+        The differentiated arguments may hold non-array leaves (an Equinox module's activation
+        function): only floating arrays are differentiated, the others pass through with
+        gradient None (:func:`precisionlab.mixed.filter_value_and_grad`). Inside a user's
+        ``shard_map`` the statistics are each device's (reduce them with
+        :func:`~precisionlab.telemetry.reduce_over`); the gradients are JAX's (a replicated
+        argument's summed over the devices)."""
         nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
         stat = (lambda x, _: x) if tensors else tensor_stats
 
@@ -271,6 +286,8 @@ class Observed:
             plan = self._plan(args, kwargs)
             f.sites = list(plan.values())  # type: ignore[attr-defined]
             probes = {k: _probe(s) for k, s in plan.items() if _probed(s)}
+            # inside shard_map the probes vary as the data does: each device's own cotangent
+            probes = boundary.match_varying(probes, boundary.tree_varying_axes((args, kwargs)))
 
             def run(pr, *a):
                 inter = self._intercepted(frozenset(plan), stat)
@@ -279,7 +296,8 @@ class Observed:
                     return out[0], (out[1], aux)
                 return out, (None, aux)
 
-            vg = jax.value_and_grad(run, argnums=(0, *(n + 1 for n in nums)), has_aux=True)
+            # filtered: an Equinox model's non-array leaves pass through (gradient None)
+            vg = filter_value_and_grad(run, argnums=(0, *(n + 1 for n in nums)), has_aux=True)
             (value, (aux, fwd)), grads = vg(probes, *args)
             stats = _collect(fwd, plan)
             for key, ct in grads[0].items():
@@ -340,13 +358,14 @@ def observe(
 
 
 def tree_stats(tree: Any, targets: Sequence[str] | str = ()) -> dict[str, TensorStats]:
-    """Statistics of every float leaf of a pytree (params, grads, optimizer state), keyed by
-    the leaf's path (``jax.tree_util.keystr``); integer leaves are left out."""
+    """Statistics of every float array leaf of a pytree (params, grads, optimizer state, an
+    Equinox model), keyed by the leaf's path (``jax.tree_util.keystr``); integer arrays and
+    other leaves (functions, Python numbers) are left out."""
     leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
     return {
         jax.tree_util.keystr(path): tensor_stats(leaf, targets)
         for path, leaf in leaves
-        if _is_float(leaf)
+        if hasattr(leaf, "shape") and _is_float(leaf)
     }
 
 
@@ -356,9 +375,24 @@ def every(n: int, step: jax.Array, fn: Callable, *args: Any) -> Any:
     integer (traced or not)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"every: n must be an int >= 1, got {n!r}")
-    shapes = jax.eval_shape(fn, *args)
+    # array leaves go through the cond; the others (an Equinox model's functions) are static
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    dyn = [i for i, x in enumerate(leaves) if boundary.is_array(x)]
+
+    def call(*values):
+        full = list(leaves)
+        for i, v in zip(dyn, values, strict=True):
+            full[i] = v
+        return fn(*treedef.unflatten(full))
+
+    values = [leaves[i] for i in dyn]
+    shapes = boundary.eval_shape(call, *values)
 
     def skip(*_):
-        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        # inside shard_map: each as varying as the statistic the other branch computes
+        return jax.tree.map(
+            lambda s: boundary.pvary(jnp.zeros(s.shape, s.dtype), boundary.varying_axes(s)),
+            shapes,
+        )
 
-    return lax.cond(jnp.asarray(step) % n == 0, fn, skip, *args)
+    return lax.cond(jnp.asarray(step) % n == 0, call, skip, *values)

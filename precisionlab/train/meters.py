@@ -32,7 +32,12 @@ def hist_edges() -> np.ndarray:
 
 
 def _floats(tree: Any) -> list[jax.Array]:
-    return [x for x in jax.tree_util.tree_leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    """The floating array leaves (a model's functions and other static leaves are skipped)."""
+    return [
+        x
+        for x in jax.tree_util.tree_leaves(tree)
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+    ]
 
 
 def underflow_fraction(tree: Any, dtype: Any = None, *, nonfinite: bool = True) -> jax.Array:

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from precisionlab.intercept import boundary
 from precisionlab.train.distributed import place
 
 __all__ = [
@@ -179,6 +180,10 @@ def data_parallel(
         return g.astype(jnp.float32) / jnp.float32(n)
 
     def per_device(params, batch, loss_scale, extra):
+        # The replicated inputs enter as varying over the data axis: each device's gradient
+        # (and a recipe's observed amaxes) is then its own, reduced below in allreduce_dtype,
+        # rather than summed by JAX in the params' dtype (the transpose of an implicit pvary)
+        params, loss_scale, extra = boundary.match_varying((params, loss_scale, extra), (AXIS,))
         loss, aux, grads, underflow, observed = grad_fn(params, batch, loss_scale, extra)
         mean = lambda x: jax.lax.pmean(x, AXIS)  # noqa: E731
         leaves, treedef = jax.tree_util.tree_flatten(grads)
@@ -192,5 +197,4 @@ def data_parallel(
         mesh=mesh,
         in_specs=(rep, dat, rep, rep),
         out_specs=(rep, rep, rep if grad_specs is None else grad_specs, rep, rep),
-        check_vma=False,
     )

@@ -366,6 +366,20 @@ def _grad_norm_and_flags(g32: Any) -> tuple[jax.Array, jax.Array, list[jax.Array
     return jnp.sqrt(total), ~jnp.isnan(total), [~jnp.isnan(x) for x in sums]
 
 
+def _check_params(params: Any) -> None:
+    """TypeError naming the first leaf of ``params`` that is neither an array nor a number (an
+    Equinox module's activation function): the train state goes through ``jax.jit``."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        if isinstance(leaf, (bool, int, float, complex)) or hasattr(leaf, "dtype"):
+            continue
+        raise TypeError(
+            f"build_step: params must hold arrays; params{jax.tree_util.keystr(path)} is a "
+            f"{type(leaf).__name__}. For an Equinox model pass its arrays and close over the "
+            "rest: params, static = eqx.partition(model, eqx.is_array) and "
+            "loss_fn=lambda p, batch: loss(eqx.combine(p, static), batch)"
+        )
+
+
 def build_step(
     loss_fn: Callable,
     params: Any,
@@ -407,6 +421,7 @@ def build_step(
     opts = StepOptions() if options is None else options
     if not isinstance(opts, StepOptions):
         raise TypeError(f"options must be a StepOptions, got {type(opts).__name__}")
+    _check_params(params)
     pol, store = opts.policy, opts.storage
     grads_dtype = store.grads_dtype
     state_values = None

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from precisionlab._schema import INT32_MAX, Field, validate_table
+from precisionlab.intercept import boundary
 from precisionlab.mixed.policy import Policy, cast_floating
 from precisionlab.telemetry import (
     OPS,
@@ -245,15 +246,14 @@ def make_telemetry_fn(
         from precisionlab.train.parallel import AXIS
 
         def per_device(pc, batch, ls):
+            # every device's statistics are its own (params and scale varying over the data
+            # axis, as the step's gradients are), combined over the axis by reduce_over
+            pc, ls = boundary.match_varying((pc, ls), (AXIS,))
             return jax.vmap(lambda s: reduce_over(s, AXIS))(local_stats(pc, batch, ls))
 
         rep = PartitionSpec()
         matmul_stats = jax.shard_map(
-            per_device,
-            mesh=mesh,
-            in_specs=(rep, PartitionSpec(AXIS), rep),
-            out_specs=rep,
-            check_vma=False,
+            per_device, mesh=mesh, in_specs=(rep, PartitionSpec(AXIS), rep), out_specs=rep
         )
 
     def state_tensors(params_s, opt_state, g32) -> list:
