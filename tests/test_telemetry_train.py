@@ -275,10 +275,10 @@ DP_SCRIPT = textwrap.dedent(
                 continue  # each shard's / micro-batch's loss is its own mean: cotangents x4
             # the weight operand is the same on every shard / micro-batch: counted 4 times
             copies = 4 if a["tensor"] == "rhs" else 1
-            if a["layer"].startswith("reduce_sum") and a["tensor"] == "out" and a["n"] == 1:
-                # a sum over the whole batch (the loss's mean) is one partial sum per shard /
-                # micro-batch: 4 values, whose statistics are not the whole sum's
-                assert b["n"] == 4, (a["layer"], b["n"])
+            if a["n"] == 1:
+                # a scalar of the whole batch (the loss's sum, its count, its mean) is one value
+                # per shard / micro-batch: 4 values, whose statistics are not the whole batch's
+                assert b["n"] == 4, (a["layer"], a["tensor"], b["n"])
                 continue
             # (matmuls on a shard round like the whole batch's only up to float32 blocking)
             assert a["n"] * copies == b["n"], (a["layer"], a["tensor"], a["n"], b["n"])
