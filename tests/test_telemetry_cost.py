@@ -196,3 +196,14 @@ def test_training_loop_telemetry_leaves_training_bitwise_unchanged():
     assert [float(m["loss"]) for m in ma] == [float(m["loss"]) for m in mb]
     n = [int(np.asarray(m["telemetry"]["matmul"].n).sum()) for m in mb]
     assert n[0] > 0 and n[1:] == [0, 0], n  # step 0 observed, steps 1 and 2 skipped
+
+
+def test_a_tensors_statistics_do_not_depend_on_what_is_stacked_with_it():
+    """Every field of a tensor's stacked statistics, float sums included, is bitwise the same
+    alone and among others of other shapes (the batching changes no number)."""
+    rng = np.random.default_rng(5)
+    x, y = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((37, 300), (5, 1000)))
+    stats = jax.jit(lambda xs: T.stacked_stats(xs, ("fp16",)))
+    alone, among = stats([x]), stats([y, x])
+    for f in alone._fields:
+        np.testing.assert_array_equal(getattr(alone, f)[0], getattr(among, f)[1], err_msg=f)
