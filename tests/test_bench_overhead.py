@@ -34,3 +34,10 @@ def test_bench_overhead_bad_variant_is_one_line_error():
     assert out.returncode == 2 and "Traceback" not in out.stderr
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("precisionlab bench: error: --variants: unknown 'fp9'"), last
+
+
+def test_bench_overhead_bad_target_is_one_line_error():
+    out = _run("--targets", "fp16,fp9")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("precisionlab bench: error: --targets: telemetry target 'fp9'"), last

@@ -10,7 +10,7 @@ update, jitted, the state donated) with one instrument added, as the docs show i
 - ``fp32``: the plain step (the reference);
 - ``telemetry``: ``telemetry.observe(loss, targets)``'s ``value_and_grad`` (statistics of
   every matmul's operands, output and output cotangent) and ``telemetry.tree_stats`` of the
-  gradients, every step;
+  gradients, every step (targets: ``--targets``, default fp16, bf16, e4m3:tensor, e5m2);
 - ``every10-skip``: the plain step and ``telemetry.every(10, step, ...)`` around the same
   statistics, timed on the steps it skips (the step counter never a multiple of 10);
 - ``train-every10-skip``: the training loop's telemetry (:func:`precisionlab.train.build_step`
@@ -50,6 +50,7 @@ from precisionlab import _io
 from precisionlab._text import UsageError, split_list, table
 from precisionlab.bench._timing import positive_int, repeats_int
 from precisionlab.bench.recipes import init_params, loss_fn
+from precisionlab.telemetry import parse_targets
 
 HELP = "cost of telemetry, every(N), recipes and emulate on a user's transformer LM vs fp32"
 
@@ -94,6 +95,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--compile", action="store_true",
         help="also measure the telemetry step's compile time against the plain step's",
     )  # fmt: skip
+    parser.add_argument(
+        "--targets", default=",".join(TELEMETRY_TARGETS),
+        help="the telemetry variants' target formats, comma-separated ('' for none: moments, "
+        f"extremes and counts only; default {','.join(TELEMETRY_TARGETS)})",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON to OUT")
 
@@ -102,7 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 StepFn = Callable[..., tuple]  # (params, batch, i) -> (loss, grads, aux)
 
 
-def _value_and_grad(name: str, loss: Callable) -> StepFn:
+def _value_and_grad(name: str, loss: Callable, targets: tuple = TELEMETRY_TARGETS) -> StepFn:
     """``(params, tokens, step) -> (loss, grads, aux)`` of one instrument."""
     from precisionlab import recipes, telemetry
     from precisionlab.emulate import emulate
@@ -111,12 +117,12 @@ def _value_and_grad(name: str, loss: Callable) -> StepFn:
         vg = jax.value_and_grad(loss)
         return lambda p, t, i: (*vg(p, t), None)
     if name in ("telemetry", "every10-skip"):
-        observed = telemetry.observe(loss, TELEMETRY_TARGETS).value_and_grad()
+        observed = telemetry.observe(loss, targets).value_and_grad()
         if name == "telemetry":
 
             def tel(p, t, i):
                 value, grads, stats = observed(p, t)
-                return value, grads, (stats, telemetry.tree_stats(grads, TELEMETRY_TARGETS))
+                return value, grads, (stats, telemetry.tree_stats(grads, targets))
 
             return tel
         vg = jax.value_and_grad(loss)
@@ -144,12 +150,14 @@ def _value_and_grad(name: str, loss: Callable) -> StepFn:
     return lambda p, t, i: (*vg({}, p, t, key=key)[:2], None)
 
 
-def _train_step(name: str, loss: Callable, params: Any, tokens: Any) -> tuple[Callable, Any]:
+def _train_step(
+    name: str, loss: Callable, params: Any, tokens: Any, targets: tuple = TELEMETRY_TARGETS
+) -> tuple[Callable, Any]:
     """The training loop's step (build_step), with ``Telemetry(interval=10)`` or without."""
     from precisionlab.train import StepOptions, build_step
     from precisionlab.train.telemetry import Telemetry
 
-    tel = Telemetry(interval=10, targets=TELEMETRY_TARGETS) if name.endswith("skip") else None
+    tel = Telemetry(interval=10, targets=targets) if name.endswith("skip") else None
     step, state, _ = build_step(
         lambda p, b: (loss(p, b), {}), params, optax.adamw(1e-3), StepOptions(telemetry=tel)
     )
@@ -160,13 +168,15 @@ def _train_step(name: str, loss: Callable, params: Any, tokens: Any) -> tuple[Ca
     return jax.jit(counted, donate_argnums=0), state
 
 
-def build(name: str, params: Any, tokens: Any, heads: int) -> tuple[Callable, Any]:
+def build(
+    name: str, params: Any, tokens: Any, heads: int, targets: tuple = TELEMETRY_TARGETS
+) -> tuple[Callable, Any]:
     """``(jitted step, initial state)``: ``step(state, tokens, i) -> (state, loss)``."""
     loss = lambda p, t: loss_fn(p, t, heads=heads)  # noqa: E731
     if name.startswith("train-"):
-        return _train_step(name, loss, params, tokens)
+        return _train_step(name, loss, params, tokens, targets)
     opt = optax.adamw(1e-3)
-    vg = _value_and_grad(name, loss)
+    vg = _value_and_grad(name, loss, targets)
     init = getattr(vg, "init", None)
     extra = init(params, tokens) if init else None
 
@@ -203,10 +213,12 @@ def _interleaved(runs: dict, repeats: int) -> tuple[dict, dict]:
     return wall, cpu
 
 
-def compile_seconds(name: str, params: Any, tokens: Any, heads: int) -> dict[str, float]:
+def compile_seconds(
+    name: str, params: Any, tokens: Any, heads: int, targets: tuple = TELEMETRY_TARGETS
+) -> dict[str, float]:
     """CPU seconds (all threads) and wall seconds of tracing, lowering and compiling
     ``name``'s step."""
-    step, state = build(name, params, tokens, heads)
+    step, state = build(name, params, tokens, heads, targets)
     c0, w0 = time.process_time(), time.perf_counter()
     lowered = step.lower(state, tokens, jnp.int32(1))
     c1 = time.process_time()
@@ -224,6 +236,7 @@ def measure(
     d_model: int = 96,
     layers: int = 3,
     heads: int = 4,
+    targets: tuple[str, ...] = TELEMETRY_TARGETS,
     vocab: int = 256,
     steps: int = 10,
     repeats: int = 5,
@@ -237,10 +250,10 @@ def measure(
     compiles = {}
     if compile_time:  # before anything else is compiled: nothing shared, no cache
         for name in ("fp32", "telemetry"):
-            compiles[name] = compile_seconds(name, params, tokens, heads)
+            compiles[name] = compile_seconds(name, params, tokens, heads, targets)
     runs = {}
     for name in names:
-        step, state = build(name, params, tokens, heads)
+        step, state = build(name, params, tokens, heads, targets)
         cell = [_copy(state)]
         # step counters 1..steps, never a multiple of 10 (every(10) skips them all)
         idx = [jnp.int32(i + 1 + (i + 1) // 10) for i in range(steps)]
@@ -272,6 +285,7 @@ def measure(
             "layers": layers,
             "heads": heads,
             "vocab": vocab,
+            "telemetry_targets": list(targets),
             "params": int(sum(x.size for x in jax.tree.leaves(params))),
         },
         "steps_per_round": steps,
@@ -302,7 +316,8 @@ def render(result: dict[str, Any]) -> str:
         f"transformer LM ({m['params'] / 1e3:.0f}k params, {m['layers']} layers, d={m['d_model']}, "
         f"batch {m['batch']}x{m['seq']}), {result['backend']}, best of {result['repeats']} x "
         f"{result['steps_per_round']} steps, alternating; load average "
-        f"{la['start'][0]:.1f} -> {la['end'][0]:.1f}"
+        f"{la['start'][0]:.1f} -> {la['end'][0]:.1f}; telemetry targets: "
+        f"{','.join(m['telemetry_targets']) or 'none'}"
     )
     rows = []
     for name, ms in result["ms_per_step"].items():
@@ -342,6 +357,11 @@ def run(args: argparse.Namespace) -> int:
         names = ("fp32", *names)
     if any(n.startswith("train-") for n in names) and "train-fp32" not in names:
         names = (*names, "train-fp32")
+    targets = tuple(split_list(args.targets))
+    try:
+        parse_targets(targets)
+    except ValueError as e:
+        raise UsageError(f"--targets: {e}") from None
     if args.d_model % args.heads:
         raise UsageError(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
     if args.batch * args.seq * max(4 * args.d_model, args.vocab) > 2**28:
@@ -349,7 +369,7 @@ def run(args: argparse.Namespace) -> int:
     result = measure(
         names, batch=args.batch, seq=args.seq, d_model=args.d_model, layers=args.layers,
         heads=args.heads, vocab=args.vocab, steps=args.steps, repeats=args.repeats,
-        compile_time=args.compile,
+        compile_time=args.compile, targets=targets,
     )  # fmt: skip
     if args.out is not None:
         _io.write_json(args.out, result)
