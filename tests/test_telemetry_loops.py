@@ -133,7 +133,7 @@ def test_views_name_layer_and_site_and_still_read_rows_without_a_site(tmp_path):
     from precisionlab.experiments import telemetry_views as views
 
     def row(step, layer, site, tensor, under):
-        r = {"step": step, "kind": "matmul", "layer": layer, "tensor": tensor,
+        r = {"step": step, "kind": "matmul", "layer": layer, "tensor": tensor, "n": 64,
              "dynamic_range": 3.0 * under, "targets": {"fp16": {"underflow": under,
                                                                 "overflow": 0.0}}}  # fmt: skip
         return {**r, "site": site} if site else r

@@ -6,7 +6,7 @@ import argparse
 import pathlib
 
 from precisionlab import _io
-from precisionlab.bench import codecs, hardware, quant, recipes, telemetry, train
+from precisionlab.bench import codecs, hardware, overhead, quant, recipes, telemetry, train
 from precisionlab.cli._common import UsageError, check_path_shape
 
 HELP = "benchmarks against peers (ml_dtypes, gfloat, jmp), printed as ratios"
@@ -19,6 +19,7 @@ BENCHES = {
     "recipes": recipes,
     "telemetry": telemetry,
     "hardware": hardware,
+    "overhead": overhead,
 }
 
 

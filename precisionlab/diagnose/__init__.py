@@ -1,5 +1,9 @@
 """``precisionlab diagnose``: find the layer and step where a run's precision breaks.
 
+On experiment variants (``precisionlab diagnose``) and on any JAX function
+(``compare(fn, args, reference="fp32", candidate="c=f16")``, ``bisect(fn, args, ...)``,
+``autoswitch(fn, args, recipe=...)``: :mod:`precisionlab.diagnose.function`).
+
 - :func:`compare`: two variants of an experiment in lockstep (same batches and seeds), every
   intercepted tensor compared per step; the first break, explained by its statistics.
 - :func:`bisect`: the smallest set of layers whose return to high precision
@@ -13,20 +17,21 @@ data; the ``write_*`` functions put a report into a run directory.
 
 from precisionlab.diagnose._report import open_run, write_autoswitch, write_bisect, write_compare
 from precisionlab.diagnose._variants import check, load_units, pick
-from precisionlab.diagnose.autoswitch import (
-    AutoSwitchRecipe,
-    SwitchOptions,
-    SwitchResult,
-    autoswitch,
-)
-from precisionlab.diagnose.bisect import BisectOptions, BisectResult, BisectRun, bisect, run_budget
+from precisionlab.diagnose.autoswitch import AutoSwitchRecipe, SwitchOptions, SwitchResult
+from precisionlab.diagnose.bisect import BisectOptions, BisectResult, BisectRun, run_budget
 from precisionlab.diagnose.compare import (
     CompareOptions,
     CompareResult,
     Crossing,
-    compare,
     match_tensors,
     relative_difference,
+)
+from precisionlab.diagnose.function import (
+    FunctionBisect,
+    FunctionComparison,
+    autoswitch,
+    bisect,
+    compare,
 )
 
 __all__ = [
@@ -37,6 +42,8 @@ __all__ = [
     "CompareOptions",
     "CompareResult",
     "Crossing",
+    "FunctionBisect",
+    "FunctionComparison",
     "SwitchOptions",
     "SwitchResult",
     "autoswitch",

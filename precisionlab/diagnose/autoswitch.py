@@ -122,12 +122,13 @@ class _SwitchRule:
         out = jnp.where(st["switched"] > 0, hp, q) + st["probe"].astype(hp.dtype)
         (lc, rc), (lb, rb) = dimension_numbers
         kl, kr = WEIGHT_OPERANDS[self.weight]
-        self.sink[ctx.site.name] = jnp.concatenate(
-            [
-                _qstats(self.recipe, _rows(lhs, lc, lb), kl, key),
-                _qstats(self.recipe, _rows(rhs, rc, rb), kr, key),
-            ]
-        )
+        pair = [
+            _qstats(self.recipe, _rows(lhs, lc, lb), kl, key),
+            _qstats(self.recipe, _rows(rhs, rc, rb), kr, key),
+        ]
+        if self.weight == "lhs":  # STAT_NAMES: the activation ("x") first, the weight ("w")
+            pair.reverse()
+        self.sink[ctx.site.name] = jnp.concatenate(pair)
         return [out]
 
 
@@ -138,7 +139,7 @@ class _Switched:
         self.fn, self.spec = fn, spec
 
     def _intercepted(self, sink: dict):
-        rule = _SwitchRule(self.spec.recipe, "rhs", sink)
+        rule = _SwitchRule(self.spec.recipe, self.spec.weight, sink)
         return intercept(self.fn, rule, include=self.spec.include, exclude=self.spec.exclude)
 
     def sites(self, *args, **kwargs) -> list[Site]:
@@ -208,10 +209,12 @@ class _Switched:
 @dataclasses.dataclass(frozen=True)
 class AutoSwitchRecipe(TrainRecipe):
     """A TrainRecipe whose matmuls switch to high precision when ``underflow`` or ``mse``
-    is exceeded (see the module docstring); stateful."""
+    is exceeded (see the module docstring); stateful. ``weight``: which matmul operand is the
+    weight (``"rhs"``: ``x @ w``; ``"lhs"``: Equinox's ``w @ x``), as in ``recipes.apply``."""
 
     underflow: float = 0.05
     mse: float = 1e-4
+    weight: str = "rhs"
 
     @property
     def stateful(self) -> bool:
@@ -239,6 +242,11 @@ class SwitchResult:
     final_loss: float
     sites: list[dict[str, Any]]
     losses: list[float]
+
+    @property
+    def switched_sites(self) -> list[str]:
+        """The names of the matmuls that switched (``recipes.apply(..., exclude=...)``)."""
+        return [s["site"] for s in self.sites if s["switched"]]
 
 
 def autoswitch(

@@ -26,7 +26,15 @@ from precisionlab.experiments.config import Unit
 from precisionlab.train import TrainConfig, build, train_loop
 from precisionlab.train.models import layer_names, resolve_layers
 
-__all__ = ["BisectOptions", "BisectResult", "BisectRun", "bisect", "final_loss", "run_budget"]
+__all__ = [
+    "BisectOptions",
+    "BisectResult",
+    "BisectRun",
+    "bisect",
+    "final_loss",
+    "run_budget",
+    "search",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -155,29 +163,41 @@ def bisect(
     if passes(base):
         result.answer = ()
         return result
-    tested: dict[tuple[str, ...], bool] = {}
 
     def test(layers: Sequence[str]) -> bool:
-        key = tuple(n for n in cands if n in layers)
+        loss = runner(with_layers_high(cfg_fail, layers), options.tail)
+        record("search", fail, layers, loss, passes(loss))
+        return passes(loss)
+
+    result.answer = search(cands, test)
+    return result
+
+
+def search(cands: Sequence[str], test: Callable[[Sequence[str]], bool]) -> tuple[str, ...] | None:
+    """The search of :func:`bisect` over ``cands`` (names, in order), ``test(names) -> passes``
+    (each distinct set is tested once: memoize in ``test`` if runs are dear): halve as if one
+    candidate were the culprit (keep the half that passes, else the other), test the last
+    one alone; if it does not pass, test all, then drop candidates one at a time while the
+    rest passes (a 1-minimal set). None when not even all candidates pass."""
+    tested: dict[tuple[str, ...], bool] = {}
+
+    def once(names: Sequence[str]) -> bool:
+        key = tuple(n for n in cands if n in names)
         if key not in tested:
-            loss = runner(with_layers_high(cfg_fail, key), options.tail)
-            tested[key] = passes(loss)
-            record("search", fail, key, loss, tested[key])
+            tested[key] = test(key)
         return tested[key]
 
     c = list(cands)
     while len(c) > 1:
         half = c[: len(c) // 2]
-        c = half if test(half) else c[len(half) :]
-    if test(c):
-        result.answer = tuple(c)
-        return result
-    if not test(cands):
-        return result
+        c = half if once(half) else c[len(half) :]
+    if c and once(c):
+        return tuple(c)
+    if not once(cands):
+        return None
     keep = list(cands)
-    for layer in cands:
-        trial = [n for n in keep if n != layer]
-        if trial and test(trial):
+    for name in cands:
+        trial = [n for n in keep if n != name]
+        if trial and once(trial):
             keep = trial
-    result.answer = tuple(keep)
-    return result
+    return tuple(keep)

@@ -6,11 +6,19 @@ stores it). Each run feeds its own values forward, so a row shows what that oper
 in each world; the first differing row is where this machine's XLA hides what a GPU computes
 (excess float32 precision between fused 16-bit operations, an overflow, a different
 simplification), the rows after it include what flowed from there.
+
+The report also ranks the operations by their share of the difference of the function's
+output (:func:`~precisionlab.emulate.attribute`: each operation's own rounding, weighted by
+the output's sensitivity to it; first those that turn finite values into inf/NaN). For a
+float32 program checked under a 16-bit policy that answers "where does fp16 (or bf16) depart
+from fp32, and which operation matters most"; for a 16-bit program, where the emulated run
+departs from this machine's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from precisionlab.emulate._attribution import Attribution, OpAttribution, Side, attribute
 from precisionlab.emulate._emulate import Emulated, emulate
 from precisionlab.intercept import Emit, intercept
 
@@ -60,10 +69,13 @@ class OpDiff:
 
 @dataclasses.dataclass(frozen=True)
 class CheckReport:
-    """Every recorded operation in program order (``ops``) and the policy checked."""
+    """Every recorded operation in program order (``ops``), the policy checked, and the
+    attribution of the output's difference to the operations (``attribution``: native as
+    the reference, emulated as the candidate; None where not computed)."""
 
     policy: str
     ops: tuple[OpDiff, ...]
+    attribution: Attribution | None = None
 
     @property
     def differing(self) -> tuple[OpDiff, ...]:
@@ -79,8 +91,30 @@ class CheckReport:
         results downstream of these operations are not bit-exact claims."""
         return tuple(o for o in self.ops if o.subnormal)
 
-    def text(self, every: bool = False) -> str:
-        """A table: the differing operations (``every``: all of them) and a summary line."""
+    @property
+    def ranking(self) -> tuple[OpAttribution, ...]:
+        """The operations most consequential for the output's difference first (see
+        :meth:`Attribution.ranked`); names as :attr:`ops` has them."""
+        if self.attribution is None:
+            return ()
+        return self.attribution.ranked()
+
+    def ranking_summary(self, top: int = 3) -> str:
+        """One line: how far the emulated output departs from the native one, and the
+        operations most responsible (share of the output difference)."""
+        at = self.attribution
+        if at is None:
+            return "no ranking computed"
+        head = f"output differs by {at.output_rel:.3g} (relative) under {self.policy}"
+        ranked = self.ranking[:top]
+        if not ranked or at.output_norm == 0:
+            return head + "; no operation moves it"
+        return head + "; most consequential: " + ", ".join(_share(o, at) for o in ranked)
+
+    def text(self, every: bool = False, top: int = 10) -> str:
+        """A table: the differing operations (``every``: all of them); the ``top``
+        operations most consequential for the output (share of its difference, the first
+        tensor turned non-finite first) with their summary line; and a summary line."""
         rows = self.ops if every else self.differing
         head = f"{'operation':<24} {'dtype':<8} {'shape':<12} {'differ/size':>17} {'max|diff|':>10}"
         first = next((o.name for o in self.ops if o.differ), None)
@@ -88,7 +122,21 @@ class CheckReport:
             f"{len(self.differing)} of {len(self.ops)} operations differ under {self.policy}"
             + (f"; first: {first}" if first else "")
         )
-        lines = [head, *(o.describe() for o in rows), summary]
+        lines = [head, *(o.describe() for o in rows)]
+        at = self.attribution
+        if at is not None and top > 0:
+            ranked = self.ranking[:top]
+            if ranked:
+                lines += ["", f"{'rank':>4} {'operation':<24} {'share':>8} {'local err':>10} "
+                          f"{'rel diff':>9}  where"]  # fmt: skip
+                for i, o in enumerate(ranked, 1):
+                    where = o.site.where or o.site.scope or "-"
+                    lines.append(
+                        f"{i:>4} {_name(o):<24} {_pct(o, at):>8} {o.local:>10.3g} "
+                        f"{o.rel:>9.3g}  {where}"
+                    )
+            lines.append(self.ranking_summary())
+        lines.append(summary)
         if self.subnormal:
             names = ", ".join(o.name for o in self.subnormal[:8])
             more = f" and {len(self.subnormal) - 8} more" if len(self.subnormal) > 8 else ""
@@ -98,6 +146,26 @@ class CheckReport:
                 "from a GPU"
             )
         return "\n".join(lines)
+
+
+def _name(o: OpAttribution) -> str:
+    """The operation as check's rows name it (numbered over all recorded primitives)."""
+    return o.site.name
+
+
+def _pct(o: OpAttribution, at: Attribution) -> str:
+    if o.new_nonfinite:
+        return "inf/nan"
+    if not (at.output_norm and math.isfinite(o.contribution) and math.isfinite(at.output_norm)):
+        return "-"
+    share = o.contribution / at.output_norm
+    return "0.0%" if abs(share) < 5e-4 else f"{share:.1%}"
+
+
+def _share(o: OpAttribution, at: Attribution) -> str:
+    if o.new_nonfinite:
+        return f"{_name(o)} (turns {o.new_nonfinite} values inf/NaN)"
+    return f"{_name(o)} ({_pct(o, at)})"
 
 
 @dataclasses.dataclass
@@ -153,4 +221,8 @@ def check(fn: Callable, policy: Any, *args: Any, **kwargs: Any) -> CheckReport:
         for name in order
         if name in native and name in emulated
     )
-    return CheckReport(str(policy), ops)
+    side = Side.of(em, em.fn, args, kwargs)
+    ranked = attribute(  # named as the rows are: numbered over emulate's primitives
+        em.fn, args, Side("native"), side, kwargs=kwargs, primitives=tuple(rule.primitives)
+    )
+    return CheckReport(str(policy) if policy is not None else side.label, ops, ranked)

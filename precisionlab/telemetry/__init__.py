@@ -12,9 +12,12 @@
   keyed by the interception site names of :mod:`precisionlab.intercept`; :func:`tree_stats`
   for params, grads, optimizer state.
 - :func:`every`: compute statistics only every N steps (``lax.cond``).
+
+``observe`` and ``tree_stats`` compute the statistics of all their tensors together
+(:func:`stacked_stats`) and return a :class:`StatsTable`, read like a dict.
 """
 
-from precisionlab.telemetry._observe import OPS, Observed, every, observe, tree_stats
+from precisionlab.telemetry._observe import OPS, Observed, StatsTable, every, observe, tree_stats
 from precisionlab.telemetry._stats import (
     TensorStats,
     combine,
@@ -31,6 +34,7 @@ __all__ = [
     "OPS",
     "SCALINGS",
     "Observed",
+    "StatsTable",
     "Target",
     "TensorStats",
     "combine",

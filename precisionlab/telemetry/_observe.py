@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -37,10 +37,10 @@ from jax import lax
 from precisionlab.hardware.conv import from_params as conv_plan
 from precisionlab.intercept import Context, Emit, PerIteration, Site, boundary, intercept, select
 from precisionlab.mixed import filter_value_and_grad
-from precisionlab.telemetry._stats import TensorStats, tensor_stats
+from precisionlab.telemetry._stats import TensorStats, stacked_stats, tensor_stats
 from precisionlab.telemetry._targets import parse_targets
 
-__all__ = ["OPS", "Observed", "every", "observe", "tree_stats"]
+__all__ = ["OPS", "Observed", "StatsTable", "every", "observe", "tree_stats"]
 
 #: The floating-point operations whose outputs can overflow or underflow (besides the
 #: matmuls): powers, exponentials and logarithms (GELU's x**3, softmax's exponent), products,
@@ -165,10 +165,108 @@ def _probe(site: Site):
     return PerIteration(zero) if site.lengths else zero
 
 
-def _per_iteration(fn: Callable, n_axes: int) -> Callable:
-    for _ in range(n_axes):
-        fn = jax.vmap(fn)
-    return fn
+@jax.tree_util.register_pytree_node_class
+class StatsTable(Mapping):
+    """Statistics of many tensors, computed together (:func:`stacked_stats`) and read like a
+    dict: ``table[site][role]`` (``observe``: ``{"lhs", "rhs", "out"[, "grad"][, "valid"]}``
+    per site) or ``table[key]`` (``tree_stats``: a :class:`TensorStats` per leaf path), each
+    sliced from the stacked arrays when read (with the site's loop axes in front).
+
+    A pytree whose leaves are the stacked arrays and the ``"valid"`` flags: returned from
+    ``jit`` it is a few outputs, not one per tensor and statistic (hundreds of small outputs
+    made XLA compile several times slower); ``jax.device_get`` it, then read it on the host.
+    """
+
+    def __init__(self, stacked: TensorStats | None, index: tuple, valid: dict | None = None):
+        self.stacked = stacked  # fields with a leading axis: one entry per tensor
+        self.index = index  # (key, role or None, first entry, loop axes' shape) per tensor
+        self.valid = valid or {}  # key -> bool flags over its loop axes (cond / while)
+
+    def tree_flatten(self):
+        return (self.stacked, self.valid), self.index
+
+    @classmethod
+    def tree_unflatten(cls, index, children):
+        return cls(children[0], index, children[1])
+
+    def _entry(self, start: int, loops: tuple) -> TensorStats:
+        n = math.prod(loops)
+
+        def take(v):
+            if isinstance(v, jax.ShapeDtypeStruct):  # under jax.eval_shape: the entry's shape
+                return jax.ShapeDtypeStruct((*loops, *v.shape[1:]), v.dtype)
+            if not loops:
+                return v[start]
+            return v[start : start + n].reshape(*loops, *v.shape[1:])
+
+        return TensorStats(*(take(v) for v in self.stacked))
+
+    def __contains__(self, key: object) -> bool:
+        return any(e[0] == key for e in self.index)
+
+    def __getitem__(self, key: str) -> Any:
+        entries = [e for e in self.index if e[0] == key]
+        if not entries:
+            raise KeyError(key)
+        if entries[0][1] is None:
+            return self._entry(entries[0][2], entries[0][3])
+        out: dict[str, Any] = {role: self._entry(start, loops) for _, role, start, loops in entries}
+        if key in self.valid:
+            out["valid"] = self.valid[key]
+        return out
+
+    def __iter__(self):
+        return iter(dict.fromkeys(e[0] for e in self.index))
+
+    def __len__(self) -> int:
+        return len(dict.fromkeys(e[0] for e in self.index))
+
+    def __repr__(self) -> str:
+        return f"StatsTable({list(self)})"
+
+
+def _identity(x: jax.Array, _targets: Any) -> jax.Array:
+    """The "statistic" that keeps the tensor (statistics are taken afterwards, all at once)."""
+    return x
+
+
+def _batched_stats(found: dict, plan: dict[str, Site], targets) -> StatsTable:
+    """:func:`tensor_stats` of every observed tensor (``found``: site -> role -> tensor, with
+    one leading axis per enclosing loop, and ``"valid"``), computed together in one program
+    by :func:`~precisionlab.telemetry.stacked_stats` and handed out as a
+    :class:`StatsTable` (per-tensor statistics of a model's dozens of tensors, or per-tensor
+    outputs of one program, made XLA compile for minutes). Counts, extremes and ``k`` are
+    :func:`tensor_stats`'s exactly; the float sums (mean, variance, power, quantization
+    noise) are added in another order. As before, an untaken ``cond`` branch's or an unused
+    while slot's forward entries are zeros (their cotangents' statistics are of zeros)."""
+    by_name = {s.name: s for s in plan.values()}
+    pieces: list = []
+    index: list = []
+    masks: list = []
+    valid = {name: roles["valid"] for name, roles in found.items() if "valid" in roles}
+    for name, roles in found.items():
+        n_axes = len(by_name[name].lengths)
+        for role, x in roles.items():
+            if role == "valid":
+                continue
+            loops = tuple(x.shape[:n_axes])
+            flat = x.reshape(-1, *x.shape[n_axes:]) if n_axes else x[None]
+            index.append((name, role, len(pieces), loops))
+            pieces += list(flat)
+            ok = valid.get(name) if role != "grad" else None  # cotangents were never masked
+            masks.append(jnp.ones((flat.shape[0],), bool) if ok is None else ok.reshape(-1))
+    if not pieces:
+        return StatsTable(None, tuple(index), valid)
+    st = stacked_stats(pieces, targets)
+    if valid:
+        keep = jnp.concatenate(masks)
+        st = jax.tree.map(lambda v: _where(keep, v), st)
+    return StatsTable(st, tuple(index), valid)
+
+
+def _where(ok: jax.Array, v: jax.Array) -> jax.Array:
+    """``v`` where ``ok`` (the loop axes' flags, broadcast over ``v``'s other axes), else 0."""
+    return jnp.where(ok.reshape(ok.shape + (1,) * (v.ndim - ok.ndim)), v, jnp.zeros_like(v))
 
 
 def _collect(aux: dict, sites: dict[str, Site]) -> dict[str, dict]:
@@ -258,9 +356,10 @@ class Observed:
         (other operations: ``"out"`` only; per-iteration statistics of sites inside loops:
         see the module docstring)."""
         plan = self._plan(args, kwargs)
-        inter = self._intercepted(frozenset(plan))
+        inter = self._intercepted(frozenset(plan), _identity)
         out, aux = inter.call_with_aux(None, *args, **kwargs)
-        return out, _collect(aux, plan)
+        tensors = _collect(aux, plan)
+        return out, _batched_stats(tensors, plan, self.targets)
 
     def value_and_grad(
         self, argnums: int | Sequence[int] = 0, has_aux: bool = False, *, tensors: bool = False
@@ -280,7 +379,6 @@ class Observed:
         :func:`~precisionlab.telemetry.reduce_over`); the gradients are JAX's (a replicated
         argument's summed over the devices)."""
         nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-        stat = (lambda x, _: x) if tensors else tensor_stats
 
         def f(*args, **kwargs):
             plan = self._plan(args, kwargs)
@@ -290,7 +388,7 @@ class Observed:
             probes = boundary.match_varying(probes, boundary.tree_varying_axes((args, kwargs)))
 
             def run(pr, *a):
-                inter = self._intercepted(frozenset(plan), stat)
+                inter = self._intercepted(frozenset(plan), _identity)
                 out, aux = inter.call_with_aux(pr, *a, **kwargs)
                 if has_aux:
                     return out[0], (out[1], aux)
@@ -299,20 +397,16 @@ class Observed:
             # filtered: an Equinox model's non-array leaves pass through (gradient None)
             vg = filter_value_and_grad(run, argnums=(0, *(n + 1 for n in nums)), has_aux=True)
             (value, (aux, fwd)), grads = vg(probes, *args)
-            stats = _collect(fwd, plan)
+            found = _collect(fwd, plan)
             for key, ct in grads[0].items():
                 name = plan[key].name
-                if name in stats:
+                if name in found:
                     ct = ct.value if isinstance(ct, PerIteration) else ct
-                    n_axes = len(plan[key].lengths)
                     axis = self._axes.get(key)  # a convolution's: the features last
-
-                    def lay(t, axis=axis):
-                        return t if axis is None else jnp.moveaxis(t, axis, -1)
-
-                    stats[name]["grad"] = _per_iteration(
-                        lambda t, lay=lay: stat(lay(t), self.targets), n_axes
-                    )(ct)
+                    if axis is not None:
+                        ct = jnp.moveaxis(ct, len(plan[key].lengths) + axis, -1)
+                    found[name]["grad"] = ct
+            stats = found if tensors else _batched_stats(found, plan, self.targets)
             g = grads[1] if isinstance(argnums, int) else tuple(grads[1:])
             return ((value, aux) if has_aux else value), g, stats
 
@@ -357,16 +451,22 @@ def observe(
     return Observed(fn, targets, include, exclude, while_capacity, ops)
 
 
-def tree_stats(tree: Any, targets: Sequence[str] | str = ()) -> dict[str, TensorStats]:
-    """Statistics of every float array leaf of a pytree (params, grads, optimizer state, an
-    Equinox model), keyed by the leaf's path (``jax.tree_util.keystr``); integer arrays and
-    other leaves (functions, Python numbers) are left out."""
+def tree_stats(tree: Any, targets: Sequence[str] | str = ()) -> StatsTable:
+    """Statistics of every float leaf of a pytree (params, grads, optimizer state), keyed by
+    the leaf's path (``jax.tree_util.keystr``); integer arrays and other leaves (functions,
+    Python numbers, an Equinox model's) are left out. Computed together
+    (:func:`stacked_stats`: counts and extremes exactly :func:`tensor_stats`'s, the float
+    sums in another order) and read like a dict (a :class:`StatsTable`)."""
     leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {
-        jax.tree_util.keystr(path): tensor_stats(leaf, targets)
+    floats = {
+        jax.tree_util.keystr(path): leaf
         for path, leaf in leaves
         if hasattr(leaf, "shape") and _is_float(leaf)
     }
+    index = tuple((k, None, i, ()) for i, k in enumerate(floats))
+    if not floats:
+        return StatsTable(None, index)
+    return StatsTable(stacked_stats(list(floats.values()), targets), index)
 
 
 def every(n: int, step: jax.Array, fn: Callable, *args: Any) -> Any:

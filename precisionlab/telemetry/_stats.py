@@ -193,7 +193,9 @@ def stacked_stats(xs, targets=()) -> TensorStats:
     sums. Row, block and MX targets, which depend on each tensor's last axis, are computed per
     layout (tensors of the same ``(rows, K)`` share one vmapped copy). Counts, extremes and
     ``k`` equal :func:`tensor_stats`'s exactly; the float sums are added in another order
-    (float32 rounding). Use :func:`combine` / :func:`reduce_over` under ``jax.vmap``."""
+    (float32 rounding: in order over runs of 64 elements, then pairwise over a tensor's runs),
+    one that depends on the tensor alone, not on the others stacked with it. Use :func:`combine` /
+    :func:`reduce_over` under ``jax.vmap``."""
     ts = parse_targets(targets)
     xs = [jnp.asarray(x) for x in xs]
     for i, x in enumerate(xs):
@@ -318,14 +320,14 @@ def _segmented(xs: list[jax.Array], ts: tuple[Target, ...]) -> TensorStats:
         else:  # one ldexp over all of them, stacked (a smaller program)
             vn = pow2.ldexp(jnp.stack([x0, *copies]), jnp.broadcast_to(-k_rows, xc.shape))
             xn, qns = vn[0], list(vn[1:])
-        (mean_n,) = seg_reduce([jnp.sum(xn, axis=1)], jnp.sum)
+        (mean_n,) = _tree_sums(_part_sums([xn]), sub_rows)
         mean_n = mean_n / jnp.maximum(n_f, 1).astype(jnp.float32)
         dev = jnp.where(ok, jnp.square(xn - mean_n[seg][:, None]), 0.0)
-        rows = [jnp.sum(dev, axis=1), jnp.sum(jnp.square(xn), axis=1)]
-        rows += [jnp.sum(jnp.square(xn - qn), axis=1) for qn in qns]
-        m2_n, power_n, *noise = seg_reduce(rows, jnp.sum)
+        terms = [dev, jnp.square(xn), *(jnp.square(xn - qn) for qn in qns)]
+        m2_n, power_n, *noise = _tree_sums(_part_sums(terms), sub_rows)
         return mean_n, m2_n, power_n, noise
 
+    sub_rows = [r * (_CHUNK // _SUB) for r in rows]
     fast = (jnp.sum(tiny_r) == 0) & jnp.all(k_ok)
     mean_n, m2_n, power_n, noise = lax.cond(fast, partial(sums, True), partial(sums, False), xc)
     per = []
@@ -346,6 +348,42 @@ def _segmented(xs: list[jax.Array], ts: tuple[Target, ...]) -> TensorStats:
         power_n=power_n, overflow=stack_i[0], saturate=stack_i[1], underflow=stack_i[2],
         subnormal=stack_i[3], poisoned=stack_i[4], noise_n=noise,
     )  # fmt: skip
+
+
+_SUB = 64  # elements per float partial sum (in order: float32 error ~ 64 ulp at worst)
+
+
+def _part_sums(terms: list[jax.Array]) -> list[jax.Array]:
+    """Sums of each (R, 512) float32 term over runs of :data:`_SUB` elements, (R * 8,) each,
+    all in one variadic reduction: one pass over the elements, fused with the element-wise
+    work that makes the terms (XLA:CPU materializes the input of a plain float reduction)."""
+    r = terms[0].shape[0]
+    flat = [t.reshape(r * (_CHUNK // _SUB), _SUB) for t in terms]
+
+    def body(a, b):
+        return [u + v for u, v in zip(a, b, strict=True)]
+
+    return list(lax.reduce(flat, [jnp.float32(0)] * len(flat), body, (1,)))
+
+
+def _tree_sums(vs: list[jax.Array], rows: list[int]) -> list[jax.Array]:
+    """Per-tensor sums of row partials (each (R,), the tensors' rows consecutive, ``rows``
+    per tensor) added pairwise in a tree that starts at each tensor's first row: the order
+    of a tensor's additions depends on its own rows only, so its statistics do not change
+    with the other tensors of the stack (a reduction over the whole buffer would associate
+    them by their offset). One step per tree level, on the row partials."""
+    v = jnp.stack(vs)
+    starts = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64)
+    seg_len = np.repeat(np.asarray(rows, np.int64), rows)
+    pos = np.arange(v.shape[1], dtype=np.int64) - np.repeat(starts, rows)
+    step = 1
+    while step < max(rows):
+        take = (pos % (2 * step) == 0) & (pos + step < seg_len)
+        if take.any():
+            after = jnp.pad(v[:, step:], ((0, 0), (0, step)))
+            v = jnp.where(jnp.asarray(take), v + after, v)
+        step *= 2
+    return list(v[:, jnp.asarray(starts)])
 
 
 _INT_OPS = {"add": (lax.add, 0), "max": (lax.max, 0), "min": (lax.min, int(_INF_BITS))}
