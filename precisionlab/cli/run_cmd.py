@@ -53,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="override a key of the file, e.g. train.steps=50 or variant.fp16-static.lr=0.01",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress output")
+    parser.add_argument(
+        "--forecast",
+        action="store_true",
+        help="record the divergence predictors and print the forecaster's alarm when it "
+        "fires (sets train.predictors.live = true)",
+    )
     parser.add_argument("--no-report", action="store_true", help="skip report.md and plots")
     parser.add_argument(
         "--timings",
@@ -128,8 +134,8 @@ def distributed_spec(args: argparse.Namespace) -> tuple[str, int, int, int] | No
 def _check_args(args: argparse.Namespace) -> None:
     if args.resume and args.config:
         raise UsageError("give either CONFIG or --resume DIR, not both")
-    if args.resume and (args.overrides or args.out):
-        raise UsageError("--set and --out apply to a new run, not to --resume")
+    if args.resume and (args.overrides or args.out or getattr(args, "forecast", False)):
+        raise UsageError("--set, --out and --forecast apply to a new run, not to --resume")
     if not args.resume and not args.config:
         raise UsageError("give an experiment file (CONFIG) or --resume DIR")
     # an existing directory's files (report.md, summary.json) are never replaced unasked
@@ -151,8 +157,11 @@ def _train(args: argparse.Namespace):
     timings = getattr(args, "timings", False)
     if args.resume:
         return runner.resume(args.resume, quiet=args.quiet, timings=timings)
+    overrides = list(args.overrides)
+    if getattr(args, "forecast", False):  # predictors on, and the live forecaster
+        overrides.append("train.predictors.live=true")
     return runner.run_file(
-        args.config, out=args.out, overrides=args.overrides, quiet=args.quiet, timings=timings
+        args.config, out=args.out, overrides=overrides, quiet=args.quiet, timings=timings
     )
 
 

@@ -110,6 +110,15 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     },
     "hist.jsonl": {"step": "?int", "grad_hist": ("dict", _HIST), "act_hist": ("dict", _HIST)},
     "telemetry.jsonl": {"step": "?int", "kind": "!str", "layer": "!str", "tensor": "?str"},
+    "predictors.jsonl": {
+        "step": "!int",
+        "layers": "!list",
+        "signals": "!dict",
+        "loss": "?num",
+        "loss_scale": "?num",
+        "skipped": "?bool",
+        "meta": "?dict",
+    },
 }
 
 
