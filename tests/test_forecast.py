@@ -243,3 +243,25 @@ def test_cli_forecast_bad_input_is_one_line(tmp_path, capsys):
     assert "--fit applies to --forecast" in capsys.readouterr().err
     assert main(["run", "--resume", str(tmp_path), "--forecast"]) == 2
     assert "apply to a new run" in capsys.readouterr().err
+
+
+def test_a_setting_runs_its_own_seeds(tmp_path):
+    from precisionlab.experiments.config import load_experiment
+
+    path = tmp_path / "e.toml"
+    path.write_text(
+        'kind = "train"\nseeds = [7]\n[train]\nsteps = 5\n'
+        "[settings.a-s]\nseeds = [0, 1]\n[settings.b-m]\nlr = 0.01\n"
+        '[[variant]]\nname = "fp32"\n'
+    )
+    e = load_experiment(path)
+    assert [(u.setting, u.seed) for u in e.units] == [("a-s", 0), ("a-s", 1), ("b-m", 7)]
+    assert [u.name for u in e.units] == ["a-s/fp32 s0", "a-s/fp32 s1", "b-m/fp32 s7"]
+    assert e.resolved["setting_seeds"] == {"a-s": [0, 1]}
+    e2 = load_experiment(path, ["settings.b-m.seeds=[3]"])
+    assert [u.seed for u in e2.units] == [0, 1, 3]
+    # the suite: fitting and judged settings never share a seed
+    suite = load_experiment(Path(__file__).parents[1] / "experiments" / "divergence_suite.toml")
+    fit_seeds = {u.seed for u in suite.units if u.setting.endswith("-s")}
+    eval_seeds = {u.seed for u in suite.units if u.setting.endswith("-m")}
+    assert fit_seeds == {0, 1} and eval_seeds == {2, 3} and len(suite.units) >= 24

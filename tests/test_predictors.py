@@ -196,3 +196,41 @@ def test_bf16_params_swamp_small_updates_and_fp16_headroom_is_its_range():
     amax = max(np.abs(np.asarray(h)).max(), np.abs(p["l1"]["w"]).max())
     bf16_max = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
     assert sig["headroom"]["l1"] == pytest.approx(math.log2(bf16_max / amax), abs=0.02)
+
+
+def test_model_options_for_the_mechanisms_change_what_they_must():
+    from precisionlab.train.models import make_model
+
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 32, (2, 9)), jnp.int32)
+    base = make_model("transformer", d_model=32, depth=1, heads=2, seq_len=8)
+    p = base.init(jax.random.PRNGKey(0))
+    # norm weights of 1.1 and biases of 0.3: MXFP4 gives 1.0 and 0.25 (E2M1 steps) -> new logits
+    p["blocks"][0]["ln1_scale"] = jnp.full((32,), 1.1)
+    p["blocks"][0]["ln1_bias"] = jnp.full((32,), 0.3)
+    quant = make_model("transformer", d_model=32, depth=1, heads=2, seq_len=8, norm_format="mxfp4")
+    keep = make_model(
+        "transformer", d_model=32, depth=1, heads=2, seq_len=8, norm_format="mxfp4",
+        high_precision=("block0",),
+    )  # fmt: skip
+    plain = dict(
+        p, blocks=[dict(p["blocks"][0], ln1_scale=jnp.ones(32), ln1_bias=jnp.full(32, 0.25))]
+    )
+    y_q = quant.apply(p, tokens[:, :-1])
+    assert np.array_equal(np.asarray(y_q), np.asarray(base.apply(plain, tokens[:, :-1])))
+    assert not np.array_equal(np.asarray(y_q), np.asarray(base.apply(p, tokens[:, :-1])))
+    # a layer kept in high precision keeps its norm weights as they are
+    hp = make_model(
+        "transformer", d_model=32, depth=1, heads=2, seq_len=8, high_precision=("block0",)
+    )
+    assert np.array_equal(
+        np.asarray(keep.apply(p, tokens[:, :-1])), np.asarray(hp.apply(p, tokens[:, :-1]))
+    )
+    # SwiGLU: gate and up projections instead of fc1 and its bias
+    sw = make_model("transformer", d_model=32, depth=1, heads=2, seq_len=8, mlp="swiglu")
+    blk = sw.init(jax.random.PRNGKey(0))["blocks"][0]
+    assert {"w_gate", "w_up", "fc2"} <= set(blk) and "fc1" not in blk and "fc2_b" not in blk
+    assert set(base.init(jax.random.PRNGKey(0))["blocks"][0]) >= {"fc1", "fc1_b", "fc2_b"}
+    with pytest.raises(ValueError, match="unknown mlp 'relu'"):
+        make_model("transformer", mlp="relu")
+    with pytest.raises(ValueError, match="needs use_layernorm = true"):
+        make_model("mlp", norm_format="mxfp4", width=64)

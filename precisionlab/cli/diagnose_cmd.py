@@ -123,7 +123,7 @@ def _options(args: argparse.Namespace, mode: str, defaults: dict) -> object:
 def _forecast(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from precisionlab.diagnose._forecast_run import forecast_command
+    from precisionlab.diagnose import forecast_command
 
     if args.config:
         raise UsageError("--forecast takes the run directory (or experiment file) itself")

@@ -82,6 +82,7 @@ class Rule:
     lead: float | None = None
 
     def holds(self, value: float | None) -> bool:
+        """Whether ``value`` is on the alarm side of the threshold (never for None or NaN)."""
         if value is None or self.threshold is None or not math.isfinite(value):
             return False
         return value < self.threshold if self.op == "<" else value > self.threshold
@@ -133,12 +134,14 @@ class Alarm:
     evidence: str
 
     def message(self) -> str:
+        """The alarm as one line."""
         return (
             f"likely to diverge within about {self.within} steps; layer {self.layer}; "
             f"mechanism {self.mechanism}; evidence: {self.evidence}"
         )
 
     def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict of the fields."""
         return dataclasses.asdict(self)
 
 
