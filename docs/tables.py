@@ -459,7 +459,78 @@ _CODEC_FORMATS = (
     "bf16,fp16,e4m3fn,e5m2,e4m3fnuz,e5m2fnuz,e4m3b11fnuz,e3m4,float8_e4m3,e8m0,e2m3,e3m2,e2m1,int8"
 )
 
+
 #: Every generated region, by the name its markers carry.
+def _forecast(ctx: Context) -> dict:
+    """The forecast evaluation of the divergence suite (``diagnose --forecast`` on its run,
+    bisect included), computed once per invocation."""
+    if "forecast" not in ctx.run_dirs:
+        run = run_dir(ctx, "experiments/divergence_suite.toml")
+        cli("diagnose", "--forecast", str(run), "--quiet")
+        ctx.run_dirs["forecast"] = run
+    return json.loads((ctx.run_dirs["forecast"] / "forecast.json").read_text())
+
+
+def forecast_evaluation(ctx: Context) -> str:
+    from precisionlab.diagnose._forecast_run import scores_table
+
+    result = _forecast(ctx)
+    layers = result.get("bisect_layers", {})
+    found = "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(layers.items())) or "none"
+    return scores_table(result) + f"\n\nCulprit layers found by `diagnose --bisect`: {found}."
+
+
+def forecast_suite(ctx: Context) -> str:
+    """Per setting: the variants, what happened to them (failure, step) and the alarms."""
+    from precisionlab.experiments.report import markdown_table
+
+    result = _forecast(ctx)
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for u in result["units"]:
+        groups.setdefault((u["setting"], u["variant"]), []).append(u)
+    rows = []
+    for (setting, variant), units in groups.items():
+
+        def outcome(u: dict) -> str:
+            if not u["failure"]:
+                return "trained"
+            tag = "" if u["precision_failure"] else " (also fp32)"
+            return f"{u['failure']} at {u['failure_step']}{tag}"
+
+        def alarm(u: dict) -> str:
+            a = u["alarm"]
+            return "-" if a is None else f"{a['step']}: {a['mechanism']}, {a['layer']}"
+
+        rows.append([
+            setting, variant, units[0]["split"], ", ".join(str(u["seed"]) for u in units),
+            "; ".join(outcome(u) for u in units), "; ".join(alarm(u) for u in units),
+        ])  # fmt: skip
+    hdr = ["setting", "variant", "split", "seeds", "outcome per seed", "first alarm per seed"]
+    return markdown_table(rows, hdr)
+
+
+def forecast_rules(ctx: Context) -> str:
+    """The frozen model's rules: what the forecaster fires on (the shipped thresholds)."""
+    from precisionlab.experiments.report import markdown_table
+    from precisionlab.train.forecast import load_model
+
+    model = load_model()
+    rows = []
+    for r in model["rules"]:
+        t = r["threshold"]
+        rows.append([
+            r["mechanism"], f"`{r['signal']}`", r["feature"],
+            "off (no gain on the fitting runs)" if t is None else f"{r['op']} {t:.4g}",
+            r["requires"] or "-", "-" if r["lead"] is None else f"{r['lead']:.0f}",
+        ])  # fmt: skip
+    hdr = ["mechanism", "signal", "feature", "fires when", "runs it applies to", "median lead"]
+    head = (
+        f"Debounce: {model['debounce']} consecutive records; trends over the last "
+        f"{model['window']} records."
+    )
+    return head + "\n\n" + markdown_table(rows, hdr)
+
+
 REGIONS: dict[str, Region] = {
     "main-job": Region(
         "docs/getting-started/main-job.md",
@@ -578,6 +649,35 @@ REGIONS: dict[str, Region] = {
         "timing",
         60,
         timed(bench_text("quant", "--repeats", "15", "--malloc-tuning")),
+    ),
+    "forecast-evaluation": Region(
+        "docs/guides/forecast.md",
+        "precisionlab run experiments/divergence_suite.toml --out runs/divergence_suite && "
+        "precisionlab diagnose --forecast runs/divergence_suite",
+        "exact",
+        3600,
+        forecast_evaluation,
+    ),
+    "forecast-suite": Region(
+        "docs/guides/forecast.md",
+        "precisionlab diagnose --forecast runs/divergence_suite (forecast.json)",
+        "exact",
+        3600,
+        forecast_suite,
+    ),
+    "forecast-rules": Region(
+        "docs/guides/forecast.md",
+        "precisionlab diagnose --forecast runs/divergence_suite --fit (forecast_model.json)",
+        "exact",
+        0,
+        forecast_rules,
+    ),
+    "bench-predictors": Region(
+        "docs/guides/forecast.md",
+        "precisionlab bench predictors",
+        "timing",
+        120,
+        timed(bench_console("predictors")),
     ),
     "bench-hardware": Region(
         "docs/guides/hardware.md",

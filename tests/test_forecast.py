@@ -265,3 +265,51 @@ def test_a_setting_runs_its_own_seeds(tmp_path):
     fit_seeds = {u.seed for u in suite.units if u.setting.endswith("-s")}
     eval_seeds = {u.seed for u in suite.units if u.setting.endswith("-m")}
     assert fit_seeds == {0, 1} and eval_seeds == {2, 3} and len(suite.units) >= 24
+
+
+@pytest.mark.slow  # trains 4 units of 200 steps with the predictors (~35 CPU s)
+def test_quick_subset_of_the_suite_runs_and_evaluates(tmp_path, capsys):
+    suite = Path(__file__).parents[1] / "experiments" / "divergence_suite.toml"
+    out = tmp_path / "quick"
+    argv = ["diagnose", "--forecast", str(suite), "--quick", "--out", str(out), "--quiet"]
+    assert main(argv) == 0
+    result = json.loads((out / "forecast.json").read_text())
+    assert [u["unit"] for u in result["units"]] == [
+        "fp16-overflow-s/fp32 s0", "fp16-overflow-s/fp16 s0",
+        "fp16-overflow-m/fp32 s2", "fp16-overflow-m/fp16 s2",
+    ]  # fmt: skip
+    assert all(u["records"] == 20 for u in result["units"])  # every 10 steps of 200
+    assert set(result["evaluation"]) == {"forecaster", "kurtosis alone", "TE AutoswitchGemm"}
+    rows = [json.loads(x) for x in (out / "variants").glob("*fp16-s0/predictors.jsonl")
+            .__next__().read_text().splitlines()]  # fmt: skip
+    assert rows[0]["meta"]["compute"] == "float16" and rows[0]["layers"][0] == "layer0"
+
+
+@pytest.mark.slow  # trains one unit
+def test_run_forecast_prints_the_live_alarm(tmp_path, capfd):
+    exp = tmp_path / "e.toml"
+    exp.write_text(
+        'kind = "train"\n[train]\nmodel = "mlp"\ndata_kwargs = { input_scale = 12.0 }\n'
+        'model_kwargs = { width = 32, depth = 2, activation = "gelu" }\nsteps = 40\n'
+        'policy = "p=f32,c=f16,o=f32"\ntelemetry = { enabled = false }\n'
+    )
+    model = {"rules": [dict(mechanism="fp16-overflow", signal="headroom", feature="value",
+                            op="<", threshold=1.0, requires="fp16", lead=30.0)],
+             "debounce": 2, "window": 5}  # fmt: skip
+    import precisionlab.train.forecast as fc
+
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(model))
+    old = fc.MODEL_PATH
+    fc.MODEL_PATH = path  # the frozen model's location, for this run only
+    try:
+        argv = ["run", str(exp), "--forecast", "--out", str(tmp_path / "r"), "--no-report"]
+        assert main([*argv, "--quiet"]) == 0
+    finally:
+        fc.MODEL_PATH = old
+    err = capfd.readouterr().err
+    # GELU's x^3 of inputs x12 is at float16's max from the first record on; records every 5
+    # steps (the automatic interval, max(5, 40 // 50)): the second one, step 6, fires
+    assert "forecast: base: step 6: likely to diverge within about" in err
+    rows = (tmp_path / "r" / "variants" / "00-base" / "predictors.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in rows] == [1, 6, 11, 16, 21, 26, 31, 36]

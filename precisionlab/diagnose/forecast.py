@@ -42,11 +42,18 @@ __all__ = [
     "Outcome",
     "Scores",
     "UnitRun",
+    "alarms_of",
     "evaluate",
     "fit",
+    "fit_kurtosis",
+    "fit_rule",
     "forecast_unit",
+    "ground_truth",
     "load_run",
     "outcome",
+    "references",
+    "run_forecast",
+    "split",
     "te_model",
 ]
 
@@ -54,9 +61,12 @@ __all__ = [
 #: mechanism, on the signal its paper names.
 DEFAULT_RULES: tuple[tuple[str, str, str, str, str], ...] = (
     ("fp16-overflow", "headroom", "value", "<", "fp16"),
+    ("fp16-overflow", "amax", "rise", ">", "fp16"),
     ("fp8-delayed-overflow", "scaled_headroom", "value", "<", "delayed"),
+    ("fp8-delayed-overflow", "amax", "rise", ">", "delayed"),
     ("grad-underflow", "grad_underflow", "rise", ">", "fp16"),
-    ("grad-noise", "noise_ratio", "value", "<", ""),
+    ("grad-underflow", "noise_ratio", "value", "<", "fp16"),
+    ("grad-noise", "noise_ratio", "value", "<", "recipe"),
     ("ln-quant-bias", "ln_bias", "value", ">", ""),
     ("weight-oscillation", "flip_rate", "value", ">", "4bit"),
     ("update-swamping", "update_applied", "value", "<", "low_params"),

@@ -65,8 +65,9 @@ MODEL_PATH = Path(__file__).with_name("forecast_model.json")
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """One mechanism's rule: ``signal`` of a layer (``feature``: ``"value"``, ``"rise"`` since
-    the run's first records, or ``"slope"`` per 100 steps over the last ``window`` records)
+    """One mechanism's rule: ``signal`` of a layer (``feature``: ``"value"``, ``"rise"`` above
+    the lowest of the run's first ``window`` records, or ``"slope"`` per 100 steps over the
+    last ``window`` records; ``amax`` and ``loss_scale`` in binades, log2)
     compared (``op``: ``"<"`` or ``">"``) with ``threshold``; None disables the rule.
     ``requires``: a run property the rule needs (``"recipe"``, ``"4bit"``, ``"low_params"``,
     ``"fp16"``, ``"delayed"``, or ``""``). ``lead``: the median steps from first firing to the
@@ -193,13 +194,13 @@ class Forecaster:
             value = series[-1][1]
             if rule.feature == "value":
                 out[layer] = value
-            elif rule.feature == "rise":
-                first = [_at(r, rule.signal, layer) for r in rows[: self.window]]
+            elif rule.feature == "rise":  # above the lowest of the run's first records
+                first = [_scale(rule, _at(r, rule.signal, layer)) for r in rows[: self.window]]
                 first = [v for v in first if v is not None]
-                out[layer] = None if value is None or not first else value - min(first)
-            else:  # slope per 100 steps of log2 (amax) or of the value itself
-                logs = rule.signal in ("amax", "loss_scale")
-                vals = [_log2(v) if logs else v for _, v in series]
+                v = _scale(rule, value)
+                out[layer] = None if v is None or not first else v - min(first)
+            else:  # least-squares slope per 100 steps over the last records
+                vals = [_scale(rule, v) for _, v in series]
                 s = slope([p[0] for p in series], vals)
                 out[layer] = None if s is None else 100.0 * s
         return out
@@ -280,6 +281,14 @@ def _at(row: Mapping[str, Any], signal: str, layer: str) -> float | None:
     return vals[j]
 
 
+#: Signals whose trends are read in binades (log2): growth by a factor, not by an amount.
+LOG_SIGNALS = ("amax", "loss_scale")
+
+
+def _scale(rule: Rule, v: float | None) -> float | None:
+    return _log2(v) if rule.signal in LOG_SIGNALS else v
+
+
 def _log2(v: float | None) -> float | None:
     return None if v is None or not v > 0 or not math.isfinite(v) else math.log2(v)
 
@@ -299,6 +308,24 @@ class ForecastHook:
         self.meta, self.label = dict(meta), label
         self.say = say or (lambda m: print(m, file=sys.stderr, flush=True))
         self.forecaster = Forecaster(model)
+
+    @classmethod
+    def for_config(
+        cls,
+        config: Any,
+        *,
+        label: str = "",
+        say: Callable[[str], None] | None = None,
+        model: Mapping[str, Any] | None = None,
+    ) -> ForecastHook:
+        """The hook for a run of ``config`` (a :class:`~precisionlab.train.TrainConfig`: its
+        compute and params dtypes and recipe are what the rules need to know)."""
+        from precisionlab.train.predictors import run_meta
+
+        prec = config.precision
+        params = prec.storage.param_dtype(prec.policy.param_dtype)
+        meta = run_meta(prec.policy, params, prec.recipe)
+        return cls(meta, label=label, say=say, model=model)
 
     def on_step(self, end: Any) -> None:
         row = end.record.get("predictors")

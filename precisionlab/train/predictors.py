@@ -13,11 +13,13 @@ Where each signal comes from (the papers' own definitions, restated):
   2505.20524, FOG, the kurtosis monitor of its outlier analysis): for each row (token) ``x``
   of a linear layer's input, ``mean(x**4) / mean(x**2)**2``; the mean over rows; the layer's
   maximum over its linear layers. 3 for Gaussian rows, large when a few channels dominate.
-- ``amax`` and ``headroom``: the largest magnitude of the layer's forward tensors (matmul
-  operands and outputs, and the outputs of the operations of :data:`GROWING_OPS`: GELU's
-  ``x**3``, softmax's ``exp``), and
-  ``log2(format max / amax)``, the binades left before overflow (minimum over the tensors):
-  the format is each tensor's dtype (float16's 65504).
+- ``amax``: the largest magnitude of the layer's matmul operands and outputs (the GEMM
+  tensors); ``headroom``: ``log2(format max / amax)`` of every forward tensor of the layer
+  (the GEMM tensors and the outputs of the operations of :data:`GROWING_OPS`: GELU's
+  ``x**3``, softmax's ``exp``), the binades left before overflow (minimum over the tensors):
+  the format is each tensor's dtype (float16's 65504). Some overflows are harmless (tanh of
+  an infinite GELU cube is 1): the level says where the range ends, the amax trend whether
+  the layer is heading there.
   ``grad_headroom``: the same for the output cotangents (of the scaled loss);
   ``scaled_headroom``: for a delayed-scaling recipe, ``log2(FP8 max / (amax * scale))`` of
   the replaced matmuls' operands and gradients with the scale in the recipe's state (what
@@ -105,7 +107,7 @@ __all__ = [
 #: The signals, in order, with what each measures (see the module docstring).
 SIGNALS: dict[str, str] = {
     "kurtosis": "mean over rows of mean(x^4)/mean(x^2)^2 of the linear layers' inputs (max)",
-    "amax": "largest magnitude of the forward tensors",
+    "amax": "largest magnitude of the matmul operands and outputs",
     "headroom": "log2(dtype max / amax) of the forward tensors (min), binades to overflow",
     "scaled_headroom": "log2(FP8 max / (amax * scale)) under delayed scaling (min)",
     "grad_headroom": "log2(format max / amax) of the output cotangents (min)",
@@ -471,13 +473,10 @@ def _site_signals(acc, site, layer, ts, rq, replaced, rstate, ls, cd) -> None:
     for k in ("lhs", "rhs", "out"):
         if k in ts:
             a = _amax(ts[k])
-            acc.add("max", "amax", layer, a)
-            acc.add(
-                "min",
-                "headroom",
-                layer,
-                _log2_headroom(_fmax(gdt if k == "out" else ts[k].dtype), a),
-            )
+            if matmul:  # the GEMM's tensors: what a recipe scales, where growth shows first
+                acc.add("max", "amax", layer, a)
+            fmt = gdt if k == "out" else ts[k].dtype
+            acc.add("min", "headroom", layer, _log2_headroom(_fmax(fmt), a))
     if "grad" in ts:
         acc.add("min", "grad_headroom", layer, _log2_headroom(_fmax(gdt), _amax(ts["grad"])))
     if site.primitive != "dot_general":
