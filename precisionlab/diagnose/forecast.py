@@ -57,9 +57,9 @@ __all__ = [
     "te_model",
 ]
 
-#: The rules the forecaster fits (mechanism, signal, feature, op, requires): one per
-#: mechanism, on the signal its paper names.
-DEFAULT_RULES: tuple[tuple[str, str, str, str, str], ...] = (
+#: The rules the forecaster fits (mechanism, signal, feature, op, requires[, window]): per
+#: mechanism, on the signals its paper names (a level, a rise since the start, a slope).
+DEFAULT_RULES: tuple[tuple, ...] = (
     ("fp16-overflow", "headroom", "value", "<", "fp16"),
     ("fp16-overflow", "amax", "rise", ">", "fp16"),
     ("fp8-delayed-overflow", "scaled_headroom", "value", "<", "delayed"),
@@ -69,11 +69,18 @@ DEFAULT_RULES: tuple[tuple[str, str, str, str, str], ...] = (
     ("grad-noise", "noise_ratio", "value", "<", "recipe"),
     ("ln-quant-bias", "ln_bias", "value", ">", ""),
     ("weight-oscillation", "flip_rate", "value", ">", "4bit"),
+    ("quant-error-growth", "q_mse", "rise", ">", "recipe"),
     ("update-swamping", "update_applied", "value", "<", "low_params"),
-    ("outlier-growth", "kurtosis", "slope", ">", ""),
+    ("fp16-overflow", "amax", "slope", ">", "fp16", 10),
+    ("fp8-delayed-overflow", "amax", "slope", ">", "delayed", 10),
+    ("outlier-growth", "kurtosis", "slope", ">", "", 10),
     ("swiglu-alignment", "swiglu_align", "value", ">", ""),
     ("loss-scale-collapse", "loss_scale", "slope", "<", "fp16"),
 )
+
+#: What a false alarm costs in the fitting objective (alarmed failures minus this many per
+#: alarmed other run): a rule is kept only where it is right at least 2 times in 3.
+FP_WEIGHT = 2.0
 
 #: Mechanisms a setting's name may start with (the ground truth of "mechanism M").
 SETTING_MECHANISMS: tuple[str, ...] = tuple(MECHANISMS)
@@ -219,9 +226,9 @@ def te_model(underflow: float = 0.05, mse: float = 1e-4) -> dict[str, Any]:
 # --- fitting ------------------------------------------------------------------------------
 
 
-def _feature_table(u: UnitRun, rule: Rule, window: int) -> list[tuple[int, list]]:
+def _feature_table(u: UnitRun, rule: Rule, window: int, settle: int = 10) -> list[tuple[int, list]]:
     """(step, [feature per layer]) for every row of ``u``, as the forecaster computes them."""
-    f = Forecaster({"rules": [], "debounce": 1, "window": window})
+    f = Forecaster({"rules": [], "debounce": 1, "window": window, "settle": settle})
     table = []
     for row in u.rows:
         f.history.append(row)
@@ -259,25 +266,27 @@ def fit_rule(
     *,
     debounce: int,
     window: int,
+    settle: int = 10,
 ) -> tuple[Rule, dict[str, Any]]:
     """``rule`` with the threshold maximizing (precision failures alarmed before their
-    failure) - (other units alarmed) on ``units`` (ties: the longest median lead), and
-    ``lead`` the median lead; threshold None when no candidate gains."""
+    failure) - :data:`FP_WEIGHT` x (other units alarmed) on ``units``, the middle of the
+    thresholds that reach it, and ``lead`` the median lead; threshold None when no
+    candidate gains."""
     from precisionlab.train.forecast import run_properties
 
     def props(u: UnitRun) -> set[str]:
         return run_properties(u.rows[0].get("meta", {}) if u.rows else {})
 
     usable = [u for u in units if rule.requires in props(u)]
-    tables = {u.id: _feature_table(u, rule, window) for u in usable}
+    tables = {u.id: _feature_table(u, rule, window, settle) for u in usable}
     values = [
         v for t in tables.values() for _, feats in t for v in feats
         if v is not None and math.isfinite(v)
     ]  # fmt: skip
-    best: tuple[tuple[float, float], float | None, list[float]] = ((0.0, 0.0), None, [])
-    for t in _candidates(values):
+
+    def score(t: float) -> tuple[float, list[float], int]:
         r = dataclasses.replace(rule, threshold=t)
-        gain, leads = 0.0, []
+        gain, leads, false = 0.0, [], 0
         for u in usable:
             step = _first_alarm(tables[u.id], r, debounce)
             o = truth[u.id]
@@ -286,36 +295,61 @@ def fit_rule(
                     gain += 1
                     leads.append(o.step - step)
             elif step is not None:
-                gain -= 1
-        key = (gain, statistics.median(leads) if leads else 0.0)
-        if gain > 0 and key > best[0]:
-            best = (key, t, leads)
-    (gain, _), t, leads = best
+                gain -= FP_WEIGHT
+                false += 1
+        return gain, leads, false
+
+    cands = [t for t in _candidates(values) if _meaningful(rule, t)]
+    scored = [(t, *score(t)) for t in cands]
+    best_gain = max((g for _, g, _, _ in scored), default=0.0)
+    if best_gain <= 0:
+        fitted = dataclasses.replace(rule, threshold=None, lead=None)
+        return fitted, {"gain": best_gain, "runs": len(usable), "alarmed_failures": 0}
+    # the middle of the thresholds that do best: as far from the fitting runs' values on
+    # either side as the data allows (the most permissive one would alarm on anything)
+    top = [t for t, g, _, _ in scored if g == best_gain]
+    t = (min(top) + max(top)) / 2
+    gain, leads, false = score(t)
+    if gain < best_gain:  # the best thresholds are not contiguous: keep the best lead's
+        t = max((x for x in scored if x[1] == best_gain), key=lambda x: statistics.median(x[2]))[0]
+        gain, leads, false = score(t)
     fitted = dataclasses.replace(
         rule, threshold=t, lead=float(statistics.median(leads)) if leads else None
     )
-    return fitted, {"gain": gain, "runs": len(usable), "alarmed_failures": len(leads)}
+    return fitted, {
+        "gain": gain, "runs": len(usable), "alarmed_failures": len(leads), "false_alarms": false,
+    }  # fmt: skip
+
+
+def _meaningful(rule: Rule, t: float) -> bool:
+    """A trend threshold on the side of change (a rise above 0, a slope away from 0): a
+    run whose signal does not move never fires it."""
+    if rule.feature in ("rise", "slope"):
+        return t > 0 if rule.op == ">" else t < 0
+    return True
 
 
 def fit(
     units: Sequence[UnitRun],
     truth: Mapping[str, Outcome],
     *,
-    rules: Sequence[tuple[str, str, str, str, str]] = DEFAULT_RULES,
+    rules: Sequence[tuple] = DEFAULT_RULES,
     debounce: int = 2,
     window: int = 5,
+    settle: int = 10,
 ) -> dict[str, Any]:
     """The forecaster model fitted on ``units`` (see :func:`fit_rule`)."""
     fitted, notes = [], {}
-    for mech, signal, feature, op, requires in rules:
-        r = Rule(mech, signal, feature, op, None, requires)
-        fr, note = fit_rule(r, units, truth, debounce=debounce, window=window)
+    for mech, signal, feature, op, requires, *rest in rules:
+        r = Rule(mech, signal, feature, op, None, requires, window=rest[0] if rest else None)
+        fr, note = fit_rule(r, units, truth, debounce=debounce, window=window, settle=settle)
         fitted.append(dataclasses.asdict(fr))
-        notes[f"{mech}:{signal}"] = note
+        notes[f"{mech}:{signal}:{feature}"] = note
     return {
         "version": 1,
         "debounce": debounce,
         "window": window,
+        "settle": settle,
         "rules": fitted,
         "fit": {"units": [u.name for u in units], "notes": notes},
     }

@@ -46,13 +46,15 @@ MECHANISMS: dict[str, str] = {
     "while the layer's amax grows",
     "fp8-delayed-overflow": "amax times the delayed-scaling scale near the FP8 max "
     "(scaled_headroom) while the amax grows",
-    "grad-underflow": "output gradients flushed below the smallest normal (grad_underflow, its "
+    "grad-underflow": "output gradients flushed to zero (grad_underflow, its "
     "rise since the first records)",
     "grad-noise": "weight-gradient norm below sqrt(3) times its quantization noise "
     "(noise_ratio, Chmiel et al.)",
     "ln-quant-bias": "quantized LayerNorm weights scale the gradient (ln_bias, Su et al.)",
     "weight-oscillation": "quantized weights flipping every step under a 4-bit recipe "
     "(flip_rate, TetraJet)",
+    "quant-error-growth": "the quantization error of a recipe's operands growing (q_mse rise, "
+    "in binades)",
     "update-swamping": "updates lost in low-precision params (update_applied)",
     "outlier-growth": "activation kurtosis (FOG) above its threshold",
     "swiglu-alignment": "SwiGLU gate/up columns aligned (swiglu_align, Fishman et al.)",
@@ -67,12 +69,14 @@ MODEL_PATH = Path(__file__).with_name("forecast_model.json")
 class Rule:
     """One mechanism's rule: ``signal`` of a layer (``feature``: ``"value"``, ``"rise"`` above
     the lowest of the run's first ``window`` records, or ``"slope"`` per 100 steps over the
-    last ``window`` records; ``amax`` and ``loss_scale`` in binades, log2)
+    last ``window`` records; ``amax``, ``loss_scale`` and ``q_mse`` in binades, log2)
     compared (``op``: ``"<"`` or ``">"``) with ``threshold``; None disables the rule.
     ``requires``: a run property the rule needs (``"recipe"``, ``"4bit"``, ``"low_params"``,
     ``"fp16"``, ``"delayed"``, or ``""``). ``lead``: the median steps from first firing to the
     failure on the fitting runs (the "within about N steps" where the rule cannot
-    extrapolate)."""
+    extrapolate). ``window``: records of the trend (None: the model's). A slope is read only
+    after the run's first ``settle`` records (the model's): the first steps of any training
+    move fast, and that is not the growth a rule looks for."""
 
     mechanism: str
     signal: str
@@ -81,6 +85,7 @@ class Rule:
     threshold: float | None
     requires: str = ""
     lead: float | None = None
+    window: int | None = None
 
     def holds(self, value: float | None) -> bool:
         """Whether ``value`` is on the alarm side of the threshold (never for None or NaN)."""
@@ -103,7 +108,7 @@ class Rule:
 
 
 def load_model(path: str | Path | None = None) -> dict[str, Any]:
-    """The frozen forecaster model (``{"rules": [...], "debounce", "window", ...}``)."""
+    """The frozen forecaster model (``{"rules": [...], "debounce", "window", "settle"}``)."""
     return json.loads(Path(path or MODEL_PATH).read_text())
 
 
@@ -178,6 +183,7 @@ class Forecaster:
         self.rules = [Rule(**r) for r in model["rules"]]
         self.debounce = int(model.get("debounce", 2))
         self.window = int(model.get("window", 5))
+        self.settle = int(model.get("settle", 10))
         self.history: list[dict[str, Any]] = []
         self.streak: dict[tuple[str, str], int] = {}
         self.alarm: Alarm | None = None
@@ -188,17 +194,20 @@ class Forecaster:
         rows = self.history
         last = rows[-1]
         layers = last["layers"]
+        window = rule.window or self.window
         out: dict[str, float | None] = {}
         for layer in layers:
-            series = [(r["step"], _at(r, rule.signal, layer)) for r in rows[-self.window :]]
+            series = [(r["step"], _at(r, rule.signal, layer)) for r in rows[-window:]]
             value = series[-1][1]
             if rule.feature == "value":
                 out[layer] = value
             elif rule.feature == "rise":  # above the lowest of the run's first records
-                first = [_scale(rule, _at(r, rule.signal, layer)) for r in rows[: self.window]]
+                first = [_scale(rule, _at(r, rule.signal, layer)) for r in rows[:window]]
                 first = [v for v in first if v is not None]
                 v = _scale(rule, value)
                 out[layer] = None if v is None or not first else v - min(first)
+            elif len(rows) < max(self.settle, 2):
+                out[layer] = None
             else:  # least-squares slope per 100 steps over the last records
                 vals = [_scale(rule, v) for _, v in series]
                 s = slope([p[0] for p in series], vals)
@@ -282,7 +291,7 @@ def _at(row: Mapping[str, Any], signal: str, layer: str) -> float | None:
 
 
 #: Signals whose trends are read in binades (log2): growth by a factor, not by an amount.
-LOG_SIGNALS = ("amax", "loss_scale")
+LOG_SIGNALS = ("amax", "loss_scale", "q_mse")
 
 
 def _scale(rule: Rule, v: float | None) -> float | None:

@@ -25,9 +25,10 @@ Where each signal comes from (the papers' own definitions, restated):
   the replaced matmuls' operands and gradients with the scale in the recipe's state (what
   the next quantization does with this step's tensors; below 0 they saturate). The amax
   slope (binades per step) is the forecaster's trend of ``amax``.
-- ``grad_underflow`` (Micikevicius et al. 2018, "Mixed Precision Training", section 3.2):
-  the fraction of the layer's matmul output cotangents (scaled loss) that are zero or below
-  the smallest normal of their dtype.
+- ``grad_underflow`` (Micikevicius et al. 2018, "Mixed Precision Training", section 3.2,
+  where the gradients that become zero in float16 are counted): the fraction of the layer's
+  matmul output cotangents (scaled loss) that are zero in their format (flushed, or zero by
+  structure, such as the masked attention logits': the forecaster reads its rise).
 - ``noise_ratio`` (Chmiel et al., "FP4 All the Way", arXiv 2505.19115, the gradient-noise
   threshold of its analysis of when quantized training stops helping): for each weight
   gradient ``G = X^T dY`` of a linear layer, ``||G|| / ||G_q - G||`` where ``G_q`` is that
@@ -47,8 +48,10 @@ Where each signal comes from (the papers' own definitions, restated):
   updates, Zamirai et al. 2020, "Revisiting BFloat16 Training").
 - ``flip_rate`` (Chen et al., TetraJet, arXiv 2502.20853, the weight-oscillation analysis: the
   quantized weights flip between neighbouring levels while the latent weights barely move):
-  the fraction of the layer's weight-matrix elements whose quantized value (the recipe's
-  weight quantizer; without one, the compute dtype) changed in this step.
+  the fraction of the layer's weight-matrix elements whose quantized value changed in this
+  step: the element code of the recipe's weight quantizer (a scale that drifts with the
+  tensor's amax moves every dequantized value without flipping a level), without a recipe
+  the compute-dtype value.
 - ``ln_bias`` (Su et al., "Characterization and Mitigation of Training Instabilities in
   Microscaling Formats", arXiv 2506.20752, the multiplicative gradient bias from quantized
   layer-norm affine weights): for each LayerNorm weight ``g`` the model quantizes (its
@@ -111,7 +114,7 @@ SIGNALS: dict[str, str] = {
     "headroom": "log2(dtype max / amax) of the forward tensors (min), binades to overflow",
     "scaled_headroom": "log2(FP8 max / (amax * scale)) under delayed scaling (min)",
     "grad_headroom": "log2(format max / amax) of the output cotangents (min)",
-    "grad_underflow": "fraction of output-cotangent elements zero or below the smallest normal",
+    "grad_underflow": "fraction of output-cotangent elements that are zero (flushed)",
     "noise_ratio": "||G|| / ||G_q - G|| of the weight gradients (min); sqrt(3): ineffective",
     "q_underflow": "fraction of nonzero operand elements the quantizer flushes to 0 (max)",
     "q_mse": "mean squared quantization error of the operands (max)",
@@ -262,10 +265,6 @@ def swiglu_alignment(w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(cos))
 
 
-def _tiny(dtype: Any) -> float:
-    return float(jnp.finfo(dtype).tiny)
-
-
 def _fmax(dtype: Any) -> float:
     return float(jnp.finfo(dtype).max)
 
@@ -288,9 +287,12 @@ def _amax(x: jax.Array) -> jax.Array:
 # --- quantizers ---------------------------------------------------------------------------
 
 
-def _qdq(recipe: Any, x: jax.Array, kind: str, scale: Any = None, key: Any = None) -> jax.Array:
+def _qdq(
+    recipe: Any, x: jax.Array, kind: str, scale: Any = None, key: Any = None, codes: bool = False
+) -> jax.Array:
     """The (R, K) float32 ``x`` quantized along K as ``recipe`` quantizes ``kind`` operands,
-    dequantized (zero padding to the recipe's blocks, cropped back)."""
+    dequantized (zero padding to the recipe's blocks, cropped back); ``codes``: the element
+    values before the scales are applied (what a 4-bit weight flips between)."""
     r, k = x.shape
     t = x.astype(jnp.float32)
     for blk in recipe.block_sizes(kind):
@@ -304,8 +306,9 @@ def _qdq(recipe: Any, x: jax.Array, kind: str, scale: Any = None, key: Any = Non
         scale = jnp.where(a > 0, fmt_max / jnp.where(a > 0, a, 1.0), 1.0)
     if key is None:
         key = jax.random.PRNGKey(0)
-    q = recipe.quantize(t[None], kind, scale=scale, key=key).dequantize()[0]
-    return q[:r, :k]
+    q = recipe.quantize(t[None], kind, scale=scale, key=key)
+    out = q.elems[0] if codes else q.dequantize()[0]
+    return out[:r, :k]
 
 
 def _cast(x: jax.Array, dtype: Any) -> jax.Array:
@@ -483,8 +486,9 @@ def _site_signals(acc, site, layer, ts, rq, replaced, rstate, ls, cd) -> None:
         return
     g = ts.get("grad")
     if g is not None:
-        gf = jnp.abs(g.astype(jnp.float32))
-        low = jnp.sum(gf < _tiny(gdt), dtype=jnp.float32)
+        # zero in the format: the float32 cotangent rounded to it (a float32 accumulator's
+        # output is rounded to the compute dtype right after the matmul)
+        low = jnp.sum(_cast(g, gdt) == 0, dtype=jnp.float32)
         acc.add("sum", "grad_underflow", layer, jnp.stack([low, jnp.float32(g.size)]))
     lhs, rhs = ts["lhs"], ts["rhs"]
     linear = _is_linear(site)
@@ -549,7 +553,7 @@ def _state_signals(acc, state, new_params, g32, opt, predictors, rq, cd, seen_la
         )
         if w0.ndim == 2:
             if rq is not None:  # the fprop layout: (out, in), contraction last
-                q0, q1 = _qdq(rq, a0.T, "w"), _qdq(rq, a1.T, "w")
+                q0, q1 = _qdq(rq, a0.T, "w", codes=True), _qdq(rq, a1.T, "w", codes=True)
             else:
                 q0, q1 = _cast(a0, cd), _cast(a1, cd)
             flips = jnp.sum(q0 != q1, dtype=jnp.float32)
