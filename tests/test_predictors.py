@@ -234,3 +234,55 @@ def test_model_options_for_the_mechanisms_change_what_they_must():
         make_model("transformer", mlp="relu")
     with pytest.raises(ValueError, match="needs use_layernorm = true"):
         make_model("mlp", norm_format="mxfp4", width=64)
+
+
+def test_flip_rate_counts_mxfp4_levels_not_scale_moves():
+    from precisionlab.recipes import get_recipe
+    from precisionlab.train.predictors import _qdq
+
+    mx = get_recipe("mxfp4", pad=True)
+    # one block of 32 along K: amax 6 sets the E8M0 scale 2^(2 - 2) = 1, so levels are E2M1's
+    w0 = np.full((1, 32), 1.0, np.float32)
+    w0[0, 0] = 6.0
+    w1 = w0.copy()
+    w1[0, 1] = 1.3  # 1.3 rounds to 1.5: one level flips
+    w1[0, 2] = 1.2  # 1.2 rounds to 1.0: none
+    codes = [np.asarray(_qdq(mx, jnp.asarray(w), "w", codes=True)) for w in (w0, w1)]
+    assert np.sum(codes[0] != codes[1]) == 1 and codes[1][0, 1] == 1.5
+    # the same weights scaled by 2 (a block scale step): every value moves, no level does
+    c2 = np.asarray(_qdq(mx, jnp.asarray(w0 * 2), "w", codes=True))
+    v0 = np.asarray(_qdq(mx, jnp.asarray(w0), "w"))
+    v2 = np.asarray(_qdq(mx, jnp.asarray(w0 * 2), "w"))
+    assert np.array_equal(c2, codes[0]) and np.array_equal(v2, 2 * v0)
+
+
+def test_recipe_quantizer_of_the_te_statistics_matches_ml_dtypes():
+    from precisionlab.recipes import get_recipe
+    from precisionlab.train.predictors import _qdq
+
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((3, 32)) * np.array([[1.0], [1e-3], [50.0]])).astype(np.float32)
+    x[0, :4] = [1e-6, -1e-6, 0.0, 2.5]  # values MXFP4 flushes to zero, a zero, a normal one
+    got = np.asarray(_qdq(get_recipe("mxfp4", pad=True), jnp.asarray(x), "x"))
+    # OCP MX floor rule per row (one block of 32): X = 2^(floor(log2 amax) - 2), E2M1 elements
+    scale = 2.0 ** (np.floor(np.log2(np.abs(x).max(axis=1, keepdims=True))) - 2)
+    want = (x / scale).astype(ml_dtypes.float4_e2m1fn).astype(np.float32) * scale
+    assert np.array_equal(got, want)
+    # what q_underflow and q_mse are made of: flushed nonzeros, mean squared error
+    flushed = np.sum((x != 0) & (want == 0)) / np.sum(x != 0)
+    assert 0 < flushed < 1 and float(np.mean((x - want) ** 2)) > 0
+
+
+def test_grad_underflow_is_every_cotangent_when_the_loss_is_weighted_away():
+    # a float16 run whose loss is multiplied by 2^-40: every output cotangent flushes to zero
+    pred = Predictors(interval=1, layers=LAYERS)
+    opts = StepOptions(policy=get_policy("p=f32,c=f16,o=f32"), predictors=pred)
+    res = train_loop(
+        _loss("p=f32,c=f16,o=f32"), _params(), optax.adam(1e-3), _batches, options=opts,
+        steps=1, chunk_steps=1, progress=False, loss_weight=2.0**-40,
+    )  # fmt: skip
+    row = res.metrics[0]["predictors"]
+    sig = {s: dict(zip(row["layers"], v, strict=True)) for s, v in row["signals"].items()}
+    assert sig["grad_underflow"]["l0"] == 1.0 == sig["grad_underflow"]["l1"]
+    assert sig["noise_ratio"]["l1"] == 0.0  # the whole weight gradient is lost
+    assert sig["grad_norm"]["l1"] == 0.0

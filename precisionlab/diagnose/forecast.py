@@ -20,8 +20,9 @@ A run directory of ``precisionlab run`` whose units recorded predictors
   threshold fitted the same way) and Transformer Engine's ``AutoswitchGemm`` thresholds
   (underflow above 5% or MSE above 1e-4 of any operand of any layer; not fitted).
 - :func:`fit` fits every rule's threshold on the fitting units (the settings matching
-  ``[diagnose] forecast_fit``): the candidate maximizing alarmed precision failures minus
-  alarmed other runs; a rule with no gain is off. The result is the frozen model.
+  ``[diagnose] forecast_fit``): among the thresholds maximizing (precision failures alarmed
+  before they fail) - 2 x (other units alarmed), the middle one; a trend threshold must be
+  on the side of change; a rule with no gain is off. The result is the frozen model.
 """
 
 from __future__ import annotations
