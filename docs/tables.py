@@ -67,6 +67,7 @@ class Context:
     temporary directory made on first use and removed with the context."""
 
     run_dirs: dict[str, Path] = dataclasses.field(default_factory=dict)
+    forecast: dict = dataclasses.field(default_factory=dict)  # see _forecast
     _tmp: tempfile.TemporaryDirectory | None = dataclasses.field(default=None, repr=False)
 
     @property
@@ -461,14 +462,24 @@ _CODEC_FORMATS = (
 
 
 #: Every generated region, by the name its markers carry.
+#: The divergence suite's evaluation as published (forecast.json of the run the forecast
+#: regions were generated from, its run directory replaced by the experiment file).
+FORECAST_RESULT = ROOT / "docs" / "data" / "divergence_suite_forecast.json"
+
+
 def _forecast(ctx: Context) -> dict:
     """The forecast evaluation of the divergence suite (``diagnose --forecast`` on its run,
-    bisect included), computed once per invocation."""
+    bisect included), computed once per invocation; ``--update`` also writes it to
+    :data:`FORECAST_RESULT` (the results committed with the page)."""
     if "forecast" not in ctx.run_dirs:
-        run = run_dir(ctx, "experiments/divergence_suite.toml")
+        config = "experiments/divergence_suite.toml"
+        run = run_dir(ctx, config)
         cli("diagnose", "--forecast", str(run), "--quiet")
         ctx.run_dirs["forecast"] = run
-    return json.loads((ctx.run_dirs["forecast"] / "forecast.json").read_text())
+        result = json.loads((run / "forecast.json").read_text())
+        result["run_dir"] = f"a run of {config}"
+        ctx.forecast = result
+    return ctx.forecast
 
 
 def forecast_evaluation(ctx: Context) -> str:
@@ -733,6 +744,10 @@ def update(names: list[str], ctx: Context) -> None:
         lines[spot[0].start + 1 : spot[0].end] = text.splitlines()
         path.write_text("\n".join(lines) + "\n", "utf-8")
         print(f"updated {name} in {region.page}", flush=True)
+    if ctx.forecast:
+        FORECAST_RESULT.parent.mkdir(parents=True, exist_ok=True)
+        FORECAST_RESULT.write_text(json.dumps(ctx.forecast, indent=1) + "\n", "utf-8")
+        print(f"wrote {FORECAST_RESULT.relative_to(ROOT)}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
