@@ -67,6 +67,7 @@ class Context:
     temporary directory made on first use and removed with the context."""
 
     run_dirs: dict[str, Path] = dataclasses.field(default_factory=dict)
+    forecast: dict = dataclasses.field(default_factory=dict)  # see _forecast
     _tmp: tempfile.TemporaryDirectory | None = dataclasses.field(default=None, repr=False)
 
     @property
@@ -521,7 +522,88 @@ _CODEC_FORMATS = (
     "bf16,fp16,e4m3fn,e5m2,e4m3fnuz,e5m2fnuz,e4m3b11fnuz,e3m4,float8_e4m3,e8m0,e2m3,e3m2,e2m1,int8"
 )
 
+
 #: Every generated region, by the name its markers carry.
+#: The divergence suite's evaluation as published (forecast.json of the run the forecast
+#: regions were generated from, its run directory replaced by the experiment file).
+FORECAST_RESULT = ROOT / "docs" / "data" / "divergence_suite_forecast.json"
+
+
+def _forecast(ctx: Context) -> dict:
+    """The forecast evaluation of the divergence suite (``diagnose --forecast`` on its run,
+    bisect included), computed once per invocation; ``--update`` also writes it to
+    :data:`FORECAST_RESULT` (the results committed with the page)."""
+    if "forecast" not in ctx.run_dirs:
+        config = "experiments/divergence_suite.toml"
+        run = run_dir(ctx, config)
+        cli("diagnose", "--forecast", str(run), "--quiet")
+        ctx.run_dirs["forecast"] = run
+        result = json.loads((run / "forecast.json").read_text())
+        result["run_dir"] = f"a run of {config}"
+        ctx.forecast = result
+    return ctx.forecast
+
+
+def forecast_evaluation(ctx: Context) -> str:
+    from precisionlab.diagnose._forecast_run import scores_table
+
+    result = _forecast(ctx)
+    layers = result.get("bisect_layers", {})
+    found = "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(layers.items())) or "none"
+    return scores_table(result) + f"\n\nCulprit layers found by `diagnose --bisect`: {found}."
+
+
+def forecast_suite(ctx: Context) -> str:
+    """Per setting: the variants, what happened to them (failure, step) and the alarms."""
+    from precisionlab.experiments.report import markdown_table
+
+    result = _forecast(ctx)
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for u in result["units"]:
+        groups.setdefault((u["setting"], u["variant"]), []).append(u)
+    rows = []
+    for (setting, variant), units in groups.items():
+
+        def outcome(u: dict) -> str:
+            if not u["failure"]:
+                return "trained"
+            tag = "" if u["precision_failure"] else " (also fp32)"
+            return f"{u['failure']} at {u['failure_step']}{tag}"
+
+        def alarm(u: dict) -> str:
+            a = u["alarm"]
+            return "-" if a is None else f"{a['step']}: {a['mechanism']}, {a['layer']}"
+
+        rows.append([
+            setting, variant, units[0]["split"], ", ".join(str(u["seed"]) for u in units),
+            "; ".join(outcome(u) for u in units), "; ".join(alarm(u) for u in units),
+        ])  # fmt: skip
+    hdr = ["setting", "variant", "split", "seeds", "outcome per seed", "first alarm per seed"]
+    return markdown_table(rows, hdr)
+
+
+def forecast_rules(ctx: Context) -> str:
+    """The frozen model's rules: what the forecaster fires on (the shipped thresholds)."""
+    from precisionlab.experiments.report import markdown_table
+    from precisionlab.train.forecast import load_model
+
+    model = load_model()
+    rows = []
+    for r in model["rules"]:
+        t = r["threshold"]
+        rows.append([
+            r["mechanism"], f"`{r['signal']}`", r["feature"],
+            "off (no gain on the fitting runs)" if t is None else f"{r['op']} {t:.4g}",
+            r["requires"] or "-", "-" if r["lead"] is None else f"{r['lead']:.0f}",
+        ])  # fmt: skip
+    hdr = ["mechanism", "signal", "feature", "fires when", "runs it applies to", "median lead"]
+    head = (
+        f"Debounce: {model['debounce']} consecutive records; trends over the last "
+        f"{model['window']} records."
+    )
+    return head + "\n\n" + markdown_table(rows, hdr)
+
+
 REGIONS: dict[str, Region] = {
     "main-job": Region(
         "docs/getting-started/main-job.md",
@@ -669,6 +751,35 @@ REGIONS: dict[str, Region] = {
         60,
         timed(bench_text("quant", "--repeats", "15", "--malloc-tuning")),
     ),
+    "forecast-evaluation": Region(
+        "docs/guides/forecast.md",
+        "precisionlab run experiments/divergence_suite.toml --out runs/divergence_suite && "
+        "precisionlab diagnose --forecast runs/divergence_suite",
+        "exact",
+        3600,
+        forecast_evaluation,
+    ),
+    "forecast-suite": Region(
+        "docs/guides/forecast.md",
+        "precisionlab diagnose --forecast runs/divergence_suite (forecast.json)",
+        "exact",
+        3600,
+        forecast_suite,
+    ),
+    "forecast-rules": Region(
+        "docs/guides/forecast.md",
+        "precisionlab diagnose --forecast runs/divergence_suite --fit (forecast_model.json)",
+        "exact",
+        0,
+        forecast_rules,
+    ),
+    "bench-predictors": Region(
+        "docs/guides/forecast.md",
+        "precisionlab bench predictors",
+        "timing",
+        120,
+        timed(bench_console("predictors")),
+    ),
     "bench-hardware": Region(
         "docs/guides/hardware.md",
         "precisionlab bench hardware",
@@ -723,6 +834,10 @@ def update(names: list[str], ctx: Context) -> None:
         lines[spot[0].start + 1 : spot[0].end] = text.splitlines()
         path.write_text("\n".join(lines) + "\n", "utf-8")
         print(f"updated {name} in {region.page}", flush=True)
+    if ctx.forecast:
+        FORECAST_RESULT.parent.mkdir(parents=True, exist_ok=True)
+        FORECAST_RESULT.write_text(json.dumps(ctx.forecast, indent=1) + "\n", "utf-8")
+        print(f"wrote {FORECAST_RESULT.relative_to(ROOT)}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

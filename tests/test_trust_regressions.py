@@ -964,7 +964,7 @@ def test_a_deterministic_run_records_the_cpu_and_trains(work, cli):
     for p, f in zip(rows["plain"], rows["fixed"], strict=True):
         assert np.isfinite(f["loss"]) and f["loss"] == pytest.approx(p["loss"], rel=1e-5)
     _, err = cli(["run", "--resume", "fixed", "--deterministic"])
-    assert "--deterministic apply to a new run" in err
+    assert "--deterministic and --forecast apply to a new run" in err
 
 
 def test_a_rerun_copies_its_telemetry_figures_instead_of_drawing_them(work, monkeypatch):

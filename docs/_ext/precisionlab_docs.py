@@ -280,6 +280,7 @@ def _experiment_page() -> str:
     from precisionlab.memory import experiment as memory
     from precisionlab.train.config import TRAIN_FIELDS
     from precisionlab.train.optim import OPTIMIZER_FIELDS
+    from precisionlab.train.predictors import PREDICTOR_FIELDS
     from precisionlab.train.telemetry import TELEMETRY_FIELDS
 
     undocumented: list[str] = []
@@ -296,6 +297,7 @@ def _experiment_page() -> str:
         ('Top level of a ``kind = "train"`` file', "top", config._train_top_schema()),
         ("``[train]``", "train", TRAIN_FIELDS),
         ("``[train.telemetry]``", "train.telemetry", TELEMETRY_FIELDS),
+        ("``[train.predictors]``", "train.predictors", PREDICTOR_FIELDS),
         ("``[report]``", "report", config.REPORT_SCHEMA),
         ("``[diagnose]``", "diagnose", config.DIAGNOSE_SCHEMA),
         ('``[survey]`` (``kind = "survey"``)', "survey", survey.FIELDS),

@@ -6,7 +6,16 @@ import argparse
 import pathlib
 
 from precisionlab import _io
-from precisionlab.bench import codecs, hardware, overhead, quant, recipes, telemetry, train
+from precisionlab.bench import (
+    codecs,
+    hardware,
+    overhead,
+    predictors,
+    quant,
+    recipes,
+    telemetry,
+    train,
+)
 from precisionlab.cli._common import UsageError, check_path_shape
 
 HELP = "benchmarks against peers (ml_dtypes, gfloat, jmp), printed as ratios"
@@ -18,6 +27,7 @@ BENCHES = {
     "train": train,
     "recipes": recipes,
     "telemetry": telemetry,
+    "predictors": predictors,
     "hardware": hardware,
     "overhead": overhead,
 }

@@ -1,5 +1,6 @@
 """``precisionlab diagnose``: find where a variant's precision breaks (compare, bisect,
-autoswitch); each writes report.md, result.json and plots into a run directory."""
+autoswitch; each writes report.md, result.json and plots into a run directory), or forecast
+it (``--forecast RUN_DIR``: forecast.json and forecast.md)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import sys
 
 from precisionlab.cli._common import UsageError, check_out_dir
 
-HELP = "find the layer and step where precision breaks: --compare, --bisect or --autoswitch"
+HELP = (
+    "find the layer and step where precision breaks: --compare, --bisect or --autoswitch; "
+    "or forecast it: --forecast RUN_DIR"
+)
 
 _ONLY = {
     "threshold": "compare",
@@ -19,10 +23,14 @@ _ONLY = {
     "underflow": "autoswitch",
     "mse": "autoswitch",
 }
+#: The flags of --forecast only.
+_FORECAST_ONLY = ("fit", "model", "no_bisect", "quick")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="experiment file (TOML, kind = 'train')")
+    parser.add_argument(
+        "config", nargs="?", help="experiment file (TOML, kind = 'train'); not with --forecast"
+    )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument(
         "--compare", nargs=2, metavar=("REF", "OTHER"),
@@ -35,6 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument(
         "--autoswitch", metavar="VARIANT",
         help="train a recipe variant, switching each matmul to high precision when it goes bad",
+    )  # fmt: skip
+    mode.add_argument(
+        "--forecast", metavar="RUN_DIR",
+        help="forecast divergence from a run's predictors (a run directory; an experiment "
+        "file is run first): alarms per unit and, on a suite, precision/recall/lead",
     )  # fmt: skip
     parser.add_argument(
         "--set", dest="overrides", metavar="KEY.PATH=VALUE", action="append", default=[],
@@ -58,6 +71,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--layers", metavar="GLOB[,GLOB...]",
         help="candidate layers (default all), e.g. 'layer*'",
+    )  # fmt: skip
+    g = parser.add_argument_group("forecast")
+    g.add_argument(
+        "--fit", action="store_true",
+        help="refit the rules' thresholds on the suite's fitting settings first (writes "
+        "forecast_model.json beside the report)",
+    )  # fmt: skip
+    g.add_argument("--model", metavar="JSON", help="a forecaster model (default: the frozen one)")
+    g.add_argument(
+        "--no-bisect", action="store_true",
+        help="skip the bisect runs that check the alarms' layers",
+    )  # fmt: skip
+    g.add_argument(
+        "--quick", action="store_true",
+        help="with an experiment file: run its [diagnose] forecast_quick subset (no bisect)",
     )  # fmt: skip
     g = parser.add_argument_group("autoswitch")
     g.add_argument("--underflow", type=float, help="switch above this underflow (default 0.05)")
@@ -92,14 +120,53 @@ def _options(args: argparse.Namespace, mode: str, defaults: dict) -> object:
     return d.SwitchOptions(**given)
 
 
+def _forecast(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from precisionlab.diagnose import forecast_command
+
+    if args.config:
+        raise UsageError("--forecast takes the run directory (or experiment file) itself")
+    for flag, owner in _ONLY.items():
+        if getattr(args, flag) is not None:
+            raise UsageError(f"--{flag} applies to --{owner}, not --forecast")
+    target = Path(args.forecast)
+    if not target.exists():
+        raise UsageError(f"--forecast {args.forecast}: no such run directory or experiment file")
+    if target.is_dir() and (args.quick or args.overrides):
+        raise UsageError("--quick and --set apply to an experiment file, not a run directory")
+    if args.steps is not None:
+        raise UsageError("--steps does not apply to --forecast (use --set train.steps=N)")
+
+    def say(msg: str) -> None:
+        if not args.quiet:
+            print(msg, file=sys.stderr, flush=True)
+
+    path, _result, text = forecast_command(
+        target, out=args.out, overrides=args.overrides, quick=args.quick, fit=args.fit,
+        model_path=args.model, bisect=not args.no_bisect, quiet=args.quiet, say=say,
+    )  # fmt: skip
+    print(text)
+    print(f"\nreport: {path}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from precisionlab import diagnose as d
 
+    if args.forecast:
+        return _forecast(args)
+    for flag in _FORECAST_ONLY:
+        if getattr(args, flag, None):
+            raise UsageError(f"--{flag.replace('_', '-')} applies to --forecast")
     mode = next((m for m in ("compare", "bisect", "autoswitch") if getattr(args, m)), None)
     if mode is None:
         raise UsageError(
-            "give one of --compare REF OTHER, --bisect FAIL PASS, --autoswitch VARIANT"
+            "give one of --compare REF OTHER, --bisect FAIL PASS, --autoswitch VARIANT, "
+            "--forecast RUN_DIR"
         )
+    if not args.config:
+        raise UsageError(f"--{mode} needs the experiment file (CONFIG)")
     check_out_dir(args.out, new=True)
     names = [args.autoswitch] if mode == "autoswitch" else list(getattr(args, mode))
     experiment, units = d.load_units(args.config, names, args.overrides)

@@ -60,6 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "same bits on any CPU (at a cost; sets train.deterministic = true)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress output")
+    parser.add_argument(
+        "--forecast",
+        action="store_true",
+        help="record the divergence predictors and print the forecaster's alarm when it "
+        "fires (sets train.predictors.live = true)",
+    )
     parser.add_argument("--no-report", action="store_true", help="skip report.md and plots")
     parser.add_argument(
         "--timings",
@@ -141,8 +147,14 @@ def distributed_spec(args: argparse.Namespace) -> tuple[str, int, int, int] | No
 def _check_args(args: argparse.Namespace) -> None:
     if args.resume and args.config:
         raise UsageError("give either CONFIG or --resume DIR, not both")
-    if args.resume and (args.overrides or args.out or getattr(args, "deterministic", False)):
-        raise UsageError("--set, --out and --deterministic apply to a new run, not to --resume")
+    new_only = (
+        args.overrides or args.out or getattr(args, "deterministic", False)
+        or getattr(args, "forecast", False)
+    )  # fmt: skip
+    if args.resume and new_only:
+        raise UsageError(
+            "--set, --out, --deterministic and --forecast apply to a new run, not to --resume"
+        )
     if not args.resume and not args.config:
         raise UsageError("give an experiment file (CONFIG) or --resume DIR")
     # an existing directory's files (report.md, summary.json) are never replaced unasked
@@ -181,6 +193,8 @@ def _train(args: argparse.Namespace):
     overrides = list(args.overrides)
     if getattr(args, "deterministic", False):
         overrides.append("train.deterministic=true")
+    if getattr(args, "forecast", False):  # predictors on, and the live forecaster
+        overrides.append("train.predictors.live=true")
     return runner.run_file(
         args.config, out=args.out, overrides=overrides, quiet=args.quiet, timings=timings,
         force=bool(getattr(args, "force", False)),

@@ -10,11 +10,16 @@ On experiment variants (``precisionlab diagnose``) and on any JAX function
   (``TrainConfig.high_precision_layers``) makes a failing variant pass.
 - :func:`autoswitch`: a recipe variant whose matmuls switch to high precision inside ``jit``
   when their underflow or quantization MSE exceeds a threshold.
+- :func:`run_forecast`: the divergence forecaster over a run directory's recorded predictors
+  (alarms per unit; on a suite, precision, recall and lead against kurtosis alone and TE's
+  thresholds), :func:`fit_forecaster` its rules' thresholds, :func:`write_forecast` the
+  report, :func:`forecast_command` all of ``diagnose --forecast``.
 
 :func:`load_units` picks the variants from an experiment file and checks they share model and
 data; the ``write_*`` functions put a report into a run directory.
 """
 
+from precisionlab.diagnose._forecast_run import forecast_command, write_forecast
 from precisionlab.diagnose._report import open_run, write_autoswitch, write_bisect, write_compare
 from precisionlab.diagnose._variants import check, load_units, pick
 from precisionlab.diagnose.autoswitch import AutoSwitchRecipe, SwitchOptions, SwitchResult
@@ -26,6 +31,8 @@ from precisionlab.diagnose.compare import (
     match_tensors,
     relative_difference,
 )
+from precisionlab.diagnose.forecast import fit as fit_forecaster
+from precisionlab.diagnose.forecast import run_forecast
 from precisionlab.diagnose.function import (
     FunctionBisect,
     FunctionComparison,
@@ -50,13 +57,17 @@ __all__ = [
     "bisect",
     "check",
     "compare",
+    "fit_forecaster",
+    "forecast_command",
     "load_units",
     "match_tensors",
     "open_run",
     "pick",
     "relative_difference",
     "run_budget",
+    "run_forecast",
     "write_autoswitch",
     "write_bisect",
     "write_compare",
+    "write_forecast",
 ]

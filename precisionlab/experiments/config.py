@@ -12,7 +12,8 @@ An experiment file names its ``kind``. For ``kind = "train"`` it holds:
 - ``[[variant]]`` tables (``name`` plus overrides of ``[train]``) and/or a ``[grid]`` whose
   keys are ``[train]`` keys mapped to lists (their product is expanded into variants;
   ``seed`` in the grid means "run every variant with each of these seeds").
-- ``seeds = [...]`` (optional): every variant runs once per seed, summarised as mean and std.
+- ``seeds = [...]`` (optional): every variant runs once per seed, summarised as mean and std;
+  a setting's own ``seeds`` replaces them for its units.
 
 Other kinds (``survey``, ``memory``) hold one table named like the kind, validated by the kind.
 
@@ -254,6 +255,10 @@ def experiment_from_document(
     )
 
 
+#: ``seeds`` in a ``[settings.NAME]`` table: that setting's units run with these seeds instead
+#: of the top-level ``seeds`` (fitting and evaluation on different seeds in one file).
+_SETTING_SEEDS = Field(list, [], item=int, doc="the setting's own seeds (default: seeds)")
+
 _VARIANT_EXTRA = {
     "name": Field(str, doc="the variant's name"),
     "settings": Field(list, [], item=str, doc="settings it runs in (default: all; [] = none)"),
@@ -290,6 +295,18 @@ DIAGNOSE_SCHEMA = {
     "tail": Field(int, 10, low=1, high=2**31 - 1, why="an int32", doc="bisect: steps averaged"),
     "underflow": Field(float, 0.05, low=0.0, high=1.0, why="a fraction", doc="autoswitch"),
     "mse": Field(float, 1e-4, low=0.0, doc="autoswitch: quantization MSE that switches"),
+    "forecast_reference": Field(
+        str, "fp32", doc="forecast: the variant each unit's losses are judged against"
+    ),
+    "forecast_fit": Field(
+        list, [], item=str, doc="forecast: setting names (globs) the forecaster is fitted on"
+    ),
+    "forecast_margin": Field(
+        float, 0.1, low=0.0, doc="forecast: relative loss gap to the reference that stalls"
+    ),
+    "forecast_quick": Field(
+        list, [], item=str, doc="forecast: --set overrides of the --quick subset"
+    ),
 }
 
 
@@ -310,13 +327,17 @@ def _train_experiment(doc: Mapping[str, Any], source: str, default_name: str) ->
 
     override_schema = dict(schema)
     override_schema["description"] = _VARIANT_EXTRA["description"]
+    override_schema["seeds"] = _SETTING_SEEDS
     settings: dict[str, dict[str, Any]] = {}
     setting_descriptions: dict[str, str] = {}
+    setting_seeds: dict[str, list[int]] = {}
     for sname, table in top["settings"].items():
         where = f"{source}: settings.{sname}"
         _check_name(sname, where)
         settings[sname] = validate_table(table, override_schema, where, defaults=False)
         setting_descriptions[sname] = settings[sname].pop("description", "")
+        if "seeds" in settings[sname]:
+            setting_seeds[sname] = list(settings[sname].pop("seeds"))
 
     variants: list[dict[str, Any]] = []
     variant_schema = {**schema, **_VARIANT_EXTRA}
@@ -368,10 +389,11 @@ def _train_experiment(doc: Mapping[str, Any], source: str, default_name: str) ->
     units: list[Unit] = []
     setting_names = list(settings) or [""]
     for sname in setting_names:
+        unit_seeds = setting_seeds.get(sname) or seeds
         for entry in variants:
             if "settings" in entry and sname not in entry["settings"]:
                 continue  # an empty list disables the variant (e.g. --set variant.X.settings=)
-            for seed in seeds or [base["seed"]]:
+            for seed in unit_seeds or [base["seed"]]:
                 params = dict(base)
                 if sname:
                     _merge(params, settings[sname])
@@ -389,11 +411,12 @@ def _train_experiment(doc: Mapping[str, Any], source: str, default_name: str) ->
                 config = train_kind.config(params, where)
                 params = config.to_dict()
                 group = f"{sname}/{entry['name']}" if sname else entry["name"]
-                name = f"{group} s{seed}" if len(seeds) > 1 else group
+                several = len(unit_seeds) > 1 or len(seeds) > 1 or bool(setting_seeds)
+                name = f"{group} s{seed}" if several else group
                 uid = (
                     f"{len(units):02d}-{re.sub(r'[^A-Za-z0-9_.+=-]', '_', group.replace('/', '-'))}"
                 )
-                uid += f"-s{seed}" if len(seeds) > 1 else ""
+                uid += f"-s{seed}" if several else ""
                 units.append(Unit(uid, name, group, sname, entry["name"], seed, params, config))
 
     resolved = {
@@ -409,6 +432,8 @@ def _train_experiment(doc: Mapping[str, Any], source: str, default_name: str) ->
         "diagnose": diagnose,
         "units": [u.record() for u in units],
     }
+    if setting_seeds:  # only when used: the resolved records of other files stay as they were
+        resolved["setting_seeds"] = setting_seeds
     return Experiment(
         source,
         "train",

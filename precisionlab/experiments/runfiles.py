@@ -238,6 +238,15 @@ SCHEMAS: dict[str, dict[str, Field]] = {
             },
         ),
     },
+    "predictors.jsonl": {
+        "step": _has(int, **_COUNT),
+        "layers": _has(list),
+        "signals": _has(dict),
+        "loss": _num(),
+        "loss_scale": _num(),
+        "skipped": _may(bool),
+        "meta": _may(dict),
+    },
 }
 
 

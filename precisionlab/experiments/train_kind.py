@@ -121,19 +121,56 @@ def run_unit(
         Path(unit_dir) / "data.json", make_data(cfg.data, **cfg.data_kwargs).describe()
     )
     checkpoints = Path(unit_dir) / "checkpoints" if cfg.checkpoint_interval else None
-    result = train(
-        cfg,
-        callback=callback,
-        checkpoint_dir=checkpoints,
-        resume=resume,
-        quiet=quiet,
-        hooks=hooks,
-        timings=timings,
-    )
+    extra, closers = _predictor_hooks(cfg, Path(unit_dir), label or Path(unit_dir).name, resume)
+    try:
+        result = train(
+            cfg,
+            callback=callback,
+            checkpoint_dir=checkpoints,
+            resume=resume,
+            quiet=quiet,
+            hooks=(*extra, *hooks),
+            timings=timings,
+        )
+    finally:
+        for close in closers:
+            close()
     out = {k: _scalar(v) if not isinstance(v, list) else v for k, v in result.summary().items()}
     out["loss_weight"] = cfg.loss_weight  # the recorded losses are the plain (unweighted) loss
     out["eval_metric_name"] = "accuracy"  # both built-in models report (token) accuracy
     return out
+
+
+def _predictor_hooks(
+    cfg: TrainConfig, unit_dir: Path, label: str, resume: bool
+) -> tuple[list[Hook], list[Callable[[], None]]]:
+    """With ``[train.predictors]``: a hook writing ``predictors.jsonl`` (one row per record,
+    see :mod:`precisionlab.train.predictors`; a resumed unit's rows after its checkpoint are
+    dropped first) and, with ``live = true``, the live forecaster printing its alarm."""
+    from precisionlab.train.predictors import PredictorHook, parse_predictors, run_meta
+
+    pred = parse_predictors(cfg.predictors, cfg.steps)
+    if pred is None:
+        return [], []
+    prec = cfg.precision
+    meta = run_meta(prec.policy, prec.storage.param_dtype(prec.policy.param_dtype), prec.recipe)
+    path = unit_dir / "predictors.jsonl"
+    if not resume:
+        path.unlink(missing_ok=True)
+    writer: list[store.JsonlWriter] = []
+
+    def write(row: dict[str, Any]) -> None:
+        if not writer:
+            store.resume_jsonl(path, int(row["step"]))  # rows of a killed run's later steps
+            writer.append(store.JsonlWriter(path))
+        writer[0].write(row)
+
+    hooks: list[Hook] = [PredictorHook(write, meta)]
+    if pred.live:
+        from precisionlab.train.forecast import ForecastHook
+
+        hooks.append(ForecastHook(meta, label=label))
+    return hooks, [lambda: writer[0].close() if writer else None]
 
 
 def precompile(cfg: TrainConfig) -> None:

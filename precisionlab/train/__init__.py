@@ -111,6 +111,12 @@ Low level (any user model):
 - Meters: ``underflow_fraction(tree, dtype)``, ``nonfinite_fraction(tree)``,
   ``log2_histogram(tree)``,
   ``shadow_stats(grads, grads_fp32)``.
+- Divergence forecast: ``StepOptions(predictors=Predictors(interval=10, layers=...))`` adds
+  ``metrics["predictors"]`` (per-layer signals inside ``jit``, see
+  :mod:`precisionlab.train.predictors`), kept by the loop as ``record["predictors"]`` on the
+  due steps; ``PredictorHook(callback)`` hands them on; ``Forecaster`` (the frozen rules of
+  :mod:`precisionlab.train.forecast`) turns them into an ``Alarm``, ``ForecastHook`` prints it
+  during training (``[train.predictors] live = true``).
 """
 
 from precisionlab.train.aggregates import Aggregates
@@ -119,6 +125,7 @@ from precisionlab.train.compose import TrainSetup, build, train
 from precisionlab.train.config import DIVERGENCE_ACTIONS, UPDATE_ROUNDINGS, TrainConfig, TrainResult
 from precisionlab.train.data import DATASETS, Dataset, make_data
 from precisionlab.train.evaluation import evaluate, make_eval_fn
+from precisionlab.train.forecast import Alarm, Forecaster, ForecastHook
 from precisionlab.train.hooks import CallbackHook, CheckpointHook, Hook, ProgressHook, StepEnd
 from precisionlab.train.loop import LoopOptions, train_loop
 from precisionlab.train.meters import (
@@ -129,6 +136,7 @@ from precisionlab.train.meters import (
 )
 from precisionlab.train.models import MODELS, Model, make_model
 from precisionlab.train.optim import OPTIMIZERS, SCHEDULES, make_optimizer
+from precisionlab.train.predictors import PredictorHook, Predictors
 from precisionlab.train.step import StepOptions, TrainState, TrainStep, build_step, make_train_step
 
 __all__ = [
@@ -139,12 +147,17 @@ __all__ = [
     "SCHEDULES",
     "UPDATE_ROUNDINGS",
     "Aggregates",
+    "Alarm",
     "CallbackHook",
     "CheckpointHook",
     "Dataset",
+    "ForecastHook",
+    "Forecaster",
     "Hook",
     "LoopOptions",
     "Model",
+    "PredictorHook",
+    "Predictors",
     "ProgressHook",
     "StepEnd",
     "StepOptions",

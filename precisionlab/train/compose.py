@@ -28,6 +28,7 @@ from precisionlab.train.optim import (
     make_schedule,
     optimizer_defaults,
 )
+from precisionlab.train.predictors import parse_predictors
 from precisionlab.train.step import OptimizerFactory, StepOptions
 from precisionlab.train.telemetry import parse_telemetry
 from precisionlab.train.timing import LoopTimings
@@ -175,6 +176,12 @@ def build(config: TrainConfig) -> TrainSetup:
         recipe=_recipe_without(precision.recipe, config.high_precision),
         fp32_params=tuple(model.layer_params(n) for n in config.high_precision),
         telemetry=parse_telemetry(config.telemetry, config.steps),
+        predictors=parse_predictors(
+            config.predictors,
+            config.steps,
+            layers=[(n, model.layer_params(n)) for n in model.layer_names()],
+            norm_format=getattr(model, "norm_format", None),
+        ),
     )
     loop = LoopOptions(
         steps=config.steps,

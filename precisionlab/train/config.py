@@ -23,6 +23,7 @@ from precisionlab.train.data import DATASETS, data_kind
 from precisionlab.train.layers import REMAT_POLICIES, check_scan_options
 from precisionlab.train.models import MODELS, layer_names, model_data_kind, resolve_layers
 from precisionlab.train.optim import OPTIMIZER_FIELDS, OPTIMIZERS, SCHEDULES
+from precisionlab.train.predictors import PREDICTOR_FIELDS, parse_predictors
 from precisionlab.train.recipe import TrainRecipe, parse_recipe
 from precisionlab.train.telemetry import TELEMETRY_FIELDS, parse_telemetry
 
@@ -68,6 +69,11 @@ def _recipe(value: Any) -> Any:
 
 def _telemetry(table: dict[str, Any]) -> dict[str, Any]:
     validate_table(table, TELEMETRY_FIELDS, "telemetry", defaults=False)
+    return table
+
+
+def _predictors(table: dict[str, Any]) -> dict[str, Any]:
+    validate_table(table, PREDICTOR_FIELDS, "predictors", defaults=False)
     return table
 
 
@@ -149,6 +155,7 @@ TRAIN_FIELDS: dict[str, Field] = {
         why="the float32 max: it scales a float32 loss",
     ),
     "telemetry": Field(dict, None, nullable=True, check=_telemetry, doc="numerics telemetry"),
+    "predictors": Field(dict, None, nullable=True, check=_predictors, doc="divergence predictors"),
 }
 
 # What each key means: the one description, shown by the experiment-file reference.
@@ -219,6 +226,8 @@ TRAIN_FIELDS = with_docs(
         "stay plain; 1.0 = off",
         "telemetry": "numerics telemetry (see [train.telemetry]); off when absent in Python, "
         "on by default in experiment files",
+        "predictors": "per-layer divergence predictors every N steps (see "
+        "[train.predictors] and ``precisionlab diagnose --forecast``); off when absent",
     },
 )
 
@@ -257,8 +266,8 @@ class TrainConfig:
     (the experiment-file reference of the documentation renders that table). The fields are
     grouped as model and data (model, data and their kwargs), optimizer (optimizer to
     optimizer_kwargs), precision (policy to high_precision_layers), loop (steps to progress),
-    loss (loss_weight) and telemetry. Making a config validates every field and parses the
-    policy, loss scale, storage dtypes and recipe once into :attr:`precision`.
+    loss (loss_weight), telemetry and predictors. Making a config validates every field and
+    parses the policy, loss scale, storage dtypes and recipe once into :attr:`precision`.
     """
 
     model: str = "mlp"
@@ -309,6 +318,7 @@ class TrainConfig:
     progress: bool | None = None
     loss_weight: float = 1.0
     telemetry: dict[str, Any] | None = None
+    predictors: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # The one validation of a config: every field against TRAIN_FIELDS, then the rules that
@@ -345,6 +355,7 @@ class TrainConfig:
         fields = OPTIMIZER_FIELDS[self.optimizer]
         validate_table(self.optimizer_kwargs, fields, "optimizer_kwargs", defaults=False)
         parse_telemetry(self.telemetry, self.steps)  # a ConfigError naming telemetry.KEY
+        parse_predictors(self.predictors, self.steps)  # a ConfigError naming predictors.KEY
         object.__setattr__(self, "_precision", self._parse_precision())
 
     def _check_scan(self) -> None:

@@ -35,6 +35,7 @@ from precisionlab.train.deterministic import fixed_order
 from precisionlab.train.distributed import is_main, restore_checkpoint
 from precisionlab.train.hooks import CallbackHook, CheckpointHook, Hook, ProgressHook, StepEnd
 from precisionlab.train.meters import hist_edges
+from precisionlab.train.predictors import predictor_row
 from precisionlab.train.programs import get as shared_programs
 from precisionlab.train.step import (
     StepOptions,
@@ -303,8 +304,11 @@ def train_loop(
                 clock.call(elapsed, n)
                 for i, m in enumerate(fetched):
                     tel = m.pop("telemetry", None)
+                    pred = m.pop("predictors", None)
                     step += 1
                     rec = _record(m, step, params, loop.loss_weight)
+                    if pred is not None and options.predictors.due(step - 1):
+                        rec["predictors"] = predictor_row(pred, step)
                     if tel is not None and options.telemetry.due(step - 1):
                         # one row per layer and tensor (see precisionlab.train.telemetry)
                         rec["telemetry"] = telemetry_rows(

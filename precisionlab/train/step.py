@@ -261,6 +261,8 @@ class StepOptions:
         float32 too).
       telemetry: a :class:`~precisionlab.train.telemetry.Telemetry` (or None): the step's
         metrics get ``"telemetry"``, statistics of every matmul and state leaf every N steps.
+      predictors: a :class:`~precisionlab.train.predictors.Predictors` (or None): the step's
+        metrics get ``"predictors"``, the per-layer divergence predictors every N steps.
     """
 
     policy: Policy = dataclasses.field(default_factory=Policy)
@@ -277,6 +279,7 @@ class StepOptions:
     zero_stage: int = 0
     fp32_params: tuple[str, ...] = ()
     telemetry: Any = None
+    predictors: Any = None
 
     def __post_init__(self) -> None:
         if self.recipe is not None and not isinstance(self.recipe, TrainRecipe):
@@ -488,6 +491,13 @@ def build_step(
         telemetry_names.update(fn.names)  # type: ignore[attr-defined]
         return fn
 
+    def make_predictors(lf: Callable) -> Callable | None:
+        if opts.predictors is None:
+            return None
+        from precisionlab.train.predictors import make_predictor_fn
+
+        return make_predictor_fn(lf, pol, opts.predictors, recipe=rec)
+
     def update(opt, params_s, opt_state, storage_state, g32, key):
         if zero is not None:  # each device updates its slice (ZeRO); elementwise: same values
             params_s, g32 = jax.lax.with_sharding_constraint((params_s, g32), (zero[1], zero[1]))
@@ -546,6 +556,9 @@ def build_step(
                 state.params, state.opt_state, ls, g32, batch, state.step
             )
             telemetry_names.update(telemetry_fn.names)  # type: ignore[attr-defined]
+        predictor_fn = make_predictors(lf)
+        if predictor_fn is not None:  # the state this step started from and its update
+            metrics["predictors"] = predictor_fn(state, new[0], g32, batch, opt)
         new_state = TrainState(
             step=state.step + 1,
             params=new[0],

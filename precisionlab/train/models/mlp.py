@@ -48,6 +48,7 @@ class MLP(Model):
     scan_layers: bool = False
     remat_every: int = 0
     remat_policy: str = "nothing_saveable"
+    norm_format: str | None = None
 
     name = "mlp"
     data_kind = "classification"
@@ -71,6 +72,19 @@ class MLP(Model):
                 f"overflow_layer must be -1 (off) or a hidden layer 0..{self.depth - 1}, "
                 f"got {self.overflow_layer!r}"
             )
+        if self.norm_format is not None:
+            from precisionlab.quant import MX_FORMATS, get_mx_format
+
+            if get_mx_format(self.norm_format) is None:
+                raise ValueError(
+                    f"unknown norm_format {self.norm_format!r}; allowed: {', '.join(MX_FORMATS)}"
+                )
+            if not self.use_layernorm or self.width % 32:
+                raise ValueError(
+                    "norm_format quantizes the LayerNorm weights in blocks of 32 channels: it "
+                    f"needs use_layernorm = true and a width multiple of 32, got "
+                    f"use_layernorm={self.use_layernorm}, width={self.width}"
+                )
         _check_layout(self, self.depth - 1)  # layer 0 (in_dim -> width) is not stacked
         if self.scan_layers and self.overflow_layer >= 1:
             raise ValueError(
@@ -136,12 +150,19 @@ class MLP(Model):
         acts: dict[str, jax.Array] = {}
         h = ops.boundary(inputs, pol, enforce=enforce)
 
-        def block(layer, h, pol=pol, overflow=False):
+        def block(layer, h, pol=pol, overflow=False, quant_norm=True):
             z = ops.dense(h, layer["w"], layer["b"], policy=pol, enforce=enforce)
             if self.use_layernorm:
-                z = ops.layer_norm(
-                    z, layer["ln_scale"], layer["ln_bias"], policy=pol, enforce=enforce
-                )
+                scale, bias = layer["ln_scale"], layer["ln_bias"]
+                if self.norm_format is not None and quant_norm:  # MX-quantized affine weights
+                    from precisionlab.quant import fake_quant
+
+                    def q(v):
+                        return fake_quant(v.astype(jnp.float32), self.norm_format, axis=-1,
+                                          ste="identity")  # fmt: skip
+
+                    scale, bias = q(scale), q(bias)
+                z = ops.layer_norm(z, scale, bias, policy=pol, enforce=enforce)
             if self.act_scale != 1.0:
                 z = ops.boundary(z * jnp.asarray(self.act_scale, z.dtype), pol, enforce=enforce)
             if overflow:  # the diagnose test knob: z * S, then act(z * S) / S, in float32
@@ -164,7 +185,10 @@ class MLP(Model):
             unrolled = self.unstack_params(params)["hidden"]
         for i, layer in enumerate(unrolled):
             lp = self._layer_policy(f"layer{i}", pol)
-            fn = partial(block, pol=lp, overflow=i == self.overflow_layer)
+            fn = partial(
+                block, pol=lp, overflow=i == self.overflow_layer,
+                quant_norm=f"layer{i}" not in self.high_precision,
+            )  # fmt: skip
             with jax.named_scope(f"layer{i}"):
                 z, h = (jax.checkpoint(fn) if self.remat else fn)(layer, h)
             record(i, z, h)

@@ -1,6 +1,15 @@
 """``transformer``: decoder-only LM; token + learned position embedding, ``depth`` pre-LayerNorm
 blocks (causal softmax attention, GELU MLP), final LayerNorm, unembedding; tokens i32[B, T] ->
-logits [B, T, vocab_size] (options: see :mod:`precisionlab.train.models`)."""
+logits [B, T, vocab_size] (options: see :mod:`precisionlab.train.models`).
+
+Two options for the divergence forecast's mechanisms (off by default; the default model is
+unchanged): ``mlp = "swiglu"`` replaces each block's GELU MLP by SwiGLU (``silu(h @ w_gate) *
+(h @ w_up) @ fc2``, no biases; Shazeer 2020), whose gate and up projections can align under
+weight decay (Fishman et al. 2024); ``norm_format`` (an MX format name, ``"mxfp4"``) quantizes
+every LayerNorm's affine weight and bias to that format before use (blocks of 32 along the
+channels, straight-through gradient), as MX training libraries do (Su et al. 2025), except in
+the layers ``high_precision`` keeps in float32 (the final norm counts as the unembedding's).
+"""
 
 from __future__ import annotations
 
@@ -50,6 +59,8 @@ class Transformer(Model):
     scan_layers: bool = False
     remat_every: int = 0
     remat_policy: str = "nothing_saveable"
+    mlp: str = "gelu"
+    norm_format: str | None = None
 
     name = "transformer"
     data_kind = "lm"
@@ -64,6 +75,20 @@ class Transformer(Model):
         _check_int("outlier_channels", self.outlier_channels, 0)
         if self.outlier_channels > self.d_model:
             raise ValueError(f"outlier_channels {self.outlier_channels} > d_model {self.d_model}")
+        if self.mlp not in ("gelu", "swiglu"):
+            raise ValueError(f"unknown mlp {self.mlp!r}; allowed: gelu, swiglu")
+        if self.norm_format is not None:
+            from precisionlab.quant import MX_FORMATS, get_mx_format
+
+            if get_mx_format(self.norm_format) is None:
+                raise ValueError(
+                    f"unknown norm_format {self.norm_format!r}; allowed: {', '.join(MX_FORMATS)}"
+                )
+            if self.d_model % 32:
+                raise ValueError(
+                    f"norm_format quantizes blocks of 32 channels: d_model {self.d_model} "
+                    "must be a multiple of 32"
+                )
         _check_layout(self, self.depth)
 
     def layer_names(self) -> tuple[str, ...]:
@@ -97,6 +122,11 @@ class Transformer(Model):
                 "fc2": _normal(k[3], (f, d), s / math.sqrt(f) / math.sqrt(2 * self.depth)),
                 "fc2_b": jnp.zeros((d,), jnp.float32),
             }
+            if self.mlp == "swiglu":  # fc1's draw becomes the gate; the up projection's own
+                gate, up = k[2].split(2)
+                del blk["fc1"], blk["fc1_b"], blk["fc2_b"]
+                blk["w_gate"] = _normal(gate, (d, f), s / math.sqrt(d))
+                blk["w_up"] = _normal(up, (d, f), s / math.sqrt(d))
             if self.use_layernorm:
                 for n in ("ln1", "ln2"):
                     blk[f"{n}_scale"] = jnp.ones((d,), jnp.float32)
@@ -126,10 +156,16 @@ class Transformer(Model):
             return params
         return {**params, "blocks": unstack_layers(params["blocks"])}
 
-    def _norm(self, x, p, name, pol, enforce):
+    def _norm(self, x, p, name, pol, enforce, layer=""):
         if not self.use_layernorm:
             return x
-        return ops.layer_norm(x, p[f"{name}_scale"], p[f"{name}_bias"], policy=pol, enforce=enforce)
+        scale, bias = p[f"{name}_scale"], p[f"{name}_bias"]
+        if self.norm_format is not None and layer not in self.high_precision:
+            from precisionlab.quant import fake_quant
+
+            q = lambda v: fake_quant(v, self.norm_format, axis=-1, ste="identity")  # noqa: E731
+            scale, bias = q(jnp.asarray(scale, jnp.float32)), q(jnp.asarray(bias, jnp.float32))
+        return ops.layer_norm(x, scale, bias, policy=pol, enforce=enforce)
 
     def apply(self, params, inputs, policy=None, *, capture=False, enforce=True):
         pol = policy or Policy()
@@ -143,10 +179,10 @@ class Transformer(Model):
         x = ops.boundary(x, pol, enforce=enforce)
         causal = jnp.tril(jnp.ones((t, t), bool))
 
-        def block(blk, x, pol=pol):
+        def block(blk, x, pol=pol, layer=""):
             cd = pol.compute_dtype
             a = {}
-            h = self._outliers(self._norm(x, blk, "ln1", pol, enforce), pol, enforce)
+            h = self._outliers(self._norm(x, blk, "ln1", pol, enforce, layer), pol, enforce)
             qkv = ops.matmul(h, blk["qkv"], policy=pol, enforce=enforce)
             q, k, v = jnp.split(qkv.reshape(b, t, 3, nh, dh), 3, axis=2)
             q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # [B, T, H, Dh]
@@ -177,14 +213,17 @@ class Transformer(Model):
             x = ops.boundary(
                 x + ops.matmul(att, blk["proj"], policy=pol, enforce=enforce), pol, enforce=enforce
             )
-            h = self._outliers(self._norm(x, blk, "ln2", pol, enforce), pol, enforce)
-            u = ops.dense(h, blk["fc1"], blk["fc1_b"], policy=pol, enforce=enforce)
-            u = ops.gelu(u, policy=pol, enforce=enforce)
-            x = ops.boundary(
-                x + ops.dense(u, blk["fc2"], blk["fc2_b"], policy=pol, enforce=enforce),
-                pol,
-                enforce=enforce,
-            )
+            h = self._outliers(self._norm(x, blk, "ln2", pol, enforce, layer), pol, enforce)
+            if self.mlp == "swiglu":
+                gate = ops.matmul(h, blk["w_gate"], policy=pol, enforce=enforce)
+                up = ops.matmul(h, blk["w_up"], policy=pol, enforce=enforce)
+                u = ops.boundary(jax.nn.silu(gate) * up, pol, enforce=enforce)
+                out = ops.matmul(u, blk["fc2"], policy=pol, enforce=enforce)
+            else:
+                u = ops.dense(h, blk["fc1"], blk["fc1_b"], policy=pol, enforce=enforce)
+                u = ops.gelu(u, policy=pol, enforce=enforce)
+                out = ops.dense(u, blk["fc2"], blk["fc2_b"], policy=pol, enforce=enforce)
+            x = ops.boundary(x + out, pol, enforce=enforce)
             a["attn_logits"] = logits_BHTT
             a["mlp_hidden"] = u
             a["resid"] = x
@@ -211,15 +250,13 @@ class Transformer(Model):
         else:
             for i, blk in enumerate(self.unstack_params(params)["blocks"]):
                 acts[f"block{i}/input"] = x
-                fn = partial(block, pol=self._layer_policy(f"block{i}", pol))
+                fn = partial(block, pol=self._layer_policy(f"block{i}", pol), layer=f"block{i}")
                 with jax.named_scope(f"block{i}"):
                     x, a = (jax.checkpoint(fn) if self.remat else fn)(blk, x)
                 for n, v in a.items():
                     acts[f"block{i}/{n}"] = v
         if self.use_layernorm:
-            x = ops.layer_norm(
-                x, params["ln_f_scale"], params["ln_f_bias"], policy=pol, enforce=enforce
-            )
+            x = self._norm(x, params, "ln_f", pol, enforce, "unembed")
         with jax.named_scope("unembed"):
             lp = self._layer_policy("unembed", pol)
             logits = ops.matmul(x, params["unembed"], policy=lp, enforce=enforce)
