@@ -66,5 +66,6 @@ napoleon_custom_sections = [
 
 html_theme = "furo"
 html_title = f"precisionlab {release}"
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["precisionlab.css"]  # the CLI reference's help blocks
 suppress_warnings = ["myst.header"]  # pages moved from the README may start at any level

@@ -200,11 +200,23 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
     return {}
 
 
+#: Columns argparse wraps the help text to: the width the subcommands' hand-wrapped
+#: descriptions are written for; docs/_static/precisionlab.css fits it in the content column.
+CLI_WIDTH = 100
+
+
+def _text_block(text: str) -> list[str]:
+    """``text`` as a literal block shown as plain text (a bare ``::`` block would be
+    highlighted as Python), of class ``cli-help`` (sized by docs/_static/precisionlab.css)."""
+    body = ["   " + ln if ln else "" for ln in text.splitlines()]
+    return [".. code-block:: text", "   :class: cli-help", "", *body, ""]
+
+
 def _cli_page() -> str:
     from precisionlab.cli import _build_parser
 
     old = os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = "100"  # argparse wraps to the terminal; the page is fixed width
+    os.environ["COLUMNS"] = str(CLI_WIDTH)  # argparse wraps to the terminal's width
     try:
         parser, _ = _build_parser()
         lines = [
@@ -213,12 +225,12 @@ def _cli_page() -> str:
             "(``precisionlab COMMAND --help`` prints the same).",
             "",
         ]
-        lines += ["::", ""] + ["   " + ln for ln in _help(parser).splitlines()] + [""]
+        lines += _text_block(_help(parser))
 
         def walk(p: argparse.ArgumentParser, prog: str, level: str) -> None:
             for name, sub in _subparsers(p).items():
                 lines.extend(_title(f"``{prog} {name}``", level))
-                lines.extend(["::", ""] + ["   " + ln for ln in _help(sub).splitlines()] + [""])
+                lines.extend(_text_block(_help(sub)))
                 walk(sub, f"{prog} {name}", "~")
 
         walk(parser, "precisionlab", "-")
