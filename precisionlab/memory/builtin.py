@@ -207,7 +207,8 @@ def measure_train_table(table: dict[str, Any], where: str = "train") -> dict[str
     scalars (step, loss scale, counters, PRNG key) and the batch. Outputs: the same state, the
     metrics and XLA's tuple index table. Temporaries: float32 gradients, the compute copy of the
     params, the activations of one micro-batch, with micro-batches an accumulator, and float32
-    working copies of params and optimizer moments stored below float32.
+    working copies of params and optimizer moments stored below float32, and the float32
+    magnitudes of the gradients the step's meters read.
     """
     from precisionlab.train import TrainConfig, build, build_step
 
@@ -249,6 +250,10 @@ def measure_train_table(table: dict[str, Any], where: str = "train") -> dict[str
         + (4 * n if cfg.microbatches > 1 else 0)
         + opt_work
         + param_work
+        # the step's two gradient meters (zero/subnormal and inf/NaN fractions) are two
+        # reductions over the gradients' float32 magnitudes: XLA keeps one float32 copy
+        # (measured: exactly 4 bytes per parameter more since the meters were split)
+        + 4 * n
     )
     rows = []
     for name, est, meas in (
