@@ -58,9 +58,7 @@ def _one(device: str, **overrides):
     return jax.jit(jax.vmap(f))
 
 
-def check(
-    repo: pathlib.Path, gpu: str, fmt: str, **overrides
-) -> tuple[int, int, int] | None:
+def check(repo: pathlib.Path, gpu: str, fmt: str, **overrides) -> tuple[int, int, int] | None:
     """(K, samples, bit-exact samples) of one GPU and format, or None without data;
     ``overrides``: Step fields for ``mma``."""
     base = f"model_validation/{gpu}/{fmt}"

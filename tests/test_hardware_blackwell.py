@@ -76,8 +76,11 @@ def _block_reference(a, b, sa, sb, fmt, block):
 
 def _block_gemm_rows(a, b, sa, sb):
     """One output per row: a (n, K) . b (n, K) with block scales (n, K / block)."""
-    f = lambda x, y, p, q: hw.gemm(x[None], y[:, None], "b200",  # noqa: E731
-                                   block_scale_a=p[None], block_scale_b=q[:, None])[0, 0]
+
+    def f(x, y, p, q):
+        return hw.gemm(x[None], y[:, None], "b200", block_scale_a=p[None],
+                       block_scale_b=q[:, None])[0, 0]  # fmt: skip
+
     return np.asarray(jax.vmap(f)(a, b, sa, sb))
 
 
@@ -155,16 +158,19 @@ def _check_wide(fraction_bits, fmts, seed):
     rng = np.random.default_rng(seed)
     a = np.stack([_random_values(rng, dt, 3 * w) for _ in range(16)])
     b = np.stack([_random_values(rng, bdt, 3 * w) for _ in range(16)])
-    f = lambda x, y: hw.gemm(x[None], y[:, None], "h100", split_k=None,  # noqa: E731
-                             restart_every=None, fraction_bits=fraction_bits)[0, 0]
+
+    def f(x, y):
+        return hw.gemm(x[None], y[:, None], "h100", split_k=None, restart_every=None,
+                       fraction_bits=fraction_bits)[0, 0]  # fmt: skip
+
     got = np.asarray(jax.vmap(f)(a, b))
     wide = dataclasses.replace(step, fraction_bits=fraction_bits)
     na, nb = np.dtype(dt).name, np.dtype(bdt).name
     for i in range(16):
         c = 0.0
         for s in range(3):
-            xs = [float(v) for v in a[i, s * w:(s + 1) * w].astype(np.float64)]
-            ys = [float(v) for v in b[i, s * w:(s + 1) * w].astype(np.float64)]
+            xs = [float(v) for v in a[i, s * w : (s + 1) * w].astype(np.float64)]
+            ys = [float(v) for v in b[i, s * w : (s + 1) * w].astype(np.float64)]
             c = step_reference(xs, ys, c, wide, na, nb)
         assert _bits(got[i]) == _bits(np.float32(c)), (i, got[i], c)
 
@@ -179,8 +185,11 @@ def test_mxfp8_scales_add_to_exponents():
     ta = rng.integers(-40, 40, (n, kk // 32))
     tb = rng.integers(-40, 40, (n, kk // 32))
     sa, sb = (2.0**ta).astype(E8M0), (2.0**tb).astype(E8M0)
-    f = lambda x, y, p, q: hw.gemm(x[None], y[:, None], "b200", restart_every=None,  # noqa: E731
-                                   block_scale_a=p[None], block_scale_b=q[:, None])[0, 0]
+
+    def f(x, y, p, q):
+        return hw.gemm(x[None], y[:, None], "b200", restart_every=None, block_scale_a=p[None],
+                       block_scale_b=q[:, None])[0, 0]  # fmt: skip
+
     got = np.asarray(jax.vmap(f)(a, b, sa, sb))
     step = hw.get_profile("b200", "fp8").step
     for i in range(n):
@@ -303,7 +312,7 @@ def test_fp6_every_pair_of_values():
     a, b = np.tile(ra, (n, 1)), np.tile(rb, (n, 1))
     a[:, 0], b[:, 0] = x.ravel(), y.ravel()
     f = lambda p, q: hw.gemm(p[None], q[:, None], "b200", a_format="float6_e2m3fn",  # noqa: E731
-                             b_format="float6_e3m2fn")[0, 0]
+                             b_format="float6_e3m2fn")[0, 0]  # fmt: skip
     got = np.asarray(jax.vmap(f)(a, b))
     va = a.view(ml_dtypes.float6_e2m3fn).astype(np.float64)
     vb = b.view(ml_dtypes.float6_e3m2fn).astype(np.float64)

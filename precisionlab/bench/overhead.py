@@ -27,8 +27,9 @@ the ratio of a variant is its best round over ``fp32``'s, in wall seconds (the t
 measure) and in process CPU seconds (all threads: on a shared machine it leaves out the time
 other processes held the cores). ``--compile`` also measures the CPU
 seconds (all threads of this process) of compiling the telemetry step against the plain one
-(no persistent cache). Targets (the "any model" work): telemetry <= 2x, every(N) on skipped steps <= 1.1x,
-FP8 recipes <= 2x, 4-bit <= 3x, emulate <= 10x, the telemetry step's compile <= 2x.
+(no persistent cache). Targets (the "any model" work): telemetry <= 2x, every(N) on skipped
+steps <= 1.1x, FP8 recipes <= 2x, 4-bit <= 3x, emulate <= 10x, the telemetry step's compile
+<= 2x.
 """
 
 from __future__ import annotations

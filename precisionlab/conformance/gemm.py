@@ -52,6 +52,7 @@ class GemmResult:
 def _implementations() -> dict[str, Callable]:
     out: dict[str, Callable] = {}
     for dev in {d.platform: d for d in jax.devices()}.values():
+
         def xla(a, b, dev=dev):
             x, y = jax.device_put(a, dev), jax.device_put(b, dev)
             dn = (((1,), (0,)), ((), ()))

@@ -53,9 +53,7 @@ def _fp4_ints(x: jax.Array) -> jax.Array:
     return (x.astype(jnp.float32) * 2).astype(jnp.int32)
 
 
-def chain_fp4(
-    a: jax.Array, b: jax.Array, sa: jax.Array, sb: jax.Array, step: Step
-) -> jax.Array:
+def chain_fp4(a: jax.Array, b: jax.Array, sa: jax.Array, sb: jax.Array, step: Step) -> jax.Array:
     """float32 accumulators of block-scaled ``a`` (M, K) x ``b`` (K, N), E2M1, with block
     scales ``sa`` (M, K / block) and ``sb`` (K / block, N), one chain of ``step`` over K."""
     m, kk = a.shape

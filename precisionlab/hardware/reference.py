@@ -96,8 +96,8 @@ def chain_reference(
     if len(a) % w or len(a) != len(b):
         raise ValueError(f"chain_reference needs len(a) == len(b), a multiple of {w}")
     for s in range(0, len(a), w):
-        t = None if scale_exps is None else list(scale_exps[s:s + w])
-        c = step_reference(list(a[s:s + w]), list(b[s:s + w]), c, step, a_format, b_format, t)
+        t = None if scale_exps is None else list(scale_exps[s : s + w])
+        c = step_reference(list(a[s : s + w]), list(b[s : s + w]), c, step, a_format, b_format, t)
     return c
 
 
@@ -120,8 +120,10 @@ def block_step_reference(
     emin = SCALE_EMIN[scale_format]
     terms, exps = [], []
     for i in range(len(a) // g):
-        s = sum(Fraction(x) * Fraction(y) for x, y in zip(a[i * g:(i + 1) * g],
-                                                           b[i * g:(i + 1) * g], strict=True))
+        s = sum(
+            Fraction(x) * Fraction(y)
+            for x, y in zip(a[i * g : (i + 1) * g], b[i * g : (i + 1) * g], strict=True)
+        )
         sa, sb = abs(scales_a[i]), abs(scales_b[i])
         if sa == 0 or sb == 0:  # a zero scale takes its group out (MMA-Sim: exponent -999)
             continue

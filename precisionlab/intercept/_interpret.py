@@ -100,8 +100,11 @@ def _warn_skipped(rule: Any, sites: list[Site]) -> None:
             stacklevel=4,
         )
 
+
 #: The loop kinds (their sites run once per iteration).
 _LOOPS = ("scan", "while")
+
+
 #: How a construct is named in :attr:`Site.within` (others: by their primitive's name).
 class Emit(NamedTuple):
     """What a rule returns to pass values out besides the primitive's ``outputs`` (a list,

@@ -10,6 +10,7 @@ from typing import Any
 
 __all__ = ["Site", "numbered", "select"]
 
+
 def _width(dtype: str) -> int:
     """Bits of a floating dtype name (``"bfloat16"`` -> 16, ``"float8_e4m3fn"`` -> 8)."""
     m = re.search(r"(\d+)", dtype.replace("float8_", "float8").split("_")[0])
