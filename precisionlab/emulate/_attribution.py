@@ -47,7 +47,7 @@ __all__ = ["Attribution", "OpAttribution", "Side", "attribute", "float_primitive
 @dataclasses.dataclass(frozen=True)
 class Side:
     """One way of computing a traced program: ``rule`` (an interception rule; None: the
-    program as written) applied at the sites in ``sites`` (keyed by :attr:`Site.path`; each
+    program as written) applied at the sites in ``sites`` (keyed by the site's ``path``; each
     value is the site as the rule's own interception names it, which keyed rules such as
     stochastic rounding read), called with ``key``; the operations at the paths in ``high``
     run as written with their results passed on unrounded. ``label``: how reports name it.
@@ -72,8 +72,9 @@ class Side:
         """The side ``spec`` names, for ``fn(*args, **kwargs)``:
 
         - ``None``, ``"fp32"``, ``"float32"`` or ``"native"``: ``fn`` as written (jit here);
-        - a policy (a string such as ``"c=f16"``, ``"bf16"``, a :class:`~precisionlab.mixed.
-          Policy`, a jmp policy or a dtype): every operation rounded to the policy's compute
+        - a policy (a string such as ``"c=f16"``, ``"bf16"``, a
+          :class:`~precisionlab.mixed.Policy`, a jmp policy or a dtype): every operation
+          rounded to the policy's compute
           dtype as XLA's GPU backend computes it (:func:`~precisionlab.emulate.emulate` with
           ``hardware="float32"``: exact products, float32 sums);
         - an :class:`~precisionlab.emulate.Emulated` of ``fn`` (``emulate(fn, policy,

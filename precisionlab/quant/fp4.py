@@ -66,6 +66,7 @@ __all__ = [
     "uniform",
 ]
 
+#: The largest magnitude of FP4 E2M1 (float4_e2m1fn): 6.0.
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 _E4M3 = FORMATS["float8_e4m3fn"]

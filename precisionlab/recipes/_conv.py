@@ -62,10 +62,12 @@ def conv_general_dilated(
     each operand).
 
     Args:
-      lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
-        feature_group_count, batch_group_count, preferred_element_type: as in
-        ``lax.conv_general_dilated`` (``precision`` is accepted and ignored: products are
-        exact and accumulate in float32, or as the recipe's ``accumulate=`` says).
+      lhs, rhs: the input and the kernel, as in ``lax.conv_general_dilated``.
+      window_strides, padding, lhs_dilation, rhs_dilation: as there.
+      dimension_numbers, feature_group_count, batch_group_count: as there.
+      precision: accepted and ignored (products are exact and accumulate in float32, or as
+        the recipe's ``accumulate=`` says).
+      preferred_element_type: as there.
       recipe: a :class:`~precisionlab.recipes.Recipe` or a name.
       state: the delayed recipe's state for this convolution (lhs = patches, rhs = kernel,
         output gradient), as for :func:`~precisionlab.recipes.dot_general`.
