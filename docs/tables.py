@@ -713,10 +713,10 @@ REGIONS: dict[str, Region] = {
     ),
     "bench-fp4-recipes": Region(
         "docs/guides/fp4-tournament.md",
-        f"precisionlab bench recipes --recipes {FP4_BENCH_RECIPES} --repeats 5",
+        f"precisionlab bench recipes --recipes {FP4_BENCH_RECIPES} --repeats 2",
         "timing",
         1800,
-        timed(bench_console("recipes", "--recipes", FP4_BENCH_RECIPES, "--repeats", "5")),
+        timed(bench_console("recipes", "--recipes", FP4_BENCH_RECIPES, "--repeats", "2")),
     ),
     "bench-codecs-whole-array": Region(
         "docs/benchmarks/codecs.md",
