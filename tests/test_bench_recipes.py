@@ -20,7 +20,8 @@ def test_bench_recipes_tiny_json():
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads(out.stdout)
     assert [r["recipe"] for r in rows] == ["plain", "bf16", "current"]
-    assert rows[1]["vs_bf16"] == 1.0 and rows[2]["matmuls"] == 7
+    # 7 matmuls, of which the two attention products stay in high precision by default
+    assert rows[1]["vs_bf16"] == 1.0 and rows[2]["matmuls"] == 5
     assert all(r["peak_mib"] > 0 for r in rows)
 
 
