@@ -110,6 +110,15 @@ def _loss_at(tokens: np.ndarray, loss: np.ndarray, at: float) -> float | None:
     return float(np.interp(at, tokens, loss))
 
 
+def _real(x: Any) -> float | None:
+    """A statistic as read back from JSON: a number, or None for a missing or non-finite one
+    (strict JSON writes inf and NaN as the strings "inf", "-inf", "nan")."""
+    if x is None:
+        return None
+    v = float(x)
+    return v if math.isfinite(v) else None
+
+
 def _stats(runs: list[dict]) -> dict[str, Any]:
     """Per GEMM, per measured step: the seed means of the all-matmul statistics; and the
     first step at which the wgrad ratio falls below sqrt(3) (seed mean, and per seed)."""
@@ -123,8 +132,8 @@ def _stats(runs: list[dict]) -> dict[str, Any]:
         for key in ("rel_bias", "rel_var", "cosine", "ratio"):
             vals = []
             for s in steps:
-                v = [r[key] for r in rows if r["step"] == s and r["gemm"] == gemm]
-                v = [x for x in v if x is not None and math.isfinite(x)]
+                v = [_real(r[key]) for r in rows if r["step"] == s and r["gemm"] == gemm]
+                v = [x for x in v if x is not None]
                 vals.append(float(np.mean(v)) if v else None)
             per[key] = vals
         out[gemm] = per
@@ -134,7 +143,7 @@ def _stats(runs: list[dict]) -> dict[str, Any]:
     seeds = {}
     for run in runs:
         w = [r for r in run["stats"] if r["site"] == "all" and r["gemm"] == "wgrad"]
-        c = [r["step"] for r in w if r["ratio"] is not None and r["ratio"] < SQRT3]
+        c = [r["step"] for r in w if _real(r["ratio"]) is not None and _real(r["ratio"]) < SQRT3]
         seeds[str(run["unit"].seed)] = c[0] if c else None
     out["sqrt3_crossing_step_per_seed"] = seeds
     return out
