@@ -207,7 +207,7 @@ def test_experiment_writes_telemetry_jsonl_summary_tensorboard_and_report(tmp_pa
     assert "telemetry/opt_state/0.mu.hidden.1.w/dynamic_range" in tags
     report.write_report(run_dir)
     text = (run_dir / "report.md").read_text()
-    assert "## Numerics telemetry" in text and "Worst underflow" in text
+    assert "## Numerics telemetry" in text and "What-if underflow" in text
     assert (run_dir / "plots" / "telemetry_heatmap_00-fp32.png").stat().st_size > 0
     assert (run_dir / "plots" / "telemetry_range_00-fp32.png").stat().st_size > 0
 
