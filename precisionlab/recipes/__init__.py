@@ -45,6 +45,7 @@ from precisionlab.recipes._conv import conv_general_dilated
 from precisionlab.recipes._dot import (
     WEIGHT_OPERANDS,
     GemmRecord,
+    canonical_operand,
     dot_general,
     fprop_gemm,
     matmul,
@@ -102,6 +103,7 @@ __all__ = [
     "TsengFP4",
     "accumulate",
     "apply",
+    "canonical_operand",
     "combine_observed",
     "conv_general_dilated",
     "dot_general",

@@ -58,7 +58,10 @@ _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
 
 
 # --- layout --------------------------------------------------------------------------------
-def _canon(x: jax.Array, contract, batch) -> tuple[jax.Array, tuple[int, ...]]:
+def canonical_operand(x: jax.Array, contract, batch) -> tuple[jax.Array, tuple[int, ...]]:
+    """``x`` laid out as a recipe's GEMM reads an operand: (B, R, K) with the ``batch`` axes,
+    the kept axes and the ``contract`` axes each flattened, in that order; and the kept axes'
+    sizes (to restore the output's shape)."""
     free = [d for d in range(x.ndim) if d not in contract and d not in batch]
     xt = jnp.transpose(x, (*batch, *free, *contract))
     bsz = math.prod(x.shape[d] for d in batch)
@@ -415,14 +418,16 @@ def dot_general(
         )
     (lc, rc), (lb, rb) = dimension_numbers
     lc, rc, lb, rb = (tuple(int(d) for d in t) for t in (lc, rc, lb, rb))
-    a3, lfree = _canon(lhs, lc, lb)
-    b3, rfree = _canon(rhs, rc, rb)
+    a3, lfree = canonical_operand(lhs, lc, lb)
+    b3, rfree = canonical_operand(rhs, rc, rb)
     out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
     if not recipe.stateful:
         state = None
     if hasattr(recipe, "dot3"):  # a recipe owning its three GEMMs (recipes._fp4)
         wc, wb = (lc, lb) if kinds == ("w", "x") else (rc, rb)
-        out = recipe.dot3(kinds, a3, b3, state, key, canon=lambda t: _canon(t, wc, wb)[0])
+        out = recipe.dot3(
+            kinds, a3, b3, state, key, canon=lambda t: canonical_operand(t, wc, wb)[0]
+        )
         batch_shape = tuple(lhs.shape[d] for d in lb)
         return out.reshape(*batch_shape, *lfree, *rfree).astype(out_dtype)
     # the recipe's numbers (given by with_numbers: arguments of the caller's program) enter

@@ -11,7 +11,6 @@ formats, block layouts) and the interception rules of both recording modes.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -224,16 +223,6 @@ def native_gemm(recipe, qa: S.QOperand, qb: S.QOperand, kinds) -> jax.Array:
 
 
 # --- the interception rules --------------------------------------------------------------
-def _canon(x: jax.Array, contract, batch) -> tuple[jax.Array, tuple[int, ...]]:
-    """(B, R, K): batch, kept and contracted axes, as the recipes lay operands out."""
-    free = [d for d in range(x.ndim) if d not in contract and d not in batch]
-    xt = jnp.transpose(x, (*batch, *free, *contract))
-    bsz = math.prod(x.shape[d] for d in batch)
-    r = math.prod(x.shape[d] for d in free)
-    k = math.prod(x.shape[d] for d in contract)
-    return xt.reshape(bsz, r, k), tuple(x.shape[d] for d in free)
-
-
 @dataclasses.dataclass
 class RecipeRule:
     """The recipe's dot_general, recording the sites in ``recorded``."""
@@ -260,8 +249,8 @@ class RecipeRule:
         recipe = self.recipe
         (lc, rc), (lb, rb) = dimension_numbers
         lc, rc, lb, rb = (tuple(int(d) for d in t) for t in (lc, rc, lb, rb))
-        a3, lfree = _canon(lhs, lc, lb)
-        b3, rfree = _canon(rhs, rc, rb)
+        a3, lfree = recipes.canonical_operand(lhs, lc, lb)
+        b3, rfree = recipes.canonical_operand(rhs, rc, rb)
         out_dtype = pet or jnp.result_type(lhs.dtype, rhs.dtype)
         kinds = recipes.WEIGHT_OPERANDS[self.weight]
         state = rstate if isinstance(recipe, recipes.Delayed) else None
