@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from precisionlab.intercept import Context, intercept
-from precisionlab.recipes import WEIGHT_OPERANDS, Recipe, Reference, dot_general
+from precisionlab.recipes import WEIGHT_OPERANDS, Recipe, Reference, canonical_operand, dot_general
 from precisionlab.train.recipe import TrainRecipe
 
 __all__ = ["GROUPS", "STATS", "recipe_metrics"]
@@ -40,14 +40,6 @@ STATS: tuple[str, ...] = ("saturated", "underflow", "sqnr_db", "log2_scale_min",
 _N = 8
 _E2M1_MAX = 6.0
 _E4M3_MAX = 448.0
-
-
-def _canon(x: jax.Array, contract, batch) -> jax.Array:
-    free = [d for d in range(x.ndim) if d not in contract and d not in batch]
-    xt = jnp.transpose(x, (*batch, *free, *contract))
-    bsz = math.prod(x.shape[d] for d in batch)
-    r = math.prod(x.shape[d] for d in free)
-    return xt.reshape(bsz, r, math.prod(x.shape[d] for d in contract))
 
 
 def _pad(recipe: Recipe, t: jax.Array, kind: str) -> jax.Array:
@@ -148,9 +140,11 @@ class _TapRule:
             gkey = None if key is None else jax.random.fold_in(key, 2)
             # each operand counts in the group of its role (K and V of attention: "x")
             rows: dict[str, list] = {"x": [], "w": []}
-            rows[kx].append(_stats(recipe, _canon(a, lc, lb), kx, scales[0], None))
-            rows[kw].append(_stats(recipe, _canon(b, rc, rb), kw, scales[1], None))
-            gs = _stats(recipe, _canon(g, g_contract, tuple(range(nb))), "g", scales[2], gkey)
+            rows[kx].append(_stats(recipe, canonical_operand(a, lc, lb)[0], kx, scales[0], None))
+            rows[kw].append(_stats(recipe, canonical_operand(b, rc, rb)[0], kw, scales[1], None))
+            gs = _stats(
+                recipe, canonical_operand(g, g_contract, tuple(range(nb)))[0], "g", scales[2], gkey
+            )
             return da, db, jnp.stack([_merge(rows["x"]), _merge(rows["w"]), gs])
 
         tap.defvjp(fwd, bwd)
