@@ -1000,3 +1000,49 @@ def test_a_rerun_copies_its_telemetry_figures_instead_of_drawing_them(work, monk
                 .replace('"step": 1', '"step": 2') + "\n")  # fmt: skip
     with pytest.raises(AssertionError, match="drawn again"):
         report.write_report(second, figure_cache=cache)  # other rows: drawn
+
+
+# A tournament whose units sleep instead of training: the SIGTERM path of a kind other than
+# train (the runner's _run_other), at the cost of the CLI's imports.
+_FAKE_TOURNAMENT = textwrap.dedent(
+    """
+    import sys, time
+    from precisionlab.experiments import tournament
+
+    def run_unit(section, unit, unit_dir, include):
+        time.sleep(30)  # ended by the signal
+        raise AssertionError("not interrupted")
+
+    tournament.run_unit = run_unit
+    tournament.linear_sites = lambda cfg: ([0], ["w"])
+    from precisionlab.cli import main
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["term", "hup"])
+def test_sigterm_ends_a_tournament_like_ctrl_c(work, sig):
+    """The same end for the tournament kind: run.json interrupted, lock released, no unit
+    result written for the unit the signal cut short, and --resume named."""
+    src = Path(__file__).parents[1] / "experiments" / "fp4_tournament_quick.toml"
+    shutil.copy(src, work / "t.toml")
+    out = work / "t"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _FAKE_TOURNAMENT, "run", "t.toml", "--out", str(out)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    unit = out / "tournament" / "units" / "bf16-s0"
+    deadline = time.monotonic() + 600
+    while not unit.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 128 + sig, err
+    assert err.splitlines()[-1] == f"precisionlab run: terminated ({signal.Signals(sig).name})"
+    assert "Traceback" not in err and f"precisionlab run --resume {out}" in err
+    assert store.read_json(out / "run.json")["status"] == "interrupted"
+    assert store.lock_holder(out) == (str(proc.pid), False)  # released
+    assert not (unit / "result.json").exists()
