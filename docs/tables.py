@@ -677,7 +677,7 @@ REGIONS: dict[str, Region] = {
         real_data,
     ),
     "hardware-deepseek": Region(
-        "docs/guides/hardware.md",
+        "docs/explanations/hardware-validation.md",
         "python docs/tables.py --update --only hardware-deepseek (hardware.gemm, seed 0)",
         "exact",
         30,
@@ -781,7 +781,7 @@ REGIONS: dict[str, Region] = {
         timed(bench_console("predictors")),
     ),
     "bench-hardware": Region(
-        "docs/guides/hardware.md",
+        "docs/benchmarks/hardware.md",
         "precisionlab bench hardware",
         "timing",
         60,

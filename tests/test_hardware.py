@@ -1,7 +1,7 @@
 """precisionlab.hardware: bit-for-bit against an H100, and against the scalar reference.
 
 The H100 outputs are in tests/data/h100_gemm.npz (see tests/data/README.md). Every case named
-in docs/guides/hardware.md's proof table is here. XLA's FP8 GEMMs at a 32 x 32 output are
+in the proof table of docs/explanations/hardware-validation.md is here. XLA's FP8 GEMMs at a 32 x 32 output are
 also checked slice by slice against tests/data/h100_xla_fp8_slices.npz.
 """
 

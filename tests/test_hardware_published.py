@@ -2,8 +2,8 @@
 ``D = A @ B + C``), each asserting the outcome the authors published for the hardware and
 citing it: FTTN (its feature tests and its matrix-multiplication golden values), Fasi et al.
 2021 (their suite's binary32-mode checks) and Khattak and Mikaitis, Part I (their
-generalized vectors against the A30 output they show). docs/guides/hardware.md, "Published
-test vectors", has the tables and what could not be checked.
+generalized vectors against the A30 output they show). docs/explanations/hardware-validation.md,
+"Published test vectors", has the tables and what could not be checked.
 
 FTTN (Li, Li, Fang, Swirydowicz, Laguna, Gopalakrishnan, "FTTN: Feature-Targeted Testing for
 Numerical Properties of NVIDIA & AMD Matrix Accelerators", CCGrid 2024, arXiv:2403.00232):
