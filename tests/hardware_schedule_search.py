@@ -7,8 +7,8 @@ KEY: an XLA capture in tests/data/h100_gemm.npz, ``fp8_xla_{DEFAULT,HIGHEST}_{K}
 P4, else 32 .. K) is computed with every step of :data:`STEPS` (and every promotion interval
 of :data:`RESTARTS` below the width) by ``precisionlab.hardware.gemm``, and the slices are
 summed in float32 in order, in reverse and in every butterfly bit order; the share of outputs
-equal to the capture is printed for the best, and every 100% match. docs/explanations/hardware-validation.md
-lists what it found and what it ruled out.
+equal to the capture is printed for the best, and every 100% match.
+docs/explanations/hardware-validation.md lists what it found and what it ruled out.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """precisionlab.hardware: bit-for-bit against an H100, and against the scalar reference.
 
 The H100 outputs are in tests/data/h100_gemm.npz (see tests/data/README.md). Every case named
-in the proof table of docs/explanations/hardware-validation.md is here. XLA's FP8 GEMMs at a 32 x 32 output are
-also checked slice by slice against tests/data/h100_xla_fp8_slices.npz.
+in the proof table of docs/explanations/hardware-validation.md is here. XLA's FP8 GEMMs at a
+32 x 32 output are also checked slice by slice against tests/data/h100_xla_fp8_slices.npz.
 """
 
 import pathlib
