@@ -100,4 +100,53 @@ def test_heatmap_labels_every_layer_and_step_once_per_row_and_column(monkeypatch
         assert ylabels == (layers if col == 0 else [])
         assert xlabels == (["1", "11", "21"] if row == 2 else [])
         assert ax.get_xlabel() == ("step" if row == 2 else "")
-        assert ax.get_title().startswith(("s/u: %", "s/u: what-if: %"))
+        assert ax.get_title().startswith(("%", "what-if:\n%"))
+    assert fig.get_suptitle() == "s/u"
+
+
+def _many_rows(n_layers: int) -> list[dict]:
+    """Telemetry rows of ``n_layers`` matmul outputs with long names over 6 steps."""
+    return [
+        {"step": step, "kind": "matmul", "layer": f"model/blocks/{i}/attention/query", "n": 64,
+         "site": "dot_general[0]", "tensor": "out", "n_nan": 0, "n_inf": 0, "n_zero": 8,
+         "amax": 2.0 ** -(i % 20), "amin_nonzero": 2.0 ** -(i % 20 + 10), "dynamic_range": 10.0,
+         "frac_zero": 0.125, "frac_nonfinite": 0.0,
+         "targets": {"fp16": {"overflow": 0.0, "underflow": 0.01 * (i % 4)}}}
+        for step in range(0, 60, 10) for i in range(n_layers)
+    ]  # fmt: skip
+
+
+def test_heatmaps_are_page_width_with_readable_labels(tmp_path):
+    """Rendered telemetry figures fit a page (825 px wide: 7.5 in at 110 dpi, the site's content
+    width) at a bounded height, in parts of at most 40 layers, every label at least 9 points
+    (12 px at the 110 dpi they are drawn at); 41 layers make two balanced parts of each figure.
+    Report telemetry figures used to be 1080 px wide and 6134 px tall, with 5-point labels."""
+    from matplotlib.figure import Figure
+    from matplotlib.image import imread
+
+    drawn: list[Figure] = []
+    save = store.save_figure
+    store_save = lambda fig, path, **kw: (drawn.append(fig), save(fig, path, **kw))  # noqa: E731
+    mp = pytest.MonkeyPatch()
+    mp.setattr(store, "save_figure", store_save)
+    try:
+        rows = _many_rows(41)
+        assert tv._heatmap(rows, ["fp16"], tmp_path / "h.png", "s/u") == 2
+        assert tv._ranges(rows, ["fp16"], tmp_path / "r.png", "s/u") == 2
+    finally:
+        mp.undo()
+    files = ["h.png", "h_2.png", "r.png", "r_2.png"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(files)
+    for name in files:
+        height, width = imread(tmp_path / name).shape[:2]
+        assert width == 825 and 250 <= height <= 13 * 110, (name, width, height)
+    for fig in drawn:
+        texts = [t for ax in fig.axes for t in (*ax.get_yticklabels(), *ax.get_xticklabels())
+                 if t.get_text()]  # fmt: skip
+        texts += [ax.title for ax in fig.axes if ax.get_title()]
+        assert texts and min(t.get_fontsize() for t in texts) >= 9
+        layer_labels = [t.get_text() for ax in fig.axes for t in ax.get_yticklabels()]
+        layer_labels = [s for s in layer_labels if "model/" in s]
+        assert 20 <= len(set(layer_labels)) <= 21  # 41 layers in two parts of 20 and 21
+        # long names are shortened in the middle to fit the left margin (42% of the width)
+        assert all(len(s) * 0.62 * 9 / 72 + 0.35 <= 0.42 * 7.5 for s in layer_labels)

@@ -12,6 +12,7 @@ telemetry_rows`: one per step, layer and tensor) and writes:
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -185,8 +186,18 @@ _WHAT_IF = (("underflow", "what-if: % underflow in {}"), ("overflow", "what-if: 
 _FLOOR_PCT = 1e-3
 
 
-#: Tick label size (points) of the layer names, and the figure resolution (dots per inch).
-_LABEL_PT, _DPI = 7, 90
+#: Figures sized for a page: width (inches) and resolution (dots per inch): 7.5 in at 110 dpi is
+#: 825 pixels, about the documentation's content width and a report's in a browser, so labels
+#: keep their size on the page; tick labels, titles and the colour bar's text in points.
+_WIDTH_IN, _DPI, _LABEL_PT = 7.5, 110, 9
+#: At most this many layers in one panel and figures at most this tall (inches): a longer
+#: heatmap or range plot is drawn in parts (``NAME.png``, ``NAME_2.png``, ...), each labelled.
+_MAX_LAYERS, _MAX_HEIGHT_IN = 40, 13.0
+#: Height of one layer's row (inches): a 9-point label and its spacing.
+_ROW_IN = 0.15
+#: The left margin (a fraction of the width) at most; longer layer labels are shortened in the
+#: middle (the report's tables name every tensor in full).
+_MAX_LEFT = 0.42
 
 
 def _figure(width: float, height: float, labels: list[str]):
@@ -197,8 +208,50 @@ def _figure(width: float, height: float, labels: list[str]):
     from matplotlib.figure import Figure
 
     longest = max((len(lab) for lab in labels), default=0)
-    left_in = 0.35 + longest * 0.62 * _LABEL_PT / 72  # ~0.62 em per character, plus padding
-    return Figure(figsize=(width, height)), min(0.6, left_in / width)
+    left_in = 0.35 + longest * _CHAR_IN
+    return Figure(figsize=(width, height)), min(_MAX_LEFT, left_in / width)
+
+
+#: Width of one character of a tick label (inches): ~0.62 em.
+_CHAR_IN = 0.62 * _LABEL_PT / 72
+
+
+def _short(label: str, width_in: float) -> str:
+    """``label`` shortened in the middle (``…``) to fit ``width_in`` inches of tick label."""
+    n = max(8, int((width_in - 0.35) / _CHAR_IN))
+    if len(label) <= n:
+        return label
+    head = (n - 1) // 2
+    return f"{label[:head]}…{label[len(label) - (n - 1 - head) :]}"
+
+
+def _chunks(n: int, size: int) -> list[range]:
+    """``range(n)`` in as few consecutive pieces of at most ``size`` as possible, of equal
+    length give or take one (at least one piece)."""
+    pieces = max(1, -(-n // size))
+    bounds = [round(i * n / pieces) for i in range(pieces + 1)]
+    return [range(a, b) for a, b in itertools.pairwise(bounds)]
+
+
+def _part_paths(path: Path, n: int) -> list[Path]:
+    """The files of a figure drawn in ``n`` parts: ``path``, then ``STEM_2.png``, ..."""
+    return [path, *(path.with_name(f"{path.stem}_{k}{path.suffix}") for k in range(2, n + 1))]
+
+
+def _part_title(title: str, rows: range, n_layers: int, k: int, n_parts: int) -> str:
+    if n_parts == 1:
+        return title
+    return f"{title}\n(part {k} of {n_parts}: rows {rows.start + 1}-{rows.stop} of {n_layers})"
+
+
+def _step_ticks(steps: list[int], panel_in: float) -> tuple[list[int], list[str], int]:
+    """Tick positions and labels for ``steps`` on a panel ``panel_in`` inches wide: every
+    step while they fit, else every k-th (and the rotation)."""
+    rotate = 90 if len(steps) > 6 else 0
+    fits = max(1, int(panel_in / (1.5 * _LABEL_PT / 72))) if rotate else max(1, len(steps))
+    stride = -(-len(steps) // fits)
+    idx = list(range(0, len(steps), stride))
+    return idx, [str(steps[i]) for i in idx], rotate
 
 
 def _panels(rows, targets) -> list[tuple[str, np.ndarray]]:
@@ -219,15 +272,15 @@ def _panels(rows, targets) -> list[tuple[str, np.ndarray]]:
     return out
 
 
-def _heatmap(rows, targets, path: Path, title: str) -> bool:
-    """One figure per unit: layer x step heatmaps in pairs: the zeros and inf/NaN as
-    computed, then for every target its underflow and overflow (what-if). One log colour
-    scale from :data:`_FLOOR_PCT` to 100% for every panel (grey: exactly 0); the layers that
-    are 0 in every panel are left out; every layer and every step is labelled."""
+def _heatmap(rows, targets, path: Path, title: str) -> int:
+    """Layer x step heatmaps in pairs: the zeros and inf/NaN as computed, then for every target
+    its underflow and overflow (what-if). One log colour scale from :data:`_FLOOR_PCT` to 100%
+    for every panel (grey: exactly 0); the layers that are 0 in every panel are left out;
+    every layer and every step (or every k-th where they do not fit) is labelled. Page-width
+    figures of at most :data:`_MAX_LAYERS` layers and :data:`_MAX_HEIGHT_IN` inches each
+    (:func:`_part_paths`); the number of figures written (0: no rows)."""
     if not rows:
-        return False
-    from matplotlib.colors import LogNorm
-
+        return 0
     labels = list(dict.fromkeys(_label(r) for r in rows))
     steps = sorted({int(r["step"]) for r in rows})
     panels = _panels(rows, targets)
@@ -237,46 +290,75 @@ def _heatmap(rows, targets, path: Path, title: str) -> bool:
     if not shown.any():
         shown[:] = True
     labels = [lab for lab, k in zip(labels, shown, strict=True) if k]
-    n_rows = len(panels) // 2
-    h = max(2.5, 0.16 * len(labels) + 1.2)
-    fig, left = _figure(12.0, h * n_rows, labels)
-    top_in, bottom_in = 0.35, 0.7  # title; step ticks and label (bottom row)
-    fig.subplots_adjust(left=left, right=0.9, wspace=0.05, hspace=top_in / h,
-                        top=1 - top_in / (h * n_rows),
-                        bottom=bottom_in / (h * n_rows))  # fmt: skip
+    grids = [(name, 100 * grid[shown]) for name, grid in panels]
+    pairs = [grids[i : i + 2] for i in range(0, len(grids), 2)]
+    top_in, title_in, bottom_in = 0.45, 0.55, 0.75  # figure title; panel titles; step ticks
+    parts = []
+    for layer_rows in _chunks(len(labels), _MAX_LAYERS):
+        row_in = max(0.8, _ROW_IN * len(layer_rows)) + title_in
+        per_fig = max(1, int((_MAX_HEIGHT_IN - top_in - bottom_in) // row_in))
+        parts += [(layer_rows, pairs[i : i + per_fig]) for i in range(0, len(pairs), per_fig)]
+    for k, (layer_rows, fig_pairs) in enumerate(parts, 1):
+        names = [labels[i] for i in layer_rows]
+        head = _part_title(title, layer_rows, len(labels), k, len(parts))
+        _heatmap_figure(names, steps, [(n, g[layer_rows.start : layer_rows.stop])
+                                       for pair in fig_pairs for n, g in pair],
+                        _part_paths(path, len(parts))[k - 1], head,
+                        (top_in, title_in, bottom_in))  # fmt: skip
+    return len(parts)
+
+
+def _heatmap_figure(labels, steps, panels, path: Path, title: str, margins) -> None:
+    """One figure of :func:`_heatmap`: ``panels`` (title, layer x step grid in %) two a row."""
+    from matplotlib.colors import LogNorm
+
+    top_in, title_in, bottom_in = margins
+    n_rows = -(-len(panels) // 2)
+    row_in = max(0.8, _ROW_IN * len(labels)) + title_in
+    height = top_in + n_rows * row_in + bottom_in
+    shown = [_short(lab, _MAX_LEFT * _WIDTH_IN) for lab in labels]
+    fig, left = _figure(_WIDTH_IN, height, shown)
+    right = 0.86
+    fig.subplots_adjust(left=left, right=right, wspace=0.06, hspace=title_in / (row_in - title_in),
+                        top=1 - (top_in + title_in) / height,
+                        bottom=bottom_in / height)  # fmt: skip
+    fig.suptitle(title, fontsize=_LABEL_PT + 1, y=1 - 0.05 / height, va="top")
     # No shared axes: a shared locator gives every panel a Tick (line and label artists) for
     # every layer and step, drawn or not, which was most of the report's time. Layer names on
     # the left column, steps on the bottom row; no tick artists anywhere else.
     axes = fig.subplots(n_rows, 2, squeeze=False)
     cmap = _cmap()
     norm = LogNorm(vmin=_FLOOR_PCT, vmax=100.0)
-    size = _LABEL_PT if len(labels) < 60 else 5
-    rotate = 90 if len(steps) > 12 else 0
+    panel_in = (right - left) * _WIDTH_IN / 2
+    ticks, tick_labels, rotate = _step_ticks(steps, panel_in)
     im = None
-    for i, (ax, (name, grid)) in enumerate(zip(axes.flat, panels, strict=True)):
-        pct = 100 * grid[shown]
+    for i, ax in enumerate(axes.flat):
+        if i >= len(panels):
+            ax.set_visible(False)  # an odd panel count: the last row's right half stays empty
+            continue
+        name, pct = panels[i]
         # exactly 0 -> below the floor (the "under" colour); no value -> NaN (white)
         pct = np.where(pct == 0, _FLOOR_PCT / 10, pct)
         im = ax.imshow(np.ma.masked_invalid(pct), aspect="auto", cmap=cmap, norm=norm,
                        interpolation="nearest")  # fmt: skip
-        # a fixed title position: the automatic one measures every tick label of the panel
-        ax.set_title(f"{title}: {name}", fontsize=8, y=1.0)
+        # a fixed title position (the automatic one measures every tick label of the panel),
+        # wrapped after "what-if:" so that it fits half the page
+        ax.set_title(name.replace("what-if: ", "what-if:\n"), fontsize=_LABEL_PT, y=1.0)
         row, col = divmod(i, 2)
         if col == 0:
-            ax.set_yticks(range(len(labels)), labels, fontsize=size)
+            ax.set_yticks(range(len(shown)), shown, fontsize=_LABEL_PT)
         else:
             ax.set_yticks([])
-        if row == n_rows - 1:
-            ax.set_xticks(range(len(steps)), [str(s) for s in steps], rotation=rotate,
-                          fontsize=size)  # fmt: skip
-            ax.set_xlabel("step", fontsize=8)
+        if row == n_rows - 1 or i + 2 >= len(panels):
+            ax.set_xticks(ticks, tick_labels, rotation=rotate, fontsize=_LABEL_PT)
+            ax.set_xlabel("step", fontsize=_LABEL_PT)
         else:
             ax.set_xticks([])
-    cax = fig.add_axes((0.92, bottom_in / (h * n_rows), 0.015, 0.6))
-    fig.colorbar(im, cax=cax, extend="min",
-                 label=f"% (log scale, {_FLOOR_PCT:g}%..100%; grey: exactly 0)")  # fmt: skip
+    cax = fig.add_axes((0.89, bottom_in / height, 0.02, min(0.6, 3.0 / height)))
+    bar = fig.colorbar(im, cax=cax, extend="min")
+    bar.set_label("% (log scale)", fontsize=_LABEL_PT)
+    bar.ax.tick_params(labelsize=_LABEL_PT)
     store.save_figure(fig, path, dpi=_DPI)
-    return True
 
 
 def _cmap():
@@ -286,9 +368,10 @@ def _cmap():
     return matplotlib.colormaps["magma"].with_extremes(under="0.82", bad="white")
 
 
-def _ranges(rows, targets, path: Path, title: str) -> bool:
+def _ranges(rows, targets, path: Path, title: str) -> int:
     """Per layer: the span log2(smallest nonzero)..log2(amax) over the run, against each
-    target format's subnormal and normal ranges."""
+    target format's subnormal and normal ranges; page-width figures of at most
+    :data:`_MAX_LAYERS` layers each (:func:`_part_paths`); the number written."""
     from precisionlab.telemetry import parse_targets
 
     spans: dict[str, list[float]] = {}
@@ -298,39 +381,53 @@ def _ranges(rows, targets, path: Path, title: str) -> bool:
             cur = spans.setdefault(_label(r), [lo, hi])
             cur[0], cur[1] = min(cur[0], lo), max(cur[1], hi)
     if not spans:
-        return False
+        return 0
     labels = list(spans)
-    h = max(3.0, 0.22 * len(labels) + 1.5)
-    fig, left = _figure(10.0, h, labels)
-    fig.subplots_adjust(left=left, right=0.98, top=1 - 0.35 / h, bottom=0.6 / h)
-    ax = fig.subplots()
-    for i, lab in enumerate(labels):
-        ax.plot(spans[lab], [i, i], color="k", lw=3, solid_capstyle="butt")
-    colors = ("tab:red", "tab:blue", "tab:green", "tab:purple", "tab:orange")
-    shown = set()
-    for t, c in zip(parse_targets(targets), colors, strict=False):
+    lo = min(s[0] for s in spans.values())
+    hi = max(s[1] for s in spans.values())
+    bands = []
+    shown_fmt: set[str] = set()
+    for t in parse_targets(targets):
         f = t.fmt
-        if t.scaling != "none" or f.name in shown:
+        if t.scaling != "none" or f.name in shown_fmt:
             continue  # scaled targets move the tensor into the range: no fixed band
-        shown.add(f.name)
-        sub, norm, top = (
-            math.log2(f.smallest_subnormal),
-            math.log2(f.smallest_normal),
-            math.log2(f.max),
-        )
-        ax.axvspan(sub, norm, color=c, alpha=0.08, lw=0)
-        label = f"{t.name}: subnormal 2^{sub:.0f}.., normal 2^{norm:.0f}..2^{top:.1f}"
-        ax.axvspan(norm, top, color=c, alpha=0.15, lw=0, label=label)
-        ax.axvline(sub, color=c, ls=":", lw=1)
-        ax.axvline(top, color=c, ls="-", lw=1)
-    ax.set_yticks(range(len(labels)), labels, fontsize=_LABEL_PT)
-    ax.set_xlabel("log2 |value| (bar: smallest nonzero .. amax over the telemetry steps)")
-    ax.set_title(f"{title}: dynamic range of every tensor against the target formats",
-                 fontsize=9, y=1.0)  # fmt: skip
-    if shown:
-        ax.legend(fontsize=7, loc="lower right")
-    store.save_figure(fig, path, dpi=_DPI)
-    return True
+        shown_fmt.add(f.name)
+        bands.append((t.name, math.log2(f.smallest_subnormal), math.log2(f.smallest_normal),
+                      math.log2(f.max)))  # fmt: skip
+    chunks = _chunks(len(labels), _MAX_LAYERS)
+    for k, part in enumerate(chunks, 1):
+        names = [labels[i] for i in part]
+        shown = [_short(lab, _MAX_LEFT * _WIDTH_IN) for lab in names]
+        legend_in = 0.2 * len(bands) + 0.2 if bands else 0.0
+        h = max(2.5, _ROW_IN * len(names) + 1.3 + legend_in)
+        fig, left = _figure(_WIDTH_IN, h, shown)
+        fig.subplots_adjust(left=left, right=0.97, top=1 - 0.6 / h,
+                            bottom=(0.6 + legend_in) / h)  # fmt: skip
+        ax = fig.subplots()
+        for i, lab in enumerate(names):
+            ax.plot(spans[lab], [i, i], color="k", lw=3, solid_capstyle="butt")
+        colors = ("tab:red", "tab:blue", "tab:green", "tab:purple", "tab:orange")
+        for (name, sub, norm, top), c in zip(bands, colors, strict=False):
+            ax.axvspan(sub, norm, color=c, alpha=0.08, lw=0)
+            label = f"{name}: subnormal 2^{sub:.0f}.., normal 2^{norm:.0f}..2^{top:.1f}"
+            ax.axvspan(norm, top, color=c, alpha=0.15, lw=0, label=label)
+            ax.axvline(sub, color=c, ls=":", lw=1)
+            ax.axvline(top, color=c, ls="-", lw=1)
+        ax.set_xlim(min(lo, *(b[1] for b in bands)) - 2 if bands else lo - 2,
+                    max(hi, *(b[3] for b in bands)) + 2 if bands else hi + 2)  # fmt: skip
+        ax.set_ylim(len(names) - 0.5, -0.5)
+        ax.set_yticks(range(len(names)), shown, fontsize=_LABEL_PT)
+        ax.tick_params(axis="x", labelsize=_LABEL_PT)
+        ax.set_xlabel("log2 |value| (bar: smallest nonzero .. amax over the telemetry steps)",
+                      fontsize=_LABEL_PT)  # fmt: skip
+        head = _part_title(f"{title}: dynamic range against the target formats", part,
+                           len(labels), k, len(chunks))  # fmt: skip
+        fig.suptitle(head, fontsize=_LABEL_PT + 1, y=1 - 0.05 / h, va="top")
+        if bands:
+            fig.legend(fontsize=_LABEL_PT, loc="lower left", ncols=1, frameon=False,
+                       bbox_to_anchor=(0.0, 0.0))  # fmt: skip
+        store.save_figure(fig, _part_paths(path, len(chunks))[k - 1], dpi=_DPI)
+    return len(chunks)
 
 
 def _fmt_pct(x: float) -> str:
@@ -375,10 +472,11 @@ _FIGURES = (
 
 
 def _draw_unit(run_dir: str, rows_path: str, targets: list[str], paths: list[str],
-               title: str) -> list[bool]:  # fmt: skip
+               title: str) -> list[int]:  # fmt: skip
     """Draw one unit's heatmap and range figures (paths in :data:`_FIGURES` order) from its
-    telemetry.jsonl; whether each was written. Runs in a worker process: takes plain
-    strings, and confines its reads and writes to ``run_dir`` as :func:`write_report` does."""
+    telemetry.jsonl; how many parts of each were written (:func:`_part_paths`; 0: none). Runs
+    in a worker process: takes plain strings, and confines its reads and writes to
+    ``run_dir`` as :func:`write_report` does."""
     with store.confined(run_dir):
         rows = [r for r in store.read_jsonl(Path(rows_path)) if r["kind"] in _RANKED]
         return [
@@ -398,7 +496,7 @@ def _report_workers() -> int | None:
     return int(raw)
 
 
-def _draw_all(jobs: list[tuple]) -> list[list[bool]]:
+def _draw_all(jobs: list[tuple]) -> list[list[int]]:
     """:func:`_draw_unit` for every job, in order: in worker processes when there are several
     jobs and CPUs (the units' figures are independent), else here. Workers start fresh
     interpreters ("spawn": never fork a process whose JAX runtime has threads); an error in
@@ -439,35 +537,35 @@ def _figure_key(job: tuple) -> str:
     return digest.hexdigest()
 
 
-def _from_cache(cache: Path, key: str, paths: list[str]) -> list[bool] | None:
-    """The figures of ``key`` copied from ``cache`` to ``paths``; which were drawn (None: not
-    cached)."""
+def _from_cache(cache: Path, key: str, paths: list[str]) -> list[int] | None:
+    """The figures of ``key`` copied from ``cache`` to ``paths`` (and their parts); how many
+    parts of each were drawn (None: not cached)."""
     marker = cache / f"{key}.json"
     if not marker.is_file():
         return None
     try:
         flags = json.loads(_io.read_bytes(marker, 1 << 10))
-        blobs = [_io.read_bytes(cache / f"{key}-{i}.png", 64 << 20) if ok else None
-                 for i, ok in enumerate(flags)]  # fmt: skip
-    except (OSError, ValueError):
+        if not isinstance(flags, list) or len(flags) != len(paths):
+            return None
+        blobs = [[_io.read_bytes(cache / f"{key}-{i}-{k}.png", 64 << 20) for k in range(int(n))]
+                 for i, n in enumerate(flags)]  # fmt: skip
+    except (OSError, ValueError, TypeError):
         return None  # a damaged entry: drawn again
-    if not isinstance(flags, list) or len(flags) != len(paths):
-        return None
-    for blob, path in zip(blobs, paths, strict=True):
-        if blob is not None:
-            with _io.atomic_open(path, "wb") as f:
+    for parts, path in zip(blobs, paths, strict=True):
+        for blob, part in zip(parts, _part_paths(Path(path), len(parts)), strict=True):
+            with _io.atomic_open(part, "wb") as f:
                 f.write(blob)
-    return [bool(x) for x in flags]
+    return [int(x) for x in flags]
 
 
-def _to_cache(cache: Path, key: str, paths: list[str], flags: list[bool]) -> None:
+def _to_cache(cache: Path, key: str, paths: list[str], flags: list[int]) -> None:
     try:
         _io.makedirs(cache)
-        for i, (path, ok) in enumerate(zip(paths, flags, strict=True)):
-            if ok:
-                with _io.atomic_open(cache / f"{key}-{i}.png", "wb") as f:
-                    f.write(_io.read_bytes(path, 64 << 20))
-        _io.write_json(cache / f"{key}.json", [bool(x) for x in flags], indent=None)  # last
+        for i, (path, n) in enumerate(zip(paths, flags, strict=True)):
+            for k, part in enumerate(_part_paths(Path(path), int(n))):
+                with _io.atomic_open(cache / f"{key}-{i}-{k}.png", "wb") as f:
+                    f.write(_io.read_bytes(part, 64 << 20))
+        _io.write_json(cache / f"{key}.json", [int(x) for x in flags], indent=None)  # last
     except (OSError, ValueError):
         pass  # a cache that cannot be written only costs the next run the drawing
 
@@ -480,7 +578,7 @@ def telemetry_report(
     drawn in parallel: :data:`_WORKERS_ENV`; with ``figure_cache``, figures drawn before from
     the same rows, targets and code are copied from there instead)."""
     units = [u for u in units if u.get("telemetry")]
-    drawn: dict[int, list[bool]] = {}
+    drawn: dict[int, list[int]] = {}
     if plot_dir is not None and units:
         store.makedirs(plot_dir)
         jobs = []
@@ -533,11 +631,13 @@ def telemetry_report(
             lines += _table(worst, "target")
         if plot_dir is not None:
             name = store.safe_name(str(uid))
-            for (kind, caption), ok in zip(_FIGURES, drawn[i], strict=True):
-                if ok:
-                    path = plot_dir / f"telemetry_{kind}_{name}.png"
+            for (kind, caption), n in zip(_FIGURES, drawn[i], strict=True):
+                paths = _part_paths(plot_dir / f"telemetry_{kind}_{name}.png", n)
+                for k, path in enumerate(paths, 1):
                     rel = path.relative_to(run_dir).as_posix()
-                    lines += [f"![{caption}]({rel})", "", f"{u.get('name')}: {caption}.", ""]
+                    part = f" (part {k} of {n})" if n > 1 else ""
+                    lines += [f"![{caption}{part}]({rel})", "",
+                              f"{u.get('name')}: {caption}{part}.", ""]  # fmt: skip
     if lines:
         lines = ["## Numerics telemetry", "",
                  "Matmul operands (lhs, rhs), outputs (out) and output gradients (grad), and the "
