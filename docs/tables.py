@@ -691,14 +691,14 @@ REGIONS: dict[str, Region] = {
         accumulation_run,
     ),
     "performance-cold": Region(
-        "docs/guides/performance.md",
+        "docs/benchmarks/performance.md",
         "precisionlab run experiments/fp16_vs_bf16.toml --timings --cache-dir EMPTY_DIR",
         "timing",
         250,
         timed(main_job_timings(warm=False)),
     ),
     "performance-warm": Region(
-        "docs/guides/performance.md",
+        "docs/benchmarks/performance.md",
         "precisionlab run experiments/fp16_vs_bf16.toml --timings --cache-dir DIR (filled)",
         "timing",
         100,
@@ -712,7 +712,7 @@ REGIONS: dict[str, Region] = {
         fp4_tournament,
     ),
     "bench-fp4-recipes": Region(
-        "docs/guides/fp4-tournament.md",
+        "docs/benchmarks/recipes.md",
         f"precisionlab bench recipes --recipes {FP4_BENCH_RECIPES} --repeats 2",
         "timing",
         1800,
@@ -774,7 +774,7 @@ REGIONS: dict[str, Region] = {
         forecast_rules,
     ),
     "bench-predictors": Region(
-        "docs/guides/forecast.md",
+        "docs/benchmarks/forecast.md",
         "precisionlab bench predictors",
         "timing",
         120,

@@ -64,12 +64,19 @@ def _by_setting(units: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
-def _panels(n: int, *, width: float = 6.4, height: float = 4.2, max_cols: int = 3):
+#: Width of every figure (inches; drawn at 110 dpi: 825 pixels): the documentation's content
+#: width, so a figure copied onto a page is shown at its size and its text stays readable.
+_PAGE_WIDTH_IN = 7.5
+
+
+def _panels(n: int, *, height: float = 3.4, max_cols: int = 1):
+    """A page-wide figure of ``n`` panels, ``max_cols`` a row (stacked by default), each
+    ``height`` inches tall."""
     import matplotlib.pyplot as plt
 
     cols = min(n, max_cols)
     rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(_PAGE_WIDTH_IN, height * rows), squeeze=False)
     for ax in axes.flat[n:]:
         ax.set_visible(False)
     return fig, list(axes.flat[:n])
@@ -272,7 +279,7 @@ def _plot_hist(units: list[dict[str, Any]], key: str, path: Path, *, what: str) 
     if not chosen:
         return False
     colors = _colors(units)
-    fig, axes = _panels(len(chosen), width=11.0, height=4.2, max_cols=1)
+    fig, axes = _panels(len(chosen), height=4.2)
     for ax, (setting, pairs) in zip(axes, chosen.items(), strict=True):
         lo_bin, hi_bin = np.inf, -np.inf
         step = None
