@@ -9,7 +9,7 @@ For the default MLP and transformer (float32 step, Adam), the step time of
       step adds, b/a - 1 its share over the interval).
 
 Variants are timed interleaved, one chunk of steps each per round, best of ``--repeats``
-rounds. No target: the figures are reported (``docs/guides/forecast.md``).
+rounds. No target: the figures are reported (``docs/benchmarks/forecast.md``).
 """
 
 from __future__ import annotations

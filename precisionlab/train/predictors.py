@@ -70,8 +70,8 @@ prefix; what belongs to no layer (embeddings, the final norm) is ``"other"``.
 
 Cost: one observed forward and backward pass of the loss on the due steps (as numerics
 telemetry's), the per-tensor reductions, one extra weight-gradient product per linear layer
-and the optimizer's update recomputed; measured with ``precisionlab bench train`` (see
-``docs/guides/forecast.md``).
+and the optimizer's update recomputed; measured with ``precisionlab bench predictors`` (see
+``docs/benchmarks/forecast.md``).
 """
 
 from __future__ import annotations
