@@ -32,3 +32,8 @@ def test_written_for_recipe_variants_only(tmp_path):
     ]
     assert plot_recipe_groups(units, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # page-wide: 7.5 in at 110 dpi, so the site shows it at its size (it was 1560 px wide)
+    from matplotlib.image import imread
+
+    height, width = imread(path).shape[:2]
+    assert width == 825 and height < 2 * 2 * 2.6 * 110 + 200

@@ -10,6 +10,7 @@ never saturates sits on 0 and one that saturates 0.8% or 20% is visible on the s
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +48,11 @@ def plot_recipe_groups(units: list[dict[str, Any]], path: Path) -> bool:
     cmap = plt.get_cmap("tab20")
     color = {n: cmap(i % 20) for i, n in enumerate(names)}
     n_rows = len(settings) * len(_STATS)
-    fig, axes = plt.subplots(
-        n_rows, len(GROUP_NAMES), figsize=(5.2 * len(GROUP_NAMES), 3.4 * n_rows), squeeze=False
-    )
+    # page-wide (7.5 in at 110 dpi: 825 px), one legend for every panel under the figure
+    legend_in = 0.25 * math.ceil(len(names) / 3) + 0.2
+    height = 2.6 * n_rows + legend_in
+    fig, axes = plt.subplots(n_rows, len(GROUP_NAMES), figsize=(7.5, height), squeeze=False)
+    handles: dict[str, Any] = {}
     row = 0
     for setting, group_units in settings.items():
         for stat, ylabel in _STATS.items():
@@ -63,15 +66,17 @@ def plot_recipe_groups(units: list[dict[str, Any]], path: Path) -> bool:
                 ax.set_yscale("symlog", linthresh=0.01)
                 ax.set_ylim(bottom=0)
                 ax.set_title(f"{setting + ': ' if setting else ''}{title}", fontsize=9)
-                ax.set_xlabel("step")
+                ax.set_xlabel("step", fontsize=9)
                 if col == 0:
-                    ax.set_ylabel(ylabel)
+                    ax.set_ylabel(ylabel, fontsize=9)
                 ax.grid(alpha=0.3)
-            axes[row, -1].legend(
-                fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0
-            )
+                ax.tick_params(labelsize=9)
+                for line in ax.get_lines():
+                    handles.setdefault(line.get_label(), line)
             row += 1
-    fig.tight_layout()
-    _io.save_figure(fig, path, dpi=100)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncols=3, fontsize=9,
+               frameon=False)  # fmt: skip
+    fig.tight_layout(rect=(0, legend_in / height, 1, 1))
+    _io.save_figure(fig, path, dpi=110)
     plt.close(fig)
     return True
