@@ -354,7 +354,9 @@ def _heatmap_figure(labels, steps, panels, path: Path, title: str, margins) -> N
             ax.set_xlabel("step", fontsize=_LABEL_PT)
         else:
             ax.set_xticks([])
-    cax = fig.add_axes((0.89, bottom_in / height, 0.02, min(0.6, 3.0 / height)))
+    # the colour bar beside the panels: at most 3 inches, never above the top panel
+    span = 1 - (top_in + title_in + bottom_in) / height
+    cax = fig.add_axes((0.89, bottom_in / height, 0.02, min(span, 3.0 / height)))
     bar = fig.colorbar(im, cax=cax, extend="min")
     bar.set_label("% (log scale)", fontsize=_LABEL_PT)
     bar.ax.tick_params(labelsize=_LABEL_PT)
