@@ -279,7 +279,7 @@ def _plot_hist(units: list[dict[str, Any]], key: str, path: Path, *, what: str) 
     if not chosen:
         return False
     colors = _colors(units)
-    fig, axes = _panels(len(chosen), height=4.2)
+    fig, axes = _panels(len(chosen), height=5.4)
     for ax, (setting, pairs) in zip(axes, chosen.items(), strict=True):
         lo_bin, hi_bin = np.inf, -np.inf
         step = None
@@ -330,7 +330,12 @@ def _plot_hist(units: list[dict[str, Any]], key: str, path: Path, *, what: str) 
         ax.set_xlabel(f"log2 |{'gradient' if key == 'grad_hist' else 'activation'}| (binade)")
         ax.set_ylabel("% of elements")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+        # under the panel, so that the panel keeps the page's width
+        # (two columns where the labels fit the width, else one)
+        longest = max(len(h.get_label()) for h in ax.get_legend_handles_labels()[0])
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2),
+                  ncols=2 if longest <= 48 else 1, borderaxespad=0,
+                  frameon=False)  # fmt: skip
     fig.tight_layout()
     _io.save_figure(fig, path, dpi=110)
     plt.close(fig)
