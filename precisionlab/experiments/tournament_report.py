@@ -590,7 +590,8 @@ def plot(s: dict[str, Any], out_dir: Path) -> list[Path]:
 
     out_dir = Path(out_dir)
     paths = []
-    fig = Figure(figsize=(9, 5))
+    # page-wide figures (7.5 in at 110 dpi: 825 px) with 8-9 point text, readable on the site
+    fig = Figure(figsize=(7.5, 5))
     ax = fig.add_subplot(1, 1, 1)
     for name, v in s["variants"].items():
         t, loss = v["curve"]["tokens"], v["curve"]["eval_loss"]
@@ -602,14 +603,15 @@ def plot(s: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.axhline(s["match_loss"], color="0.5", lw=0.5)
     ax.set_xlabel("tokens (millions)")
     ax.set_ylabel("evaluation loss (nats, seed mean)")
-    ax.legend(fontsize=6, ncol=2)
+    ax.legend(fontsize=8, ncol=2)
     ax.set_title("Evaluation loss")
+    fig.tight_layout()
     _io.save_figure(fig, out_dir / "loss_curves.png", dpi=110)
     paths.append(out_dir / "loss_curves.png")
 
     rows = [r for r in s["ranking"] if r["variant"] != s["baseline"]]
     if rows:
-        fig = Figure(figsize=(7, 0.35 * len(rows) + 1.2))
+        fig = Figure(figsize=(7.5, 0.3 * len(rows) + 1.2))
         ax = fig.add_subplot(1, 1, 1)
         y = np.arange(len(rows))[::-1]
         gap = [r["gap_nats"] for r in rows]
@@ -618,20 +620,21 @@ def plot(s: dict[str, Any], out_dir: Path) -> list[Path]:
                 for r in rows]]  # fmt: skip
         ax.errorbar(gap, y, xerr=err, fmt="o", capsize=3)
         ax.axvline(0, color="0.5", lw=0.5)
-        ax.set_yticks(y, [r["variant"] for r in rows], fontsize=7)
+        ax.set_yticks(y, [r["variant"] for r in rows], fontsize=9)
         ax.set_xlabel(f"gap to {s['baseline']} (nats, 95% CI)")
-        fig.subplots_adjust(left=0.35)
+        fig.subplots_adjust(left=0.3, bottom=0.7 / (0.3 * len(rows) + 1.2))
         _io.save_figure(fig, out_dir / "gaps.png", dpi=110)
         paths.append(out_dir / "gaps.png")
 
     with_stats = {n: v for n, v in s["variants"].items() if v["gemm_stats"]}
     if with_stats:
-        fig = Figure(figsize=(12, 4))
+        legend_in = 0.22 * math.ceil(len(with_stats) / 3) + 0.3
+        fig = Figure(figsize=(7.5, 3 * 2.4 + legend_in))
         for j, (gemm, key, label) in enumerate(
             (("wgrad", "ratio", "wgrad norm / noise"), ("dgrad", "cosine", "dgrad cosine"),
              ("fprop", "cosine", "fprop cosine"))
         ):  # fmt: skip
-            ax = fig.add_subplot(1, 3, j + 1)
+            ax = fig.add_subplot(3, 1, j + 1)
             for name, v in with_stats.items():
                 st = v["gemm_stats"]
                 vals = [np.nan if x is None else x for x in st[gemm][key]]
@@ -641,7 +644,9 @@ def plot(s: dict[str, Any], out_dir: Path) -> list[Path]:
                 ax.set_yscale("log")
             ax.set_title(label, fontsize=9)
             ax.set_xlabel("step")
-        fig.axes[0].legend(fontsize=5)
+        handles, labels = fig.axes[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncols=3, fontsize=8, frameon=False)
+        fig.tight_layout(rect=(0, legend_in / (3 * 2.4 + legend_in), 1, 1))
         _io.save_figure(fig, out_dir / "gemm_stats.png", dpi=110)
         paths.append(out_dir / "gemm_stats.png")
     return paths
