@@ -165,9 +165,9 @@ def run_dir(ctx: Context, config: str) -> Path:
     invocation (and from ``--run-dir``), else run now without report or plots."""
     if config not in ctx.run_dirs:
         out = ctx.tmp / Path(config).stem
-        # no persistent compilation cache: a program loaded from it has been seen to give other
-        # float32 bits than the same program compiled afresh (the main job's range/fp32 run,
-        # jax 0.10.2 CPU, 2026-11-28), and a clean checkout (CI, a user's first run) compiles
+        # no persistent compilation cache: a clean checkout (CI, a user's first run) compiles,
+        # and once (2026-11-28, the main job's range/fp32 row, jax 0.10.2 CPU) a run on a cache
+        # filled earlier gave other float32 bits (not reproduced since: getting-started/main-job)
         cli("run", config, "--out", str(out), "--quiet", "--no-report", "--no-cache")
         ctx.run_dirs[config] = out
     return ctx.run_dirs[config]
