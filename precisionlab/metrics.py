@@ -16,6 +16,7 @@ import numpy as np
 
 from precisionlab.formats import FloatFormat, Format, IntFormat, get_format
 from precisionlab.quant import pow2
+from precisionlab.quant.mx import get_mx_format
 
 __all__ = ["METRICS", "ErrorReport", "error_report", "format_table"]
 
@@ -229,8 +230,6 @@ def error_report(x, x_hat, fmt=None, *, scale=None) -> ErrorReport:
         if not jnp.issubdtype(a.dtype, jnp.floating):
             raise TypeError(f"{name} must be a float array, got {a.dtype}")
     if isinstance(fmt, str) and fmt.strip().lower().startswith("mx"):
-        from precisionlab.quant.mx import get_mx_format
-
         fmt = get_mx_format(fmt)
     fmt_obj = None if fmt is None else get_format(getattr(fmt, "element", fmt))
     if fmt_obj is not None and isinstance(fmt_obj, FloatFormat) and fmt_obj.bits > 32:

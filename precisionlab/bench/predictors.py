@@ -15,6 +15,7 @@ rounds. No target: the figures are reported (``docs/guides/forecast.md``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -56,8 +57,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _runner(loss_fn, params, batches, layers, predictors: Predictors | None):
     if predictors is not None:
-        import dataclasses
-
         predictors = dataclasses.replace(predictors, layers=layers)
     step, state, _ = build_step(
         loss_fn, params, optax.adam(1e-3), StepOptions(predictors=predictors)

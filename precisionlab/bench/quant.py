@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from precisionlab._text import UsageError, split_list
 from precisionlab.bench._timing import Timing, positive_int, repeats_int, time_interleaved
 from precisionlab.bits.alloc import apply_malloc_tuning, malloc_tuning
 from precisionlab.quant import core, fake_quant
@@ -142,8 +143,6 @@ _ELEMENTS_MAX = 1 << 28
 
 
 def run(args: argparse.Namespace) -> int:
-    from precisionlab._text import UsageError, split_list
-
     cases = list(CASES) if args.cases is None else list(dict.fromkeys(split_list(args.cases)))
     if not cases:  # "--cases ," ran nothing and exited 0
         raise UsageError(f"--cases needs at least one name, got {args.cases!r}")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from precisionlab.experiments.config import Experiment, Unit, load_experiment
 from precisionlab.train import TrainConfig
+from precisionlab.train.models import layer_names, resolve_layers
 
 __all__ = ["SHARED_KEYS", "check", "load_units", "pick", "with_layers_high"]
 
@@ -78,8 +79,6 @@ def check(mode: str, units: Sequence[Unit], options: object) -> None:
     matching no layer (bisect), stacked layers (bisect: it returns single layers to high
     precision, which stacked identical layers cannot), a variant without a recipe
     (autoswitch)."""
-    from precisionlab.train.models import layer_names, resolve_layers
-
     cfg = units[0].config
     layers = getattr(options, "layers", ())
     stacked = [u.name for u in units if u.config.scan_layers]

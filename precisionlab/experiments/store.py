@@ -32,6 +32,7 @@ import stat
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -102,8 +103,6 @@ def tensorboard_writer(log_dir: Path) -> Any | None:
 
 def _version(module: str) -> str | None:
     try:
-        from importlib.metadata import version
-
         return version(module)
     except Exception:
         return None
@@ -111,7 +110,7 @@ def _version(module: str) -> str | None:
 
 def environment() -> dict[str, Any]:
     """Versions and the device this run used (JAX is imported here)."""
-    import jax
+    import jax  # noqa: PLC0415  the run store is JAX-free (reports and compare read it without JAX)
 
     devices = jax.devices()
     return {
@@ -145,7 +144,8 @@ _ISA = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl
 def cpu_description() -> dict[str, Any]:
     """The CPU model, its instruction-set extensions that matter to XLA (x86 ``/proc/cpuinfo``
     flags; on other machines the architecture only) and the cores this process may use."""
-    model, flags = platform.processor() or platform.machine(), []
+    model = platform.processor() or platform.machine()
+    flags: list[str] = []
     try:
         text = _io.read_head("/proc/cpuinfo", 1 << 20)[0].decode(errors="replace")
     except (OSError, ValueError):
@@ -158,7 +158,7 @@ def cpu_description() -> dict[str, Any]:
             present = set(value.split())
             flags = [f for f in _ISA if f in present] or sorted(present)[:40]
     try:
-        usable = len(os.sched_getaffinity(0))
+        usable: int | None = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         usable = os.cpu_count()
     return {"model": model, "machine": platform.machine(), "isa": flags, "cores_usable": usable}
@@ -217,7 +217,7 @@ def run_lock(run_dir: Path) -> Iterator[str | None]:
     while writing the run; a second writer gets a ValueError naming the holder's pid. Yields
     the pid the file named before (a process that ended holding it: killed), or None."""
     try:
-        import fcntl
+        import fcntl  # noqa: PLC0415  fcntl exists on POSIX only
     except ImportError:  # pragma: no cover - no advisory locks on this platform
         yield None
         return
@@ -254,7 +254,7 @@ def lock_holder(run_dir: Path) -> tuple[str, bool] | None:
     holds the lock (this one included), False when the process that wrote it has ended
     without releasing the run (killed); None when there is no readable lock file. Reads only."""
     try:
-        import fcntl
+        import fcntl  # noqa: PLC0415  fcntl exists on POSIX only
     except ImportError:  # pragma: no cover
         return None
     path = Path(run_dir) / ".lock"

@@ -12,10 +12,14 @@ telemetry_rows`: one per step, layer and tensor) and writes:
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import json
 import math
+import multiprocessing
 import os
 import re
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -289,7 +293,7 @@ def _cmap():
 def _ranges(rows, targets, path: Path, title: str) -> bool:
     """Per layer: the span log2(smallest nonzero)..log2(amax) over the run, against each
     target format's subnormal and normal ranges."""
-    from precisionlab.telemetry import parse_targets
+    from precisionlab.telemetry import parse_targets  # noqa: PLC0415  JAX-free: the figures are drawn in worker processes
 
     spans: dict[str, list[float]] = {}
     for r in rows:
@@ -406,9 +410,6 @@ def _draw_all(jobs: list[tuple]) -> list[list[bool]]:
     workers = min(len(jobs), _report_workers() or os.cpu_count() or 1)
     if workers <= 1:
         return [_draw_unit(*job) for job in jobs]
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
         futures = [pool.submit(_draw_unit, *job) for job in jobs]
@@ -423,9 +424,6 @@ def _draw_all(jobs: list[tuple]) -> list[list[bool]]:
 def _figure_key(job: tuple) -> str:
     """What a unit's telemetry figures are drawn from: its rows file, targets and title, this
     module's code and matplotlib's version (sha256)."""
-    import hashlib
-    import inspect
-
     import matplotlib
 
     _, rows_path, targets, _, title = job

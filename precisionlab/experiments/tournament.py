@@ -37,6 +37,7 @@ import dataclasses
 import math
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,9 +49,17 @@ import optax
 
 from precisionlab._schema import ConfigError, Field, validate_table, with_docs
 from precisionlab.experiments import store
+from precisionlab.experiments import tournament_report as report
 from precisionlab.mixed.policy import cast_floating
-from precisionlab.recipes import FP4Recipe, forward_weight_quantizer, osci_reset
-from precisionlab.train import TrainConfig, build, train_loop
+from precisionlab.recipes import (
+    RECIPE_NAMES,
+    FP4Recipe,
+    apply,
+    forward_weight_quantizer,
+    get_recipe,
+    osci_reset,
+)
+from precisionlab.train import TrainConfig, build, latest_checkpoint, train_loop
 from precisionlab.train.config import TRAIN_FIELDS
 from precisionlab.train.gemm_stats import GemmStatsHook
 from precisionlab.train.hooks import StepEnd
@@ -151,8 +160,6 @@ class Unit:
 
 
 def _entry(table: Any, where: str) -> dict[str, Any]:
-    from precisionlab.recipes import RECIPE_NAMES, get_recipe
-
     e = validate_table(table, ENTRY_FIELDS, where)
     name = e["name"]
     if name != REFERENCE and name not in RECIPE_NAMES:
@@ -222,8 +229,6 @@ def plan(section: dict) -> list[Unit]:
 def linear_sites(cfg: TrainConfig) -> tuple[list[int], list[str]]:
     """Positions and names of the model's dense layers among its matmuls: a 2-D right operand
     (a weight) outside the LM head (scope ``unembed``); the attention products are excluded."""
-    from precisionlab.recipes import apply
-
     setup = build(dataclasses.replace(cfg, recipe=None) if cfg.recipe is not None else cfg)
     batch = next(iter(setup.data.batches(2, seed=0, start=0)))
     pc = cast_floating(setup.params, setup.policy.compute_dtype)
@@ -403,8 +408,6 @@ def _seq_len(setup: Any) -> int:
 
 
 def _checkpoint_step(ckpt: Path) -> int:
-    from precisionlab.train import latest_checkpoint
-
     found = latest_checkpoint(ckpt) if ckpt.exists() else None
     if found is None:
         return 0
@@ -414,8 +417,6 @@ def _checkpoint_step(ckpt: Path) -> int:
 # --- the kind -------------------------------------------------------------------------------
 def run(section: dict, out_dir: Path, *, quiet: bool = False) -> dict:
     """Run (or continue) the tournament into ``out_dir``; returns the summary."""
-    from precisionlab.experiments import tournament_report as report
-
     out_dir = Path(out_dir)
     say = (lambda _m: None) if quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     units = plan(section)
@@ -437,8 +438,6 @@ def run(section: dict, out_dir: Path, *, quiet: bool = False) -> dict:
         except KeyboardInterrupt:
             raise
         except Exception as err:  # the unit's failure, not the tournament's: the next one runs
-            import traceback
-
             store.write_text(udir / "error.log", traceback.format_exc())
             say(f"  failed: {type(err).__name__}: {err} (traceback in {udir / 'error.log'}; "
                 "a resume retries it)")  # fmt: skip

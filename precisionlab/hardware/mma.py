@@ -56,6 +56,7 @@ def _resolve_step(
             f"mma: unknown override(s) {', '.join(unknown)}; allowed (Step fields): "
             + ", ".join(sorted(fields))
         )
+    assert prof.step is not None  # get_profile raised for a profile without one
     return prof, dataclasses.replace(prof.step, **overrides)
 
 

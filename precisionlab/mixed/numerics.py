@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from precisionlab import bits
+
 __all__ = ["enforce", "enforce_tree", "ieee_widths", "uses_reduce_precision"]
 
 T = TypeVar("T")
@@ -49,8 +51,6 @@ def uses_reduce_precision(dtype: Any) -> bool:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _codec_round(x: jax.Array, name: str) -> jax.Array:
-    from precisionlab import bits
-
     return bits.round_to_format(x.astype(jnp.float32), name).astype(x.dtype)
 
 

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from precisionlab import hardware as hw
 from precisionlab.bits import encode
 
 __all__ = [
@@ -59,8 +60,6 @@ _NAN_CODE = {"float8_e8m0fnu": 0xFF, "float8_e4m3fn": 0x7F}
 
 def block_presets() -> tuple[str, ...]:
     """Hardware presets (names, then aliases) whose device has a block-scaled MMA."""
-    from precisionlab import hardware as hw
-
     devs = {p.device for p in hw.PROFILES.values() if p.kind == "fp4" and p.step is not None}
     names = [n for n, (d, _, _) in hw.PRESETS.items() if d in devs]
     return (*names, *(a for a, t in hw.PRESET_ALIASES.items() if t in names))
@@ -69,8 +68,6 @@ def block_presets() -> tuple[str, ...]:
 def device_error(recipe_name: str, acc: str, what: str) -> ValueError | None:
     """The error for a block recipe on a preset whose device has no block-scaled MMA, or
     None where it has one."""
-    from precisionlab import hardware as hw
-
     works = block_presets()
     if hw.canonical_preset(acc) in works:
         return None
@@ -154,12 +151,11 @@ def _pad_k(e: jax.Array, s: jax.Array, mult: int, block: int) -> tuple[jax.Array
 def block_gemm(qa, qb, elements: tuple[str, str], scale: str, block: int, preset: str):
     """float32 accumulators (B, M, N) of block-scaled ``qa`` (B, M, K) x ``qb`` (B, N, K) as
     ``preset``'s block-scaled MMA computes them (per-tensor / per-row factors not applied)."""
-    from precisionlab import hardware as hw
-
     ea, sa = hardware_operand(qa, elements[0], scale, block)
     eb, sb = hardware_operand(qb, elements[1], scale, block)
     if _pair_kind(*elements) == "fp4":
         step = hw.get_profile(hw.preset(preset)["device"], "fp4").step
+        assert step is not None  # get_profile raised for a profile without one
         ea, sa = _pad_k(ea, sa, step.products, block)
         eb, sb = _pad_k(eb, sb, step.products, block)
     kw = hw.preset(preset)

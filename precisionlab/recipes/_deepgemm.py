@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from precisionlab import hardware as hw
+
 __all__ = ["BLOCK", "blockwise_gemm"]
 
 #: DeepGEMM's scaling block along K (``BLOCK_K == 128``, asserted in its kernels).
@@ -50,8 +52,6 @@ def blockwise_gemm(qa, qb, preset: str) -> jax.Array:
     (elements E4M3 values, power-of-two block scales with ``block_exp``; K a multiple of
     128) as DeepGEMM's Hopper kernels compute it under ``preset`` (see the module
     docstring)."""
-    from precisionlab import hardware as hw
-
     kw = hw.preset(preset)
     a8 = _blocks(qa.elems.astype(jnp.float8_e4m3fn))  # exact: the elements are E4M3 values
     b8 = _blocks(qb.elems.astype(jnp.float8_e4m3fn))

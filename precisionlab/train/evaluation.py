@@ -11,6 +11,7 @@ import numpy as np
 
 from precisionlab.mixed.policy import Policy, cast_floating, get_policy
 from precisionlab.train import programs
+from precisionlab.train.deterministic import fixed_order
 from precisionlab.train.step import (
     normalize_loss_fn,
 )
@@ -60,8 +61,6 @@ def _make_run(loss_fn: Callable, policy: Policy, deterministic: bool = False) ->
         return jnp.mean(losses), jnp.mean(metrics)
 
     if deterministic:
-        from precisionlab.train.deterministic import fixed_order
-
         return jax.jit(fixed_order(run))
     return jax.jit(run)
 

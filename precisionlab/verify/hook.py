@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from precisionlab import _io
+from precisionlab.train import build
 from precisionlab.train.hooks import StepEnd
 from precisionlab.train.step import (
     StepOptions,
@@ -92,8 +93,6 @@ class RecordHook:
                    **kwargs: Any) -> RecordHook:  # fmt: skip
         """A hook for ``precisionlab.train.train(config, hooks=[...])`` (its loss function
         and step options built from ``config``; run it with ``chunk_steps=1``)."""
-        from precisionlab.train import build
-
         late = [s for s in parse_steps(steps) if s > config.steps]
         if late:
             raise ValueError(f"record step {late[0]}: the run has {config.steps} steps")

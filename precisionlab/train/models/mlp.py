@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from precisionlab.mixed import ops
 from precisionlab.mixed.policy import Policy
+from precisionlab.quant import MX_FORMATS, fake_quant, get_mx_format
 from precisionlab.train.layers import scan_layers, unstack_layers
 from precisionlab.train.models.base import (
     _ACTIVATIONS,
@@ -73,8 +74,6 @@ class MLP(Model):
                 f"got {self.overflow_layer!r}"
             )
         if self.norm_format is not None:
-            from precisionlab.quant import MX_FORMATS, get_mx_format
-
             if get_mx_format(self.norm_format) is None:
                 raise ValueError(
                     f"unknown norm_format {self.norm_format!r}; allowed: {', '.join(MX_FORMATS)}"
@@ -155,7 +154,6 @@ class MLP(Model):
             if self.use_layernorm:
                 scale, bias = layer["ln_scale"], layer["ln_bias"]
                 if self.norm_format is not None and quant_norm:  # MX-quantized affine weights
-                    from precisionlab.quant import fake_quant
 
                     def q(v):
                         return fake_quant(v.astype(jnp.float32), self.norm_format, axis=-1,

@@ -24,6 +24,7 @@ import numpy as np
 
 from precisionlab.mixed import ops
 from precisionlab.mixed.policy import Policy
+from precisionlab.quant import MX_FORMATS, fake_quant, get_mx_format
 from precisionlab.train.layers import scan_layers, unstack_layers
 from precisionlab.train.models.base import (
     MAX_DEPTH,
@@ -78,8 +79,6 @@ class Transformer(Model):
         if self.mlp not in ("gelu", "swiglu"):
             raise ValueError(f"unknown mlp {self.mlp!r}; allowed: gelu, swiglu")
         if self.norm_format is not None:
-            from precisionlab.quant import MX_FORMATS, get_mx_format
-
             if get_mx_format(self.norm_format) is None:
                 raise ValueError(
                     f"unknown norm_format {self.norm_format!r}; allowed: {', '.join(MX_FORMATS)}"
@@ -161,8 +160,6 @@ class Transformer(Model):
             return x
         scale, bias = p[f"{name}_scale"], p[f"{name}_bias"]
         if self.norm_format is not None and layer not in self.high_precision:
-            from precisionlab.quant import fake_quant
-
             q = lambda v: fake_quant(v, self.norm_format, axis=-1, ste="identity")  # noqa: E731
             scale, bias = q(jnp.asarray(scale, jnp.float32)), q(jnp.asarray(bias, jnp.float32))
         return ops.layer_norm(x, scale, bias, policy=pol, enforce=enforce)
