@@ -48,7 +48,7 @@ def _finish(run_dir: Path, mode: str, result: Any, lines: Sequence[str], plots: 
     return path
 
 
-def _plt():
+def _plt() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")

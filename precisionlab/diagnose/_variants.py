@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from precisionlab.experiments.config import Experiment, Unit, load_experiment
 from precisionlab.train import TrainConfig
@@ -68,7 +69,7 @@ def load_units(
     return experiment, units
 
 
-def with_layers_high(config: TrainConfig, layers: Sequence[str], **changes) -> TrainConfig:
+def with_layers_high(config: TrainConfig, layers: Sequence[str], **changes: Any) -> TrainConfig:
     """``config`` with ``layers`` (names) added to its high-precision layers."""
     hp = tuple(dict.fromkeys((*config.high_precision_layers, *layers)))
     return dataclasses.replace(config, high_precision_layers=hp, **changes)

@@ -66,7 +66,9 @@ def _by_setting(units: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
-def _panels(n: int, *, width: float = 6.4, height: float = 4.2, max_cols: int = 3):
+def _panels(
+    n: int, *, width: float = 6.4, height: float = 4.2, max_cols: int = 3
+) -> tuple[Any, Any]:
     import matplotlib.pyplot as plt
 
     cols = min(n, max_cols)

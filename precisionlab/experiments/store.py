@@ -31,10 +31,10 @@ import re
 import stat
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from precisionlab import _io
 from precisionlab.experiments import runfiles
@@ -64,6 +64,8 @@ read_json = runfiles.read_json
 read_jsonl = runfiles.read_jsonl
 to_jsonable = _io.to_jsonable
 from_json_float = _io.from_json_float
+P = ParamSpec("P")
+T = TypeVar("T")
 JsonlWriter = _io.JsonlWriter
 makedirs = _io.makedirs
 confined = _io.confined
@@ -292,12 +294,13 @@ def locked_run(run_dir: Path) -> Iterator[str | None]:
         yield previous
 
 
-def holding_run_lock(func):
+def holding_run_lock(func: Callable[P, T]) -> Callable[P, T]:
     """Decorator: run ``func(experiment, run_dir, ...)`` inside :func:`locked_run`."""
 
     @functools.wraps(func)
-    def wrapper(*args, **kwargs):
-        run_dir = Path(kwargs["run_dir"] if "run_dir" in kwargs else args[1])
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        given: Any = kwargs["run_dir"] if "run_dir" in kwargs else args[1]
+        run_dir = Path(given)
         with locked_run(run_dir):
             return func(*args, **kwargs)
 

@@ -571,7 +571,7 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, Any, list]:
     leaves, treedef = jax.tree.flatten((args, kwargs))
     dyn = [i for i, x in enumerate(leaves) if is_array(x)]
 
-    def flat(*values):
+    def flat(*values: Any) -> Any:
         full = list(leaves)
         for i, v in zip(dyn, values, strict=True):
             full[i] = v

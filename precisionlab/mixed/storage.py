@@ -186,7 +186,7 @@ def store_opt_state(
         def init32(params: Any) -> Any:
             return optimizer.init(_values(params))
 
-        def update32(updates: Any, state: Any, params: Any = None, **extra: Any):
+        def update32(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:
             params = None if params is None else _values(params)
             return optimizer.update(_values(updates), state, params, **extra)
 
@@ -195,7 +195,7 @@ def store_opt_state(
     def init(params: Any) -> Any:
         return compress(optimizer.init(decompress(_values(params))), dt)
 
-    def update(updates: Any, state: Any, params: Any = None, **extra: Any):
+    def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:
         updates32 = decompress(_values(updates))
         params32 = None if params is None else decompress(_values(params))
         new_updates, new_state = optimizer.update(updates32, decompress(state), params32, **extra)

@@ -43,7 +43,9 @@ __all__ = [
 ]
 
 
-def initialize(coordinator: str, num_processes: int, process_id: int, *, timeout_s: int = 60):
+def initialize(
+    coordinator: str, num_processes: int, process_id: int, *, timeout_s: int = 60
+) -> None:
     """Join the distributed run: process ``process_id`` of ``num_processes``, coordinated by
     process 0 listening on ``coordinator`` (HOST:PORT).
 

@@ -179,7 +179,7 @@ def data_parallel(
             g = jax.lax.psum(g, AXIS)
         return g.astype(jnp.float32) / jnp.float32(n)
 
-    def per_device(params, batch, loss_scale, extra):
+    def per_device(params: Any, batch: Any, loss_scale: Any, extra: Any) -> tuple[Any, ...]:
         # The replicated inputs enter as varying over the data axis: each device's gradient
         # (and a recipe's observed amaxes) is then its own, reduced below in allreduce_dtype,
         # rather than summed by JAX in the params' dtype (the transpose of an implicit pvary)

@@ -144,7 +144,15 @@ class MLP(Model):
             return ops.gelu(h, policy=pol, enforce=enforce)
         return ops.boundary(jnp.tanh(h), pol, enforce=enforce)
 
-    def apply(self, params, inputs, policy=None, *, capture=False, enforce=True):
+    def apply(
+        self,
+        params: Any,
+        inputs: jax.Array,
+        policy: Policy | None = None,
+        *,
+        capture: bool = False,
+        enforce: bool = True,
+    ) -> Any:
         pol = policy or Policy()
         acts: dict[str, jax.Array] = {}
         h = ops.boundary(inputs, pol, enforce=enforce)
@@ -217,10 +225,10 @@ class MLP(Model):
         logits = pol.cast_to_output(logits)
         return (logits, acts) if capture else logits
 
-    def _inputs_labels(self, batch):
+    def _inputs_labels(self, batch: dict[str, Any]) -> tuple[jax.Array, jax.Array]:
         return batch["x"], batch["y"]
 
-    def example_batch(self, batch_size):
+    def example_batch(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
         return {
             "x": jax.ShapeDtypeStruct((batch_size, self.in_dim), jnp.float32),
             "y": jax.ShapeDtypeStruct((batch_size,), jnp.int32),
