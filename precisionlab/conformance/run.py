@@ -295,7 +295,8 @@ def run_conformance(
     for f in fmts:
         if f.bits >= 64:
             raise ValueError(f"{f.name}: conformance covers formats narrower than float64")
-    cells, skipped, unsupported, versions = [], {}, {}, {}
+    cells, skipped, versions = [], {}, {}
+    unsupported: dict[str, dict[str, str]] = {}
     checked = 0
     for adapter in adapters:
         reason = adapter.unavailable()

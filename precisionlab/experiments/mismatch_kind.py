@@ -256,7 +256,8 @@ def _validate_rl(table: dict[str, Any], where: str) -> dict[str, Any]:
 def _save_params(path: Path, params: Any) -> None:
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     buf = io.BytesIO()
-    np.savez(buf, **{jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves})
+    arrays = {jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves}
+    np.savez(buf, **arrays)  # type: ignore[arg-type]  # numpy stub: **arrays vs allow_pickle
     with _io.atomic_open(path, "wb") as f:
         f.write(buf.getvalue())
 

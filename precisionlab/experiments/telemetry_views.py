@@ -19,6 +19,7 @@ import math
 import multiprocessing
 import os
 import re
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -428,7 +429,7 @@ def _figure_key(job: tuple) -> str:
 
     _, rows_path, targets, _, title = job
     digest = hashlib.sha256()
-    for part in (inspect.getsource(inspect.getmodule(_draw_unit)),
+    for part in (inspect.getsource(sys.modules[_draw_unit.__module__]),
                  matplotlib.__version__, json.dumps(targets), title):  # fmt: skip
         digest.update(part.encode())
         digest.update(b"\0")

@@ -383,7 +383,7 @@ def dot_general(
     recipe: Recipe | str,
     state: dict | None = None,
     key: jax.Array | None = None,
-    weight: str = "rhs",
+    weight: str | tuple[str, str] = "rhs",
 ) -> jax.Array:
     """``lax.dot_general`` whose forward and backward GEMMs are quantized by ``recipe``.
 
