@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import re
 import sys
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -103,7 +104,7 @@ def _first_nonfinite(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     step = min(int(r["step"]) for _, r in bad)
     at = [(i, r) for i, r in bad if int(r["step"]) == step]
 
-    def order(item):
+    def order(item: tuple[int, dict[str, Any]]) -> tuple[bool, bool, int]:
         i, r = item
         return (r["kind"] == "grad", _is_backward(r), -i if _is_backward(r) else i)
 
@@ -115,7 +116,9 @@ def _first_nonfinite(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     return out
 
 
-def _most(rows: list[dict[str, Any]], key: str, keep) -> list[dict[str, Any]]:
+def _most(
+    rows: list[dict[str, Any]], key: str, keep: Callable[[dict[str, Any]], bool]
+) -> list[dict[str, Any]]:
     """The :data:`WORST` tensors (of ``keep`` rows) with the largest ``key`` over the steps."""
     best: dict[tuple, dict[str, Any]] = {}
     for r in rows:
@@ -194,7 +197,7 @@ _FLOOR_PCT = 1e-3
 _LABEL_PT, _DPI = 7, 90
 
 
-def _figure(width: float, height: float, labels: list[str]):
+def _figure(width: float, height: float, labels: list[str]) -> tuple[Any, float]:
     """A pyplot-free Figure (nothing to close, no global figure registry) and the left margin,
     as a fraction of ``width``, that fits the longest layer label: a fixed layout, because
     matplotlib's automatic ones (constrained, tight) measure every tick label's text extent
@@ -206,13 +209,13 @@ def _figure(width: float, height: float, labels: list[str]):
     return Figure(figsize=(width, height)), min(0.6, left_in / width)
 
 
-def _panels(rows, targets) -> list[tuple[str, np.ndarray]]:
+def _panels(rows: list[dict[str, Any]], targets: Sequence[str]) -> list[tuple[str, np.ndarray]]:
     """(title, layer x step grid of fractions, NaN where a row has no value) per panel."""
     labels = list(dict.fromkeys(_label(r) for r in rows))
     steps = sorted({int(r["step"]) for r in rows})
     li, si = {lab: i for i, lab in enumerate(labels)}, {s: j for j, s in enumerate(steps)}
     out = []
-    specs = [(None, k, t) for k, t in _ACTUAL]
+    specs: list[tuple[str | None, str, str]] = [(None, k, t) for k, t in _ACTUAL]
     specs += [(tg, k, t.format(tg)) for tg in targets for k, t in _WHAT_IF]
     for target, key, title in specs:
         grid = np.full((len(labels), len(steps)), np.nan)
@@ -224,7 +227,7 @@ def _panels(rows, targets) -> list[tuple[str, np.ndarray]]:
     return out
 
 
-def _heatmap(rows, targets, path: Path, title: str) -> bool:
+def _heatmap(rows: list[dict[str, Any]], targets: Sequence[str], path: Path, title: str) -> bool:
     """One figure per unit: layer x step heatmaps in pairs: the zeros and inf/NaN as
     computed, then for every target its underflow and overflow (what-if). One log colour
     scale from :data:`_FLOOR_PCT` to 100% for every panel (grey: exactly 0); the layers that
@@ -284,14 +287,14 @@ def _heatmap(rows, targets, path: Path, title: str) -> bool:
     return True
 
 
-def _cmap():
+def _cmap() -> Any:
     import matplotlib
 
     # exactly 0: light grey, apart from the darkest colour (small); no value: white
     return matplotlib.colormaps["magma"].with_extremes(under="0.82", bad="white")
 
 
-def _ranges(rows, targets, path: Path, title: str) -> bool:
+def _ranges(rows: list[dict[str, Any]], targets: Sequence[str], path: Path, title: str) -> bool:
     """Per layer: the span log2(smallest nonzero)..log2(amax) over the run, against each
     target format's subnormal and normal ranges."""
     from precisionlab.telemetry import parse_targets  # noqa: PLC0415  JAX-free: the figures are drawn in worker processes

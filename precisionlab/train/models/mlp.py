@@ -157,13 +157,19 @@ class MLP(Model):
         acts: dict[str, jax.Array] = {}
         h = ops.boundary(inputs, pol, enforce=enforce)
 
-        def block(layer, h, pol=pol, overflow=False, quant_norm=True):
+        def block(
+            layer: Any,
+            h: jax.Array,
+            pol: Policy = pol,
+            overflow: bool = False,
+            quant_norm: bool = True,
+        ) -> tuple[jax.Array, jax.Array]:
             z = ops.dense(h, layer["w"], layer["b"], policy=pol, enforce=enforce)
             if self.use_layernorm:
                 scale, bias = layer["ln_scale"], layer["ln_bias"]
                 if self.norm_format is not None and quant_norm:  # MX-quantized affine weights
 
-                    def q(v):
+                    def q(v: jax.Array) -> jax.Array:
                         return fake_quant(v.astype(jnp.float32), self.norm_format, axis=-1,
                                           ste="identity")  # fmt: skip
 
@@ -200,7 +206,7 @@ class MLP(Model):
             record(i, z, h)
         if self.scan_layers and self.depth > 1:
 
-            def body(layer, h):
+            def body(layer: Any, h: jax.Array) -> tuple[jax.Array, Any]:
                 z, h = block(layer, h)
                 return h, ((z, h) if capture else None)
 
