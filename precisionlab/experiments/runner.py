@@ -373,7 +373,7 @@ def _run_train(
             else:
                 ahead = None
             say(f"[{i + 1}/{len(units)}] {unit.name}")
-            hooks = ()
+            hooks: tuple[ProgressHook, ...] = ()
             if bar is not None:
                 bar.set_description(unit.name)
                 hooks = (ProgressHook(bar, own=False),)
