@@ -177,7 +177,9 @@ def write_report(
         return _write_report(run_dir, plots=plots, figure_cache=figure_cache)
 
 
-def _write_report(run_dir: str | Path, *, plots: bool, figure_cache=None) -> tuple[Path, str]:
+def _write_report(
+    run_dir: str | Path, *, plots: bool, figure_cache: str | Path | None = None
+) -> tuple[Path, str]:
     data = load_run(run_dir)
     store.check_no_symlinks(Path(run_dir))  # report.md and plots/ must not land elsewhere
     run_dir = Path(run_dir)
@@ -398,9 +400,10 @@ def interpret(summary: dict[str, Any]) -> list[str]:
         ref = units[0]
         ref_name = ref.get("variant", ref.get("name"))
         ref_eval = _num(ref.get("eval_loss"))
-        matching, findings = [], []
+        matching: list[str] = []
+        findings: list[str] = []
         for u in units[1:]:
-            name = u.get("variant", u.get("name"))
+            name = str(u.get("variant", u.get("name")))
             ev = _num(u.get("eval_loss"))
             steps = u.get("steps") or 0
             skipped = int(u.get("skipped_steps") or 0)
