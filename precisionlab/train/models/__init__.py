@@ -60,7 +60,7 @@ __all__ = [
     "resolve_layers",
 ]
 
-_BUILDERS = {"mlp": MLP, "transformer": Transformer, "conv": ConvNet}
+_BUILDERS: dict[str, type[Model]] = {"mlp": MLP, "transformer": Transformer, "conv": ConvNet}
 
 
 def make_model(name: str, **kwargs: Any) -> Model:
