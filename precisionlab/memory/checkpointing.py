@@ -198,7 +198,10 @@ def measure_point(table: dict[str, Any], *, remat_every: int, microbatches: int 
     start = time.perf_counter()
     compiled = jitted.lower(state, batch).compile()
     compile_s = time.perf_counter() - start
-    temp = int(compiled.memory_analysis().temp_size_in_bytes)
+    stats = compiled.memory_analysis()
+    if stats is None:  # a backend that reports no buffer assignment
+        raise ValueError(f"XLA gives no memory analysis on {jax.default_backend()}")
+    temp = int(stats.temp_size_in_bytes)
     step_s = None
     if repeats:
         # Donation consumes the state: each call feeds the next (the first is a warm-up).
