@@ -125,11 +125,12 @@ class RecordHook:
         if opts.recipe is not None:
             rec = opts.recipe.for_values(values)
             kw = dict(recipe=rec.recipe, include=rec.include, exclude=rec.exclude,
-                      state=state.recipe_state, key=recipe_key(state.rng))  # fmt: skip
+                      state=state.recipe_state, key=recipe_key(state.rng),
+                      gemm=self.gemm)  # fmt: skip
         rec_out = record(
             scaled, pc, batch, state.loss_scale, out=self.path(n), has_aux=True,
             sites=self.sites, hardware=self.hardware, max_bytes=self.max_bytes,
-            note=f"step {n} of a training loop", **({"gemm": self.gemm} if kw else {}), **kw,
+            note=f"step {n} of a training loop", **kw,
         )  # fmt: skip
         loss = float(rec_out.value[0][1][0])
         self.recorded[n] = (rec_out.path, loss)
