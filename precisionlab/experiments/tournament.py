@@ -272,11 +272,11 @@ def _eval_fn(setup: Any, key: str) -> Callable[[Any], float]:
         applied = None if rec is None else rec.apply(f)
 
         @jax.jit
-        def run(params, rstate, stacked):
+        def run(params: Any, rstate: Any, stacked: Any) -> jax.Array:
             pc = cast_floating(params, policy.compute_dtype)
             k = jax.random.PRNGKey(0x5EED)
 
-            def one(batch):
+            def one(batch: Any) -> jax.Array:
                 if applied is None:
                     return f(pc, batch)[0].astype(jnp.float32)
                 return applied(pc, batch, state=rstate, key=k)[0].astype(jnp.float32)
@@ -284,15 +284,22 @@ def _eval_fn(setup: Any, key: str) -> Callable[[Any], float]:
             return jnp.mean(jax.lax.map(one, stacked))
 
         _EVALS[key] = run
-    run = _EVALS[key]
-    return lambda state: float(run(state.params, state.recipe_state, stacked))
+    program = _EVALS[key]
+    return lambda state: float(program(state.params, state.recipe_state, stacked))
 
 
 class _UnitHook:
     """Evaluations (every ``eval_every`` steps) and gradient statistics (every
     ``stats_every``) of one unit, appended to its JSONL files as they are made."""
 
-    def __init__(self, evaluate, stats: GemmStatsHook | None, eval_every, tokens_per_step, files):
+    def __init__(
+        self,
+        evaluate: Callable[[Any], float],
+        stats: GemmStatsHook | None,
+        eval_every: int,
+        tokens_per_step: int,
+        files: dict[str, Any],
+    ) -> None:
         self.evaluate, self.stats, self.eval_every = evaluate, stats, eval_every
         self.tokens_per_step, self.files = tokens_per_step, files
 
@@ -321,12 +328,13 @@ def _optimizer(setup: Any, entry: dict, steps: int) -> Any:
     rec = setup.options.recipe.recipe
     q = forward_weight_quantizer(rec, contract_axis=0)
 
-    def weights(path, leaf) -> bool:  # the replaced dense layers' weights: 2-D, in a block
+    def weights(path: Any, leaf: Any) -> bool:
+        # the replaced dense layers' weights: 2-D, in a block
         return jnp.ndim(leaf) == 2 and "blocks" in jax.tree_util.keystr(path)
 
     mask = jax.tree_util.tree_map_with_path(weights, setup.params)
 
-    def make(values):
+    def make(values: Any) -> Any:
         reset = osci_reset(
             q, start=round(o["start"] * steps), period=o["period"], track=o["track"],
             threshold=o["threshold"], mask=mask,
