@@ -283,7 +283,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "w") -> Iterator[IO[Any]]:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW
         fd = os.open(tmp, flags, 0o666, dir_fd=dir_fd)  # 0666 less the umask
         try:
-            with os.fdopen(fd, mode, **({"encoding": "utf-8"} if mode == "w" else {})) as f:
+            with os.fdopen(fd, mode, encoding="utf-8" if mode == "w" else None) as f:
                 yield f
                 f.flush()
                 os.fsync(f.fileno())

@@ -9,7 +9,9 @@ line naming where it happened (file and key path), the bad value and what is all
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
+import difflib
 import math
 import os
 import stat
@@ -98,7 +100,7 @@ class Field:
     default: Any = REQUIRED
     choices: Sequence[Any] | Callable[[], Sequence[Any]] | None = None
     check: Callable[[Any], Any] | None = None
-    item: type | None = None
+    item: builtins.type | None = None  # builtins: ``type`` is the field above in here
     doc: str = ""
     nullable: bool = False
     low: float | None = None
@@ -116,8 +118,6 @@ class Field:
 def did_you_mean(given: str, known: Sequence[str]) -> str:
     """``"did you mean 'lr'? "`` when ``given`` is close to a name of ``known`` (a misspelt
     key or value), else ``""``."""
-    import difflib
-
     close = difflib.get_close_matches(given[:60], list(known), n=2, cutoff=0.6)
     if not close:
         return ""
@@ -127,7 +127,7 @@ def did_you_mean(given: str, known: Sequence[str]) -> str:
 def describe_type(field: Field) -> str:
     if field.type is list:
         return f"list of {field.item.__name__ if field.item else 'values'}"
-    return {dict: "table"}.get(field.type, field.type.__name__)
+    return "table" if field.type is dict else field.type.__name__
 
 
 def _is_type(value: Any, kind: type) -> bool:

@@ -11,6 +11,7 @@ Formats are frozen, hashable dataclasses, so they can be static arguments of ``j
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 from collections.abc import Iterator
@@ -535,7 +536,6 @@ def get_format(name: str | Format) -> Format:
         )
         _check_unambiguous(fmt, f"e{e}m{m}{suffix or ''}", suffix)
         return fmt
-    import difflib
 
     shown = name if len(name) <= 40 else name[:37] + "..."
     known = list(FORMATS) + list(ALIASES)

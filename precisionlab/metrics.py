@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ import numpy as np
 
 from precisionlab.formats import FloatFormat, Format, IntFormat, get_format
 from precisionlab.quant import pow2
+from precisionlab.quant.mx import get_mx_format
 
 __all__ = ["METRICS", "ErrorReport", "error_report", "format_table"]
 
@@ -87,7 +89,7 @@ class ErrorReport:
         return "\n".join([head] + [f"  {a:<{w0}}  {b:>{w1}}  {c}" for a, b, c in rows])
 
 
-def _fmt_value(v) -> str:
+def _fmt_value(v: Any) -> str:
     if isinstance(v, str):
         return v
     if v is None or (isinstance(v, float) and math.isnan(v)):
@@ -111,7 +113,7 @@ def format_table(rows: list[dict], columns: list[str], *, headers: dict | None =
     cells = [[_fmt_value(r.get(c)) for c in columns] for r in rows]
     widths = [max([len(h)] + [len(row[i]) for row in cells]) for i, h in enumerate(names)]
 
-    def line(items):
+    def line(items: list[str]) -> str:
         first = f"{items[0]:<{widths[0]}}"
         rest = [f"{v:>{w}}" for v, w in zip(items[1:], widths[1:], strict=True)]
         return "  ".join([first, *rest]).rstrip()
@@ -129,7 +131,9 @@ def _ulp(v: jax.Array, fmt: Format) -> jax.Array:
 
 
 @partial(jax.jit, static_argnames=("fmt",))
-def _report(x, x_hat, scale, fmt):
+def _report(
+    x: jax.Array, x_hat: jax.Array, scale: jax.Array | None, fmt: Format | None
+) -> dict[str, jax.Array]:
     f32 = jnp.float32
     x = x.astype(f32)
     x_hat = x_hat.astype(f32)
@@ -181,7 +185,7 @@ def _report(x, x_hat, scale, fmt):
         else:
             frac_sub = jnp.float32(0.0)
 
-    def stat(v):
+    def stat(v: jax.Array) -> jax.Array:
         return jnp.where(any_both, v, nan)
 
     return dict(
@@ -208,7 +212,13 @@ def _nonzero(a: jax.Array) -> jax.Array:
     return (bits & jnp.uint32(0x7FFFFFFF)) != 0
 
 
-def error_report(x, x_hat, fmt=None, *, scale=None) -> ErrorReport:
+def error_report(
+    x: jax.typing.ArrayLike,
+    x_hat: jax.typing.ArrayLike,
+    fmt: Any = None,
+    *,
+    scale: jax.typing.ArrayLike | None = None,
+) -> ErrorReport:
     """Error statistics of ``x_hat`` (a rounded or quantized ``x``) against ``x``.
 
     Args:
@@ -229,8 +239,6 @@ def error_report(x, x_hat, fmt=None, *, scale=None) -> ErrorReport:
         if not jnp.issubdtype(a.dtype, jnp.floating):
             raise TypeError(f"{name} must be a float array, got {a.dtype}")
     if isinstance(fmt, str) and fmt.strip().lower().startswith("mx"):
-        from precisionlab.quant.mx import get_mx_format
-
         fmt = get_mx_format(fmt)
     fmt_obj = None if fmt is None else get_format(getattr(fmt, "element", fmt))
     if fmt_obj is not None and isinstance(fmt_obj, FloatFormat) and fmt_obj.bits > 32:

@@ -16,11 +16,13 @@ from __future__ import annotations
 import math
 import os
 import pathlib
+import zipfile
 from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from numpy.lib import format as npy
 
 from precisionlab import _io
 from precisionlab._schema import Field, validate_table, with_docs
@@ -177,8 +179,6 @@ def _check_elements(n: int, what: str) -> None:
 
 def _npy_header(fh, name: str) -> tuple[tuple[int, ...], np.dtype]:
     """Shape and dtype from a .npy header, read without loading the data."""
-    from numpy.lib import format as npy
-
     try:
         version = npy.read_magic(fh)
     except ValueError:
@@ -212,8 +212,6 @@ def load_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Float arrays of a .npy file (named by its stem) or every array of a .npz
     (``stem:key``), as float32. Headers are checked (dtype, at most :data:`MAX_ELEMENTS`
     elements) before any data is read; pickles are never loaded."""
-    import zipfile
-
     path = pathlib.Path(path)
     if path.suffix not in (".npy", ".npz"):
         raise ValueError(f"input {str(path)!r}: expected a .npy or .npz file")
@@ -250,8 +248,6 @@ def load_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
 def _load(path: pathlib.Path, name: str, members: list[str] | None = None):
     """np.load after the headers were checked; a truncated or corrupt body is a ValueError."""
-    import zipfile
-
     try:
         if path.suffix == ".npy":
             return np.load(path, allow_pickle=False).astype(np.float32)

@@ -419,3 +419,11 @@ def test_fake_quant_gradients_are_straight_through_and_quest_masks_clipped_eleme
     assert np.all(np.isfinite(np.asarray(gq(small))))
     mask = fp4.quest(fp4.rotate(x, jnp.ones(32))).mask
     assert 0 < float(jnp.mean(mask)) < 1  # some elements clip at 3-sigma data
+
+
+@pytest.mark.parametrize("four_over_six", [None, "mse"])
+def test_stochastic_nvfp4_without_a_key_says_so(four_over_six):
+    # with four_over_six the key was split before any check: a bare TypeError from JAX
+    x = jnp.ones((4, 32), jnp.float32)
+    with pytest.raises(ValueError, match="needs a PRNG key"):
+        fp4.nvfp4(x, rounding="stochastic", four_over_six=four_over_six)

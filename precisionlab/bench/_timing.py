@@ -130,7 +130,7 @@ def minor_faults(fn: Callable[[], Any]) -> int:
     """Minor page faults of this process during one call of ``fn`` (its result waited for):
     on Linux, about one per fresh 4 KiB page of output touched. -1 where not counted."""
     try:
-        import resource
+        import resource  # noqa: PLC0415  resource exists on POSIX only
     except ImportError:  # not on this platform
         return -1
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 
 from precisionlab import hardware as hw
+from precisionlab._text import UsageError
 from precisionlab.bench._timing import positive_int, repeats_int, time_interleaved
 
 HELP = "hardware GEMM models: emulated products/s vs a float32 matmul of the same shape"
@@ -65,8 +66,6 @@ def measure(m: int, n: int, k: int, repeats: int) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from precisionlab._text import UsageError
-
     if args.m * args.n * args.k > 2**34:
         raise UsageError("--m x --n x --k must be at most 2^34 products")
     try:  # before the inputs are made: a MemoryError otherwise

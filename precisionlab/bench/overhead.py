@@ -47,11 +47,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from precisionlab import _io
+from precisionlab import _io, recipes, telemetry
 from precisionlab._text import UsageError, split_list, table
 from precisionlab.bench._timing import positive_int, repeats_int
 from precisionlab.bench.recipes import init_params, loss_fn
+from precisionlab.emulate import emulate
 from precisionlab.telemetry import parse_targets
+from precisionlab.train import StepOptions, build_step
+from precisionlab.train.telemetry import Telemetry
 
 HELP = "cost of telemetry, every(N), recipes and emulate on a user's transformer LM vs fp32"
 
@@ -111,9 +114,6 @@ StepFn = Callable[..., tuple]  # (params, batch, i) -> (loss, grads, aux)
 
 def _value_and_grad(name: str, loss: Callable, targets: tuple = TELEMETRY_TARGETS) -> StepFn:
     """``(params, tokens, step) -> (loss, grads, aux)`` of one instrument."""
-    from precisionlab import recipes, telemetry
-    from precisionlab.emulate import emulate
-
     if name in ("fp32", "train-fp32", "train-every10-skip"):
         vg = jax.value_and_grad(loss)
         return lambda p, t, i: (*vg(p, t), None)
@@ -155,9 +155,6 @@ def _train_step(
     name: str, loss: Callable, params: Any, tokens: Any, targets: tuple = TELEMETRY_TARGETS
 ) -> tuple[Callable, Any]:
     """The training loop's step (build_step), with ``Telemetry(interval=10)`` or without."""
-    from precisionlab.train import StepOptions, build_step
-    from precisionlab.train.telemetry import Telemetry
-
     tel = Telemetry(interval=10, targets=targets) if name.endswith("skip") else None
     step, state, _ = build_step(
         lambda p, b: (loss(p, b), {}), params, optax.adamw(1e-3), StepOptions(telemetry=tel)

@@ -15,8 +15,10 @@ rounds. No target: the figures are reported (``docs/benchmarks/forecast.md``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,10 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON to OUT")
 
 
-def _runner(loss_fn, params, batches, layers, predictors: Predictors | None):
+def _runner(
+    loss_fn: Callable, params: Any, batches: Any, layers: Any, predictors: Predictors | None
+) -> Callable[[], Any]:
     if predictors is not None:
-        import dataclasses
-
         predictors = dataclasses.replace(predictors, layers=layers)
     step, state, _ = build_step(
         loss_fn, params, optax.adam(1e-3), StepOptions(predictors=predictors)
@@ -65,7 +67,7 @@ def _runner(loss_fn, params, batches, layers, predictors: Predictors | None):
     jstep = jax.jit(step, donate_argnums=0)
     cell = [jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), state)]
 
-    def run():
+    def run() -> Any:
         s, out = cell[0], None
         for b in batches:
             due = predictors is not None and predictors.due(int(s.step))

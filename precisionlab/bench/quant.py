@@ -21,12 +21,15 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import Callable, Mapping
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from precisionlab._text import UsageError, split_list
 from precisionlab.bench._timing import Timing, positive_int, repeats_int, time_interleaved
 from precisionlab.bits.alloc import apply_malloc_tuning, malloc_tuning
 from precisionlab.quant import core, fake_quant
@@ -63,21 +66,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _astype_round_trip(dtype):
+def _astype_round_trip(dtype: Any) -> Callable[[jax.Array], jax.Array]:
     @jax.jit
-    def f(x):
+    def f(x: jax.Array) -> jax.Array:
         return x.astype(dtype).astype(jnp.float32)
 
     return f
 
 
-def _time_wall_and_cpu(fns, repeats: int) -> tuple[dict[str, Timing], dict[str, float]]:
+def _time_wall_and_cpu(
+    fns: Mapping[str, Callable[[], Any]], repeats: int
+) -> tuple[dict[str, Timing], dict[str, float]]:
     """Wall timings (as :func:`time_interleaved`, alternating) and the median process CPU
     seconds per call of each function, from the same calls."""
     cpu: dict[str, list[float]] = {k: [] for k in fns}
 
-    def counted(name, fn):
-        def run():
+    def counted(name: str, fn: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
             start = time.process_time()
             out = jax.block_until_ready(fn())
             cpu[name].append(time.process_time() - start)
@@ -89,12 +94,12 @@ def _time_wall_and_cpu(fns, repeats: int) -> tuple[dict[str, Timing], dict[str, 
     return t, {k: statistics.median(v[-repeats:]) for k, v in cpu.items()}
 
 
-def _amax_pass(kwargs: dict):
+def _amax_pass(kwargs: dict) -> Callable[[jax.Array], jax.Array]:
     """The reduce fake_quant runs before its elementwise pass (per-group max of |x|), alone."""
     kw = {k: v for k, v in kwargs.items() if k != "fmt"}
 
     @jax.jit
-    def f(x):
+    def f(x: jax.Array) -> jax.Array:
         xg, axes = core.to_groups(x, resolve(x.ndim, kwargs["fmt"], **kw))
         return core.group_amax(xg, axes)
 
@@ -142,8 +147,6 @@ _ELEMENTS_MAX = 1 << 28
 
 
 def run(args: argparse.Namespace) -> int:
-    from precisionlab._text import UsageError, split_list
-
     cases = list(CASES) if args.cases is None else list(dict.fromkeys(split_list(args.cases)))
     if not cases:  # "--cases ," ran nothing and exited 0
         raise UsageError(f"--cases needs at least one name, got {args.cases!r}")

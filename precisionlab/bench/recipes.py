@@ -30,9 +30,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
+from precisionlab import recipes as R
+from precisionlab._text import UsageError, split_list
 from precisionlab.bench._timing import positive_int, repeats_int, time_interleaved
+from precisionlab.recipes import RECIPE_NAMES, FP4Recipe, accumulate, get_recipe
+from precisionlab.train.compile_cache import OFF, enable_compilation_cache
+from precisionlab.train.timing import CompileMeter
 
 HELP = "transformer step time and peak memory under each matmul recipe vs bf16/fp32 (ratios)"
 
@@ -128,8 +134,6 @@ PLAIN = "plain"  # the loss differentiated as written: no interception, float32
 
 
 def _step(name: str, heads: int):
-    from precisionlab import recipes as R
-
     if name == PLAIN:
         vg = jax.value_and_grad(lambda p, tok: loss_fn(p, tok, heads=heads))
 
@@ -161,8 +165,6 @@ def measure(
     seconds of tracing and lowering (``trace_s``, the first programs compiling meanwhile), of
     the wait for the rest of compilation (``compile_s``) and of timing (``timing_s``), and the
     ``programs`` compiled or loaded with the ``cache_hits`` among them."""
-    from precisionlab.train.timing import CompileMeter
-
     clock = time.perf_counter()
     params = init_params(jax.random.key(0), d=d_model, layers=layers, vocab=vocab, seq=seq)
     tokens = jax.random.randint(jax.random.key(1), (batch, seq), 0, vocab, jnp.int32)
@@ -212,8 +214,6 @@ def _target(name: str) -> float:
     """The step time a recipe should stay within, as a multiple of bf16's: 1.5 for the
     per-tensor and per-row FP8 recipes, 3 for the published FP4 training recipes (the FP4
     tournament's bound), 2 for the others."""
-    from precisionlab.recipes import FP4Recipe, get_recipe
-
     if isinstance(get_recipe(name), FP4Recipe):
         return 3.0
     return _TARGET.get(name, 2.0)
@@ -226,10 +226,6 @@ def accumulator_table(
     """Relative error ||C_m - C||_F / ||C||_F of a ``bits``-bit accumulator against float64
     for (rows x K) @ (K x rows) products of E4M3-rounded standard normals, per rounding mode
     and with/without promotion every ``promote`` products."""
-    import ml_dtypes
-
-    from precisionlab.recipes import accumulate
-
     rng = np.random.default_rng(seed)
     out = []
     for k in ks:
@@ -266,8 +262,6 @@ _ELEMENTS_MAX = 2**31 - 1
 def _check_sizes(args: argparse.Namespace) -> None:
     """UsageError when the flags ask for a tensor past :data:`_ELEMENTS_MAX` elements (a random
     init of over 2**64 bits, or an XLA shape overflow, was a traceback or an abort)."""
-    from precisionlab._text import UsageError
-
     b, t, d, v = args.batch, args.seq, args.d_model, args.vocab
     sizes = {
         "params (--layers x 12 x --d-model^2 + (2 x --vocab + --seq) x --d-model)": (
@@ -282,9 +276,6 @@ def _check_sizes(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from precisionlab._text import UsageError, split_list
-    from precisionlab.recipes import RECIPE_NAMES
-
     names = list(DEFAULT_RECIPES) if args.recipes is None else split_list(args.recipes)
     bad = [n for n in names if n not in (*RECIPE_NAMES, PLAIN)]
     allowed = f"allowed: {PLAIN}, {', '.join(RECIPE_NAMES)}"
@@ -303,7 +294,6 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
     if args.no_cache and args.cache_dir:
         raise UsageError("give either --cache-dir DIR or --no-cache, not both")
-    from precisionlab.train.compile_cache import OFF, enable_compilation_cache
 
     cache = enable_compilation_cache(OFF if args.no_cache else args.cache_dir)
     phases: dict = {}

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,13 +70,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON to OUT")
 
 
-def _jmp_step(loss_fn, optimizer, policy):
+def _jmp_step(loss_fn: Callable, optimizer: Any, policy: Any) -> Callable:
     import jmp
 
-    def step(carry, batch):
+    def step(carry: tuple[Any, Any, Any], batch: Any) -> tuple[tuple[Any, Any, Any], Any]:
         params, opt_state, ls = carry
 
-        def scaled(p):
+        def scaled(p: Any) -> jax.Array:
             loss, _ = loss_fn(policy.cast_to_compute(p), batch)
             return ls.scale(loss)
 
@@ -89,12 +90,12 @@ def _jmp_step(loss_fn, optimizer, policy):
     return step
 
 
-def _runner(step, state, batches):
+def _runner(step: Callable, state: Any, batches: Any) -> Callable[[], Any]:
     jstep = jax.jit(step, donate_argnums=0)
     # Each variant owns its buffers: the state is donated to the step.
     cell = [jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), state)]
 
-    def run():
+    def run() -> Any:
         s = cell[0]
         out = None
         for b in batches:

@@ -112,6 +112,7 @@ def supervise(args: argparse.Namespace, spec: tuple[str, int, int, int]) -> int:
         preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
     )
     log: collections.deque = collections.deque(maxlen=5000)
+    assert proc.stdout is not None and proc.stderr is not None  # both piped above
     pumps = [_Pump(proc.stdout, sys.stdout, log), _Pump(proc.stderr, sys.stderr, log)]
     for p in pumps:
         p.start()

@@ -59,7 +59,7 @@ def collect() -> dict:
         },
         "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()],
-        "x64_enabled": bool(jax.config.jax_enable_x64),
+        "x64_enabled": bool(jax.config.jax_enable_x64),  # type: ignore[attr-defined]  # made at run time
         "float32_subnormals": measure_subnormals(),
     }
 

@@ -13,8 +13,12 @@ import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
+from precisionlab.bits import encode
 from precisionlab.bits.rounding import Rounding
 from precisionlab.conformance.exact import MODES, values_to_codes
 from precisionlab.formats import FloatFormat, Specials
@@ -96,8 +100,6 @@ class MlDtypes(Adapter):
     lib = name = dist = "ml_dtypes"
 
     def support(self, fmt, source):
-        import ml_dtypes
-
         if fmt.name in ("float16", "float32", "float64"):
             return "numpy's own type (see the numpy row)"
         if getattr(ml_dtypes, fmt.name, None) is None:
@@ -105,8 +107,6 @@ class MlDtypes(Adapter):
         return None
 
     def convert(self, x, fmt, claim):
-        import ml_dtypes
-
         with warnings.catch_warnings(), np.errstate(all="ignore"):
             warnings.simplefilter("ignore")
             out = x.astype(getattr(ml_dtypes, fmt.name))
@@ -144,13 +144,9 @@ class Xla(Adapter):
         self._fns: dict = {}
 
     def _device(self):
-        import jax
-
         return jax.devices(self.platform)[0]
 
     def _target(self, fmt):
-        import jax.numpy as jnp
-
         return getattr(jnp, fmt.name, None)
 
     def support(self, fmt, source):
@@ -159,8 +155,6 @@ class Xla(Adapter):
         return None  # whether this backend converts it shows when convert() tries
 
     def convert(self, x, fmt, claim):
-        import jax
-
         key = (fmt.name, x.dtype.name)
         with jax.enable_x64(x.dtype == np.float64):
             if key not in self._fns:
@@ -304,10 +298,6 @@ class Precisionlab(Adapter):
         return tuple(Claim(mode) for mode in MODES)
 
     def convert(self, x, fmt, claim):
-        import jax
-
-        from precisionlab.bits import encode
-
         with jax.enable_x64(x.dtype == np.float64):
             codes = np.asarray(encode(x, fmt, rounding=claim.mode))
         return Output(codes.astype(np.int64))
@@ -315,7 +305,7 @@ class Precisionlab(Adapter):
 
 def _xla_adapters() -> list[Adapter]:
     jax = _import("jax")
-    out = []
+    out: list[Adapter] = []
     for platform in _JAX_BACKENDS:
         try:
             if jax.devices(platform):

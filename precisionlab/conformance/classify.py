@@ -82,7 +82,9 @@ RULES: dict[str, Rule] = {
 }
 
 
-def _rounded_as_near_tie(x, lib, fmt, mode, source: str, saturate: bool) -> np.ndarray:
+def _rounded_as_near_tie(
+    x: np.ndarray, lib: np.ndarray, fmt: Format, mode: Rounding, source: str, saturate: bool
+) -> np.ndarray:
     """Inputs one ulp (of the source type) from a midpoint that the library rounded as the
     midpoint itself would be rounded."""
     out = np.zeros(x.shape, dtype=bool)
@@ -104,15 +106,15 @@ def rule_spec(rule: str, mode: str | Rounding) -> str:
 
 
 def classify(
-    x,
-    lib_codes,
-    ref_codes,
+    x: np.ndarray,
+    lib_codes: np.ndarray,
+    ref_codes: np.ndarray,
     fmt: Format | str,
     rounding: str | Rounding,
     source: str,
     *,
     saturate: bool = False,
-    lib_values=None,
+    lib_values: np.ndarray | None = None,
 ) -> np.ndarray:
     """Rule id (an array of str) for each disagreement.
 
@@ -133,7 +135,7 @@ def classify(
     out = np.full(x.shape, "misrounded", dtype=object)
     done = np.zeros(x.shape, dtype=bool)
 
-    def assign(mask, rule: str) -> None:
+    def assign(mask: np.ndarray, rule: str) -> None:
         nonlocal done
         mask = mask & ~done
         out[mask] = rule

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+import numpy.typing as npt
 
 from precisionlab.bits.reference import encode_scalar
 from precisionlab.bits.rounding import Rounding, parse_rounding
@@ -67,7 +68,11 @@ def _nan_codes(fmt: FloatFormat) -> tuple[int, int]:
 
 
 def encode_exact(
-    x, fmt: Format | str, rounding: str | Rounding = "nearest_even", *, saturate: bool = False
+    x: npt.ArrayLike,
+    fmt: Format | str,
+    rounding: str | Rounding = "nearest_even",
+    *,
+    saturate: bool = False,
 ) -> np.ndarray:
     """Codes (int64) of the float64 values ``x`` in ``fmt``, exactly as ``encode_scalar``.
 
@@ -157,7 +162,7 @@ def encode_exact(
     return out.astype(np.int64)
 
 
-def is_midpoint(x, fmt: Format | str) -> np.ndarray:
+def is_midpoint(x: npt.ArrayLike, fmt: Format | str) -> np.ndarray:
     """Whether each float64 value lies exactly halfway between two neighbouring values of
     ``fmt`` (with unbounded exponent range, so ``max + ulp(max)/2`` counts), as float64-exact
     as :func:`encode_exact`. Values below the smallest value of a format without zero are not
@@ -181,7 +186,7 @@ def _value_table(fmt: FloatFormat) -> np.ndarray:
     return np.array([fmt.value_of(c) for c in range(1 << fmt.bits)], dtype=np.float64)
 
 
-def decode_codes(codes, fmt: Format | str) -> np.ndarray:
+def decode_codes(codes: npt.ArrayLike, fmt: Format | str) -> np.ndarray:
     """Exact float64 values of codes (a table for formats of 16 bits or fewer; float32 and
     float64 by bit views). Code -1 (no code) decodes to NaN."""
     fmt = as_float_format(fmt)
@@ -200,14 +205,14 @@ def decode_codes(codes, fmt: Format | str) -> np.ndarray:
     return np.where(bad, np.nan, out)
 
 
-def is_nan_code(codes, fmt: Format | str) -> np.ndarray:
+def is_nan_code(codes: npt.ArrayLike, fmt: Format | str) -> np.ndarray:
     """Whether each code (int64, -1 = no code) is a NaN of ``fmt``."""
     fmt = as_float_format(fmt)
     codes = np.asarray(codes, dtype=np.int64)
     return (codes >= 0) & np.isnan(decode_codes(codes, fmt))
 
 
-def values_to_codes(values, fmt: Format | str) -> np.ndarray:
+def values_to_codes(values: npt.ArrayLike, fmt: Format | str) -> np.ndarray:
     """Codes of values that are exactly values of ``fmt``; -1 where a value is not one (a
     library returned something the format cannot hold, e.g. NaN into FP4)."""
     fmt = as_float_format(fmt)

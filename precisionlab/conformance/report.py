@@ -10,6 +10,8 @@ from pathlib import Path
 from precisionlab.conformance.classify import RULES
 from precisionlab.conformance.run import Cell, Example, Result
 from precisionlab.conformance.spec import SPECS, spec_for_format
+from precisionlab.experiments import store
+from precisionlab.formats import get_format
 
 __all__ = ["markdown", "matrix_tables", "to_json", "write_report"]
 
@@ -77,8 +79,6 @@ def _example_row(e: Example, bits: int) -> list[str]:
 
 
 def _format_bits(name: str) -> int:
-    from precisionlab.formats import get_format
-
     return get_format(name).bits
 
 
@@ -170,8 +170,6 @@ def write_report(result: Result, out_dir: Path, *, force: bool = False) -> Path:
     """Write ``report.md``, ``conformance.json`` and ``environment.json`` into ``out_dir``
     (created if needed); returns the report's path. ValueError when ``out_dir`` already holds
     results (:func:`existing_results`) unless ``force``; links are never followed."""
-    from precisionlab.experiments import store
-
     out_dir = Path(out_dir)
     found = existing_results(out_dir)
     if found and not force:

@@ -15,6 +15,7 @@ from precisionlab.conformance.adapters import (
     LIBRARIES,
     Adapter,
     Claim,
+    Output,
     Unsupported,
     adapters_for,
 )
@@ -151,7 +152,9 @@ def _same(a: int, b: int, fmt: FloatFormat) -> bool:
     return a == b or bool(is_nan_code(np.array([a, b]), fmt).all())
 
 
-def _check_arbiter(x64, idx, ref, fmt: FloatFormat, claim: Claim) -> int:
+def _check_arbiter(
+    x64: np.ndarray, idx: Sequence[int], ref: np.ndarray, fmt: FloatFormat, claim: Claim
+) -> int:
     """Re-derive the reference codes at ``idx`` with ``bits.reference.encode_scalar`` (Python
     fractions); a difference is a bug of the vectorized reference, never a finding."""
     for i in idx:
@@ -164,7 +167,7 @@ def _check_arbiter(x64, idx, ref, fmt: FloatFormat, claim: Claim) -> int:
     return len(idx)
 
 
-def _pick(x64, idx) -> list[int]:
+def _pick(x64: np.ndarray, idx: np.ndarray) -> list[int]:
     """Up to three example indices, the pinned known cases first, then spread out."""
     idx = np.asarray(idx)
     known = idx[np.isin(np.abs(x64[idx]), cases.KNOWN)].tolist()
@@ -172,7 +175,14 @@ def _pick(x64, idx) -> list[int]:
     return [int(i) for i in dict.fromkeys(known + spread)][:EXAMPLES]
 
 
-def _examples(x, x64, chosen, out, ref, fmt: FloatFormat) -> list[Example]:
+def _examples(
+    x: np.ndarray,
+    x64: np.ndarray,
+    chosen: Sequence[int],
+    out: Output,
+    ref: np.ndarray,
+    fmt: FloatFormat,
+) -> list[Example]:
     """The examples at indices ``chosen``."""
     res = []
     for i in chosen:
@@ -200,7 +210,9 @@ def _examples(x, x64, chosen, out, ref, fmt: FloatFormat) -> list[Example]:
 
 
 @functools.cache
-def _reference(fmt: FloatFormat, source: str, seed: int, random: int, claim: Claim):
+def _reference(
+    fmt: FloatFormat, source: str, seed: int, random: int, claim: Claim
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The inputs, their float64 images and the exact codes (shared by every library)."""
     x = _inputs(fmt, source, seed, random)
     with np.errstate(invalid="ignore"):  # signalling NaN payloads
@@ -209,7 +221,15 @@ def _reference(fmt: FloatFormat, source: str, seed: int, random: int, claim: Cla
     return x, x64, ref, is_nan_code(ref, fmt)
 
 
-def _run_cell(adapter: Adapter, fmt, source, claim, seed, random, confirm) -> tuple[Cell, int]:
+def _run_cell(
+    adapter: Adapter,
+    fmt: FloatFormat,
+    source: str,
+    claim: Claim,
+    seed: int,
+    random: int,
+    confirm: int,
+) -> tuple[Cell, int]:
     start = time.perf_counter()
     x, x64, ref, ref_nan = _reference(fmt, source, seed, random, claim)
     if adapter.max_inputs is not None:
@@ -295,7 +315,8 @@ def run_conformance(
     for f in fmts:
         if f.bits >= 64:
             raise ValueError(f"{f.name}: conformance covers formats narrower than float64")
-    cells, skipped, unsupported, versions = [], {}, {}, {}
+    cells, skipped, versions = [], {}, {}
+    unsupported: dict[str, dict[str, str]] = {}
     checked = 0
     for adapter in adapters:
         reason = adapter.unavailable()

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from precisionlab import hardware
+from precisionlab.consistency.run import Runner
+from precisionlab.consistency.stack import parse_stack
 from precisionlab.hardware.profiles import check_inputs
 
 __all__ = [
@@ -156,9 +158,6 @@ def measure_model(model: Any, params: Any, tokens: Any, ms: Sequence[int],
     in batches of M rows (the first M rows of ``tokens``), for each M of ``ms`` (each <= B),
     compared bit for bit with the smallest M's. ``stack``: a
     :class:`~precisionlab.consistency.Stack` or its string (its ``batch_size`` is set to M)."""
-    from precisionlab.consistency.run import Runner
-    from precisionlab.consistency.stack import parse_stack
-
     ms = _check_ms(ms)
     tok = np.asarray(tokens)
     if tok.ndim != 2 or max(ms) > tok.shape[0]:

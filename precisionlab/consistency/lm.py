@@ -26,6 +26,7 @@ import numpy as np
 
 from precisionlab.mixed import ops
 from precisionlab.mixed.policy import Policy
+from precisionlab.train.models import Transformer
 
 __all__ = ["LM", "FunctionLM", "TransformerLM", "as_lm"]
 
@@ -93,7 +94,6 @@ def as_lm(model: Any) -> LM:
     :class:`TransformerLM`; any other callable a :class:`FunctionLM`."""
     if isinstance(model, LM):
         return model
-    from precisionlab.train.models import Transformer
 
     if isinstance(model, Transformer):
         return TransformerLM(model)
@@ -134,8 +134,6 @@ class TransformerLM(LM):
     decodes = True
 
     def __post_init__(self) -> None:
-        from precisionlab.train.models import Transformer
-
         if not isinstance(self.model, Transformer):
             raise TypeError(f"TransformerLM needs a built-in Transformer; got "
                             f"{type(self.model).__name__}")  # fmt: skip

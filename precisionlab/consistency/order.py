@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from precisionlab import hardware
+
 __all__ = [
     "Tree",
     "blocked_tree",
@@ -297,8 +299,6 @@ def schedule_tree(preset: str, k: int, dtype: str = "float16") -> Tree:
     step one node over its products and the accumulator coming in, chained; restarts added
     in float32 in order; split-K slices summed in the schedule's order (the model's own
     rules: :func:`precisionlab.hardware.resolve`)."""
-    from precisionlab import hardware
-
     kw = hardware.preset(preset)
     kind = "fp8" if "float8" in dtype else "16bit"
     res = hardware.resolve(kw["device"], kw["library"], kw["fast_accumulation"], kind, {}, k)

@@ -30,7 +30,14 @@ import dataclasses
 import functools
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+
+from precisionlab.consistency.lm import TransformerLM
+from precisionlab.consistency.stack import Stack
+from precisionlab.train import make_model
 
 __all__ = ["SAMPLERS", "RLConfig", "reinforce"]
 
@@ -73,18 +80,12 @@ def _target(cfg: RLConfig) -> np.ndarray:
 
 def _logp_of(logits, tok):
     """float32 log-softmax of the stack's logits, at ``tok``."""
-    import jax
-    import jax.numpy as jnp
-
     lp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
     return jnp.take_along_axis(lp, tok[..., None], axis=-1)[..., 0]
 
 
 def _draw(logits, key):
     """Gumbel-max in float32: the same noise for every run."""
-    import jax
-    import jax.numpy as jnp
-
     g = jax.random.gumbel(key, logits.shape, jnp.float32)
     return jnp.argmax(jnp.asarray(logits, jnp.float32) + g, axis=-1).astype(jnp.int32)
 
@@ -93,14 +94,6 @@ def _draw(logits, key):
 def _programs(fmt: str, cfg: RLConfig) -> tuple:
     """The model and the jitted programs of one format: every sampler and seed shares them
     (the truncation is an argument of ``update``, not a program of its own)."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-
-    from precisionlab.consistency.lm import TransformerLM
-    from precisionlab.consistency.stack import Stack
-    from precisionlab.train import make_model
-
     pol = Stack(policy=fmt).policy
     L, B = cfg.length, cfg.batch
     model = make_model("transformer", vocab_size=cfg.vocab, seq_len=L, d_model=cfg.d_model,
@@ -160,9 +153,6 @@ def reinforce(fmt: str, sampler: str, cfg: RLConfig | None = None,
     "mismatch_max", "clip_share", "tis_change", "noise": [per step], "final_reward"}`` (the
     mismatch: log p_trainer - log p_sampler of the sampled tokens, nats; the clip share:
     importance ratios outside [0.8, 1.2]; ``final_reward``: the mean of the last 10 steps)."""
-    import jax
-    import jax.numpy as jnp
-
     cfg = cfg or RLConfig()
     if sampler not in SAMPLERS:
         raise ValueError(f"unknown sampler {sampler!r}; allowed: {', '.join(SAMPLERS)}")

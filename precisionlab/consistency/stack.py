@@ -135,7 +135,7 @@ def parse_stack(spec: Any) -> Stack:
     if isinstance(spec, Stack):
         return spec
     if isinstance(spec, str):
-        return Stack(policy=spec)
+        return Stack(policy=_policy(spec))
     if isinstance(spec, dict):
         unknown = [k for k in spec if k not in _FIELDS]
         if unknown:

@@ -9,17 +9,18 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from precisionlab.diagnose.bisect import BisectOptions, bisect, final_loss
 from precisionlab.diagnose.forecast import UnitRun, ground_truth, load_run, run_forecast
-from precisionlab.experiments import store
+from precisionlab.experiments import runner, store
+from precisionlab.experiments.config import experiment_from_document, load_experiment
 from precisionlab.experiments.report import markdown_table, text_table
+from precisionlab.train.forecast import load_model
 
 __all__ = ["bisect_layers", "forecast_command", "scores_table", "write_forecast"]
 
 
 def _run_suite(path: Path, out: Path | None, overrides: Sequence[str], quiet: bool) -> Path:
     """Run the experiment at ``path`` into ``out`` (resuming a run already there)."""
-    from precisionlab.experiments import runner
-
     if out is not None and (out / "config.json").exists():
         return runner.resume(out, quiet=quiet)
     return runner.run_file(path, out=out, overrides=overrides, quiet=quiet)
@@ -31,8 +32,6 @@ def bisect_layers(
     """A function giving, for each setting of the evaluation units, the layers
     ``diagnose --bisect`` returns to high precision to make its first precision failure (by
     seed) pass against its reference; settings without an answer are left out."""
-    from precisionlab.diagnose.bisect import BisectOptions, bisect, final_loss
-    from precisionlab.experiments.config import experiment_from_document
 
     def find(units: Sequence[UnitRun]) -> dict[str, list[str]]:
         units_all, resolved = load_run(run_dir)
@@ -182,14 +181,10 @@ def forecast_command(
     """Run ``diagnose --forecast TARGET``: a run directory is analysed; an experiment file is
     run first (``quick``: with its ``[diagnose] forecast_quick`` overrides; no bisect).
     Returns (the directory written to, the result, the text to print)."""
-    from precisionlab.train.forecast import load_model
-
     target = Path(target)
     if target.is_dir():
         run_dir = target
     else:
-        from precisionlab.experiments.config import load_experiment
-
         sets = list(overrides)
         if quick:
             exp = load_experiment(target, overrides)

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from precisionlab.experiments import store
 from precisionlab.experiments.report import markdown_table, text_table
 
@@ -46,7 +48,7 @@ def _finish(run_dir: Path, mode: str, result: Any, lines: Sequence[str], plots: 
     return path
 
 
-def _plt():
+def _plt() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -116,7 +118,6 @@ def write_compare(run_dir: Path, result: Any, *, plots: bool = True) -> tuple[Pa
     pics = []
     if plots and r.heat:
         plt = _plt()
-        import numpy as np
 
         layers = list(r.heat)
         data = np.array([[min(v, 1e6) for v in r.heat[k]] for k in layers], float)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from precisionlab.experiments.config import Experiment, Unit, load_experiment
 from precisionlab.train import TrainConfig
+from precisionlab.train.models import layer_names, resolve_layers
 
 __all__ = ["SHARED_KEYS", "check", "load_units", "pick", "with_layers_high"]
 
@@ -67,7 +69,7 @@ def load_units(
     return experiment, units
 
 
-def with_layers_high(config: TrainConfig, layers: Sequence[str], **changes) -> TrainConfig:
+def with_layers_high(config: TrainConfig, layers: Sequence[str], **changes: Any) -> TrainConfig:
     """``config`` with ``layers`` (names) added to its high-precision layers."""
     hp = tuple(dict.fromkeys((*config.high_precision_layers, *layers)))
     return dataclasses.replace(config, high_precision_layers=hp, **changes)
@@ -78,8 +80,6 @@ def check(mode: str, units: Sequence[Unit], options: object) -> None:
     matching no layer (bisect), stacked layers (bisect: it returns single layers to high
     precision, which stacked identical layers cannot), a variant without a recipe
     (autoswitch)."""
-    from precisionlab.train.models import layer_names, resolve_layers
-
     cfg = units[0].config
     layers = getattr(options, "layers", ())
     stacked = [u.name for u in units if u.config.scan_layers]

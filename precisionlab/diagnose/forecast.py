@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from precisionlab.experiments import store
-from precisionlab.train.forecast import MECHANISMS, Forecaster, Rule, load_model
+from precisionlab.train.forecast import MECHANISMS, Forecaster, Rule, load_model, run_properties
 
 __all__ = [
     "DEFAULT_RULES",
@@ -273,7 +273,6 @@ def fit_rule(
     failure) - :data:`FP_WEIGHT` x (other units alarmed) on ``units``, the middle of the
     thresholds that reach it, and ``lead`` the median lead; threshold None when no
     candidate gains."""
-    from precisionlab.train.forecast import run_properties
 
     def props(u: UnitRun) -> set[str]:
         return run_properties(u.rows[0].get("meta", {}) if u.rows else {})

@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from precisionlab import recipes
 from precisionlab.diagnose.autoswitch import STAT_NAMES, AutoSwitchRecipe, SwitchResult
 from precisionlab.diagnose.autoswitch import autoswitch as _autoswitch_unit
 from precisionlab.diagnose.bisect import BisectRun, run_budget, search
@@ -384,8 +385,6 @@ def autoswitch_function(
     Equinox's ``w @ x``); the result's ``sites`` give every matmul's statistics and
     :attr:`SwitchResult.switched_sites` the names to pass to ``recipes.apply(...,
     exclude=...)``."""
-    from precisionlab import recipes
-
     underflow = _positive("underflow", underflow, strict=False)
     mse = _positive("mse", mse, strict=False)
     if underflow > 1:

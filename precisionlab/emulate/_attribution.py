@@ -39,7 +39,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from precisionlab import recipes
+from precisionlab.emulate._emulate import Emulated, _collect, emulate
 from precisionlab.intercept import Context, Emit, PerIteration, Site, boundary, intercept
+from precisionlab.mixed.policy import get_policy
 
 __all__ = ["Attribution", "OpAttribution", "Side", "attribute", "float_primitives", "native"]
 
@@ -84,10 +87,6 @@ class Side:
           ``recipes.apply(fn, ...)``): the recipe's matmuls (``weight``: which operand is the
           weight; ``key``: stochastic rounding's key).
         """
-        from precisionlab import recipes
-        from precisionlab.emulate._emulate import Emulated, emulate
-        from precisionlab.mixed.policy import get_policy
-
         kwargs = dict(kwargs or {})
         name = None
         if spec is None or (isinstance(spec, str) and spec.strip().lower() in _NATIVE):
@@ -172,8 +171,6 @@ def native(label: str = "fp32") -> Side:
 def float_primitives(fn: Callable, args: tuple, kwargs: Mapping | None = None) -> tuple[str, ...]:
     """The first-order primitives of ``fn``'s program with a floating operand or result
     (recursively), plus ``dot_general``: the operations a comparison records."""
-    from precisionlab.emulate._emulate import _collect
-
     closed = boundary.trace(fn, args, dict(kwargs or {}))[0]
     found: set[str] = {"dot_general"}
     _collect(closed.jaxpr, found)

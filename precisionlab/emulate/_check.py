@@ -28,7 +28,7 @@ import numpy as np
 
 from precisionlab.emulate._attribution import Attribution, OpAttribution, Side, attribute
 from precisionlab.emulate._emulate import Emulated, emulate
-from precisionlab.intercept import Emit, intercept
+from precisionlab.intercept import Context, Emit, intercept
 
 __all__ = ["CheckReport", "OpDiff", "check"]
 
@@ -176,7 +176,7 @@ class _Recording:
     primitives: tuple[str, ...]
     inner: Any = None
 
-    def apply(self, ctx, *operands, **params):
+    def apply(self, ctx: Context, *operands: jax.Array, **params: Any) -> list[jax.Array] | Emit:
         outs = list(ctx.original(*operands) if self.inner is None else self.inner.apply(
             ctx, *operands, **params))  # fmt: skip
         first = next((y for y in outs if jnp.issubdtype(jnp.result_type(y), jnp.floating)), None)

@@ -45,6 +45,7 @@ from precisionlab.emulate._simplify import Folds
 from precisionlab.intercept import Context, Intercepted, Site, boundary, compute_line, intercept
 from precisionlab.mixed.numerics import enforce
 from precisionlab.mixed.policy import Policy, get_policy
+from precisionlab.recipes import accumulate
 
 __all__ = ["Emulated", "emulate"]
 
@@ -116,8 +117,6 @@ def _computes_in(jaxpr, dtype: np.dtype) -> bool:
 
 def _narrow_dot(lhs, rhs, dimension_numbers, bits: int) -> jax.Array:
     """``dot_general`` of float32 operands with an m-bit accumulator (recipes.accumulate)."""
-    from precisionlab.recipes import accumulate
-
     (lc, rc), (lb, rb) = dimension_numbers
     lfree = [d for d in range(lhs.ndim) if d not in (*lc, *lb)]
     rfree = [d for d in range(rhs.ndim) if d not in (*rc, *rb)]

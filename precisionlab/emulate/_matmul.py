@@ -57,7 +57,9 @@ MatmulModel = Callable[[jax.Array, jax.Array, dict[str, Any], Any], jax.Array]
 _NARROW = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 
-def float32_once(lhs: jax.Array, rhs: jax.Array, params: dict[str, Any], out_dtype) -> jax.Array:
+def float32_once(
+    lhs: jax.Array, rhs: jax.Array, params: dict[str, Any], out_dtype: Any
+) -> jax.Array:
     """``dot_general`` with float32 accumulation, returned in ``out_dtype`` (rounded once)."""
     out = lax.dot_general(
         lhs.astype(jnp.promote_types(lhs.dtype, jnp.float32)),
@@ -70,7 +72,7 @@ def float32_once(lhs: jax.Array, rhs: jax.Array, params: dict[str, Any], out_dty
 
 
 def implicit_gemm(
-    model: MatmulModel, lhs: jax.Array, rhs: jax.Array, params: dict[str, Any], out_dtype
+    model: MatmulModel, lhs: jax.Array, rhs: jax.Array, params: dict[str, Any], out_dtype: Any
 ) -> jax.Array:
     """A ``conv_general_dilated`` (its equation's ``params``) as the GEMM over its patches,
     computed by ``model``: (G, M, K) patches times (G, O_g, K) kernel rows, batched over the
@@ -90,7 +92,9 @@ def _narrow_pair(lhs: jax.Array, rhs: jax.Array) -> bool:
     return eight or ln == rn
 
 
-def _tensor_core(lhs, rhs, params, out_dtype, *, preset: str) -> jax.Array:
+def _tensor_core(
+    lhs: jax.Array, rhs: jax.Array, params: dict[str, Any], out_dtype: Any, *, preset: str
+) -> jax.Array:
     if not _narrow_pair(lhs, rhs):
         return float32_once(lhs, rhs, params, out_dtype)
     dn = params["dimension_numbers"]

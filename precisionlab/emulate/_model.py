@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -74,7 +75,7 @@ TABLED: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 }
 
 
-def is_narrow(dtype) -> bool:
+def is_narrow(dtype: Any) -> bool:
     """A 16-bit float dtype (the formats the model's tables cover)."""
     dt = np.dtype(dtype)
     return dt in (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
@@ -91,7 +92,7 @@ def _table(name: str, dtype_name: str) -> np.ndarray:
         return np.asarray(y).astype(dt).view(np.uint16)
 
 
-def tabled_unary(name: str, x: jax.Array, dtype) -> jax.Array:
+def tabled_unary(name: str, x: jax.Array, dtype: Any) -> jax.Array:
     """``name(x)`` correctly rounded to the 16-bit ``dtype``; ``x`` holds values of ``dtype``
     (any float dtype); the result has ``x``'s dtype."""
     dt = np.dtype(dtype)
@@ -126,7 +127,7 @@ def divide(a: jax.Array, b: jax.Array) -> jax.Array:
     return a32 / b32
 
 
-def logistic(x: jax.Array, dtype, rnd: Callable[[jax.Array], jax.Array]) -> jax.Array:
+def logistic(x: jax.Array, dtype: Any, rnd: Callable[[jax.Array], jax.Array]) -> jax.Array:
     """``1 / (1 + exp(-x))`` with ``exp`` correctly rounded to the 16-bit ``dtype`` and the
     sum and the quotient rounded by ``rnd`` (XLA's LogisticExpander)."""
     e = tabled_unary("exp", -x, dtype)

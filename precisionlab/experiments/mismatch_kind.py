@@ -41,10 +41,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from precisionlab import _io
 from precisionlab._schema import Field, validate_table, with_docs
+from precisionlab.consistency import Runner, Stack, attribute, gap_from_logits
+from precisionlab.consistency.rl import SAMPLERS, RLConfig, reinforce
+from precisionlab.experiments import mismatch_report
+from precisionlab.train import TrainConfig, make_data, make_model, train
 
 __all__ = ["DEFAULT_SETUPS", "DEFAULT_TRAIN", "FIELDS", "KIND", "RL_FIELDS", "run", "validate"]
 
@@ -157,14 +162,10 @@ _RL_CONFIG = ("vocab", "length", "d_model", "depth", "heads", "batch", "lr", "ti
 
 
 def _stack(fmt: str, fields: dict[str, Any]) -> Any:
-    from precisionlab.consistency import Stack
-
     return Stack(policy=fmt, **fields)
 
 
 def _train_config(table: dict[str, Any], where: str) -> Any:
-    from precisionlab.train import TrainConfig
-
     cfg = TrainConfig.from_dict(table, where)
     if cfg.model != "transformer":
         raise ValueError(f"{where}.model: the mismatch experiment scores a language model: "
@@ -227,8 +228,6 @@ def validate(section: dict, where: str) -> dict:
 
 
 def _validate_rl(table: dict[str, Any], where: str) -> dict[str, Any]:
-    from precisionlab.consistency.rl import SAMPLERS, RLConfig
-
     rl = validate_table(table, RL_FIELDS, where)
     for i, fmt in enumerate(rl["formats"]):
         try:
@@ -255,18 +254,15 @@ def _validate_rl(table: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _save_params(path: Path, params: Any) -> None:
-    import jax
-
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     buf = io.BytesIO()
-    np.savez(buf, **{jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves})
+    arrays = {jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves}
+    np.savez(buf, **arrays)  # type: ignore[arg-type]  # numpy stub: **arrays vs allow_pickle
     with _io.atomic_open(path, "wb") as f:
         f.write(buf.getvalue())
 
 
 def _load_params(path: Path, like: Any) -> Any:
-    import jax
-
     data = np.load(io.BytesIO(_io.read_bytes(path, 1 << 30)))
     paths, tree = jax.tree_util.tree_flatten_with_path(like)
     leaves = []
@@ -281,10 +277,6 @@ def _load_params(path: Path, like: Any) -> Any:
 
 def _trained(cfg: Any, out_dir: Path, say) -> tuple[Any, Any, dict[str, Any]]:
     """(model, params, train summary): read back if this run trained already."""
-    import jax
-
-    from precisionlab.train import make_model, train
-
     model = make_model(cfg.model, **cfg.model_kwargs, **_model_sizes(cfg))
     params_path, info_path = out_dir / "params.npz", out_dir / "train.json"
     if params_path.exists() and info_path.exists():
@@ -309,16 +301,12 @@ def _trained(cfg: Any, out_dir: Path, say) -> tuple[Any, Any, dict[str, Any]]:
 
 
 def _model_sizes(cfg: Any) -> dict[str, Any]:
-    from precisionlab.train import make_data
-
     sizes = make_data(cfg.data, **cfg.data_kwargs).model_kwargs()
     return {k: v for k, v in sizes.items() if k not in cfg.model_kwargs}
 
 
 def _eval_tokens(cfg: Any, rows: int, seed: int) -> np.ndarray:
     """Held-out windows of the model's length: [rows, seq_len] int32."""
-    from precisionlab.train import make_data
-
     data = make_data(cfg.data, **cfg.data_kwargs)
     batch = data.batch(0, rows, seed=seed + 1_000_003, split="eval")
     return np.asarray(batch["tokens"])[:, :-1].astype(np.int32)
@@ -333,9 +321,6 @@ def _pair_key(setup: str, fmt: str) -> str:
 
 def run(section: dict, out_dir: Path, *, quiet: bool = False) -> dict:
     """Run a ``[mismatch]`` table into ``out_dir``; returns the JSON-able summary."""
-    from precisionlab.consistency import Runner, attribute, gap_from_logits
-    from precisionlab.experiments import mismatch_report
-
     t0 = time.perf_counter()
     cfg = validate(section, "mismatch")
     out_dir = Path(out_dir)
@@ -433,7 +418,6 @@ def _rl(rl: dict[str, Any], out_dir: Path, say) -> list[dict[str, Any]]:
     """The REINFORCE runs (read back from ``rl.jsonl`` where finished)."""
     if not rl["enabled"]:
         return []
-    from precisionlab.consistency.rl import RLConfig, reinforce
 
     cfg = RLConfig(**{k: rl[k] for k in _RL_CONFIG})
     done = {(r["format"], r["sampler"], r["seed"]): r

@@ -26,6 +26,8 @@ import numpy as np
 
 from precisionlab import _io
 from precisionlab._text import fmt_value as _fmt
+from precisionlab.experiments.recipe_plots import plot_recipe_groups
+from precisionlab.formats import FloatFormat, get_format
 
 __all__ = ["write_plots"]
 
@@ -69,7 +71,7 @@ def _by_setting(units: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
 _PAGE_WIDTH_IN = 7.5
 
 
-def _panels(n: int, *, height: float = 3.4, max_cols: int = 1):
+def _panels(n: int, *, height: float = 3.4, max_cols: int = 1) -> tuple[Any, Any]:
     """A page-wide figure of ``n`` panels, ``max_cols`` a row (stacked by default), each
     ``height`` inches tall."""
     import matplotlib.pyplot as plt
@@ -232,12 +234,11 @@ def _plot_curves(
 
 def _shade_formats(ax: Any, lo: float, hi: float) -> None:
     """Shade each 16-bit format's representable magnitudes over the log2 axis [lo, hi]."""
-    from precisionlab.formats import get_format
-
     specs = (("float16", "tab:red"), ("bfloat16", "tab:blue"))
     y0, y1 = ax.get_ylim()
     for i, (name, color) in enumerate(specs):
         f = get_format(name)
+        assert isinstance(f, FloatFormat)
         sub, norm, top = (
             math.log2(f.smallest_subnormal),
             math.log2(f.smallest_normal),
@@ -267,7 +268,7 @@ def _shade_formats(ax: Any, lo: float, hi: float) -> None:
 def _plot_hist(units: list[dict[str, Any]], key: str, path: Path, *, what: str) -> bool:
     import matplotlib.pyplot as plt
 
-    from precisionlab.train.meters import HIST_LO
+    from precisionlab.train.meters import HIST_LO  # noqa: PLC0415  JAX-free: precisionlab.train imports JAX; the report draws without it
 
     groups = _by_setting(units)
     chosen: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
@@ -427,7 +428,6 @@ def write_plots(data: dict[str, Any], plot_dir: Path) -> list[tuple[str, Path]]:
         "hist_act.png",
         _plot_hist(units, "act_hist", plot_dir / "hist_act.png", what="log2|activation|"),
     )
-    from precisionlab.experiments.recipe_plots import plot_recipe_groups
 
     add(
         "Matmul recipes: % of elements saturated and % of nonzero elements flushed to zero "

@@ -12,6 +12,8 @@ from typing import Any
 from precisionlab import _io
 from precisionlab._text import fmt_value
 from precisionlab.experiments import store
+from precisionlab.experiments.plots import write_plots
+from precisionlab.experiments.telemetry_views import telemetry_report
 
 __all__ = [
     "TABLE",
@@ -132,7 +134,9 @@ def fitted_table(rows: Sequence[Sequence[str]], headers: Sequence[str], width: i
     if max(len(line) for line in text.splitlines()) <= width or len(headers) <= 2:
         return text
     cols = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
-    blocks, group, used = [], [], cols[0]
+    blocks: list[list[int]] = []
+    group: list[int] = []
+    used = cols[0]
     for i in range(1, len(headers)):
         if group and used + 2 + cols[i] > width:
             blocks.append(group)
@@ -173,7 +177,9 @@ def write_report(
         return _write_report(run_dir, plots=plots, figure_cache=figure_cache)
 
 
-def _write_report(run_dir: str | Path, *, plots: bool, figure_cache=None) -> tuple[Path, str]:
+def _write_report(
+    run_dir: str | Path, *, plots: bool, figure_cache: str | Path | None = None
+) -> tuple[Path, str]:
     data = load_run(run_dir)
     store.check_no_symlinks(Path(run_dir))  # report.md and plots/ must not land elsewhere
     run_dir = Path(run_dir)
@@ -210,14 +216,11 @@ def _write_report(run_dir: str | Path, *, plots: bool, figure_cache=None) -> tup
     if notes:
         lines += ["## What this run shows", "", *notes, ""]
     if plots and resolved.get("report", {}).get("plots", True):
-        from precisionlab.experiments.plots import write_plots
-
         written = write_plots(data, run_dir / "plots")
         if written:
             lines += ["## Plots", ""]
         for caption, path in written:
             lines += [f"![{caption}]({path.relative_to(run_dir).as_posix()})", "", caption, ""]
-    from precisionlab.experiments.telemetry_views import telemetry_report
 
     want_plots = plots and resolved.get("report", {}).get("plots", True)
     plot_dir = run_dir / "plots" if want_plots else None
@@ -397,9 +400,10 @@ def interpret(summary: dict[str, Any]) -> list[str]:
         ref = units[0]
         ref_name = ref.get("variant", ref.get("name"))
         ref_eval = _num(ref.get("eval_loss"))
-        matching, findings = [], []
+        matching: list[str] = []
+        findings: list[str] = []
         for u in units[1:]:
-            name = u.get("variant", u.get("name"))
+            name = str(u.get("variant", u.get("name")))
             ev = _num(u.get("eval_loss"))
             steps = u.get("steps") or 0
             skipped = int(u.get("skipped_steps") or 0)

@@ -18,6 +18,8 @@ checkpoints and writing nothing.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import sys
 import threading
@@ -26,6 +28,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from tqdm.auto import tqdm
 
 from precisionlab import _io
 from precisionlab._clock import phase
@@ -42,6 +46,7 @@ from precisionlab.experiments.timings import record_unit
 from precisionlab.train import ProgressHook, distributed, train
 from precisionlab.train.compose import program_key
 from precisionlab.train.timing import LoopTimings, Stopwatch
+from precisionlab.verify import RecordHook
 
 __all__ = ["DONE", "config_hash", "follow", "resume", "run_experiment", "run_file"]
 
@@ -151,9 +156,6 @@ def _refuse_unfinished(root: Path, experiment: Experiment) -> None:
 def config_hash(resolved: Any) -> str:
     """A short hash of a resolved configuration (JSON-able): what proves a recorded unit or
     run was made under the same configuration."""
-    import hashlib
-    import json
-
     text = json.dumps(_io.to_jsonable(resolved), sort_keys=True, allow_nan=False)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -371,7 +373,7 @@ def _run_train(
             else:
                 ahead = None
             say(f"[{i + 1}/{len(units)}] {unit.name}")
-            hooks = ()
+            hooks: tuple[ProgressHook, ...] = ()
             if bar is not None:
                 bar.set_description(unit.name)
                 hooks = (ProgressHook(bar, own=False),)
@@ -443,7 +445,6 @@ def _overall_bar(experiment: Experiment, statuses: list[dict], quiet: bool) -> A
     show = any(sys.stderr.isatty() if p is None else p for p in wanted)
     if quiet or not show:
         return None
-    from tqdm.auto import tqdm
 
     total = sum(u.config.steps for u in units)
     done = sum(
@@ -517,8 +518,6 @@ def _run_unit(
     config = unit.config
     try:
         if record_steps is not None:  # a hook records them; each step starts a call
-            from precisionlab.verify import RecordHook
-
             config = dataclasses.replace(config, chunk_steps=1)
             hooks = (*hooks, RecordHook.for_config(config, unit_dir / "verify", record_steps))
         result = train_kind.run_unit(
@@ -591,8 +590,6 @@ def follow(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Pat
     resolve to process 0's (ValueError otherwise). A unit that fails ends the run (the
     processes would otherwise wait for each other in different collectives).
     """
-    import json
-
     mine = None if path is None else load_experiment(path, overrides)
     plan = distributed.broadcast_json(None)
     index = distributed.process_index()

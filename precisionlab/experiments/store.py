@@ -31,9 +31,10 @@ import re
 import stat
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from precisionlab import _io
 from precisionlab.experiments import runfiles
@@ -63,6 +64,8 @@ read_json = runfiles.read_json
 read_jsonl = runfiles.read_jsonl
 to_jsonable = _io.to_jsonable
 from_json_float = _io.from_json_float
+P = ParamSpec("P")
+T = TypeVar("T")
 JsonlWriter = _io.JsonlWriter
 makedirs = _io.makedirs
 confined = _io.confined
@@ -102,8 +105,6 @@ def tensorboard_writer(log_dir: Path) -> Any | None:
 
 def _version(module: str) -> str | None:
     try:
-        from importlib.metadata import version
-
         return version(module)
     except Exception:
         return None
@@ -111,7 +112,7 @@ def _version(module: str) -> str | None:
 
 def environment() -> dict[str, Any]:
     """Versions and the device this run used (JAX is imported here)."""
-    import jax
+    import jax  # noqa: PLC0415  the run store is JAX-free (reports and compare read it without JAX)
 
     devices = jax.devices()
     return {
@@ -145,7 +146,8 @@ _ISA = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl
 def cpu_description() -> dict[str, Any]:
     """The CPU model, its instruction-set extensions that matter to XLA (x86 ``/proc/cpuinfo``
     flags; on other machines the architecture only) and the cores this process may use."""
-    model, flags = platform.processor() or platform.machine(), []
+    model = platform.processor() or platform.machine()
+    flags: list[str] = []
     try:
         text = _io.read_head("/proc/cpuinfo", 1 << 20)[0].decode(errors="replace")
     except (OSError, ValueError):
@@ -158,7 +160,7 @@ def cpu_description() -> dict[str, Any]:
             present = set(value.split())
             flags = [f for f in _ISA if f in present] or sorted(present)[:40]
     try:
-        usable = len(os.sched_getaffinity(0))
+        usable: int | None = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         usable = os.cpu_count()
     return {"model": model, "machine": platform.machine(), "isa": flags, "cores_usable": usable}
@@ -217,7 +219,7 @@ def run_lock(run_dir: Path) -> Iterator[str | None]:
     while writing the run; a second writer gets a ValueError naming the holder's pid. Yields
     the pid the file named before (a process that ended holding it: killed), or None."""
     try:
-        import fcntl
+        import fcntl  # noqa: PLC0415  fcntl exists on POSIX only
     except ImportError:  # pragma: no cover - no advisory locks on this platform
         yield None
         return
@@ -254,7 +256,7 @@ def lock_holder(run_dir: Path) -> tuple[str, bool] | None:
     holds the lock (this one included), False when the process that wrote it has ended
     without releasing the run (killed); None when there is no readable lock file. Reads only."""
     try:
-        import fcntl
+        import fcntl  # noqa: PLC0415  fcntl exists on POSIX only
     except ImportError:  # pragma: no cover
         return None
     path = Path(run_dir) / ".lock"
@@ -292,12 +294,13 @@ def locked_run(run_dir: Path) -> Iterator[str | None]:
         yield previous
 
 
-def holding_run_lock(func):
+def holding_run_lock(func: Callable[P, T]) -> Callable[P, T]:
     """Decorator: run ``func(experiment, run_dir, ...)`` inside :func:`locked_run`."""
 
     @functools.wraps(func)
-    def wrapper(*args, **kwargs):
-        run_dir = Path(kwargs["run_dir"] if "run_dir" in kwargs else args[1])
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        given: Any = kwargs["run_dir"] if "run_dir" in kwargs else args[1]
+        run_dir = Path(given)
         with locked_run(run_dir):
             return func(*args, **kwargs)
 

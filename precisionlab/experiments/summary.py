@@ -182,7 +182,9 @@ def summarize_run(run_dir: Path, experiment: Any) -> dict[str, Any]:
     units = []
     for unit in experiment.units:
         status_path = run_dir / "variants" / unit.id / "status.json"
-        status = store.read_json(status_path) if status_path.exists() else {"status": "pending"}
+        status: dict[str, Any] = (
+            store.read_json(status_path) if status_path.exists() else {"status": "pending"}
+        )
         summary = status.get("summary")
         if summary is None or status.get("status") in ("running", "pending"):
             summary = summarize_unit(unit, run_dir / "variants" / unit.id, status)

@@ -12,11 +12,17 @@ telemetry_rows`: one per step, layer and tensor) and writes:
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import re
+import sys
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +105,7 @@ def _first_nonfinite(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     step = min(int(r["step"]) for _, r in bad)
     at = [(i, r) for i, r in bad if int(r["step"]) == step]
 
-    def order(item):
+    def order(item: tuple[int, dict[str, Any]]) -> tuple[bool, bool, int]:
         i, r = item
         return (r["kind"] == "grad", _is_backward(r), -i if _is_backward(r) else i)
 
@@ -111,7 +117,9 @@ def _first_nonfinite(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     return out
 
 
-def _most(rows: list[dict[str, Any]], key: str, keep) -> list[dict[str, Any]]:
+def _most(
+    rows: list[dict[str, Any]], key: str, keep: Callable[[dict[str, Any]], bool]
+) -> list[dict[str, Any]]:
     """The :data:`WORST` tensors (of ``keep`` rows) with the largest ``key`` over the steps."""
     best: dict[tuple, dict[str, Any]] = {}
     for r in rows:
@@ -200,7 +208,7 @@ _ROW_IN = 0.15
 _MAX_LEFT = 0.42
 
 
-def _figure(width: float, height: float, labels: list[str]):
+def _figure(width: float, height: float, labels: list[str]) -> tuple[Any, float]:
     """A pyplot-free Figure (nothing to close, no global figure registry) and the left margin,
     as a fraction of ``width``, that fits the longest layer label: a fixed layout, because
     matplotlib's automatic ones (constrained, tight) measure every tick label's text extent
@@ -254,13 +262,13 @@ def _step_ticks(steps: list[int], panel_in: float) -> tuple[list[int], list[str]
     return idx, [str(steps[i]) for i in idx], rotate
 
 
-def _panels(rows, targets) -> list[tuple[str, np.ndarray]]:
+def _panels(rows: list[dict[str, Any]], targets: Sequence[str]) -> list[tuple[str, np.ndarray]]:
     """(title, layer x step grid of fractions, NaN where a row has no value) per panel."""
     labels = list(dict.fromkeys(_label(r) for r in rows))
     steps = sorted({int(r["step"]) for r in rows})
     li, si = {lab: i for i, lab in enumerate(labels)}, {s: j for j, s in enumerate(steps)}
     out = []
-    specs = [(None, k, t) for k, t in _ACTUAL]
+    specs: list[tuple[str | None, str, str]] = [(None, k, t) for k, t in _ACTUAL]
     specs += [(tg, k, t.format(tg)) for tg in targets for k, t in _WHAT_IF]
     for target, key, title in specs:
         grid = np.full((len(labels), len(steps)), np.nan)
@@ -272,7 +280,7 @@ def _panels(rows, targets) -> list[tuple[str, np.ndarray]]:
     return out
 
 
-def _heatmap(rows, targets, path: Path, title: str) -> int:
+def _heatmap(rows: list[dict[str, Any]], targets: Sequence[str], path: Path, title: str) -> int:
     """Layer x step heatmaps in pairs: the zeros and inf/NaN as computed, then for every target
     its underflow and overflow (what-if). One log colour scale from :data:`_FLOOR_PCT` to 100%
     for every panel (grey: exactly 0); the layers that are 0 in every panel are left out;
@@ -308,7 +316,14 @@ def _heatmap(rows, targets, path: Path, title: str) -> int:
     return len(parts)
 
 
-def _heatmap_figure(labels, steps, panels, path: Path, title: str, margins) -> None:
+def _heatmap_figure(
+    labels: list[str],
+    steps: list[int],
+    panels: list[tuple[str, Any]],
+    path: Path,
+    title: str,
+    margins: tuple[float, float, float],
+) -> None:
     """One figure of :func:`_heatmap`: ``panels`` (title, layer x step grid in %) two a row."""
     from matplotlib.colors import LogNorm
 
@@ -363,18 +378,18 @@ def _heatmap_figure(labels, steps, panels, path: Path, title: str, margins) -> N
     store.save_figure(fig, path, dpi=_DPI)
 
 
-def _cmap():
+def _cmap() -> Any:
     import matplotlib
 
     # exactly 0: light grey, apart from the darkest colour (small); no value: white
     return matplotlib.colormaps["magma"].with_extremes(under="0.82", bad="white")
 
 
-def _ranges(rows, targets, path: Path, title: str) -> int:
+def _ranges(rows: list[dict[str, Any]], targets: Sequence[str], path: Path, title: str) -> int:
     """Per layer: the span log2(smallest nonzero)..log2(amax) over the run, against each
     target format's subnormal and normal ranges; page-width figures of at most
     :data:`_MAX_LAYERS` layers each (:func:`_part_paths`); the number written."""
-    from precisionlab.telemetry import parse_targets
+    from precisionlab.telemetry import parse_targets  # noqa: PLC0415  JAX-free: the figures are drawn in worker processes
 
     spans: dict[str, list[float]] = {}
     for r in rows:
@@ -506,9 +521,6 @@ def _draw_all(jobs: list[tuple]) -> list[list[int]]:
     workers = min(len(jobs), _report_workers() or os.cpu_count() or 1)
     if workers <= 1:
         return [_draw_unit(*job) for job in jobs]
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
         futures = [pool.submit(_draw_unit, *job) for job in jobs]
@@ -523,14 +535,11 @@ def _draw_all(jobs: list[tuple]) -> list[list[int]]:
 def _figure_key(job: tuple) -> str:
     """What a unit's telemetry figures are drawn from: its rows file, targets and title, this
     module's code and matplotlib's version (sha256)."""
-    import hashlib
-    import inspect
-
     import matplotlib
 
     _, rows_path, targets, _, title = job
     digest = hashlib.sha256()
-    for part in (inspect.getsource(inspect.getmodule(_draw_unit)),
+    for part in (inspect.getsource(sys.modules[_draw_unit.__module__]),
                  matplotlib.__version__, json.dumps(targets), title):  # fmt: skip
         digest.update(part.encode())
         digest.update(b"\0")
@@ -634,8 +643,8 @@ def telemetry_report(
         if plot_dir is not None:
             name = store.safe_name(str(uid))
             for (kind, caption), n in zip(_FIGURES, drawn[i], strict=True):
-                paths = _part_paths(plot_dir / f"telemetry_{kind}_{name}.png", n)
-                for k, path in enumerate(paths, 1):
+                parts = _part_paths(plot_dir / f"telemetry_{kind}_{name}.png", n)
+                for k, path in enumerate(parts, 1):
                     rel = path.relative_to(run_dir).as_posix()
                     part = f" (part {k} of {n})" if n > 1 else ""
                     lines += [f"![{caption}{part}]({rel})", "",

@@ -37,6 +37,7 @@ import dataclasses
 import math
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,9 +49,17 @@ import optax
 
 from precisionlab._schema import ConfigError, Field, validate_table, with_docs
 from precisionlab.experiments import store
+from precisionlab.experiments import tournament_report as report
 from precisionlab.mixed.policy import cast_floating
-from precisionlab.recipes import FP4Recipe, forward_weight_quantizer, osci_reset
-from precisionlab.train import TrainConfig, build, train_loop
+from precisionlab.recipes import (
+    RECIPE_NAMES,
+    FP4Recipe,
+    apply,
+    forward_weight_quantizer,
+    get_recipe,
+    osci_reset,
+)
+from precisionlab.train import TrainConfig, build, latest_checkpoint, train_loop
 from precisionlab.train.config import TRAIN_FIELDS
 from precisionlab.train.gemm_stats import GemmStatsHook
 from precisionlab.train.hooks import StepEnd
@@ -151,8 +160,6 @@ class Unit:
 
 
 def _entry(table: Any, where: str) -> dict[str, Any]:
-    from precisionlab.recipes import RECIPE_NAMES, get_recipe
-
     e = validate_table(table, ENTRY_FIELDS, where)
     name = e["name"]
     if name != REFERENCE and name not in RECIPE_NAMES:
@@ -222,8 +229,6 @@ def plan(section: dict) -> list[Unit]:
 def linear_sites(cfg: TrainConfig) -> tuple[list[int], list[str]]:
     """Positions and names of the model's dense layers among its matmuls: a 2-D right operand
     (a weight) outside the LM head (scope ``unembed``); the attention products are excluded."""
-    from precisionlab.recipes import apply
-
     setup = build(dataclasses.replace(cfg, recipe=None) if cfg.recipe is not None else cfg)
     batch = next(iter(setup.data.batches(2, seed=0, start=0)))
     pc = cast_floating(setup.params, setup.policy.compute_dtype)
@@ -267,11 +272,11 @@ def _eval_fn(setup: Any, key: str) -> Callable[[Any], float]:
         applied = None if rec is None else rec.apply(f)
 
         @jax.jit
-        def run(params, rstate, stacked):
+        def run(params: Any, rstate: Any, stacked: Any) -> jax.Array:
             pc = cast_floating(params, policy.compute_dtype)
             k = jax.random.PRNGKey(0x5EED)
 
-            def one(batch):
+            def one(batch: Any) -> jax.Array:
                 if applied is None:
                     return f(pc, batch)[0].astype(jnp.float32)
                 return applied(pc, batch, state=rstate, key=k)[0].astype(jnp.float32)
@@ -279,15 +284,22 @@ def _eval_fn(setup: Any, key: str) -> Callable[[Any], float]:
             return jnp.mean(jax.lax.map(one, stacked))
 
         _EVALS[key] = run
-    run = _EVALS[key]
-    return lambda state: float(run(state.params, state.recipe_state, stacked))
+    program = _EVALS[key]
+    return lambda state: float(program(state.params, state.recipe_state, stacked))
 
 
 class _UnitHook:
     """Evaluations (every ``eval_every`` steps) and gradient statistics (every
     ``stats_every``) of one unit, appended to its JSONL files as they are made."""
 
-    def __init__(self, evaluate, stats: GemmStatsHook | None, eval_every, tokens_per_step, files):
+    def __init__(
+        self,
+        evaluate: Callable[[Any], float],
+        stats: GemmStatsHook | None,
+        eval_every: int,
+        tokens_per_step: int,
+        files: dict[str, Any],
+    ) -> None:
         self.evaluate, self.stats, self.eval_every = evaluate, stats, eval_every
         self.tokens_per_step, self.files = tokens_per_step, files
 
@@ -316,12 +328,13 @@ def _optimizer(setup: Any, entry: dict, steps: int) -> Any:
     rec = setup.options.recipe.recipe
     q = forward_weight_quantizer(rec, contract_axis=0)
 
-    def weights(path, leaf) -> bool:  # the replaced dense layers' weights: 2-D, in a block
+    def weights(path: Any, leaf: Any) -> bool:
+        # the replaced dense layers' weights: 2-D, in a block
         return jnp.ndim(leaf) == 2 and "blocks" in jax.tree_util.keystr(path)
 
     mask = jax.tree_util.tree_map_with_path(weights, setup.params)
 
-    def make(values):
+    def make(values: Any) -> Any:
         reset = osci_reset(
             q, start=round(o["start"] * steps), period=o["period"], track=o["track"],
             threshold=o["threshold"], mask=mask,
@@ -403,8 +416,6 @@ def _seq_len(setup: Any) -> int:
 
 
 def _checkpoint_step(ckpt: Path) -> int:
-    from precisionlab.train import latest_checkpoint
-
     found = latest_checkpoint(ckpt) if ckpt.exists() else None
     if found is None:
         return 0
@@ -414,8 +425,6 @@ def _checkpoint_step(ckpt: Path) -> int:
 # --- the kind -------------------------------------------------------------------------------
 def run(section: dict, out_dir: Path, *, quiet: bool = False) -> dict:
     """Run (or continue) the tournament into ``out_dir``; returns the summary."""
-    from precisionlab.experiments import tournament_report as report
-
     out_dir = Path(out_dir)
     say = (lambda _m: None) if quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     units = plan(section)
@@ -437,8 +446,6 @@ def run(section: dict, out_dir: Path, *, quiet: bool = False) -> dict:
         except KeyboardInterrupt:
             raise
         except Exception as err:  # the unit's failure, not the tournament's: the next one runs
-            import traceback
-
             store.write_text(udir / "error.log", traceback.format_exc())
             say(f"  failed: {type(err).__name__}: {err} (traceback in {udir / 'error.log'}; "
                 "a resume retries it)")  # fmt: skip

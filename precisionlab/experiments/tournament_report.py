@@ -24,10 +24,13 @@ import math
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from precisionlab import _io
 from precisionlab.experiments import store
+from precisionlab.quant import fp4
 from precisionlab.train.gemm_stats import GEMMS, SQRT3
 
 __all__ = [
@@ -314,11 +317,6 @@ def quantizer_claims(seed: int = 0, rows: int = 256, cols: int = 1024, draws: in
       blocks with one outlier per 32 (x100), without and with a 64-point random Hadamard
       transform.
     """
-    import jax
-    import jax.numpy as jnp
-
-    from precisionlab.quant import fp4
-
     rng = np.random.default_rng(seed)
     data = {
         "gaussian": rng.standard_normal((rows, cols)).astype(np.float32),

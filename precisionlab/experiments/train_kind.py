@@ -18,6 +18,8 @@ from precisionlab.experiments import store
 from precisionlab.train import Hook, TrainConfig, make_data, make_model, train
 from precisionlab.train.compose import precompile as _compile_ahead
 from precisionlab.train.config import TRAIN_FIELDS
+from precisionlab.train.forecast import ForecastHook
+from precisionlab.train.predictors import PredictorHook, parse_predictors, run_meta
 from precisionlab.train.timing import LoopTimings
 
 __all__ = ["KIND", "config", "metric_row", "precompile", "run_unit", "schema", "validate"]
@@ -147,8 +149,6 @@ def _predictor_hooks(
     """With ``[train.predictors]``: a hook writing ``predictors.jsonl`` (one row per record,
     see :mod:`precisionlab.train.predictors`; a resumed unit's rows after its checkpoint are
     dropped first) and, with ``live = true``, the live forecaster printing its alarm."""
-    from precisionlab.train.predictors import PredictorHook, parse_predictors, run_meta
-
     pred = parse_predictors(cfg.predictors, cfg.steps)
     if pred is None:
         return [], []
@@ -167,8 +167,6 @@ def _predictor_hooks(
 
     hooks: list[Hook] = [PredictorHook(write, meta)]
     if pred.live:
-        from precisionlab.train.forecast import ForecastHook
-
         hooks.append(ForecastHook(meta, label=label))
     return hooks, [lambda: writer[0].close() if writer else None]
 

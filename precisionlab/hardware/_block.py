@@ -80,7 +80,7 @@ def chain_fp4(a: jax.Array, b: jax.Array, sa: jax.Array, sb: jax.Array, step: St
     mb = mb.reshape(nsteps, gps, 1, n)
     eb = eb.reshape(nsteps, gps, 1, n)
 
-    def one_step(c, x):
+    def one_step(c: jax.Array, x: tuple[jax.Array, ...]) -> tuple[jax.Array, None]:
         xa, xb, xma, xea, xmb, xeb = x
         ssum = jnp.einsum("gmk,gkn->gmn", xa, xb, preferred_element_type=jnp.int32)
         addend = ssum * xma * xmb

@@ -90,7 +90,16 @@ def aligned_sum(
     return sum_to_f32(jnp.concatenate(his), jnp.concatenate(los), big - fraction_bits, bits)
 
 
-def step_apply(am, ae, bm, be, c, step: Step, pa: int, pb: int) -> jax.Array:
+def step_apply(
+    am: jax.Array,
+    ae: jax.Array,
+    bm: jax.Array,
+    be: jax.Array,
+    c: jax.Array,
+    step: Step,
+    pa: int,
+    pb: int,
+) -> jax.Array:
     """``_kernel.step_apply`` for ``fraction_bits > _kernel.MAX_F``, in two limbs (the
     significands decoded without a pre-shift: ``_kernel.shift_for`` gives 0)."""
     f = step.fraction_bits

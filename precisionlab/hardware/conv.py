@@ -191,7 +191,9 @@ def conv_gemm(
         if any(v != 1 for v in ld):
             raise ValueError("string padding with lhs_dilation: pass the padding pairs")
         eff = tuple((k - 1) * r + 1 for k, r in zip(kernel, rd, strict=True))
-        pads = tuple(tuple(p) for p in lax.padtype_to_pads(in_sp, eff, strides, padding))
+        pads = tuple(
+            (int(lo), int(hi)) for lo, hi in lax.padtype_to_pads(in_sp, eff, strides, padding)
+        )
     else:
         pads = tuple((int(lo), int(hi)) for lo, hi in padding)
     if len(pads) != d:
@@ -229,9 +231,10 @@ def from_params(lhs_shape: Sequence[int], rhs_shape: Sequence[int], params: dict
 
 def conv_general_dilated(
     lhs: jax.Array, rhs: jax.Array, window_strides: Sequence[int],
-    padding: str | Sequence[tuple[int, int]], lhs_dilation=None, rhs_dilation=None,
-    dimension_numbers=None, feature_group_count: int = 1, batch_group_count: int = 1, *,
-    preset: str | None = None, out_dtype=jnp.float32, **gemm_kwargs,
+    padding: str | Sequence[tuple[int, int]], lhs_dilation: Sequence[int] | None = None,
+    rhs_dilation: Sequence[int] | None = None, dimension_numbers: Any = None,
+    feature_group_count: int = 1, batch_group_count: int = 1, *, preset: str | None = None,
+    out_dtype: Any = jnp.float32, **gemm_kwargs: Any,
 ) -> jax.Array:  # fmt: skip
     """``lax.conv_general_dilated`` as a device's tensor cores compute it: the implicit GEMM
     over the patches (K order: kernel taps, then input channels fastest; see the module

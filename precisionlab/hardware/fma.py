@@ -73,7 +73,9 @@ def _fma_finite(p: jax.Array, k: jax.Array, c: jax.Array) -> jax.Array:
     return pack_f32(neg, mant, e)
 
 
-def fma_pow2(p: jax.Array, k: jax.Array, c: jax.Array, nan_scale: jax.Array | None = None):
+def fma_pow2(
+    p: jax.Array, k: jax.Array, c: jax.Array, nan_scale: jax.Array | None = None
+) -> jax.Array:
     """``fma(s, p, c)`` of float32 ``p`` and ``c`` with ``s = fl32(2**k)`` (int32 ``k``),
     one rounding to nearest even, as a GPU's FFMA (subnormals kept): exact for every input.
     ``nan_scale``: where True, ``s`` is NaN. Non-finite inputs and ``s`` = inf (``k >=

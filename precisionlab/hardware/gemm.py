@@ -16,6 +16,7 @@ from jax import lax
 from precisionlab.hardware import _block, _wide
 from precisionlab.hardware import _kernel as _k
 from precisionlab.hardware.presets import Resolved, resolve
+from precisionlab.hardware.presets import preset as _preset
 from precisionlab.hardware.profiles import check_inputs
 from precisionlab.hardware.schedule import Schedule
 
@@ -455,8 +456,6 @@ def dot_general(
     ``out_dtype`` plays ``preferred_element_type``'s part.
     """
     if preset is not None:
-        from precisionlab.hardware.presets import preset as _preset
-
         kw = _preset(preset)
         device, library, fast_accumulation = kw["device"], kw["library"], kw["fast_accumulation"]
     overrides = dict(overrides)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,7 @@ _KINDS = {
 }
 
 
-def _check_kind(a_dtype, b_dtype) -> str:
+def _check_kind(a_dtype: Any, b_dtype: Any) -> str:
     na, nb = jnp.dtype(a_dtype).name, jnp.dtype(b_dtype).name
     ka, kb = _KINDS.get(na), _KINDS.get(nb)
     if ka is None or ka != kb or (ka == "16bit" and na != nb):
@@ -56,11 +57,21 @@ def _resolve_step(
             f"mma: unknown override(s) {', '.join(unknown)}; allowed (Step fields): "
             + ", ".join(sorted(fields))
         )
+    assert prof.step is not None  # get_profile raised for a profile without one
     return prof, dataclasses.replace(prof.step, **overrides)
 
 
 @partial(jax.jit, static_argnames=("prof", "step"))
-def _mma(a, b, c, bad_a, bad_b, *, prof: Profile, step: Step) -> jax.Array:
+def _mma(
+    a: jax.Array,
+    b: jax.Array,
+    c: jax.Array,
+    bad_a: jax.Array,
+    bad_b: jax.Array,
+    *,
+    prof: Profile,
+    step: Step,
+) -> jax.Array:
     # gemm's chain with C as the first step's accumulator, one chain over K
     acc = _chain_all(a, b, Resolved(prof, step, Schedule()), init=c)
     return _poison(_specials(a, b, acc, init=c), bad_a, bad_b)
@@ -68,7 +79,7 @@ def _mma(a, b, c, bad_a, bad_b, *, prof: Profile, step: Step) -> jax.Array:
 
 def mma(a: jax.Array, b: jax.Array, c: jax.Array, device: str = "h100", *,
         a_format: str | None = None, b_format: str | None = None,
-        **overrides) -> jax.Array:  # fmt: skip
+        **overrides: Any) -> jax.Array:  # fmt: skip
     """``D = A @ B + C`` as one tensor-core instruction of ``device`` computes it.
 
     a: (M, K) and b: (K, N), float16 x float16, bfloat16 x bfloat16 or FP8

@@ -158,6 +158,7 @@ def resolve(device: str, library: str, fast_accumulation: bool, kind: str,
             f"unknown override(s) {', '.join(sorted(unknown))}; allowed: "
             + ", ".join(sorted(step_f | sched_f))
         )
+    assert prof.step is not None  # get_profile raised for a profile without one
     step = dataclasses.replace(prof.step, **{k: v for k, v in overrides.items() if k in step_f})
     sched = dataclasses.replace(sched, **{k: v for k, v in overrides.items() if k in sched_f})
     return Resolved(prof, step, sched)

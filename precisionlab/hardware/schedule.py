@@ -44,7 +44,7 @@ class Schedule:
     upcast: str | None = None
     k_order: str = "natural"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("restart_every", "split_k"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):

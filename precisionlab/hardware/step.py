@@ -62,7 +62,7 @@ class Step:
     subnormal_inputs: str = "emin"
     exact_group: int = 1
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("products", "fraction_bits", "result_bits", "exact_group"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -188,11 +188,13 @@ class Rule(Protocol):
     docstring), and ``ctx.loop_indices`` is empty there.
     """
 
-    primitives: tuple[str, ...]
+    # read-only members, so that a rule may declare them as it likes: ``primitives`` as a class
+    # constant, ``apply`` with the primitive's own operands and parameters as named arguments
+    @property
+    def primitives(self) -> tuple[str, ...]: ...
 
-    def apply(
-        self, ctx: Context, *operands: jax.Array, **params: Any
-    ) -> list[jax.Array] | Emit: ...
+    @property
+    def apply(self) -> Callable[..., list[jax.Array] | Emit]: ...
 
 
 # --- static walk ---------------------------------------------------------------------------

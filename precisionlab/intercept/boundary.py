@@ -444,7 +444,7 @@ def unsupported(
 try:  # private to JAX: used for line numbers and scope names only, so guarded
     from jax._src import source_info_util as _siu
 except Exception:  # pragma: no cover - a JAX without it loses source lines only
-    _siu = None
+    _siu = None  # type: ignore[assignment]
 
 
 def name_stack(eqn: Any) -> str:
@@ -511,7 +511,7 @@ def pvary(x: Any, axes: Any) -> Any:
         return x
     if hasattr(jax.lax, "pcast"):
         return jax.lax.pcast(x, missing, to="varying")
-    return jax.lax.pvary(x, missing)
+    return jax.lax.pvary(x, missing)  # type: ignore[attr-defined]  # JAX before pcast
 
 
 def eval_shape(fn: Callable, *args: Any) -> Any:
@@ -519,7 +519,7 @@ def eval_shape(fn: Callable, *args: Any) -> Any:
     ``shard_map`` (:func:`varying_axes` reads them; jax < 0.7's ``eval_shape`` drops them):
     the traced program's output avals."""
     closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-    return jax.tree_util.tree_structure(shape).unflatten(list(closed.out_avals))
+    return jax.tree.unflatten(jax.tree_util.tree_structure(shape), list(closed.out_avals))
 
 
 def tree_varying_axes(tree: Any) -> frozenset:
@@ -571,7 +571,7 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, Any, list]:
     leaves, treedef = jax.tree.flatten((args, kwargs))
     dyn = [i for i, x in enumerate(leaves) if is_array(x)]
 
-    def flat(*values):
+    def flat(*values: Any) -> Any:
         full = list(leaves)
         for i, v in zip(dyn, values, strict=True):
             full[i] = v

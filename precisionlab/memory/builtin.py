@@ -26,8 +26,10 @@ from precisionlab.memory.estimate import (
     tree_bytes,
 )
 from precisionlab.memory.measure import measure
+from precisionlab.memory.recipe import builtin_gemms, recipe_memory
 from precisionlab.memory.steps import BuiltStep, _train_step, make_optimizer
 from precisionlab.mixed import Policy, get_policy
+from precisionlab.train import StepOptions, TrainConfig, build, build_step
 
 __all__ = [
     "activation_bytes",
@@ -178,8 +180,6 @@ def _table_step_options(cfg: Any, setup: Any, *, dp: int = 0, zero_stage: int = 
     its ``precisionlab.train.build(cfg)`` ``setup``: the setup's policy, loss scale, storage and
     recipe, ``cfg``'s micro-batches and seed, and with ``dp`` devices data parallel with ZeRO
     ``zero_stage`` and the setup's all-reduce dtype (no telemetry, no float32 layers)."""
-    from precisionlab.train import StepOptions
-
     opts = setup.options
     parallel: dict[str, Any] = {}
     if dp:
@@ -210,8 +210,6 @@ def measure_train_table(table: dict[str, Any], where: str = "train") -> dict[str
     working copies of params and optimizer moments stored below float32, and the float32
     magnitudes of the gradients the step's meters read.
     """
-    from precisionlab.train import TrainConfig, build, build_step
-
     cfg = TrainConfig.from_dict(dict(table), where)
     setup = build(cfg)
     model, policy, storage = setup.model, setup.policy, setup.options.storage
@@ -281,8 +279,6 @@ def _recipe_part(table, where, train_recipe, model, cfg, state, got) -> dict[str
     (L + 2) x 3 per matmul site, counted from the model's matmuls; with include/exclude, from
     the sites the state holds), the copies hardware would keep (:mod:`.recipe`), and XLA's
     temporaries of the same step without the recipe, measured for the difference."""
-    from precisionlab.memory.recipe import builtin_gemms, recipe_memory
-
     recipe = train_recipe.recipe
     gemms = builtin_gemms(model, cfg.batch_size // cfg.microbatches)
     if train_recipe.include is not None or train_recipe.exclude:

@@ -48,6 +48,10 @@ import numpy as np
 from precisionlab import _io
 from precisionlab._schema import Field, validate_table, with_docs
 from precisionlab._text import table as text_table
+from precisionlab.memory.builtin import example_batch, param_count, transformer_spec
+from precisionlab.memory.estimate import layer_activation_bytes
+from precisionlab.train import TrainConfig, build, build_step
+from precisionlab.train.layers import remat_policy
 
 __all__ = [
     "DEFAULT_MODELS",
@@ -101,8 +105,6 @@ FIELDS = with_docs(
 
 
 def _config(table: dict[str, Any], where: str, **overrides: Any) -> Any:
-    from precisionlab.train import TrainConfig
-
     return TrainConfig.from_dict({**table, "steps": 1, "scan_layers": True, **overrides}, where)
 
 
@@ -110,8 +112,6 @@ def validate(section: dict, where: str) -> dict:
     """The ``[checkpointing]`` table with defaults filled in; ValueError naming ``where`` and the
     key for an unknown key, a bad value, a bad ``[train]`` table, a K < 1 or an M that does not
     divide a model's batch size."""
-    from precisionlab.train.layers import remat_policy
-
     out = validate_table(section, FIELDS, where)
     try:
         remat_policy(out["remat_policy"])
@@ -151,9 +151,6 @@ def checkpointed_bytes(n_layers: int, boundary: int, layer: int, k: int) -> int:
 def layer_bytes(model: Any, micro: int, policy: Any) -> tuple[int, int]:
     """(boundary, saved) bytes of one stacked layer for ``micro`` examples: the layer's input,
     and what the estimator counts it saves for the backward pass."""
-    from precisionlab.memory.builtin import transformer_spec
-    from precisionlab.memory.estimate import layer_activation_bytes
-
     e = np.dtype(policy.compute_dtype).itemsize
     if model.name == "transformer":
         return layer_activation_bytes(
@@ -163,8 +160,6 @@ def layer_bytes(model: Any, micro: int, policy: Any) -> tuple[int, int]:
 
 
 def _estimate(setup: Any, k: int, m: int) -> dict[str, int]:
-    from precisionlab.memory.builtin import param_count
-
     model, policy = setup.model, setup.policy
     micro = setup.config.batch_size // m
     n_stacked = model.depth if model.name == "transformer" else model.depth - 1
@@ -189,9 +184,6 @@ def measure_point(table: dict[str, Any], *, remat_every: int, microbatches: int 
     with ``scan_layers``, ``remat_every`` and ``microbatches``; returns ``measured_temp``
     (XLA's temp_size_in_bytes), ``estimated_temp`` / ``estimated_activations`` (bytes),
     ``step_s`` (best of ``repeats``, None without) and ``compile_s``."""
-    from precisionlab.memory.builtin import example_batch
-    from precisionlab.train import build, build_step
-
     cfg = _config(
         table,
         where,
@@ -206,7 +198,10 @@ def measure_point(table: dict[str, Any], *, remat_every: int, microbatches: int 
     start = time.perf_counter()
     compiled = jitted.lower(state, batch).compile()
     compile_s = time.perf_counter() - start
-    temp = int(compiled.memory_analysis().temp_size_in_bytes)
+    stats = compiled.memory_analysis()
+    if stats is None:  # a backend that reports no buffer assignment
+        raise ValueError(f"XLA gives no memory analysis on {jax.default_backend()}")
+    temp = int(stats.temp_size_in_bytes)
     step_s = None
     if repeats:
         # Donation consumes the state: each call feeds the next (the first is a warm-up).

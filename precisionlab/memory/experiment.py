@@ -39,7 +39,9 @@ from precisionlab.memory.estimate import (
     estimate,
     estimate_step,
 )
+from precisionlab.memory.measure import measure, time_step
 from precisionlab.memory.presets import get_preset
+from precisionlab.memory.steps import stack_step
 from precisionlab.mixed import get_policy
 
 __all__ = ["DEFAULTS", "KIND", "run", "validate"]
@@ -234,9 +236,6 @@ def run(section: dict, out_dir: Path, *, quiet: bool = False) -> dict:
 
 
 def _measure_sweep(cfg: dict, rows: _Rows, say: Any) -> list[dict[str, Any]]:
-    from precisionlab.memory.measure import measure, time_step
-    from precisionlab.memory.steps import stack_step
-
     n = cfg["measure_layers"]
     runs = [(k, 1) for k in [None] + [k for k in range(1, n + 1) if n % k == 0]]
     runs += [(None, m) for m in cfg["measure_microbatches"] if m > 1]

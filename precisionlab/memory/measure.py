@@ -93,6 +93,8 @@ def measure(
     compiled = jax.jit(step, donate_argnums=donate_argnums).lower(*args).compile()
     compile_s = time.perf_counter() - start
     stats = compiled.memory_analysis()
+    if stats is None:  # a backend that reports no buffer assignment
+        raise ValueError(f"XLA gives no memory analysis on {jax.default_backend()}")
     peak = getattr(stats, "peak_memory_in_bytes", None)
     concrete = all(isinstance(a, jax.Array) for a in jax.tree_util.tree_leaves(args))
     return Measured(

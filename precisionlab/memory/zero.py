@@ -22,9 +22,19 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from precisionlab.memory.builtin import (
+    _scalars,
+    _table_step_options,
+    activation_bytes,
+    example_batch,
+    param_count,
+)
 from precisionlab.memory.estimate import OPTIMIZERS, POINTER_BYTES, tree_bytes
+from precisionlab.train import TrainConfig, build, build_step
+from precisionlab.train.parallel import place_state, shard_batch
 
 __all__ = ["ZERO_PARTS", "leaf_elements_per_device", "measure_zero_table", "zero_state_bytes"]
 
@@ -112,18 +122,6 @@ def measure_zero_table(
     Temporaries (not exact): float32 gradients, the compute copy (all-gathered whole at stage
     3), the activations of the device's micro-batch; measured beside it for information.
     """
-    import jax.numpy as jnp
-
-    from precisionlab.memory.builtin import (
-        _scalars,
-        _table_step_options,
-        activation_bytes,
-        example_batch,
-        param_count,
-    )
-    from precisionlab.train import TrainConfig, build, build_step
-    from precisionlab.train.parallel import place_state, shard_batch
-
     if len(jax.local_devices()) < dp:
         raise ValueError(
             f"dp={dp} needs {dp} devices, this process has {len(jax.local_devices())} "

@@ -67,13 +67,16 @@ def filter_value_and_grad(
             full = list(args)
             for n, part, (leaves, treedef), mask in zip(nums, parts, flat, masks, strict=True):
                 merged = [p if m else x for p, x, m in zip(part, leaves, mask, strict=True)]
-                full[n] = treedef.unflatten(merged)
+                full[n] = jax.tree.unflatten(treedef, merged)
             return fn(*full, **kwargs)
 
         value, grads = jax.value_and_grad(inner, argnums=tuple(range(len(nums))), has_aux=has_aux)(
             *diffs
         )
-        out = tuple(treedef.unflatten(list(g)) for g, (_, treedef) in zip(grads, flat, strict=True))
+        out = tuple(
+            jax.tree.unflatten(treedef, list(g))
+            for g, (_, treedef) in zip(grads, flat, strict=True)
+        )
         return value, (out[0] if single else out)
 
     return f

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from precisionlab.mixed.policy import parse_dtype
+
 __all__ = [
     "LOSS_SCALE_KINDS",
     "DynamicLossScale",
@@ -402,8 +404,6 @@ def parse_loss_scale(spec: str | LossScale, **kwargs: Any) -> LossScale:
     kind = kind.strip()
     dtype = kwargs.pop("dtype", jnp.float32)
     if isinstance(dtype, str):
-        from precisionlab.mixed.policy import parse_dtype
-
         dtype = parse_dtype(dtype)
     if kind == "none":
         if arg or kwargs:

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from precisionlab import bits
+
 __all__ = ["enforce", "enforce_tree", "ieee_widths", "uses_reduce_precision"]
 
 T = TypeVar("T")
@@ -49,16 +51,14 @@ def uses_reduce_precision(dtype: Any) -> bool:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _codec_round(x: jax.Array, name: str) -> jax.Array:
-    from precisionlab import bits
-
     return bits.round_to_format(x.astype(jnp.float32), name).astype(x.dtype)
 
 
-def _codec_round_fwd(x, name):
+def _codec_round_fwd(x: jax.Array, name: str) -> tuple[jax.Array, None]:
     return _codec_round(x, name), None
 
 
-def _codec_round_bwd(name, _, g):
+def _codec_round_bwd(name: str, _: None, g: jax.Array) -> tuple[jax.Array]:
     return (_codec_round(g, name),)
 
 
@@ -103,11 +103,13 @@ def _ieee_round(x: jax.Array, exponent_bits: int, mantissa_bits: int) -> jax.Arr
     return rounded.astype(x.dtype)
 
 
-def _ieee_round_fwd(x, exponent_bits, mantissa_bits):
+def _ieee_round_fwd(x: jax.Array, exponent_bits: int, mantissa_bits: int) -> tuple[jax.Array, None]:
     return _ieee_round(x, exponent_bits, mantissa_bits), None
 
 
-def _ieee_round_bwd(exponent_bits, mantissa_bits, _, g):
+def _ieee_round_bwd(
+    exponent_bits: int, mantissa_bits: int, _: None, g: jax.Array
+) -> tuple[jax.Array]:
     # Rounding is treated as linear (as lax.reduce_precision is): the cotangent is rounded to the
     # same format, as the backward pass of a float16 network would round it.
     return (_ieee_round(g, exponent_bits, mantissa_bits),)

@@ -141,7 +141,11 @@ def accuracy(logits: jax.Array, labels: jax.Array, mask: jax.Array | None = None
 
 
 def reduce_sum(
-    x: jax.Array, axis=None, *, policy: Policy | None = None, enforce: bool = True
+    x: jax.Array,
+    axis: int | tuple[int, ...] | None = None,
+    *,
+    policy: Policy | None = None,
+    enforce: bool = True,
 ) -> jax.Array:
     """Sum accumulated in float32 if ``reduce`` is kept there; result in the compute dtype."""
     p = _policy(policy)
@@ -150,7 +154,11 @@ def reduce_sum(
 
 
 def reduce_mean(
-    x: jax.Array, axis=None, *, policy: Policy | None = None, enforce: bool = True
+    x: jax.Array,
+    axis: int | tuple[int, ...] | None = None,
+    *,
+    policy: Policy | None = None,
+    enforce: bool = True,
 ) -> jax.Array:
     """Mean accumulated like :func:`reduce_sum`; result in the compute dtype."""
     p = _policy(policy)

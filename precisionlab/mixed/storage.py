@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from precisionlab import bits
 from precisionlab.mixed.policy import parse_dtype
 
 __all__ = [
@@ -185,7 +186,7 @@ def store_opt_state(
         def init32(params: Any) -> Any:
             return optimizer.init(_values(params))
 
-        def update32(updates: Any, state: Any, params: Any = None, **extra: Any):
+        def update32(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:
             params = None if params is None else _values(params)
             return optimizer.update(_values(updates), state, params, **extra)
 
@@ -194,7 +195,7 @@ def store_opt_state(
     def init(params: Any) -> Any:
         return compress(optimizer.init(decompress(_values(params))), dt)
 
-    def update(updates: Any, state: Any, params: Any = None, **extra: Any):
+    def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:
         updates32 = decompress(_values(updates))
         params32 = None if params is None else decompress(_values(params))
         new_updates, new_state = optimizer.update(updates32, decompress(state), params32, **extra)
@@ -230,7 +231,6 @@ def round_to_storage(
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
     if key is None:
         raise ValueError("stochastic rounding needs a PRNG key")
-    from precisionlab import bits
 
     return bits.round_to_format(
         x.astype(jnp.float32), dt.name, rounding="stochastic", key=key
@@ -258,9 +258,9 @@ def apply_updates(
     Returns the new params (same dtypes) and storage state.
     """
     leaves, treedef = jax.tree_util.tree_flatten(params)
-    ups = treedef.flatten_up_to(updates)
+    ups = treedef.flatten_up_to(updates)  # type: ignore[attr-defined]  # PyTreeDef: no stub
     if update == "kahan":
-        comps = treedef.flatten_up_to(state.compensation)
+        comps = treedef.flatten_up_to(state.compensation)  # type: ignore[attr-defined]  # no stub
     else:
         comps = [None] * len(leaves)
     if update == "stochastic":
@@ -292,5 +292,7 @@ def apply_updates(
             new_p.append(t)
         else:
             raise ValueError(f"unknown update rounding {update!r}; allowed: {UPDATE_MODES}")
-    new_state = StorageState(treedef.unflatten(new_c) if update == "kahan" else state.compensation)
-    return treedef.unflatten(new_p), new_state
+    new_state = StorageState(
+        jax.tree.unflatten(treedef, new_c) if update == "kahan" else state.compensation
+    )
+    return jax.tree.unflatten(treedef, new_p), new_state

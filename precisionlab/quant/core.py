@@ -12,7 +12,7 @@ on that view, so every step is elementwise broadcasting, and nothing loops over 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, Literal, NamedTuple, overload
 
 import jax
 import jax.numpy as jnp
@@ -186,8 +186,16 @@ def apply_scale(xg: jax.Array, sc: Scale, spec: QuantSpec) -> jax.Array:
     return xg * (jnp.float32(1.0) / sc.s)  # see _div_const
 
 
+@overload
 def fake_values(
-    xg: jax.Array, sc: Scale, spec: QuantSpec, key, *, with_mask: bool = False
+    xg: jax.Array, sc: Scale, spec: QuantSpec, key: Any, *, with_mask: Literal[False] = False
+) -> jax.Array: ...
+@overload
+def fake_values(
+    xg: jax.Array, sc: Scale, spec: QuantSpec, key: Any, *, with_mask: Literal[True]
+) -> tuple[jax.Array, jax.Array]: ...
+def fake_values(
+    xg: jax.Array, sc: Scale, spec: QuantSpec, key: Any, *, with_mask: bool = False
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """``unapply_scale(round_elements(apply_scale(xg)))``: the dequantized values, float32
     (and, ``with_mask``, :func:`inside_mask` of the scaled values, for the gradient).

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +20,9 @@ __all__ = ["STE_MODES", "fake_quant"]
 STE_MODES = ("clipped", "identity")
 
 
-def _forward(x: jax.Array, key, spec: QuantSpec, with_mask: bool):
+def _forward(
+    x: jax.Array, key: Any, spec: QuantSpec, with_mask: bool
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """x_hat (x's dtype) and, ``with_mask``, the bool mask of elements inside the
     representable range (computed in the same pass, only where a gradient is taken)."""
     xg, sc = core.choose_scale(jax.lax.stop_gradient(x), spec)
@@ -31,15 +35,15 @@ def _forward(x: jax.Array, key, spec: QuantSpec, with_mask: bool):
 
 
 @lru_cache(maxsize=256)
-def _make(spec: QuantSpec, ste: str):
+def _make(spec: QuantSpec, ste: str) -> Callable[[jax.Array, Any], jax.Array]:
     @jax.custom_vjp
-    def fq(x, key):
+    def fq(x: jax.Array, key: Any) -> Any:
         return _forward(x, key, spec, with_mask=False)
 
-    def fwd(x, key):
+    def fwd(x: jax.Array, key: Any) -> Any:
         return _forward(x, key, spec, with_mask=True)
 
-    def bwd(mask, g):
+    def bwd(mask: jax.Array, g: jax.Array) -> tuple[jax.Array, None]:
         if ste == "identity":
             return g, None
         return jnp.where(mask, g, jnp.zeros_like(g)), None
@@ -50,7 +54,7 @@ def _make(spec: QuantSpec, ste: str):
 
 def fake_quant(
     x: jax.Array,
-    fmt,
+    fmt: Any,
     *,
     axis: int | None = None,
     block_size: int | None = None,

@@ -167,7 +167,7 @@ def e2m1_stochastic(y: jax.Array, u: jax.Array) -> jax.Array:
     return jnp.copysign(jnp.minimum(r, jnp.float32(E2M1_MAX)), y)
 
 
-def e2m1(y: jax.Array, rounding: str = "nearest_even", key: jax.Array | None = None):
+def e2m1(y: jax.Array, rounding: str = "nearest_even", key: jax.Array | None = None) -> jax.Array:
     """:func:`e2m1_nearest` or (``rounding="stochastic"``, with ``key``) :func:`e2m1_stochastic`."""
     if rounding == "stochastic":
         if key is None:
@@ -195,7 +195,7 @@ def e4m3_stochastic(s: jax.Array, u: jax.Array) -> jax.Array:
 
 
 # --- layout ----------------------------------------------------------------------------------
-def _bits_amax(x: jax.Array, axis) -> jax.Array:
+def _bits_amax(x: jax.Array, axis: int | tuple[int, ...]) -> jax.Array:
     """max |x| over ``axis`` (keepdims) on the float32 bits: exact, NaN wins over inf."""
     b = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32) & _ABS
     return lax.bitcast_convert_type(jnp.max(b, axis=axis, keepdims=True), jnp.float32)
@@ -295,7 +295,7 @@ def nvfp4(
     base = (a * jnp.float32(np.float32(1.0) / np.float32(val_max))) * se
     inv = jnp.float32(1.0) / se
 
-    def candidate(sb, k):
+    def candidate(sb: jax.Array, k: jax.Array | None) -> jax.Array:
         zero = sb == 0
         y = g * jnp.where(zero, jnp.float32(0.0), se / jnp.where(zero, 1.0, sb))
         y = jnp.where(jnp.isfinite(a), y, jnp.float32(jnp.nan))
@@ -304,6 +304,8 @@ def nvfp4(
     sb6 = e4m3_nearest(base)
     k6 = k4 = key
     if rounding == "stochastic" and four_over_six is not None:
+        if key is None:  # found by mypy: jax.random.split(None) raised a bare TypeError
+            raise ValueError("stochastic rounding needs a PRNG key")
         k6, k4 = jax.random.split(key)
     q = candidate(sb6, k6)
     sb = sb6
@@ -324,7 +326,7 @@ def nvfp4(
     return FP4Block(q.reshape(x.shape), scale, tinv)
 
 
-def _block_error(g, deq, rule: str, axes) -> jax.Array:
+def _block_error(g: jax.Array, deq: jax.Array, rule: str, axes: int | tuple[int, ...]) -> jax.Array:
     d = deq - g
     if rule == "mse":
         return jnp.sum(d * d, axis=axes, keepdims=True)
@@ -565,7 +567,9 @@ def fake_quant_named(
     return jnp.moveaxis(_fake_ste(moved, name, rounding, key), -1, ax).astype(x.dtype)
 
 
-def _named_values(x: jax.Array, name: str, rounding: str, key) -> tuple[jax.Array, Any]:
+def _named_values(
+    x: jax.Array, name: str, rounding: str, key: jax.Array | None
+) -> tuple[jax.Array, Any]:
     """(values, gradient residual) of the quantizer on float32 ``x`` blocked along the last
     axis; the residual is None (straight through) or QuEST's (trust mask, rotation)."""
     x = x.astype(jnp.float32)
@@ -602,15 +606,17 @@ def _divisor(n: int, cap: int) -> int:
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _fake_ste(x, name, rounding, key):
+def _fake_ste(x: jax.Array, name: str, rounding: str, key: jax.Array | None) -> jax.Array:
     return _named_values(x, name, rounding, key)[0]
 
 
-def _fake_ste_fwd(x, name, rounding, key):
+def _fake_ste_fwd(
+    x: jax.Array, name: str, rounding: str, key: jax.Array | None
+) -> tuple[jax.Array, Any]:
     return _named_values(x, name, rounding, key)
 
 
-def _fake_ste_bwd(name, rounding, res, g):
+def _fake_ste_bwd(name: str, rounding: str, res: Any, g: jax.Array) -> tuple[jax.Array, None]:
     if res is None:
         return g, None
     # QuEST: y = Q(x M) M^T, so dy/dx = M diag(mask) M^T (M the rotation)

@@ -11,6 +11,8 @@ import jax.numpy as jnp
 from precisionlab.bits import decode, encode
 from precisionlab.formats import FORMATS
 from precisionlab.quant import core, pow2
+from precisionlab.quant.fp4 import FP4_QUANTIZERS
+from precisionlab.quant.mx import MXFormat
 from precisionlab.quant.pack import pack, unpack
 from precisionlab.quant.qarray import QArray
 from precisionlab.quant.spec import QuantSpec, resolve
@@ -136,8 +138,6 @@ def quantize(
 
 
 def _fp4_names():
-    from precisionlab.quant.fp4 import FP4_QUANTIZERS
-
     return FP4_QUANTIZERS
 
 
@@ -169,8 +169,6 @@ def _check_key(spec: QuantSpec, key) -> None:
 
 def spec_of(q: QArray) -> QuantSpec:
     """The static spec a QArray was made with (enough to dequantize it)."""
-    from precisionlab.quant.mx import MXFormat
-
     mx = q.fmt if isinstance(q.fmt, MXFormat) else None
     method, p = q.scale_method, None
     if method.startswith("percentile:"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 from precisionlab.bits import parse_rounding
 from precisionlab.formats import FloatFormat, Format, IntFormat, get_format
@@ -94,7 +95,7 @@ class QuantSpec:
         return self.mx if self.mx is not None else self.fmt
 
 
-def parse_format(fmt) -> tuple[Format, MXFormat | None]:
+def parse_format(fmt: Any) -> tuple[Format, MXFormat | None]:
     mx = get_mx_format(fmt)
     if mx is not None:
         return mx.element, mx
@@ -126,7 +127,7 @@ def parse_scale(scale: str | None, fmt: Format) -> tuple[str, float | None]:
 
 def resolve(
     ndim: int,
-    fmt,
+    fmt: Any,
     *,
     axis: int | None = None,
     block_size: int | None = None,

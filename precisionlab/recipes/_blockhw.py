@@ -26,11 +26,15 @@ bytes (what a TMA load fills out of bounds).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from precisionlab import hardware as hw
 from precisionlab.bits import encode
+from precisionlab.recipes.scaling import QOperand
 
 __all__ = [
     "ELEMENT_PAIRS", "block_gemm", "block_presets", "check_pairs", "device_error",
@@ -59,8 +63,6 @@ _NAN_CODE = {"float8_e8m0fnu": 0xFF, "float8_e4m3fn": 0x7F}
 
 def block_presets() -> tuple[str, ...]:
     """Hardware presets (names, then aliases) whose device has a block-scaled MMA."""
-    from precisionlab import hardware as hw
-
     devs = {p.device for p in hw.PROFILES.values() if p.kind == "fp4" and p.step is not None}
     names = [n for n, (d, _, _) in hw.PRESETS.items() if d in devs]
     return (*names, *(a for a, t in hw.PRESET_ALIASES.items() if t in names))
@@ -69,8 +71,6 @@ def block_presets() -> tuple[str, ...]:
 def device_error(recipe_name: str, acc: str, what: str) -> ValueError | None:
     """The error for a block recipe on a preset whose device has no block-scaled MMA, or
     None where it has one."""
-    from precisionlab import hardware as hw
-
     works = block_presets()
     if hw.canonical_preset(acc) in works:
         return None
@@ -92,7 +92,9 @@ def _pair_kind(fa: str, fb: str) -> str | None:
     return "f8f6f4" if fa in known and fb in known else None
 
 
-def check_pairs(recipe_name: str, acc: str, pairs, scale: str, block: int) -> None:
+def check_pairs(
+    recipe_name: str, acc: str, pairs: Iterable[tuple[str, str, str]], scale: str, block: int
+) -> None:
     """ValueError unless every (label, lhs format, rhs format) of ``pairs`` is an element
     pairing the modelled MMA takes with ``scale`` blocks of ``block``."""
     sname = "E8M0" if scale == "float8_e8m0fnu" else "UE4M3"
@@ -119,7 +121,9 @@ def _scale_codes(exp_or_value: jax.Array, scale: str, nan: jax.Array) -> jax.Arr
     return lax.bitcast_convert_type(code, jnp.dtype(scale))
 
 
-def hardware_operand(q, element: str, scale: str, block: int) -> tuple[jax.Array, jax.Array]:
+def hardware_operand(
+    q: QOperand, element: str, scale: str, block: int
+) -> tuple[jax.Array, jax.Array]:
     """A quantized (B, R, K) operand (:class:`scaling.QOperand` with block scales) as the
     MMA's inputs: elements (B, R, K) of ``element`` (FP6: its uint8 codes) and scales
     (B, R, K / block) of ``scale`` (E8M0 from the operand's ``block_exp``, UE4M3 from its
@@ -128,9 +132,11 @@ def hardware_operand(q, element: str, scale: str, block: int) -> tuple[jax.Array
     nblk = k // block
     elems = q.elems.reshape(b, r, nblk, block)
     nan = jnp.any(jnp.isnan(elems), axis=-1)
+    assert q.block_inv is not None  # an operand with block scales
     inv = jnp.broadcast_to(q.block_inv, q.elems.shape).reshape(b, r, nblk, block)[..., 0]
     nan = nan | jnp.isnan(inv)
     if scale == "float8_e8m0fnu":
+        assert q.block_exp is not None  # E8M0 scales are powers of two
         src = jnp.broadcast_to(q.block_exp, q.elems.shape).reshape(b, r, nblk, block)[..., 0]
     else:
         src = inv
@@ -151,21 +157,22 @@ def _pad_k(e: jax.Array, s: jax.Array, mult: int, block: int) -> tuple[jax.Array
     return e, s
 
 
-def block_gemm(qa, qb, elements: tuple[str, str], scale: str, block: int, preset: str):
+def block_gemm(
+    qa: QOperand, qb: QOperand, elements: tuple[str, str], scale: str, block: int, preset: str
+) -> jax.Array:
     """float32 accumulators (B, M, N) of block-scaled ``qa`` (B, M, K) x ``qb`` (B, N, K) as
     ``preset``'s block-scaled MMA computes them (per-tensor / per-row factors not applied)."""
-    from precisionlab import hardware as hw
-
     ea, sa = hardware_operand(qa, elements[0], scale, block)
     eb, sb = hardware_operand(qb, elements[1], scale, block)
     if _pair_kind(*elements) == "fp4":
         step = hw.get_profile(hw.preset(preset)["device"], "fp4").step
+        assert step is not None  # get_profile raised for a profile without one
         ea, sa = _pad_k(ea, sa, step.products, block)
         eb, sb = _pad_k(eb, sb, step.products, block)
     kw = hw.preset(preset)
     fa, fb = (f if f in _FP6 else None for f in elements)
 
-    def one(a, b, x, y):
+    def one(a: jax.Array, b: jax.Array, x: jax.Array, y: jax.Array) -> jax.Array:
         return hw.gemm(a, b.T, block_scale_a=x, block_scale_b=y.T, a_format=fa, b_format=fb,
                        **kw)  # fmt: skip
 

@@ -55,7 +55,7 @@ def conv_general_dilated(
     recipe: Recipe | str,
     state: dict | None = None,
     key: jax.Array | None = None,
-    weight: str = "rhs",
+    weight: str | tuple[str, str] = "rhs",
 ) -> jax.Array:
     """``lax.conv_general_dilated`` whose forward and backward GEMMs are quantized by
     ``recipe``, as the GEMM over the patches (see the module docstring for the scaled axis of

@@ -33,6 +33,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from precisionlab import hardware as hw
+from precisionlab.recipes.scaling import QOperand
+
 __all__ = ["BLOCK", "blockwise_gemm"]
 
 #: DeepGEMM's scaling block along K (``BLOCK_K == 128``, asserted in its kernels).
@@ -45,23 +48,24 @@ def _blocks(x: jax.Array) -> jax.Array:
     return jnp.transpose(x.reshape(b, r, k // BLOCK, BLOCK), (0, 2, 1, 3))
 
 
-def blockwise_gemm(qa, qb, preset: str) -> jax.Array:
+def blockwise_gemm(qa: QOperand, qb: QOperand, preset: str) -> jax.Array:
     """float32 (B, M, N) of blockwise-quantized ``qa`` (B, M, K) and ``qb`` (B, N, K)
     (elements E4M3 values, power-of-two block scales with ``block_exp``; K a multiple of
     128) as DeepGEMM's Hopper kernels compute it under ``preset`` (see the module
     docstring)."""
-    from precisionlab import hardware as hw
-
     kw = hw.preset(preset)
     a8 = _blocks(qa.elems.astype(jnp.float8_e4m3fn))  # exact: the elements are E4M3 values
     b8 = _blocks(qb.elems.astype(jnp.float8_e4m3fn))
 
-    def block(a, b):  # (M, 128) x (N, 128): one 128-k chain on the Hopper FP8 step
+    def block(a: jax.Array, b: jax.Array) -> jax.Array:
+        # (M, 128) x (N, 128): one 128-k chain on the Hopper FP8 step
         return hw.gemm(a, b.T, **kw)
 
     parts = jax.vmap(jax.vmap(block))(a8, b8)  # (B, K / 128, M, N)
 
-    def per_block(q):  # the scale exponent (int32) and NaN flag of each (row, block)
+    def per_block(q: QOperand) -> tuple[jax.Array, jax.Array]:
+        # the scale exponent (int32) and NaN flag of each (row, block)
+        assert q.block_exp is not None and q.block_inv is not None  # blockwise scales
         exp = jnp.broadcast_to(q.block_exp, q.elems.shape)[..., ::BLOCK]
         nan = jnp.isnan(jnp.broadcast_to(q.block_inv, q.elems.shape)[..., ::BLOCK])
         return jnp.moveaxis(exp, -1, 1), jnp.moveaxis(nan, -1, 1)  # (B, K / 128, R)
@@ -71,7 +75,7 @@ def blockwise_gemm(qa, qb, preset: str) -> jax.Array:
     k = ea[..., :, None] + eb[..., None, :]  # log2 fl32(sa * sb), before its range
     nan = na[..., :, None] | nb[..., None, :]
 
-    def promote(acc, x):
+    def promote(acc: jax.Array, x: tuple[jax.Array, ...]) -> tuple[jax.Array, None]:
         p, kj, nj = x
         return hw.fma_pow2(p, kj, acc, nj), None
 

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from precisionlab import hardware
 from precisionlab.intercept import boundary
 from precisionlab.recipes import scaling as S
 from precisionlab.recipes._accumulate import accumulate
@@ -131,8 +132,6 @@ def _element_dtype(recipe: Recipe, kind: str, q: S.QOperand):
 
 
 def _hardware_gemm(recipe: Recipe, qa, qb, kinds) -> jax.Array:
-    from precisionlab import hardware
-
     if isinstance(recipe, Blockwise):  # DeepGEMM's per-128 promotion (the recipe checked it)
         return blockwise_gemm(qa, qb, recipe.accumulate)
     if qa.block_inv is not None and qb.block_inv is not None and isinstance(recipe, (MX, NVFP4)):
@@ -384,7 +383,7 @@ def dot_general(
     recipe: Recipe | str,
     state: dict | None = None,
     key: jax.Array | None = None,
-    weight: str = "rhs",
+    weight: str | tuple[str, str] = "rhs",
 ) -> jax.Array:
     """``lax.dot_general`` whose forward and backward GEMMs are quantized by ``recipe``.
 

@@ -5,6 +5,7 @@ published 4-bit recipes of :mod:`precisionlab.recipes._fp4` (:data:`RECIPE_NAMES
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from precisionlab.recipes import _recipes
 from precisionlab.recipes._fp4 import FP4_RECIPES
@@ -16,7 +17,7 @@ __all__ = ["RECIPE_NAMES", "get_recipe"]
 RECIPE_NAMES: tuple[str, ...] = _recipes.RECIPE_NAMES + tuple(FP4_RECIPES)
 
 
-def get_recipe(name: str | Recipe, **overrides) -> Recipe:
+def get_recipe(name: str | Recipe, **overrides: Any) -> Recipe:
     """The recipe called ``name`` (one of :data:`RECIPE_NAMES`) with its defaults, fields
     overridden by keyword (``get_recipe("mxfp8", scale_rule="floor")``,
     ``get_recipe("tetrajet", fmt="nvfp4")``); a Recipe passes through."""

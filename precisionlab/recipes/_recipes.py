@@ -33,8 +33,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from precisionlab import hardware as hw
 from precisionlab.formats import FORMATS, FloatFormat
+from precisionlab.hardware import canonical_preset
 from precisionlab.quant.mx import SCALE_RULES
+from precisionlab.recipes import _blockhw
 from precisionlab.recipes import scaling as S
 
 __all__ = [
@@ -85,8 +88,6 @@ class Recipe:
     def __post_init__(self):
         acc = self.accumulate
         if acc is not None:
-            from precisionlab.hardware import canonical_preset
-
             if acc != "sequential":
                 try:
                     canonical_preset(acc)
@@ -393,15 +394,11 @@ class Blockwise(_Blocked):
 
 
 def _library(acc: str) -> str:
-    from precisionlab import hardware as hw
-
     return hw.PRESETS[hw.canonical_preset(acc)][1]
 
 
 def deepgemm_presets() -> tuple[str, ...]:
     """Hardware presets running DeepGEMM's kernels (the blockwise recipe's schedule)."""
-    from precisionlab import hardware as hw
-
     return tuple(n for n, (_, lib, _) in hw.PRESETS.items() if lib == "deepgemm")
 
 
@@ -453,8 +450,6 @@ class MX(_Blocked):
         return self.fmt(kind).name, "float8_e8m0fnu"
 
     def _check_hardware(self, acc: str) -> None:
-        from precisionlab.recipes import _blockhw
-
         label = {v[0]: k for k, v in _MX_ELEMENTS.items()}.get(self.element, "mx")
         err = _blockhw.device_error(label, acc, f"blocks of {self.block} (E8M0)")
         if err is not None:
@@ -510,8 +505,6 @@ class NVFP4(_Blocked):
         return "float4_e2m1fn", "float8_e4m3fn"  # E4M3 scales >= 0: UE4M3's codes
 
     def _check_hardware(self, acc: str) -> None:
-        from precisionlab.recipes import _blockhw
-
         err = _blockhw.device_error(self.name, acc, f"blocks of {self.block} (UE4M3)")
         if err is not None:
             raise err

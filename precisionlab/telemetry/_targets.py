@@ -27,7 +27,8 @@ import dataclasses
 import functools
 import math
 import re
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -71,7 +72,7 @@ class Target:
         return f.max + ulp / 2, bool(sig % 2)
 
 
-def _parse_one(spec) -> Target:
+def _parse_one(spec: Any) -> Target:
     if isinstance(spec, Target):
         return spec
     if not isinstance(spec, str):
@@ -106,7 +107,7 @@ def _parse_one(spec) -> Target:
     return Target(name=spec.strip(), fmt=fmt, scaling=scaling or "none", block=size)
 
 
-def parse_targets(targets) -> tuple[Target, ...]:
+def parse_targets(targets: Any) -> tuple[Target, ...]:
     """A tuple of :class:`Target` from names (a single string is one target)."""
     if isinstance(targets, (str, Target)):
         targets = (targets,)
@@ -293,7 +294,9 @@ def count_thresholds(fmt: FloatFormat) -> tuple[int, int, int] | None:
     if _fast_mode(fmt) == "exact":
         return None
 
-    def first(pred) -> int:  # smallest finite float32 bit pattern where pred holds
+    def first(
+        pred: Callable[[float], bool],
+    ) -> int:  # smallest finite float32 bit pattern where pred holds
         lo, hi = 0, 0x7F800000
         while lo < hi:
             mid = (lo + hi) // 2

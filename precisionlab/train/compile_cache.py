@@ -43,7 +43,7 @@ def enable_compilation_cache(directory: str | Path | None = None) -> Path | None
     if choice.lower() == OFF:
         return None
     if not choice:
-        current = jax.config.jax_compilation_cache_dir  # the user's JAX setting wins
+        current = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]  # the user's JAX setting wins (jax.config's options are made at run time)
         choice = current if current else str(default_cache_dir())
     path = Path(choice).expanduser()
     try:

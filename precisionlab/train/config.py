@@ -292,7 +292,7 @@ class TrainConfig:
     enforce_numerics: bool = True
     recipe: str | dict[str, Any] | None = None
     # a list in the table (as TRAIN_FIELDS declares it), kept as a tuple once made
-    high_precision_layers: tuple[str, ...] = dataclasses.field(default_factory=list)  # type: ignore[assignment]
+    high_precision_layers: tuple[str, ...] = dataclasses.field(default_factory=list)  # type: ignore[arg-type]
     steps: int = 500
     seed: int = 0
     batch_size: int = 128

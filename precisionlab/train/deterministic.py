@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from precisionlab.intercept import intercept
+from precisionlab.intercept import Context, intercept
 
 __all__ = ["BLOCK", "fixed_order", "pairwise_dot", "pairwise_sum"]
 
@@ -74,7 +75,7 @@ def _products_sum(a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def pairwise_dot(
-    lhs: jax.Array, rhs: jax.Array, dimension_numbers, out_dtype
+    lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, out_dtype: Any
 ) -> jax.Array:  # fmt: skip
     """``lax.dot_general(lhs, rhs, dimension_numbers)`` with float32 products summed in the
     fixed pairwise order, rounded once to ``out_dtype``; the output layout is dot_general's
@@ -102,7 +103,7 @@ def pairwise_dot(
     return out.reshape(shape).astype(out_dtype)
 
 
-def _floating(x) -> bool:
+def _floating(x: Any) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating)
 
 
@@ -113,7 +114,7 @@ class _FixedOrder:
     primitives: tuple[str, ...] = ("dot_general", "reduce_sum")
     emits = False
 
-    def apply(self, ctx, *operands, **params):
+    def apply(self, ctx: Context, *operands: jax.Array, **params: Any) -> list[jax.Array]:
         out_aval = ctx.eqn.outvars[0].aval
         if not _floating(out_aval) or not all(_floating(x) for x in operands):
             return list(ctx.original(*operands))

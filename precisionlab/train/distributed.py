@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from precisionlab._text import check_processes
 from precisionlab.train.checkpoint import latest_checkpoint, load_checkpoint
@@ -42,7 +43,9 @@ __all__ = [
 ]
 
 
-def initialize(coordinator: str, num_processes: int, process_id: int, *, timeout_s: int = 60):
+def initialize(
+    coordinator: str, num_processes: int, process_id: int, *, timeout_s: int = 60
+) -> None:
     """Join the distributed run: process ``process_id`` of ``num_processes``, coordinated by
     process 0 listening on ``coordinator`` (HOST:PORT).
 
@@ -118,7 +121,6 @@ def broadcast_tree(tree: Any) -> Any:
     process) as numpy arrays on every process, bit for bit."""
     if jax.process_count() == 1:
         return jax.tree_util.tree_map(np.asarray, tree)
-    from jax.experimental import multihost_utils
 
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     host = [np.asarray(jax.device_get(x)) for x in leaves]

@@ -11,6 +11,7 @@ import numpy as np
 
 from precisionlab.mixed.policy import Policy, cast_floating, get_policy
 from precisionlab.train import programs
+from precisionlab.train.deterministic import fixed_order
 from precisionlab.train.step import (
     normalize_loss_fn,
 )
@@ -48,10 +49,10 @@ def _make_run(loss_fn: Callable, policy: Policy, deterministic: bool = False) ->
     """``run(params, stacked_batches) -> (mean loss, mean metric)``, jitted."""
     f = normalize_loss_fn(loss_fn)
 
-    def run(params, stacked):
+    def run(params: Any, stacked: Any) -> tuple[jax.Array, jax.Array]:
         pc = cast_floating(params, policy.compute_dtype)
 
-        def one(carry, b):
+        def one(carry: None, b: Any) -> tuple[None, tuple[jax.Array, jax.Array]]:
             loss, aux = f(pc, b)
             metric = aux.get("metric", jnp.nan) if isinstance(aux, dict) else jnp.nan
             return carry, (loss.astype(jnp.float32), jnp.asarray(metric, jnp.float32))
@@ -60,8 +61,6 @@ def _make_run(loss_fn: Callable, policy: Policy, deterministic: bool = False) ->
         return jnp.mean(losses), jnp.mean(metrics)
 
     if deterministic:
-        from precisionlab.train.deterministic import fixed_order
-
         return jax.jit(fixed_order(run))
     return jax.jit(run)
 

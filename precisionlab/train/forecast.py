@@ -29,6 +29,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from precisionlab.train.predictors import run_meta
+
 __all__ = [
     "MECHANISMS",
     "MODEL_PATH",
@@ -329,8 +331,6 @@ class ForecastHook:
     ) -> ForecastHook:
         """The hook for a run of ``config`` (a :class:`~precisionlab.train.TrainConfig`: its
         compute and params dtypes and recipe are what the rules need to know)."""
-        from precisionlab.train.predictors import run_meta
-
         prec = config.precision
         params = prec.storage.param_dtype(prec.policy.param_dtype)
         meta = run_meta(prec.policy, params, prec.recipe)

@@ -7,6 +7,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from tqdm.auto import tqdm
+
 from precisionlab.train.aggregates import Aggregates
 from precisionlab.train.checkpoint import save_checkpoint
 from precisionlab.train.step import (
@@ -87,8 +89,6 @@ class ProgressHook:
 
     @classmethod
     def for_run(cls, total: int, initial: int, desc: str | None) -> ProgressHook:
-        from tqdm.auto import tqdm
-
         return cls(tqdm(total=total, initial=initial, desc=desc, leave=False, dynamic_ncols=True))
 
     def on_step(self, end: StepEnd) -> None:

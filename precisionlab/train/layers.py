@@ -115,7 +115,7 @@ def stack_layers(layers: Sequence[Any], what: str = "layer") -> Any:
     ref_leaves = jax.tree_util.tree_leaves(layers[0])
     for i, layer in enumerate(layers[1:], 1):
         struct = jax.tree_util.tree_structure(layer)
-        if struct != ref:
+        if struct != ref:  # type: ignore[operator]  # jaxlib's PyTreeDef stub has no __ne__
             raise ValueError(
                 f"{what} {i} cannot be stacked with {what} 0: its params differ in structure "
                 f"({struct} vs {ref}); scan_layers needs identical layers"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -44,7 +45,7 @@ def _name(entry: Any) -> str:
     raise TypeError(f"cannot name pytree path entry {entry!r}")
 
 
-def _nested(tree: Any, leaf_fn) -> dict[str, Any]:
+def _nested(tree: Any, leaf_fn: Callable[[Any], Any]) -> dict[str, Any]:
     """``tree``'s leaves as a nested dict keyed by their path names."""
     out: dict[str, Any] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:

@@ -179,7 +179,7 @@ def data_parallel(
             g = jax.lax.psum(g, AXIS)
         return g.astype(jnp.float32) / jnp.float32(n)
 
-    def per_device(params, batch, loss_scale, extra):
+    def per_device(params: Any, batch: Any, loss_scale: Any, extra: Any) -> tuple[Any, ...]:
         # The replicated inputs enter as varying over the data axis: each device's gradient
         # (and a recipe's observed amaxes) is then its own, reduced below in allreduce_dtype,
         # rather than summed by JAX in the params' dtype (the transpose of an implicit pvary)
@@ -187,8 +187,11 @@ def data_parallel(
         loss, aux, grads, underflow, observed = grad_fn(params, batch, loss_scale, extra)
         mean = lambda x: jax.lax.pmean(x, AXIS)  # noqa: E731
         leaves, treedef = jax.tree_util.tree_flatten(grads)
-        specs = [rep] * len(leaves) if grad_specs is None else treedef.flatten_up_to(grad_specs)
-        grads = treedef.unflatten([reduce(g, s) for g, s in zip(leaves, specs, strict=True)])
+        # jaxlib ships no type stub for PyTreeDef's methods
+        specs = [rep] * len(leaves) if grad_specs is None else treedef.flatten_up_to(grad_specs)  # type: ignore[attr-defined]
+        grads = jax.tree.unflatten(
+            treedef, [reduce(g, s) for g, s in zip(leaves, specs, strict=True)]
+        )
         observed = jax.tree_util.tree_map(lambda x: jax.lax.pmax(x, AXIS), observed)
         return mean(loss), jax.tree_util.tree_map(mean, aux), grads, mean(underflow), observed
 

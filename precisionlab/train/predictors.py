@@ -88,6 +88,7 @@ import numpy as np
 
 from precisionlab._schema import INT32_MAX, Field, validate_table
 from precisionlab.mixed.policy import Policy, cast_floating
+from precisionlab.quant import MX_FORMATS, fake_quant, get_mx_format
 from precisionlab.telemetry import every, observe
 
 __all__ = [
@@ -187,8 +188,6 @@ class Predictors:
         object.__setattr__(self, "layers", tuple((str(a), str(b)) for a, b in self.layers))
         object.__setattr__(self, "norm_params", tuple(self.norm_params))
         if self.norm_format is not None:
-            from precisionlab.quant import MX_FORMATS, get_mx_format
-
             if get_mx_format(self.norm_format) is None:
                 raise ValueError(
                     f"unknown norm_format {self.norm_format!r}; allowed: {', '.join(MX_FORMATS)}"
@@ -561,8 +560,6 @@ def _state_signals(acc, state, new_params, g32, opt, predictors, rq, cd, seen_la
         if predictors.norm_format and any(
             fnmatch.fnmatchcase(key, p) for p in predictors.norm_params
         ):
-            from precisionlab.quant import fake_quant
-
             qa = fake_quant(a0, predictors.norm_format, axis=-1)
             acc.add("max", "ln_bias", layer, ln_weight_bias(a0, qa))
         by_layer.setdefault(layer, {})[key] = a0

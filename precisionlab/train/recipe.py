@@ -101,7 +101,7 @@ def _padded(recipe: Recipe, given: Mapping[str, Any]) -> Recipe:
     # training unless the table says pad = false.
     names = {f.name for f in dataclasses.fields(recipe)}
     if "pad" in names and "pad" not in given:
-        return dataclasses.replace(recipe, pad=True)  # type: ignore[type-var]
+        return dataclasses.replace(recipe, pad=True)  # type: ignore[call-arg]  # a recipe with a pad field
     return recipe
 
 

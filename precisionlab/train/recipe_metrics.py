@@ -29,6 +29,7 @@ import numpy as np
 from precisionlab.intercept import Context, intercept
 from precisionlab.recipes import WEIGHT_OPERANDS, Recipe, Reference, canonical_operand, dot_general
 from precisionlab.train.recipe import TrainRecipe
+from precisionlab.train.step import normalize_loss_fn
 
 __all__ = ["GROUPS", "STATS", "recipe_metrics"]
 
@@ -171,8 +172,6 @@ def make_recipe_metrics_fn(loss_fn, recipe: TrainRecipe):
     """``fn(params_compute, batch, loss_scale, recipe_state, key) -> sums`` (float32
     ``[3, 8]`` summed over the replaced matmuls; jit it), and turn the sums into the
     per-group dict with :func:`recipe_metrics`."""
-    from precisionlab.train.step import normalize_loss_fn
-
     f = normalize_loss_fn(loss_fn)
 
     def scaled(p, b, ls):  # the function the train step differentiates (same matmul names)

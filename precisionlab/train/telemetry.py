@@ -39,6 +39,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from precisionlab._schema import INT32_MAX, Field, validate_table
 from precisionlab.intercept import boundary
@@ -55,6 +56,7 @@ from precisionlab.telemetry import (
     stacked_stats,
     tensor_stats,
 )
+from precisionlab.train.parallel import AXIS
 
 __all__ = [
     "DEFAULT_TARGETS",
@@ -241,9 +243,6 @@ def make_telemetry_fn(
 
     matmul_stats = local_stats
     if mesh is not None:
-        from jax.sharding import PartitionSpec
-
-        from precisionlab.train.parallel import AXIS
 
         def per_device(pc, batch, ls):
             # every device's statistics are its own (params and scale varying over the data

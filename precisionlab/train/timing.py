@@ -33,19 +33,20 @@ _open: list[CompileMeter] = []
 _registered = False
 
 
-def _on_duration(name: str, seconds: float, **_: Any) -> None:
-    field = _DURATIONS.get(name)
+def _on_duration(event: str, duration_secs: float, **_: str | int) -> None:
+    # parameter names as jax.monitoring's listener protocol declares them
+    field = _DURATIONS.get(event)
     if field is None:
         return
     with _lock:
         for meter in _open:
-            setattr(meter, field, getattr(meter, field) + seconds)
+            setattr(meter, field, getattr(meter, field) + duration_secs)
             if field == "compile_s":  # reported for compilations and cache loads alike
                 meter.programs += 1
 
 
-def _on_event(name: str, **_: Any) -> None:
-    if name == _HITS:
+def _on_event(event: str, **_: str | int) -> None:
+    if event == _HITS:
         with _lock:
             for meter in _open:
                 meter.cache_hits += 1

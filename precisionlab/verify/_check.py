@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
-from precisionlab import recipes
+from precisionlab import hardware, recipes
 from precisionlab.recipes import scaling as S
 from precisionlab.verify import _models as M
 from precisionlab.verify._diagnose import (
@@ -560,8 +560,6 @@ def _check_plain(ctx: _Ctx, g: dict, ts: dict[str, Tensor]) -> None:
 
 
 def _check_capture(ctx: _Ctx, g: dict, ts: dict[str, Tensor]) -> None:
-    from precisionlab import hardware
-
     t_a, t_b, t_o = _need(ts, "a", g), _need(ts, "b", g), _need(ts, "out", g)
     for t in (t_a, t_b):
         ctx.add(_status(t, "input", "a GEMM operand"))

@@ -182,7 +182,7 @@ class DumpWriter:
             raise ValueError(f"{out}: exists and is not an empty directory; name a new one")
         _io.makedirs(out)
         with _io.atomic_open(out / ARRAYS, "wb") as f:
-            np.savez(f, **self.arrays)
+            np.savez(f, **self.arrays)  # type: ignore[arg-type]  # numpy stub: **arrays vs allow_pickle
         manifest = {
             "format": FORMAT,
             "version": FORMAT_VERSION,

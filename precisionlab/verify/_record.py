@@ -25,11 +25,14 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import jaxlib
+import ml_dtypes
 import numpy as np
 
-from precisionlab import recipes
+from precisionlab import __version__, recipes
 from precisionlab.intercept import PerIteration, Site, intercept, select
 from precisionlab.verify._format import DumpWriter, storage_dtype
+from precisionlab.verify._models import check_hardware
 from precisionlab.verify._tape import (
     PlainRule,
     RecipeRule,
@@ -70,11 +73,6 @@ class Recording(NamedTuple):
 # --- the environment and the recipe as data ------------------------------------------
 def environment() -> dict[str, Any]:
     """Where the step ran: backend, device kind, platform version, library versions."""
-    import jaxlib
-    import ml_dtypes
-
-    from precisionlab import __version__
-
     dev = jax.devices()[0]
     try:
         pv = jax.extend.backend.get_backend().platform_version
@@ -389,7 +387,6 @@ def record(
                          sites=sites, gemm=gemm)  # fmt: skip
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
         raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
-    from precisionlab.verify._models import check_hardware
 
     hw = default_hardware() if hardware is None else check_hardware(hardware)
     plan = _plan(fn, args, **opts)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from precisionlab import _io
+from precisionlab.train import build
 from precisionlab.train.hooks import StepEnd
 from precisionlab.train.step import (
     StepOptions,
@@ -92,8 +93,6 @@ class RecordHook:
                    **kwargs: Any) -> RecordHook:  # fmt: skip
         """A hook for ``precisionlab.train.train(config, hooks=[...])`` (its loss function
         and step options built from ``config``; run it with ``chunk_steps=1``)."""
-        from precisionlab.train import build
-
         late = [s for s in parse_steps(steps) if s > config.steps]
         if late:
             raise ValueError(f"record step {late[0]}: the run has {config.steps} steps")
@@ -126,11 +125,12 @@ class RecordHook:
         if opts.recipe is not None:
             rec = opts.recipe.for_values(values)
             kw = dict(recipe=rec.recipe, include=rec.include, exclude=rec.exclude,
-                      state=state.recipe_state, key=recipe_key(state.rng))  # fmt: skip
+                      state=state.recipe_state, key=recipe_key(state.rng),
+                      gemm=self.gemm)  # fmt: skip
         rec_out = record(
             scaled, pc, batch, state.loss_scale, out=self.path(n), has_aux=True,
             sites=self.sites, hardware=self.hardware, max_bytes=self.max_bytes,
-            note=f"step {n} of a training loop", **({"gemm": self.gemm} if kw else {}), **kw,
+            note=f"step {n} of a training loop", **kw,
         )  # fmt: skip
         loss = float(rec_out.value[0][1][0])
         self.recorded[n] = (rec_out.path, loss)

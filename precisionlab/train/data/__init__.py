@@ -41,7 +41,12 @@ __all__ = [
 #: The built-in datasets :func:`make_data` makes.
 DATASETS: tuple[str, ...] = ("teacher", "markov", "text", "digits")
 
-_BUILDERS = {"teacher": TeacherData, "markov": MarkovData, "text": TextData, "digits": DigitsData}
+_BUILDERS: dict[str, type[Dataset]] = {
+    "teacher": TeacherData,
+    "markov": MarkovData,
+    "text": TextData,
+    "digits": DigitsData,
+}
 
 
 def data_kind(name: str) -> str:

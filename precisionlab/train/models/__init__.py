@@ -39,6 +39,7 @@ scale: the identity in float32; past float16's max in float16).
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 from typing import Any
 
 from precisionlab.train.models.base import MAX_DEPTH, MODELS, Model, _check_int
@@ -59,7 +60,7 @@ __all__ = [
     "resolve_layers",
 ]
 
-_BUILDERS = {"mlp": MLP, "transformer": Transformer, "conv": ConvNet}
+_BUILDERS: dict[str, type[Model]] = {"mlp": MLP, "transformer": Transformer, "conv": ConvNet}
 
 
 def make_model(name: str, **kwargs: Any) -> Model:
@@ -106,8 +107,6 @@ def resolve_layers(
 ) -> tuple[str, ...]:
     """The layers of ``names`` matched by any glob of ``patterns`` (``"layer*"``), in program
     order; a pattern matching no layer is a ValueError naming the layers."""
-    import fnmatch
-
     if isinstance(patterns, str):
         patterns = [patterns]
     if not all(isinstance(p, str) for p in patterns):

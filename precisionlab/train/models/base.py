@@ -4,6 +4,7 @@ checks, the host-side initialiser (no compilation), stacking of identical layers
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import jax
@@ -189,7 +190,7 @@ class Model:
 
     def loss_fn(
         self, policy: Policy | str | None = None, *, capture: bool = False, enforce: bool = True
-    ):
+    ) -> Callable[[Any, dict[str, Any]], tuple[jax.Array, dict[str, Any]]]:
         """``loss_fn(params, batch) -> (loss, aux)``; params may already be in compute dtype."""
         pol = get_policy(policy) if policy is not None else Policy()
 

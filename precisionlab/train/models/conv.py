@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from precisionlab.mixed.policy import Policy
 from precisionlab.train.models import conv_ops as _conv
 from precisionlab.train.models.base import (
     MAX_DEPTH,
@@ -58,13 +59,21 @@ class ConvNet(Model):
     def _init(self, gen: _Gen) -> dict[str, Any]:
         return _conv.init_params(self, gen.split(self.depth + 1), _normal)
 
-    def apply(self, params, inputs, policy=None, *, capture=False, enforce=True):
+    def apply(
+        self,
+        params: Any,
+        inputs: jax.Array,
+        policy: Policy | None = None,
+        *,
+        capture: bool = False,
+        enforce: bool = True,
+    ) -> Any:
         return _conv.apply(self, params, inputs, policy, capture=capture, enforce=enforce)
 
-    def _inputs_labels(self, batch):
+    def _inputs_labels(self, batch: dict[str, Any]) -> tuple[jax.Array, jax.Array]:
         return batch["x"], batch["y"]
 
-    def example_batch(self, batch_size):
+    def example_batch(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
         return {
             "x": jax.ShapeDtypeStruct((batch_size, self.in_dim), jnp.float32),
             "y": jax.ShapeDtypeStruct((batch_size,), jnp.int32),

@@ -115,7 +115,9 @@ def apply(
     acts: dict[str, jax.Array] = {}
     h = ops.boundary(inputs, pol, enforce=enforce).reshape(-1, side, side, 1)
 
-    def block(layer, h, pool, pol=pol):
+    def block(
+        layer: Any, h: jax.Array, pool: bool, pol: Policy = pol
+    ) -> tuple[jax.Array, jax.Array]:
         z = ops.conv2d(h, layer["w"], layer["b"], policy=pol, enforce=enforce)
         if cfg.act_scale != 1.0:
             z = ops.boundary(z * jnp.asarray(cfg.act_scale, z.dtype), pol, enforce=enforce)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from precisionlab.mixed import ops
 from precisionlab.mixed.policy import Policy
+from precisionlab.quant import MX_FORMATS, fake_quant, get_mx_format
 from precisionlab.train.layers import scan_layers, unstack_layers
 from precisionlab.train.models.base import (
     _ACTIVATIONS,
@@ -73,8 +74,6 @@ class MLP(Model):
                 f"got {self.overflow_layer!r}"
             )
         if self.norm_format is not None:
-            from precisionlab.quant import MX_FORMATS, get_mx_format
-
             if get_mx_format(self.norm_format) is None:
                 raise ValueError(
                     f"unknown norm_format {self.norm_format!r}; allowed: {', '.join(MX_FORMATS)}"
@@ -145,19 +144,32 @@ class MLP(Model):
             return ops.gelu(h, policy=pol, enforce=enforce)
         return ops.boundary(jnp.tanh(h), pol, enforce=enforce)
 
-    def apply(self, params, inputs, policy=None, *, capture=False, enforce=True):
+    def apply(
+        self,
+        params: Any,
+        inputs: jax.Array,
+        policy: Policy | None = None,
+        *,
+        capture: bool = False,
+        enforce: bool = True,
+    ) -> Any:
         pol = policy or Policy()
         acts: dict[str, jax.Array] = {}
         h = ops.boundary(inputs, pol, enforce=enforce)
 
-        def block(layer, h, pol=pol, overflow=False, quant_norm=True):
+        def block(
+            layer: Any,
+            h: jax.Array,
+            pol: Policy = pol,
+            overflow: bool = False,
+            quant_norm: bool = True,
+        ) -> tuple[jax.Array, jax.Array]:
             z = ops.dense(h, layer["w"], layer["b"], policy=pol, enforce=enforce)
             if self.use_layernorm:
                 scale, bias = layer["ln_scale"], layer["ln_bias"]
                 if self.norm_format is not None and quant_norm:  # MX-quantized affine weights
-                    from precisionlab.quant import fake_quant
 
-                    def q(v):
+                    def q(v: jax.Array) -> jax.Array:
                         return fake_quant(v.astype(jnp.float32), self.norm_format, axis=-1,
                                           ste="identity")  # fmt: skip
 
@@ -194,7 +206,7 @@ class MLP(Model):
             record(i, z, h)
         if self.scan_layers and self.depth > 1:
 
-            def body(layer, h):
+            def body(layer: Any, h: jax.Array) -> tuple[jax.Array, Any]:
                 z, h = block(layer, h)
                 return h, ((z, h) if capture else None)
 
@@ -219,10 +231,10 @@ class MLP(Model):
         logits = pol.cast_to_output(logits)
         return (logits, acts) if capture else logits
 
-    def _inputs_labels(self, batch):
+    def _inputs_labels(self, batch: dict[str, Any]) -> tuple[jax.Array, jax.Array]:
         return batch["x"], batch["y"]
 
-    def example_batch(self, batch_size):
+    def example_batch(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
         return {
             "x": jax.ShapeDtypeStruct((batch_size, self.in_dim), jnp.float32),
             "y": jax.ShapeDtypeStruct((batch_size,), jnp.int32),

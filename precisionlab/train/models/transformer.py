@@ -24,6 +24,7 @@ import numpy as np
 
 from precisionlab.mixed import ops
 from precisionlab.mixed.policy import Policy
+from precisionlab.quant import MX_FORMATS, fake_quant, get_mx_format
 from precisionlab.train.layers import scan_layers, unstack_layers
 from precisionlab.train.models.base import (
     MAX_DEPTH,
@@ -78,8 +79,6 @@ class Transformer(Model):
         if self.mlp not in ("gelu", "swiglu"):
             raise ValueError(f"unknown mlp {self.mlp!r}; allowed: gelu, swiglu")
         if self.norm_format is not None:
-            from precisionlab.quant import MX_FORMATS, get_mx_format
-
             if get_mx_format(self.norm_format) is None:
                 raise ValueError(
                     f"unknown norm_format {self.norm_format!r}; allowed: {', '.join(MX_FORMATS)}"
@@ -156,18 +155,26 @@ class Transformer(Model):
             return params
         return {**params, "blocks": unstack_layers(params["blocks"])}
 
-    def _norm(self, x, p, name, pol, enforce, layer=""):
+    def _norm(
+        self, x: jax.Array, p: Any, name: str, pol: Policy, enforce: bool, layer: str = ""
+    ) -> jax.Array:
         if not self.use_layernorm:
             return x
         scale, bias = p[f"{name}_scale"], p[f"{name}_bias"]
         if self.norm_format is not None and layer not in self.high_precision:
-            from precisionlab.quant import fake_quant
-
             q = lambda v: fake_quant(v, self.norm_format, axis=-1, ste="identity")  # noqa: E731
             scale, bias = q(jnp.asarray(scale, jnp.float32)), q(jnp.asarray(bias, jnp.float32))
         return ops.layer_norm(x, scale, bias, policy=pol, enforce=enforce)
 
-    def apply(self, params, inputs, policy=None, *, capture=False, enforce=True):
+    def apply(
+        self,
+        params: Any,
+        inputs: jax.Array,
+        policy: Policy | None = None,
+        *,
+        capture: bool = False,
+        enforce: bool = True,
+    ) -> Any:
         pol = policy or Policy()
         b, t = inputs.shape
         d, nh = self.d_model, self.heads
@@ -179,7 +186,9 @@ class Transformer(Model):
         x = ops.boundary(x, pol, enforce=enforce)
         causal = jnp.tril(jnp.ones((t, t), bool))
 
-        def block(blk, x, pol=pol, layer=""):
+        def block(
+            blk: Any, x: jax.Array, pol: Policy = pol, layer: str = ""
+        ) -> tuple[jax.Array, dict[str, jax.Array]]:
             cd = pol.compute_dtype
             a = {}
             h = self._outliers(self._norm(x, blk, "ln1", pol, enforce, layer), pol, enforce)
@@ -231,7 +240,7 @@ class Transformer(Model):
 
         if self.scan_layers:
 
-            def body(blk, x_in):
+            def body(blk: Any, x_in: jax.Array) -> tuple[jax.Array, Any]:
                 x_out, a = block(blk, x_in)
                 return x_out, ({"input": x_in, **a} if capture else None)
 
@@ -264,9 +273,9 @@ class Transformer(Model):
         logits = pol.cast_to_output(logits)
         return (logits, acts) if capture else logits
 
-    def _inputs_labels(self, batch):
+    def _inputs_labels(self, batch: dict[str, Any]) -> tuple[jax.Array, jax.Array]:
         tokens = batch["tokens"]
         return tokens[:, :-1], tokens[:, 1:]
 
-    def example_batch(self, batch_size):
+    def example_batch(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
         return {"tokens": jax.ShapeDtypeStruct((batch_size, self.seq_len + 1), jnp.int32)}
