@@ -30,6 +30,7 @@ import numpy as np
 from precisionlab import recipes
 from precisionlab.intercept import PerIteration, Site, intercept, select
 from precisionlab.verify._format import DumpWriter, storage_dtype
+from precisionlab.verify._steps import step_pass
 from precisionlab.verify._tape import (
     PlainRule,
     RecipeRule,
@@ -292,6 +293,8 @@ def _record_bytes(key: str, sd: Any, rec, weight: str, what: str | None) -> int:
 def _estimate(plan: _Plan, opts: dict[str, Any], results: bool) -> int:
     rec, weight = opts["recipe"], opts["weight"]
     total = 0
+    if isinstance(rec, recipes.FP4Recipe):  # steps: each array at most its own width
+        rec = None
     for aux in plan.aux_shapes.values():
         for key, sd in aux.value.items():
             if rec is None:
@@ -301,8 +304,11 @@ def _estimate(plan: _Plan, opts: dict[str, Any], results: bool) -> int:
     for s in plan.recorded if opts["grad"] else ():  # the backward records
         reps = int(np.prod(s.lengths, dtype=np.int64)) if s.lengths else 1
         for key, sd in plan.tape_shapes.get(s.name, {}).items():
-            total += reps * _record_bytes(key, sd, rec, weight, None)
-    if rec is not None and rec.stateful:
+            if rec is None:
+                total += reps * _nbytes(sd.shape, jnp.dtype(sd.dtype).itemsize)
+            else:
+                total += reps * _record_bytes(key, sd, rec, weight, None)
+    if isinstance(rec, recipes.Delayed):
         hist = rec.amax_history_len  # scale (3,) and history (L, 3), before and after
         per_site = (3 + 3 * hist) * 4 * (2 if opts["grad"] else 1)
         total += per_site * sum(1 for s in plan.sites if s.selected)
@@ -321,15 +327,11 @@ def _plan_options(*, recipe=None, state=None, key=None, grad=True, argnums=0, ha
                   include=None, exclude=(), weight="rhs", sites=None, gemm="recipe",
                   **_ignored) -> dict[str, Any]:  # fmt: skip
     rec = None if recipe is None else recipes.get_recipe(recipe)
-    if isinstance(rec, recipes.FP4Recipe):
-        # these recipes compute their three GEMMs themselves (random rotations, their own
-        # rounding of each operand), past the taps that record a GEMM's inputs and codes
+    if isinstance(rec, recipes.FP4Recipe) and gemm != "recipe":
         raise ValueError(
-            f"verify cannot record the {rec.name!r} recipe yet: the FP4 tournament's recipes "
-            "compute their GEMMs outside the recorded path; recordable recipes: "
-            + ", ".join(n for n in recipes.RECIPE_NAMES
-                        if not isinstance(recipes.get_recipe(n), recipes.FP4Recipe))
-        )  # fmt: skip
+            f"gemm={gemm!r}: the {rec.name} recipe computes its GEMMs itself (rotated, "
+            "re-quantized operands); record it with gemm='recipe'"
+        )
     if isinstance(recipe, str) and "pad" in {f.name for f in dataclasses.fields(rec)}:
         rec = dataclasses.replace(rec, pad=True)  # as recipes.apply takes a name
     _check_args(rec, gemm, weight, grad, has_aux)
@@ -432,6 +434,9 @@ def _write(writer, plan, rec, state, value, aux, state_grads, opts, *, grad, res
     if rec is None:
         _write_plain(writer, plan, aux, gemms, hw)
         mode = "plain"
+    elif isinstance(rec, recipes.FP4Recipe):
+        mode = "recipe"
+        _write_fp4(writer, plan, aux, state_grads, gemms, grad)
     else:
         mode = "recipe"
         if rec.stateful:
@@ -459,7 +464,7 @@ def _write(writer, plan, rec, state, value, aux, state_grads, opts, *, grad, res
                         if part:
                             _write_gemm(writer, gemms, rec, weight, s, it, what, part, gemm,
                                         hw)  # fmt: skip
-            if rec.stateful:
+            if rec.stateful:  # delayed scaling (the FP4 recipes' state is not written)
                 state_after, skipped = _state_after(plan, rec, state, state_grads, value, weight)
                 _write_state(writer, plan, state_after, "state_after", "state update")
     if results:
@@ -531,6 +536,65 @@ def _write_gemm(writer, gemms, rec, weight, s: Site, it, what, part: dict, gemm,
             writer.add(f"{p}/codes", part[f"{side}/codes"], fmt, "codes", operand=side,
                        producer="quantize", **meta)  # fmt: skip
     writer.add(f"{gid}/out", out, "float32", "output", producer="gemm", **meta)
+
+
+#: the steps whose output holds E2M1 values (stored as float4_e2m1fn codes when finite)
+_E2M1_OUT = {"nvfp4": "elems", "mxfp4": "elems", "quest": "elems", "ms_eden": "elems",
+             "qema_nearest": "out"}  # fmt: skip
+
+
+def _untape(v: np.ndarray, dtype: np.dtype, axis: int) -> np.ndarray:
+    if dtype.itemsize == 4:
+        return from_halves(v, dtype, axis)
+    return from_halves(v, np.dtype(np.float32), axis).astype(dtype)
+
+
+def _write_fp4(writer, plan, aux, state_grads, gemms, grad: bool) -> None:
+    """The steps of a recipe owning its GEMMs: per site and iteration, its forward, then
+    (sites in reverse) its backward."""
+    for s in plan.recorded:
+        for it in _iterations(s):
+            if _valid(aux, s, it):
+                one = _index(aux[s.name].value, it)
+                _write_steps(writer, gemms, plan.rule.steps[s.name].fprop, s, it, "fprop", one)
+    if not grad:
+        return
+    for s in reversed(plan.recorded):
+        tape = state_grads[s.name]
+        tape = (tape.value if isinstance(tape, PerIteration) else tape)["tape"]
+        shapes = plan.tape_shapes[s.name]
+        flat = {k: _untape(v, np.dtype(shapes[k].dtype), len(s.lengths)) for k, v in tape.items()}
+        for it in reversed(_iterations(s)):
+            if _valid(aux, s, it):
+                one = _index(flat, it) if it else flat
+                _write_steps(writer, gemms, plan.rule.steps[s.name].backward, s, it, "backward",
+                             one)  # fmt: skip
+
+
+def _write_steps(writer, gemms, meta: list[dict], s: Site, it, which: str, arrays) -> None:
+    gid = f"{s.name}{_suffix(it)}/{which}"
+    steps = []
+    info = dict(site=s.name, gemm=gid, iteration=it)
+    for i, (m, what) in enumerate(zip(meta, step_pass(meta, which), strict=True)):
+        tag = f"{i:03d}.{m['op']}"
+        entry = {"op": m["op"], "pass": what, "static": m["static"], "inputs": {},
+                 "outputs": {}, "keys": m["keys"]}  # fmt: skip
+        for io in ("inputs", "outputs"):
+            for name in m[io]:
+                a = np.asarray(arrays[f"{tag}/{name}"])
+                dt, role = np.dtype(a.dtype).name, "output" if io == "outputs" else "input"
+                if io == "inputs" and (name in m["keys"] or name == "key"):
+                    role = "key"
+                elif io == "outputs" and _E2M1_OUT.get(m["op"]) == name and np.isfinite(a).all():
+                    dt, role = "float4_e2m1fn", "codes"
+                elif io == "outputs" and name == "scale":
+                    role = "block_scale"
+                writer.add(f"{gid}/{tag}/{name}", a, dt, role, producer=m["op"], step=i,
+                           **info)  # fmt: skip
+                entry[io][name] = f"{tag}/{name}"
+        steps.append(entry)
+    gemms.append({"id": gid, "site": s.name, "iteration": list(it), "pass": which,
+                  "model": "steps", "steps": steps})  # fmt: skip
 
 
 def _write_plain(writer, plan, aux, gemms, hw) -> None:
