@@ -243,3 +243,45 @@ def test_native_gemm_mode_is_refused_for_recipes_owning_their_gemms(tmp_path):
         verify.record(one_matmul, W, X, out=tmp_path / "d", recipe="nvidia_fp4", key=KEY,
                       gemm="native")  # fmt: skip
     assert not (tmp_path / "d").exists()
+
+
+@SLOW
+def test_fault_scale_rule_e8m0_rceil_instead_of_floor(tmp_path):
+    """Tseng et al.'s MXFP4 uses OCP's floor E8M0 scale; a backward operand quantized with
+    TE's rceil instead is labelled scale rule, naming it."""
+    r = _record(one_matmul, W, "tseng_fp4", tmp_path / "tseng")
+    gid, steps = _steps(r.path, "backward")
+    st = next(s for s in steps if s["op"] == "mxfp4")
+    assert st["static"]["rule"] == "floor"
+    d = verify.read_dump(r.path).arrays
+    ins = {k: jnp.asarray(d[f"{gid}/{v}"]) for k, v in st["inputs"].items()}
+    ins["key"] = jax.random.wrap_key_data(ins["key"], impl=st["keys"]["key"].split(":")[1])
+    static = {k: v for k, v in st["static"].items() if k not in ins}
+    q = fp4.mxfp4(**ins, **{**static, "rule": "rceil"})
+    names = {k: f"{gid}/{v}" for k, v in st["outputs"].items()}
+    assert not np.array_equal(np.asarray(q.scale), d[names["scale"]])
+    bad = damage(r.path, tmp_path / "bad", {names[k]: np.asarray(getattr(q, k)) for k in names})
+    _expect_first(bad, names["elems"], "scale-rule", "rule='rceil'")
+
+
+@SLOW
+def test_transformer_step_in_a_training_loop_verifies(tmp_path):
+    """The built-in transformer under TetraJet (MXFP4, Q-EMA state per matmul) recorded by the
+    training hook from the loop's state and batch: every step of every matmul bit-equal."""
+    from precisionlab.train import TrainConfig, build
+    from precisionlab.train.step import build_step
+
+    cfg = TrainConfig(model="transformer", data="markov", recipe="tetrajet", batch_size=4,
+                      model_kwargs={"d_model": 32, "depth": 2, "heads": 2},
+                      data_kwargs={"seq_len": 16}, steps=4)  # fmt: skip
+    setup = build(cfg)
+    batch = next(iter(setup.data.batches(cfg.batch_size, seed=0, start=0)))
+    _, state, _ = build_step(setup.loss_fn, setup.params, setup.optimizer, setup.options,
+                             batch, None)  # fmt: skip
+    hook = verify.RecordHook(tmp_path, [1], loss_fn=setup.loss_fn, options=setup.options)
+    hook.before_step(0, state, batch)
+    rep = verify.check(hook.path(1))
+    assert rep.ok and rep.share() == 1.0, rep.text()
+    m = _manifest(hook.path(1))
+    assert len({g["site"] for g in m["gemms"]}) >= 8  # every linear layer's matmul
+    assert any(s["op"] == "qema_nearest" for g in m["gemms"] for s in g["steps"])

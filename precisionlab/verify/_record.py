@@ -162,7 +162,7 @@ def _loop_stack(x: Any, lengths: tuple[int, ...]) -> Any:
 
 
 def _plan(fn, args, *, recipe, state, key, grad, argnums, has_aux, include, exclude, weight,
-          sites, gemm_fn) -> _Plan:  # fmt: skip
+          sites, gemm_fn, default) -> _Plan:  # fmt: skip
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     del nums  # the plain mode differentiates fn itself
     if recipe is None:
@@ -178,7 +178,7 @@ def _plan(fn, args, *, recipe, state, key, grad, argnums, has_aux, include, excl
         return _Plan(found, chosen, skipped, {}, aux_shapes, {}, value_shapes, rule)
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     probe = intercept(fn, RecipeRule(recipe, weight, frozenset(), gemm_fn),
-                      include=include, exclude=exclude)  # fmt: skip
+                      include=include, exclude=exclude, default=default)  # fmt: skip
     found = probe.sites(*args)
     chosen = [s for s in _chosen(found, sites) if all(n is not None for n in s.lengths)]
     skipped = [{"site": s.name, "why": "inside a while_loop (no per-iteration records)"}
@@ -193,7 +193,7 @@ def _plan(fn, args, *, recipe, state, key, grad, argnums, has_aux, include, excl
     entries = _entries(found, chosen, recipe, state, tapes=None)
     shapes: dict[str, Any] = {}
     rule = RecipeRule(recipe, weight, frozenset(s.name for s in chosen), gemm_fn, shapes)
-    inter = intercept(fn, rule, include=include, exclude=exclude)
+    inter = intercept(fn, rule, include=include, exclude=exclude, default=default)
     out_shapes, aux_shapes = jax.eval_shape(
         lambda st, *a: inter.call_with_aux(st, *a, key=key), entries, *args
     )
@@ -323,9 +323,13 @@ def _estimate(plan: _Plan, opts: dict[str, Any], results: bool) -> int:
     return int(total)
 
 
+def _weight_products(site: Site) -> bool:
+    return not site.activations_only
+
+
 def _plan_options(*, recipe=None, state=None, key=None, grad=True, argnums=0, has_aux=False,
                   include=None, exclude=(), weight="rhs", sites=None, gemm="recipe",
-                  **_ignored) -> dict[str, Any]:  # fmt: skip
+                  attention=True, **_ignored) -> dict[str, Any]:  # fmt: skip
     rec = None if recipe is None else recipes.get_recipe(recipe)
     if isinstance(rec, recipes.FP4Recipe) and gemm != "recipe":
         raise ValueError(
@@ -335,9 +339,12 @@ def _plan_options(*, recipe=None, state=None, key=None, grad=True, argnums=0, ha
     if isinstance(recipe, str) and "pad" in {f.name for f in dataclasses.fields(rec)}:
         rec = dataclasses.replace(rec, pad=True)  # as recipes.apply takes a name
     _check_args(rec, gemm, weight, grad, has_aux)
+    if not isinstance(attention, bool):
+        raise ValueError(f"attention must be True or False, got {attention!r}")
     return dict(recipe=rec, state=state, key=key, grad=grad, argnums=argnums, has_aux=has_aux,
                 include=include, exclude=exclude, weight=weight, sites=sites,
-                gemm_fn=native_gemm if gemm == "native" else pinned_gemm)  # fmt: skip
+                gemm_fn=native_gemm if gemm == "native" else pinned_gemm,
+                default=None if attention else _weight_products)  # fmt: skip
 
 
 def record(
@@ -354,6 +361,7 @@ def record(
     exclude: Sequence[int | str] | int | str = (),
     weight: str = "rhs",
     sites: Sequence[int | str] | int | str | None = None,
+    attention: bool = True,
     gemm: str = "recipe",
     hardware: str | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
@@ -373,6 +381,10 @@ def record(
         casts), every ``dot_general`` of it and of its gradient recorded.
       sites: which of the replaced matmuls to record (positions, names or patterns as in
         ``include``; default all): a bound on the dump's size.
+      attention: with a recipe and no ``include``, replace the products of two activations
+        (attention's ``QK^T`` and ``PV``) too (default); False: leave them as they are, as
+        :func:`precisionlab.recipes.apply` does by default (the training hook passes the
+        run's choice).
       gemm: ``"recipe"`` or ``"native"`` (:data:`GEMM_MODES`).
       hardware: the GEMM model the dump names for GEMMs the backend computed itself (plain
         sites; ``gemm="native"``): a preset of :data:`precisionlab.hardware.PRESETS` or
@@ -388,7 +400,7 @@ def record(
     """
     opts = _plan_options(recipe=recipe, state=state, key=key, grad=grad, argnums=argnums,
                          has_aux=has_aux, include=include, exclude=exclude, weight=weight,
-                         sites=sites, gemm=gemm)  # fmt: skip
+                         sites=sites, gemm=gemm, attention=attention)  # fmt: skip
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
         raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
     from precisionlab.verify._models import check_hardware
@@ -412,7 +424,8 @@ def record(
         value, aux = jax.jit(lambda *a: inter.call_with_aux(None, *a))(*args)
         state_grads = None
     else:
-        inter = intercept(fn, plan.rule, include=include, exclude=exclude)
+        inter = intercept(fn, plan.rule, include=include, exclude=exclude,
+                          default=opts["default"])  # fmt: skip
         run = _runner(inter, grad, nums, isinstance(argnums, int), has_aux, key)
         value, aux, state_grads = jax.jit(run)(plan.states, *args)
     value, aux, state_grads = jax.device_get((value, aux, state_grads))
