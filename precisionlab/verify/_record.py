@@ -30,7 +30,7 @@ import numpy as np
 from precisionlab import recipes
 from precisionlab.intercept import PerIteration, Site, intercept, select
 from precisionlab.verify._format import DumpWriter, storage_dtype
-from precisionlab.verify._steps import step_pass
+from precisionlab.verify._steps import StepsRule, step_pass
 from precisionlab.verify._tape import (
     PlainRule,
     RecipeRule,
@@ -177,7 +177,8 @@ def _plan(fn, args, *, recipe, state, key, grad, argnums, has_aux, include, excl
                    if s.selected and any(n is None for n in s.lengths)]  # fmt: skip
         return _Plan(found, chosen, skipped, {}, aux_shapes, {}, value_shapes, rule)
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    probe = intercept(fn, RecipeRule(recipe, weight, frozenset(), gemm_fn),
+    Rule = StepsRule if isinstance(recipe, recipes.FP4Recipe) else RecipeRule
+    probe = intercept(fn, Rule(recipe, weight, frozenset(), gemm_fn),
                       include=include, exclude=exclude, default=default)  # fmt: skip
     found = probe.sites(*args)
     chosen = [s for s in _chosen(found, sites) if all(n is not None for n in s.lengths)]
@@ -192,7 +193,7 @@ def _plan(fn, args, *, recipe, state, key, grad, argnums, has_aux, include, excl
             )
     entries = _entries(found, chosen, recipe, state, tapes=None)
     shapes: dict[str, Any] = {}
-    rule = RecipeRule(recipe, weight, frozenset(s.name for s in chosen), gemm_fn, shapes)
+    rule = Rule(recipe, weight, frozenset(s.name for s in chosen), gemm_fn, shapes)
     inter = intercept(fn, rule, include=include, exclude=exclude, default=default)
     out_shapes, aux_shapes = jax.eval_shape(
         lambda st, *a: inter.call_with_aux(st, *a, key=key), entries, *args

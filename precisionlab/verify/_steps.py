@@ -21,9 +21,9 @@ from jax import lax
 
 from precisionlab import recipes
 from precisionlab.intercept import Emit
-from precisionlab.verify._tape import FLOATS, _to_tape, key_data
+from precisionlab.verify._tape import FLOATS, RecipeRule, _to_tape, key_data
 
-__all__ = ["PASSES", "StepsMeta", "apply_dot3", "pack_steps", "step_pass"]
+__all__ = ["PASSES", "StepsMeta", "StepsRule", "apply_dot3", "pack_steps", "step_pass"]
 
 #: the two passes of a recorded FP4 matmul (its forward; its dgrad and wgrad together)
 PASSES = ("fprop", "backward")
@@ -130,9 +130,22 @@ def _bwd_shapes(recipe, kinds, sink, a, b, state, key) -> dict[str, Any]:
     return jax.eval_shape(run, a, b, state, key)
 
 
+@dataclasses.dataclass
+class StepsRule(RecipeRule):
+    """The recording rule of a recipe owning its GEMMs: its steps, not GEMM records."""
+
+    #: per recorded site: what its steps are
+    steps: dict[str, StepsMeta] = dataclasses.field(default_factory=dict)
+
+    def apply(self, ctx, lhs, rhs, *, dimension_numbers, **params):
+        entry = ctx.state or {}
+        rstate = entry.get("recipe") if isinstance(entry, dict) else None
+        pet = params.get("preferred_element_type")
+        return apply_dot3(self, ctx, lhs, rhs, dimension_numbers, pet, rstate)
+
+
 def apply_dot3(rule, ctx, lhs, rhs, dimension_numbers, pet, rstate):
-    """The recording rule's ``apply`` for a recipe owning its GEMMs (``rule``: a
-    :class:`~precisionlab.verify._tape.RecipeRule`; its ``steps`` keeps each site's
+    """:meth:`StepsRule.apply` (``rule``: the rule; its ``steps`` keeps each site's
     :class:`StepsMeta`)."""
     recipe = rule.recipe
     if str(lhs.dtype) not in FLOATS or str(rhs.dtype) not in FLOATS:

@@ -233,19 +233,13 @@ class RecipeRule:
     gemm: Callable | None
     shapes: dict[str, Any] | None = None  # filled by a discovery pass: backward records
     primitives: tuple[str, ...] = ("dot_general",)
-    #: per recorded site of a recipe owning its GEMMs: what its steps are (_steps.StepsMeta)
-    steps: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def apply(self, ctx, lhs, rhs, *, dimension_numbers, **params):
         pet = params.get("preferred_element_type")
-        entry = ctx.state or {}
-        rstate = entry.get("recipe") if isinstance(entry, dict) else None
-        if isinstance(self.recipe, recipes.FP4Recipe):  # its steps, not GEMM records
-            from precisionlab.verify._steps import apply_dot3
-
-            return apply_dot3(self, ctx, lhs, rhs, dimension_numbers, pet, rstate)
         if str(lhs.dtype) not in FLOATS or str(rhs.dtype) not in FLOATS:
             return [lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=pet)]
+        entry = ctx.state or {}
+        rstate = entry.get("recipe") if isinstance(entry, dict) else None
         if ctx.site.name not in self.recorded:
             out = recipes.dot_general(
                 lhs, rhs, dimension_numbers, preferred_element_type=pet, recipe=self.recipe,
