@@ -285,3 +285,21 @@ def test_transformer_step_in_a_training_loop_verifies(tmp_path):
     m = _manifest(hook.path(1))
     assert len({g["site"] for g in m["gemms"]}) >= 8  # every linear layer's matmul
     assert any(s["op"] == "qema_nearest" for g in m["gemms"] for s in g["steps"])
+
+
+@SLOW
+def test_steps_inside_a_scan_are_recorded_per_iteration(tmp_path):
+    """Quartet on a matmul inside ``lax.scan`` (3 iterations): each iteration's forward and
+    backward steps are recorded (backward in reverse program order) and verify."""
+    ws = jnp.stack([W, W * 0.5, W * 2.0])
+
+    def loss(ws, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+        return jnp.mean(h**2)
+
+    r = verify.record(loss, ws, X, out=tmp_path / "d", recipe="quartet", key=KEY)
+    assert verify.check(r.path).ok
+    ids = [g["id"] for g in _manifest(r.path)["gemms"]]
+    assert ids == [f"dot_general[0]@{i}/fprop" for i in (0, 1, 2)] + [
+        f"dot_general[0]@{i}/backward" for i in (2, 1, 0)
+    ]
