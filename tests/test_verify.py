@@ -499,13 +499,15 @@ def test_transformer_steps_verify_bit_equal(transformer_dumps, name):
 
 
 @pytest.mark.slow
+# sites of the linear layers: the train step (and so the hook's recording) leaves attention's
+# products (dot_general[1], [2], [7], [8]) as they are
 @pytest.mark.parametrize(("name", "fault", "what", "site"), [
-    ("mxfp8", fault_scale_rule, "fprop", "dot_general[2]"),
-    ("delayed", fault_stale_scale, "fprop", "dot_general[1]"),
+    ("mxfp8", fault_scale_rule, "fprop", "dot_general[3]"),
+    ("delayed", fault_stale_scale, "fprop", "dot_general[0]"),
     ("nvfp4", fault_sr_key, "wgrad", "dot_general[3]"),
     ("nvfp4", fault_zeroed_codes, "dgrad", "dot_general[0]"),
     ("current", fault_accumulator, "dgrad", "dot_general[4]"),
-    ("blockwise", fault_bf16_operands, "wgrad", "dot_general[2]"),
+    ("blockwise", fault_bf16_operands, "wgrad", "dot_general[6]"),
     ("mxfp8", fault_flipped_bit, "dgrad", "dot_general[5]"),
 ])  # fmt: skip
 def test_transformer_faults(transformer_dumps, tmp_path, name, fault, what, site):
@@ -682,14 +684,3 @@ def test_gpu_script_cpu_path_every_case(tmp_path):
     spec.loader.exec_module(tool)
     argv = ["--out", str(tmp_path / "gpu"), "--cpu", "--width", "32", "--batch", "16"]
     assert tool.main(argv) == 0
-
-
-@pytest.mark.parametrize("name", ["quartet", "four_over_six", "nvidia_fp4"])
-def test_recipes_owning_their_gemms_are_refused_by_name(tmp_path, name):
-    """The FP4 tournament's recipes compute their GEMMs past the recorder's taps: record says
-    so in one ValueError naming the recipe and the recordable ones (it raised a PRNG-key
-    TypeError or ValueError from inside the recipe before)."""
-    w = np.ones((8, 8), np.float32)
-    with pytest.raises(ValueError, match=rf"cannot record the '{name}' recipe.*mxfp8"):
-        verify.record(lambda w, x: (x @ w).sum(), w, w, recipe=name, out=tmp_path / "d")
-    assert not (tmp_path / "d").exists()

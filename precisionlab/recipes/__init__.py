@@ -56,6 +56,7 @@ from precisionlab.recipes._fp4 import (
     FourOverSix,
     FP4AllTheWay,
     FP4Recipe,
+    FP4Step,
     NvidiaFP4,
     Quartet,
     QuartetII,
@@ -63,7 +64,9 @@ from precisionlab.recipes._fp4 import (
     TetraJetV2,
     TsengFP4,
     forward_weight_quantizer,
+    fp4_step_tap,
     osci_reset,
+    replay_fp4_step,
 )
 from precisionlab.recipes._names import RECIPE_NAMES, get_recipe
 from precisionlab.recipes._recipes import (
@@ -89,6 +92,7 @@ __all__ = [
     "Delayed",
     "FP4AllTheWay",
     "FP4Recipe",
+    "FP4Step",
     "FourOverSix",
     "GemmRecord",
     "NvidiaFP4",
@@ -109,12 +113,14 @@ __all__ = [
     "dot_general",
     "einsum",
     "forward_weight_quantizer",
+    "fp4_step_tap",
     "fprop_gemm",
     "get_recipe",
     "init_site_state",
     "matmul",
     "operand_gemm",
     "osci_reset",
+    "replay_fp4_step",
     "update_site_state",
     "vjp_gemms",
 ]

@@ -26,8 +26,11 @@ Rotation sizes that do not divide a contraction shrink to the largest power of t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+import inspect
+import threading
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any, ClassVar, NamedTuple
 
@@ -37,7 +40,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from precisionlab.quant import fp4
+from precisionlab.quant import fp4 as _fp4q
 from precisionlab.recipes import scaling as S
 from precisionlab.recipes._accumulate import accumulate
 from precisionlab.recipes._recipes import Recipe
@@ -46,6 +49,7 @@ __all__ = [
     "FP4_RECIPES",
     "FP4AllTheWay",
     "FP4Recipe",
+    "FP4Step",
     "FourOverSix",
     "NvidiaFP4",
     "Quartet",
@@ -53,7 +57,9 @@ __all__ = [
     "TetraJet",
     "TetraJetV2",
     "TsengFP4",
+    "fp4_step_tap",
     "osci_reset",
+    "replay_fp4_step",
 ]
 
 FORMATS = ("nvfp4", "mxfp4")
@@ -73,6 +79,138 @@ def _pow2_divisor(n: int, cap: int, floor: int) -> int:
     if n % p:
         raise ValueError(f"size {n} is not a multiple of {floor}")
     return p
+
+
+# --- steps: the recipes' quantizers, rotations and GEMMs, reported to a tap -------------------
+class FP4Step(NamedTuple):
+    """One step of an FP4 recipe's GEMMs as a step tap (:func:`fp4_step_tap`) receives it while
+    the GEMMs are traced: ``op`` (a quantizer or rotation of ``precisionlab.quant.fp4`` by
+    name, ``"mxfp8"``, ``"bf16"`` or ``"gemm"``), ``static`` (its other arguments: JSON
+    values), ``inputs`` and ``outputs`` (name -> array; a PRNG key as given). Replayed by
+    :func:`replay_fp4_step`."""
+
+    op: str
+    static: dict[str, Any]
+    inputs: dict[str, Any]
+    outputs: dict[str, Any]
+
+
+class _Taps(threading.local):
+    stack: list[Callable[[FP4Step], None]]
+
+    def __init__(self) -> None:
+        self.stack = []
+
+
+_TAPS_LOCAL = _Taps()  # per thread: another thread's trace reports nothing to this one's tap
+#: the functions of :mod:`precisionlab.quant.fp4` reported as steps
+_QUANT_STEPS = ("nvfp4", "mxfp4", "quest", "ms_eden", "qema_nearest", "rotate", "random_signs")
+
+
+@contextlib.contextmanager
+def fp4_step_tap(tap: Callable[[FP4Step], None]) -> Iterator[None]:
+    """While active, every step of an FP4 recipe's :meth:`~FP4Recipe.forward` and
+    :meth:`~FP4Recipe.backward` traced in this thread is handed to ``tap`` in program order
+    (trace time: the arrays are the trace's; the recorder of :mod:`precisionlab.verify` passes
+    them out of its program). Recording also pins each GEMM's operands (an optimization
+    barrier) and computes both branches of a ``cond`` (selecting one), so every step traced is
+    one that ran."""
+    _TAPS_LOCAL.stack.append(tap)
+    try:
+        yield
+    finally:
+        _TAPS_LOCAL.stack.pop()
+
+
+def _tapping() -> bool:
+    return bool(_TAPS_LOCAL.stack)
+
+
+def _report(op: str, static: dict, inputs: dict, outputs: dict) -> None:
+    if _TAPS_LOCAL.stack:
+        _TAPS_LOCAL.stack[-1](FP4Step(op, static, inputs, outputs))
+
+
+def _outputs(out: Any) -> dict[str, Any]:
+    if isinstance(out, _fp4q.FP4Block):
+        return {k: v for k, v in out._asdict().items() if v is not None}
+    return {"out": out}
+
+
+class _TappedQuant:
+    """:mod:`precisionlab.quant.fp4` with its quantizers and rotations reported as steps."""
+
+    def __getattr__(self, name: str) -> Any:
+        f = getattr(_fp4q, name)
+        if name not in _QUANT_STEPS:
+            return f
+
+        def call(*args, **kw):
+            out = f(*args, **kw)
+            if _tapping():
+                bound = inspect.signature(f).bind(*args, **kw)
+                bound.apply_defaults()  # every choice stated, defaults included
+                arrays = {k: v for k, v in bound.arguments.items()
+                          if isinstance(v, (jax.Array, np.ndarray))}  # fmt: skip
+                static = {k: (v.item() if isinstance(v, np.generic) else v)
+                          for k, v in bound.arguments.items() if k not in arrays}  # fmt: skip
+                _report(name, static, arrays, _outputs(out))
+            return out
+
+        return call
+
+
+fp4 = _TappedQuant()
+
+
+def _cond(pred, true_fn, false_fn, *operands):
+    """``lax.cond``; while a step tap is active both branches run and one is selected (a
+    step traced inside a branch could not leave it)."""
+    if not _tapping():
+        return lax.cond(pred, true_fn, false_fn, *operands)
+    t, f = true_fn(*operands), false_fn(*operands)
+    return jax.tree.map(lambda x, y: jnp.where(pred, x, y), t, f)
+
+
+def _bf16(t: jax.Array) -> jax.Array:
+    """``t`` rounded to bfloat16 (held in float32): a step."""
+    out = t.astype(jnp.bfloat16).astype(jnp.float32)
+    _report("bf16", {}, {"x": t}, {"out": out})
+    return out
+
+
+def _mm_values(recipe: Recipe, va, fa, vb, fb) -> jax.Array:
+    """``va vb^T`` (float32 accumulation or the sequential study model) times the factors."""
+    if recipe.accumulate_bits is None:
+        acc = jnp.einsum(
+            "bmk,bnk->bmn", va, vb, precision=lax.Precision.HIGHEST,
+            preferred_element_type=jnp.float32,
+        )  # fmt: skip
+    else:
+        acc = accumulate(va, vb, recipe.accumulate_bits, recipe.accumulate_rounding,
+                         recipe.promote_every)  # fmt: skip
+    for f in (fa, fb):
+        if f is not None:
+            acc = acc * f
+    return acc
+
+
+def replay_fp4_step(recipe: Recipe, op: str, inputs: dict[str, Any],
+                    static: dict[str, Any]) -> dict[str, jax.Array]:  # fmt: skip
+    """The outputs of step ``op`` (an :class:`FP4Step`'s) recomputed from ``inputs`` and
+    ``static`` with the same codecs (``"gemm"`` by ``recipe``'s accumulation). ValueError
+    for an unknown op."""
+    if op in _QUANT_STEPS:
+        return _outputs(getattr(_fp4q, op)(**inputs, **static))
+    if op == "mxfp8":
+        return {"out": _mxfp8(inputs["t"])}
+    if op == "bf16":
+        return {"out": inputs["x"].astype(jnp.bfloat16).astype(jnp.float32)}
+    if op == "gemm":
+        g = inputs.get
+        return {"out": _mm_values(recipe, g("lhs"), g("lhs_factor"), g("rhs"), g("rhs_factor"))}
+    allowed = ", ".join((*_QUANT_STEPS, "mxfp8", "bf16", "gemm"))
+    raise ValueError(f"unknown FP4 recipe step {op!r}; known: {allowed}")
 
 
 class _Operand(NamedTuple):
@@ -160,17 +298,13 @@ class FP4Recipe(Recipe):
         """``a b^T`` of two quantized (or plain) (B, R, K) operands, float32 accumulation
         (or the sequential study model), per-tensor factors applied to the output."""
         oa, ob = _as_operand(a), _as_operand(b)
-        if self.accumulate_bits is None:
-            acc = jnp.einsum(
-                "bmk,bnk->bmn", oa.values, ob.values, precision=lax.Precision.HIGHEST,
-                preferred_element_type=jnp.float32,
-            )  # fmt: skip
-        else:
-            acc = accumulate(oa.values, ob.values, self.accumulate_bits,
-                             self.accumulate_rounding, self.promote_every)  # fmt: skip
-        for f in (oa.factor, ob.factor):
-            if f is not None:
-                acc = acc * f
+        if not _tapping():
+            return _mm_values(self, oa.values, oa.factor, ob.values, ob.factor)
+        oa, ob = lax.optimization_barrier((oa, ob))  # the GEMM as in a program of its own
+        acc = _mm_values(self, oa.values, oa.factor, ob.values, ob.factor)
+        ins = {"lhs": oa.values, "lhs_factor": oa.factor, "rhs": ob.values,
+               "rhs_factor": ob.factor}  # fmt: skip
+        _report("gemm", {}, {k: v for k, v in ins.items() if v is not None}, {"out": acc})
         return acc
 
     def _keys(self, key, n: int) -> list:
@@ -201,12 +335,14 @@ class FP4Recipe(Recipe):
         """The state after a step that observed ``observed`` (the probe's cotangent)."""
         return state
 
-    def dot3(self, kinds, a3, b3, state, key, canon: Callable | None = None) -> jax.Array:
+    def dot3(self, kinds, a3, b3, state, key, canon: Callable | None = None,
+             run: Callable | None = None) -> jax.Array:  # fmt: skip
         """The matmul on canonical operands: ``a3`` (B, M, K), ``b3`` (B, N, K), output
         (B, M, N) float32; ``state`` this matmul's state (weight-shaped leaves, put in the
-        canonical layout by ``canon``) or None."""
+        canonical layout by ``canon``) or None. ``run(recipe, kinds, a, b, state, key)``
+        replaces the compiled custom-VJP matmul on the padded operands (a recorder's)."""
         if kinds == ("w", "x"):  # the weight is the lhs (w @ x): compute the transpose
-            return _t(self.dot3(("x", "w"), b3, a3, state, key, canon))
+            return _t(self.dot3(("x", "w"), b3, a3, state, key, canon, run))
         st = None
         if state and canon is not None:
             st = {k: (canon(v) if v.ndim else v) for k, v in state.items()}
@@ -225,7 +361,8 @@ class FP4Recipe(Recipe):
             a3, b3 = _pad3(a3, mult, (1, 2)), _pad3(b3, mult, (1, 2))
             if st is not None:
                 st = {k_: (_pad3(v, mult, (1, 2)) if v.ndim == 3 else v) for k_, v in st.items()}
-        out = _dot3_jit(self, kinds, a3.astype(jnp.float32), b3.astype(jnp.float32), st, key)
+        out = (run or _dot3_jit)(self, kinds, a3.astype(jnp.float32), b3.astype(jnp.float32), st,
+                                 key)  # fmt: skip
         return out[:, :m, :n]
 
 
@@ -353,11 +490,10 @@ class TsengFP4(FP4Recipe):
     def fprop_operand(self, t, kind, key):
         if kind == "g":
             return self._sr(t, key)
-        return t.astype(jnp.bfloat16).astype(jnp.float32)
+        return _bf16(t)
 
     def forward(self, kinds, a, b, state, key):
-        a16 = a.astype(jnp.bfloat16).astype(jnp.float32)
-        b16 = b.astype(jnp.bfloat16).astype(jnp.float32)
+        a16, b16 = _bf16(a), _bf16(b)
         return self._mm(a16, b16), (a16, b16), None
 
     def _rotated_pair(self, u, v, key):
@@ -729,7 +865,7 @@ class TetraJetV2(FP4Recipe):
             vb = jnp.take(jnp.concatenate([vb8[..., :k8], vb4[..., : k - k8]], -1), inv, axis=-1)
             return y, va, vb
 
-        y, va, vb = lax.cond(done, mixed, plain, a, b, order)
+        y, va, vb = _cond(done, mixed, plain, a, b, order)
         return y, (va, vb, a, jnp.where(done, order, -1)), observed
 
     def backward(self, kinds, res, g, key):
@@ -754,13 +890,15 @@ class TetraJetV2(FP4Recipe):
             return db.at[..., idx].set(db8)
 
         del k7
-        return da, lax.cond(order[0] >= 0, outliers, lambda d: d, db)
+        return da, _cond(order[0] >= 0, outliers, lambda d: d, db)
 
 
 def _mxfp8(t: jax.Array) -> jax.Array:
     """MXFP8 (E4M3 elements, 1 x 32 blocks, rceil scales): dequantized float32 values."""
     q, _ = S.mx_blocks(t, S.E4M3, 32, "rceil")
-    return q.block_values()
+    out = q.block_values()
+    _report("mxfp8", {}, {"t": t}, {"out": out})
+    return out
 
 
 # --- FP4 All the Way ---------------------------------------------------------------------------

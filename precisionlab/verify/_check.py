@@ -28,6 +28,7 @@ from jax import lax
 from precisionlab import hardware, recipes
 from precisionlab.recipes import scaling as S
 from precisionlab.verify import _models as M
+from precisionlab.verify._check_steps import check_steps
 from precisionlab.verify._diagnose import (
     OUT_BITS,
     diagnose_codes,
@@ -151,6 +152,8 @@ def check(path: str | os.PathLike, *, diagnose: bool = True) -> Report:
                 _check_capture(ctx, g, ts)
             elif g["model"] == "plain":
                 _check_plain(ctx, g, ts)
+            elif g["model"] == "steps":
+                check_steps(ctx, g, ts, _check)
             else:
                 _check_recipe_gemm(ctx, g, ts)
         elif t.role == "result":
@@ -184,8 +187,13 @@ def _gemm_entries(raw: Any, where: Path) -> dict[str, dict[str, Any]]:
         if not isinstance(g, dict) or not isinstance(g.get("id"), str):
             raise DumpError(f"{where}: gemms[{i}] is not an object with an 'id'")
         model = g.get("model")
-        if model not in ("recipe", "native", "hp", "plain", "hardware"):
+        if model not in ("recipe", "native", "hp", "plain", "hardware", "steps"):
             raise DumpError(f"{where}: gemms[{i}] has an unknown model {model!r}")
+        if model == "steps" and not (
+            isinstance(g.get("site"), str) and g.get("pass") in ("fprop", "backward")
+        ):
+            raise DumpError(f"{where}: gemms[{i}] (steps) has no site or an unknown pass "
+                            f"{g.get('pass')!r}")  # fmt: skip
         if model in ("recipe", "native", "hp"):
             for f in ("m", "n"):
                 if not isinstance(g.get(f), int):

@@ -34,7 +34,7 @@ def zeroed_or_nonfinite(rec: np.ndarray, ref: np.ndarray) -> str | None:
     return None
 
 
-def labelled(c: TensorCheck, label: str, detail: str) -> TensorCheck:
+def labelled(c: TensorCheck, label: str | None, detail: str) -> TensorCheck:
     return dataclasses.replace(c, label=label, detail=detail)
 
 

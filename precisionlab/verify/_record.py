@@ -33,6 +33,7 @@ from precisionlab import __version__, recipes
 from precisionlab.intercept import PerIteration, Site, intercept, select
 from precisionlab.verify._format import DumpWriter, storage_dtype
 from precisionlab.verify._models import check_hardware
+from precisionlab.verify._steps import StepsRule, step_pass
 from precisionlab.verify._tape import (
     PlainRule,
     RecipeRule,
@@ -159,7 +160,7 @@ def _loop_stack(x: Any, lengths: tuple[int, ...]) -> Any:
 
 
 def _plan(fn, args, *, recipe, state, key, grad, argnums, has_aux, include, exclude, weight,
-          sites, gemm_fn) -> _Plan:  # fmt: skip
+          sites, gemm_fn, default) -> _Plan:  # fmt: skip
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     del nums  # the plain mode differentiates fn itself
     if recipe is None:
@@ -174,8 +175,9 @@ def _plan(fn, args, *, recipe, state, key, grad, argnums, has_aux, include, excl
                    if s.selected and any(n is None for n in s.lengths)]  # fmt: skip
         return _Plan(found, chosen, skipped, {}, aux_shapes, {}, value_shapes, rule)
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    probe = intercept(fn, RecipeRule(recipe, weight, frozenset(), gemm_fn),
-                      include=include, exclude=exclude)  # fmt: skip
+    Rule = StepsRule if isinstance(recipe, recipes.FP4Recipe) else RecipeRule
+    probe = intercept(fn, Rule(recipe, weight, frozenset(), gemm_fn),
+                      include=include, exclude=exclude, default=default)  # fmt: skip
     found = probe.sites(*args)
     chosen = [s for s in _chosen(found, sites) if all(n is not None for n in s.lengths)]
     skipped = [{"site": s.name, "why": "inside a while_loop (no per-iteration records)"}
@@ -189,8 +191,8 @@ def _plan(fn, args, *, recipe, state, key, grad, argnums, has_aux, include, excl
             )
     entries = _entries(found, chosen, recipe, state, tapes=None)
     shapes: dict[str, Any] = {}
-    rule = RecipeRule(recipe, weight, frozenset(s.name for s in chosen), gemm_fn, shapes)
-    inter = intercept(fn, rule, include=include, exclude=exclude)
+    rule = Rule(recipe, weight, frozenset(s.name for s in chosen), gemm_fn, shapes)
+    inter = intercept(fn, rule, include=include, exclude=exclude, default=default)
     out_shapes, aux_shapes = jax.eval_shape(
         lambda st, *a: inter.call_with_aux(st, *a, key=key), entries, *args
     )
@@ -290,6 +292,8 @@ def _record_bytes(key: str, sd: Any, rec, weight: str, what: str | None) -> int:
 def _estimate(plan: _Plan, opts: dict[str, Any], results: bool) -> int:
     rec, weight = opts["recipe"], opts["weight"]
     total = 0
+    if isinstance(rec, recipes.FP4Recipe):  # steps: each array at most its own width
+        rec = None
     for aux in plan.aux_shapes.values():
         for key, sd in aux.value.items():
             if rec is None:
@@ -299,8 +303,11 @@ def _estimate(plan: _Plan, opts: dict[str, Any], results: bool) -> int:
     for s in plan.recorded if opts["grad"] else ():  # the backward records
         reps = int(np.prod(s.lengths, dtype=np.int64)) if s.lengths else 1
         for key, sd in plan.tape_shapes.get(s.name, {}).items():
-            total += reps * _record_bytes(key, sd, rec, weight, None)
-    if rec is not None and rec.stateful:
+            if rec is None:
+                total += reps * _nbytes(sd.shape, jnp.dtype(sd.dtype).itemsize)
+            else:
+                total += reps * _record_bytes(key, sd, rec, weight, None)
+    if isinstance(rec, recipes.Delayed):
         hist = rec.amax_history_len  # scale (3,) and history (L, 3), before and after
         per_site = (3 + 3 * hist) * 4 * (2 if opts["grad"] else 1)
         total += per_site * sum(1 for s in plan.sites if s.selected)
@@ -315,25 +322,28 @@ def _estimate(plan: _Plan, opts: dict[str, Any], results: bool) -> int:
     return int(total)
 
 
+def _weight_products(site: Site) -> bool:
+    return not site.activations_only
+
+
 def _plan_options(*, recipe=None, state=None, key=None, grad=True, argnums=0, has_aux=False,
                   include=None, exclude=(), weight="rhs", sites=None, gemm="recipe",
-                  **_ignored) -> dict[str, Any]:  # fmt: skip
+                  attention=True, **_ignored) -> dict[str, Any]:  # fmt: skip
     rec = None if recipe is None else recipes.get_recipe(recipe)
-    if isinstance(rec, recipes.FP4Recipe):
-        # these recipes compute their three GEMMs themselves (random rotations, their own
-        # rounding of each operand), past the taps that record a GEMM's inputs and codes
+    if isinstance(rec, recipes.FP4Recipe) and gemm != "recipe":
         raise ValueError(
-            f"verify cannot record the {rec.name!r} recipe yet: the FP4 tournament's recipes "
-            "compute their GEMMs outside the recorded path; recordable recipes: "
-            + ", ".join(n for n in recipes.RECIPE_NAMES
-                        if not isinstance(recipes.get_recipe(n), recipes.FP4Recipe))
-        )  # fmt: skip
+            f"gemm={gemm!r}: the {rec.name} recipe computes its GEMMs itself (rotated, "
+            "re-quantized operands); record it with gemm='recipe'"
+        )
     if isinstance(recipe, str) and "pad" in {f.name for f in dataclasses.fields(rec)}:
         rec = dataclasses.replace(rec, pad=True)  # as recipes.apply takes a name
     _check_args(rec, gemm, weight, grad, has_aux)
+    if not isinstance(attention, bool):
+        raise ValueError(f"attention must be True or False, got {attention!r}")
     return dict(recipe=rec, state=state, key=key, grad=grad, argnums=argnums, has_aux=has_aux,
                 include=include, exclude=exclude, weight=weight, sites=sites,
-                gemm_fn=native_gemm if gemm == "native" else pinned_gemm)  # fmt: skip
+                gemm_fn=native_gemm if gemm == "native" else pinned_gemm,
+                default=None if attention else _weight_products)  # fmt: skip
 
 
 def record(
@@ -350,6 +360,7 @@ def record(
     exclude: Sequence[int | str] | int | str = (),
     weight: str = "rhs",
     sites: Sequence[int | str] | int | str | None = None,
+    attention: bool = True,
     gemm: str = "recipe",
     hardware: str | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
@@ -369,6 +380,10 @@ def record(
         casts), every ``dot_general`` of it and of its gradient recorded.
       sites: which of the replaced matmuls to record (positions, names or patterns as in
         ``include``; default all): a bound on the dump's size.
+      attention: with a recipe and no ``include``, replace the products of two activations
+        (attention's ``QK^T`` and ``PV``) too (default); False: leave them as they are, as
+        :func:`precisionlab.recipes.apply` does by default (the training hook passes the
+        run's choice).
       gemm: ``"recipe"`` or ``"native"`` (:data:`GEMM_MODES`).
       hardware: the GEMM model the dump names for GEMMs the backend computed itself (plain
         sites; ``gemm="native"``): a preset of :data:`precisionlab.hardware.PRESETS` or
@@ -384,7 +399,7 @@ def record(
     """
     opts = _plan_options(recipe=recipe, state=state, key=key, grad=grad, argnums=argnums,
                          has_aux=has_aux, include=include, exclude=exclude, weight=weight,
-                         sites=sites, gemm=gemm)  # fmt: skip
+                         sites=sites, gemm=gemm, attention=attention)  # fmt: skip
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
         raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
 
@@ -407,7 +422,8 @@ def record(
         value, aux = jax.jit(lambda *a: inter.call_with_aux(None, *a))(*args)
         state_grads = None
     else:
-        inter = intercept(fn, plan.rule, include=include, exclude=exclude)
+        inter = intercept(fn, plan.rule, include=include, exclude=exclude,
+                          default=opts["default"])  # fmt: skip
         run = _runner(inter, grad, nums, isinstance(argnums, int), has_aux, key)
         value, aux, state_grads = jax.jit(run)(plan.states, *args)
     value, aux, state_grads = jax.device_get((value, aux, state_grads))
@@ -429,6 +445,9 @@ def _write(writer, plan, rec, state, value, aux, state_grads, opts, *, grad, res
     if rec is None:
         _write_plain(writer, plan, aux, gemms, hw)
         mode = "plain"
+    elif isinstance(rec, recipes.FP4Recipe):
+        mode = "recipe"
+        _write_fp4(writer, plan, aux, state_grads, gemms, grad)
     else:
         mode = "recipe"
         if rec.stateful:
@@ -456,7 +475,7 @@ def _write(writer, plan, rec, state, value, aux, state_grads, opts, *, grad, res
                         if part:
                             _write_gemm(writer, gemms, rec, weight, s, it, what, part, gemm,
                                         hw)  # fmt: skip
-            if rec.stateful:
+            if rec.stateful:  # delayed scaling (the FP4 recipes' state is not written)
                 state_after, skipped = _state_after(plan, rec, state, state_grads, value, weight)
                 _write_state(writer, plan, state_after, "state_after", "state update")
     if results:
@@ -528,6 +547,65 @@ def _write_gemm(writer, gemms, rec, weight, s: Site, it, what, part: dict, gemm,
             writer.add(f"{p}/codes", part[f"{side}/codes"], fmt, "codes", operand=side,
                        producer="quantize", **meta)  # fmt: skip
     writer.add(f"{gid}/out", out, "float32", "output", producer="gemm", **meta)
+
+
+#: the steps whose output holds E2M1 values (stored as float4_e2m1fn codes when finite)
+_E2M1_OUT = {"nvfp4": "elems", "mxfp4": "elems", "quest": "elems", "ms_eden": "elems",
+             "qema_nearest": "out"}  # fmt: skip
+
+
+def _untape(v: np.ndarray, dtype: np.dtype, axis: int) -> np.ndarray:
+    if dtype.itemsize == 4:
+        return from_halves(v, dtype, axis)
+    return from_halves(v, np.dtype(np.float32), axis).astype(dtype)
+
+
+def _write_fp4(writer, plan, aux, state_grads, gemms, grad: bool) -> None:
+    """The steps of a recipe owning its GEMMs: per site and iteration, its forward, then
+    (sites in reverse) its backward."""
+    for s in plan.recorded:
+        for it in _iterations(s):
+            if _valid(aux, s, it):
+                one = _index(aux[s.name].value, it)
+                _write_steps(writer, gemms, plan.rule.steps[s.name].fprop, s, it, "fprop", one)
+    if not grad:
+        return
+    for s in reversed(plan.recorded):
+        tape = state_grads[s.name]
+        tape = (tape.value if isinstance(tape, PerIteration) else tape)["tape"]
+        shapes = plan.tape_shapes[s.name]
+        flat = {k: _untape(v, np.dtype(shapes[k].dtype), len(s.lengths)) for k, v in tape.items()}
+        for it in reversed(_iterations(s)):
+            if _valid(aux, s, it):
+                one = _index(flat, it) if it else flat
+                _write_steps(writer, gemms, plan.rule.steps[s.name].backward, s, it, "backward",
+                             one)  # fmt: skip
+
+
+def _write_steps(writer, gemms, meta: list[dict], s: Site, it, which: str, arrays) -> None:
+    gid = f"{s.name}{_suffix(it)}/{which}"
+    steps = []
+    info = dict(site=s.name, gemm=gid, iteration=it)
+    for i, (m, what) in enumerate(zip(meta, step_pass(meta, which), strict=True)):
+        tag = f"{i:03d}.{m['op']}"
+        entry = {"op": m["op"], "pass": what, "static": m["static"], "inputs": {},
+                 "outputs": {}, "keys": m["keys"]}  # fmt: skip
+        for io in ("inputs", "outputs"):
+            for name in m[io]:
+                a = np.asarray(arrays[f"{tag}/{name}"])
+                dt, role = np.dtype(a.dtype).name, "output" if io == "outputs" else "input"
+                if io == "inputs" and (name in m["keys"] or name == "key"):
+                    role = "key"
+                elif io == "outputs" and _E2M1_OUT.get(m["op"]) == name and np.isfinite(a).all():
+                    dt, role = "float4_e2m1fn", "codes"
+                elif io == "outputs" and name == "scale":
+                    role = "block_scale"
+                writer.add(f"{gid}/{tag}/{name}", a, dt, role, producer=m["op"], step=i,
+                           **info)  # fmt: skip
+                entry[io][name] = f"{tag}/{name}"
+        steps.append(entry)
+    gemms.append({"id": gid, "site": s.name, "iteration": list(it), "pass": which,
+                  "model": "steps", "steps": steps})  # fmt: skip
 
 
 def _write_plain(writer, plan, aux, gemms, hw) -> None:

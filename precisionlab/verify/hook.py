@@ -125,8 +125,8 @@ class RecordHook:
         if opts.recipe is not None:
             rec = opts.recipe.for_values(values)
             kw = dict(recipe=rec.recipe, include=rec.include, exclude=rec.exclude,
-                      state=state.recipe_state, key=recipe_key(state.rng),
-                      gemm=self.gemm)  # fmt: skip
+                      attention=rec.attention, state=state.recipe_state,
+                      key=recipe_key(state.rng), gemm=self.gemm)  # fmt: skip
         rec_out = record(
             scaled, pc, batch, state.loss_scale, out=self.path(n), has_aux=True,
             sites=self.sites, hardware=self.hardware, max_bytes=self.max_bytes,

@@ -1,0 +1,183 @@
+"""Recording the recipes that own their three GEMMs (:class:`precisionlab.recipes.FP4Recipe`):
+every step of their forward and backward (quantizers, rotations, random signs, casts, GEMMs),
+as :func:`precisionlab.recipes.fp4_step_tap` reports them, passed out of the program the way
+:mod:`precisionlab.verify._tape` passes the other recipes' GEMM records.
+
+A site's forward steps leave as auxiliary output, its backward steps as the cotangent of the
+zero tape handed to the site (bit for bit, as 16-bit halves). What each step is (its op, its
+static arguments, which arrays are its inputs and outputs) is known at trace time and kept on
+the host in a :class:`StepsMeta` per site.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from precisionlab import recipes
+from precisionlab.intercept import Emit
+from precisionlab.verify._tape import FLOATS, RecipeRule, _to_tape, key_data
+
+__all__ = ["PASSES", "StepsMeta", "StepsRule", "apply_dot3", "pack_steps", "step_pass"]
+
+#: the two passes of a recorded FP4 matmul (its forward; its dgrad and wgrad together)
+PASSES = ("fprop", "backward")
+
+
+@dataclasses.dataclass(eq=False)
+class StepsMeta:
+    """What the steps of one site's passes are (filled at trace time): per pass a list of
+    ``{"op", "static", "inputs": {name: dtype}, "outputs": {name: dtype}, "keys": {name:
+    impl}}``."""
+
+    fprop: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    backward: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+def _json(v: Any) -> Any:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (tuple, list)):
+        return [_json(x) for x in v]
+    raise ValueError(f"a step's static argument {v!r} is not a JSON value")
+
+
+def pack_steps(steps: list[recipes.FP4Step]) -> tuple[dict[str, jax.Array], list[dict]]:
+    """The steps' arrays as a flat dict (``NNN.op/name``) and their descriptions."""
+    arrays: dict[str, jax.Array] = {}
+    meta: list[dict[str, Any]] = []
+    for i, s in enumerate(steps):
+        entry: dict[str, Any] = {"op": s.op, "static": {k: _json(v) for k, v in s.static.items()},
+                                 "inputs": {}, "outputs": {}, "keys": {}}  # fmt: skip
+        for io in ("inputs", "outputs"):
+            for name, v in getattr(s, io).items():
+                v = jnp.asarray(v)
+                if jnp.issubdtype(v.dtype, jax.dtypes.prng_key):
+                    v, impl = key_data(v)
+                    entry["keys"][name] = impl
+                arrays[f"{i:03d}.{s.op}/{name}"] = v
+                entry[io][name] = jnp.dtype(v.dtype).name
+        meta.append(entry)
+    return arrays, meta
+
+
+def step_pass(meta: list[dict[str, Any]], which: str) -> list[str]:
+    """The GEMM each step feeds: ``fprop``; in the backward, ``dgrad`` up to and including
+    its first GEMM, then ``wgrad``."""
+    if which == "fprop":
+        return ["fprop"] * len(meta)
+    out, gemms = [], 0
+    for m in meta:
+        out.append("dgrad" if gemms == 0 else "wgrad")
+        gemms += m["op"] == "gemm"
+    return out
+
+
+def _taped(fn, *args):
+    steps: list[recipes.FP4Step] = []
+    with recipes.fp4_step_tap(steps.append):
+        out = fn(*args)
+    arrays, meta = pack_steps(steps)
+    return out, arrays, meta
+
+
+def _ct_state(state, observed):
+    if state is None:
+        return None
+    ct = {k: jnp.zeros_like(v) for k, v in state.items()}
+    if observed is not None:
+        ct["probe"] = observed.astype(state["probe"].dtype)
+    return ct
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _tdot3(recipe, kinds, sink, a, b, state, key, tape):
+    return _tdot3_fwd(recipe, kinds, sink, a, b, state, key, tape)[0]
+
+
+def _tdot3_fwd(recipe, kinds, sink, a, b, state, key, tape):
+    (y, res, observed), arrays, meta = _taped(recipe.forward, kinds, a, b, state, key)
+    sink.fprop = meta
+    return (y, arrays), (res, state, observed, key)
+
+
+def _tdot3_bwd(recipe, kinds, sink, saved, cts):
+    g, _ = cts
+    res, state, observed, key = saved
+    (da, db), arrays, meta = _taped(recipe.backward, kinds, res, g.astype(jnp.float32), key)
+    sink.backward = meta
+    return da, db, _ct_state(state, observed), None, _to_tape(arrays)
+
+
+_tdot3.defvjp(_tdot3_fwd, _tdot3_bwd)
+
+
+def _bwd_shapes(recipe, kinds, sink, a, b, state, key) -> dict[str, Any]:
+    """Shapes and dtypes of a site's backward step arrays (traced, nothing computed)."""
+
+    def run(a, b, state, key):
+        y, res, _ = recipe.forward(kinds, a, b, state, key)
+        g = jnp.zeros(y.shape, jnp.float32)
+        _, arrays, meta = _taped(recipe.backward, kinds, res, g, key)
+        sink.backward = meta
+        return arrays
+
+    return jax.eval_shape(run, a, b, state, key)
+
+
+@dataclasses.dataclass
+class StepsRule(RecipeRule):
+    """The recording rule of a recipe owning its GEMMs: its steps, not GEMM records."""
+
+    #: per recorded site: what its steps are
+    steps: dict[str, StepsMeta] = dataclasses.field(default_factory=dict)
+
+    def apply(self, ctx, lhs, rhs, *, dimension_numbers, **params):
+        entry = ctx.state or {}
+        rstate = entry.get("recipe") if isinstance(entry, dict) else None
+        pet = params.get("preferred_element_type")
+        return apply_dot3(self, ctx, lhs, rhs, dimension_numbers, pet, rstate)
+
+
+def apply_dot3(rule, ctx, lhs, rhs, dimension_numbers, pet, rstate):
+    """:meth:`StepsRule.apply` (``rule``: the rule; its ``steps`` keeps each site's
+    :class:`StepsMeta`)."""
+    recipe = rule.recipe
+    if str(lhs.dtype) not in FLOATS or str(rhs.dtype) not in FLOATS:
+        return [lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=pet)]
+    state = rstate if recipe.stateful else None
+    if ctx.site.name not in rule.recorded:
+        out = recipes.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=pet,
+                                  recipe=recipe, state=state, key=ctx.site_key(),
+                                  weight=rule.weight)  # fmt: skip
+        return [out]
+    kinds = recipes.WEIGHT_OPERANDS[rule.weight]
+    (lc, rc), (lb, rb) = dimension_numbers
+    lc, rc, lb, rb = (tuple(int(d) for d in t) for t in (lc, rc, lb, rb))
+    a3, lfree = recipes.canonical_operand(lhs, lc, lb)
+    b3, rfree = recipes.canonical_operand(rhs, rc, rb)
+    wc, wb = (lc, lb) if kinds == ("w", "x") else (rc, rb)
+    sink = rule.steps.setdefault(ctx.site.name, StepsMeta())
+    held: dict[str, Any] = {}
+    discovery = rule.shapes is not None
+    tape = None if discovery else (ctx.state or {})["tape"]
+
+    def run(rec, kinds, a, b, st, key):
+        if discovery:
+            rule.shapes[ctx.site.name] = _bwd_shapes(rec, kinds, sink, a, b, st, key)
+            (y, held["fwd"]), _ = _tdot3_fwd(rec, kinds, sink, a, b, st, key, None)
+        else:
+            y, held["fwd"] = _tdot3(rec, kinds, sink, a, b, st, key, tape)
+        return y
+
+    canon = lambda t: recipes.canonical_operand(t, wc, wb)[0]  # noqa: E731
+    out3 = recipe.dot3(kinds, a3, b3, state, ctx.site_key(), canon=canon, run=run)
+    out_dtype = pet or jnp.result_type(lhs.dtype, rhs.dtype)
+    bshape = tuple(lhs.shape[d] for d in lb)
+    out = out3.reshape(*bshape, *lfree, *rfree).astype(out_dtype)
+    return Emit([out], held["fwd"])
