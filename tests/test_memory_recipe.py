@@ -102,3 +102,15 @@ def test_measure_counts_the_amax_history_as_xla_does(capsys, tmp_path):
     assert rows["arguments"]["estimated"] == rows["arguments"]["measured"]  # XLA's count
     assert rows["outputs"]["estimated"] == rows["outputs"]["measured"]
     assert rep["recipe"]["temporaries"] > rep["recipe"]["temporaries_without"] > 0
+
+
+@pytest.mark.parametrize("name", ["tetrajet", "nvidia_fp4", "quartet2"])
+def test_fp4_training_recipes_are_refused_by_name(name):
+    """Found by mypy: a stateful FP4 recipe reached ``None + 2`` (no amax history) and the
+    others a string where a format was expected; memory does not model them and says so."""
+    recipe = get_recipe(name)
+    gemms = [Gemm(name="dense0", m=8, k=32, n=64)]
+    with pytest.raises(
+        ValueError, match=f"does not model the 4-bit training recipe {type(recipe).__name__}"
+    ):
+        recipe_memory(recipe, gemms)

@@ -281,6 +281,7 @@ def _recipe_part(table, where, train_recipe, model, cfg, state, got) -> dict[str
     temporaries of the same step without the recipe, measured for the difference."""
     recipe = train_recipe.recipe
     gemms = builtin_gemms(model, cfg.batch_size // cfg.microbatches)
+    hardware = recipe_memory(recipe, gemms).to_dict()  # first: it refuses what it cannot model
     if train_recipe.include is not None or train_recipe.exclude:
         n_sites = len(state.recipe_state or {})
     else:
@@ -291,7 +292,7 @@ def _recipe_part(table, where, train_recipe, model, cfg, state, got) -> dict[str
     without = measure_train_table(plain, where)
     return {
         "state_bytes": state_bytes,
-        "hardware": recipe_memory(recipe, gemms).to_dict(),
+        "hardware": hardware,
         "temporaries": got.temporaries,
         "temporaries_without": next(
             r["measured"] for r in without["rows"] if r["name"] == "temporaries"

@@ -42,7 +42,17 @@ import math
 from typing import Any
 
 from precisionlab.memory.estimate import ModelSpec, TrainSetup
-from precisionlab.recipes import MX, NVFP4, Blockwise, Current, Delayed, Recipe, Reference, Rowwise
+from precisionlab.recipes import (
+    MX,
+    NVFP4,
+    Blockwise,
+    Current,
+    Delayed,
+    FP4Recipe,
+    Recipe,
+    Reference,
+    Rowwise,
+)
 
 __all__ = [
     "Gemm",
@@ -170,6 +180,12 @@ def recipe_memory(recipe: Recipe, gemms: list[Gemm]) -> RecipeMemory:
     """What ``recipe`` adds for the matmul sites ``gemms`` (see :class:`RecipeMemory`)."""
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a precisionlab.recipes.Recipe, got {recipe!r}")
+    if isinstance(recipe, FP4Recipe):  # their copies (rotations, EMAs, 4-or-6) are not modelled
+        raise ValueError(
+            f"memory accounting does not model the 4-bit training recipe {type(recipe).__name__} "
+            "(its rotated copies and state); it models delayed, current, rowwise, blockwise, "
+            "mxfp8, mxfp4, nvfp4, bf16 and fp32"
+        )
     wc = ws = sc = ss = 0
     transient = 0
     hp_wgrad = recipe.wgrad_hp
