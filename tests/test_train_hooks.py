@@ -7,7 +7,15 @@ import optax
 import pytest
 
 from precisionlab._schema import Field
-from precisionlab.train import Aggregates, StepOptions, TrainConfig, build_step, models, train
+from precisionlab.train import (
+    Aggregates,
+    StepOptions,
+    TrainConfig,
+    build_step,
+    models,
+    parse_step_options,
+    train,
+)
 from precisionlab.train.config import TRAIN_FIELDS
 
 SMALL = {"model_kwargs": {"width": 16}, "batch_size": 32, "eval_batches": 1}
@@ -46,9 +54,9 @@ def test_aggregates_update_is_pure_and_marks_divergence_once():
 
 
 def test_step_options_take_typed_objects_and_the_mesh_is_returned():
-    with pytest.raises(TypeError, match=r"policy must be a Policy.*StepOptions\.parse"):
+    with pytest.raises(TypeError, match=r"policy must be a Policy.*parse_step_options"):
         StepOptions(policy="p=f32,c=bf16,o=f32")
-    options = StepOptions.parse(policy="p=f32,c=bf16,o=f32", loss_scale="dynamic")
+    options = parse_step_options(policy="p=f32,c=bf16,o=f32", loss_scale="dynamic")
     assert options.skips and str(options.policy) == "p=f32,c=bf16,o=f32"
 
     def loss_fn(params, batch):

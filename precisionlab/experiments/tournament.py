@@ -50,7 +50,7 @@ from precisionlab._schema import ConfigError, Field, validate_table, with_docs
 from precisionlab.experiments import store
 from precisionlab.mixed.policy import cast_floating
 from precisionlab.recipes import FP4Recipe, forward_weight_quantizer, osci_reset
-from precisionlab.train import TrainConfig, build, train_loop
+from precisionlab.train import CallbackHook, LoopExtras, TrainConfig, build, train_loop
 from precisionlab.train.config import TRAIN_FIELDS
 from precisionlab.train.gemm_stats import GemmStatsHook
 from precisionlab.train.hooks import StepEnd
@@ -363,13 +363,16 @@ def run_unit(section: dict, unit: Unit, unit_dir: Path, include: list[int] | Non
 
     t0, c0 = time.perf_counter(), time.process_time()
     try:
+        loop = dataclasses.replace(
+            loop, checkpoint_dir=ckpt if loop.checkpoint_interval else None, resume=True,
+            progress=False,
+        )  # fmt: skip
         result = train_loop(
             loss_fn=setup.loss_fn, params=setup.params,
             optimizer=_optimizer(setup, unit.entry, steps),
             batches=lambda s: setup.data.batches(cfg.batch_size, seed=cfg.seed, start=s),
-            options=setup.options, loop=loop, values=setup.values, program_key=key,
-            lr_schedule=setup.schedule, checkpoint_dir=ckpt if loop.checkpoint_interval else None,
-            resume=True, callback=on_step, hooks=[hook], progress=False,
+            options=setup.options, loop=loop, hooks=[CallbackHook(on_step), hook],
+            extras=LoopExtras(values=setup.values, program_key=key, lr_schedule=setup.schedule),
         )  # fmt: skip
     finally:
         for w in writers.values():
