@@ -146,3 +146,21 @@ def test_the_field_table_declares_every_config_field_with_its_default():
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         assert TRAIN_FIELDS[name].default == default, name
     assert TrainConfig().to_dict() == {k: v.default for k, v in TRAIN_FIELDS.items()}
+
+
+def test_record_hooks_are_due_on_their_intervals_and_fold_into_the_aggregates():
+    # what the loop measures every N steps: each hook says when it is due (steps done, or the
+    # 0-based step for row hooks) and what it adds; the loop only asks and writes
+    from precisionlab.train.record_hooks import EvalHook, LrHook, ProbeHook
+
+    probe = ProbeHook(lambda state, batch: {}, hist_interval=4, shadow_interval=6)
+    assert [s for s in range(13) if probe.due(s)] == [0, 4, 6, 8, 12]
+    no_shadow = ProbeHook(lambda state, batch: {}, hist_interval=4, shadow_interval=None)
+    assert [s for s in range(13) if no_shadow.due(s)] == [0, 4, 8, 12]
+    ev = EvalHook(lambda params: {"eval_loss": 1.5}, interval=0)
+    assert not any(ev.due(s) for s in range(1, 10))  # the loop still runs it after the last step
+    agg = ev.fold(Aggregates(), 7, ev.evaluate(None))
+    assert agg.evals == ({"step": 7, "eval_loss": 1.5},)
+    lr = LrHook(lambda count: 0.5**count)
+    skipped = Aggregates(skipped_steps=2)
+    assert lr.due(5) and lr.row(5, None, skipped) == {"lr": 0.5**3}

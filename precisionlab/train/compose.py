@@ -199,7 +199,7 @@ def build(config: TrainConfig) -> TrainSetup:
         config=config,
         data=data,
         model=model,
-        optimizer=factory(values),
+        optimizer=factory(values),  # type: ignore[arg-type]  # floats where traced scalars go
         schedule=make_schedule(config.lr, config.schedule, **sched),
         params=model.init(jax.random.PRNGKey(config.seed)),
         loss_fn=model.loss_fn(precision.policy, enforce=config.enforce_numerics),
@@ -285,4 +285,5 @@ def precompile(config: TrainConfig) -> None:
     setup = build(config)
     params = compile_programs(**_loop_args(setup))
     if params is not None:
-        _eval_fn(setup).lower(params).compile()
+        evaluate: Any = _eval_fn(setup)  # a jax.jit wrapper
+        evaluate.lower(params).compile()

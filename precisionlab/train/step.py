@@ -149,7 +149,7 @@ def cast_compute(params: Any, dtype: Any, fp32: tuple[str, ...] = ()) -> Any:
     if not fp32:
         return cast_floating(params, dtype)
 
-    def one(path, x):
+    def one(path: Any, x: Any) -> Any:
         keep = jax.tree_util.keystr(path).startswith(fp32)
         return cast_floating(x, jnp.float32 if keep else dtype)
 
@@ -173,25 +173,25 @@ def make_grad_fn(
     """
     f = normalize_loss_fn(loss_fn)
 
-    def scaled(p, batch, ls):
+    def scaled(p: Any, batch: Any, ls: LossScale) -> tuple[jax.Array, Any]:
         loss, aux = f(p, batch)
         return ls.scale(loss), (loss, aux)
 
     if recipe is None:
 
-        def value_grad(pc, batch, ls, extra):
+        def value_grad(pc: Any, batch: Any, ls: LossScale, extra: Any) -> tuple[Any, ...]:
             (_, (loss, aux)), g = jax.value_and_grad(scaled, has_aux=True)(pc, batch, ls)
             return loss, aux, g, {}
 
     else:
         vg = recipe.apply(scaled).value_and_grad(0, has_aux=True)
 
-        def value_grad(pc, batch, ls, extra):
+        def value_grad(pc: Any, batch: Any, ls: LossScale, extra: Any) -> tuple[Any, ...]:
             rstate, key = extra
             (_, (loss, aux)), g, observed = vg(rstate, pc, batch, ls, key=key)
             return loss, aux, g, observed
 
-    def one(pc: Any, batch: Any, ls: LossScale, extra: Any):
+    def one(pc: Any, batch: Any, ls: LossScale, extra: Any) -> tuple[Any, ...]:
         loss, aux, g, observed = value_grad(pc, batch, ls, extra)
         # zeros/subnormals and inf/NaN apart: a step of NaNs is not an underflow
         meter = {
@@ -202,13 +202,13 @@ def make_grad_fn(
 
     if microbatches == 1:
 
-        def grad_fn(pc, batch, ls, extra):
+        def grad_fn(pc: Any, batch: Any, ls: LossScale, extra: Any) -> tuple[Any, ...]:
             loss, aux, g, meter, observed = one(pc, batch, ls, extra)
             return loss, aux, cast_floating(g, jnp.float32), meter, observed
 
         return grad_fn
 
-    def grad_fn(pc, batch, ls, extra):
+    def grad_fn(pc: Any, batch: Any, ls: LossScale, extra: Any) -> tuple[Any, ...]:  # type: ignore[no-redef]
         micro = split_micro(batch, microbatches)
         first = jax.tree_util.tree_map(lambda x: x[0], micro)
         shapes = jax.eval_shape(lambda b: one(pc, b, ls, extra)[:4], first)
@@ -217,7 +217,7 @@ def make_grad_fn(
         # amaxes are >= 0, so 0 is the identity of their max
         obs0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), obs_shapes)
 
-        def body(carry, b):
+        def body(carry: tuple[Any, Any], b: Any) -> tuple[tuple[Any, Any], None]:
             acc, obs = carry
             out = one(pc, b, ls, extra)
             acc = jax.tree_util.tree_map(lambda a, o: a + o.astype(jnp.float32), acc, out[:4])
@@ -420,7 +420,7 @@ def _initial_state(
 ) -> TrainState:
     """The state before the first step (see :func:`build_step`)."""
     pol, store, rec = opts.policy, opts.storage, opts.recipe
-    state_values = None
+    state_values: dict[str, Any] | None = None
     if values is not None:
         state_values = {k: jnp.asarray(v, jnp.float32) for k, v in values.items()}
         if rec is not None and rec.numbers():
@@ -430,7 +430,7 @@ def _initial_state(
     loss_init = weighted_loss(loss_fn, values)
     opt = store_opt_state(_optimizer(optimizer, values), store.opt_state_dtype)
     params_stored = cast_floating(params, store.param_dtype(pol.param_dtype))
-    recipe_state = None if rec is None else {}
+    recipe_state: dict[str, Any] | None = None if rec is None else {}
     if rec is not None and rec.stateful:
         if example_batch is None:
             raise ValueError(
@@ -614,7 +614,8 @@ def init_recipe_state(
         return {}
     f = normalize_loss_fn(loss_fn)
 
-    def scaled(p, b, ls):  # the function the step differentiates (same matmuls)
+    # the function the step differentiates (same matmuls)
+    def scaled(p: Any, b: Any, ls: LossScale) -> tuple[jax.Array, Any]:
         loss, aux = f(p, b)
         return ls.scale(loss), (loss, aux)
 
@@ -646,7 +647,7 @@ def make_probe_fn(
         ls = state.loss_scale
         pc = cast_floating(state.params, pol.compute_dtype)
 
-        def scaled(p):
+        def scaled(p: Any) -> tuple[jax.Array, Any]:
             loss, aux = f(p, batch)
             return ls.scale(loss), aux
 
