@@ -63,7 +63,7 @@ CASES: dict[str, dict[str, Any]] = {
         telemetry={"interval": 2, "targets": ["fp16"]},
         predictors={"interval": 2},
     ),
-    # the same hooks without the recipe and predictors (cheap: the default suite's case)
+    # the same hooks without the recipe and predictors
     "hooks": dict(
         steps=4,
         hist_interval=2,
@@ -81,7 +81,10 @@ CASES: dict[str, dict[str, Any]] = {
         loss_scale_kwargs={"init_scale": 2.0**24, "backoff_factor": 2.0**-4},
         eval_interval=5,
     ),
-    "fp32-one-per-call": dict(steps=4, chunk_steps=1, eval_interval=2, hist_interval=3),
+    # the default suite's case: histograms and shadow every 3 steps, evaluation every 2, lr
+    "fp32-one-per-call": dict(
+        steps=4, chunk_steps=1, eval_interval=2, hist_interval=3, shadow=True
+    ),
     "fp32-scan-deterministic": dict(
         steps=6,
         chunk_steps=3,
@@ -95,7 +98,7 @@ CASES: dict[str, dict[str, Any]] = {
     ),
     "diverges-and-stops": dict(steps=6, lr=30.0, divergence_k=1.5, eval_interval=3),
 }
-DEFAULT = ("hooks", "fp32-one-per-call")
+DEFAULT = ("fp32-one-per-call",)
 
 #: A run of 4 steps with a checkpoint every 2, resumed to 6: the resumed run's records.
 RESUME: dict[str, Any] = dict(steps=6, checkpoint_interval=2, hist_interval=2, eval_interval=3)
