@@ -10,7 +10,7 @@ SCRIPT = textwrap.dedent(
     """
     import jax, jax.numpy as jnp, numpy as np, optax
     assert jax.device_count() == 4, jax.devices()
-    from precisionlab.train import StepOptions, build_step, make_data, make_model
+    from precisionlab.train import build_step, make_data, make_model, parse_step_options
     from precisionlab.train.parallel import local_mesh, shard_batch
 
     data = make_data("teacher")
@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent(
     loss_fn = model.loss_fn("p=f32,c=f32,o=f32")
 
     def run(dp, red=None, steps=3):
-        options = StepOptions.parse(data_parallel=dp, allreduce_dtype=red)
+        options = parse_step_options(data_parallel=dp, allreduce_dtype=red)
         step, state, mesh = build_step(loss_fn, params, optax.adam(1e-2), options)
         assert (mesh is None) == (not dp)  # the mesh is returned, not attached to the function
         js = jax.jit(step)

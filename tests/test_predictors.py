@@ -20,7 +20,7 @@ import pytest
 
 from precisionlab._schema import ConfigError
 from precisionlab.mixed.policy import get_policy
-from precisionlab.train import TrainConfig, train_loop
+from precisionlab.train import LoopOptions, TrainConfig, train_loop
 from precisionlab.train.predictors import (
     NOISE_THRESHOLD,
     SIGNALS,
@@ -125,8 +125,8 @@ def _batches(start=0):
 def _run(policy, lr, predictors, steps=4):
     opts = StepOptions(policy=get_policy(policy), predictors=predictors)
     return train_loop(
-        _loss(policy), _params(), optax.adam(lr), _batches, options=opts, steps=steps,
-        chunk_steps=1, progress=False,
+        _loss(policy), _params(), optax.adam(lr), _batches, options=opts,
+        loop=LoopOptions(steps=steps, chunk_steps=1, progress=False),
     )  # fmt: skip
 
 
@@ -279,7 +279,7 @@ def test_grad_underflow_is_every_cotangent_when_the_loss_is_weighted_away():
     opts = StepOptions(policy=get_policy("p=f32,c=f16,o=f32"), predictors=pred)
     res = train_loop(
         _loss("p=f32,c=f16,o=f32"), _params(), optax.adam(1e-3), _batches, options=opts,
-        steps=1, chunk_steps=1, progress=False, loss_weight=2.0**-40,
+        loop=LoopOptions(steps=1, chunk_steps=1, progress=False, loss_weight=2.0**-40),
     )  # fmt: skip
     row = res.metrics[0]["predictors"]
     sig = {s: dict(zip(row["layers"], v, strict=True)) for s, v in row["signals"].items()}

@@ -247,7 +247,7 @@ DP_SCRIPT = textwrap.dedent(
     """
     import jax, numpy as np, optax
     assert jax.device_count() == 4
-    from precisionlab.train import StepOptions, build_step, make_data, make_model
+    from precisionlab.train import build_step, make_data, make_model, parse_step_options
     from precisionlab.train.parallel import shard_batch
     from precisionlab.train.telemetry import Telemetry, telemetry_rows
 
@@ -258,7 +258,7 @@ DP_SCRIPT = textwrap.dedent(
     tel = Telemetry(interval=1, targets=("fp16", "e4m3:tensor"))
 
     def rows(**kw):
-        opts = StepOptions.parse(telemetry=tel, **kw)
+        opts = parse_step_options(telemetry=tel, **kw)
         step, state, mesh = build_step(loss_fn, params, optax.adam(1e-2), opts)
         batch = data.batch(0, 64)
         if mesh is not None:

@@ -7,7 +7,8 @@ variants), and the pinned values differ in their last bit or two between the mac
 them and others (4.340184688568115 vs 4.340185165405273 for the first fp32 gradient norm on an
 AMD EPYC); a change of the numerics themselves (a dropped cast, another loss scale, a wrong
 update) moves them by far more. Bitwise refactor checks on one machine live beside the code they
-guard (chunked vs per-step training, telemetry on vs off). They were produced by running
+guard (chunked vs per-step training, telemetry on vs off), and tests/test_train_golden_bits.py
+pins the exact bits of runs through every hook of the loop. They were produced by running
 ``train(TrainConfig(steps=3, seed=0, **case))`` on the tree before the issue-9 refactor
 (commit 512c52a, jax 0.10.2, CPU) and printing the per-step ``loss`` / ``grad_norm`` /
 ``loss_scale``, the float64 sum and sum of absolute values of the final params, and the final

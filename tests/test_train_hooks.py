@@ -7,7 +7,15 @@ import optax
 import pytest
 
 from precisionlab._schema import Field
-from precisionlab.train import Aggregates, StepOptions, TrainConfig, build_step, models, train
+from precisionlab.train import (
+    Aggregates,
+    StepOptions,
+    TrainConfig,
+    build_step,
+    models,
+    parse_step_options,
+    train,
+)
 from precisionlab.train.config import TRAIN_FIELDS
 
 SMALL = {"model_kwargs": {"width": 16}, "batch_size": 32, "eval_batches": 1}
@@ -46,9 +54,9 @@ def test_aggregates_update_is_pure_and_marks_divergence_once():
 
 
 def test_step_options_take_typed_objects_and_the_mesh_is_returned():
-    with pytest.raises(TypeError, match=r"policy must be a Policy.*StepOptions\.parse"):
+    with pytest.raises(TypeError, match=r"policy must be a Policy.*parse_step_options"):
         StepOptions(policy="p=f32,c=bf16,o=f32")
-    options = StepOptions.parse(policy="p=f32,c=bf16,o=f32", loss_scale="dynamic")
+    options = parse_step_options(policy="p=f32,c=bf16,o=f32", loss_scale="dynamic")
     assert options.skips and str(options.policy) == "p=f32,c=bf16,o=f32"
 
     def loss_fn(params, batch):
@@ -138,3 +146,21 @@ def test_the_field_table_declares_every_config_field_with_its_default():
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         assert TRAIN_FIELDS[name].default == default, name
     assert TrainConfig().to_dict() == {k: v.default for k, v in TRAIN_FIELDS.items()}
+
+
+def test_record_hooks_are_due_on_their_intervals_and_fold_into_the_aggregates():
+    # what the loop measures every N steps: each hook says when it is due (steps done, or the
+    # 0-based step for row hooks) and what it adds; the loop only asks and writes
+    from precisionlab.train.record_hooks import EvalHook, LrHook, ProbeHook
+
+    probe = ProbeHook(lambda state, batch: {}, hist_interval=4, shadow_interval=6)
+    assert [s for s in range(13) if probe.due(s)] == [0, 4, 6, 8, 12]
+    no_shadow = ProbeHook(lambda state, batch: {}, hist_interval=4, shadow_interval=None)
+    assert [s for s in range(13) if no_shadow.due(s)] == [0, 4, 8, 12]
+    ev = EvalHook(lambda params: {"eval_loss": 1.5}, interval=0)
+    assert not any(ev.due(s) for s in range(1, 10))  # the loop still runs it after the last step
+    agg = ev.fold(Aggregates(), 7, ev.evaluate(None))
+    assert agg.evals == ({"step": 7, "eval_loss": 1.5},)
+    lr = LrHook(lambda count: 0.5**count)
+    skipped = Aggregates(skipped_steps=2)
+    assert lr.due(5) and lr.row(5, None, skipped) == {"lr": 0.5**3}

@@ -13,6 +13,7 @@ import pytest
 from precisionlab import recipes
 from precisionlab.train import TrainConfig, train
 from precisionlab.train.recipe import TrainRecipe, parse_recipe
+from precisionlab.train.specs import parse_step_options
 from precisionlab.train.step import StepOptions, build_step
 
 # A small MLP on the default teacher data: a few seconds per run on 2 busy cores.
@@ -102,7 +103,7 @@ def test_skipped_step_leaves_delayed_state_unchanged():
     good = {"x": jnp.full((8, 32), 4.0, jnp.float32)}
     bad = {"x": good["x"].at[3, 5].set(jnp.nan)}  # a NaN input: non-finite gradients
     rec = TrainRecipe(recipes.get_recipe("delayed", amax_history_len=2))
-    opts = StepOptions.parse(loss_scale="static:1", recipe=rec)
+    opts = parse_step_options(loss_scale="static:1", recipe=rec)
     fn, state, _ = build_step(_toy, params, optax.sgd(0.1), opts, good)
     for batch, skipped in ((bad, True), (good, False)):
         new, metrics = jax.jit(fn)(state, batch)

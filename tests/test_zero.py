@@ -30,7 +30,8 @@ PRELUDE = textwrap.dedent(
     import tempfile
     import jax, jax.numpy as jnp, numpy as np, optax
     assert jax.device_count() == 8, jax.devices()
-    from precisionlab.train import StepOptions, build_step, make_data, make_model, train_loop
+    from precisionlab.train import LoopOptions, StepOptions, build_step, make_data, make_model
+    from precisionlab.train import parse_step_options, train_loop
     from precisionlab.train.parallel import place_state, shard_batch
 
     data = make_data("teacher")
@@ -39,7 +40,7 @@ PRELUDE = textwrap.dedent(
     B = 64
 
     def run(policy="p=f32,c=f32,o=f32", dp=False, stage=0, mb=1, steps=4, **kw):
-        options = StepOptions.parse(
+        options = parse_step_options(
             policy=policy, data_parallel=dp, zero_stage=stage, microbatches=mb, **kw
         )
         loss_fn = model.loss_fn(policy)
@@ -235,7 +236,7 @@ def loop(dp, stage, steps, ckpt=None, resume=False, mb=1):
     out = train_loop(
         loss_fn, params, optax.adam(1e-2), lambda s: (data.batch(i, B) for i in range(s, 99)),
         options=StepOptions(data_parallel=dp, zero_stage=stage, microbatches=mb),
-        steps=steps, checkpoint_dir=ckpt, resume=resume, progress=False,
+        loop=LoopOptions(steps=steps, checkpoint_dir=ckpt, resume=resume, progress=False),
     )
     return np.array([r["loss"] for r in out.metrics]), out.state
 

@@ -111,8 +111,7 @@ def final_loss(config: TrainConfig, tail: int) -> float:
         setup.optimizer,
         lambda start: setup.data.batches(cfg.batch_size, seed=cfg.seed, start=start),
         options=setup.options,
-        loop=setup.loop,
-        progress=False,
+        loop=dataclasses.replace(setup.loop, progress=False),
     )
     losses = np.asarray([m["loss"] for m in result.metrics], np.float64)
     if result.diverged or losses.size == 0 or not np.isfinite(losses).all():

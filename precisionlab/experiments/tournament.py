@@ -59,7 +59,14 @@ from precisionlab.recipes import (
     get_recipe,
     osci_reset,
 )
-from precisionlab.train import TrainConfig, build, latest_checkpoint, train_loop
+from precisionlab.train import (
+    CallbackHook,
+    LoopExtras,
+    TrainConfig,
+    build,
+    latest_checkpoint,
+    train_loop,
+)
 from precisionlab.train.config import TRAIN_FIELDS
 from precisionlab.train.gemm_stats import GemmStatsHook
 from precisionlab.train.hooks import StepEnd
@@ -376,13 +383,16 @@ def run_unit(section: dict, unit: Unit, unit_dir: Path, include: list[int] | Non
 
     t0, c0 = time.perf_counter(), time.process_time()
     try:
+        loop = dataclasses.replace(
+            loop, checkpoint_dir=ckpt if loop.checkpoint_interval else None, resume=True,
+            progress=False,
+        )  # fmt: skip
         result = train_loop(
             loss_fn=setup.loss_fn, params=setup.params,
             optimizer=_optimizer(setup, unit.entry, steps),
             batches=lambda s: setup.data.batches(cfg.batch_size, seed=cfg.seed, start=s),
-            options=setup.options, loop=loop, values=setup.values, program_key=key,
-            lr_schedule=setup.schedule, checkpoint_dir=ckpt if loop.checkpoint_interval else None,
-            resume=True, callback=on_step, hooks=[hook], progress=False,
+            options=setup.options, loop=loop, hooks=[CallbackHook(on_step), hook],
+            extras=LoopExtras(values=setup.values, program_key=key, lr_schedule=setup.schedule),
         )  # fmt: skip
     finally:
         for w in writers.values():

@@ -85,7 +85,7 @@ Low level (any user model):
   mesh)``: ``StepOptions`` (frozen: ``policy`` a Policy, ``loss_scale`` a LossScale, ``storage``,
   ``microbatches``, ``seed``, ``skip_nonfinite``, ``skip`` "cond" | "select", ``data_parallel``,
   ``allreduce_dtype``, ``zero_stage`` 0-3, ``report_leaves``;
-  ``StepOptions.parse(policy="p=f32,c=bf16,o=f32",
+  ``parse_step_options(policy="p=f32,c=bf16,o=f32",
   loss_scale="dynamic", ...)`` takes spec strings). ``fn(state, batch) -> (state, metrics)`` is
   a pure, UN-jitted function (wrap it in ``jax.jit``, e.g. ``jax.jit(fn, donate_argnums=0)``;
   ``jax.jit(fn).lower(state, batch).compile().memory_analysis()`` for memory accounting);
@@ -96,15 +96,16 @@ Low level (any user model):
   cast to the compute dtype and returns a scalar loss or ``(loss, aux)``.
   ``make_train_step(loss_fn, params, optimizer, **step_options) -> (fn, state)`` is the same
   with the options as keywords.
-- ``train_loop(loss_fn, params, optimizer, batches, *, options=None, loop=None, eval_fn=None,
-  ..., callback=None, hooks=(), **specs) -> TrainResult`` runs the jitted step over an iterable
-  of batches with the same metrics, callback, checkpoints and divergence detection as
-  ``train``; ``loop`` is a ``LoopOptions`` (steps, eval/checkpoint/hist/shadow intervals,
-  divergence_k, divergence_action, loss_weight); ``specs`` may give the fields of both option
-  objects as keywords (``steps=300, policy="p=f32,c=f16,o=f32", loss_scale="dynamic"``). The
-  run's totals are an ``Aggregates`` value (pure ``update``); after each step every ``Hook``
-  (``on_step(StepEnd)``, ``close()``) runs: ``CallbackHook``, ``ProgressHook``,
-  ``CheckpointHook``.
+- ``train_loop(loss_fn, params, optimizer, batches, *, loop, options=None, extras=None,
+  hooks=()) -> TrainResult`` runs the jitted step over an iterable of batches with the same
+  metrics, checkpoints and divergence detection as ``train``; ``loop`` is a ``LoopOptions``
+  (steps, eval/checkpoint/hist/shadow intervals, divergence_k, divergence_action, loss_weight,
+  checkpoint_dir, resume, progress), ``extras`` a ``LoopExtras`` (eval_fn, probe and shadow
+  losses, lr_schedule, values, program_key, timings). What the loop measures every N steps
+  is a hook with ``due(step)`` (:mod:`precisionlab.train.record_hooks`: probes, recipe
+  metrics, telemetry, predictors, lr, evaluation). The run's totals are an ``Aggregates``
+  value (pure ``update``); after each step every ``Hook`` (``on_step(StepEnd)``,
+  ``close()``) runs: ``CallbackHook`` (a callback), ``ProgressHook``, ``CheckpointHook``.
 - ``save_checkpoint(dir, state, *, step, extra)`` / ``load_checkpoint(dir, template)`` /
   ``latest_checkpoint(dir)``: atomic, bitwise; ``meta.json`` strict JSON (see
   :mod:`precisionlab._io`).
@@ -127,7 +128,7 @@ from precisionlab.train.data import DATASETS, Dataset, make_data
 from precisionlab.train.evaluation import evaluate, make_eval_fn
 from precisionlab.train.forecast import Alarm, Forecaster, ForecastHook
 from precisionlab.train.hooks import CallbackHook, CheckpointHook, Hook, ProgressHook, StepEnd
-from precisionlab.train.loop import LoopOptions, train_loop
+from precisionlab.train.loop import LoopExtras, LoopOptions, train_loop
 from precisionlab.train.meters import (
     log2_histogram,
     nonfinite_fraction,
@@ -137,7 +138,8 @@ from precisionlab.train.meters import (
 from precisionlab.train.models import MODELS, Model, make_model
 from precisionlab.train.optim import OPTIMIZERS, SCHEDULES, make_optimizer
 from precisionlab.train.predictors import PredictorHook, Predictors
-from precisionlab.train.step import StepOptions, TrainState, TrainStep, build_step, make_train_step
+from precisionlab.train.specs import make_train_step, parse_step_options
+from precisionlab.train.step import StepOptions, TrainState, TrainStep, build_step
 
 __all__ = [
     "DATASETS",
@@ -154,6 +156,7 @@ __all__ = [
     "ForecastHook",
     "Forecaster",
     "Hook",
+    "LoopExtras",
     "LoopOptions",
     "Model",
     "PredictorHook",
@@ -178,6 +181,7 @@ __all__ = [
     "make_optimizer",
     "make_train_step",
     "nonfinite_fraction",
+    "parse_step_options",
     "save_checkpoint",
     "shadow_stats",
     "train",

@@ -19,8 +19,8 @@ from precisionlab.train.config import (
 )
 from precisionlab.train.data import Dataset, make_data
 from precisionlab.train.evaluation import make_eval_fn
-from precisionlab.train.hooks import Hook
-from precisionlab.train.loop import LoopOptions, compile_programs, train_loop
+from precisionlab.train.hooks import CallbackHook, Hook
+from precisionlab.train.loop import LoopExtras, LoopOptions, compile_programs, train_loop
 from precisionlab.train.models import Model, make_model
 from precisionlab.train.optim import (
     VALUE_KWARGS,
@@ -199,7 +199,7 @@ def build(config: TrainConfig) -> TrainSetup:
         config=config,
         data=data,
         model=model,
-        optimizer=factory(values),
+        optimizer=factory(values),  # type: ignore[arg-type]  # floats where traced scalars go
         schedule=make_schedule(config.lr, config.schedule, **sched),
         params=model.init(jax.random.PRNGKey(config.seed)),
         loss_fn=model.loss_fn(precision.policy, enforce=config.enforce_numerics),
@@ -213,10 +213,12 @@ def build(config: TrainConfig) -> TrainSetup:
     )
 
 
-def _loop_args(setup: TrainSetup) -> dict[str, Any]:
-    """The arguments of :func:`train_loop` (and :func:`compile_programs`) a setup gives."""
+def _loop_args(setup: TrainSetup, **extras: Any) -> dict[str, Any]:
+    """The arguments of :func:`train_loop` (and :func:`compile_programs`) a setup gives, with
+    ``extras`` (fields of :class:`LoopExtras`) added."""
     config, policy, model = setup.config, setup.policy, setup.model
     enforce = config.enforce_numerics
+    shadow = model.loss_fn(Policy(), enforce=False) if config.shadow else None
     return dict(
         loss_fn=setup.loss_fn,
         params=setup.params,
@@ -224,10 +226,13 @@ def _loop_args(setup: TrainSetup) -> dict[str, Any]:
         batches=lambda start: setup.data.batches(config.batch_size, seed=config.seed, start=start),
         options=setup.options,
         loop=setup.loop,
-        probe_loss_fn=model.loss_fn(policy, capture=True, enforce=enforce),
-        shadow_loss_fn=model.loss_fn(Policy(), enforce=False) if config.shadow else None,
-        values=setup.values,
-        program_key=setup.program_key,
+        extras=LoopExtras(
+            probe_loss_fn=model.loss_fn(policy, capture=True, enforce=enforce),
+            shadow_loss_fn=shadow,
+            values=setup.values,
+            program_key=setup.program_key,
+            **extras,
+        ),
     )
 
 
@@ -260,18 +265,16 @@ def train(
     if config.checkpoint_interval and checkpoint_dir is None:
         raise ValueError("checkpoint_interval > 0 needs a checkpoint_dir")
     setup = build(config)
-    return train_loop(
-        **_loop_args(setup),
-        eval_fn=_eval_fn(setup),
-        lr_schedule=setup.schedule,
+    args = _loop_args(setup, eval_fn=_eval_fn(setup), lr_schedule=setup.schedule, timings=timings)
+    args["loop"] = dataclasses.replace(
+        setup.loop,
         checkpoint_dir=checkpoint_dir,
         resume=resume,
-        callback=callback,
-        hooks=hooks,
         progress=False if quiet else config.progress,
         desc=f"{config.model} {setup.policy}",
-        timings=timings,
     )
+    first = [] if callback is None else [CallbackHook(callback)]
+    return train_loop(**args, hooks=[*first, *hooks])
 
 
 def precompile(config: TrainConfig) -> None:
@@ -282,4 +285,5 @@ def precompile(config: TrainConfig) -> None:
     setup = build(config)
     params = compile_programs(**_loop_args(setup))
     if params is not None:
-        _eval_fn(setup).lower(params).compile()
+        evaluate: Any = _eval_fn(setup)  # a jax.jit wrapper
+        evaluate.lower(params).compile()

@@ -33,25 +33,57 @@ from precisionlab.train.config import (
 )
 from precisionlab.train.deterministic import fixed_order
 from precisionlab.train.distributed import is_main, restore_checkpoint
-from precisionlab.train.hooks import CallbackHook, CheckpointHook, Hook, ProgressHook, StepEnd
-from precisionlab.train.meters import hist_edges
-from precisionlab.train.predictors import predictor_row
+from precisionlab.train.hooks import CheckpointHook, Hook, ProgressHook, StepEnd
+from precisionlab.train.parallel import place_state, shard_batch
 from precisionlab.train.programs import get as shared_programs
+from precisionlab.train.recipe_metrics import make_recipe_metrics_fn
+from precisionlab.train.record_hooks import (
+    EvalHook,
+    LrHook,
+    MeasureHook,
+    PredictorRowHook,
+    ProbeHook,
+    RecipeMetricsHook,
+    RowHook,
+    TelemetryRowHook,
+)
 from precisionlab.train.step import (
+    OptimizerFactory,
     StepOptions,
+    TrainState,
     build_step,
     make_probe_fn,
     weighted_loss,
 )
-from precisionlab.train.telemetry import telemetry_rows
 from precisionlab.train.timing import LoopTimings
 
-__all__ = ["LoopOptions", "compile_programs", "train_loop"]
+__all__ = ["LoopExtras", "LoopOptions", "compile_programs", "train_loop"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoopOptions:
-    """How the loop runs around the step (see :func:`train_loop`)."""
+    """How the loop runs around the step (see :func:`train_loop`).
+
+    Attributes:
+      steps: steps to run (in all, counting those of a resumed checkpoint).
+      eval_interval: evaluate every N steps (0: only after the last one).
+      checkpoint_interval / checkpoint_dir / resume: checkpoints every N steps and at the end
+        into ``checkpoint_dir``; ``resume`` continues from the newest one there (bitwise as if
+        uninterrupted).
+      divergence_k / divergence_action: a step whose loss is non-finite or > ``divergence_k``
+        x the least loss so far marks the run diverged; "stop" ends it there.
+      hist_interval: every N steps, histograms of log2|grad| and of the activations, the
+        recipe's metrics and the shadow comparison; shadow_interval: the shadow comparison
+        also every N steps.
+      loss_weight: multiplies the loss (in float32) before differentiation; the recorded
+        ``loss`` is divided back. It is one of the state's ``values``.
+      chunk_steps: steps per compiled call (``lax.scan`` over the step; 0: the greatest common
+        divisor of the intervals, at most :data:`MAX_CHUNK`); results are bitwise those of one
+        call per step.
+      deterministic: matmuls and sums of every program in a fixed order
+        (:mod:`precisionlab.train.deterministic`).
+      progress / desc: a tqdm bar labelled ``desc`` (``progress`` None: only on a terminal).
+    """
 
     steps: int
     eval_interval: int = 0
@@ -62,8 +94,11 @@ class LoopOptions:
     shadow_interval: int = 0
     loss_weight: float = 1.0
     chunk_steps: int = 0
-    #: matmuls and sums of every program in a fixed order (precisionlab.train.deterministic)
     deterministic: bool = False
+    checkpoint_dir: Any = None
+    resume: bool = False
+    progress: bool | None = None
+    desc: str | None = None
 
     def __post_init__(self) -> None:
         if self.divergence_action not in DIVERGENCE_ACTIONS:
@@ -77,22 +112,33 @@ class LoopOptions:
             raise ValueError(f"chunk_steps must be an int >= 0 (0: automatic), got {c!r}")
 
 
-def _host(x: Any) -> Any:
-    x = np.asarray(x)
-    if x.shape == ():
-        return bool(x) if x.dtype == bool else float(x)
-    return x.tolist()
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoopExtras:
+    """What a run brings besides its loss, params, optimizer and data (see :func:`train_loop`).
 
+    Attributes:
+      eval_fn: ``eval_fn(params) -> {"eval_loss", "eval_metric"}`` (not weighted), run every
+        ``eval_interval`` steps and after the last one (an :class:`EvalHook`).
+      probe_loss_fn: the loss whose aux "activations" the histograms read (default the loss).
+      shadow_loss_fn: the same model in float32, for the shadow comparison.
+      lr_schedule: optax count -> learning rate, reported as ``lr`` (an :class:`LrHook`).
+      values: numbers the compiled programs take as arguments (``TrainState.values``, with
+        ``loss_weight``; the optimizer may then be an
+        :data:`~precisionlab.train.step.OptimizerFactory`).
+      program_key: names the structure of the programs (hashable): runs with the same key
+        share their jitted step, chunk and probe functions (:mod:`precisionlab.train.programs`);
+        the caller vouches that they differ only in ``values``, params, data and seeds.
+      timings: a :class:`~precisionlab.train.timing.LoopTimings` that receives where the time
+        went.
+    """
 
-def _hist_dict(h: dict[str, Any] | None) -> dict[str, Any] | None:
-    if h is None:
-        return None
-    return {
-        "edges": hist_edges().tolist(),
-        "counts": np.asarray(h["counts"]).tolist(),
-        "zeros": int(h["zeros"]),
-        "nonfinite": int(h["nonfinite"]),
-    }
+    eval_fn: Callable[[Any], dict[str, float]] | None = None
+    probe_loss_fn: Callable | None = None
+    shadow_loss_fn: Callable | None = None
+    lr_schedule: Callable[[int], Any] | None = None
+    values: Mapping[str, float] | None = None
+    program_key: Hashable | None = None
+    timings: LoopTimings | None = None
 
 
 def _record(metrics: dict[str, Any], step: int, params: Any, loss_weight: float) -> dict[str, Any]:
@@ -112,242 +158,221 @@ def _record(metrics: dict[str, Any], step: int, params: Any, loss_weight: float)
     return rec
 
 
-def _probe_record(out: dict[str, Any], hist: bool) -> dict[str, Any]:
-    rec: dict[str, Any] = {}
-    if hist:
-        rec["grad_hist"] = _hist_dict(out["grad_hist"])
-        rec["act_hist"] = _hist_dict(out["act_hist"])
-    if "shadow_cosine" in out:
-        rec["shadow_cosine"] = float(out["shadow_cosine"])
-        rec["shadow_underflow_lost"] = float(out["shadow_underflow_lost"])
-    return rec
-
-
-def _split_specs(specs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    loop_names = {f.name for f in dataclasses.fields(LoopOptions)}
-    step_names = {f.name for f in dataclasses.fields(StepOptions)}
-    unknown = sorted(set(specs) - loop_names - step_names)
-    if unknown:
-        raise TypeError(
-            f"train_loop got unknown keyword(s) {', '.join(unknown)}; allowed: "
-            f"{', '.join(sorted(loop_names | step_names))}"
-        )
-    return (
-        {k: v for k, v in specs.items() if k in loop_names},
-        {k: v for k, v in specs.items() if k in step_names},
-    )
+def _host(x: Any) -> Any:
+    x = np.asarray(x)
+    if x.shape == ():
+        return bool(x) if x.dtype == bool else float(x)
+    return x.tolist()
 
 
 def train_loop(
     loss_fn: Callable,
     params: Any,
-    optimizer: optax.GradientTransformation,
+    optimizer: optax.GradientTransformation | OptimizerFactory,
     batches: Iterable[Any] | Callable[[int], Iterator[Any]],
     *,
+    loop: LoopOptions,
     options: StepOptions | None = None,
-    loop: LoopOptions | None = None,
-    eval_fn: Callable[[Any], dict[str, float]] | None = None,
-    probe_loss_fn: Callable | None = None,
-    shadow_loss_fn: Callable | None = None,
-    lr_schedule: Callable[[int], Any] | None = None,
-    checkpoint_dir: Any = None,
-    resume: bool = False,
-    callback: Callable[[dict[str, Any]], None] | None = None,
+    extras: LoopExtras | None = None,
     hooks: Sequence[Hook] = (),
-    progress: bool | None = None,
-    desc: str | None = None,
-    timings: LoopTimings | None = None,
-    values: Mapping[str, float] | None = None,
-    program_key: Hashable | None = None,
-    **specs: Any,
 ) -> TrainResult:
-    """Train ``loss_fn``; returns a :class:`~precisionlab.train.config.TrainResult`.
+    """Train ``loss_fn`` for ``loop.steps`` steps; returns a :class:`TrainResult`.
 
-    Args:
-      batches: an iterable of batches, or ``batches(start_step) -> iterator`` (preferred: resume
-        then starts the data at the checkpoint's step; an iterable is advanced by skipping).
-      options / loop: the step's and the loop's options; or give their fields as keywords
-        (``steps=300, policy="p=f32,c=f16,o=f32", loss_scale="dynamic", eval_interval=...``),
-        parsed here into those objects.
-      eval_fn: ``eval_fn(params) -> {"eval_loss", "eval_metric"}``, run every
-        ``loop.eval_interval`` steps (0: only at the end) and after the last step; not weighted.
-      probe_loss_fn / shadow_loss_fn: every ``loop.hist_interval`` steps, histograms of
-        log2|grad| and of the activations (``probe_loss_fn``'s aux "activations"; default
-        ``loss_fn``), and the fp32 shadow comparison (also every ``shadow_interval`` steps).
-      lr_schedule: optax count -> learning rate, reported as ``lr``: the rate this step applied
-        (optax counts applied updates only, so skipped steps do not advance it).
-      checkpoint_dir / resume: checkpoints every ``loop.checkpoint_interval`` steps and at the
-        end; ``resume`` continues from the newest one (bitwise as if uninterrupted).
-      callback, hooks, progress, desc: what runs after each step: ``callback(record)``, the
-        given hooks, and a tqdm bar labelled ``desc`` (``progress`` None: only on a terminal).
-
-    Steps run ``loop.chunk_steps`` at a time in one compiled call (``lax.scan`` over the step;
-    0: the greatest common divisor of the eval, checkpoint, hist and shadow intervals, at most
-    :data:`MAX_CHUNK`), their metrics fetched once per call; probes, evaluations and checkpoints
-    fall on call boundaries, and the results are bitwise those of one call per step
-    (``chunk_steps=1``). ``timings`` (a :class:`~precisionlab.train.timing.LoopTimings`)
-    receives where the time went.
-
-    ``loop.loss_weight`` multiplies the loss of ``loss_fn``, ``probe_loss_fn`` and
-    ``shadow_loss_fn`` (in float32) before differentiation; the recorded ``loss`` is divided back.
-    It is one of the state's ``values`` (arguments of the compiled programs, see
-    :func:`~precisionlab.train.step.build_step`), with ``values`` given here (``optimizer``
-    may then be an :data:`~precisionlab.train.step.OptimizerFactory`). ``program_key``
-    (hashable) names the structure of the programs: runs with the same key share their jitted
-    step, chunk and probe functions (:mod:`precisionlab.train.programs`), traced and compiled
-    once; the caller vouches that such runs differ only in ``values``, params, data and seeds.
-    A step whose loss is non-finite or > ``divergence_k`` x the least loss so far marks the run
-    diverged; ``divergence_action`` "stop" ends it there.
+    ``batches`` is an iterable of batches or ``batches(start_step) -> iterator`` (preferred:
+    resume then starts the data at the checkpoint's step). ``options`` (a :class:`StepOptions`)
+    make the step (:func:`~precisionlab.train.step.build_step`), ``loop`` and ``extras`` what
+    runs around it, as hooks: probes, recipe metrics (:class:`MeasureHook`), telemetry,
+    predictors, lr (:class:`RowHook`), evaluation (:class:`EvalHook`), then ``hooks``
+    (``on_step``: a callback, checkpoints, a progress bar, yours). Steps run several per
+    compiled call; measurements, evaluations and checkpoints fall on call boundaries.
     """
-    loop_kw, step_kw = _split_specs(specs)
-    if loop is None:
-        loop = LoopOptions(**loop_kw)
-    elif loop_kw:
-        raise TypeError(f"give loop options in `loop` or as keywords, not both: {sorted(loop_kw)}")
-    if options is None:
-        options = StepOptions.parse(**step_kw)
-    elif step_kw:
-        raise TypeError(f"give step options in `options` or as keywords: {sorted(step_kw)}")
-    if loop.checkpoint_interval and checkpoint_dir is None:
-        raise ValueError("checkpoint_interval needs a checkpoint_dir")
-    run = _prepare(
-        loss_fn, params, optimizer, batches, options, loop, probe_loss_fn, shadow_loss_fn,
-        values, program_key,
-    )  # fmt: skip
-    state, mesh, chunk, programs, batches = (
-        run.state,
-        run.mesh,
-        run.chunk,
-        run.programs,
-        run.batches,
-    )
-    if timings is not None:
-        timings.chunk_steps = chunk
-    jstep, jchunk, probe = programs.step, programs.chunk, programs.probe
-    recipe_probe = programs.recipe
-    telemetry_names = programs.telemetry_names
+    options = StepOptions() if options is None else options
+    extras = LoopExtras() if extras is None else extras
+    run = _prepare(loss_fn, params, optimizer, batches, options, loop, extras)
+    state, start, agg = _start(run, loop, options)
+    measures, rows, evals = _record_hooks(run.programs, options, loop, extras)
+    step_hooks = _step_hooks(hooks, loop, start)
+    clock, it = _Clock(extras.timings), _batches_from(run.batches, start)
+    records: list[dict[str, Any]] = []
+    t0, step = time.perf_counter(), start
+    try:
+        with clock.run(run.chunk):
+            while step < loop.steps and not _stopped(agg, loop):
+                n = _chunk_len(step, run.chunk, loop)
+                with clock("data_s"):
+                    raw = [next(it) for _ in range(n)]
+                batch = run.shard(raw[0])
+                measured = _measure(measures, step, state, batch, clock)
+                _before_step(step_hooks, step, state, raw[0], clock)
+                state, fetched, seconds = _call(run, state, batch, raw, clock)
+                for i, m in enumerate(fetched):
+                    step += 1
+                    rec = _step_record(m, step, params, loop.loss_weight, rows, agg)
+                    rec["step_time_s"] = seconds / n
+                    agg = _fold(rec, agg, measured if i == 0 else [])
+                    agg = agg.update(step, rec, loop.divergence_k)
+                    rec["diverged"] = agg.diverged
+                    last = step >= loop.steps or _stopped(agg, loop)
+                    # the state after this step exists only at the end of its call
+                    after = state if i == len(fetched) - 1 or last else None
+                    agg = _evaluate(evals, step, last, after, rec, agg, clock)
+                    records.append(rec)
+                    end = StepEnd(step, loop.steps, rec, after, agg, last)
+                    _on_step(step_hooks, end, clock)
+                    if last:
+                        break
+    finally:
+        for hook in step_hooks:
+            hook.close()
+    return _result(state, step, agg, time.perf_counter() - t0, records)
 
-    agg, start = Aggregates(), 0
-    # In a multi-process run, process 0 reads the checkpoint and the others receive it.
+
+def _stopped(agg: Aggregates, loop: LoopOptions) -> bool:
+    return agg.diverged and loop.divergence_action == "stop"
+
+
+def _start(run: _Prepared, loop: LoopOptions, options: StepOptions) -> tuple[Any, int, Aggregates]:
+    """The state, step and aggregates the run starts from: the newest checkpoint's with
+    ``loop.resume`` (process 0 reads it, the others receive it), else the initial ones."""
+    if loop.checkpoint_interval and loop.checkpoint_dir is None:
+        raise ValueError("checkpoint_interval needs a checkpoint_dir")
+    state, agg, start = run.state, Aggregates(), 0
     found = None
-    if resume and checkpoint_dir is not None:
-        found = restore_checkpoint(checkpoint_dir, state)
+    if loop.resume and loop.checkpoint_dir is not None:
+        found = restore_checkpoint(loop.checkpoint_dir, state)
     if found is not None:
         state, start, extra = found
         agg = Aggregates.from_dict(extra.get("aggregates", {}))
     # The step donates its state: copy it so the caller's params stay alive.
     state = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), state)
-    shard = None
-    if mesh is not None:
-        from precisionlab.train.parallel import place_state, shard_batch
+    if run.mesh is not None:
+        state = place_state(state, run.mesh, options.zero_stage)
+    return state, start, agg
 
-        state = place_state(state, mesh, options.zero_stage)
-        shard = lambda b: shard_batch(b, mesh)  # noqa: E731
-    it = _batches_from(batches, start)
 
-    all_hooks = [CallbackHook(callback)] if callback is not None else []
-    all_hooks += list(hooks)
-    if progress if progress is not None else sys.stderr.isatty():
-        all_hooks.append(ProgressHook.for_run(loop.steps, start, desc))
-    if checkpoint_dir is not None and is_main():  # only process 0 writes
-        all_hooks.append(CheckpointHook(checkpoint_dir, loop.checkpoint_interval))
+def _record_hooks(
+    programs: _Programs, options: StepOptions, loop: LoopOptions, extras: LoopExtras
+) -> tuple[list[MeasureHook], list[RowHook], list[EvalHook]]:
+    """The run's measurements, in the order their fields enter a record."""
+    measures: list[MeasureHook] = []
+    if programs.probe is not None:
+        shadow = None if extras.shadow_loss_fn is None else loop.shadow_interval
+        measures.append(ProbeHook(programs.probe, loop.hist_interval, shadow))
+    if programs.recipe is not None:
+        measures.append(RecipeMetricsHook(programs.recipe, loop.hist_interval))
+    rows: list[RowHook] = []
+    if options.predictors is not None:
+        rows.append(PredictorRowHook(options.predictors))
+    if options.telemetry is not None:
+        rows.append(TelemetryRowHook(options.telemetry, programs.telemetry_names))
+    if extras.lr_schedule is not None:
+        rows.append(LrHook(extras.lr_schedule))
+    evals = [] if extras.eval_fn is None else [EvalHook(extras.eval_fn, loop.eval_interval)]
+    return measures, rows, evals
 
-    def stopped() -> bool:
-        return agg.diverged and loop.divergence_action == "stop"
 
-    clock = _Clock(timings)
-    records: list[dict[str, Any]] = []
-    t0 = time.perf_counter()
-    step = start
-    meter = timings.compile if timings is not None else contextlib.nullcontext()
-    try:
-        with meter:
-            while step < loop.steps and not stopped():
-                n = _chunk_len(step, chunk, loop)
-                with clock("data_s"):
-                    raw = [next(it) for _ in range(n)]
-                batch = raw[0] if shard is None else shard(raw[0])
-                hist = bool(loop.hist_interval) and step % loop.hist_interval == 0
-                shadow = shadow_loss_fn is not None and (
-                    hist or (bool(loop.shadow_interval) and step % loop.shadow_interval == 0)
-                )
-                probed, rmetrics = None, None
-                with clock("probe_s"):
-                    if probe and (hist or shadow):
-                        probed = jax.device_get(probe(state, batch))
-                        clock.sync()
-                    if recipe_probe is not None and hist:
-                        from precisionlab.train.recipe_metrics import recipe_metrics
+def _step_hooks(hooks: Sequence[Hook], loop: LoopOptions, start: int) -> list[Hook]:
+    """``hooks``, then a progress bar and the checkpoints (written by process 0 only)."""
+    out = list(hooks)
+    if loop.progress if loop.progress is not None else sys.stderr.isatty():
+        out.append(ProgressHook.for_run(loop.steps, start, loop.desc))
+    if loop.checkpoint_dir is not None and is_main():
+        out.append(CheckpointHook(loop.checkpoint_dir, loop.checkpoint_interval))
+    return out
 
-                        rmetrics = recipe_metrics(recipe_probe(state, batch))
-                        clock.sync()
-                with clock("hooks_s"):  # a hook that reads the state a step starts from
-                    for hook in all_hooks:
-                        before = getattr(hook, "before_step", None)
-                        if before is not None:
-                            before(step, state, raw[0])
-                ts = time.perf_counter()
-                if chunk == 1:
-                    state, metrics = jstep(state, batch)
-                    fetched = [jax.device_get(metrics)]
-                else:
-                    with clock("data_s"):
-                        stacked = _stack(raw + raw[-1:] * (chunk - n))  # padding is not run
-                    state, metrics = jchunk(state, stacked, jnp.int32(n))
-                    stacked_metrics = jax.device_get(metrics)
-                    fetched = [
-                        jax.tree_util.tree_map(lambda x, i=i: x[i], stacked_metrics)
-                        for i in range(n)
-                    ]
+
+def _measure(
+    hooks: list[MeasureHook], step: int, state: Any, batch: Any, clock: _Clock
+) -> list[tuple[MeasureHook, dict[str, Any]]]:
+    """What the due measurements read from the state a call starts from."""
+    out = []
+    with clock("probe_s"):
+        for hook in hooks:
+            if hook.due(step):
+                out.append((hook, hook.measure(step, state, batch)))
                 clock.sync()
-                elapsed = time.perf_counter() - ts
-                clock.call(elapsed, n)
-                for i, m in enumerate(fetched):
-                    tel = m.pop("telemetry", None)
-                    pred = m.pop("predictors", None)
-                    step += 1
-                    rec = _record(m, step, params, loop.loss_weight)
-                    if pred is not None and options.predictors.due(step - 1):
-                        rec["predictors"] = predictor_row(pred, step)
-                    if tel is not None and options.telemetry.due(step - 1):
-                        # one row per layer and tensor (see precisionlab.train.telemetry)
-                        rec["telemetry"] = telemetry_rows(
-                            tel, telemetry_names, step, options.telemetry.targets
-                        )
-                    if lr_schedule is not None:
-                        rec["lr"] = float(lr_schedule(step - 1 - agg.skipped_steps))
-                    rec["step_time_s"] = elapsed / n
-                    if i == 0 and probed is not None:
-                        rec.update(_probe_record(probed, hist))
-                    if i == 0 and rmetrics is not None:
-                        for group, stats in rmetrics.items():
-                            rec.update({f"recipe_{group}_{k}": v for k, v in stats.items()})
-                        agg = agg.with_recipe_metrics(rmetrics)
-                    agg = agg.update(step, rec, loop.divergence_k)
-                    rec["diverged"] = agg.diverged
-                    last = step >= loop.steps or stopped()
-                    # the state after this step exists only at the end of its call
-                    at_end = i == len(fetched) - 1 or last
-                    if eval_fn is not None and (
-                        (loop.eval_interval and step % loop.eval_interval == 0) or last
-                    ):
-                        assert at_end, "an eval step ends its chunk (_chunk_len)"
-                        with clock("eval_s"):
-                            ev = eval_fn(state.params)
-                            clock.sync()
-                        rec.update(ev)
-                        agg = agg.with_eval(step, ev)
-                    records.append(rec)
-                    end = StepEnd(step, loop.steps, rec, state if at_end else None, agg, last)
-                    with clock("hooks_s"):
-                        for hook in all_hooks:
-                            hook.on_step(end)
-                    if last:
-                        break
-    finally:
-        for hook in all_hooks:
-            hook.close()
-    return _result(state, step, agg, time.perf_counter() - t0, records)
+    return out
+
+
+def _before_step(hooks: list[Hook], step: int, state: Any, batch: Any, clock: _Clock) -> None:
+    with clock("hooks_s"):  # a hook that reads the state a step starts from
+        for hook in hooks:
+            before = getattr(hook, "before_step", None)
+            if before is not None:
+                before(step, state, batch)
+
+
+def _call(
+    run: _Prepared, state: Any, batch: Any, raw: list[Any], clock: _Clock
+) -> tuple[Any, list[dict[str, Any]], float]:
+    """One compiled call over the batches ``raw``: the state after it, the host metrics of
+    each step and the call's seconds."""
+    n, ts = len(raw), time.perf_counter()
+    if run.chunk == 1:
+        state, metrics = run.programs.step(state, batch)
+        fetched = [jax.device_get(metrics)]
+    else:
+        with clock("data_s"):
+            stacked = _stack(raw + raw[-1:] * (run.chunk - n))  # padding is not run
+        state, metrics = run.programs.chunk(state, stacked, jnp.int32(n))
+        stacked_metrics = jax.device_get(metrics)
+        fetched = [jax.tree_util.tree_map(lambda x, i=i: x[i], stacked_metrics) for i in range(n)]
+    clock.sync()
+    elapsed = time.perf_counter() - ts
+    clock.call(elapsed, n)
+    return state, fetched, elapsed
+
+
+def _step_record(
+    m: dict[str, Any],
+    step: int,
+    params: Any,
+    loss_weight: float,
+    rows: list[RowHook],
+    agg: Aggregates,
+) -> dict[str, Any]:
+    """Step ``step``'s record (1-based) from its fetched metrics and the due row hooks."""
+    sources = {h.source: m.pop(h.source, None) for h in rows if h.source is not None}
+    rec = _record(m, step, params, loss_weight)
+    for hook in rows:
+        if hook.due(step - 1):
+            rec.update(hook.row(step - 1, sources.get(hook.source or ""), agg))
+    return rec
+
+
+def _fold(
+    rec: dict[str, Any], agg: Aggregates, measured: list[tuple[MeasureHook, dict[str, Any]]]
+) -> Aggregates:
+    for hook, fields in measured:
+        rec.update(fields)
+        agg = hook.fold(agg)
+    return agg
+
+
+def _evaluate(
+    hooks: list[EvalHook],
+    step: int,
+    last: bool,
+    state: Any,
+    rec: dict[str, Any],
+    agg: Aggregates,
+    clock: _Clock,
+) -> Aggregates:
+    for hook in hooks:
+        if hook.due(step) or last:
+            assert state is not None, "an eval step ends its chunk (_chunk_len)"
+            with clock("eval_s"):
+                ev = hook.evaluate(state.params)
+                clock.sync()
+            rec.update(ev)
+            agg = hook.fold(agg, step, ev)
+    return agg
+
+
+def _on_step(hooks: list[Hook], end: StepEnd, clock: _Clock) -> None:
+    with clock("hooks_s"):
+        for hook in hooks:
+            hook.on_step(end)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,6 +385,10 @@ class _Prepared:
     programs: _Programs
     batches: Any
 
+    def shard(self, batch: Any) -> Any:
+        """``batch`` split over the data-parallel mesh (unchanged without one)."""
+        return batch if self.mesh is None else shard_batch(batch, self.mesh)
+
 
 def _prepare(
     loss_fn: Callable,
@@ -368,14 +397,11 @@ def _prepare(
     batches: Any,
     options: StepOptions,
     loop: LoopOptions,
-    probe_loss_fn: Callable | None,
-    shadow_loss_fn: Callable | None,
-    values: Mapping[str, float] | None,
-    program_key: Hashable | None,
+    extras: LoopExtras,
 ) -> _Prepared:
     """The step built (its values include ``loop.loss_weight``) and its programs, shared under
-    ``program_key``; nothing is compiled here."""
-    vals = dict(values or {})
+    ``extras.program_key``; nothing is compiled here."""
+    vals = dict(extras.values or {})
     if vals or loop.loss_weight != 1:
         vals["loss_weight"] = loop.loss_weight
     example = None
@@ -390,14 +416,15 @@ def _prepare(
     step_fn, state, mesh = build_step(loss_fn, params, optimizer, options, example, vals or None)
     chunk = _chunk_steps(loop, mesh)
     halt = loop.divergence_action == "stop"
+    probe_fn, shadow_fn = extras.probe_loss_fn, extras.shadow_loss_fn
 
     def make_programs() -> _Programs:
-        return _programs(step_fn, loss_fn, probe_loss_fn, shadow_loss_fn, options, loop, chunk)
+        return _programs(step_fn, loss_fn, probe_fn, shadow_fn, options, loop, chunk)
 
-    if program_key is None:
+    if extras.program_key is None:
         programs = make_programs()
     else:
-        programs = shared_programs((program_key, chunk, halt), make_programs)
+        programs = shared_programs((extras.program_key, chunk, halt), make_programs)
     return _Prepared(state, mesh, chunk, programs, batches)
 
 
@@ -409,19 +436,14 @@ def compile_programs(
     *,
     options: StepOptions,
     loop: LoopOptions,
-    probe_loss_fn: Callable | None = None,
-    shadow_loss_fn: Callable | None = None,
-    values: Mapping[str, float] | None = None,
-    program_key: Hashable,
+    extras: LoopExtras,
 ) -> Any:
-    """Compile the programs :func:`train_loop` runs with these arguments and ``program_key``
-    (step or chunk, probes), so that run finds them compiled; returns its initial params (for
-    compiling its evaluation). XLA compiles outside the Python lock: call it in a thread to
-    compile one run while another trains. Nothing for a data-parallel run (None)."""
-    run = _prepare(
-        loss_fn, params, optimizer, batches, options, loop, probe_loss_fn, shadow_loss_fn,
-        values, program_key,
-    )  # fmt: skip
+    """Compile the programs :func:`train_loop` runs with these arguments (and
+    ``extras.program_key``: step or chunk, probes), so that run finds them compiled; returns
+    its initial params (for compiling its evaluation). XLA compiles outside the Python lock:
+    call it in a thread to compile one run while another trains. Nothing for a data-parallel
+    run (None)."""
+    run = _prepare(loss_fn, params, optimizer, batches, options, loop, extras)
     if run.mesh is not None:
         return None
     state = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), run.state)
@@ -440,12 +462,13 @@ def compile_programs(
 
 @dataclasses.dataclass(frozen=True)
 class _Programs:
-    """The jitted functions of a run (see :func:`_programs`)."""
+    """The jitted functions of a run (see :func:`_programs`; ``jax.jit`` wrappers, typed Any
+    for their ``lower``): the step or the chunk, and the probes (None when not run)."""
 
-    step: Callable | None
-    chunk: Callable | None
-    probe: Callable | None
-    recipe: Callable | None
+    step: Any
+    chunk: Any
+    probe: Any
+    recipe: Any
     telemetry_names: dict[str, Any]
 
 
@@ -480,11 +503,9 @@ def _programs(
         probe = jax.jit(fixed_order(probe_fn) if loop.deterministic else probe_fn)
     recipe_probe = None
     if loop.hist_interval and options.recipe is not None:
-        from precisionlab.train.recipe_metrics import make_recipe_metrics_fn
-
         recipe, pol = options.recipe, options.policy
 
-        def recipe_probe_fn(state, batch):
+        def recipe_probe_fn(state: TrainState, batch: Any) -> Any:
             rec = recipe.for_values(state.values)
             rfn = make_recipe_metrics_fn(weighted_loss(loss_fn, state.values), rec)
             pc = cast_floating(state.params, pol.compute_dtype)
@@ -553,14 +574,14 @@ def _chunked(step_fn: Callable, chunk: int, halt: bool) -> Callable:
         shapes = jax.eval_shape(step_jit, state, first)[1]
         zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
-        def body(carry, xs):
+        def body(carry: tuple[Any, jax.Array], xs: tuple[jax.Array, Any]) -> tuple[Any, Any]:
             st, stop = carry
             i, batch = xs
 
-            def active(st):
+            def active(st: Any) -> tuple[Any, Any]:
                 return step_jit(st, batch)
 
-            def idle(st):
+            def idle(st: Any) -> tuple[Any, Any]:
                 return st, zeros
 
             st, metrics = jax.lax.cond((i < n) & ~stop, active, idle, st)
@@ -598,6 +619,13 @@ class _Clock:
     def call(self, seconds: float, steps: int) -> None:
         if self.timings is not None:
             self.timings.call(seconds, steps)
+
+    def run(self, chunk: int) -> contextlib.AbstractContextManager[Any]:
+        """The context of the whole loop (the compile meter), given the steps per call."""
+        if self.timings is None:
+            return contextlib.nullcontext()
+        self.timings.chunk_steps = chunk
+        return self.timings.compile
 
 
 def _batches_from(batches: Any, start: int) -> Iterator[Any]:

@@ -22,10 +22,9 @@ import optax
 from precisionlab.mixed.loss_scale import (
     LossScale,
     NoLossScale,
-    parse_loss_scale,
     select_tree,
 )
-from precisionlab.mixed.policy import Policy, cast_floating, get_policy, parse_dtype
+from precisionlab.mixed.policy import Policy, cast_floating
 from precisionlab.mixed.storage import (
     Storage,
     StorageState,
@@ -33,8 +32,16 @@ from precisionlab.mixed.storage import (
     init_storage_state,
     store_opt_state,
 )
-from precisionlab.train.meters import nonfinite_fraction, underflow_fraction
+from precisionlab.train.meters import (
+    log2_histogram,
+    nonfinite_fraction,
+    shadow_stats,
+    underflow_fraction,
+)
+from precisionlab.train.parallel import ZeroLayout, data_parallel, local_mesh
+from precisionlab.train.predictors import make_predictor_fn
 from precisionlab.train.recipe import TrainRecipe
+from precisionlab.train.telemetry import make_telemetry_fn
 
 __all__ = [
     "SKIP_MODES",
@@ -44,7 +51,6 @@ __all__ = [
     "TrainStep",
     "build_step",
     "init_recipe_state",
-    "make_train_step",
     "normalize_loss_fn",
     "recipe_key",
     "split_micro",
@@ -148,7 +154,7 @@ def cast_compute(params: Any, dtype: Any, fp32: tuple[str, ...] = ()) -> Any:
     if not fp32:
         return cast_floating(params, dtype)
 
-    def one(path, x):
+    def one(path: Any, x: Any) -> Any:
         keep = jax.tree_util.keystr(path).startswith(fp32)
         return cast_floating(x, jnp.float32 if keep else dtype)
 
@@ -172,25 +178,25 @@ def make_grad_fn(
     """
     f = normalize_loss_fn(loss_fn)
 
-    def scaled(p, batch, ls):
+    def scaled(p: Any, batch: Any, ls: LossScale) -> tuple[jax.Array, Any]:
         loss, aux = f(p, batch)
         return ls.scale(loss), (loss, aux)
 
     if recipe is None:
 
-        def value_grad(pc, batch, ls, extra):
+        def value_grad(pc: Any, batch: Any, ls: LossScale, extra: Any) -> tuple[Any, ...]:
             (_, (loss, aux)), g = jax.value_and_grad(scaled, has_aux=True)(pc, batch, ls)
             return loss, aux, g, {}
 
     else:
         vg = recipe.apply(scaled).value_and_grad(0, has_aux=True)
 
-        def value_grad(pc, batch, ls, extra):
+        def value_grad(pc: Any, batch: Any, ls: LossScale, extra: Any) -> tuple[Any, ...]:
             rstate, key = extra
             (_, (loss, aux)), g, observed = vg(rstate, pc, batch, ls, key=key)
             return loss, aux, g, observed
 
-    def one(pc: Any, batch: Any, ls: LossScale, extra: Any):
+    def one(pc: Any, batch: Any, ls: LossScale, extra: Any) -> tuple[Any, ...]:
         loss, aux, g, observed = value_grad(pc, batch, ls, extra)
         # zeros/subnormals and inf/NaN apart: a step of NaNs is not an underflow
         meter = {
@@ -201,13 +207,13 @@ def make_grad_fn(
 
     if microbatches == 1:
 
-        def grad_fn(pc, batch, ls, extra):
+        def grad_fn(pc: Any, batch: Any, ls: LossScale, extra: Any) -> tuple[Any, ...]:
             loss, aux, g, meter, observed = one(pc, batch, ls, extra)
             return loss, aux, cast_floating(g, jnp.float32), meter, observed
 
         return grad_fn
 
-    def grad_fn(pc, batch, ls, extra):
+    def grad_fn(pc: Any, batch: Any, ls: LossScale, extra: Any) -> tuple[Any, ...]:  # type: ignore[no-redef]
         micro = split_micro(batch, microbatches)
         first = jax.tree_util.tree_map(lambda x: x[0], micro)
         shapes = jax.eval_shape(lambda b: one(pc, b, ls, extra)[:4], first)
@@ -216,7 +222,7 @@ def make_grad_fn(
         # amaxes are >= 0, so 0 is the identity of their max
         obs0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), obs_shapes)
 
-        def body(carry, b):
+        def body(carry: tuple[Any, Any], b: Any) -> tuple[tuple[Any, Any], None]:
             acc, obs = carry
             out = one(pc, b, ls, extra)
             acc = jax.tree_util.tree_map(lambda a, o: a + o.astype(jnp.float32), acc, out[:4])
@@ -231,7 +237,8 @@ def make_grad_fn(
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StepOptions:
-    """How a train step computes, as typed objects (parse strings with :meth:`parse`).
+    """How a train step computes, as typed objects (from spec strings:
+    :func:`~precisionlab.train.specs.parse_step_options`).
 
     Attributes:
       policy: the Policy. loss_scale: the initial LossScale (a pytree; its config is static).
@@ -291,7 +298,7 @@ class StepOptions:
             if not isinstance(getattr(self, name), kind):
                 raise TypeError(
                     f"{name} must be a {kind.__name__}, got {type(getattr(self, name)).__name__}"
-                    " (StepOptions.parse accepts spec strings)"
+                    " (precisionlab.train.parse_step_options accepts spec strings)"
                 )
         if self.skip not in SKIP_MODES:
             raise ValueError(f"unknown skip mode {self.skip!r}; allowed: {', '.join(SKIP_MODES)}")
@@ -306,28 +313,6 @@ class StepOptions:
                 f"zero_stage={self.zero_stage} shards the state over the data-parallel devices: "
                 "it needs data_parallel"
             )
-
-    @classmethod
-    def parse(
-        cls,
-        *,
-        policy: Policy | str = "p=f32,c=f32,o=f32",
-        loss_scale: LossScale | str = "none",
-        storage: Storage | None = None,
-        allreduce_dtype: Any = None,
-        **kwargs: Any,
-    ) -> StepOptions:
-        """Options from specs as a user writes them (policy and loss-scale strings, a dtype
-        name): the boundary where strings become objects."""
-        red = np.float32 if allreduce_dtype is None else parse_dtype(allreduce_dtype)
-        store = Storage() if storage is None else storage
-        return cls(
-            policy=get_policy(policy),
-            loss_scale=parse_loss_scale(loss_scale),
-            storage=store,
-            allreduce_dtype=red,
-            **kwargs,
-        )
 
     @property
     def skips(self) -> bool:
@@ -425,33 +410,40 @@ def build_step(
     if not isinstance(opts, StepOptions):
         raise TypeError(f"options must be a StepOptions, got {type(opts).__name__}")
     _check_params(params)
-    pol, store = opts.policy, opts.storage
-    grads_dtype = store.grads_dtype
-    state_values = None
+    state = _initial_state(loss_fn, params, optimizer, opts, example_batch, values)
+    layout = _Layout.of(opts, state)
+    return TrainStep(_StepFn(loss_fn, optimizer, opts, layout), state, layout.mesh)
+
+
+def _initial_state(
+    loss_fn: Callable,
+    params: Any,
+    optimizer: optax.GradientTransformation | OptimizerFactory,
+    opts: StepOptions,
+    example_batch: Any,
+    values: Mapping[str, float] | None,
+) -> TrainState:
+    """The state before the first step (see :func:`build_step`)."""
+    pol, store, rec = opts.policy, opts.storage, opts.recipe
+    state_values: dict[str, Any] | None = None
     if values is not None:
         state_values = {k: jnp.asarray(v, jnp.float32) for k, v in values.items()}
-        if opts.recipe is not None and opts.recipe.numbers():
+        if rec is not None and rec.numbers():
             # the recipe's value fields (a margin, an eps, a seed's matrix) as arguments too
-            numbers = opts.recipe.numbers().items()
+            numbers = rec.numbers().items()
             state_values["recipe"] = {k: jnp.asarray(v, jnp.float32) for k, v in numbers}
     loss_init = weighted_loss(loss_fn, values)
     opt = store_opt_state(_optimizer(optimizer, values), store.opt_state_dtype)
     params_stored = cast_floating(params, store.param_dtype(pol.param_dtype))
-    rec = opts.recipe
-    recipe_state = None if rec is None else {}
+    recipe_state: dict[str, Any] | None = None if rec is None else {}
     if rec is not None and rec.stateful:
         if example_batch is None:
             raise ValueError(
                 f"the {rec.recipe.name} recipe is stateful: build_step needs an example_batch"
             )
-        recipe_state = init_recipe_state(
-            loss_init,
-            rec,
-            cast_compute(params, pol.compute_dtype, opts.fp32_params),
-            example_batch,
-            opts.loss_scale,
-        )
-    state = TrainState(
+        pc = cast_compute(params, pol.compute_dtype, opts.fp32_params)
+        recipe_state = init_recipe_state(loss_init, rec, pc, example_batch, opts.loss_scale)
+    return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params_stored,
         opt_state=opt.init(cast_floating(params_stored, jnp.float32)),
@@ -461,68 +453,97 @@ def build_step(
         recipe_state=recipe_state,
         values=state_values,
     )
-    mesh, zero, specs = None, None, None
-    if opts.data_parallel:
-        from precisionlab.train.parallel import ZeroLayout, local_mesh
 
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where a data-parallel step runs: its mesh, the gradients' partition specs and, with
+    ZeRO, ``zero`` = (shardings of the state, of a params-like tree split over the devices)."""
+
+    mesh: Any = None
+    specs: Any = None
+    zero: Any = None
+
+    @classmethod
+    def of(cls, opts: StepOptions, state: TrainState) -> _Layout:
+        if not opts.data_parallel:
+            return cls()
         mesh = local_mesh(None if opts.data_parallel is True else int(opts.data_parallel))
         layout = ZeroLayout(mesh, opts.zero_stage)
-        specs = layout.grad_specs(params_stored)
+        zero = None
         if opts.zero_stage:
-            # (shardings of the state, of a params-like tree split over the devices)
-            zero = (layout.state_shardings(state), layout.split(params_stored))
-    telemetry_names: dict[str, Any] = {}  # filled when the step is traced
+            zero = (layout.state_shardings(state), layout.split(state.params))
+        return cls(mesh, layout.grad_specs(state.params), zero)
 
-    def make_grad(lf: Callable, rec: TrainRecipe | None) -> Callable:
-        grad_fn = make_grad_fn(lf, pol, opts.microbatches, rec)
+
+class _StepFn:
+    """``step_fn(state, batch) -> (state, metrics)`` of :func:`build_step` (see the module
+    docstring); ``telemetry_names`` is filled when it is traced."""
+
+    def __init__(
+        self, loss_fn: Callable, optimizer: Any, opts: StepOptions, layout: _Layout
+    ) -> None:
+        self.loss_fn, self.optimizer, self.opts, self.layout = loss_fn, optimizer, opts, layout
+        self.telemetry_names: dict[str, Any] = {}
+
+    def grad_fn(self, lf: Callable, rec: TrainRecipe | None) -> Callable:
+        opts, mesh = self.opts, self.layout.mesh
+        grad_fn = make_grad_fn(lf, opts.policy, opts.microbatches, rec)
         if mesh is not None:
-            from precisionlab.train.parallel import data_parallel
-
-            grad_fn = data_parallel(grad_fn, mesh, opts.allreduce_dtype, specs)
+            grad_fn = data_parallel(grad_fn, mesh, opts.allreduce_dtype, self.layout.specs)
         return grad_fn
 
-    def make_telemetry(lf: Callable) -> Callable | None:
+    def telemetry_fn(self, lf: Callable) -> Callable | None:
+        opts = self.opts
         if opts.telemetry is None:
             return None
-        from precisionlab.train.telemetry import make_telemetry_fn
-
-        fn = make_telemetry_fn(lf, pol, opts.telemetry, microbatches=opts.microbatches, mesh=mesh)
-        telemetry_names.clear()
-        telemetry_names.update(fn.names)  # type: ignore[attr-defined]
+        fn = make_telemetry_fn(
+            lf, opts.policy, opts.telemetry, microbatches=opts.microbatches, mesh=self.layout.mesh
+        )
+        self.telemetry_names.clear()
+        self.telemetry_names.update(fn.names)  # type: ignore[attr-defined]
         return fn
 
-    def make_predictors(lf: Callable) -> Callable | None:
-        if opts.predictors is None:
-            return None
-        from precisionlab.train.predictors import make_predictor_fn
-
-        return make_predictor_fn(lf, pol, opts.predictors, recipe=rec)
-
-    def update(opt, params_s, opt_state, storage_state, g32, key):
+    def update(
+        self, opt: Any, params_s: Any, opt_state: Any, storage_state: Any, g32: Any, key: Any
+    ) -> tuple[Any, Any, Any]:
+        zero = self.layout.zero
         if zero is not None:  # each device updates its slice (ZeRO); elementwise: same values
             params_s, g32 = jax.lax.with_sharding_constraint((params_s, g32), (zero[1], zero[1]))
         p32 = cast_floating(params_s, jnp.float32)
         updates, new_opt = opt.update(g32, opt_state, p32)
         new_params, new_ss = apply_updates(
-            params_s, updates, storage_state, update=store.update, key=key
+            params_s, updates, storage_state, update=self.opts.storage.update, key=key
         )
         return new_params, new_opt, new_ss
 
-    def step_fn(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+    def update_or_skip(
+        self, opt: Any, old: tuple[Any, Any, Any], g32: Any, key: Any, finite: jax.Array
+    ) -> tuple[tuple[Any, Any, Any], jax.Array]:
+        """The new (params, opt_state, storage_state) and whether the update was skipped."""
+        if not self.opts.skips:
+            return self.update(opt, *old, g32, key), jnp.asarray(False)
+        if self.opts.skip == "select":
+            return select_tree(finite, self.update(opt, *old, g32, key), old), ~finite
+        new = jax.lax.cond(finite, lambda: self.update(opt, *old, g32, key), lambda: old)
+        return new, ~finite
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+        opts, rec = self.opts, self.opts.recipe
         # built here, from the state's (traced) values: they are arguments of the program
-        lf = weighted_loss(loss_fn, state.values)
+        lf = weighted_loss(self.loss_fn, state.values)
         rec_v = None if rec is None else rec.for_values(state.values)
-        grad_fn = make_grad(lf, rec_v)
-        telemetry_fn = make_telemetry(lf)
-        opt = store_opt_state(_optimizer(optimizer, state.values), store.opt_state_dtype)
+        grad_fn = self.grad_fn(lf, rec_v)
+        telemetry_fn = self.telemetry_fn(lf)
+        opt = store_opt_state(
+            _optimizer(self.optimizer, state.values), opts.storage.opt_state_dtype
+        )
         rng, key = jax.random.split(state.rng)
         ls = state.loss_scale
-        pc = cast_compute(state.params, pol.compute_dtype, opts.fp32_params)
+        pc = cast_compute(state.params, opts.policy.compute_dtype, opts.fp32_params)
         extra = {} if rec is None else (state.recipe_state, jax.random.fold_in(key, _RECIPE_KEY))
         loss, aux, g_scaled, meter, observed = grad_fn(pc, batch, ls, extra)
-        g32 = ls.unscale(g_scaled)
-        if grads_dtype != np.dtype(jnp.float32):
-            g32 = cast_floating(cast_floating(g32, grads_dtype), jnp.float32)
+        g32 = _grads_in_storage(ls.unscale(g_scaled), opts.storage.grads_dtype)
         if rec is not None:
             # Telemetry reads g32 (a lax.cond operand): without the barrier, XLA fuses the
             # recipe's wgrad transpose into Adam's moment update in one program and not in
@@ -531,15 +552,7 @@ def build_step(
             g32 = jax.lax.optimization_barrier(g32)
         grad_norm, finite, flags = _grad_norm_and_flags(g32)
         old = (state.params, state.opt_state, state.storage_state)
-        if not opts.skips:
-            new = update(opt, *old, g32, key)
-            skipped = jnp.asarray(False)
-        elif opts.skip == "select":
-            new = select_tree(finite, update(opt, *old, g32, key), old)
-            skipped = ~finite
-        else:
-            new = jax.lax.cond(finite, lambda: update(opt, *old, g32, key), lambda: old)
-            skipped = ~finite
+        new, skipped = self.update_or_skip(opt, old, g32, key, finite)
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm.astype(jnp.float32),
@@ -555,10 +568,15 @@ def build_step(
             metrics["telemetry"] = telemetry_fn(
                 state.params, state.opt_state, ls, g32, batch, state.step
             )
-            telemetry_names.update(telemetry_fn.names)  # type: ignore[attr-defined]
-        predictor_fn = make_predictors(lf)
-        if predictor_fn is not None:  # the state this step started from and its update
+            self.telemetry_names.update(telemetry_fn.names)  # type: ignore[attr-defined]
+        if opts.predictors is not None:  # the state this step started from and its update
+            predictor_fn = make_predictor_fn(lf, opts.policy, opts.predictors, recipe=rec)
             metrics["predictors"] = predictor_fn(state, new[0], g32, batch, opt)
+        recipe_state = state.recipe_state
+        if rec_v is not None:
+            recipe_state = rec_v.apply(self.loss_fn).update_state(
+                state.recipe_state, observed, skip=skipped
+            )
         new_state = TrainState(
             step=state.step + 1,
             params=new[0],
@@ -566,19 +584,19 @@ def build_step(
             loss_scale=ls.adjust(finite),
             storage_state=new[2],
             rng=rng,
-            recipe_state=(
-                state.recipe_state
-                if rec_v is None
-                else rec_v.apply(loss_fn).update_state(state.recipe_state, observed, skip=skipped)
-            ),
+            recipe_state=recipe_state,
             values=state.values,
         )
-        if zero is not None:
-            new_state = jax.lax.with_sharding_constraint(new_state, zero[0])
+        if self.layout.zero is not None:
+            new_state = jax.lax.with_sharding_constraint(new_state, self.layout.zero[0])
         return new_state, metrics
 
-    step_fn.telemetry_names = telemetry_names  # type: ignore[attr-defined]
-    return TrainStep(step_fn, state, mesh)
+
+def _grads_in_storage(g32: Any, grads_dtype: np.dtype) -> Any:
+    """Float32 gradients rounded through their storage dtype (unchanged for float32)."""
+    if grads_dtype != np.dtype(jnp.float32):
+        g32 = cast_floating(cast_floating(g32, grads_dtype), jnp.float32)
+    return g32
 
 
 #: Folded into the step's key for the recipe's randomness (NVFP4's stochastic rounding), so a
@@ -601,48 +619,12 @@ def init_recipe_state(
         return {}
     f = normalize_loss_fn(loss_fn)
 
-    def scaled(p, b, ls):  # the function the step differentiates (same matmuls)
+    # the function the step differentiates (same matmuls)
+    def scaled(p: Any, b: Any, ls: LossScale) -> tuple[jax.Array, Any]:
         loss, aux = f(p, b)
         return ls.scale(loss), (loss, aux)
 
     return recipe.apply(scaled).init_state(params_compute, batch, loss_scale)
-
-
-def make_train_step(
-    loss_fn: Callable,
-    params: Any,
-    optimizer: optax.GradientTransformation,
-    *,
-    policy: Policy | str = "p=f32,c=f32,o=f32",
-    loss_scale: LossScale | str = "none",
-    storage: Storage | None = None,
-    microbatches: int = 1,
-    seed: int = 0,
-    skip_nonfinite: bool | None = None,
-    skip: str = "cond",
-    data_parallel: bool | int = False,
-    allreduce_dtype: Any = None,
-    report_leaves: bool = False,
-) -> tuple[Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]], TrainState]:
-    """``(step_fn, state)`` of :func:`build_step` with the options given as keywords (policy and
-    loss scale as objects or spec strings, see :class:`StepOptions`); for a data-parallel step
-    use :func:`build_step`, which also returns the mesh."""
-    if storage is not None and not isinstance(storage, Storage):
-        raise TypeError(f"storage must be a Storage, got {type(storage).__name__}")
-    options = StepOptions.parse(
-        policy=policy,
-        loss_scale=loss_scale,
-        storage=storage,
-        microbatches=microbatches,
-        seed=seed,
-        skip_nonfinite=skip_nonfinite,
-        skip=skip,
-        data_parallel=data_parallel,
-        allreduce_dtype=allreduce_dtype,
-        report_leaves=report_leaves,
-    )
-    fn, state, _ = build_step(loss_fn, params, optimizer, options)
-    return fn, state
 
 
 def make_probe_fn(
@@ -661,8 +643,6 @@ def make_probe_fn(
     ``shadow_loss_fn`` (the same model in float32, called with float32 params): ``shadow_cosine``
     and ``shadow_underflow_lost`` (see :func:`precisionlab.train.meters.shadow_stats`).
     """
-    from precisionlab.train.meters import log2_histogram, shadow_stats
-
     pol = policy
 
     def probe(state: TrainState, batch: Any) -> dict[str, Any]:
@@ -670,7 +650,7 @@ def make_probe_fn(
         ls = state.loss_scale
         pc = cast_floating(state.params, pol.compute_dtype)
 
-        def scaled(p):
+        def scaled(p: Any) -> tuple[jax.Array, Any]:
             loss, aux = f(p, batch)
             return ls.scale(loss), aux
 
