@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from precisionlab.intercept import Context, Emit, PerIteration, Site, boundary, intercept
+from precisionlab.mixed import filter_jit
 
 __all__ = ["Attribution", "OpAttribution", "Side", "attribute", "float_primitives", "native"]
 
@@ -465,7 +466,8 @@ def attribute(
                 rows[s.name] = _row(aux_b[s.name], aux_a[s.name], g, two)
         return rows, dn, _rel(fa, fb), finite
 
-    rows, dn, out_rel, finite = jax.device_get(jax.jit(program)(args, kwargs))
+    # filter_jit: an Equinox model's functions among the arguments are closed over
+    rows, dn, out_rel, finite = jax.device_get(filter_jit(program)(args, kwargs))
     numbered: dict[str, int] = {}
     ops = []
     for s in sites:
