@@ -158,6 +158,11 @@ class _Switched:
     def sites(self, *args, **kwargs) -> list[Site]:
         return self._intercepted({}).sites(*args, **kwargs)
 
+    def skipped(self, *args, **kwargs) -> list[Site]:
+        """What it leaves in high precision although a recipe acts on it (a convolution, a
+        matmul inside a loop), each with ``Site.skipped`` saying why."""
+        return self._intercepted({}).skipped(*args, **kwargs)
+
     def init_state(self, *args, **kwargs) -> dict[str, Any]:
         state = {}
         for s in self.sites(*args, **kwargs):
