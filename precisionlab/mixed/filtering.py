@@ -87,7 +87,8 @@ def filter_jit(fn: Callable) -> Callable[..., Any]:
 
     def run(*args: Any, **kwargs: Any) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        dyn = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
+        arrays = (jax.Array, np.ndarray, np.generic)
+        dyn = [i for i, x in enumerate(leaves) if isinstance(x, arrays)]
 
         def inner(*values: Any) -> Any:
             full = list(leaves)
