@@ -89,6 +89,25 @@ def test_the_hint_lists_several_sites_as_one_valid_list():
     )
 
 
+def test_emulate_s_hint_is_its_own_keep_list_and_works():
+    """emulate names the operations inside the shard_map and suggests keep=[...] (its option;
+    it once named none and suggested nothing): passed as it is, the inner operations run
+    unrounded and the outer matmul is rounded to float16, bitwise the inner function as
+    written followed by the emulated outer matmul."""
+    from precisionlab.emulate import emulate
+
+    with pytest.raises(boundary.UnsupportedPrimitive) as err:
+        emulate(_inner_shard_map, "c=f16")(P, X)
+    assert "exclude=" not in str(err.value)
+    keep = ast.literal_eval(_suggested(str(err.value), "keep"))
+    assert keep == ["dot_general[0]", "tanh[1]"], str(err.value)
+    out = np.asarray(emulate(_inner_shard_map, "c=f16", keep=keep)(P, X))
+    inner = jnp.tanh(X @ P)
+    outer = emulate(lambda h, p: h @ p.T @ p, "c=f16")(inner, P)
+    np.testing.assert_array_equal(out, np.asarray(outer))
+    assert not np.array_equal(out, np.asarray(jax.jit(_inner_shard_map)(P, X)))
+
+
 # --- a matmul in a while loop's condition ------------------------------------------------------
 class _Double:
     primitives = ("dot_general",)

@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
-from _model_features import Subject, params
+from _model_features import Subject, covers, params
 
 from precisionlab import memory, recipes, telemetry, train
 from precisionlab.diagnose import AutoSwitchRecipe
@@ -82,6 +82,7 @@ def subject() -> Subject:
     return Subject(
         "equinox", CNN(jax.random.key(0)), x, y, batched, cross_entropy, weight="lhs",
         jit=eqx.filter_jit, value_and_grad=eqx.filter_value_and_grad,
+        weights=("layers/0/weight", "layers/4/weight", "layers/6/weight"),
     )  # fmt: skip
 
 
@@ -112,6 +113,7 @@ def test_the_model_holds_functions_jax_refuses(subject):
 
 
 # --- every entry point taking a model or its gradients ---------------------------------------
+@covers("filter")
 def test_select_tree_selects_arrays_and_keeps_the_functions(subject):
     other = jax.tree.map(lambda v: v + 1 if eqx.is_array(v) else v, subject.params)
     for pred, want in ((True, subject.params), (False, other)):
@@ -184,6 +186,7 @@ def test_storage_stores_the_optimizer_state_and_updates_a_model(subject, grads, 
             assert a.dtype == b.dtype and not np.array_equal(a, b), mode
 
 
+@covers("filter", "observe")
 def test_observe_value_and_grad_equals_filter_value_and_grad(subject):
     """The observed tensors themselves (``tensors=True``: their statistics cost compile time
     and are checked in tests/_model_features.py): the first Linear's input is the flattened
@@ -201,6 +204,7 @@ def test_observe_value_and_grad_equals_filter_value_and_grad(subject):
     assert first["rhs"].shape == (BATCH, 75) and first["grad"].shape == (16, BATCH)
 
 
+@covers("filter", "conv")
 def test_applied_value_and_grad_takes_the_model(subject):
     f = recipes.apply(loss, "delayed", weight="lhs")
     state = f.init_state(subject.params, subject.x, subject.y)
@@ -214,6 +218,7 @@ def test_applied_value_and_grad_takes_the_model(subject):
     assert all(bool((o > 0).all()) for o in observed.values())
 
 
+@covers("filter", "autoswitch")
 def test_autoswitch_value_and_grad_takes_the_model(subject):
     spec = AutoSwitchRecipe(recipes.get_recipe("current"), include=(-1,), underflow=0.0, mse=0.0)
     f = spec.apply(loss)
@@ -230,6 +235,7 @@ def test_autoswitch_value_and_grad_takes_the_model(subject):
     assert {float(v["switched"]) for v in new.values()} == {1.0}
 
 
+@covers("filter", "observe")
 def test_tree_stats_every_meters_and_bytes_skip_the_functions(subject):
     arrays = _arrays(subject.params)
     by_path = {
@@ -274,6 +280,7 @@ def test_build_step_refuses_the_model_with_advice_that_works(subject):
     assert first_loss == pytest.approx(float(subject.grads32[0]), rel=1e-6)
 
 
+@covers("filter")
 def test_filter_value_and_grad_is_equinox_s(subject):
     ours = eqx.filter_jit(filter_value_and_grad(loss))(subject.params, subject.x, subject.y)
     theirs = subject.grads32  # eqx.filter_value_and_grad, jitted
@@ -282,8 +289,34 @@ def test_filter_value_and_grad_is_equinox_s(subject):
     assert _same(ours[1], theirs[1])
 
 
+@covers("audit")
+def test_audit_warns_when_an_mlp_computes_in_float32():
+    """The CNN's float32 fall-through cannot happen silently (lax.conv refuses a float32
+    input with bfloat16 weights: the shared audit check sees JAX's TypeError). An
+    ``eqx.nn.MLP`` cast to bfloat16 with its input left float32 runs: every ``w @ x``
+    promotes to float32, and the audit warns, naming the first layer's weight; the run is
+    bitwise the float32 MLP on the bfloat16-rounded weights."""
+    from precisionlab.compute_audit import ComputeDtypeWarning, audit
+
+    mlp = eqx.nn.MLP(8, 4, 16, depth=2, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    policy = get_policy("p=f32,c=bf16,o=f32")
+
+    def cast_only(model, x):
+        return jax.vmap(policy.cast_to_compute(model))(x)
+
+    with pytest.warns(ComputeDtypeWarning, match=r"100%.*layers/0/weight"):
+        a = audit(cast_only, mlp, x, policy=policy)
+    assert a.share("float32") == 1.0 and len(a.sites) == 3
+    rounded = jax.tree.map(
+        lambda v: v.astype(jnp.bfloat16).astype(jnp.float32) if eqx.is_array(v) else v, mlp
+    )
+    np.testing.assert_array_equal(np.asarray(cast_only(mlp, x)), np.asarray(jax.vmap(rounded)(x)))
+
+
 # --- training as Equinox's tutorial does, with a recipe -----------------------------------
 @pytest.mark.slow
+@covers("matmuls", "conv")
 def test_tutorial_training_step_with_a_delayed_recipe(subject):
     """The tutorial's make_step (eqx.filter_jit, optax adamw on eqx.filter(model,
     eqx.is_array), eqx.apply_updates) with the loss under delayed FP8 scaling: the loss
@@ -310,6 +343,7 @@ def test_tutorial_training_step_with_a_delayed_recipe(subject):
 
 
 # --- the shared feature table ----------------------------------------------------------------
-@pytest.mark.parametrize("feature", params(set()))  # the entry points above are its default
+# the entry points above are its default, and two cheap checks of the table
+@pytest.mark.parametrize("feature", params({"skipped_listed_and_warned", "select_tree"}))
 def test_feature(subject, feature):
     feature.check(subject)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from _model_features import Subject, params
+from _model_features import Subject, covers, params
 from flax.training import train_state
 
 from precisionlab import recipes
@@ -50,9 +50,11 @@ def subject(batch) -> Subject:
     def apply(params, x):
         return cnn.apply({"params": params}, x)
 
-    return Subject("flax_linen", variables["params"], *batch, apply, criterion)
+    weights = ("Conv_0/kernel", "Dense_0/kernel", "Dense_1/kernel")
+    return Subject("flax_linen", variables["params"], *batch, apply, criterion, weights=weights)
 
 
+@covers("matmuls", "conv")
 def test_train_state_steps_with_a_recipe(subject, batch):
     """Flax's train_step (jax.value_and_grad of the loss of state.apply_fn, then
     state.apply_gradients) with the loss's matmuls in FP8 (current scaling): the loss differs
@@ -80,7 +82,7 @@ def test_train_state_steps_with_a_recipe(subject, batch):
     assert losses[0] != float32 and abs(losses[0] - float32) < 0.1 * float32
 
 
-DEFAULT = {"observe"}
+DEFAULT = {"observe", "audit", "include_by_regex"}
 
 
 @pytest.mark.parametrize("feature", params(DEFAULT))

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from _model_features import Subject, matmuls, params
+from _model_features import Subject, covers, matmuls, params
 
 from precisionlab import recipes, telemetry
 from precisionlab.mixed import get_policy
@@ -35,6 +35,8 @@ def attention(query, key, value, mask=None, **_):
 
 class Block(nnx.Module):
     def __init__(self, d: int, heads: int, *, rngs: nnx.Rngs, dtype=None):
+        # a causal token-mixing convolution over the sequence (as H3 and Mamba blocks have)
+        self.conv = nnx.Conv(d, d, kernel_size=(3,), padding="CAUSAL", dtype=dtype, rngs=rngs)
         self.ln1 = nnx.LayerNorm(d, dtype=dtype, rngs=rngs)
         self.attn = nnx.MultiHeadAttention(
             num_heads=heads, in_features=d, decode=False, dtype=dtype, rngs=rngs,
@@ -45,6 +47,7 @@ class Block(nnx.Module):
         self.down = nnx.Linear(4 * d, d, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+        x = x + self.conv(x)
         x = x + self.attn(self.ln1(x), mask=mask)
         return x + self.down(nnx.gelu(self.up(self.ln2(x))))
 
@@ -91,7 +94,13 @@ def subject(tokens) -> Subject:
         return s, lambda state, x: nnx.merge(g, state)(x)
 
     x, y = tokens[:, :-1], tokens[:, 1:]
-    return Subject("flax_nnx", state, x, y, apply, criterion, compute=compute)
+    weights = (
+        "block/conv/kernel",
+        *(f"block/attn/{p}/kernel" for p in ("query", "key", "value", "out")),
+        "block/up/kernel", "block/down/kernel", "head/kernel",
+    )  # fmt: skip
+    return Subject("flax_nnx", state, x, y, apply, criterion, compute=compute,
+                   weights=weights, products=2)  # fmt: skip
 
 
 def test_casting_params_alone_leaves_nnx_in_float32(subject):
@@ -103,6 +112,7 @@ def test_casting_params_alone_leaves_nnx_in_float32(subject):
     assert ("float32", "float32") in dtypes
 
 
+@covers("matmuls", "by_path")
 def test_nnx_value_and_grad_takes_the_recipe(subject, tokens):
     """nnx.value_and_grad over recipes.apply(loss_fn) inside nnx.jit, on the module itself:
     a State of gradients for every Param, and an FP8 loss that differs from the float32 one
@@ -119,6 +129,7 @@ def test_nnx_value_and_grad_takes_the_recipe(subject, tokens):
 
 
 @pytest.mark.slow
+@covers("matmuls", "conv")
 def test_nnx_training_with_a_recipe(tokens):
     """nnx.jit + nnx.value_and_grad over recipes.apply(loss_fn), nnx.Optimizer with adamw:
     the FP8 loss falls."""
@@ -137,19 +148,20 @@ def test_nnx_training_with_a_recipe(tokens):
 
 
 @pytest.mark.slow
+@covers("observe")
 def test_nnx_step_observes_the_module(tokens):
     """observe inside an nnx.jit step, on the module itself: statistics of all 9 matmuls
-    (4 attention projections, 2 attention products, 2 MLP, the head), the loss bitwise the
-    unobserved one."""
+    (4 attention projections, 2 attention products, 2 MLP, the head) and the convolution, the
+    loss bitwise the unobserved one."""
     model = LM(rngs=nnx.Rngs(0))
     observed = telemetry.observe(loss_fn)
     loss, stats = nnx.jit(observed)(model, tokens)
     assert float(loss) == float(nnx.jit(loss_fn)(model, tokens))
-    assert len(stats) == 9
+    assert len(stats) == 10
     assert all(float(s["out"].amax) > 0 for s in stats.values())
 
 
-DEFAULT = {"policy_casts"}
+DEFAULT = {"policy_casts", "site_names", "unknown_names_raise"}
 
 
 @pytest.mark.parametrize("feature", params(DEFAULT))

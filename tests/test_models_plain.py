@@ -16,8 +16,9 @@ D_IN, WIDTH, LAYERS, CLASSES, BATCH = 8, 16, 2, 10, 8
 
 
 def init(key: jax.Array) -> dict:
-    k_in, k_w, k_out = jax.random.split(key, 3)
+    k_in, k_w, k_out, k_f = jax.random.split(key, 4)
     return {
+        "smooth": jax.random.normal(k_f, (3,)) / 2,
         "embed": jax.random.normal(k_in, (D_IN, WIDTH)) / math.sqrt(D_IN),
         "layers": {  # stacked: one leading axis over the layers, for lax.scan
             "w": jax.random.normal(k_w, (LAYERS, WIDTH, WIDTH)) / math.sqrt(WIDTH),
@@ -29,6 +30,7 @@ def init(key: jax.Array) -> dict:
 
 def forward(params: dict, x: jax.Array) -> jax.Array:
     """One example (D_IN,) -> logits (CLASSES,)."""
+    x = x + jnp.convolve(x, params["smooth"], mode="same")  # a 1-D filter over the features
     h = jnp.tanh(x @ params["embed"])
 
     @jax.checkpoint  # recompute each layer's activations in the backward pass
@@ -53,7 +55,8 @@ def subject() -> Subject:
     kx, ky = jax.random.split(jax.random.key(1))
     x = jax.random.normal(kx, (BATCH, D_IN))
     y = jax.random.randint(ky, (BATCH,), 0, CLASSES)
-    return Subject("plain", init(jax.random.key(0)), x, y, apply, criterion)
+    weights = ("smooth", "embed", "layers/w", "head")
+    return Subject("plain", init(jax.random.key(0)), x, y, apply, criterion, weights=weights)
 
 
 def test_the_model_is_what_it_claims(subject):
@@ -66,6 +69,7 @@ def test_the_model_is_what_it_claims(subject):
 
 DEFAULT = {
     "policy_casts", "dynamic_loss_scale_overflow", "recipe_current", "recipe_delayed_training",
+    "include_exclude_by_path",
 }  # fmt: skip
 
 

@@ -1,5 +1,11 @@
 """Every feature inside a user's ``jax.shard_map`` (JAX's default checks on: ``check_vma=True``)
-and on arrays placed with ``NamedSharding``, on two CPU host devices.
+and on arrays placed with ``NamedSharding``.
+
+In this process (one CPU device): the shared feature table (tests/_model_features.py) on a
+plain pytree MLP with a convolution, every check's programs run inside ``jax.shard_map`` over
+a one-device mesh (the batch sharded over ``"data"``, the model replicated): the varying-axes
+types JAX checks are the same as on many devices, and the values those of the unsharded run,
+so every effect check applies as it is. Then, on two CPU host devices:
 
 The model is a plain pytree MLP (tests/test_models_plain.py has the scan/remat/vmap one); each
 device runs the product's wrappers on its shard of the batch, as a data-parallel user writes
@@ -16,7 +22,64 @@ from __future__ import annotations
 
 import textwrap
 
+import jax
+import numpy as np
+import optax
 import pytest
+from _model_features import Subject, covers, in_shard_map, params
+
+BATCH, WIDTH, CLASSES = 8, 8, 10
+
+
+def init(key: jax.Array) -> dict:
+    k = jax.random.split(key, 3)
+    return {
+        "conv": {"kernel": jax.random.normal(k[0], (3, 1, 4)) / 2},  # (width, in, out)
+        "w1": jax.random.normal(k[1], (4 * WIDTH, 32)) / 6,
+        "w2": jax.random.normal(k[2], (32, CLASSES)) / 6,
+    }
+
+
+def apply(p: dict, x: jax.Array) -> jax.Array:
+    """(B, WIDTH) -> (B, CLASSES): a 1-D convolution over the features, then an MLP."""
+    h = jax.lax.conv_general_dilated(x[..., None], p["conv"]["kernel"], (1,), "SAME",
+                                     dimension_numbers=("NWC", "WIO", "NWC"))  # fmt: skip
+    h = jax.nn.gelu(h.reshape(x.shape[0], -1) @ p["w1"])
+    return h @ p["w2"]
+
+
+def criterion(logits: jax.Array, y: jax.Array) -> jax.Array:
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+@pytest.fixture(scope="module")
+def subject() -> Subject:
+    kx, ky = jax.random.split(jax.random.key(1))
+    x = jax.random.normal(kx, (BATCH, WIDTH))
+    y = jax.random.randint(ky, (BATCH,), 0, CLASSES)
+    return Subject(
+        "sharded", init(jax.random.key(0)), x, y, apply, criterion,
+        jit=lambda fn: in_shard_map(fn, batch=(x, y)), weights=("conv/kernel", "w1", "w2"),
+    )  # fmt: skip
+
+
+@covers("shard_map")
+def test_the_checks_run_inside_shard_map(subject):
+    """The reference output itself comes from inside shard_map: bitwise the plain jit's, and
+    the program holds the shard_map (with JAX's checks on)."""
+    np.testing.assert_array_equal(subject.out32, np.asarray(jax.jit(apply)(subject.params,
+                                                                           subject.x)))  # fmt: skip
+    text = str(jax.make_jaxpr(subject.jit(apply))(subject.params, subject.x))
+    assert "shard_map" in text and "check_vma=True" in text, text[:400]
+
+
+DEFAULT = {"observe", "recipe_current"}
+
+
+@pytest.mark.parametrize("feature", params(DEFAULT))
+def test_feature(subject, feature):
+    feature.check(subject)
+
 
 SCRIPT = textwrap.dedent(
     """
@@ -154,12 +217,14 @@ def _run(run_on_host_devices, mode: str) -> str:
     return run_on_host_devices(script, devices=2)
 
 
+@covers("shard_map", "observe", "matmuls")
 def test_a_recipe_and_telemetry_in_shard_map_and_named_sharding(run_on_host_devices):
     out = _run(run_on_host_devices, "default")
     assert "recipe delayed ok" in out and "observe ok" in out and "named sharding ok" in out
 
 
 @pytest.mark.slow
+@covers("shard_map", "observe", "matmuls", "policy")
 def test_every_feature_on_two_devices(run_on_host_devices):
     out = _run(run_on_host_devices, "full")
     for line in ("recipe nvfp4 ok", "recipe blockwise ok", "every ok", "loss scale ok",

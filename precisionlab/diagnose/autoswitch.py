@@ -104,9 +104,18 @@ def _rows(x: jax.Array, contract, batch) -> jax.Array:
 
 class _SwitchRule:
     primitives = ("dot_general",)
+    # what it could act on but does not (a convolution stays in high precision): listed by
+    # the report and warned about once, never silently skipped
+    candidates = ("conv_general_dilated", "ragged_dot_general")
+    label = "autoswitch"
 
     def __init__(self, recipe, weight: str, sink: dict):
         self.recipe, self.weight, self.sink = recipe, weight, sink
+
+    def declines(self, site: Site) -> str | None:
+        """A matmul inside a loop has one state for all its iterations, which this rule does
+        not keep: it stays in high precision, listed and warned about (never silently)."""
+        return f"inside {site.loops[0]} (no per-iteration switch state)" if site.loops else None
 
     def apply(self, ctx: Context, lhs, rhs, *, dimension_numbers, **params) -> list:
         st = ctx.state
@@ -140,10 +149,19 @@ class _Switched:
 
     def _intercepted(self, sink: dict):
         rule = _SwitchRule(self.spec.recipe, self.spec.weight, sink)
-        return intercept(self.fn, rule, include=self.spec.include, exclude=self.spec.exclude)
+        # attention's products (two activations) out by default, as in recipes.apply
+        return intercept(
+            self.fn, rule, include=self.spec.include, exclude=self.spec.exclude,
+            numbering="primitive", default=self.spec.selects,
+        )  # fmt: skip
 
     def sites(self, *args, **kwargs) -> list[Site]:
         return self._intercepted({}).sites(*args, **kwargs)
+
+    def skipped(self, *args, **kwargs) -> list[Site]:
+        """What it leaves in high precision although a recipe acts on it (a convolution, a
+        matmul inside a loop), each with ``Site.skipped`` saying why."""
+        return self._intercepted({}).skipped(*args, **kwargs)
 
     def init_state(self, *args, **kwargs) -> dict[str, Any]:
         state = {}

@@ -41,6 +41,7 @@ from precisionlab.diagnose.compare import compare as _compare_units
 from precisionlab.diagnose.compare import relative_difference
 from precisionlab.emulate import Attribution, OpAttribution, Side, attribute
 from precisionlab.experiments.config import Unit
+from precisionlab.mixed import filter_jit
 
 __all__ = [
     "FunctionBisect",
@@ -321,7 +322,7 @@ def bisect_function(
     args, kwargs = _args(args), dict(kwargs or {})
     a = Side.of(reference, fn, args, kwargs, weight=weight, key=key)
     b = Side.of(candidate, fn, args, kwargs, weight=weight, key=key)
-    ref = _floats(jax.device_get(jax.jit(lambda *x: a.run(fn, x, kwargs))(*args)))
+    ref = _floats(jax.device_get(filter_jit(lambda *x: a.run(fn, x, kwargs))(*args)))
     # the operations the candidate changes (not those it computes exactly: a reshape), in
     # program order, from a comparison
     at = attribute(fn, args, a, b, kwargs=kwargs)
@@ -339,7 +340,7 @@ def bisect_function(
 
     def measure(kept: Sequence[str]) -> float:
         side = b.without(by_name[n] for n in kept)
-        out = jax.device_get(jax.jit(lambda *x: side.run(fn, x, kwargs))(*args))
+        out = jax.device_get(filter_jit(lambda *x: side.run(fn, x, kwargs))(*args))
         return relative_difference(ref, _floats(out))
 
     def passes(rel: float) -> bool:
@@ -408,7 +409,7 @@ def autoswitch_function(
         value, _, observed = vg(st, *a, **kwargs)
         return value, applied.update_state(st, observed)
 
-    value, new = jax.device_get(jax.jit(step)(state, *args))
+    value, new = jax.device_get(filter_jit(step)(state, *args))
     if np.ndim(value):
         raise ValueError(
             f"autoswitch needs fn to return a scalar loss, got shape {np.shape(value)}"

@@ -42,6 +42,7 @@ import numpy as np
 from precisionlab import recipes
 from precisionlab.emulate._emulate import Emulated, _collect, emulate
 from precisionlab.intercept import Context, Emit, PerIteration, Site, boundary, intercept
+from precisionlab.mixed import filter_jit
 from precisionlab.mixed.policy import get_policy
 
 __all__ = ["Attribution", "OpAttribution", "Side", "attribute", "float_primitives", "native"]
@@ -462,7 +463,8 @@ def attribute(
                 rows[s.name] = _row(aux_b[s.name], aux_a[s.name], g, two)
         return rows, dn, _rel(fa, fb), finite
 
-    rows, dn, out_rel, finite = jax.device_get(jax.jit(program)(args, kwargs))
+    # filter_jit: an Equinox model's functions among the arguments are closed over
+    rows, dn, out_rel, finite = jax.device_get(filter_jit(program)(args, kwargs))
     numbered: dict[str, int] = {}
     ops = []
     for s in sites:

@@ -31,8 +31,9 @@ them. Forward-mode autodiff is therefore refused.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -88,14 +89,11 @@ def _has_float(eqn) -> bool:
 def _collect(jaxpr, found: set[str]) -> None:
     """Names of the first-order primitives with a floating operand or result, recursively
     (every first-order primitive: one emulate has no special rule for, such as jax 0.11's
-    ``one_minus_square``, is rounded by the generic rule for its output dtype);
-    UnsupportedPrimitive for a higher-order primitive the interceptor cannot enter."""
+    ``one_minus_square``, is rounded by the generic rule for its output dtype). Those inside
+    a higher-order primitive the interceptor cannot enter (``shard_map``) are collected too:
+    the interceptor then names them in its error, so that ``keep=`` can leave them be."""
     for eqn in jaxpr.eqns:
         subs = boundary.subprograms(eqn)
-        if subs and boundary.kind(eqn.primitive) is None:
-            raise boundary.unsupported(
-                f"the floating-point operations of {eqn.primitive.name!r}", eqn, "rounded"
-            )
         for sub in subs:
             _collect(boundary.open_jaxpr(sub)[0], found)
         if not subs and _has_float(eqn):
@@ -453,14 +451,16 @@ class Emulated:
     def sites(self, *args, **kwargs) -> list[Site]:
         """The floating-point operations of ``fn`` on these arguments, in program order
         (``selected`` False: kept unrounded by ``keep``)."""
-        return self._intercepted(args, kwargs)[0].sites(*args, **kwargs)
+        with _keep_hint():
+            return self._intercepted(args, kwargs)[0].sites(*args, **kwargs)
 
     def report(self, *args, **kwargs) -> str:
         """One line per floating-point operation (see :meth:`Site.describe`), then the
         compute-dtype line of the program's matmuls and convolutions
         (:func:`precisionlab.intercept.compute_line`) and what emulate rounds them to."""
         inter, rule = self._intercepted(args, kwargs)
-        text = inter.report(*args, **kwargs)
+        with _keep_hint():
+            text = inter.report(*args, **kwargs)
         line = compute_line(inter.sites(*args, **kwargs))
         how = (
             "the program's own dtypes are kept" if rule.program_typed
@@ -477,10 +477,26 @@ class Emulated:
         for x in jax.tree.leaves(rounded):
             rule.rounded[id(x)] = x
         try:
-            return fn(*args, **kwargs)
+            with _keep_hint():
+                return fn(*args, **kwargs)
         finally:
             rule.rounded.clear()
             rule.folds.clear()
+
+
+@contextlib.contextmanager
+def _keep_hint() -> Iterator[None]:
+    """The interceptor's error for operations inside a higher-order primitive it cannot
+    enter suggests its own option, ``exclude=[...]``; emulate's is ``keep=``: the same list,
+    passed as it is, leaves those operations unrounded and the rest runs."""
+    try:
+        yield
+    except boundary.UnsupportedPrimitive as err:
+        text = str(err).replace(
+            "would not be replaced: exclude it (exclude=",
+            "would not be rounded: keep it unrounded (keep=",
+        )
+        raise boundary.UnsupportedPrimitive(text) from None
 
 
 def emulate(

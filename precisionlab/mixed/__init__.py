@@ -10,12 +10,13 @@ Public API:
   :func:`store_opt_state` (any optax transformation), :func:`apply_updates`.
 - Ops honouring the float32 list: ``ops.softmax``, ``ops.layer_norm``, ``ops.cross_entropy``, ...
 - Numerics: :func:`enforce` forces the compute dtype's rounding and overflow at op boundaries.
-- Models with non-array leaves (Equinox): :func:`filter_value_and_grad`, :func:`is_inexact_array`;
+- Models with non-array leaves (Equinox): :func:`filter_value_and_grad`, :func:`filter_jit`,
+  :func:`is_inexact_array`;
   every function here that takes a model or gradients passes such leaves through.
 """
 
 from precisionlab.mixed import ops
-from precisionlab.mixed.filtering import filter_value_and_grad, is_inexact_array
+from precisionlab.mixed.filtering import filter_jit, filter_value_and_grad, is_inexact_array
 from precisionlab.mixed.loss_scale import (
     LOSS_SCALE_KINDS,
     DynamicLossScale,
@@ -68,6 +69,7 @@ __all__ = [
     "cast_floating",
     "enforce",
     "enforce_tree",
+    "filter_jit",
     "filter_value_and_grad",
     "get_policy",
     "init_storage_state",

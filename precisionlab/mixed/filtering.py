@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["filter_value_and_grad", "is_inexact_array"]
+__all__ = ["filter_jit", "filter_value_and_grad", "is_inexact_array"]
 
 
 def is_inexact_array(x: Any) -> bool:
@@ -80,3 +80,26 @@ def filter_value_and_grad(
         return value, (out[0] if single else out)
 
     return f
+
+
+def filter_jit(fn: Callable) -> Callable[..., Any]:
+    """``jax.jit(fn)`` where the arguments may hold any leaves: the array leaves are traced,
+    the others (an Equinox module's functions, Python numbers) are closed over as constants,
+    as ``eqx.filter_jit`` does (each call compiles anew: for one-shot programs, such as a
+    diagnosis, not for a training loop). Keyword arguments are closed over too."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        arrays = (jax.Array, np.ndarray, np.generic)
+        dyn = [i for i, x in enumerate(leaves) if isinstance(x, arrays)]
+
+        def inner(*values: Any) -> Any:
+            full = list(leaves)
+            for i, v in zip(dyn, values, strict=True):
+                full[i] = v
+            a, k = treedef.unflatten(full)
+            return fn(*a, **k)
+
+        return jax.jit(inner)(*[leaves[i] for i in dyn])
+
+    return run
