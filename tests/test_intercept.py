@@ -81,7 +81,7 @@ def test_sites_names_and_include_exclude():
     g = intercept(mlp, Scale(2.0), include=["dot_general[2]"])
     np.testing.assert_allclose(g(p, X), mlp_scaled(p, X, [1.0, 1.0, 2.0]), rtol=1e-6)
     report = f.report(p, X)
-    assert report.splitlines()[0] == "3 matched (dot_general), 1 replaced"
+    assert report.splitlines()[0] == "3 matched (3 dot_general), 1 replaced"
     assert "kept" in report.splitlines()[1] and "replaced" in report.splitlines()[2]
 
 

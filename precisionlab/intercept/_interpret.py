@@ -43,6 +43,7 @@ their rules.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import warnings
 import zlib
@@ -631,7 +632,11 @@ class Intercepted:
         sites = self._walk(t)[0]
         _, others, _ = self._found(t)
         n = sum(s.selected for s in sites)
-        head = f"{len(sites)} matched ({', '.join(self.rule.primitives)}), {n} replaced"
+        # per primitive, so that "3 matched" does not read as if every covered kind was found
+        counts = collections.Counter(s.primitive for s in sites)
+        kinds = ", ".join(f"{counts[p]} {p}" for p in self.rule.primitives if counts[p])
+        kinds = kinds or "no " + " or ".join(self.rule.primitives)
+        head = f"{len(sites)} matched ({kinds}), {n} replaced"
         lines = [head, *(s.describe() for s in sites)]
         skipped = [s for s in sites if s.skipped] + others
         if skipped:
