@@ -59,6 +59,12 @@ _FAKE_TRAINER = textwrap.dedent(
 )
 
 
+def _default_hup() -> None:
+    """In the child: SIGHUP back to its default. A suite started under ``nohup`` passes SIGHUP
+    on ignored, and precisionlab then rightly leaves it ignored (the user asked for that)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def _fake_cli(args: list[str], *, step_s: float = 0.0, **kw) -> subprocess.Popen:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PRECISIONLAB_TEST_STEP_S": str(step_s)}
     return subprocess.Popen(
@@ -67,6 +73,7 @@ def _fake_cli(args: list[str], *, step_s: float = 0.0, **kw) -> subprocess.Popen
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_default_hup,
         **kw,
     )
 
@@ -1032,6 +1039,7 @@ def test_sigterm_ends_a_tournament_like_ctrl_c(work, sig):
     proc = subprocess.Popen(
         [sys.executable, "-c", _FAKE_TOURNAMENT, "run", "t.toml", "--out", str(out)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_default_hup,
     )  # fmt: skip
     unit = out / "tournament" / "units" / "bf16-s0"
     deadline = time.monotonic() + 600
