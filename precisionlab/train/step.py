@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from precisionlab.intercept import boundary
 from precisionlab.mixed.loss_scale import (
     LossScale,
     NoLossScale,
@@ -124,6 +125,11 @@ def normalize_loss_fn(loss_fn: Callable) -> Callable:
     return wrapped
 
 
+def _zeros_like(s: Any, dtype: Any) -> jax.Array:
+    """Zeros of ``s``'s shape in ``dtype``, varying over the manual axes ``s`` varies over."""
+    return boundary.pvary(jnp.zeros(s.shape, dtype), boundary.varying_axes(s))
+
+
 def split_micro(batch: Any, microbatches: int) -> Any:
     """Reshape every leaf [B, ...] to [microbatches, B // microbatches, ...]."""
 
@@ -216,11 +222,13 @@ def make_grad_fn(
     def grad_fn(pc: Any, batch: Any, ls: LossScale, extra: Any) -> tuple[Any, ...]:  # type: ignore[no-redef]
         micro = split_micro(batch, microbatches)
         first = jax.tree_util.tree_map(lambda x: x[0], micro)
-        shapes = jax.eval_shape(lambda b: one(pc, b, ls, extra)[:4], first)
-        zero = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
-        obs_shapes = jax.eval_shape(lambda b: one(pc, b, ls, extra)[4], first)
+        # inside a data-parallel shard_map the sums vary over its axis: the zeros that start
+        # them must too, or scan refuses carries whose manual axes differ (check_vma on)
+        shapes = boundary.eval_shape(lambda b: one(pc, b, ls, extra)[:4], first)
+        zero = jax.tree_util.tree_map(lambda s: _zeros_like(s, jnp.float32), shapes)
+        obs_shapes = boundary.eval_shape(lambda b: one(pc, b, ls, extra)[4], first)
         # amaxes are >= 0, so 0 is the identity of their max
-        obs0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), obs_shapes)
+        obs0 = jax.tree_util.tree_map(lambda s: _zeros_like(s, s.dtype), obs_shapes)
 
         def body(carry: tuple[Any, Any], b: Any) -> tuple[tuple[Any, Any], None]:
             acc, obs = carry
