@@ -18,9 +18,9 @@ reproducible and resumable from the step count alone (that is what checkpoints s
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
+from precisionlab.train import registry
 from precisionlab.train.data.base import SPLITS, Dataset
 from precisionlab.train.data.digits import DigitsData
 from precisionlab.train.data.synthetic import MarkovData, TeacherData
@@ -51,21 +51,9 @@ _BUILDERS: dict[str, type[Dataset]] = {
 
 def data_kind(name: str) -> str:
     """``"classification"`` or ``"lm"``: the kind of data the dataset ``name`` gives."""
-    if name not in _BUILDERS:
-        raise ValueError(f"unknown dataset {name!r}; allowed: {', '.join(DATASETS)}")
-    return _BUILDERS[name].kind
+    return registry.lookup(_BUILDERS, name, "dataset").kind
 
 
 def make_data(name: str, **kwargs: Any) -> Dataset:
     """Build a dataset by name (see :data:`DATASETS`); unknown options raise ValueError."""
-    if name not in _BUILDERS:
-        raise ValueError(f"unknown dataset {name!r}; allowed: {', '.join(DATASETS)}")
-    cls = _BUILDERS[name]
-    allowed = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(kwargs) - set(allowed))
-    if unknown:
-        raise ValueError(
-            f"unknown option(s) {', '.join(unknown)} for dataset {name!r}; allowed: "
-            f"{', '.join(allowed)}"
-        )
-    return cls(**kwargs)
+    return registry.build(_BUILDERS, name, "dataset", kwargs)

@@ -42,6 +42,7 @@ import dataclasses
 import fnmatch
 from typing import Any
 
+from precisionlab.train import registry
 from precisionlab.train.models.base import MAX_DEPTH, MODELS, Model, _check_int
 from precisionlab.train.models.conv import ConvNet
 from precisionlab.train.models.mlp import MLP
@@ -65,24 +66,12 @@ _BUILDERS: dict[str, type[Model]] = {"mlp": MLP, "transformer": Transformer, "co
 
 def make_model(name: str, **kwargs: Any) -> Model:
     """Build a model by name (see :data:`MODELS`); unknown options raise ValueError."""
-    if name not in _BUILDERS:
-        raise ValueError(f"unknown model {name!r}; allowed: {', '.join(MODELS)}")
-    cls = _BUILDERS[name]
-    allowed = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(kwargs) - set(allowed))
-    if unknown:
-        raise ValueError(
-            f"unknown option(s) {', '.join(unknown)} for model {name!r}; allowed: "
-            f"{', '.join(allowed)}"
-        )
-    return cls(**kwargs)
+    return registry.build(_BUILDERS, name, "model", kwargs)
 
 
 def model_data_kind(name: str) -> str:
     """The kind of dataset (``"classification"`` or ``"lm"``) the model ``name`` reads."""
-    if name not in _BUILDERS:
-        raise ValueError(f"unknown model {name!r}; allowed: {', '.join(MODELS)}")
-    kind = _BUILDERS[name].data_kind
+    kind = registry.lookup(_BUILDERS, name, "model").data_kind
     if not kind:
         raise ValueError(f"model {name!r} does not declare the data_kind it reads")
     return kind
@@ -91,9 +80,8 @@ def model_data_kind(name: str) -> str:
 def layer_names(name: str, model_kwargs: dict[str, Any] | None = None) -> tuple[str, ...]:
     """The layer names of model ``name`` with ``model_kwargs`` (only ``depth`` matters; the
     data's sizes need not be known)."""
-    if name not in _BUILDERS:
-        raise ValueError(f"unknown model {name!r}; allowed: {', '.join(MODELS)}")
-    fields = {f.name: f.default for f in dataclasses.fields(_BUILDERS[name])}
+    cls = registry.lookup(_BUILDERS, name, "model")
+    fields = {f.name: f.default for f in dataclasses.fields(cls)}
     depth = (model_kwargs or {}).get("depth", fields["depth"])
     _check_int("depth", depth, 1, MAX_DEPTH)
     prefix, last = {"mlp": ("layer", "out"), "transformer": ("block", "unembed")}.get(
