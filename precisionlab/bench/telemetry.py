@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -30,7 +29,7 @@ import optax
 
 from precisionlab import _io
 from precisionlab._text import UsageError, table
-from precisionlab.bench._timing import positive_int, repeats_int, time_interleaved
+from precisionlab.bench._timing import add_interval_arguments, time_interleaved
 from precisionlab.train import StepOptions, build_step, make_data, make_model
 from precisionlab.train.telemetry import DEFAULT_TARGETS, Telemetry, telemetry_rows
 
@@ -40,22 +39,7 @@ MODELS = ("mlp", "transformer")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", action="append", choices=MODELS, default=None,
-        help="built-in model (repeatable; default: mlp and transformer)",
-    )  # fmt: skip
-    parser.add_argument("--batch", type=positive_int, default=128, help="batch size (default 128)")
-    parser.add_argument(
-        "--interval", type=positive_int, default=10, help="telemetry every N steps (default 10)"
-    )
-    parser.add_argument(
-        "--steps", type=repeats_int, default=20, help="steps per timed chunk (default 20)"
-    )
-    parser.add_argument(
-        "--repeats", type=repeats_int, default=5, help="timed rounds, best kept (default 5)"
-    )
-    parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON to OUT")
+    add_interval_arguments(parser, models=MODELS, what="telemetry")
 
 
 def _runner(loss_fn, params, batches, telemetry: Telemetry | None):
