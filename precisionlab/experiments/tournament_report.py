@@ -514,7 +514,13 @@ def claims_markdown(s: dict[str, Any]) -> str:
     lines = []
     p = c["nvfp4_gap_below_mxfp4"]
     verdicts = sorted({q["verdict"] for q in p["pairs"]})
-    overall = _verdict(p["reproduced"]) if p["reproduced"] is not False else ", ".join(verdicts)
+    n_reproduced = sum(q["verdict"] == "reproduced" for q in p["pairs"])
+    if p["reproduced"] is not False:
+        overall = _verdict(p["reproduced"])
+    elif n_reproduced:  # some recipes significantly, the others not: say so, not a list
+        overall = "partly reproduced"
+    else:
+        overall = ", ".join(verdicts)
     lines.append(
         f"- **NVFP4's gap below MXFP4's for the same recipe** ({p['source']}): {overall} "
         f"({sum(q['verdict'] == 'reproduced' for q in p['pairs'])} of {len(p['pairs'])} "
