@@ -20,7 +20,7 @@ character for character; ``timing`` regions (benchmarks) come back with other nu
 ``--check`` compares their structure only (the text with every number replaced by ``#``),
 and their text begins with a line naming the machine, its load, the date and the versions
 (:func:`machine_line`). ``--run-dir CONFIG=DIR`` reuses a finished run of CONFIG (a run of the
-current code) instead of running it again. ``tests/test_docs_tables.py`` checks that every
+current code) instead of running it again. ``tests/docs/test_docs_tables.py`` checks that every
 marker pair is well formed and registered (default suite) and reruns ``--check
 --deterministic`` under ``-m slow``.
 """

@@ -9,7 +9,7 @@ no effect (the output is bitwise the unquantized one where it must differ) or an
 it must have none (observing changes the output).
 
 :data:`ROWS` groups the checks into the features of issue 33 (items 1-5); a style's own tests
-count for a row when marked ``@covers(ROW)``; tests/test_model_matrix.py fails when a row has
+count for a row when marked ``@covers(ROW)``; tests/models/test_model_matrix.py fails when a row has
 no test on some style and writes the matrix into docs/guides/model-features.md. To add a
 feature: write ``check_<name>(s: Subject)``, append a :class:`Feature` to :data:`FEATURES` and
 its name to a :class:`Row`; every model style then runs it. A check expensive beyond a few CPU

@@ -4,8 +4,6 @@ import os
 import pathlib
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -14,9 +12,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("PRECISIONLAB_CACHE_DIR", "off")
 # Reports draw telemetry figures in worker processes; each starts an interpreter that imports
 # JAX (seconds of CPU), more than the small figures of a test cost: in-process unless a test
-# asks (tests/test_report_workers.py).
+# asks (tests/experiments/test_report_workers.py).
 os.environ.setdefault("PRECISIONLAB_REPORT_WORKERS", "1")
 
+import _host_devices
 import _xdist_quiet_end
 import hypothesis
 import pytest
@@ -93,25 +92,12 @@ def no_compile_cache():
     compilation_cache.reset_cache()
 
 
-def _run_on_host_devices(script: str, devices: int = 4, timeout: int = 600) -> str:
-    env = dict(os.environ)
-    flag = f" --xla_force_host_platform_device_count={devices}"
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + flag
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().endswith("OK"), proc.stdout[-3000:]
-    return proc.stdout
-
-
 @pytest.fixture
 def run_on_host_devices():
     """``run(script, devices=4, timeout=600) -> stdout``: runs the Python ``script`` in a
     subprocess on ``devices`` CPU host devices (the count must be set before jax is imported)
     and fails unless it exits 0 with ``OK`` as its last output."""
-    return _run_on_host_devices
+    return _host_devices.run_on_host_devices
 
 
 class _Hang(Exception):

@@ -9,7 +9,7 @@ wall time on two idle cores: the suite's wall time has been its CPU seconds / 1.
 moved to the slow phase most expensive first until the rest fits, except that each test file
 keeps its cheapest test in the default suite, so every file still reaches its code by default.
 Entries already in the file stay (they were not run, so the profile does not see them); an entry
-whose test no longer exists is dropped by tests/test_suite_hygiene.py's check, not here.
+whose test no longer exists is dropped by tests/project/test_suite_hygiene.py's check, not here.
 Without ``--write`` it prints what it would add and the default suite's CPU seconds after.
 """
 

@@ -170,7 +170,7 @@ def _api_pages(app: Sphinx) -> None:
         "The public API: what a user imports, one page per namespace, each generated from the "
         "docstrings. It is the list in ``docs/reference/public_api.txt``; every other module or "
         "name is private (a module whose name starts with ``_``, or a name no namespace below "
-        "re-exports) and may change without notice. ``tests/test_public_api.py`` keeps the "
+        "re-exports) and may change without notice. ``tests/project/test_public_api.py`` keeps the "
         "list and the code's ``__all__`` equal (see :doc:`../contributing`).",
         "",
         ".. toctree::",

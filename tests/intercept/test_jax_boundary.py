@@ -1,0 +1,369 @@
+"""The JAX boundary (precisionlab.intercept.boundary): one contract test per higher-order
+primitive (a tiny jaxpr, read by its adapter), replays of the parameters jax 0.11.2 recorded
+(tests/data/jaxpr_params_jax_0.11.2.json), the loud failure inside an unknown higher-order
+primitive, both bind-parameter protocols, and the version check."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import jax
+import jax.extend as jex
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.interpreters import mlir
+
+from precisionlab.emulate import emulate
+from precisionlab.intercept import boundary, intercept
+
+DATA = json.loads(
+    (pathlib.Path(__file__).parents[1] / "data" / "jaxpr_params_jax_0.11.2.json").read_text()
+)
+X = jnp.arange(8, dtype=jnp.float32).reshape(2, 4) / 8
+W = jnp.arange(16, dtype=jnp.float32).reshape(4, 4) / 16
+
+
+def _eqn(fn, *args, prim_kind: str):
+    """The first equation of ``fn``'s jaxpr whose primitive is of ``prim_kind``."""
+    for eqn in jax.make_jaxpr(fn)(*args).jaxpr.eqns:
+        if boundary.kind(eqn.primitive) == prim_kind:
+            return eqn
+    raise AssertionError(f"no {prim_kind} equation")
+
+
+def _n_invars(prog) -> int:
+    return len(boundary.open_jaxpr(prog)[0].invars)
+
+
+# --- contract tests: one per higher-order primitive -----------------------------------------
+def test_scan_adapter_reads_the_operand_split():
+    def f(c0, ws, k):
+        def body(c, w):
+            return jnp.tanh(c @ w) * k, c.sum()
+
+        return jax.lax.scan(body, c0, ws, reverse=True)
+
+    ws = jnp.stack([W, W, W])
+    eqn = _eqn(f, X, ws, jnp.float32(2), prim_kind="scan")
+    split = boundary.scan_split(eqn.params)
+    # operands: consts (k), carry (c0), xs (ws); the body takes them in that order
+    assert (split.n_consts, split.n_carry, split.length, split.reverse) == (1, 1, 3, True)
+    assert len(eqn.invars) == split.n_consts + split.n_carry + 1
+    assert eqn.invars[split.n_consts].aval.shape == X.shape
+    assert _n_invars(split.jaxpr) == len(eqn.invars)
+    assert boundary.loop_length(eqn) == 3
+
+
+def test_while_adapter_reads_consts_and_programs():
+    def f(x, w, limit):
+        return jax.lax.while_loop(lambda c: c[0] < limit, lambda c: (c[0] + 1, c[1] @ w), (0, x))
+
+    eqn = _eqn(f, X, W, jnp.int32(3), prim_kind="while")
+    parts = boundary.while_parts(eqn.params)
+    assert (parts.cond_nconsts, parts.body_nconsts) == (1, 1)
+    assert _n_invars(parts.body_jaxpr) == 1 + 2 and _n_invars(parts.cond_jaxpr) == 1 + 2
+    subs = boundary.subprograms(eqn)
+    assert subs[boundary.while_body_index(eqn.params)] is parts.body_jaxpr
+    assert boundary.loop_length(eqn) is None
+
+
+@pytest.mark.parametrize("n_branches", [2, 3])
+def test_cond_and_switch_adapter_reads_the_branches(n_branches):
+    fns = [lambda x: x @ W, lambda x: -x, lambda x: x * 2][:n_branches]
+
+    def f(i, x):
+        return jax.lax.switch(i, fns, x) if n_branches == 3 else jax.lax.cond(i > 0, *fns, x)
+
+    eqn = _eqn(f, jnp.int32(1), X, prim_kind="cond")
+    branches = boundary.cond_branches(eqn.params)
+    assert len(branches) == n_branches
+    assert boundary.subprograms(eqn) == list(branches)
+    assert all(_n_invars(b) == len(eqn.invars) - 1 for b in branches)  # operand 0: the index
+
+
+def test_checkpoint_adapter_reads_program_and_options():
+    policy = jax.checkpoint_policies.nothing_saveable
+    f = jax.checkpoint(lambda x: jnp.sin(x @ W), prevent_cse=False, policy=policy)
+    eqn = _eqn(f, X, prim_kind="checkpoint")
+    prog, prevent_cse, got_policy = boundary.checkpoint_parts(eqn.params)
+    assert prevent_cse is False and got_policy is policy
+    assert _n_invars(prog) == len(eqn.invars)
+
+
+def test_jit_adapter_reads_program_and_name():
+    def outer(x):
+        return jax.jit(inner_fn)(x)
+
+    def inner_fn(x):
+        return x @ W
+
+    eqn = _eqn(outer, X, prim_kind="jit")
+    assert boundary.call_name(eqn) == "inner_fn"
+    assert _n_invars(boundary.call_program(eqn)) == len(eqn.invars)
+
+
+def test_closed_call_adapter_and_the_bind_protocol():
+    prog = jax.make_jaxpr(lambda y: y @ W)(X)
+    call_p = jex.core.primitives.closed_call_p  # named eval_jaxpr at JAX's head: same object
+    eqn = _eqn(lambda x: boundary.bind(call_p, {"call_jaxpr": prog}, x), X, prim_kind="call")
+    inner = boundary.open_jaxpr(boundary.call_program(eqn))[0]
+    assert len(inner.invars) == len(eqn.invars)  # tracing made W an operand of the call
+    assert [e.primitive.name for e in inner.eqns] == ["dot_general"]
+    assert boundary.call_name(eqn) == ""
+    np.testing.assert_array_equal(boundary.bind(call_p, {"call_jaxpr": prog}, X)[0], X @ W)
+
+
+def test_custom_jvp_and_custom_vjp_adapters_read_the_primal_program():
+    @jax.custom_jvp
+    def cj(x):
+        return jnp.sin(x @ W)
+
+    cj.defjvp(lambda p, t: (cj(p[0]), t[0]))
+
+    @jax.custom_vjp
+    def cv(x):
+        return x @ W * 2
+
+    cv.defvjp(lambda x: (cv(x), None), lambda _, g: (g,))
+    for fn, k in ((cj, "custom_jvp"), (cv, "custom_vjp")):
+        eqn = _eqn(fn, X, prim_kind=k)
+        assert _n_invars(boundary.call_program(eqn)) == len(eqn.invars)
+        prims = [e.primitive.name for e in boundary.open_jaxpr(boundary.call_program(eqn))[0].eqns]
+        assert "dot_general" in prims
+
+
+def test_combiners_are_operations_not_constructs():
+    jaxpr = jax.make_jaxpr(lambda x: jax.lax.reduce(x, 0.0, lambda a, b: a + 2 * b, (0,)))(X)
+    (red,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "reduce"]
+    assert boundary.is_combiner(red) and boundary.subprograms(red) == []
+    assert boundary.kind(red.primitive) is None
+
+
+# --- replay of jax 0.11.2's recorded parameters ---------------------------------------------
+class _FlatTreeLike:
+    """What jax >= 0.11 puts in ``ft_in``: a flat tree whose ``unpack()`` gives the groups and
+    whose ``len()`` counts leaves (its repr is the recorded tuple text)."""
+
+    def __init__(self, tree):
+        self.tree = tree
+
+    def unpack(self):
+        return tuple(_FlatTreeLike(t) for t in self.tree)
+
+    def __len__(self):
+        def count(t):
+            return sum(count(x) for x in t) if isinstance(t, tuple) else 1
+
+        return count(self.tree)
+
+
+# The two scans of the recorded program (jaxpr_text): ``scan[...] b a`` (carry b, xs a) and
+# ``scan[...] a 0:i32[] bv`` (const a, carry (counter, bv), no xs).
+EXPECTED_SPLITS = [(0, 1), (1, 2)]
+
+
+@pytest.mark.parametrize("i", [0, 1])
+@pytest.mark.parametrize("form", ["recorded", "flattree"])
+def test_replay_scan_ft_in_from_jax_0_11_2(i, form):
+    rec = DATA["scans_in_jaxpr_text"][i]
+    ft = boundary.parse_recorded(rec["ft_in"])
+    params = {
+        "ft_in": ft if form == "recorded" else _FlatTreeLike(ft),
+        "ft_out": boundary.parse_recorded(rec["ft_out"]),
+        "length": rec["length"], "reverse": False, "unroll": 1, "jaxpr": None,
+    }  # fmt: skip
+    split = boundary.scan_split(params)
+    assert (split.n_consts, split.n_carry) == EXPECTED_SPLITS[i]
+    n_xs = len(ft[2])
+    assert split.n_consts + split.n_carry + n_xs == len(rec["body_invars"])
+    assert split.length == rec["length"]
+    if i == 1:  # the fori_loop counter is the first carry
+        assert rec["body_invars"][split.n_consts].endswith(":i32[]")
+
+
+def test_replay_first_recorded_scan_params_and_no_num_consts():
+    params = DATA["primitive_params"]["scan"]
+    assert "num_consts" not in params and "ft_in" in params
+    keys = ("ft_in", "length", "reverse", "unroll")
+    split = boundary.scan_split(
+        {**{k: boundary.parse_recorded(params[k]) for k in keys}, "jaxpr": None}
+    )
+    assert (split.n_consts, split.n_carry, split.length, split.reverse) == (0, 1, 3, False)
+
+
+def test_replay_every_recorded_higher_order_primitive_has_a_kind():
+    recorded = DATA["primitive_params"]
+    with_programs = sorted(
+        name for name, params in recorded.items()
+        if any(str(v).lstrip("(").startswith("{ lambda") for v in params.values())
+    )  # fmt: skip
+    assert with_programs == sorted(
+        ["scan", "remat2", "cond", "while", "jit", "custom_vjp_call", "custom_jvp_call"]
+    )
+    by_name = {
+        p.name: p
+        for m in (jex.core.primitives, jax.lax)
+        for p in vars(m).values()
+        if isinstance(p, jex.core.Primitive)
+    }
+    for name in with_programs:
+        # a primitive this JAX does not export (jit before 0.7) is known by its name
+        prim = by_name.get(name) or jex.core.Primitive(name)
+        kind = boundary.kind(prim)
+        assert kind is not None, name
+        programs = [k for k, v in recorded[name].items() if v.lstrip("(").startswith("{ lambda")]
+        if kind in boundary.CALLS:  # call_program needs exactly one program parameter
+            assert len(programs) == 1, (name, programs)
+    # scan's split is in ft_in/ft_out now; the other constructs keep the keys the adapters read
+    assert {"ft_in", "ft_out", "length", "reverse", "unroll", "jaxpr"} == set(recorded["scan"])
+    assert {"cond_nconsts", "body_nconsts", "cond_jaxpr", "body_jaxpr"} <= set(recorded["while"])
+    assert {"jaxpr", "prevent_cse", "policy"} <= set(recorded["remat2"])
+    assert "branches" in recorded["cond"]
+
+
+class _OneMinusSquare:
+    """A stand-in for jax 0.11.2's ``one_minus_square`` (recorded with no parameters, in the
+    gradient of tanh): a primitive emulate has no rule of its own for."""
+
+    prim = jex.core.Primitive("one_minus_square")
+    prim.def_impl(lambda x: 1 - x * x)
+    prim.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
+    mlir.register_lowering(prim, mlir.lower_fun(lambda x: 1 - x * x, multiple_results=False))
+
+
+def test_replay_one_minus_square_is_rounded_by_the_generic_rule():
+    assert DATA["primitive_params"]["one_minus_square"] == {}
+    x = jnp.array([1.0039062, 0.3, 0.7777, 1e-3], jnp.float32)
+    em = emulate(lambda v: _OneMinusSquare.prim.bind(v), "c=bf16")
+    assert [s.primitive for s in em.sites(x)] == ["one_minus_square"]
+    got = np.asarray(jax.jit(em)(x))
+    xb = np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float64)  # operand rounded
+    want = (1 - xb * xb).astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(got, want)
+    assert not np.array_equal(got, np.asarray(1 - x * x))  # it was rounded
+
+
+# --- an unknown higher-order primitive fails loudly -----------------------------------------
+_hop = jex.core.Primitive("mystery_call")
+_hop.multiple_results = True
+_hop.def_impl(lambda *a, program: boundary.jaxpr_as_fun(*boundary.open_jaxpr(program))(*a))
+_hop.def_abstract_eval(lambda *a, program: program.out_avals)
+
+
+def _with_mystery(x):
+    prog = jax.make_jaxpr(lambda v: jnp.tanh(v @ W))(x)
+    return _hop.bind(x, program=prog)[0] + 1
+
+
+class _Double:
+    primitives = ("dot_general",)
+
+    def apply(self, ctx, lhs, rhs, **params):
+        return [o * 2 for o in ctx.original(lhs, rhs)]
+
+
+def test_selected_matmul_inside_an_unknown_primitive_raises_naming_everything():
+    f = intercept(_with_mystery, _Double())
+    (site,) = f.sites(X)  # listed, with the primitive it sits in
+    assert site.within == ("mystery_call",)
+    with pytest.raises(boundary.UnsupportedPrimitive) as err:
+        f(X)
+    msg = str(err.value)
+    assert "dot_general[0]" in msg and "'mystery_call'" in msg
+    assert f"jax {jax.__version__}" in msg and "exclude" in msg and "\n" not in msg
+    # the advice works: excluded, it runs as the program did
+    kept = intercept(_with_mystery, _Double(), exclude="dot_general[0]")
+    np.testing.assert_allclose(kept(X), _with_mystery(X), rtol=1e-6)
+
+
+def test_emulate_refuses_an_unknown_primitive_by_name():
+    with pytest.raises(boundary.UnsupportedPrimitive, match="mystery_call"):
+        emulate(_with_mystery, "c=bf16")(X)
+
+
+# --- bind protocols, plain rewrite, version ---------------------------------------------------
+class _TupleBindPrimitive(jex.core.Primitive):
+    """A primitive with the pre-0.9.2 protocol: ``get_bind_params`` returns (subfuns, params)."""
+
+    def get_bind_params(self, params):
+        return [], dict(params)
+
+
+def test_bind_accepts_both_get_bind_params_forms():
+    old = _TupleBindPrimitive("scale_old")
+    new = jex.core.Primitive("scale_new")
+    for p in (old, new):
+        p.def_impl(lambda x, factor: x * factor)
+        p.def_abstract_eval(lambda x, factor: jax.core.ShapedArray(x.shape, x.dtype))
+        assert boundary.bind(p, {"factor": 3.0}, X)[0].tolist() == (X * 3).tolist()
+
+
+class _PlainDouble(_Double):
+    emits = False
+
+
+def test_plain_rule_rewrites_loops_by_type_without_adapters(monkeypatch):
+    def f(x, ws):
+        y, _ = jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), x, ws)
+        y = jax.checkpoint(lambda v: v @ W)(y)
+        return jax.lax.cond(y.sum() > 0, lambda v: v @ W, lambda v: -v, y)
+
+    ws = jnp.stack([W, W])
+
+    def want(x):
+        for w in ws:
+            x = jnp.tanh(2 * (x @ w))
+        x = 2 * (x @ W)
+        return 2 * (x @ W) if x.sum() > 0 else -x
+
+    def forbidden(*a, **k):
+        raise AssertionError("a per-primitive adapter ran")
+
+    for name in ("scan_split", "while_parts", "cond_branches", "checkpoint_parts"):
+        monkeypatch.setattr(boundary, name, forbidden)
+    g = intercept(f, _PlainDouble())
+    np.testing.assert_allclose(g(X, ws), want(X), rtol=1e-5)
+    prims = {e.primitive.name for e in jax.make_jaxpr(g)(X, ws).jaxpr.eqns}
+    assert {"scan", "cond"} <= prims  # the primitives were bound again, not inlined
+
+
+def test_unsupported_jax_version_says_the_range_in_one_line(monkeypatch):
+    with pytest.raises(RuntimeError) as err:
+        boundary.check_version("0.4.30")
+    msg = str(err.value)
+    assert "\n" not in msg and f">= {boundary.LOWEST}" in msg and "0.4.30" in msg
+    boundary.check_version(boundary.LOWEST)  # the floor itself is accepted
+    boundary.check_version(jax.__version__)
+    # the first use of the library says it
+    monkeypatch.setattr(jax, "__version__", "0.4.1")
+    with pytest.raises(RuntimeError, match=re.escape(f"jax >= {boundary.LOWEST}")):
+        intercept(lambda x: x @ W, _Double())(X)
+
+
+def test_declared_floor_matches_pyproject_and_this_jax():
+    import tomllib
+
+    pyproject = pathlib.Path(__file__).parents[2] / "pyproject.toml"
+    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    assert f"jax>={boundary.LOWEST}" in deps and f"jaxlib>={boundary.LOWEST}" in deps
+    version = tuple(int(p) for p in re.findall(r"\d+", jax.__version__)[:3])
+    assert version >= tuple(int(p) for p in boundary.LOWEST.split("."))
+
+
+def test_matmul_in_a_while_condition_is_replaced_or_refused_never_skipped():
+    def f(x):
+        return jax.lax.while_loop(lambda c: (c @ W).sum() < 10, lambda c: c * 1.5 + 0.1, x)
+
+    def want(x, factor):
+        while (factor * (x @ W)).sum() < 10:
+            x = x * 1.5 + 0.1
+        return x
+
+    assert not np.allclose(want(X, 2.0), want(X, 1.0))  # the replacement changes the result
+    np.testing.assert_allclose(intercept(f, _PlainDouble())(X), want(X, 2.0), rtol=1e-6)
+    with pytest.raises(NotImplementedError, match=r"dot_general\[0\] sits in a while_loop's"):
+        intercept(f, _Double())(X)

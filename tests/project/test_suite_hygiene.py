@@ -1,0 +1,69 @@
+"""The test suite's own machinery: a passing run prints no traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+TESTS = Path(__file__).parents[1]
+
+# A worker slow to tear down after it has sent its results (a loaded machine, a heap of compiled
+# programs): execnet sends it SIGINT 5 s after the controller closes it, and SIGKILL at 10 s. It
+# says whether the SIGINT interrupted it (or that it was still sleeping when killed).
+SLOW_END = """
+import time, traceback
+import pytest
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)  # outside xdist's wrapper, which sends results
+def pytest_sessionfinish(session):
+    yield
+    if not hasattr(session.config, "workerinput"):
+        return
+    with open({ended!r}, "w") as f:
+        f.write("sleeping")
+    try:
+        time.sleep(9)
+        ended = "finished"
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        ended = "interrupted"
+    with open({ended!r}, "w") as f:
+        f.write(ended)
+"""
+
+
+def test_a_worker_slow_to_end_is_not_interrupted_and_prints_no_traceback(tmp_path):
+    ended = tmp_path / "ended"
+    (tmp_path / "conftest.py").write_text(textwrap.dedent(SLOW_END.format(ended=str(ended))))
+    (tmp_path / "test_one.py").write_text("def test_one():\n    pass\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
+    argv = ["-n", "1", "-q", "-p", "no:cacheprovider", "-p", "_xdist_quiet_end", "test_one.py"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", *argv],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,  # the worker's stderr too: it holds the pipe until it exits
+        text=True,
+        timeout=120,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "1 passed" in out, out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+    assert ended.read_text() in ("finished", "sleeping")  # not "interrupted"
+
+
+def test_every_test_listed_slow_by_cost_exists():
+    # a renamed or deleted test must leave tests/slow_by_cost.txt too (else the list rots and a
+    # new test of the same name would be moved to the slow phase unseen)
+    from conftest import slow_by_cost
+
+    root = Path(__file__).parents[2]
+    for entry in slow_by_cost():
+        path, _, name = entry.partition("::")
+        assert (root / path).is_file(), entry
+        if name:
+            assert f"def {name.split('[')[0]}(" in (root / path).read_text(), entry
