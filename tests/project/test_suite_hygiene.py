@@ -67,3 +67,31 @@ def test_every_test_listed_slow_by_cost_exists():
         assert (root / path).is_file(), entry
         if name:
             assert f"def {name.split('[')[0]}(" in (root / path).read_text(), entry
+
+
+# Folders beside the packages' own: the user-style models, the site's examples, project rules.
+OTHER_SUBJECTS = {"models": "the user-style models", "docs": "the site", "project": "the rules"}
+HISTORY_WORDS = ("wave", "hardening", "rough_edges", "regressions", "trust", "fixes", "pass")
+
+
+def test_tests_live_by_subject():
+    """Every test file sits in tests/<subject>/, a subject being a package or top-level module
+    of precisionlab or one of OTHER_SUBJECTS; its name says what it checks, not when it was
+    written; names are unique across folders (pytest imports test files by their name)."""
+    package = TESTS.parent / "precisionlab"
+    subjects = {p.name for p in package.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    subjects |= {p.stem for p in package.glob("*.py") if not p.stem.startswith("_")}
+    subjects |= set(OTHER_SUBJECTS)
+    problems, seen = [], {}
+    for path in sorted(TESTS.rglob("test_*.py")):
+        rel = path.relative_to(TESTS)
+        if rel.parts[0] == "data":
+            continue
+        if len(rel.parts) != 2 or rel.parts[0] not in subjects:
+            problems.append(f"{rel}: put it in tests/<subject>/ (subjects: {sorted(subjects)})")
+        if any(word in path.stem for word in HISTORY_WORDS):
+            problems.append(f"{rel}: name it after what it checks, not when it was written")
+        if path.name in seen:
+            problems.append(f"{rel}: the same file name as {seen[path.name]}")
+        seen[path.name] = rel
+    assert not problems, "\n".join(problems)
