@@ -205,7 +205,7 @@ class Policy:
         return dataclasses.replace(self, output_dtype=parse_dtype(dtype))
 
     def with_enforce(self, enforce: bool) -> Policy:
-        """This policy with :attr:`enforce` set: ``policy.with_enforce(False)`` leaves the
+        """This policy with ``enforce`` set: ``policy.with_enforce(False)`` leaves the
         rounding at op boundaries to XLA (as ``dataclasses.replace(policy, enforce=False)``)."""
         return dataclasses.replace(self, enforce=enforce)
 
@@ -217,7 +217,7 @@ class Policy:
     def __str__(self) -> str:
         """The policy string, parsed back to an equal Policy by :func:`get_policy` (the float32
         ops are written only when they differ from the default: ``fp32=softmax+reduce`` or
-        ``fp32=none``; ``enforce=false`` only when :attr:`enforce` is off)."""
+        ``fp32=none``; ``enforce=false`` only when ``enforce`` is off)."""
         short = {
             "float32": "f32",
             "bfloat16": "bf16",
@@ -251,7 +251,7 @@ def get_policy(spec: Any, *, fp32_ops: Iterable[str] | None = None) -> Policy:
     compute defaults to the param dtype and output to the compute dtype. A part
     ``fp32=softmax+reduce`` (or ``fp32=none``) sets the ops kept in float32, as ``str(policy)``
     writes them; a part ``enforce=false`` (or ``enforce=true``, the default) sets
-    :attr:`Policy.enforce`.
+    ``Policy.enforce``.
 
     Args:
       spec: the policy string; a Policy (returned, with ``fp32_ops`` replaced if given); a jmp
