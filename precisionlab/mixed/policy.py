@@ -184,8 +184,8 @@ class Policy:
         return self.compute_dtype
 
     def to_jmp(self) -> Any:
-        """The equivalent ``jmp.Policy`` (needs jmp installed; the float32 ops have no jmp
-        counterpart and are dropped)."""
+        """The equivalent ``jmp.Policy`` (needs jmp installed; the float32 ops and ``enforce``
+        have no jmp counterpart and are dropped)."""
         try:
             import jmp
         except ImportError as err:  # optional dependency
