@@ -134,7 +134,7 @@ class Capture:
         self.loss_weight = float(cfg.loss_weight)
         self.fp32 = setup.options.fp32_params
         self.recipe = setup.options.recipe
-        self._loss = setup.model.loss_fn(pol, capture=True, enforce=cfg.enforce_numerics)
+        self._loss = setup.model.loss_fn(pol, capture=True)
         self.tensors: list[Tensor] = []
         self._fn = jax.jit(self._run)
 

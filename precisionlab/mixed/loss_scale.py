@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -74,13 +75,14 @@ def _unscale_leaf(x: Any, scale: jax.Array) -> Any:
     return (x.astype(wide) / scale.astype(wide)).astype(x.dtype)
 
 
-def _registered(*data_fields: str):
+def _registered(*data_fields: str) -> Callable[[type[T]], type[T]]:
     """Register a dataclass as a pytree: ``data_fields`` are its (traced) leaves, every other
     field is static (part of the treedef). Derived from the dataclass's fields, so no field can
     be forgotten through ``jit`` (jmp's hand-written flatten drops ``min_loss_scale``)."""
 
     def register(cls: type[T]) -> type[T]:
-        meta = [f.name for f in dataclasses.fields(cls) if f.name not in data_fields]
+        fields = dataclasses.fields(cast(Any, cls))  # a dataclass: what it registers
+        meta = [f.name for f in fields if f.name not in data_fields]
         return jax.tree_util.register_dataclass(
             cls, data_fields=list(data_fields), meta_fields=meta
         )
@@ -436,7 +438,7 @@ def parse_loss_scale(spec: str | LossScale, **kwargs: Any) -> LossScale:
                 f"unknown dynamic loss-scale options {sorted(unknown)}; allowed: "
                 f"{', '.join(sorted(allowed))}"
             )
-        kw = {
+        kw: dict[str, Any] = {
             k: (_parse_number(v) if k != "growth_interval" and v is not None else v)
             for k, v in kwargs.items()
         }

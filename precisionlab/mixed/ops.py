@@ -2,9 +2,9 @@
 
 Each op computes in float32 when the policy keeps it there (``Policy.fp32_ops``), else in the
 compute dtype, and returns the compute dtype (``cross_entropy`` returns float32 when kept in
-float32: it is the loss). With ``enforce=True`` (default) each result is rounded to the compute
-dtype at the op boundary (see :mod:`precisionlab.mixed.numerics`), so CPU runs round and overflow
-where a GPU would.
+float32: it is the loss). Under a policy with ``enforce=True`` (the default; ``Policy.enforce``)
+each result is rounded to the compute dtype at the op boundary (see
+:mod:`precisionlab.mixed.numerics`), so CPU runs round and overflow where a GPU would.
 
 Op names in ``Policy.fp32_ops``: ``softmax``, ``layer_norm``, ``cross_entropy``, ``reduce``
 (large sums and means), ``matmul_accumulate`` (matmuls accumulate in float32 and round once, as
@@ -14,6 +14,8 @@ settings give the same bits. Low-precision accumulation is not emulated).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -39,17 +41,19 @@ __all__ = [
 ]
 
 _FP32 = np.dtype("float32")
+_Axes = int | tuple[int, ...] | None
 
 
 def _policy(policy: Policy | None) -> Policy:
     return Policy() if policy is None else policy
 
 
-def boundary(x: jax.Array, policy: Policy | None, *, enforce: bool = True) -> jax.Array:
-    """Cast ``x`` to the compute dtype and (optionally) force its rounding and overflow there."""
+def boundary(x: jax.Array, policy: Policy | None) -> jax.Array:
+    """Cast ``x`` to the compute dtype and, if ``policy.enforce``, force its rounding and
+    overflow there."""
     p = _policy(policy)
     x = jnp.asarray(x).astype(p.compute_dtype)
-    return _enforce(x) if enforce else x
+    return _enforce(x) if p.enforce else x
 
 
 def _in(x: jax.Array, policy: Policy, op: str) -> jax.Array:
@@ -62,21 +66,18 @@ def softmax(
     *,
     policy: Policy | None = None,
     where: jax.Array | None = None,
-    enforce: bool = True,
 ) -> jax.Array:
     """Softmax over ``axis`` (max-subtracted); returns the compute dtype."""
     p = _policy(policy)
     y = jax.nn.softmax(_in(x, p, "softmax"), axis=axis, where=where)
-    return boundary(y, p, enforce=enforce)
+    return boundary(y, p)
 
 
-def log_softmax(
-    x: jax.Array, axis: int = -1, *, policy: Policy | None = None, enforce: bool = True
-) -> jax.Array:
+def log_softmax(x: jax.Array, axis: int = -1, *, policy: Policy | None = None) -> jax.Array:
     """Log-softmax over ``axis``; computed like :func:`softmax`, returns the compute dtype."""
     p = _policy(policy)
     y = jax.nn.log_softmax(_in(x, p, "softmax"), axis=axis)
-    return boundary(y, p, enforce=enforce)
+    return boundary(y, p)
 
 
 def layer_norm(
@@ -87,7 +88,6 @@ def layer_norm(
     axis: int = -1,
     eps: float = 1e-5,
     policy: Policy | None = None,
-    enforce: bool = True,
 ) -> jax.Array:
     """LayerNorm over ``axis``: (x - mean) / sqrt(var + eps) * scale + bias; compute dtype out."""
     p = _policy(policy)
@@ -100,7 +100,7 @@ def layer_norm(
         y = y * jnp.asarray(scale).astype(dt)
     if bias is not None:
         y = y + jnp.asarray(bias).astype(dt)
-    return boundary(y, p, enforce=enforce)
+    return boundary(y, p)
 
 
 def cross_entropy(
@@ -109,7 +109,6 @@ def cross_entropy(
     *,
     policy: Policy | None = None,
     mask: jax.Array | None = None,
-    enforce: bool = True,
 ) -> jax.Array:
     """Mean softmax cross-entropy of integer ``labels`` [...] under ``logits`` [..., C].
 
@@ -121,14 +120,14 @@ def cross_entropy(
     lf = _in(logits, p, "cross_entropy")
     logp = jax.nn.log_softmax(lf, axis=-1)
     nll = -jnp.take_along_axis(logp, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    if dt != _FP32 and enforce:
+    if dt != _FP32 and p.enforce:
         nll = _enforce(nll)
     if mask is None:
         loss = jnp.mean(nll, dtype=dt)
     else:
         m = mask.astype(dt)
         loss = jnp.sum(nll * m, dtype=dt) / jnp.maximum(jnp.sum(m, dtype=dt), 1)
-    return _enforce(loss) if (enforce and dt != _FP32) else loss
+    return _enforce(loss) if (p.enforce and dt != _FP32) else loss
 
 
 def accuracy(logits: jax.Array, labels: jax.Array, mask: jax.Array | None = None) -> jax.Array:
@@ -140,35 +139,23 @@ def accuracy(logits: jax.Array, labels: jax.Array, mask: jax.Array | None = None
     return jnp.sum(hit * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
-def reduce_sum(
-    x: jax.Array,
-    axis: int | tuple[int, ...] | None = None,
-    *,
-    policy: Policy | None = None,
-    enforce: bool = True,
-) -> jax.Array:
+def _reduce(fn: Callable, x: jax.Array, axis: _Axes, policy: Policy | None) -> jax.Array:
+    p = _policy(policy)
+    y = fn(_in(x, p, "reduce"), axis=axis, dtype=p.op_dtype("reduce"))
+    return boundary(y, p)
+
+
+def reduce_sum(x: jax.Array, axis: _Axes = None, *, policy: Policy | None = None) -> jax.Array:
     """Sum accumulated in float32 if ``reduce`` is kept there; result in the compute dtype."""
-    p = _policy(policy)
-    y = jnp.sum(_in(x, p, "reduce"), axis=axis, dtype=p.op_dtype("reduce"))
-    return boundary(y, p, enforce=enforce)
+    return _reduce(jnp.sum, x, axis, policy)
 
 
-def reduce_mean(
-    x: jax.Array,
-    axis: int | tuple[int, ...] | None = None,
-    *,
-    policy: Policy | None = None,
-    enforce: bool = True,
-) -> jax.Array:
+def reduce_mean(x: jax.Array, axis: _Axes = None, *, policy: Policy | None = None) -> jax.Array:
     """Mean accumulated like :func:`reduce_sum`; result in the compute dtype."""
-    p = _policy(policy)
-    y = jnp.mean(_in(x, p, "reduce"), axis=axis, dtype=p.op_dtype("reduce"))
-    return boundary(y, p, enforce=enforce)
+    return _reduce(jnp.mean, x, axis, policy)
 
 
-def matmul(
-    a: jax.Array, b: jax.Array, *, policy: Policy | None = None, enforce: bool = True
-) -> jax.Array:
+def matmul(a: jax.Array, b: jax.Array, *, policy: Policy | None = None) -> jax.Array:
     """``a @ b`` of compute-dtype operands, rounded once to the compute dtype.
 
     With ``matmul_accumulate`` in the policy's float32 list the accumulator is float32;
@@ -179,7 +166,7 @@ def matmul(
     a = jnp.asarray(a).astype(p.compute_dtype)
     b = jnp.asarray(b).astype(p.compute_dtype)
     y = jnp.matmul(a, b, preferred_element_type=p.op_dtype("matmul_accumulate"))
-    return boundary(y, p, enforce=enforce)
+    return boundary(y, p)
 
 
 def dense(
@@ -188,26 +175,27 @@ def dense(
     b: jax.Array | None = None,
     *,
     policy: Policy | None = None,
-    enforce: bool = True,
 ) -> jax.Array:
     """``x @ w + b`` in the compute dtype (see :func:`matmul`), rounded at the boundary."""
     p = _policy(policy)
-    y = matmul(x, w, policy=p, enforce=enforce)
-    if b is not None:
-        y = boundary(y + jnp.asarray(b).astype(p.compute_dtype), p, enforce=enforce)
-    return y
+    return _add_bias(matmul(x, w, policy=p), b, p)
 
 
-def gelu(x: jax.Array, *, policy: Policy | None = None, enforce: bool = True) -> jax.Array:
+def _add_bias(y: jax.Array, b: jax.Array | None, p: Policy) -> jax.Array:
+    """``y + b`` in the compute dtype, rounded at the boundary (``y`` when ``b`` is None)."""
+    return y if b is None else boundary(y + jnp.asarray(b).astype(p.compute_dtype), p)
+
+
+def gelu(x: jax.Array, *, policy: Policy | None = None) -> jax.Array:
     """tanh-approximated GELU in the compute dtype, rounded at the boundary."""
     p = _policy(policy)
-    return boundary(jax.nn.gelu(jnp.asarray(x).astype(p.compute_dtype)), p, enforce=enforce)
+    return boundary(jax.nn.gelu(jnp.asarray(x).astype(p.compute_dtype)), p)
 
 
-def relu(x: jax.Array, *, policy: Policy | None = None, enforce: bool = True) -> jax.Array:
+def relu(x: jax.Array, *, policy: Policy | None = None) -> jax.Array:
     """ReLU in the compute dtype."""
     p = _policy(policy)
-    return boundary(jax.nn.relu(jnp.asarray(x).astype(p.compute_dtype)), p, enforce=enforce)
+    return boundary(jax.nn.relu(jnp.asarray(x).astype(p.compute_dtype)), p)
 
 
 def conv2d(
@@ -217,7 +205,6 @@ def conv2d(
     *,
     padding: str = "SAME",
     policy: Policy | None = None,
-    enforce: bool = True,
 ) -> jax.Array:
     """2-D convolution, stride 1: ``x`` [B, H, W, C_in] (NHWC), ``w`` [kh, kw, C_in, C_out]
     (HWIO), ``b`` [C_out]; ``padding`` "SAME" or "VALID". Operands in the compute dtype,
@@ -236,7 +223,4 @@ def conv2d(
         dimension_numbers=("NHWC", "HWIO", "NHWC"),
         preferred_element_type=p.op_dtype("matmul_accumulate"),
     )
-    y = boundary(y, p, enforce=enforce)
-    if b is not None:
-        y = boundary(y + jnp.asarray(b).astype(p.compute_dtype), p, enforce=enforce)
-    return y
+    return _add_bias(boundary(y, p), b, p)

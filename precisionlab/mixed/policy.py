@@ -2,8 +2,9 @@
 
 A :class:`Policy` is parsed from jmp's syntax (``"params=float32,compute=bfloat16,output=float32"``
 or ``"p=f32,c=bf16,o=f32"``; a bare dtype name sets all three). It also names the numerically
-sensitive ops that stay in float32 whatever the compute dtype (``Policy.fp32_ops``); the helpers in
-:mod:`precisionlab.mixed.ops` honour that list.
+sensitive ops that stay in float32 whatever the compute dtype (``Policy.fp32_ops``) and whether
+each op's result is rounded to the compute dtype at its boundary (``Policy.enforce``); the helpers
+in :mod:`precisionlab.mixed.ops` honour both.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ DTYPE_NAMES: dict[str, tuple[str, ...]] = {
     for name in POLICY_DTYPES
 }
 _F32 = np.dtype("float32")
+_ENFORCE_VALUES = {"true": True, "false": False}
 _ALIAS = {alias: name for name, aliases in DTYPE_NAMES.items() for alias in aliases}
 
 
@@ -126,6 +128,10 @@ class Policy:
       output_dtype: dtype of the model's outputs (e.g. logits handed to the loss).
       fp32_ops: names of ops computed in float32 whatever ``compute_dtype`` is; a subset of
         :data:`FP32_OPS`. Their results are cast back to ``compute_dtype``.
+      enforce: whether the ops of :mod:`precisionlab.mixed.ops` round each result to
+        ``compute_dtype`` at the op boundary (:func:`precisionlab.mixed.numerics.enforce`), so a
+        CPU run rounds and overflows where a GPU computing in that dtype would. ``False`` leaves
+        the rounding to XLA, which may keep intermediates wider. No effect in float32.
 
     Hashable, so it can be a static argument of ``jax.jit``.
     """
@@ -134,8 +140,12 @@ class Policy:
     compute_dtype: np.dtype = _F32
     output_dtype: np.dtype = _F32
     fp32_ops: frozenset[str] = DEFAULT_FP32_OPS
+    enforce: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.enforce, (bool, np.bool_)):
+            raise TypeError(f"Policy.enforce must be a bool, got {self.enforce!r}")
+        object.__setattr__(self, "enforce", bool(self.enforce))
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
             object.__setattr__(self, field, parse_dtype(getattr(self, field)))
         ops = frozenset(self.fp32_ops)
@@ -174,8 +184,8 @@ class Policy:
         return self.compute_dtype
 
     def to_jmp(self) -> Any:
-        """The equivalent ``jmp.Policy`` (needs jmp installed; the float32 ops have no jmp
-        counterpart and are dropped)."""
+        """The equivalent ``jmp.Policy`` (needs jmp installed; the float32 ops and ``enforce``
+        have no jmp counterpart and are dropped)."""
         try:
             import jmp
         except ImportError as err:  # optional dependency
@@ -187,10 +197,17 @@ class Policy:
         )
 
     def with_fp32_ops(self, ops: Iterable[str]) -> Policy:
+        """This policy with ``fp32_ops`` replaced by ``ops``."""
         return dataclasses.replace(self, fp32_ops=frozenset(ops))
 
     def with_output_dtype(self, dtype: Any) -> Policy:
+        """This policy with ``output_dtype`` replaced by ``dtype``."""
         return dataclasses.replace(self, output_dtype=parse_dtype(dtype))
+
+    def with_enforce(self, enforce: bool) -> Policy:
+        """This policy with ``enforce`` set: ``policy.with_enforce(False)`` leaves the
+        rounding at op boundaries to XLA (as ``dataclasses.replace(policy, enforce=False)``)."""
+        return dataclasses.replace(self, enforce=enforce)
 
     @property
     def is_mixed(self) -> bool:
@@ -200,7 +217,7 @@ class Policy:
     def __str__(self) -> str:
         """The policy string, parsed back to an equal Policy by :func:`get_policy` (the float32
         ops are written only when they differ from the default: ``fp32=softmax+reduce`` or
-        ``fp32=none``)."""
+        ``fp32=none``; ``enforce=false`` only when ``enforce`` is off)."""
         short = {
             "float32": "f32",
             "bfloat16": "bf16",
@@ -216,6 +233,8 @@ class Policy:
         if self.fp32_ops != DEFAULT_FP32_OPS:
             ops = [op for op in FP32_OPS if op in self.fp32_ops]
             text += f",fp32={'+'.join(ops) or 'none'}"
+        if not self.enforce:
+            text += ",enforce=false"
         return text
 
 
@@ -231,7 +250,8 @@ def get_policy(spec: Any, *, fp32_ops: Iterable[str] | None = None) -> Policy:
     (params float32; output follows compute) or a bare dtype (``"bf16"``: all three). As in jmp,
     compute defaults to the param dtype and output to the compute dtype. A part
     ``fp32=softmax+reduce`` (or ``fp32=none``) sets the ops kept in float32, as ``str(policy)``
-    writes them.
+    writes them; a part ``enforce=false`` (or ``enforce=true``, the default) sets
+    ``Policy.enforce``.
 
     Args:
       spec: the policy string; a Policy (returned, with ``fp32_ops`` replaced if given); a jmp
@@ -277,6 +297,7 @@ def get_policy(spec: Any, *, fp32_ops: Iterable[str] | None = None) -> Policy:
         "output": "output",
     }
     found: dict[str, np.dtype] = {}
+    enforce: bool | None = None
     for part in text.split(","):
         part = part.strip()
         if part.count("=") != 1:
@@ -288,8 +309,15 @@ def get_policy(spec: Any, *, fp32_ops: Iterable[str] | None = None) -> Policy:
             named = [] if value.lower() == "none" else value.split("+")
             fp32_ops = ops = frozenset(op.strip() for op in named)
             continue
+        if key.lower() == "enforce":
+            if enforce is not None:
+                raise ValueError(f"policy key {key!r} given twice in {spec!r}")
+            enforce = _ENFORCE_VALUES.get(value.lower())
+            if enforce is None:
+                raise ValueError(f"bad enforce value {value!r} in {spec!r}; allowed: true, false")
+            continue
         if key.lower() not in keys:
-            allowed = ", ".join([*keys, "fp32"])
+            allowed = ", ".join([*keys, "fp32", "enforce"])
             raise ValueError(f"unknown policy key {key!r} in {spec!r}; allowed: {allowed}")
         name = keys[key.lower()]
         if name in found:
@@ -298,4 +326,10 @@ def get_policy(spec: Any, *, fp32_ops: Iterable[str] | None = None) -> Policy:
     param = found.get("param", np.dtype("float32"))
     compute = found.get("compute", param)
     output = found.get("output", compute)
-    return Policy(param_dtype=param, compute_dtype=compute, output_dtype=output, fp32_ops=ops)
+    return Policy(
+        param_dtype=param,
+        compute_dtype=compute,
+        output_dtype=output,
+        fp32_ops=ops,
+        enforce=True if enforce is None else enforce,
+    )

@@ -202,7 +202,7 @@ def build(config: TrainConfig) -> TrainSetup:
         optimizer=factory(values),  # type: ignore[arg-type]  # floats where traced scalars go
         schedule=make_schedule(config.lr, config.schedule, **sched),
         params=model.init(jax.random.PRNGKey(config.seed)),
-        loss_fn=model.loss_fn(precision.policy, enforce=config.enforce_numerics),
+        loss_fn=model.loss_fn(precision.policy),
         # The eval set is the same for every seed, so variants of an experiment are comparable.
         eval_batches=data.eval_batches(config.eval_batches, config.batch_size, seed=0),
         options=options,
@@ -217,8 +217,7 @@ def _loop_args(setup: TrainSetup, **extras: Any) -> dict[str, Any]:
     """The arguments of :func:`train_loop` (and :func:`compile_programs`) a setup gives, with
     ``extras`` (fields of :class:`LoopExtras`) added."""
     config, policy, model = setup.config, setup.policy, setup.model
-    enforce = config.enforce_numerics
-    shadow = model.loss_fn(Policy(), enforce=False) if config.shadow else None
+    shadow = model.loss_fn(Policy(enforce=False)) if config.shadow else None
     return dict(
         loss_fn=setup.loss_fn,
         params=setup.params,
@@ -227,7 +226,7 @@ def _loop_args(setup: TrainSetup, **extras: Any) -> dict[str, Any]:
         options=setup.options,
         loop=setup.loop,
         extras=LoopExtras(
-            probe_loss_fn=model.loss_fn(policy, capture=True, enforce=enforce),
+            probe_loss_fn=model.loss_fn(policy, capture=True),
             shadow_loss_fn=shadow,
             values=setup.values,
             program_key=setup.program_key,

@@ -188,7 +188,8 @@ TRAIN_FIELDS = with_docs(
         "update_rounding": "how updates are applied to params stored below float32 "
         "(``UPDATE_ROUNDINGS``)",
         "enforce_numerics": "force the compute dtype's rounding and overflow at op boundaries "
-        "(``lax.reduce_precision``), so CPU runs round where a GPU would",
+        "(``lax.reduce_precision``), so CPU runs round where a GPU would (the policy's "
+        "``Policy.enforce``)",
         "recipe": "a low-precision recipe for every matmul and convolution (off when absent): a "
         'name ("mxfp8", ``precisionlab.recipes.RECIPE_NAMES``) or a table with ``name``, the '
         "recipe's fields, ``include``/``exclude`` (positions, names, parameter paths, globs or "
@@ -244,7 +245,8 @@ _TYPES_ONLY: dict[str, Field] = {
 class Precision:
     """The precision objects a TrainConfig names, parsed once (when the config is made).
 
-    policy: the Policy (with ``fp32_ops``). loss_scale: the initial LossScale (a pytree).
+    policy: the Policy (with ``fp32_ops``; ``enforce`` from ``enforce_numerics``).
+    loss_scale: the initial LossScale (a pytree).
     storage: dtypes of the stored params / grads / optimizer state and the update rounding.
     allreduce_dtype: dtype of the data-parallel gradient all-reduce (float32 by default).
     recipe: the low-precision matmul recipe (None: the policy's matmuls).
@@ -392,6 +394,12 @@ class TrainConfig:
             if getattr(self, key) is not None:
                 parse(key, parse_dtype, getattr(self, key))
         policy = parse("policy", get_policy, self.policy, fp32_ops=self.fp32_ops)
+        if "enforce" in self.policy.lower():  # one key says it: the config's, not the string's
+            raise ConfigError(
+                f"policy: {self.policy!r} sets enforce; in a config say enforce_numerics = "
+                f"{str(policy.enforce).lower()} instead"
+            )
+        policy = policy.with_enforce(self.enforce_numerics)
         key = "loss_scale_kwargs" if self.loss_scale_kwargs else "loss_scale"
         loss_scale = parse(key, parse_loss_scale, self.loss_scale, **self.loss_scale_kwargs)
         storage = parse(

@@ -13,7 +13,7 @@ from precisionlab.diagnose._capture import Capture
 from precisionlab.mixed import NoLossScale, get_policy
 
 
-def _loss_fn(policy, capture=True, enforce=False):
+def _loss_fn(policy, capture=True):
     def loss(p, batch):
         x = batch["x"]
         with jax.named_scope("layer0"):
@@ -30,7 +30,7 @@ def _setup():
     model = SimpleNamespace(remat=False, layer_names=lambda: ["layer0", "layer1"])
     model.loss_fn = _loss_fn
     return SimpleNamespace(
-        config=SimpleNamespace(loss_weight=1.0, enforce_numerics=False),
+        config=SimpleNamespace(loss_weight=1.0),
         policy=get_policy("float32"),
         model=model,
         options=SimpleNamespace(fp32_params=(), recipe=None),

@@ -81,7 +81,7 @@ def layer_names(name: str, model_kwargs: dict[str, Any] | None = None) -> tuple[
     """The layer names of model ``name`` with ``model_kwargs`` (only ``depth`` matters; the
     data's sizes need not be known)."""
     cls = registry.lookup(_BUILDERS, name, "model")
-    fields = {f.name: f.default for f in dataclasses.fields(cls)}
+    fields = {f.name: f.default for f in dataclasses.fields(cls)}  # type: ignore[arg-type]  # the registered models are dataclasses
     depth = (model_kwargs or {}).get("depth", fields["depth"])
     _check_int("depth", depth, 1, MAX_DEPTH)
     prefix, last = {"mlp": ("layer", "out"), "transformer": ("block", "unembed")}.get(

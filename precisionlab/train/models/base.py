@@ -18,12 +18,12 @@ from precisionlab.train.layers import (
     per_layer_options,
     stack_layers,
 )
+from precisionlab.train.models._activation import check_activation, fp32_compute
 
-__all__ = ["MAX_DEPTH", "MODELS", "Model"]
+__all__ = ["MAX_DEPTH", "MODELS", "Classifier", "Model"]
 
 #: The built-in models :func:`make_model` builds.
 MODELS: tuple[str, ...] = ("mlp", "transformer", "conv")
-_ACTIVATIONS = ("relu", "gelu", "tanh")
 
 
 #: Most layers a built-in model has (as ``precisionlab.memory``'s presets): beyond it the layer
@@ -50,11 +50,6 @@ def _check_pos(name: str, value: Any) -> None:
         )
 
 
-def _fp32(pol: Policy) -> Policy:
-    """``pol`` with a float32 compute dtype (a layer kept in high precision)."""
-    return dataclasses.replace(pol, compute_dtype=np.dtype(np.float32))
-
-
 def _check_layers(model: Model, names: Any) -> tuple[str, ...]:
     if isinstance(names, str) or not all(isinstance(n, str) for n in names):
         raise ValueError(f"high_precision must be a tuple of layer names, got {names!r}")
@@ -66,20 +61,6 @@ def _check_layers(model: Model, names: Any) -> tuple[str, ...]:
             f"{model.name!r}; layers: {', '.join(allowed)}"
         )
     return tuple(names)
-
-
-def _check_scales(model: Model, *extra: str) -> None:
-    """The positive scales every model has (``init_scale``, ``act_scale``) and ``extra``."""
-    for n in ("init_scale", "act_scale", *extra):
-        _check_pos(n, getattr(model, n))
-
-
-def _check_layout(model: Model, n_stacked: int | None) -> None:
-    """``high_precision`` (normalized to a tuple of layer names) and, unless ``n_stacked`` is
-    None (a model without ``scan_layers``), the scan options over ``n_stacked`` layers."""
-    object.__setattr__(model, "high_precision", _check_layers(model, model.high_precision))
-    if n_stacked is not None:
-        _check_scan(model, n_stacked)
 
 
 def _check_scan(model: Any, n_stacked: int) -> None:
@@ -126,28 +107,32 @@ class _Gen:
     def split(self, n: int) -> list[_Gen]:
         return [_Gen(child, self.shapes_only) for child in self.seq.spawn(n)]
 
-
-def _normal(gen: _Gen, shape: tuple[int, ...], std: float) -> Any:
-    if gen.shapes_only:
-        return jax.ShapeDtypeStruct(shape, jnp.float32)
-    draw = np.random.default_rng(gen.seq).standard_normal(shape, dtype=np.float32)
-    return jnp.asarray(draw * np.float32(std), jnp.float32)
+    def normal(self, shape: tuple[int, ...], std: float) -> Any:
+        """float32 normal draws of standard deviation ``std`` (a ShapeDtypeStruct when
+        ``shapes_only``)."""
+        if self.shapes_only:
+            return jax.ShapeDtypeStruct(shape, jnp.float32)
+        draw = np.random.default_rng(self.seq).standard_normal(shape, dtype=np.float32)
+        return jnp.asarray(draw * np.float32(std), jnp.float32)
 
 
 class Model:
     """Interface of the built-in models.
 
     ``init(key) -> params`` (float32 pytree); ``apply(params, inputs, policy=None, *,
-    capture=False, enforce=True)`` -> logits in the policy's output dtype (and with ``capture`` a
-    dict name -> activation in the compute dtype); ``loss_fn(policy=None, *, capture=False,
-    enforce=True)`` -> ``loss_fn(params, batch) -> (loss, aux)`` with aux ``{"metric": accuracy}``
-    (+ ``"activations"`` with capture); ``activation_shapes(batch_size, policy=None)``.
+    capture=False)`` -> logits in the policy's output dtype (and with ``capture`` a dict name ->
+    activation in the compute dtype); ``loss_fn(policy=None, *, capture=False)`` ->
+    ``loss_fn(params, batch) -> (loss, aux)`` with aux ``{"metric": accuracy}`` (+
+    ``"activations"`` with capture); ``activation_shapes(batch_size, policy=None)``. The ops round
+    at their boundaries when ``policy.enforce`` (``policy.with_enforce(False)`` turns it off).
     """
 
     name: str = ""
     #: The kind of dataset the model reads (``Dataset.kind``): "classification" or "lm".
     data_kind: ClassVar[str] = ""
     remat: bool = False
+    #: Layers computed in float32 (each model's field; checked by ``_check_layout``).
+    high_precision: tuple[str, ...] = ()
 
     def init(self, key: jax.Array) -> Any:
         """Float32 params, a deterministic function of ``key`` (drawn on the host with numpy,
@@ -170,35 +155,63 @@ class Model:
         """The ``jax.tree_util.keystr`` prefix of layer ``name``'s params (``"['hidden'][3]"``)."""
         raise NotImplementedError
 
+    def _check_sizes(self, *names: str) -> None:
+        """The checks every built-in model starts with: the fields ``names`` ints >= 1,
+        ``num_classes`` (a classifier's) >= 2 and ``depth`` in 1..:data:`MAX_DEPTH`."""
+        for n in names:
+            _check_int(n, getattr(self, n), 1)
+        if hasattr(self, "num_classes"):
+            _check_int("num_classes", self.num_classes, 2)
+        _check_int("depth", getattr(self, "depth", None), 1, MAX_DEPTH)
+
+    def _check_scales(self, *extra: str) -> None:
+        """The positive scales every model has (``init_scale``, ``act_scale``) and ``extra``."""
+        for n in ("init_scale", "act_scale", *extra):
+            _check_pos(n, getattr(self, n))
+
+    def _check_layout(self, n_stacked: int | None) -> None:
+        """``high_precision`` (normalized to a tuple of layer names) and, unless ``n_stacked``
+        is None (a model without ``scan_layers``), the scan options over ``n_stacked``
+        layers."""
+        object.__setattr__(self, "high_precision", _check_layers(self, self.high_precision))
+        if n_stacked is not None:
+            _check_scan(self, n_stacked)
+
     def _layer_policy(self, name: str, pol: Policy) -> Policy:
-        hp = getattr(self, "high_precision", ())
-        return _fp32(pol) if name in hp else pol
+        return fp32_compute(pol) if name in self.high_precision else pol
 
     def apply(
-        self,
-        params: Any,
-        inputs: jax.Array,
-        policy: Policy | None = None,
-        *,
-        capture: bool = False,
-        enforce: bool = True,
+        self, params: Any, inputs: jax.Array, policy: Policy | None = None, *, capture: bool = False
     ) -> Any:
+        """Logits in the policy's output dtype; with ``capture`` ``(logits, acts)``, ``acts`` a
+        dict name -> activation in the compute dtype, ending with ``"logits"``."""
+        pol = policy or Policy()
+        logits, acts = self._forward(params, inputs, pol, capture)
+        acts["logits"] = logits
+        out = pol.cast_to_output(logits)
+        return (out, acts) if capture else out
+
+    def _forward(
+        self, params: Any, inputs: jax.Array, pol: Policy, capture: bool
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The logits in the compute dtype and the activations (those only ``capture`` asks
+        for may be left out when it is False)."""
         raise NotImplementedError
 
     def _inputs_labels(self, batch: dict[str, Any]) -> tuple[jax.Array, jax.Array]:
         raise NotImplementedError
 
     def loss_fn(
-        self, policy: Policy | str | None = None, *, capture: bool = False, enforce: bool = True
+        self, policy: Policy | str | None = None, *, capture: bool = False
     ) -> Callable[[Any, dict[str, Any]], tuple[jax.Array, dict[str, Any]]]:
         """``loss_fn(params, batch) -> (loss, aux)``; params may already be in compute dtype."""
         pol = get_policy(policy) if policy is not None else Policy()
 
         def loss_fn(params: Any, batch: dict[str, Any]) -> tuple[jax.Array, dict[str, Any]]:
             inputs, labels = self._inputs_labels(batch)
-            out = self.apply(params, inputs, pol, capture=capture, enforce=enforce)
+            out = self.apply(params, inputs, pol, capture=capture)
             logits, acts = out if capture else (out, None)
-            loss = ops.cross_entropy(logits, labels, policy=pol, enforce=enforce)
+            loss = ops.cross_entropy(logits, labels, policy=pol)
             aux: dict[str, Any] = {"metric": ops.accuracy(logits, labels)}
             if capture:
                 aux["activations"] = acts
@@ -227,3 +240,35 @@ class Model:
     @staticmethod
     def param_count(params: Any) -> int:
         return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(params)))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Classifier(Model):
+    """The options and data interface the classifiers of flat inputs share (``mlp``,
+    ``conv``): ``x f32[B, in_dim]`` -> logits [B, num_classes]; ``width`` and ``depth`` of the
+    hidden layers, their ``activation``, the scales of the initial weights and activations."""
+
+    in_dim: int = 32
+    num_classes: int = 10
+    width: int = 256
+    depth: int = 2
+    activation: str = "relu"
+    init_scale: float = 1.0
+    act_scale: float = 1.0
+
+    data_kind = "classification"
+
+    def _check_options(self, *extra_scales: str) -> None:
+        """The sizes, the positive scales (and ``extra_scales``) and the activation."""
+        self._check_sizes("in_dim", "width")
+        self._check_scales(*extra_scales)
+        check_activation(self.activation)
+
+    def _inputs_labels(self, batch: dict[str, Any]) -> tuple[jax.Array, jax.Array]:
+        return batch["x"], batch["y"]
+
+    def example_batch(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
+        return {
+            "x": jax.ShapeDtypeStruct((batch_size, self.in_dim), jnp.float32),
+            "y": jax.ShapeDtypeStruct((batch_size,), jnp.int32),
+        }

@@ -16,22 +16,18 @@ module does not import the model base class.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from precisionlab.mixed import ops
 from precisionlab.mixed.policy import Policy
+from precisionlab.train.models._activation import activate, fp32_compute
 
-__all__ = ["ACTIVATIONS", "apply", "check", "image_side", "init_params"]
-
-ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "tanh")
+__all__ = ["forward", "image_side", "init_params"]
 
 
 def image_side(in_dim: int) -> int:
@@ -45,15 +41,6 @@ def image_side(in_dim: int) -> int:
     return side
 
 
-def check(cfg: Any) -> None:
-    """ValueError for a bad ``activation`` or non-square ``in_dim`` (ints checked by the caller)."""
-    if cfg.activation not in ACTIVATIONS:
-        raise ValueError(
-            f"unknown activation {cfg.activation!r}; allowed: {', '.join(ACTIVATIONS)}"
-        )
-    image_side(cfg.in_dim)
-
-
 def _layout(cfg: Any) -> tuple[list[tuple[int, int, bool]], int]:
     """Per block ``(c_in, c_out, pool)`` and the flattened size fed to the output layer."""
     side, c_in, blocks = image_side(cfg.in_dim), 1, []
@@ -65,8 +52,8 @@ def _layout(cfg: Any) -> tuple[list[tuple[int, int, bool]], int]:
     return blocks, side * side * c_in
 
 
-def init_params(cfg: Any, keys: list[Any], normal: Callable[..., Any]) -> dict[str, Any]:
-    """Float32 params from ``depth + 1`` generator ``keys`` and ``normal(key, shape, std)``.
+def init_params(cfg: Any, keys: list[Any]) -> dict[str, Any]:
+    """Float32 params from ``depth + 1`` generators ``keys`` (each with ``normal(shape, std)``).
 
     Kernels [3, 3, c_in, c_out] with std ``init_scale * gain / sqrt(9 c_in)`` (gain sqrt 2 for
     relu, He), zero biases; output [flat, num_classes] with std ``init_scale / sqrt(flat)``."""
@@ -74,54 +61,35 @@ def init_params(cfg: Any, keys: list[Any], normal: Callable[..., Any]) -> dict[s
     gain = math.sqrt(2.0) if cfg.activation == "relu" else 1.0
     convs = [
         {
-            "w": normal(keys[i], (3, 3, ci, co), cfg.init_scale * gain / math.sqrt(9 * ci)),
+            "w": keys[i].normal((3, 3, ci, co), cfg.init_scale * gain / math.sqrt(9 * ci)),
             "b": jnp.zeros((co,), jnp.float32),
         }
         for i, (ci, co, _) in enumerate(blocks)
     ]
     out = {
-        "w": normal(keys[-1], (flat, cfg.num_classes), cfg.init_scale / math.sqrt(flat)),
+        "w": keys[-1].normal((flat, cfg.num_classes), cfg.init_scale / math.sqrt(flat)),
         "b": jnp.zeros((cfg.num_classes,), jnp.float32),
     }
     return {"convs": convs, "out": out}
 
 
-def _fp32(pol: Policy) -> Policy:
-    return dataclasses.replace(pol, compute_dtype=np.dtype(np.float32))
-
-
-def _act(cfg: Any, z: jax.Array, pol: Policy, enforce: bool) -> jax.Array:
-    if cfg.activation == "relu":
-        return ops.relu(z, policy=pol, enforce=enforce)
-    if cfg.activation == "gelu":
-        return ops.gelu(z, policy=pol, enforce=enforce)
-    return ops.boundary(jnp.tanh(z), pol, enforce=enforce)
-
-
-def apply(
-    cfg: Any,
-    params: dict[str, Any],
-    inputs: jax.Array,
-    policy: Policy | None = None,
-    *,
-    capture: bool = False,
-    enforce: bool = True,
-) -> Any:
-    """Logits [B, num_classes] in the policy's output dtype (and, with ``capture``, a dict of
-    per-block activations in the compute dtype: ``conv{i}/pre``, ``conv{i}/out``, ``logits``)."""
-    pol = policy or Policy()
+def forward(
+    cfg: Any, params: dict[str, Any], inputs: jax.Array, pol: Policy
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Logits [B, num_classes] in the compute dtype and a dict of per-block activations in the
+    compute dtype: ``conv{i}/pre``, ``conv{i}/out``."""
     blocks, _ = _layout(cfg)
     side = image_side(cfg.in_dim)
     acts: dict[str, jax.Array] = {}
-    h = ops.boundary(inputs, pol, enforce=enforce).reshape(-1, side, side, 1)
+    h = ops.boundary(inputs, pol).reshape(-1, side, side, 1)
 
     def block(
         layer: Any, h: jax.Array, pool: bool, pol: Policy = pol
     ) -> tuple[jax.Array, jax.Array]:
-        z = ops.conv2d(h, layer["w"], layer["b"], policy=pol, enforce=enforce)
+        z = ops.conv2d(h, layer["w"], layer["b"], policy=pol)
         if cfg.act_scale != 1.0:
-            z = ops.boundary(z * jnp.asarray(cfg.act_scale, z.dtype), pol, enforce=enforce)
-        a = _act(cfg, z, pol, enforce)
+            z = ops.boundary(z * jnp.asarray(cfg.act_scale, z.dtype), pol)
+        a = activate(cfg.activation, z, pol)
         if pool:  # 2x2 max pool: selects an element, exact in any dtype
             b_, s, _, c = a.shape
             a = a.reshape(b_, s // 2, 2, s // 2, 2, c).max(axis=(2, 4))
@@ -130,7 +98,7 @@ def apply(
     hp = getattr(cfg, "high_precision", ())
     for i, (layer, (_, _, pool)) in enumerate(zip(params["convs"], blocks, strict=True)):
         # a layer kept in high precision computes in float32 (models.Model.layer_names)
-        fn = partial(block, pol=_fp32(pol) if f"conv{i}" in hp else pol)
+        fn = partial(block, pol=fp32_compute(pol) if f"conv{i}" in hp else pol)
         run = jax.checkpoint(fn, static_argnums=2) if cfg.remat else fn
         with jax.named_scope(f"conv{i}"):
             z, h = run(layer, h, pool)
@@ -138,8 +106,6 @@ def apply(
         acts[f"conv{i}/out"] = h
     h = h.reshape(h.shape[0], -1)
     with jax.named_scope("out"):
-        lp = _fp32(pol) if "out" in hp else pol
-        logits = ops.dense(h, params["out"]["w"], params["out"]["b"], policy=lp, enforce=enforce)
-    acts["logits"] = logits
-    logits = pol.cast_to_output(logits)
-    return (logits, acts) if capture else logits
+        lp = fp32_compute(pol) if "out" in hp else pol
+        logits = ops.dense(h, params["out"]["w"], params["out"]["b"], policy=lp)
+    return logits, acts

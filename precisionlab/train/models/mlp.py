@@ -15,32 +15,16 @@ from precisionlab.mixed import ops
 from precisionlab.mixed.policy import Policy
 from precisionlab.quant import MX_FORMATS, fake_quant, get_mx_format
 from precisionlab.train.layers import scan_layers, unstack_layers
-from precisionlab.train.models.base import (
-    _ACTIVATIONS,
-    MAX_DEPTH,
-    Model,
-    _check_int,
-    _check_layout,
-    _check_scales,
-    _Gen,
-    _normal,
-    _stack_init,
-)
+from precisionlab.train.models._activation import activate
+from precisionlab.train.models.base import Classifier, _Gen, _stack_init
 
 __all__ = ["MLP"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MLP(Model):
+class MLP(Classifier):
     """MLP classifier (see module docstring)."""
 
-    in_dim: int = 32
-    num_classes: int = 10
-    width: int = 256
-    depth: int = 2
-    activation: str = "relu"
-    init_scale: float = 1.0
-    act_scale: float = 1.0
     use_layernorm: bool = False
     remat: bool = False
     high_precision: tuple[str, ...] = ()
@@ -52,18 +36,9 @@ class MLP(Model):
     norm_format: str | None = None
 
     name = "mlp"
-    data_kind = "classification"
 
     def __post_init__(self) -> None:
-        for n in ("in_dim", "width"):
-            _check_int(n, getattr(self, n), 1)
-        _check_int("num_classes", self.num_classes, 2)
-        _check_int("depth", self.depth, 1, MAX_DEPTH)
-        _check_scales(self, "overflow_scale")
-        if self.activation not in _ACTIVATIONS:
-            raise ValueError(
-                f"unknown activation {self.activation!r}; allowed: {', '.join(_ACTIVATIONS)}"
-            )
+        self._check_options("overflow_scale")
         if (
             isinstance(self.overflow_layer, bool)  # true was silently layer 1
             or not isinstance(self.overflow_layer, int)
@@ -84,7 +59,7 @@ class MLP(Model):
                     f"needs use_layernorm = true and a width multiple of 32, got "
                     f"use_layernorm={self.use_layernorm}, width={self.width}"
                 )
-        _check_layout(self, self.depth - 1)  # layer 0 (in_dim -> width) is not stacked
+        self._check_layout(self.depth - 1)  # layer 0 (in_dim -> width) is not stacked
         if self.scan_layers and self.overflow_layer >= 1:
             raise ValueError(
                 f"overflow_layer {self.overflow_layer} is a stacked layer under scan_layers; "
@@ -104,8 +79,8 @@ class MLP(Model):
         fan_in = self.in_dim
         for i in range(self.depth):
             layer = {
-                "w": _normal(
-                    keys[i], (fan_in, self.width), self.init_scale * gain / math.sqrt(fan_in)
+                "w": keys[i].normal(
+                    (fan_in, self.width), self.init_scale * gain / math.sqrt(fan_in)
                 ),
                 "b": jnp.zeros((self.width,), jnp.float32),
             }
@@ -115,7 +90,7 @@ class MLP(Model):
             hidden.append(layer)
             fan_in = self.width
         out = {
-            "w": _normal(keys[-1], (fan_in, self.num_classes), self.init_scale / math.sqrt(fan_in)),
+            "w": keys[-1].normal((fan_in, self.num_classes), self.init_scale / math.sqrt(fan_in)),
             "b": jnp.zeros((self.num_classes,), jnp.float32),
         }
         params = {"hidden": hidden, "out": out}
@@ -137,25 +112,11 @@ class MLP(Model):
         out["hidden"] = list(params["hidden"]) + unstack_layers(params["hidden_stack"])
         return out
 
-    def _act(self, h: jax.Array, pol: Policy, enforce: bool) -> jax.Array:
-        if self.activation == "relu":
-            return ops.relu(h, policy=pol, enforce=enforce)
-        if self.activation == "gelu":
-            return ops.gelu(h, policy=pol, enforce=enforce)
-        return ops.boundary(jnp.tanh(h), pol, enforce=enforce)
-
-    def apply(
-        self,
-        params: Any,
-        inputs: jax.Array,
-        policy: Policy | None = None,
-        *,
-        capture: bool = False,
-        enforce: bool = True,
-    ) -> Any:
-        pol = policy or Policy()
+    def _forward(
+        self, params: Any, inputs: jax.Array, pol: Policy, capture: bool
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         acts: dict[str, jax.Array] = {}
-        h = ops.boundary(inputs, pol, enforce=enforce)
+        h = ops.boundary(inputs, pol)
 
         def block(
             layer: Any,
@@ -164,7 +125,7 @@ class MLP(Model):
             overflow: bool = False,
             quant_norm: bool = True,
         ) -> tuple[jax.Array, jax.Array]:
-            z = ops.dense(h, layer["w"], layer["b"], policy=pol, enforce=enforce)
+            z = ops.dense(h, layer["w"], layer["b"], policy=pol)
             if self.use_layernorm:
                 scale, bias = layer["ln_scale"], layer["ln_bias"]
                 if self.norm_format is not None and quant_norm:  # MX-quantized affine weights
@@ -174,15 +135,15 @@ class MLP(Model):
                                           ste="identity")  # fmt: skip
 
                     scale, bias = q(scale), q(bias)
-                z = ops.layer_norm(z, scale, bias, policy=pol, enforce=enforce)
+                z = ops.layer_norm(z, scale, bias, policy=pol)
             if self.act_scale != 1.0:
-                z = ops.boundary(z * jnp.asarray(self.act_scale, z.dtype), pol, enforce=enforce)
+                z = ops.boundary(z * jnp.asarray(self.act_scale, z.dtype), pol)
             if overflow:  # the diagnose test knob: z * S, then act(z * S) / S, in float32
                 s = jnp.float32(self.overflow_scale)  # each product rounded to the compute dtype
-                z = ops.boundary(z.astype(jnp.float32) * s, pol, enforce=enforce)
-                a = self._act(z, pol, enforce).astype(jnp.float32) / s
-                return z, ops.boundary(a, pol, enforce=enforce)
-            return z, self._act(z, pol, enforce)
+                z = ops.boundary(z.astype(jnp.float32) * s, pol)
+                a = activate(self.activation, z, pol).astype(jnp.float32) / s
+                return z, ops.boundary(a, pol)
+            return z, activate(self.activation, z, pol)
 
         def record(i: int, z: jax.Array, h: jax.Array) -> None:
             acts[f"layer{i}/pre"] = z
@@ -224,18 +185,5 @@ class MLP(Model):
                 record(i, ys[0][i - 1], ys[1][i - 1])
         with jax.named_scope("out"):
             lp = self._layer_policy("out", pol)
-            logits = ops.dense(
-                h, params["out"]["w"], params["out"]["b"], policy=lp, enforce=enforce
-            )
-        acts["logits"] = logits
-        logits = pol.cast_to_output(logits)
-        return (logits, acts) if capture else logits
-
-    def _inputs_labels(self, batch: dict[str, Any]) -> tuple[jax.Array, jax.Array]:
-        return batch["x"], batch["y"]
-
-    def example_batch(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
-        return {
-            "x": jax.ShapeDtypeStruct((batch_size, self.in_dim), jnp.float32),
-            "y": jax.ShapeDtypeStruct((batch_size,), jnp.int32),
-        }
+            logits = ops.dense(h, params["out"]["w"], params["out"]["b"], policy=lp)
+        return logits, acts

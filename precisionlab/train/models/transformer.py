@@ -26,16 +26,7 @@ from precisionlab.mixed import ops
 from precisionlab.mixed.policy import Policy
 from precisionlab.quant import MX_FORMATS, fake_quant, get_mx_format
 from precisionlab.train.layers import scan_layers, unstack_layers
-from precisionlab.train.models.base import (
-    MAX_DEPTH,
-    Model,
-    _check_int,
-    _check_layout,
-    _check_scales,
-    _Gen,
-    _normal,
-    _stack_init,
-)
+from precisionlab.train.models.base import Model, _check_int, _Gen, _stack_init
 
 __all__ = ["Transformer"]
 
@@ -67,12 +58,10 @@ class Transformer(Model):
     data_kind = "lm"
 
     def __post_init__(self) -> None:
-        for n in ("vocab_size", "seq_len", "d_model", "heads", "mlp_ratio"):
-            _check_int(n, getattr(self, n), 1)
-        _check_int("depth", self.depth, 1, MAX_DEPTH)
+        self._check_sizes("vocab_size", "seq_len", "d_model", "heads", "mlp_ratio")
         if self.d_model % self.heads:
             raise ValueError(f"d_model {self.d_model} must be divisible by heads {self.heads}")
-        _check_scales(self, "outlier_scale")
+        self._check_scales("outlier_scale")
         _check_int("outlier_channels", self.outlier_channels, 0)
         if self.outlier_channels > self.d_model:
             raise ValueError(f"outlier_channels {self.outlier_channels} > d_model {self.d_model}")
@@ -88,7 +77,7 @@ class Transformer(Model):
                     f"norm_format quantizes blocks of 32 channels: d_model {self.d_model} "
                     "must be a multiple of 32"
                 )
-        _check_layout(self, self.depth)
+        self._check_layout(self.depth)
 
     def layer_names(self) -> tuple[str, ...]:
         return (*(f"block{i}" for i in range(self.depth)), "unembed")
@@ -96,13 +85,13 @@ class Transformer(Model):
     def layer_params(self, name: str) -> str:
         return "['unembed']" if name == "unembed" else f"['blocks'][{int(name[5:])}]"
 
-    def _outliers(self, h: jax.Array, pol: Policy, enforce: bool) -> jax.Array:
+    def _outliers(self, h: jax.Array, pol: Policy) -> jax.Array:
         # A few channels x outlier_scale in every token (LLM.int8(): systematic outlier features).
         if not self.outlier_channels:
             return h
         m = np.ones((self.d_model,), np.float32)
         m[: self.outlier_channels] = self.outlier_scale
-        return ops.boundary(h * jnp.asarray(m, h.dtype), pol, enforce=enforce)
+        return ops.boundary(h * jnp.asarray(m, h.dtype), pol)
 
     def _init(self, gen: _Gen) -> dict[str, Any]:
         d, f = self.d_model, self.d_model * self.mlp_ratio
@@ -114,28 +103,28 @@ class Transformer(Model):
             # Output projections scaled by 1/sqrt(2 * depth) (GPT-2) to keep the residual tame.
             out_std = s / math.sqrt(d) / math.sqrt(2 * self.depth)
             blk = {
-                "qkv": _normal(k[0], (d, 3 * d), s / math.sqrt(d)),
-                "proj": _normal(k[1], (d, d), out_std),
-                "fc1": _normal(k[2], (d, f), s / math.sqrt(d)),
+                "qkv": k[0].normal((d, 3 * d), s / math.sqrt(d)),
+                "proj": k[1].normal((d, d), out_std),
+                "fc1": k[2].normal((d, f), s / math.sqrt(d)),
                 "fc1_b": jnp.zeros((f,), jnp.float32),
-                "fc2": _normal(k[3], (f, d), s / math.sqrt(f) / math.sqrt(2 * self.depth)),
+                "fc2": k[3].normal((f, d), s / math.sqrt(f) / math.sqrt(2 * self.depth)),
                 "fc2_b": jnp.zeros((d,), jnp.float32),
             }
             if self.mlp == "swiglu":  # fc1's draw becomes the gate; the up projection's own
                 gate, up = k[2].split(2)
                 del blk["fc1"], blk["fc1_b"], blk["fc2_b"]
-                blk["w_gate"] = _normal(gate, (d, f), s / math.sqrt(d))
-                blk["w_up"] = _normal(up, (d, f), s / math.sqrt(d))
+                blk["w_gate"] = gate.normal((d, f), s / math.sqrt(d))
+                blk["w_up"] = up.normal((d, f), s / math.sqrt(d))
             if self.use_layernorm:
                 for n in ("ln1", "ln2"):
                     blk[f"{n}_scale"] = jnp.ones((d,), jnp.float32)
                     blk[f"{n}_bias"] = jnp.zeros((d,), jnp.float32)
             blocks.append(blk)
         params = {
-            "embed": _normal(keys[0], (self.vocab_size, d), s * 0.5),
-            "pos": _normal(keys[1], (self.seq_len, d), s * 0.1),
+            "embed": keys[0].normal((self.vocab_size, d), s * 0.5),
+            "pos": keys[1].normal((self.seq_len, d), s * 0.1),
             "blocks": _stack_init(blocks, "block") if self.scan_layers else blocks,
-            "unembed": _normal(keys[2], (d, self.vocab_size), s / math.sqrt(d)),
+            "unembed": keys[2].normal((d, self.vocab_size), s / math.sqrt(d)),
         }
         if self.use_layernorm:
             params["ln_f_scale"] = jnp.ones((d,), jnp.float32)
@@ -155,27 +144,18 @@ class Transformer(Model):
             return params
         return {**params, "blocks": unstack_layers(params["blocks"])}
 
-    def _norm(
-        self, x: jax.Array, p: Any, name: str, pol: Policy, enforce: bool, layer: str = ""
-    ) -> jax.Array:
+    def _norm(self, x: jax.Array, p: Any, name: str, pol: Policy, layer: str = "") -> jax.Array:
         if not self.use_layernorm:
             return x
         scale, bias = p[f"{name}_scale"], p[f"{name}_bias"]
         if self.norm_format is not None and layer not in self.high_precision:
             q = lambda v: fake_quant(v, self.norm_format, axis=-1, ste="identity")  # noqa: E731
             scale, bias = q(jnp.asarray(scale, jnp.float32)), q(jnp.asarray(bias, jnp.float32))
-        return ops.layer_norm(x, scale, bias, policy=pol, enforce=enforce)
+        return ops.layer_norm(x, scale, bias, policy=pol)
 
-    def apply(
-        self,
-        params: Any,
-        inputs: jax.Array,
-        policy: Policy | None = None,
-        *,
-        capture: bool = False,
-        enforce: bool = True,
-    ) -> Any:
-        pol = policy or Policy()
+    def _forward(
+        self, params: Any, inputs: jax.Array, pol: Policy, capture: bool
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         b, t = inputs.shape
         d, nh = self.d_model, self.heads
         dh = d // nh
@@ -183,7 +163,7 @@ class Transformer(Model):
         acts: dict[str, jax.Array] = {}
         emb = jnp.asarray(params["embed"]).astype(cd)
         x = emb[inputs] + jnp.asarray(params["pos"]).astype(cd)[:t]
-        x = ops.boundary(x, pol, enforce=enforce)
+        x = ops.boundary(x, pol)
         causal = jnp.tril(jnp.ones((t, t), bool))
 
         def block(
@@ -191,8 +171,8 @@ class Transformer(Model):
         ) -> tuple[jax.Array, dict[str, jax.Array]]:
             cd = pol.compute_dtype
             a = {}
-            h = self._outliers(self._norm(x, blk, "ln1", pol, enforce, layer), pol, enforce)
-            qkv = ops.matmul(h, blk["qkv"], policy=pol, enforce=enforce)
+            h = self._outliers(self._norm(x, blk, "ln1", pol, layer), pol)
+            qkv = ops.matmul(h, blk["qkv"], policy=pol)
             q, k, v = jnp.split(qkv.reshape(b, t, 3, nh, dh), 3, axis=2)
             q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # [B, T, H, Dh]
             scale = jnp.asarray(self.act_scale / math.sqrt(dh), cd)
@@ -205,9 +185,8 @@ class Transformer(Model):
                 ).astype(cd)
                 * scale,
                 pol,
-                enforce=enforce,
             )
-            probs = ops.softmax(logits_BHTT, axis=-1, policy=pol, where=causal, enforce=enforce)
+            probs = ops.softmax(logits_BHTT, axis=-1, policy=pol, where=causal)
             probs = jnp.where(causal, probs, jnp.zeros((), cd))
             att = ops.boundary(
                 jnp.einsum(
@@ -217,22 +196,19 @@ class Transformer(Model):
                     preferred_element_type=pol.op_dtype("matmul_accumulate"),
                 ),
                 pol,
-                enforce=enforce,
             ).reshape(b, t, d)
-            x = ops.boundary(
-                x + ops.matmul(att, blk["proj"], policy=pol, enforce=enforce), pol, enforce=enforce
-            )
-            h = self._outliers(self._norm(x, blk, "ln2", pol, enforce, layer), pol, enforce)
+            x = ops.boundary(x + ops.matmul(att, blk["proj"], policy=pol), pol)
+            h = self._outliers(self._norm(x, blk, "ln2", pol, layer), pol)
             if self.mlp == "swiglu":
-                gate = ops.matmul(h, blk["w_gate"], policy=pol, enforce=enforce)
-                up = ops.matmul(h, blk["w_up"], policy=pol, enforce=enforce)
-                u = ops.boundary(jax.nn.silu(gate) * up, pol, enforce=enforce)
-                out = ops.matmul(u, blk["fc2"], policy=pol, enforce=enforce)
+                gate = ops.matmul(h, blk["w_gate"], policy=pol)
+                up = ops.matmul(h, blk["w_up"], policy=pol)
+                u = ops.boundary(jax.nn.silu(gate) * up, pol)
+                out = ops.matmul(u, blk["fc2"], policy=pol)
             else:
-                u = ops.dense(h, blk["fc1"], blk["fc1_b"], policy=pol, enforce=enforce)
-                u = ops.gelu(u, policy=pol, enforce=enforce)
-                out = ops.dense(u, blk["fc2"], blk["fc2_b"], policy=pol, enforce=enforce)
-            x = ops.boundary(x + out, pol, enforce=enforce)
+                u = ops.dense(h, blk["fc1"], blk["fc1_b"], policy=pol)
+                u = ops.gelu(u, policy=pol)
+                out = ops.dense(u, blk["fc2"], blk["fc2_b"], policy=pol)
+            x = ops.boundary(x + out, pol)
             a["attn_logits"] = logits_BHTT
             a["mlp_hidden"] = u
             a["resid"] = x
@@ -265,13 +241,11 @@ class Transformer(Model):
                 for n, v in a.items():
                     acts[f"block{i}/{n}"] = v
         if self.use_layernorm:
-            x = self._norm(x, params, "ln_f", pol, enforce, "unembed")
+            x = self._norm(x, params, "ln_f", pol, "unembed")
         with jax.named_scope("unembed"):
             lp = self._layer_policy("unembed", pol)
-            logits = ops.matmul(x, params["unembed"], policy=lp, enforce=enforce)
-        acts["logits"] = logits
-        logits = pol.cast_to_output(logits)
-        return (logits, acts) if capture else logits
+            logits = ops.matmul(x, params["unembed"], policy=lp)
+        return logits, acts
 
     def _inputs_labels(self, batch: dict[str, Any]) -> tuple[jax.Array, jax.Array]:
         tokens = batch["tokens"]
