@@ -7,6 +7,8 @@ from typing import Any, Unpack
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import numpy.typing as npt
 
 from precisionlab.bits import decode, encode
 from precisionlab.formats import FORMATS
@@ -23,7 +25,9 @@ _E8M0 = FORMATS["float8_e8m0fnu"]
 
 
 def _stored_scales(sc: core.Scale, spec: QuantSpec) -> jax.Array:
+    stored: jax.Array | None
     if spec.pow2:
+        assert sc.e is not None  # power-of-two scales are exponents
         value = pow2.pow2(sc.e)
         if sc.bad is not None:
             value = jnp.where(sc.bad, jnp.float32(jnp.nan), value)
@@ -32,17 +36,21 @@ def _stored_scales(sc: core.Scale, spec: QuantSpec) -> jax.Array:
         stored = sc.s_codes
     else:
         stored = sc.s
+    assert stored is not None
     full = jnp.broadcast_to(stored, _group_shape(sc))
     return core.store_groups(full, spec)
 
 
 def _group_shape(sc: core.Scale) -> tuple[int, ...]:
     ref = sc.e if sc.e is not None else sc.s
+    assert ref is not None
     return ref.shape
 
 
 @partial(jax.jit, static_argnames=("spec", "packed"))
-def _quantize(x, key, *, spec: QuantSpec, packed: bool):
+def _quantize(
+    x: jax.Array, key: jax.Array | None, *, spec: QuantSpec, packed: bool
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     xg, sc = core.choose_scale(x, spec)
     y = core.apply_scale(xg, sc, spec)
     codes = core.from_groups(core.round_elements(y, sc, spec, key, codes=True), spec, x.shape)
@@ -128,7 +136,7 @@ def loaded_scale(q: QArray, spec: QuantSpec) -> core.Scale:
 
 
 @partial(jax.jit, static_argnames=("dtype",))
-def _dequantize(q: QArray, dtype):
+def _dequantize(q: QArray, dtype: np.dtype) -> jax.Array:
     spec = spec_of(q)
     codes = q.codes
     if q.packed:
@@ -142,7 +150,7 @@ def _dequantize(q: QArray, dtype):
     return out.astype(dtype)
 
 
-def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
+def dequantize(q: QArray, dtype: npt.DTypeLike = jnp.float32) -> jax.Array:
     """Values of a :class:`QArray` as ``dtype`` (float32 by default), shape ``q.shape``."""
     if not isinstance(q, QArray):
         raise TypeError(f"dequantize takes a QArray, got {type(q).__name__}")
