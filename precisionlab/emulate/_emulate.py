@@ -46,7 +46,7 @@ from precisionlab.emulate._simplify import Folds
 from precisionlab.intercept import Context, Intercepted, Site, boundary, compute_line, intercept
 from precisionlab.mixed.numerics import enforce
 from precisionlab.mixed.policy import Policy, get_policy
-from precisionlab.recipes import accumulate
+from precisionlab.recipes import accumulate, canonical_operand
 
 __all__ = ["Emulated", "emulate"]
 
@@ -116,18 +116,10 @@ def _computes_in(jaxpr, dtype: np.dtype) -> bool:
 def _narrow_dot(lhs, rhs, dimension_numbers, bits: int) -> jax.Array:
     """``dot_general`` of float32 operands with an m-bit accumulator (recipes.accumulate)."""
     (lc, rc), (lb, rb) = dimension_numbers
-    lfree = [d for d in range(lhs.ndim) if d not in (*lc, *lb)]
-    rfree = [d for d in range(rhs.ndim) if d not in (*rc, *rb)]
-    batch = [lhs.shape[d] for d in lb]
-    nb = int(np.prod(batch, dtype=np.int64))
-    m = int(np.prod([lhs.shape[d] for d in lfree], dtype=np.int64))
-    n = int(np.prod([rhs.shape[d] for d in rfree], dtype=np.int64))
-    k = int(np.prod([lhs.shape[d] for d in lc], dtype=np.int64))
-    a = jnp.transpose(lhs, (*lb, *lfree, *lc)).reshape(nb, m, k)
-    b = jnp.transpose(rhs, (*rb, *rfree, *rc)).reshape(nb, n, k)
+    a, lfree = canonical_operand(lhs, lc, lb)
+    b, rfree = canonical_operand(rhs, rc, rb)
     out = accumulate(a.astype(jnp.float32), b.astype(jnp.float32), bits)
-    shape = (*batch, *(lhs.shape[d] for d in lfree), *(rhs.shape[d] for d in rfree))
-    return out.reshape(shape)
+    return out.reshape((*(lhs.shape[d] for d in lb), *lfree, *rfree))
 
 
 def _reduce_rounded(x: jax.Array, axes: Sequence[int], dtype: np.dtype) -> jax.Array:

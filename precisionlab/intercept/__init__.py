@@ -31,7 +31,7 @@ from precisionlab.intercept._interpret import (
     SkippedOperationWarning,
     intercept,
 )
-from precisionlab.intercept._sites import Site, select
+from precisionlab.intercept._sites import Site, numbered, select
 
 __all__ = [
     "Aux",
@@ -46,5 +46,6 @@ __all__ = [
     "compute_line",
     "flops_by_dtype",
     "intercept",
+    "numbered",
     "select",
 ]

@@ -6,6 +6,7 @@
   4-bit training recipes' quantizers by name (:data:`FP4_QUANTIZERS`,
   :mod:`precisionlab.quant.fp4`).
 - :class:`QArray`: the quantized pytree (codes, scales, zero points, static metadata).
+- :class:`QuantOptions`: the options quantize and fake_quant take as keywords.
 - :func:`pack` / :func:`unpack`: two 4-bit codes per byte.
 
 Every element conversion goes through the codecs of :mod:`precisionlab.bits`.
@@ -17,7 +18,7 @@ from precisionlab.quant.mx import MX_BLOCK_SIZE, MX_FORMATS, SCALE_RULES, MXForm
 from precisionlab.quant.pack import pack, unpack
 from precisionlab.quant.qarray import SCALE_FORMATS, QArray
 from precisionlab.quant.quantize import dequantize, element_scales, quantize
-from precisionlab.quant.spec import SCALE_METHODS, SCHEMES
+from precisionlab.quant.spec import SCALE_METHODS, SCHEMES, QuantOptions
 
 __all__ = [
     "FP4_QUANTIZERS",
@@ -30,6 +31,7 @@ __all__ = [
     "STE_MODES",
     "MXFormat",
     "QArray",
+    "QuantOptions",
     "dequantize",
     "element_scales",
     "fake_quant",

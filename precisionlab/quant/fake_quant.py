@@ -4,14 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import lru_cache
-from typing import Any
+from typing import Any, Unpack
 
 import jax
 import jax.numpy as jnp
 
 from precisionlab.quant import core, fp4
-from precisionlab.quant.quantize import _check_key, _check_padding, check_input
-from precisionlab.quant.spec import QuantSpec, resolve
+from precisionlab.quant.spec import (
+    OPTION_NAMES,
+    QuantOptions,
+    QuantSpec,
+    check_input,
+    check_option_names,
+    prepare,
+)
 
 __all__ = ["STE_MODES", "fake_quant"]
 
@@ -56,20 +62,14 @@ def fake_quant(
     x: jax.Array,
     fmt: Any,
     *,
-    axis: int | None = None,
-    block_size: int | None = None,
-    scheme: str | None = None,
-    scale: str | None = None,
-    scale_format: str | None = None,
-    scale_rule: str | None = None,
-    rounding: str = "nearest_even",
     key: jax.Array | None = None,
-    full_range: bool = False,
     ste: str = "clipped",
+    **options: Unpack[QuantOptions],
 ) -> jax.Array:
     """``dequantize(quantize(x, fmt, ...))`` in one op, same shape and dtype as ``x``.
 
-    Takes the arguments of :func:`~precisionlab.quant.quantize`. The gradient is the
+    Takes the arguments of :func:`~precisionlab.quant.quantize` (``key`` and the
+    :class:`~precisionlab.quant.QuantOptions`) but ``pack_codes``. The gradient is the
     straight-through estimator: ``ste="clipped"`` passes the incoming gradient where the
     scaled value rounds inside the element range (so the element at amax gets 1, unlike
     ``jnp.clip``'s 0.5 at its bound) and 0 where it was clipped; ``ste="identity"`` passes
@@ -82,26 +82,27 @@ def fake_quant(
     ``"stochastic"`` and ``key``; it takes no other option.
     """
     if isinstance(fmt, str) and fmt.strip().lower() in fp4.FP4_QUANTIZERS:
-        given = {
-            "block_size": block_size, "scheme": scheme, "scale": scale,
-            "scale_format": scale_format, "scale_rule": scale_rule,
-        }  # fmt: skip
-        extra = [k for k, v in given.items() if v is not None] + (["full_range"] * full_range)
+        check_option_names(dict(options))
+        extra = [
+            name
+            for name in OPTION_NAMES
+            if name not in ("axis", "rounding", "full_range") and options.get(name) is not None
+        ] + (["full_range"] * bool(options.get("full_range", False)))
         if extra or ste != "clipped":
             raise ValueError(
                 f"{fmt!r} is a 4-bit recipe quantizer: it takes axis, rounding and key only, "
                 f"not {', '.join(extra) or 'ste'}"
             )
         x = check_input(x)
-        return fp4.fake_quant_named(x, fmt.strip().lower(), axis=axis, rounding=rounding, key=key)
+        return fp4.fake_quant_named(
+            x,
+            fmt.strip().lower(),
+            axis=options.get("axis"),
+            rounding=options.get("rounding", "nearest_even"),
+            key=key,
+        )
     x = check_input(x)
     if ste not in STE_MODES:
         raise ValueError(f"unknown ste {ste!r}; allowed: {', '.join(STE_MODES)}")
-    spec = resolve(
-        x.ndim, fmt, axis=axis, block_size=block_size, scheme=scheme, scale=scale,
-        scale_format=scale_format, scale_rule=scale_rule, rounding=rounding,
-        full_range=full_range,
-    )  # fmt: skip
-    _check_key(spec, key)
-    _check_padding(tuple(x.shape), spec)  # as quantize: block_size 2**62 crashed XLA
+    spec = prepare(x, fmt, key, options)  # as quantize: block_size 2**62 crashed XLA
     return _make(spec, ste)(x, key)

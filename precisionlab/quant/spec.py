@@ -1,21 +1,26 @@
-"""Eager validation of quantization arguments into one static, hashable spec.
+"""The quantization options, defined once, and their eager validation into one static spec.
 
-Shared with the survey and the benchmarks; not part of the public API
-(docs/reference/public_api.txt): users import from ``precisionlab.quant``.
+:class:`QuantOptions` lists and documents the keywords :func:`~precisionlab.quant.quantize`
+and :func:`~precisionlab.quant.fake_quant` share; :func:`resolve` checks and normalises them
+into a hashable :class:`QuantSpec` (a jit static argument), and :func:`prepare` adds the
+checks that need the input array and the PRNG key. Shared with the survey and the benchmarks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, TypedDict, Unpack
+
+import jax
+import jax.numpy as jnp
 
 from precisionlab.bits import parse_rounding
 from precisionlab.formats import FloatFormat, Format, IntFormat, get_format
 from precisionlab.quant.mx import MX_FORMATS, SCALE_RULES, MXFormat, get_mx_format
 from precisionlab.quant.qarray import SCALE_FORMATS
 
-__all__ = ["SCALE_METHODS", "SCHEMES", "QuantSpec", "resolve"]
+__all__ = ["SCALE_METHODS", "SCHEMES", "QuantOptions", "QuantSpec", "prepare", "resolve"]
 
 #: Quantization schemes: a symmetric range, or an integer zero point from min/max.
 SCHEMES = ("symmetric", "asymmetric")
@@ -25,6 +30,60 @@ SCALE_METHODS = ("auto", "amax", "percentile:<p>", "mse", "none")
 #: (heavy-tailed tensors at 4 bits want clip values far below amax).
 MSE_GRID = 64
 MSE_MIN_RATIO = 0.01
+_FLOAT_INPUTS = (jnp.float32, jnp.float16, jnp.bfloat16, jnp.float64)
+# Blocks pad their axis to whole blocks; a block far longer than its axis (block_size 100000
+# on a width-1 axis) would allocate block_size times the input. Refused past this bound.
+MAX_PADDED_ELEMENTS = 2**26
+
+
+class QuantOptions(TypedDict, total=False):
+    """The options of :func:`~precisionlab.quant.quantize` and
+    :func:`~precisionlab.quant.fake_quant`, given as keywords; each may be left out.
+
+    Attributes:
+      axis: per-channel: one scale per index along ``axis``. With ``block_size``: the axis
+        the blocks run along (default: the last).
+      block_size: blocks of this many consecutive elements share a scale (a ragged last
+        block is allowed). MX formats always use 32.
+      scheme: ``"symmetric"`` (zero point 0; default for signed ints and floats; signed ints
+        use [-(2**(b-1)-1), 2**(b-1)-1] unless ``full_range``) or ``"asymmetric"`` (integer
+        zero point from min/max; default for unsigned ints).
+      scale: ``"amax"``, ``"percentile:<p>"`` (clip at the p-th percentile of |x|), ``"mse"``
+        (least squared error over 64 clipping ratios 1.0..0.01), ``"none"`` (scale 1: a plain
+        cast), or None: amax, except none for float formats of 16 bits or more.
+      scale_format: ``"float32"`` (default), ``"float16"``/``"bfloat16"`` (rounded up),
+        ``"pow2"`` (float32 powers of two) or ``"e8m0"`` (uint8 E8M0 codes; MX always).
+      scale_rule: for power-of-two scales, one of :data:`~precisionlab.quant.SCALE_RULES`:
+        ``"floor"`` (OCP MX rule; the default for MX formats), ``"ceil"`` (torchao CEIL),
+        ``"rceil"`` (TE / cuBLAS: ``2**ceil(log2(amax / max))``, never saturates; the default
+        otherwise) or ``"even"`` (torchao EVEN).
+      rounding: a mode of :data:`precisionlab.bits.ROUNDING_MODES` (default
+        ``"nearest_even"``); ``"stochastic"`` needs a PRNG ``key``.
+      full_range: symmetric signed ints may also use code -2**(b-1) (default False).
+    """
+
+    axis: int | None
+    block_size: int | None
+    scheme: str | None
+    scale: str | None
+    scale_format: str | None
+    scale_rule: str | None
+    rounding: str
+    full_range: bool
+
+
+#: The names :class:`QuantOptions` takes, in its order.
+OPTION_NAMES: tuple[str, ...] = tuple(QuantOptions.__annotations__)
+
+
+def check_option_names(options: dict[str, Any]) -> None:
+    """``TypeError`` naming an unknown option and the allowed ones (as Python does for an
+    unexpected keyword)."""
+    unknown = [name for name in options if name not in OPTION_NAMES]
+    if unknown:
+        raise TypeError(
+            f"unknown quantization option {unknown[0]!r}; allowed: key, {', '.join(OPTION_NAMES)}"
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -125,22 +184,19 @@ def parse_scale(scale: str | None, fmt: Format) -> tuple[str, float | None]:
     raise ValueError(f"unknown scale {scale!r}; allowed: {', '.join(SCALE_METHODS)}")
 
 
-def resolve(
-    ndim: int,
-    fmt: Any,
-    *,
-    axis: int | None = None,
-    block_size: int | None = None,
-    scheme: str | None = None,
-    scale: str | None = None,
-    scale_format: str | None = None,
-    scale_rule: str | None = None,
-    rounding: str = "nearest_even",
-    full_range: bool = False,
-) -> QuantSpec:
-    """Validate the arguments of quantize/fake_quant for an input of ``ndim`` axes."""
+def resolve(ndim: int, fmt: Any, **options: Unpack[QuantOptions]) -> QuantSpec:
+    """Validate and normalise the options of quantize/fake_quant for an input of ``ndim``
+    axes; ``ValueError``/``TypeError`` name what is wrong and what is allowed."""
+    check_option_names(dict(options))
+    axis = options.get("axis")
+    block_size = options.get("block_size")
+    scheme = options.get("scheme")
+    scale = options.get("scale")
+    scale_format = options.get("scale_format")
+    scale_rule = options.get("scale_rule")
+    full_range = options.get("full_range", False)
     elem, mx = parse_format(fmt)
-    rounding = parse_rounding(rounding).value
+    rounding = parse_rounding(options.get("rounding", "nearest_even")).value
     if axis is not None:
         if isinstance(axis, bool) or not isinstance(axis, int):
             raise TypeError(f"axis must be an int or None, got {axis!r}")
@@ -230,3 +286,47 @@ def resolve(
         scale_format=scale_format, scale_rule=scale_rule, rounding=rounding,
         full_range=bool(full_range),
     )  # fmt: skip
+
+
+def check_input(x: Any) -> jax.Array:
+    """``x`` as a float array to quantize: ``TypeError`` for other dtypes, ``ValueError``
+    when empty."""
+    x = jnp.asarray(x)
+    if x.dtype not in [jnp.dtype(d) for d in _FLOAT_INPUTS]:
+        raise TypeError(
+            f"quantization takes float32, float16, bfloat16 or float64 arrays, got {x.dtype}"
+        )
+    if x.size == 0:
+        raise ValueError(f"cannot quantize an empty array (shape {x.shape})")
+    return x
+
+
+def prepare(x: jax.Array, fmt: Any, key: jax.Array | None, options: QuantOptions) -> QuantSpec:
+    """:func:`resolve` for the checked input ``x``, then the checks that need ``x`` and the
+    PRNG ``key``: a key exactly for stochastic rounding, and block padding within bounds."""
+    spec = resolve(x.ndim, fmt, **options)
+    _check_key(spec, key)
+    _check_padding(tuple(x.shape), spec)
+    return spec
+
+
+def _check_padding(shape: tuple[int, ...], spec: QuantSpec) -> None:
+    if spec.granularity != "block":
+        return
+    assert spec.axis is not None and spec.block_size is not None
+    n = shape[spec.axis]
+    size = math.prod(shape)
+    padded = size // n * (-(-n // spec.block_size) * spec.block_size)
+    if padded > 2 * size and padded > MAX_PADDED_ELEMENTS:
+        raise ValueError(
+            f"block_size {spec.block_size} along axis {spec.axis} (length {n}) pads the input "
+            f"from {size:,} to {padded:,} elements (limit 2^26 when padding more than doubles "
+            f"it); use a block_size of at most {n}"
+        )
+
+
+def _check_key(spec: QuantSpec, key: jax.Array | None) -> None:
+    if spec.rounding == "stochastic" and key is None:
+        raise ValueError("rounding='stochastic' needs a PRNG key: pass key=jax.random.key(0)")
+    if spec.rounding != "stochastic" and key is not None:
+        raise ValueError(f"key is only used by rounding='stochastic', not {spec.rounding!r}")

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["accumulate", "round_mantissa"]
+__all__ = ["accumulate", "batched_gemm", "round_mantissa"]
 
 _ABS = np.uint32(0x7FFFFFFF)
 
@@ -104,3 +104,21 @@ def accumulate(
     zero = jnp.zeros(shape, jnp.float32)
     (s, f, _), _ = lax.scan(step, (zero, zero, jnp.int32(0)), (a, b), length=k)
     return f + s if every else s
+
+
+def batched_gemm(
+    a: jax.Array,
+    b: jax.Array,
+    bits: int | None,
+    rounding: str = "nearest_even",
+    promote_every: int | None = None,
+) -> jax.Array:
+    """``einsum("bmk,bnk->bmn", a, b)`` in float32: one einsum with float32 accumulation at
+    HIGHEST precision when ``bits`` is None, else :func:`accumulate`'s m-bit model with
+    ``bits``, ``rounding`` and ``promote_every`` (a recipe's ``accumulate_*`` settings)."""
+    if bits is None:
+        return jnp.einsum(
+            "bmk,bnk->bmn", a, b, precision=lax.Precision.HIGHEST,
+            preferred_element_type=jnp.float32,
+        )  # fmt: skip
+    return accumulate(a, b, bits, rounding, promote_every)

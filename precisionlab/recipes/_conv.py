@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from precisionlab.hardware.conv import conv_gemm
-from precisionlab.recipes._dot import _check_float, _qdot3_jit, operand_kinds
+from precisionlab.recipes._dot import _qdot3_jit, checked_operands
 from precisionlab.recipes._recipes import Delayed, Recipe, get_recipe
 
 __all__ = ["NOT_COVERED", "conv_general_dilated", "conv_site"]
@@ -79,12 +79,7 @@ def conv_general_dilated(
       The convolution, dtype ``preferred_element_type`` or the operands' result dtype.
     """
     recipe = get_recipe(recipe)
-    kinds = operand_kinds(weight)
-    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-    _check_float(lhs, "lhs")
-    _check_float(rhs, "rhs")
-    if isinstance(recipe, Delayed) and state is None:
-        raise ValueError("the delayed recipe needs this convolution's state: pass state=...")
+    kinds, lhs, rhs = checked_operands(recipe, weight, lhs, rhs, state, "convolution")
     plan = conv_gemm(
         lhs.shape, rhs.shape, window_strides=window_strides, padding=padding,
         lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation,

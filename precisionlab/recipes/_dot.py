@@ -28,7 +28,7 @@ from jax import lax
 from precisionlab import hardware
 from precisionlab.intercept import boundary
 from precisionlab.recipes import scaling as S
-from precisionlab.recipes._accumulate import accumulate
+from precisionlab.recipes._accumulate import batched_gemm
 from precisionlab.recipes._blockhw import block_gemm
 from precisionlab.recipes._deepgemm import blockwise_gemm
 from precisionlab.recipes._names import get_recipe
@@ -153,20 +153,10 @@ def _gemm(recipe: Recipe, qa: S.QOperand, qb: S.QOperand, kinds=("x", "w")) -> j
     a, b = qa.block_values(), qb.block_values()
     if recipe.accumulate not in (None, "sequential"):
         acc = _hardware_gemm(recipe, qa, qb, kinds)
-    elif recipe.accumulate_bits is None:
-        acc = jnp.einsum(
-            "bmk,bnk->bmn", a, b, precision=lax.Precision.HIGHEST,
-            preferred_element_type=jnp.float32,
-        )  # fmt: skip
     else:
-        acc = accumulate(a, b, recipe.accumulate_bits, recipe.accumulate_rounding,
-                         recipe.promote_every)  # fmt: skip
-    factor = None
-    if qa.row_inv is not None:
-        factor = qa.row_inv
-    if qb.row_inv is not None:
-        fb = jnp.swapaxes(qb.row_inv, -1, -2)
-        factor = fb if factor is None else factor * fb
+        acc = batched_gemm(a, b, recipe.accumulate_bits, recipe.accumulate_rounding,
+                           recipe.promote_every)  # fmt: skip
+    factor = qa.output_factor(qb)
     return acc if factor is None else acc * factor
 
 
@@ -373,6 +363,23 @@ def _check_float(x, what: str) -> None:
         )
 
 
+def checked_operands(
+    recipe: Recipe, weight: str | tuple[str, str], lhs: Any, rhs: Any, state: Any, what: str
+) -> tuple[tuple[str, str], jax.Array, jax.Array]:
+    """The checks a quantized matmul and convolution (``what``) share: the operands' kinds
+    (from ``weight``), float operands (returned as arrays), and a state for the delayed
+    recipe."""
+    kinds = operand_kinds(weight)
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    _check_float(lhs, "lhs")
+    _check_float(rhs, "rhs")
+    if isinstance(recipe, Delayed) and state is None:
+        raise ValueError(
+            f"the delayed recipe needs this {what}'s state: pass state=init_site_state(recipe)"
+        )
+    return kinds, lhs, rhs
+
+
 def dot_general(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -407,14 +414,7 @@ def dot_general(
       The product, dtype ``preferred_element_type`` or the operands' result dtype.
     """
     recipe = _named(recipe)
-    kinds = operand_kinds(weight)
-    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-    _check_float(lhs, "lhs")
-    _check_float(rhs, "rhs")
-    if isinstance(recipe, Delayed) and state is None:
-        raise ValueError(
-            "the delayed recipe needs this matmul's state: pass state=init_site_state(recipe)"
-        )
+    kinds, lhs, rhs = checked_operands(recipe, weight, lhs, rhs, state, "matmul")
     (lc, rc), (lb, rb) = dimension_numbers
     lc, rc, lb, rb = (tuple(int(d) for d in t) for t in (lc, rc, lb, rb))
     a3, lfree = canonical_operand(lhs, lc, lb)

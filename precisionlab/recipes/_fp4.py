@@ -42,7 +42,7 @@ from jax import lax
 
 from precisionlab.quant import fp4 as _fp4q
 from precisionlab.recipes import scaling as S
-from precisionlab.recipes._accumulate import accumulate
+from precisionlab.recipes._accumulate import batched_gemm
 from precisionlab.recipes._recipes import Recipe
 
 __all__ = [
@@ -181,14 +181,8 @@ def _bf16(t: jax.Array) -> jax.Array:
 
 def _mm_values(recipe: Recipe, va, fa, vb, fb) -> jax.Array:
     """``va vb^T`` (float32 accumulation or the sequential study model) times the factors."""
-    if recipe.accumulate_bits is None:
-        acc = jnp.einsum(
-            "bmk,bnk->bmn", va, vb, precision=lax.Precision.HIGHEST,
-            preferred_element_type=jnp.float32,
-        )  # fmt: skip
-    else:
-        acc = accumulate(va, vb, recipe.accumulate_bits, recipe.accumulate_rounding,
-                         recipe.promote_every)  # fmt: skip
+    acc = batched_gemm(va, vb, recipe.accumulate_bits, recipe.accumulate_rounding,
+                       recipe.promote_every)  # fmt: skip
     for f in (fa, fb):
         if f is not None:
             acc = acc * f
@@ -306,6 +300,15 @@ class FP4Recipe(Recipe):
                "rhs_factor": ob.factor}  # fmt: skip
         _report("gemm", {}, {k: v for k, v in ins.items() if v is not None}, {"out": acc})
         return acc
+
+    def _stochastic_backward(self, quantize: Callable, a, b, g, key) -> tuple:
+        """dgrad ``g b`` and wgrad ``g^T a`` with all four operands quantized by
+        ``quantize`` with stochastic rounding, each with its own key split from ``key``."""
+        k1, k2, k3, k4 = self._keys(key, 4)
+        sr = partial(quantize, rounding="stochastic")
+        da = self._mm(sr(g, key=k1), sr(_t(b), key=k2))
+        db = self._mm(sr(_t(g), key=k3), sr(_t(a), key=k4))
+        return da, db
 
     def _keys(self, key, n: int) -> list:
         if key is None:
@@ -760,11 +763,7 @@ class TetraJet(FP4Recipe):
 
     def backward(self, kinds, res, g, key):
         va, vb = res
-        k1, k2, k3, k4 = self._keys(key, 4)
-        sr = partial(self._qf, rounding="stochastic")
-        da = self._mm(sr(g, key=k1), sr(_t(vb), key=k2))
-        db = self._mm(sr(_t(g), key=k3), sr(_t(va), key=k4))
-        return da, db
+        return self._stochastic_backward(self._qf, va, vb, g, key)
 
 
 # --- TetraJet-v2 -------------------------------------------------------------------------------
@@ -930,11 +929,7 @@ class FP4AllTheWay(FP4Recipe):
 
     def backward(self, kinds, res, g, key):
         a, b = res
-        k1, k2, k3, k4 = self._keys(key, 4)
-        sr = partial(self._q, rounding="stochastic")
-        da = self._mm(sr(g, key=k1), sr(_t(b), key=k2))
-        db = self._mm(sr(_t(g), key=k3), sr(_t(a), key=k4))
-        return da, db
+        return self._stochastic_backward(self._q, a, b, g, key)
 
 
 #: name -> (class, preset fields) of the FP4 recipes, merged into :data:`RECIPE_NAMES`.

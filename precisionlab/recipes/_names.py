@@ -4,7 +4,6 @@ published 4-bit recipes of :mod:`precisionlab.recipes._fp4` (:data:`RECIPE_NAMES
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from precisionlab.recipes import _recipes
@@ -31,10 +30,4 @@ def get_recipe(name: str | Recipe, **overrides: Any) -> Recipe:
             allowed = ", ".join(RECIPE_NAMES)
             raise ValueError(f"unknown recipe {name!r}; allowed: {allowed}") from None
     cls, kw = FP4_RECIPES[key]
-    fields = {f.name for f in dataclasses.fields(cls)}
-    bad = set(overrides) - fields
-    if bad:
-        raise ValueError(
-            f"recipe {name!r} has no field(s) {sorted(bad)}; fields: {', '.join(sorted(fields))}"
-        )
-    return cls(**{**kw, **overrides})
+    return _recipes.build_preset(name, cls, kw, overrides)

@@ -569,10 +569,18 @@ def get_recipe(name: str | Recipe, **overrides) -> Recipe:
     if not isinstance(name, str) or name.strip().lower() not in _PRESETS:
         raise ValueError(f"unknown recipe {name!r}; allowed: {', '.join(RECIPE_NAMES)}")
     cls, kw = _PRESETS[name.strip().lower()]
+    return build_preset(name, cls, kw, overrides)
+
+
+def build_preset(
+    name: str | Recipe, cls: type[Recipe], defaults: dict[str, Any], overrides: dict[str, Any]
+) -> Recipe:
+    """The recipe class ``cls`` with a named preset's ``defaults``, fields overridden by
+    ``overrides``; ``ValueError`` names the fields ``cls`` does not have."""
     fields = {f.name for f in dataclasses.fields(cls)}
     bad = set(overrides) - fields
     if bad:
         raise ValueError(
             f"recipe {name!r} has no field(s) {sorted(bad)}; fields: {', '.join(sorted(fields))}"
         )
-    return cls(**{**kw, **overrides})
+    return cls(**{**defaults, **overrides})

@@ -57,6 +57,16 @@ class QOperand(NamedTuple):
         v = self.block_values()
         return v if self.row_inv is None else v * self.row_inv
 
+    def output_factor(self, rhs: QOperand) -> jax.Array | None:
+        """The factor the (B, M, N) output of the GEMM of this lhs and ``rhs`` is multiplied
+        by: the product of their row factors (lhs (B, M, 1), rhs transposed to (B, 1, N)),
+        or None where neither has one."""
+        factor = self.row_inv
+        if rhs.row_inv is not None:
+            fb = jnp.swapaxes(rhs.row_inv, -1, -2)
+            factor = fb if factor is None else factor * fb
+        return factor
+
 
 def amax(x: jax.Array, axis, keepdims: bool = True) -> jax.Array:
     """float32 max |x| computed on the bits (exact for subnormals; NaN wins over inf)."""

@@ -25,7 +25,6 @@ branch did not run or the while slot is unused (its statistics are then of zeros
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -35,7 +34,16 @@ import jax.numpy as jnp
 from jax import lax
 
 from precisionlab.hardware.conv import from_params as conv_plan
-from precisionlab.intercept import Context, Emit, PerIteration, Site, boundary, intercept, select
+from precisionlab.intercept import (
+    Context,
+    Emit,
+    PerIteration,
+    Site,
+    boundary,
+    intercept,
+    numbered,
+    select,
+)
 from precisionlab.mixed import filter_value_and_grad
 from precisionlab.telemetry._stats import TensorStats, stacked_stats, tensor_stats
 from precisionlab.telemetry._targets import parse_targets
@@ -281,18 +289,6 @@ def _collect(aux: dict, sites: dict[str, Site]) -> dict[str, dict]:
     return out
 
 
-def _numbered(sites: list[Site]) -> list[Site]:
-    """The sites numbered per primitive (``dot_general[0..]``, ``exp[0..]``), so the matmuls
-    keep the names they have without the other operations (as ``diagnose`` and the recipes
-    name them)."""
-    seen: dict[str, int] = {}
-    out = []
-    for s in sites:
-        out.append(dataclasses.replace(s, index=seen.get(s.primitive, 0)))
-        seen[s.primitive] = seen.get(s.primitive, 0) + 1
-    return out
-
-
 def _kept(site: Site) -> bool:
     """Whether an observed site is kept: every matmul; another operation unless it is inside
     a ``custom_vjp`` function (observing it would evaluate that function's primal program and
@@ -326,7 +322,9 @@ class Observed:
     def _plan(self, args, kwargs) -> dict[str, Site]:
         """Internal site name -> the public (per-primitive numbered) selected site."""
         found = self._intercepted().sites(*args, **kwargs)
-        public = select(_numbered(found), self.include, self.exclude)
+        # numbered per primitive (dot_general[0..], exp[0..]): the matmuls keep the names
+        # they have without the other operations (as diagnose and the recipes name them)
+        public = select(numbered(found, "primitive"), self.include, self.exclude)
         # every construct the interception layer finds is observed; none is skipped today
         return {s.name: p for s, p in zip(found, public, strict=True) if p.selected and _kept(p)}
 

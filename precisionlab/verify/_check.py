@@ -332,7 +332,7 @@ def _check_recipe_gemm(ctx: _Ctx, g: dict, ts: dict[str, Tensor]) -> None:
                 raise M.NotModelled("no hardware model is named for the native GEMMs")
             a = _typed(ts["lhs/codes"], ctx)
             b = _typed(ts["rhs/codes"], ctx)
-            factor = _factor(operands["lhs"], operands["rhs"])
+            factor = operands["lhs"].output_factor(operands["rhs"])
             ref_out = M.native_gemm(a, b, factor, hw)[:, :m, :n]
             compute = lambda alt: M.native_gemm(a, b, factor, alt)[:, :m, :n]  # noqa: E731
         else:
@@ -391,16 +391,6 @@ def _operand(ctx, ts, side, codes, recipe, kind) -> S.QOperand:
         if v is not None and v.shape != elems.shape:
             raise DumpError(f"{side}/{name} expands to {v.shape}, its codes are {elems.shape}")
     return S.QOperand(elems, row, blk, exp)
-
-
-def _factor(qa: S.QOperand, qb: S.QOperand):
-    factor = None
-    if qa.row_inv is not None:
-        factor = qa.row_inv
-    if qb.row_inv is not None:
-        fb = jnp.swapaxes(qb.row_inv, -1, -2)
-        factor = fb if factor is None else factor * fb
-    return factor
 
 
 # --- delayed scaling's state -------------------------------------------------------------

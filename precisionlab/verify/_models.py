@@ -28,6 +28,7 @@ from jax import lax
 
 from precisionlab import hardware, recipes
 from precisionlab.recipes import scaling as S
+from precisionlab.verify._tape import compact
 
 __all__ = [
     "HARDWARE_MODELS",
@@ -86,21 +87,11 @@ def _quantize(recipe, kind, layout, x, scale, key):
     if q.row_inv is not None:
         out["row_scale"] = jnp.asarray(q.row_inv, jnp.float32)
     if q.block_inv is not None:
-        out["block_scale"] = _compact(jnp.broadcast_to(q.block_inv, x.shape), layout)
+        out["block_scale"] = compact(jnp.broadcast_to(q.block_inv, x.shape), layout)
     if q.block_exp is not None:
-        out["block_exp"] = _compact(jnp.broadcast_to(q.block_exp, x.shape).astype(jnp.int32),
+        out["block_exp"] = compact(jnp.broadcast_to(q.block_exp, x.shape).astype(jnp.int32),
                                     layout)  # fmt: skip
     return out
-
-
-def _compact(x, layout):
-    if layout is None:
-        return x
-    b, two_d = layout
-    bb, r, k = x.shape
-    if two_d:
-        return x.reshape(bb, r // b, b, k // b, b)[:, :, 0, :, 0]
-    return x.reshape(bb, r, k // b, b)[..., 0]
 
 
 def quantize(recipe, kind: str, layout, x: np.ndarray, scale, key) -> dict[str, np.ndarray]:

@@ -213,12 +213,7 @@ def native_gemm(recipe, qa: S.QOperand, qb: S.QOperand, kinds) -> jax.Array:
     a = qa.elems.astype(jnp.dtype(da))
     b = qb.elems.astype(jnp.dtype(db))
     acc = lax.dot_general(a, b, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32)
-    factor = None
-    if qa.row_inv is not None:
-        factor = qa.row_inv
-    if qb.row_inv is not None:
-        fb = jnp.swapaxes(qb.row_inv, -1, -2)
-        factor = fb if factor is None else factor * fb
+    factor = qa.output_factor(qb)
     return acc if factor is None else acc * factor
 
 

@@ -2,7 +2,7 @@
 the exhaustive tests check against ml_dtypes and the exact reference.
 
 The fast paths (nearest-even into narrow floats, E8M0 and small ints; E8M0 and int decode) take the
-default calls; the general path is reached by calling ``_pack`` directly. By default on every
+default calls; the general path is reached by calling ``_pack.pack`` directly. By default on every
 float32 exponent with the mantissas around each rounding boundary; ``-m slow`` on all 2**32
 inputs.
 """
@@ -12,19 +12,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from precisionlab.bits import codec, decode
+from precisionlab.bits import _fast_encode, _pack, _parse, codec, decode
 from precisionlab.bits.rounding import Rounding
 from precisionlab.formats import FORMATS, FloatFormat, IntFormat, get_format
 
-NARROW = [f for f in FORMATS.values() if codec._narrow_from_float32(codec._F32, f)]
+NARROW = [f for f in FORMATS.values() if _fast_encode.narrow_from_float32(_parse.F32, f)]
 FAST = [*(f.name for f in NARROW), "float8_e8m0fnu", "bfloat16", "int8", "uint8", "int4", "int2"]
 U32 = jnp.dtype(jnp.uint32)
 
 
 def _general(x: jax.Array, fmt, saturate: bool) -> jax.Array:
-    work = codec._work_dtype(codec._F32, fmt)
-    p = codec._parse_floats(x, work)
-    return codec._pack(p, fmt, Rounding.NEAREST_EVEN, saturate, True, None, 32)
+    work = _parse.work_dtype(_parse.F32, fmt)
+    p = _parse.parse_floats(x, work)
+    return _pack.pack(p, fmt, Rounding.NEAREST_EVEN, saturate, True, None, 32)
 
 
 def _fast(x: jax.Array, fmt, saturate: bool) -> jax.Array:
@@ -77,8 +77,8 @@ def test_e8m0_decode_equals_general_path():
 
     @jax.jit  # one program, not dozens of op-by-op ones
     def general(c):
-        p = codec._parse(c, fmt, U32)
-        return codec._pack(p, codec._F32, Rounding.NEAREST_EVEN, False, True, None, 32)
+        p = _parse.parse(c, fmt, U32)
+        return _pack.pack(p, _parse.F32, Rounding.NEAREST_EVEN, False, True, None, 32)
 
     fast = decode(codes, fmt)
     np.testing.assert_array_equal(np.asarray(fast).view(np.uint32), np.asarray(general(codes)))
@@ -100,8 +100,8 @@ def test_small_int_decode_equals_general_path(bits, signed):
 
     @jax.jit  # one program, not dozens of op-by-op ones per case (seconds of compiling each)
     def general(c):
-        p = codec._parse(c, fmt, U32)
-        return codec._pack(p, codec._F32, Rounding.NEAREST_EVEN, False, True, None, 32)
+        p = _parse.parse(c, fmt, U32)
+        return _pack.pack(p, _parse.F32, Rounding.NEAREST_EVEN, False, True, None, 32)
 
     fast = decode(codes, fmt)
     np.testing.assert_array_equal(np.asarray(fast).view(np.uint32), np.asarray(general(codes)))

@@ -441,6 +441,56 @@ def test_bad_arguments_raise_value_error(kwargs, match):
         quantize(jnp.ones((4, 8), jnp.float32), **kwargs)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "nvfp4"])
+def test_unknown_option_raises_type_error_naming_it_and_the_allowed(fmt):
+    from precisionlab.quant import fake_quant
+
+    x = jnp.ones((4, 32), jnp.float32)
+    calls = [lambda: fake_quant(x, fmt, axs=0)]
+    if fmt == "int8":
+        calls.append(lambda: quantize(x, fmt, axs=0))
+    for call in calls:
+        with pytest.raises(TypeError, match=r"unknown quantization option 'axs'.*block_size"):
+            call()
+
+
+def test_quant_options_are_documented_once_and_taken_by_both_entry_points():
+    """Every QuantOptions key has its entry in QuantOptions' docstring, and quantize and
+    fake_quant take each one (a non-default value changes the result or is accepted)."""
+    import inspect
+
+    from precisionlab.quant import QuantOptions, fake_quant
+
+    doc = inspect.getdoc(QuantOptions)
+    names = list(QuantOptions.__annotations__)
+    assert names == [
+        "axis", "block_size", "scheme", "scale", "scale_format", "scale_rule", "rounding",
+        "full_range",
+    ]  # fmt: skip
+    for name in names:
+        assert f"\n  {name}: " in doc, name
+    x = jnp.linspace(-3.0, 5.0, 64, dtype=jnp.float32).reshape(2, 32)
+    given = {
+        "axis": 0, "block_size": 16, "scheme": "asymmetric", "scale": "mse",
+        "scale_format": "pow2", "scale_rule": "floor", "rounding": "toward_zero",
+    }  # fmt: skip
+    base = dequantize(quantize(x, "int4"))
+    for name, value in given.items():
+        options = {name: value}
+        if name == "scale_rule":
+            options["scale_format"] = "pow2"
+        q = dequantize(quantize(x, "int4", **options))
+        assert not np.array_equal(np.asarray(q), np.asarray(base)), name
+        np.testing.assert_array_equal(np.asarray(fake_quant(x, "int4", **options)), q)
+    # full_range: values clipped below the range take the code -8 (0x8), not -7
+    clip = {"scale": "percentile:50", "pack_codes": False}
+    assert 8 in np.asarray(quantize(x, "int4", full_range=True, **clip).codes)
+    assert 8 not in np.asarray(quantize(x, "int4", **clip).codes)
+    wide = dequantize(quantize(x, "int4", full_range=True, scale="percentile:50"))
+    fake = fake_quant(x, "int4", full_range=True, scale="percentile:50")
+    np.testing.assert_array_equal(np.asarray(fake), np.asarray(wide))
+
+
 def test_bad_input_dtype_raises_type_error():
     with pytest.raises(TypeError, match="int32"):
         quantize(jnp.ones((4,), jnp.int32), "int8")
