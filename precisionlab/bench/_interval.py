@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any, Protocol
 
 import jax
@@ -19,7 +18,12 @@ import optax
 
 from precisionlab import _io
 from precisionlab._text import UsageError
-from precisionlab.bench._timing import positive_int, repeats_int, time_interleaved
+from precisionlab.bench._timing import (
+    add_output_arguments,
+    positive_int,
+    repeats_int,
+    time_interleaved,
+)
 from precisionlab.train import StepOptions, build_step, make_data, make_model
 from precisionlab.train.models import Model
 
@@ -71,8 +75,7 @@ def add_interval_arguments(
     parser.add_argument(
         "--repeats", type=repeats_int, default=5, help="timed rounds, best kept (default 5)"
     )
-    parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON to OUT")
+    add_output_arguments(parser)
 
 
 def built_in(model_name: str, batch: int, steps: int) -> tuple[Model, Any, list[Any], Callable]:

@@ -20,6 +20,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
@@ -27,6 +28,7 @@ import numpy as np
 
 __all__ = [
     "Timing",
+    "add_output_arguments",
     "copy_bandwidth",
     "machine",
     "minor_faults",
@@ -78,6 +80,12 @@ def repeats_int(text: str) -> int:
     """argparse type of the bench flags that repeat timed work (rounds, steps per timed chunk):
     an int in [1, :data:`REPEATS_MAX`]."""
     return _int_in(text, REPEATS_MAX, "a benchmark takes minutes")
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """A bench's ``--json`` (print the results as JSON) and ``--out OUT`` (also write them)."""
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON to OUT")
 
 
 def machine() -> dict[str, Any]:
