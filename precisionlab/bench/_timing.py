@@ -19,7 +19,7 @@ import argparse
 import os
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -33,6 +33,7 @@ __all__ = [
     "machine",
     "minor_faults",
     "positive_int",
+    "print_rows",
     "repeats_int",
     "time_call",
     "time_interleaved",
@@ -86,6 +87,14 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     """A bench's ``--json`` (print the results as JSON) and ``--out OUT`` (also write them)."""
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON to OUT")
+
+
+def print_rows(head: str, lines: Iterable[str]) -> None:
+    """Print a fixed-width table: its ``head`` line, a dashed rule as wide, then ``lines``."""
+    print(head)
+    print("-" * len(head))
+    for line in lines:
+        print(line)
 
 
 def machine() -> dict[str, Any]:

@@ -35,7 +35,7 @@ import numpy as np
 
 from precisionlab import recipes as R
 from precisionlab._text import UsageError, split_list
-from precisionlab.bench._timing import positive_int, repeats_int, time_interleaved
+from precisionlab.bench._timing import positive_int, print_rows, repeats_int, time_interleaved
 from precisionlab.recipes import RECIPE_NAMES, FP4Recipe, accumulate, get_recipe
 from precisionlab.train.compile_cache import OFF, enable_compilation_cache
 from precisionlab.train.timing import CompileMeter
@@ -333,18 +333,17 @@ def run(args: argparse.Namespace) -> int:
         f"{'recipe':<20} {'matmuls':>7} {'step ms':>9} {'vs bf16':>8} {'vs fp32':>8} "
         f"{'peak MiB':>9} {'mem vs bf16':>11}"
     )
-    print(head)
-    print("-" * len(head))
 
     def fmt(v, spec):
         return format(v, spec) if v is not None else "-"
 
-    for r in rows:
-        print(
-            f"{r['recipe']:<20} {r['matmuls']:>7} {r['step_ms']:>9.1f} "
-            f"{fmt(r['vs_bf16'], '>7.2f')}x {fmt(r['vs_fp32'], '>7.2f')}x "
-            f"{fmt(r['peak_mib'], '>9.1f')} {fmt(r['peak_vs_bf16'], '>10.2f')}x"
-        )
+    lines = [
+        f"{r['recipe']:<20} {r['matmuls']:>7} {r['step_ms']:>9.1f} "
+        f"{fmt(r['vs_bf16'], '>7.2f')}x {fmt(r['vs_fp32'], '>7.2f')}x "
+        f"{fmt(r['peak_mib'], '>9.1f')} {fmt(r['peak_vs_bf16'], '>10.2f')}x"
+        for r in rows
+    ]
+    print_rows(head, lines)
     p = phases
     print(
         f"\nbench time: tracing and lowering {p['trace_s']:.1f} s, then compiling "
