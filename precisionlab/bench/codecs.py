@@ -249,7 +249,6 @@ def peer_engine(fmt: Format, xs: list[np.ndarray], codes: list[np.ndarray]) -> E
         store = np.dtype(np.int8 if fmt.signed else np.uint8)
         tmp = [np.empty_like(x) for x in xs]
         enc_out = [np.empty(x.shape, store) for x in xs]
-        dec_out = [np.empty(c.shape, np.float32) for c in codes]
 
         def int_encode() -> list:
             for x, t, out in zip(xs, tmp, enc_out, strict=True):
@@ -258,17 +257,11 @@ def peer_engine(fmt: Format, xs: list[np.ndarray], codes: list[np.ndarray]) -> E
                 np.copyto(out, t, casting="unsafe")
             return enc_out
 
-        def int_decode() -> list:
-            for c, out in zip(codes, dec_out, strict=True):
-                np.copyto(out, c.view(store), casting="unsafe")
-            return dec_out
-
-        return Engine("numpy", int_encode, int_decode)
+        return Engine("numpy", int_encode, _cast_decoder(codes, store))
     dtype = _ml_dtype(fmt)
     if dtype is None:
         return None
     enc_out = [np.empty(x.shape, dtype) for x in xs]
-    dec_out = [np.empty(c.shape, np.float32) for c in codes]
 
     def cast_encode() -> list:
         with np.errstate(over="ignore"):  # overflow to inf/NaN is the format's convention
@@ -276,14 +269,22 @@ def peer_engine(fmt: Format, xs: list[np.ndarray], codes: list[np.ndarray]) -> E
                 np.copyto(out, x, casting="unsafe")
         return enc_out
 
+    # numpy's own float16 has no ml_dtypes counterpart: the peer there is numpy's cast.
+    name = "numpy" if fmt.name in ("float16", "float32") else "ml_dtypes"
+    return Engine(name, cast_encode, _cast_decoder(codes, dtype))
+
+
+def _cast_decoder(codes: list[np.ndarray], dtype: np.dtype) -> Callable[[], list]:
+    """The peers' decode: each chunk of unsigned ``codes`` viewed as ``dtype`` and cast to
+    float32 into a preallocated buffer."""
+    dec_out = [np.empty(c.shape, np.float32) for c in codes]
+
     def cast_decode() -> list:
         for c, out in zip(codes, dec_out, strict=True):
             np.copyto(out, c.view(dtype), casting="unsafe")
         return dec_out
 
-    # numpy's own float16 has no ml_dtypes counterpart: the peer there is numpy's cast.
-    name = "numpy" if fmt.name in ("float16", "float32") else "ml_dtypes"
-    return Engine(name, cast_encode, cast_decode)
+    return cast_decode
 
 
 def precisionlab_whole_array(fmt: Format, x: jax.Array, codes: jax.Array) -> dict:
