@@ -252,6 +252,7 @@ def _measure_sweep(cfg: dict, rows: _Rows, say: Any) -> list[dict[str, Any]]:
         est = estimate_step(
             built.params, built.batch, activation_bytes=built.activation_bytes, microbatches=m
         )
+        step_s = time_step(built.step, *built.args, repeats=3)
         row = {
             "sweep": "measured_checkpoint" if m == 1 else "measured_microbatches",
             "k": k,
@@ -262,7 +263,7 @@ def _measure_sweep(cfg: dict, rows: _Rows, say: Any) -> list[dict[str, Any]]:
             "estimated_arguments": est.arguments,
             "measured_arguments": got.arguments,
             "flops": got.flops,
-            "step_s": time_step(built.step, *built.args, repeats=3),
+            "step_s": step_s,
             "backend": got.backend,
         }
         rows.write(row)
@@ -270,7 +271,7 @@ def _measure_sweep(cfg: dict, rows: _Rows, say: Any) -> list[dict[str, Any]]:
         say(
             f"measured K={k or '-':>3} M={m}: temporaries {got.temporaries / 2**20:7.2f} MiB "
             f"(estimate {est.temporaries / 2**20:7.2f} MiB), {got.flops or 0:.3g} FLOPs, "
-            f"{row['step_s'] * 1e3:.2f} ms/step"
+            f"{step_s * 1e3:.2f} ms/step"
         )
     return out
 
@@ -319,20 +320,11 @@ def _plots(
     # Activation memory vs checkpoint interval K.
     fig, ax = plt.subplots(figsize=(7, 4.2))
     ks = [row["k"] for row in sweep]
-    ax.plot(
-        ks,
-        [row["activations_full"] / 1e9 for row in sweep],
-        "o-",
-        ms=3,
-        label="transformer-block count",
-    )
-    ax.plot(
-        ks,
-        [row["activations_boundary"] / 1e9 for row in sweep],
-        "s-",
-        ms=3,
-        label="boundary-only count",
-    )
+    for key, style, label in (
+        ("activations_full", "o-", "transformer-block count"),
+        ("activations_boundary", "s-", "boundary-only count"),
+    ):
+        ax.plot(ks, [row[key] / 1e9 for row in sweep], style, ms=3, label=label)
     ax.axhline(
         plain.activations_full / 1e9, color="gray", ls=":", label="no checkpointing (block count)"
     )
