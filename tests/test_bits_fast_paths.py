@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from precisionlab.bits import codec, decode
-from precisionlab.bits.rounding import Rounding
+from precisionlab.bits import _codec as codec
+from precisionlab.bits import decode
+from precisionlab.bits._rounding import Rounding
 from precisionlab.formats import FORMATS, FloatFormat, IntFormat, get_format
 
 NARROW = [f for f in FORMATS.values() if codec._narrow_from_float32(codec._F32, f)]

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from precisionlab import _io
-from precisionlab.experiments import store
+from precisionlab.experiments import _store as store
 
 DATA = Path(__file__).parent / "data" / "run_tiny"
 TINY = """
@@ -257,7 +257,7 @@ def test_c5_an_npz_member_that_is_not_an_array_is_never_read(work):
 
 
 def test_w5_text_data_reads_only_max_bytes(work):
-    from precisionlab.train.data.text import TextData
+    from precisionlab.train._data.text import TextData
 
     big = work / "big.txt"
     with open(big, "wb") as f:
@@ -307,7 +307,7 @@ def test_w6_nvfp4_of_tiny_values_is_finite():
 def test_w8_the_default_dynamic_loss_scale_recovers():
     import jax
 
-    from precisionlab.mixed.loss_scale import DynamicLossScale
+    from precisionlab.mixed._loss_scale import DynamicLossScale
 
     adjust = jax.jit(lambda s, ok: s.adjust(ok))
     for dtype, floor in ((jnp.float32, 2.0**-126), (jnp.float16, 2.0**-14)):

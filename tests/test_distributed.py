@@ -311,7 +311,7 @@ def test_the_supervisor_passes_output_and_holds_back_the_runtimes(tmp_path):
 def test_the_child_gets_the_same_arguments():
     import argparse
 
-    from precisionlab.cli import run_cmd
+    from precisionlab.cli import _run_cmd as run_cmd
     from precisionlab.cli._supervise import _child_argv
 
     parser = argparse.ArgumentParser()

@@ -136,11 +136,11 @@ def test_every_experiment_file_key_has_its_one_description():
     """The experiment-file reference is generated from the schema tables: each key's meaning
     is its Field's ``doc`` (set with ``_schema.with_docs``), written nowhere else."""
     from precisionlab import survey
-    from precisionlab.experiments import config
-    from precisionlab.memory import checkpointing
-    from precisionlab.memory import experiment as memory
-    from precisionlab.train.config import TRAIN_FIELDS
-    from precisionlab.train.telemetry import TELEMETRY_FIELDS
+    from precisionlab.experiments import _config as config
+    from precisionlab.memory import _checkpointing as checkpointing
+    from precisionlab.memory import _experiment as memory
+    from precisionlab.train._config import TRAIN_FIELDS
+    from precisionlab.train._telemetry import TELEMETRY_FIELDS
 
     tables = {
         "top": config._train_top_schema(),

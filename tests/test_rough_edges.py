@@ -14,7 +14,8 @@ import pytest
 
 from precisionlab import __version__, recipes
 from precisionlab.cli import main
-from precisionlab.experiments import compare, store
+from precisionlab.experiments import _compare as compare
+from precisionlab.experiments import _store as store
 from precisionlab.formats import get_format
 
 PACKAGE = Path(__file__).parent.parent / "precisionlab"
@@ -84,7 +85,7 @@ def test_version(capsys):
 
 
 def test_conformance_names_a_missing_library(tmp_path, capsys, monkeypatch):
-    from precisionlab.conformance import adapters
+    from precisionlab.conformance import _adapters as adapters
 
     # a library that is never installed here: torch's adapter reports it missing
     real = adapters._import
@@ -161,7 +162,7 @@ def test_no_internal_issue_numbers_in_user_facing_strings():
 def test_results_table_fits_100_columns():
     """The summary table `run` and `report` print: split into column groups that fit, each
     repeating the variant column, every header and cell kept."""
-    from precisionlab.experiments.report import WIDTH, fitted_table, headers
+    from precisionlab.experiments._report import WIDTH, fitted_table, headers
 
     heads = headers()
     cols = range(len(heads) - 2)
@@ -181,7 +182,7 @@ def test_results_table_fits_100_columns():
 
 
 def test_bench_telemetry_table_fits_100_columns():
-    from precisionlab.bench.telemetry import render
+    from precisionlab.bench._telemetry import render
 
     ms = {"a-plain": 128.4, "b-telemetry": 216.8, "c-no-targets": 170.4, "d-matmuls-only": 180.0}
     model = {"model": "transformer", "params": 107776, "ms_per_step": ms,

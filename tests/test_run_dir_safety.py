@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from precisionlab.cli import main
-from precisionlab.experiments import store
+from precisionlab.experiments import _store as store
 
 SURVEY = """\
 kind = "survey"

@@ -19,7 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from precisionlab.experiments import runner, store, train_kind
+from precisionlab.experiments import _runner as runner
+from precisionlab.experiments import _store as store
+from precisionlab.experiments import _train_kind as train_kind
 
 DATA = Path(__file__).parent / "data" / "run_tiny"
 
@@ -241,7 +243,7 @@ def test_a_killed_run_is_recognised_and_a_plain_rerun_names_resume(work, cli, fa
 
 def test_a_killed_checkpoint_write_leaves_no_temporary_directory(tmp_path):
     """Why: a checkpoint write killed midway left a .tmp_ckpt_* directory behind for good."""
-    from precisionlab.train.checkpoint import list_checkpoints, save_checkpoint
+    from precisionlab.train._checkpoint import list_checkpoints, save_checkpoint
 
     partial = tmp_path / ".tmp_ckpt_deadbeef"
     partial.mkdir()
@@ -255,7 +257,7 @@ def test_a_fifo_for_a_checkpoint_array_file_is_an_error_not_a_hang(tmp_path):
     """Why: a FIFO in place of a checkpoint's arrays.npz made `run --resume` hang for ever
     (np.load opened it directly, not through precisionlab._io)."""
     from precisionlab import _io
-    from precisionlab.train.checkpoint import load_checkpoint, save_checkpoint
+    from precisionlab.train._checkpoint import load_checkpoint, save_checkpoint
 
     state = {"w": np.arange(3.0, dtype=np.float32)}
     path = save_checkpoint(tmp_path, state, step=1)
@@ -274,7 +276,7 @@ def test_a_fifo_for_a_checkpoint_array_file_is_an_error_not_a_hang(tmp_path):
 
 def test_a_checkpoint_array_file_larger_than_its_arrays_is_refused(tmp_path):
     from precisionlab import _io
-    from precisionlab.train.checkpoint import load_checkpoint, save_checkpoint
+    from precisionlab.train._checkpoint import load_checkpoint, save_checkpoint
 
     state = {"w": np.arange(3.0, dtype=np.float32)}
     path = save_checkpoint(tmp_path, state, step=1)
@@ -417,7 +419,7 @@ def test_the_inf_nan_outcome_does_not_depend_on_the_cpus_summation_order():
     import jax.numpy as jnp
 
     from precisionlab import hardware as hw
-    from precisionlab.hardware.reference import chain_reference
+    from precisionlab.hardware._reference import chain_reference
 
     big = 1.5 * 2.0**127
     one_step = np.zeros((1, 16), np.float32)
@@ -558,7 +560,7 @@ def test_damaged_nested_run_fields_are_one_line(work, cli, monkeypatch, case):
 def test_the_run_file_schema_is_one_language():
     """Every run file's schema is made of _schema.Field (nested ones included)."""
     from precisionlab._schema import Field
-    from precisionlab.experiments.runfiles import SCHEMAS
+    from precisionlab.experiments._runfiles import SCHEMAS
 
     stack = [f for schema in SCHEMAS.values() for f in schema.values()]
     seen = 0
@@ -687,8 +689,9 @@ def test_every_table_fits_its_headers(cli, tmp_path):
     (`exact-onceh100-cublaslt-fasth100-cublaslt`): the columns were narrower than the preset
     names. Its tables (from a made-up result: the real one takes minutes), the timings table
     with long unit names, the run report's table and `formats` are each checked."""
-    from precisionlab.conformance.gemm import MODELS, GemmResult, gemm_tables
-    from precisionlab.experiments import report, timings
+    from precisionlab.conformance._gemm import MODELS, GemmResult, gemm_tables
+    from precisionlab.experiments import _report as report
+    from precisionlab.experiments import _timings as timings
 
     share = {("xla:cpu", "e4m3 K=256", m): 0.5 for m in MODELS}
     share[("xla:cpu", "e4m3 K=256", "exact-once")] = None
@@ -715,7 +718,7 @@ def _summary_with(**unit) -> dict:
 def test_the_divergence_step_and_the_first_inf_nan_are_explained_side_by_side():
     """Why: telemetry's first inf/NaN at step 1 sat beside "diverged@ 2" in the table with
     nothing explaining why they differ."""
-    from precisionlab.experiments.report import interpret
+    from precisionlab.experiments._report import interpret
 
     first = {"kind": "op", "layer": "layer0", "site": "integer_pow[0]", "tensor": "out",
              "step": 1, "n_inf": 5, "n_nan": 0, "n": 8, "backward": False}  # fmt: skip
@@ -733,7 +736,7 @@ def test_the_meters_separate_inf_nan_from_underflow():
     report says each."""
     import jax.numpy as jnp
 
-    from precisionlab.experiments.report import interpret
+    from precisionlab.experiments._report import interpret
     from precisionlab.train import nonfinite_fraction, underflow_fraction
 
     g = {"w": jnp.array([jnp.nan, jnp.inf, 0.0, 1e-6, 1.0, 2.0, jnp.nan, 3.0])}
@@ -749,7 +752,7 @@ def test_the_meters_separate_inf_nan_from_underflow():
 def test_what_if_figures_say_they_are_what_ifs(tmp_path):
     """Why: fp16-dynamic listed a what-if fp16 overflow of 100% with no step skipped, without
     saying the figure is what the target format would do, not what the run did."""
-    from precisionlab.experiments.telemetry_views import telemetry_report
+    from precisionlab.experiments._telemetry_views import telemetry_report
 
     entry = {"kind": "op", "layer": "mul[3]", "tensor": "grad", "target": "fp16",
              "fraction": 1.0, "step": 1}  # fmt: skip
@@ -886,7 +889,7 @@ _CORES = textwrap.dedent(
     if sys.argv[2] != "all":  # before JAX starts: the cores XLA may split a sum over
         os.sched_setaffinity(0, {int(sys.argv[2])})
     import jax, jax.numpy as jnp, numpy as np
-    from precisionlab.train.deterministic import fixed_order
+    from precisionlab.train._deterministic import fixed_order
     a = jnp.asarray(np.random.default_rng(0).standard_normal((512, 2048)).astype(np.float32))
     w = jnp.asarray(np.random.default_rng(1).standard_normal((2048, 8)).astype(np.float32))
     f = lambda a, w: (jnp.sum(a), jnp.mean(a, axis=0), a @ w)
@@ -932,7 +935,7 @@ def test_the_fixed_order_is_the_documented_one():
     import jax.numpy as jnp
     import ml_dtypes
 
-    from precisionlab.train.deterministic import pairwise_dot, pairwise_sum
+    from precisionlab.train._deterministic import pairwise_dot, pairwise_sum
 
     rng = np.random.default_rng(3)
     a = rng.standard_normal((2, 5, 37)).astype(np.float32)
@@ -980,7 +983,8 @@ def test_a_rerun_copies_its_telemetry_figures_instead_of_drawing_them(work, monk
     """Time: the report's telemetry figures were half of a warm rerun's CPU seconds. With a
     figure cache (``run`` passes figures/ of its compilation cache), figures drawn from the
     same rows, targets, title and code are copied, byte for byte; other rows are drawn."""
-    from precisionlab.experiments import report, telemetry_views
+    from precisionlab.experiments import _report as report
+    from precisionlab.experiments import _telemetry_views as telemetry_views
 
     monkeypatch.setenv("PRECISIONLAB_REPORT_WORKERS", "1")
     cache = work / "cache" / "figures"

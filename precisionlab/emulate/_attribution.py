@@ -41,9 +41,10 @@ import numpy as np
 
 from precisionlab import recipes
 from precisionlab.emulate._emulate import Emulated, _collect, emulate
-from precisionlab.intercept import Context, Emit, PerIteration, Site, boundary, intercept
+from precisionlab.intercept import Context, Emit, PerIteration, Site, intercept
+from precisionlab.intercept import _boundary as boundary
 from precisionlab.mixed import filter_jit
-from precisionlab.mixed.policy import get_policy
+from precisionlab.mixed._policy import get_policy
 
 __all__ = ["Attribution", "OpAttribution", "Side", "attribute", "float_primitives", "native"]
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from precisionlab.formats import get_format
-from precisionlab.hardware.step import Step
+from precisionlab.hardware._step import Step
 
 __all__ = ["INPUT_FORMATS", "decode", "step_apply"]
 

@@ -11,7 +11,7 @@ was. Because the re-evaluation emits ordinary JAX operations, the result compose
 Other higher-order primitives (``shard_map``, ``custom_linear_solve``, ...) are bound as
 they are when nothing selected sits inside them; their operations are listed (``within``
 names the primitive), and a selected one raises
-:class:`~precisionlab.intercept.boundary.UnsupportedPrimitive` naming the site, the primitive
+:class:`~precisionlab.intercept._boundary.UnsupportedPrimitive` naming the site, the primitive
 and the JAX version, rather than running unreplaced.
 
 Plain replacement: a rule whose ``emits`` attribute is False, called without state or key,
@@ -55,7 +55,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from precisionlab.intercept import _dataflow, boundary
+from precisionlab.intercept import _boundary as boundary
+from precisionlab.intercept import _dataflow
 from precisionlab.intercept._dataflow import Promotion
 from precisionlab.intercept._sites import Site, _width, numbered, select
 

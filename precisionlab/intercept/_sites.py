@@ -122,7 +122,7 @@ class Site:
         """The model layer the site belongs to (at flat ``iteration`` of its loops, row-major
         over :attr:`lengths`, for a site inside a scan over stacked layers).
 
-        A scope part ``"name{k+i}"`` (:func:`precisionlab.train.layers.scan_layers` with a
+        A scope part ``"name{k+i}"`` (:func:`precisionlab.train._layers.scan_layers` with a
         ``scope``) gives ``f"name{k + iteration}"``; otherwise the first scope part among
         ``names`` (when given), else the first scope part, else the site's name; inside a
         loop without such a template ``"@{iteration}"`` is appended (``"dot_general[1]@3"``).

@@ -3,7 +3,7 @@
 Each op computes in float32 when the policy keeps it there (``Policy.fp32_ops``), else in the
 compute dtype, and returns the compute dtype (``cross_entropy`` returns float32 when kept in
 float32: it is the loss). With ``enforce=True`` (default) each result is rounded to the compute
-dtype at the op boundary (see :mod:`precisionlab.mixed.numerics`), so CPU runs round and overflow
+dtype at the op boundary (see :mod:`precisionlab.mixed._numerics`), so CPU runs round and overflow
 where a GPU would.
 
 Op names in ``Policy.fp32_ops``: ``softmax``, ``layer_norm``, ``cross_entropy``, ``reduce``
@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from precisionlab.mixed.numerics import enforce as _enforce
-from precisionlab.mixed.policy import Policy
+from precisionlab.mixed._numerics import enforce as _enforce
+from precisionlab.mixed._policy import Policy
 
 __all__ = [
     "accuracy",

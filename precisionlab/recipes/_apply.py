@@ -26,7 +26,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from precisionlab.intercept import Context, Intercepted, Site, boundary, compute_line, intercept
+from precisionlab.intercept import Context, Intercepted, Site, compute_line, intercept
+from precisionlab.intercept import _boundary as boundary
 from precisionlab.mixed import filter_value_and_grad
 from precisionlab.recipes._conv import NOT_COVERED, conv_site
 from precisionlab.recipes._dot import WEIGHT_OPERANDS, _named, dot_general

@@ -2,7 +2,7 @@
 the GEMM over its patches that it equals.
 
 A convolution is the (batched, one GEMM per group) matmul ``y = P W^T`` of its patch matrix
-``P`` (M, K) and its kernel rows ``W`` (O, K) (:mod:`precisionlab.hardware.conv`): M the
+``P`` (M, K) and its kernel rows ``W`` (O, K) (:mod:`precisionlab.hardware._conv`): M the
 output positions (batch x output spatial), K the window **in the order (kernel taps
 row-major, then C_in fastest)**, K = (kh, kw, C_in) for a 2-D convolution, O the output
 features. The recipe quantizes the three GEMMs of that matmul exactly as a dense layer's
@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from precisionlab.hardware.conv import conv_gemm
+from precisionlab.hardware._conv import conv_gemm
 from precisionlab.recipes._dot import _check_float, _qdot3_jit, operand_kinds
 from precisionlab.recipes._recipes import Delayed, Recipe, get_recipe
 

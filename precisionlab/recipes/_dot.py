@@ -26,8 +26,8 @@ import numpy as np
 from jax import lax
 
 from precisionlab import hardware
-from precisionlab.intercept import boundary
-from precisionlab.recipes import scaling as S
+from precisionlab.intercept import _boundary as boundary
+from precisionlab.recipes import _scaling as S
 from precisionlab.recipes._accumulate import accumulate
 from precisionlab.recipes._blockhw import block_gemm
 from precisionlab.recipes._deepgemm import blockwise_gemm
@@ -175,7 +175,7 @@ class GemmRecord(NamedTuple):
     record a step, :mod:`precisionlab.verify`): ``what`` ("fprop", "dgrad", "wgrad"),
     ``kinds`` of (lhs, rhs), ``inputs`` the float32 (B, R, K) operands as quantized (padded,
     Hadamard-transformed), ``scales`` / ``keys`` as given to the quantizer, ``operands`` the
-    two :class:`~precisionlab.recipes.scaling.QOperand` (None for a GEMM the recipe keeps in
+    two :class:`~precisionlab.recipes._scaling.QOperand` (None for a GEMM the recipe keeps in
     high precision), ``out`` the float32 (B, M, N) product."""
 
     what: str

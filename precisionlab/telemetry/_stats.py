@@ -41,8 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from precisionlab.quant import pow2
-from precisionlab.recipes import scaling as S
+from precisionlab.quant import _pow2 as pow2
+from precisionlab.recipes import _scaling as S
 from precisionlab.telemetry._targets import (
     _EPS,
     Target,

@@ -36,10 +36,10 @@ import numpy as np
 from jax import lax
 
 from precisionlab.formats import FloatFormat, Specials, get_format
-from precisionlab.quant import pow2
-from precisionlab.quant.pow2 import scale_exponent
+from precisionlab.quant import _pow2 as pow2
+from precisionlab.quant._pow2 import scale_exponent
 from precisionlab.recipes import MX, get_recipe
-from precisionlab.recipes import scaling as S
+from precisionlab.recipes import _scaling as S
 
 __all__ = ["SCALINGS", "Target", "parse_targets"]
 
@@ -242,7 +242,7 @@ def _pow2_const(e: jax.Array) -> jax.Array:
 
 def round_to_format(y: jax.Array, fmt: FloatFormat) -> jax.Array:
     """float32 ``y`` rounded to ``fmt`` (nearest even), saturated to +-max, NaN kept: the
-    values of :func:`precisionlab.recipes.scaling.round_elements` (the same bits, up to the
+    values of :func:`precisionlab.recipes._scaling.round_elements` (the same bits, up to the
     sign of zero), in a few float or integer operations per element instead of an encode
     and a decode. Formats outside float32's range or without subnormals use the encoder."""
     y = jnp.asarray(y, jnp.float32)

@@ -22,7 +22,7 @@ from jax import lax
 
 from precisionlab import recipes
 from precisionlab.intercept import Emit
-from precisionlab.recipes import scaling as S
+from precisionlab.recipes import _scaling as S
 from precisionlab.verify._format import storage_dtype
 
 __all__ = [
