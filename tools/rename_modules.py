@@ -10,7 +10,7 @@ comment); a pair may name a package (its directory moves whole). The script
 1. ``git mv``-s each old file or package to its new place (a pair whose new place already
    exists and whose old one does not is done: skipped; both existing is an error to resolve);
 2. rewrites, in every file git tracks (sources, tests, tools, docs, README, notebooks,
-   pyproject.toml, .ci/run; the mapping itself excepted):
+   pyproject.toml, .ci/run; the mapping and this script excepted):
    - ``from package import old`` -> ``from package import _new as old`` (Python, read with
      ``ast``, so multi-line imports and aliases are exact; single-line imports elsewhere),
    - dotted names ``precisionlab.a.old`` (whole words: ``precisionlab.a.old_x`` is another
@@ -23,7 +23,8 @@ It is idempotent: run again after merging branches that still use the old names 
 imports of them), it moves nothing already moved and rewrites only what is new. A name that a
 package's ``__init__`` binds to something else (``precisionlab.diagnose.bisect`` is the function
 ``bisect``, re-exported) is rewritten only where it can only mean the module: followed by
-``.attribute``, after ``import `` or ``-m ``, before `` import``.
+``.attribute`` (or ``.*``), after ``import `` or ``-m ``, before `` import``, or as a whole quoted
+string (``"precisionlab.memory.fit"`` in mypy's module lists, ``sys.modules``).
 
 ``--propose`` lists, as mapping lines, the modules that break the privacy rule of
 docs/contributing.md: every module that is not a namespace of docs/reference/public_api.txt
@@ -97,7 +98,7 @@ def module_path(dotted: str) -> Path:
 
 
 def rel_path(dotted: str, is_package: bool) -> str:
-    """``precisionlab.train.loop`` -> ``train/loop.py`` (``train/models`` for a package)."""
+    """``precisionlab.train._loop`` -> ``train/_loop.py`` (``train/_models`` for a package)."""
     parts = dotted.split(".")[1:]
     return "/".join(parts) + ("" if is_package else ".py")
 
@@ -174,9 +175,10 @@ class Rewriter:
         if shadow:
             alts = "|".join(shadow)
             patterns.append(
-                rf"(?<![\w.])(?P<shadow>{alts})(?=\.[A-Za-z_])"
+                rf"(?<![\w.])(?P<shadow>{alts})(?=\.[A-Za-z_*])"
                 rf"|(?:(?<=import )|(?<=-m ))(?P<shadow2>{alts})(?![\w.])"
                 rf"|(?<![\w.])(?P<shadow3>{alts})(?=\s+import\b)"
+                rf"|(?<=[\"'])(?P<shadow4>{alts})(?=[\"'])"
             )
         self.dotted = re.compile("|".join(patterns)) if patterns else None
         self.path_new: dict[str, str] = {}
@@ -353,7 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     renames = read_mapping(args.mapping)
     packages = move_files(renames, args.dry_run)
     rewriter = Rewriter(renames, packages)
-    changed = rewrite_tree(rewriter, {args.mapping.resolve()}, args.dry_run)
+    changed = rewrite_tree(
+        rewriter, {args.mapping.resolve(), Path(__file__).resolve()}, args.dry_run
+    )
     if not args.dry_run and not args.no_tidy:
         tidy(changed)
     left = propose()

@@ -87,7 +87,7 @@ def _has_float(eqn) -> bool:
     return any(_is_float(a) for a in avals)
 
 
-def _collect(jaxpr, found: set[str]) -> None:
+def collect(jaxpr, found: set[str]) -> None:
     """Names of the first-order primitives with a floating operand or result, recursively
     (every first-order primitive: one emulate has no special rule for, such as jax 0.11's
     ``one_minus_square``, is rounded by the generic rule for its output dtype). Those inside
@@ -96,7 +96,7 @@ def _collect(jaxpr, found: set[str]) -> None:
     for eqn in jaxpr.eqns:
         subs = boundary.subprograms(eqn)
         for sub in subs:
-            _collect(boundary.open_jaxpr(sub)[0], found)
+            collect(boundary.open_jaxpr(sub)[0], found)
         if not subs and _has_float(eqn):
             found.add(eqn.primitive.name)
 
@@ -439,7 +439,7 @@ class Emulated:
     def _intercepted(self, args, kwargs) -> tuple[Intercepted, _RoundRule]:
         closed = boundary.trace(self.fn, args, kwargs)[0]
         found: set[str] = set()
-        _collect(closed.jaxpr, found)
+        collect(closed.jaxpr, found)
         typed = self.program_typed
         if typed is None:
             typed = _computes_in(closed.jaxpr, np.dtype(self.dtype))

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from precisionlab.hardware._kernel import _bitlen, pack_f32
+from precisionlab.hardware._kernel import bitlen, pack_f32
 
 __all__ = ["fma_pow2"]
 
@@ -27,7 +27,7 @@ def _unpack(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     ef = (bits >> 23) & 0xFF
     m = jnp.where(ef != 0, (bits & 0x7FFFFF) | (1 << 23), bits & 0x7FFFFF)
     e = jnp.where(ef != 0, ef - 150, -149)
-    up = jnp.clip(24 - _bitlen(m), 0, 24)  # subnormals: normalise (exact)
+    up = jnp.clip(24 - bitlen(m), 0, 24)  # subnormals: normalise (exact)
     m, e = m << up, e - up
     return bits < 0, m, jnp.where(m == 0, _FAR, e)
 
@@ -59,7 +59,7 @@ def _fma_finite(p: jax.Array, k: jax.Array, c: jax.Array) -> jax.Array:
     big_b = jnp.where(d <= 3, mb << jnp.clip(3 - d, 0, 3), shifted | lost.astype(jnp.int32))
     s = jnp.where(sa, -big_a, big_a) + jnp.where(sb, -big_b, big_b)  # |s| < 2**28
     neg, mag, q = s < 0, jnp.abs(s), ea - 3  # the sum is s * 2**q
-    drop = jnp.maximum(_bitlen(mag) - 24, -149 - q)
+    drop = jnp.maximum(bitlen(mag) - 24, -149 - q)
     dc = jnp.clip(drop, 1, 30)  # drop >= 31: mag < 2**28 < half a unit: rounds to zero
     kept = lax.shift_right_logical(mag, dc)
     rem = mag & ((jnp.int32(1) << dc) - 1)

@@ -22,17 +22,17 @@ from precisionlab.hardware._schedule import Schedule
 
 __all__ = ["MEMORY_BUDGET", "check_gemm_size", "dot_general", "gemm"]
 
-_EIGHT = ("float8_e4m3fn", "float8_e5m2")
+EIGHT = ("float8_e4m3fn", "float8_e5m2")
 _SIXTEEN = ("float16", "bfloat16")
 _FOUR = ("float4_e2m1fn",)
 _SIX = ("float6_e2m3fn", "float6_e3m2fn")  # no JAX dtype: operands are uint8 codes
-_F8F6F4 = (*_EIGHT, *_SIX, *_FOUR)
+_F8F6F4 = (*EIGHT, *_SIX, *_FOUR)
 _OUT = ("float32", "float16", "bfloat16")
 
 
 def _kind(na: str, nb: str) -> str:
     """The tensor-core kind of an ``na`` x ``nb`` GEMM (element format names)."""
-    if na in _EIGHT and nb in _EIGHT:
+    if na in EIGHT and nb in EIGHT:
         return "fp8"
     if na in _SIXTEEN and na == nb:
         return "16bit"
@@ -42,7 +42,7 @@ def _kind(na: str, nb: str) -> str:
         return "f8f6f4"  # FP6 on either side, or FP4 mixed with FP8/FP6
     raise ValueError(
         f"unsupported operand formats {na} x {nb}; supported: 8-bit "
-        f"({' or '.join(_EIGHT)}, mixed allowed), 16-bit ({' or '.join(_SIXTEEN)}, both the "
+        f"({' or '.join(EIGHT)}, mixed allowed), 16-bit ({' or '.join(_SIXTEEN)}, both the "
         f"same), 4-bit ({_FOUR[0]}, with block scales), or FP6 ({' or '.join(_SIX)}, uint8 "
         "codes with a_format/b_format) and FP4 mixed with any 8- or 6-bit format (Blackwell's "
         "f8f6f4)"
@@ -77,7 +77,7 @@ def _concrete(x) -> np.ndarray | None:
         return None
 
 
-def _operand(x, fmt: str | None, which: str) -> tuple[jax.Array, str, jax.Array | None]:
+def as_operand(x, fmt: str | None, which: str) -> tuple[jax.Array, str, jax.Array | None]:
     """``x`` as a JAX array, its element format name, and (integer codes under a trace only)
     the mask of codes out of the format's range, whose outputs become NaN. A numpy array of an
     FP6 dtype (ml_dtypes; JAX has none) becomes its uint8 codes. Integer codes need ``fmt``:
@@ -158,7 +158,7 @@ def check_gemm_size(
     return need
 
 
-def _chain_all(
+def chain_all(
     a, b, res: Resolved, a_off=None, b_off=None, fa=None, fb=None, init=None
 ) -> jax.Array:
     """float32 accumulators of ``a`` (M, K) x ``b`` (K, N) under ``res``; ``a_off`` (M, K) and
@@ -272,7 +272,7 @@ def _reduce_slices(acc: jax.Array, sch: Schedule) -> jax.Array:
     return x.reshape(acc.shape[1:])
 
 
-def _specials(a, b, acc, fa=None, fb=None, init=None):
+def specials(a, b, acc, fa=None, fb=None, init=None):
     """The outputs the special inputs decide, whatever the order of the sum (the step model
     covers finite values): NaN where a product is NaN (a NaN input, or an infinity times a
     zero) or where +inf and -inf products (with ``init``, the accumulator going in, if any)
@@ -303,9 +303,9 @@ def _specials(a, b, acc, fa=None, fb=None, init=None):
     return jnp.where(nan | (pos & neg), jnp.float32(jnp.nan), out)
 
 
-def _poison(out: jax.Array, bad_a, bad_b) -> jax.Array:
+def poison(out: jax.Array, bad_a, bad_b) -> jax.Array:
     """NaN in every output whose row of ``a`` or column of ``b`` holds an out-of-range code
-    (masks from :func:`_operand`; None: none possible)."""
+    (masks from :func:`as_operand`; None: none possible)."""
     if bad_a is not None:
         out = jnp.where(jnp.any(bad_a, axis=1)[:, None], jnp.float32(jnp.nan), out)
     if bad_b is not None:
@@ -358,18 +358,18 @@ def _gemm(a, b, scale_a, scale_b, bias, bsa, bsb, bad_a, bad_b, *, device, libra
         block = a.shape[1] // bsa.shape[1]
         a_off, nan_a = _block.exponent_offsets(bsa, block, axis=1)
         b_off, nan_b = _block.exponent_offsets(bsb, block, axis=0)
-        acc = _specials(a, b, _chain_all(a, b, res, a_off, b_off, fa, fb), fa, fb)
+        acc = specials(a, b, chain_all(a, b, res, a_off, b_off, fa, fb), fa, fb)
         nan = jnp.any(nan_a, axis=1)[:, None] | jnp.any(nan_b, axis=0)[None, :]
         acc = jnp.where(nan, jnp.float32(jnp.nan), acc)
     else:
-        acc = _specials(a, b, _chain_all(a, b, res, fa=fa, fb=fb), fa, fb)
+        acc = specials(a, b, chain_all(a, b, res, fa=fa, fb=fb), fa, fb)
     if scale_a is not None or scale_b is not None:
         sa = jnp.float32(1) if scale_a is None else jnp.asarray(scale_a, jnp.float32)
         sb = jnp.float32(1) if scale_b is None else jnp.asarray(scale_b, jnp.float32)
         acc = acc * (sa * sb)
     if bias is not None:
         acc = acc + jnp.asarray(bias, jnp.float32)
-    return _poison(acc, bad_a, bad_b).astype(out_dtype)
+    return poison(acc, bad_a, bad_b).astype(out_dtype)
 
 
 def gemm(
@@ -401,8 +401,8 @@ def gemm(
     ``restart_every=64``, ``split_k=None``, ...). Pure and jittable; works under ``vmap``.
     Unknown device, library, dtypes or override: ``ValueError`` listing what exists.
     """
-    a, fa, bad_a = _operand(a, a_format, "a")
-    b, fb, bad_b = _operand(b, b_format, "b")
+    a, fa, bad_a = as_operand(a, a_format, "a")
+    b, fb, bad_b = as_operand(b, b_format, "b")
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"gemm needs a (M, K) and b (K, N); got {a.shape} and {b.shape}")
     kind = _kind(fa, fb)
@@ -473,7 +473,7 @@ def dot_general(
     lc, rc, lb, rb = _dimensions(dimension_numbers, lhs.shape, rhs.shape)
     for x, key, which in ((lhs, "a_format", "lhs"), (rhs, "b_format", "rhs")):
         if overrides.get(key) is not None:  # codes checked now, before vmap hides their values
-            _operand(x, overrides[key], which)
+            as_operand(x, overrides[key], which)
     lf = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
     rf = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
     bshape = tuple(lhs.shape[d] for d in lb)

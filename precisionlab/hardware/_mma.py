@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from precisionlab.hardware._gemm import _EIGHT, _chain_all, _operand, _poison, _specials
+from precisionlab.hardware._gemm import EIGHT, as_operand, chain_all, poison, specials
 from precisionlab.hardware._presets import Resolved
 from precisionlab.hardware._profiles import DEVICE_ALIASES, Profile, check_inputs, get_profile
 from precisionlab.hardware._schedule import Schedule
@@ -73,8 +73,8 @@ def _mma(
     step: Step,
 ) -> jax.Array:
     # gemm's chain with C as the first step's accumulator, one chain over K
-    acc = _chain_all(a, b, Resolved(prof, step, Schedule()), init=c)
-    return _poison(_specials(a, b, acc, init=c), bad_a, bad_b)
+    acc = chain_all(a, b, Resolved(prof, step, Schedule()), init=c)
+    return poison(specials(a, b, acc, init=c), bad_a, bad_b)
 
 
 def mma(a: jax.Array, b: jax.Array, c: jax.Array, device: str = "h100", *,
@@ -97,10 +97,10 @@ def mma(a: jax.Array, b: jax.Array, c: jax.Array, device: str = "h100", *,
     inf, zeros, subnormals); a code past 8 bits is a ValueError (under a trace: NaN outputs).
     """
     for fmt, which in ((a_format, "a"), (b_format, "b")):
-        if fmt is not None and fmt not in _EIGHT:
-            raise ValueError(f"mma: {which}_format {fmt!r}; allowed: {', '.join(_EIGHT)}")
-    a, _, bad_a = _operand(a, a_format, "a") if a_format else (jnp.asarray(a), None, None)
-    b, _, bad_b = _operand(b, b_format, "b") if b_format else (jnp.asarray(b), None, None)
+        if fmt is not None and fmt not in EIGHT:
+            raise ValueError(f"mma: {which}_format {fmt!r}; allowed: {', '.join(EIGHT)}")
+    a, _, bad_a = as_operand(a, a_format, "a") if a_format else (jnp.asarray(a), None, None)
+    b, _, bad_b = as_operand(b, b_format, "b") if b_format else (jnp.asarray(b), None, None)
     c = jnp.asarray(c)
     if a.ndim != 2 or b.ndim != 2 or c.ndim != 2 or a.shape[1] != b.shape[0] \
             or c.shape != (a.shape[0], b.shape[1]):  # fmt: skip

@@ -58,7 +58,7 @@ from jax import lax
 from precisionlab.intercept import _boundary as boundary
 from precisionlab.intercept import _dataflow
 from precisionlab.intercept._dataflow import Promotion
-from precisionlab.intercept._sites import Site, _width, numbered, select
+from precisionlab.intercept._sites import Site, bit_width, numbered, select
 
 __all__ = [
     "Aux",
@@ -616,7 +616,7 @@ class Intercepted:
         labels = _dataflow.label(t.closed, t.leaves, t.consts, prims)
         out = []
         for s in sites:
-            if s.primitive not in _dataflow.PRODUCTS or _width(s.compute_dtype) < 32:
+            if s.primitive not in _dataflow.PRODUCTS or bit_width(s.compute_dtype) < 32:
                 continue
             flows = labels.flows.get(s.path, ())
             paths = [f.promoted for f in flows if f.promoted is not None]

@@ -11,7 +11,7 @@ from typing import Any
 __all__ = ["Site", "numbered", "select"]
 
 
-def _width(dtype: str) -> int:
+def bit_width(dtype: str) -> int:
     """Bits of a floating dtype name (``"bfloat16"`` -> 16, ``"float8_e4m3fn"`` -> 8)."""
     m = re.search(r"(\d+)", dtype.replace("float8_", "float8").split("_")[0])
     return int(m.group(1)) if m else 0
@@ -65,7 +65,7 @@ class Site:
         floats = [d for d in self.in_dtypes if "float" in d]
         if not floats:
             return self.dtype
-        return max(floats, key=lambda d: (_width(d), d))
+        return max(floats, key=lambda d: (bit_width(d), d))
 
     index: int
     primitive: str

@@ -27,7 +27,7 @@ from precisionlab.memory._estimate import (
 )
 from precisionlab.memory._measure import measure
 from precisionlab.memory._recipe import builtin_gemms, recipe_memory
-from precisionlab.memory._steps import BuiltStep, _train_step, make_optimizer
+from precisionlab.memory._steps import BuiltStep, make_optimizer, train_step
 from precisionlab.mixed import Policy, get_policy
 from precisionlab.train import StepOptions, TrainConfig, build, build_step
 
@@ -155,7 +155,7 @@ def plain_step(
     params = policy.cast_to_param(model.init(jax.random.PRNGKey(seed)))
     opt = make_optimizer(optimizer)
     return BuiltStep(
-        step=_train_step(loss_fn, opt, policy, microbatches),
+        step=train_step(loss_fn, opt, policy, microbatches),
         params=params,
         opt_state=opt.init(params),
         batch=example_batch(model, batch),
@@ -164,7 +164,7 @@ def plain_step(
     )
 
 
-def _scalars(tree: Any) -> int:
+def scalar_bytes(tree: Any) -> int:
     """Bytes of the bookkeeping leaves (0-d counters and scales, the 2-word PRNG key)."""
     return sum(
         tree_bytes(leaf) for leaf in jax.tree_util.tree_leaves(tree) if np.ndim(leaf) == 0
@@ -175,7 +175,7 @@ def _scalars(tree: Any) -> int:
     )
 
 
-def _table_step_options(cfg: Any, setup: Any, *, dp: int = 0, zero_stage: int = 0) -> Any:
+def table_step_options(cfg: Any, setup: Any, *, dp: int = 0, zero_stage: int = 0) -> Any:
     """The ``StepOptions`` the memory measurements compile for a ``TrainConfig`` ``cfg`` and
     its ``precisionlab.train.build(cfg)`` ``setup``: the setup's policy, loss scale, storage and
     recipe, ``cfg``'s micro-batches and seed, and with ``dp`` devices data parallel with ZeRO
@@ -213,7 +213,7 @@ def measure_train_table(table: dict[str, Any], where: str = "train") -> dict[str
     cfg = TrainConfig.from_dict(dict(table), where)
     setup = build(cfg)
     model, policy, storage = setup.model, setup.policy, setup.options.storage
-    options = _table_step_options(cfg, setup)
+    options = table_step_options(cfg, setup)
     batch = example_batch(model, cfg.batch_size)
     step_fn, state, _ = build_step(
         setup.loss_fn, setup.params, setup.optimizer, options, example_batch=batch
@@ -225,7 +225,7 @@ def measure_train_table(table: dict[str, Any], where: str = "train") -> dict[str
     moments = OPTIMIZERS.get(cfg.optimizer, (0, 0))[0]
     opt_bytes = moments * n * np.dtype(storage.opt_state).itemsize
     kahan = p_bytes if cfg.update_rounding == "kahan" else 0
-    scalars = _scalars(state)
+    scalars = scalar_bytes(state)
     batch_bytes = tree_bytes(batch)
     recipe_info = None
     if options.recipe is not None:

@@ -77,7 +77,7 @@ def _check(value: int, name: str) -> int:
     return value
 
 
-def _train_step(
+def train_step(
     loss_fn: Callable[[Any, Any], jax.Array],
     opt: optax.GradientTransformation,
     policy: Policy,
@@ -185,7 +185,7 @@ def stack_step(
     ckpt = f", checkpoint every {checkpoint_every}" if checkpoint_every else ""
     acc = f", {microbatches} micro-batches" if microbatches > 1 else ""
     return BuiltStep(
-        step=_train_step(loss_fn, opt, policy, microbatches),
+        step=train_step(loss_fn, opt, policy, microbatches),
         params=params,
         opt_state=opt.init(params),
         batch=x,
@@ -244,7 +244,7 @@ def mlp_step(
     activations = sum(2 * micro * w * e for w in sizes[1:-1]) + micro * sizes[-1] * 4
     opt = make_optimizer(optimizer)
     return BuiltStep(
-        step=_train_step(loss_fn, opt, policy, microbatches),
+        step=train_step(loss_fn, opt, policy, microbatches),
         params=params,
         opt_state=opt.init(params),
         batch=x,

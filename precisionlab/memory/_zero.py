@@ -26,11 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from precisionlab.memory._builtin import (
-    _scalars,
-    _table_step_options,
     activation_bytes,
     example_batch,
     param_count,
+    scalar_bytes,
+    table_step_options,
 )
 from precisionlab.memory._estimate import OPTIMIZERS, POINTER_BYTES, tree_bytes
 from precisionlab.train import TrainConfig, build, build_step
@@ -135,7 +135,7 @@ def measure_zero_table(
         )
     setup = build(cfg)
     model, policy, storage = setup.model, setup.policy, setup.options.storage
-    options = _table_step_options(cfg, setup, dp=dp, zero_stage=zero_stage)
+    options = table_step_options(cfg, setup, dp=dp, zero_stage=zero_stage)
     batch = example_batch(model, cfg.batch_size)
     step_fn, state, mesh = build_step(setup.loss_fn, setup.params, setup.optimizer, options, batch)
     state = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), state)
@@ -155,7 +155,7 @@ def measure_zero_table(
         optimizer=cfg.optimizer,
         kahan=cfg.update_rounding == "kahan",
     )
-    scalars = _scalars(state._replace(recipe_state=None))
+    scalars = scalar_bytes(state._replace(recipe_state=None))
     recipe = tree_bytes(state.recipe_state) if state.recipe_state else 0
     batch_dev = tree_bytes(batch) // dp
     metrics = jax.eval_shape(step_fn, state, batch)[1]

@@ -23,7 +23,7 @@ from precisionlab.formats import FORMATS, FloatFormat, IntFormat
 from precisionlab.quant import _pow2 as pow2
 from precisionlab.quant._spec import MSE_GRID, MSE_MIN_RATIO, QuantSpec
 
-_SCALE16 = {"float16": FORMATS["float16"], "bfloat16": FORMATS["bfloat16"]}
+SCALE16 = {"float16": FORMATS["float16"], "bfloat16": FORMATS["bfloat16"]}
 
 
 # --- layout --------------------------------------------------------------------------------
@@ -118,10 +118,10 @@ def _float_scale(
     zero = s == 0 if zero is None else zero
     tiny = jnp.float32(SMALLEST_FLOAT_SCALE)
     s = jnp.where(zero, jnp.float32(1.0), jnp.maximum(s, tiny)).astype(jnp.float32)
-    if spec.scale_format in _SCALE16:
+    if spec.scale_format in SCALE16:
         # Rounded up, so the clip value still maps inside the element range.
-        codes = encode(s, _SCALE16[spec.scale_format], rounding="up", saturate=True)
-        s = round_to_format(s, _SCALE16[spec.scale_format], rounding="up", saturate=True)
+        codes = encode(s, SCALE16[spec.scale_format], rounding="up", saturate=True)
+        s = round_to_format(s, SCALE16[spec.scale_format], rounding="up", saturate=True)
         return s, codes
     return s, None
 

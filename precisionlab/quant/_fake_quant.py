@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from precisionlab.quant import _core as core
 from precisionlab.quant import fp4
-from precisionlab.quant._quantize import _check_key, _check_padding, check_input
+from precisionlab.quant._quantize import check_input, check_key, check_padding
 from precisionlab.quant._spec import QuantSpec, resolve
 
 __all__ = ["STE_MODES", "fake_quant"]
@@ -103,6 +103,6 @@ def fake_quant(
         scale_format=scale_format, scale_rule=scale_rule, rounding=rounding,
         full_range=full_range,
     )  # fmt: skip
-    _check_key(spec, key)
-    _check_padding(tuple(x.shape), spec)  # as quantize: block_size 2**62 crashed XLA
+    check_key(spec, key)
+    check_padding(tuple(x.shape), spec)  # as quantize: block_size 2**62 crashed XLA
     return _make(spec, ste)(x, key)

@@ -124,8 +124,8 @@ def quantize(
         scale_format=scale_format, scale_rule=scale_rule, rounding=rounding,
         full_range=full_range,
     )  # fmt: skip
-    _check_key(spec, key)
-    _check_padding(x.shape, spec)
+    check_key(spec, key)
+    check_padding(x.shape, spec)
     packed = spec.fmt.bits == 4 if pack_codes is None else bool(pack_codes)
     if packed and spec.fmt.bits != 4:
         raise ValueError(f"pack_codes=True packs 4-bit formats only, not {spec.fmt.name}")
@@ -147,7 +147,7 @@ def _fp4_names():
 MAX_PADDED_ELEMENTS = 2**26
 
 
-def _check_padding(shape: tuple[int, ...], spec: QuantSpec) -> None:
+def check_padding(shape: tuple[int, ...], spec: QuantSpec) -> None:
     if spec.granularity != "block":
         return
     n = shape[spec.axis]
@@ -161,7 +161,7 @@ def _check_padding(shape: tuple[int, ...], spec: QuantSpec) -> None:
         )
 
 
-def _check_key(spec: QuantSpec, key) -> None:
+def check_key(spec: QuantSpec, key) -> None:
     if spec.rounding == "stochastic" and key is None:
         raise ValueError("rounding='stochastic' needs a PRNG key: pass key=jax.random.key(0)")
     if spec.rounding != "stochastic" and key is not None:
@@ -193,8 +193,8 @@ def loaded_scale(q: QArray, spec: QuantSpec) -> core.Scale:
         bad = jnp.isnan(value)
         e = jnp.where(bad, 0, pow2.floor_log2(value)).astype(jnp.int32)
         return core.Scale(None, e, bad, zp, None)
-    if spec.scale_format in core._SCALE16:
-        return core.Scale(decode(stored, core._SCALE16[spec.scale_format]), None, None, zp, None)
+    if spec.scale_format in core.SCALE16:
+        return core.Scale(decode(stored, core.SCALE16[spec.scale_format]), None, None, zp, None)
     return core.Scale(stored.astype(jnp.float32), None, None, zp, None)
 
 

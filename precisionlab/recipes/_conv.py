@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from precisionlab.hardware._conv import conv_gemm
-from precisionlab.recipes._dot import _check_float, _qdot3_jit, operand_kinds
+from precisionlab.recipes._dot import check_float, operand_kinds, qdot3_jit
 from precisionlab.recipes._recipes import Delayed, Recipe, get_recipe
 
 __all__ = ["NOT_COVERED", "conv_general_dilated", "conv_site"]
@@ -81,8 +81,8 @@ def conv_general_dilated(
     recipe = get_recipe(recipe)
     kinds = operand_kinds(weight)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-    _check_float(lhs, "lhs")
-    _check_float(rhs, "rhs")
+    check_float(lhs, "lhs")
+    check_float(rhs, "rhs")
     if isinstance(recipe, Delayed) and state is None:
         raise ValueError("the delayed recipe needs this convolution's state: pass state=...")
     plan = conv_gemm(
@@ -99,7 +99,7 @@ def conv_general_dilated(
     if not isinstance(recipe, Delayed):
         state = None
     nums = recipe.given_numbers
-    y = _qdot3_jit(recipe.with_numbers(None), kinds, a3, b3, state, key, nums)
+    y = qdot3_jit(recipe.with_numbers(None), kinds, a3, b3, state, key, nums)
     return plan.output(y).astype(out_dtype)
 
 

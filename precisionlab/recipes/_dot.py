@@ -337,7 +337,7 @@ def _qdot3_bwd(recipe, kinds, res, g):
 
 _qdot3.defvjp(_qdot3_fwd, _qdot3_bwd)
 # Compiled once per recipe and shapes: eager calls would dispatch hundreds of small ops.
-_qdot3_jit = jax.jit(_qdot3, static_argnums=(0, 1))
+qdot3_jit = jax.jit(_qdot3, static_argnums=(0, 1))
 
 
 # --- public --------------------------------------------------------------------------------
@@ -354,7 +354,7 @@ def operand_kinds(weight: str | tuple[str, str]) -> tuple[str, str]:
     )
 
 
-def _named(recipe: Recipe | str) -> Recipe:
+def as_recipe(recipe: Recipe | str) -> Recipe:
     """The recipe; a name gets ``pad=True`` where the recipe has the field (a 10-class
     output's data-gradient GEMM contracts over 10, not a multiple of a 32-element block)."""
     if not isinstance(recipe, str):
@@ -365,7 +365,7 @@ def _named(recipe: Recipe | str) -> Recipe:
     return r
 
 
-def _check_float(x, what: str) -> None:
+def check_float(x, what: str) -> None:
     if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in _FLOATS]:
         raise ValueError(
             f"quantized matmul takes float operands (float32, bfloat16, float16, float64); "
@@ -406,11 +406,11 @@ def dot_general(
     Returns:
       The product, dtype ``preferred_element_type`` or the operands' result dtype.
     """
-    recipe = _named(recipe)
+    recipe = as_recipe(recipe)
     kinds = operand_kinds(weight)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-    _check_float(lhs, "lhs")
-    _check_float(rhs, "rhs")
+    check_float(lhs, "lhs")
+    check_float(rhs, "rhs")
     if isinstance(recipe, Delayed) and state is None:
         raise ValueError(
             "the delayed recipe needs this matmul's state: pass state=init_site_state(recipe)"
@@ -436,7 +436,7 @@ def dot_general(
     # VJP's cotangents (as varying as the data) match their inputs' types; JAX sums the
     # gradient of an invariant input (a replicated weight) over those axes as it does for x @ w
     a3, b3, state, key, nums = boundary.match_varying((a3, b3, state, key, nums))
-    out = _qdot3_jit(recipe.with_numbers(None), kinds, a3, b3, state, key, nums)
+    out = qdot3_jit(recipe.with_numbers(None), kinds, a3, b3, state, key, nums)
     batch_shape = tuple(lhs.shape[d] for d in lb)
     return out.reshape(*batch_shape, *lfree, *rfree).astype(out_dtype)
 

@@ -37,7 +37,7 @@ Where each signal comes from (the papers' own definitions, restated):
   dtype the gradient is produced in). The paper's threshold: below about ``sqrt(3)``,
   quantized training stops being effective. The layer's minimum.
 - ``q_underflow`` and ``q_mse`` (Transformer Engine's precision-debug ``AutoswitchGemm``
-  statistics, as :mod:`precisionlab.diagnose.autoswitch` computes them): the largest over the
+  statistics, as :func:`precisionlab.diagnose.autoswitch` computes them): the largest over the
   layer's replaced linear layers and their three operands (``x``, ``w``, ``g``) of the fraction of
   nonzero elements the recipe's quantizer flushes to zero, and of the mean squared
   quantization error; 0 without a recipe (the statistics of a quantized GEMM: a run without

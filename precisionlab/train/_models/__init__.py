@@ -43,7 +43,7 @@ import fnmatch
 from typing import Any
 
 from precisionlab.train import _registry as registry
-from precisionlab.train._models.base import MAX_DEPTH, MODELS, Model, _check_int
+from precisionlab.train._models.base import MAX_DEPTH, MODELS, Model, check_int
 from precisionlab.train._models.conv import ConvNet
 from precisionlab.train._models.mlp import MLP
 from precisionlab.train._models.transformer import Transformer
@@ -83,7 +83,7 @@ def layer_names(name: str, model_kwargs: dict[str, Any] | None = None) -> tuple[
     cls = registry.lookup(_BUILDERS, name, "model")
     fields = {f.name: f.default for f in dataclasses.fields(cls)}
     depth = (model_kwargs or {}).get("depth", fields["depth"])
-    _check_int("depth", depth, 1, MAX_DEPTH)
+    check_int("depth", depth, 1, MAX_DEPTH)
     prefix, last = {"mlp": ("layer", "out"), "transformer": ("block", "unembed")}.get(
         name, ("conv", "out")
     )

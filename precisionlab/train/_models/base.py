@@ -23,7 +23,7 @@ __all__ = ["MAX_DEPTH", "MODELS", "Model"]
 
 #: The built-in models :func:`make_model` builds.
 MODELS: tuple[str, ...] = ("mlp", "transformer", "conv")
-_ACTIVATIONS = ("relu", "gelu", "tanh")
+ACTIVATIONS = ("relu", "gelu", "tanh")
 
 
 #: Most layers a built-in model has (as ``precisionlab.memory``'s presets): beyond it the layer
@@ -31,7 +31,7 @@ _ACTIVATIONS = ("relu", "gelu", "tanh")
 MAX_DEPTH = 2**16
 
 
-def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
+def check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     if high is not None and value > high:
@@ -68,13 +68,13 @@ def _check_layers(model: Model, names: Any) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _check_scales(model: Model, *extra: str) -> None:
+def check_scales(model: Model, *extra: str) -> None:
     """The positive scales every model has (``init_scale``, ``act_scale``) and ``extra``."""
     for n in ("init_scale", "act_scale", *extra):
         _check_pos(n, getattr(model, n))
 
 
-def _check_layout(model: Model, n_stacked: int | None) -> None:
+def check_layout(model: Model, n_stacked: int | None) -> None:
     """``high_precision`` (normalized to a tuple of layer names) and, unless ``n_stacked`` is
     None (a model without ``scan_layers``), the scan options over ``n_stacked`` layers."""
     object.__setattr__(model, "high_precision", _check_layers(model, model.high_precision))
@@ -98,7 +98,7 @@ def _check_scan(model: Any, n_stacked: int) -> None:
         )
 
 
-def _stack_init(layers: list[Any], what: str) -> Any:
+def stack_init(layers: list[Any], what: str) -> Any:
     # Stacked on the host (numpy), so init still needs no compilation.
     def host(a: Any) -> Any:
         return a if isinstance(a, jax.ShapeDtypeStruct) else np.asarray(a)
@@ -110,24 +110,24 @@ def _stack_init(layers: list[Any], what: str) -> Any:
     return jax.tree_util.tree_map(device, stacked)
 
 
-class _Gen:
+class Gen:
     """Host-side initialiser: a numpy SeedSequence derived from a JAX key (no compilation)."""
 
     def __init__(self, seq: np.random.SeedSequence, shapes_only: bool = False):
         self.seq, self.shapes_only = seq, shapes_only
 
     @classmethod
-    def from_key(cls, key: jax.Array, shapes_only: bool = False) -> _Gen:
+    def from_key(cls, key: jax.Array, shapes_only: bool = False) -> Gen:
         if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
             key = jax.random.key_data(key)
         words = [int(w) for w in np.asarray(key, np.uint32).reshape(-1)]
         return cls(np.random.SeedSequence(words), shapes_only)
 
-    def split(self, n: int) -> list[_Gen]:
-        return [_Gen(child, self.shapes_only) for child in self.seq.spawn(n)]
+    def split(self, n: int) -> list[Gen]:
+        return [Gen(child, self.shapes_only) for child in self.seq.spawn(n)]
 
 
-def _normal(gen: _Gen, shape: tuple[int, ...], std: float) -> Any:
+def normal_init(gen: Gen, shape: tuple[int, ...], std: float) -> Any:
     if gen.shapes_only:
         return jax.ShapeDtypeStruct(shape, jnp.float32)
     draw = np.random.default_rng(gen.seq).standard_normal(shape, dtype=np.float32)
@@ -152,14 +152,14 @@ class Model:
     def init(self, key: jax.Array) -> Any:
         """Float32 params, a deterministic function of ``key`` (drawn on the host with numpy,
         so no compilation is needed)."""
-        return self._init(_Gen.from_key(key))
+        return self._init(Gen.from_key(key))
 
     def param_shapes(self) -> Any:
         """The params pytree as ``jax.ShapeDtypeStruct`` leaves (no random draws)."""
-        params = self._init(_Gen(np.random.SeedSequence(0), shapes_only=True))
+        params = self._init(Gen(np.random.SeedSequence(0), shapes_only=True))
         return jax.tree_util.tree_map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
 
-    def _init(self, gen: _Gen) -> Any:
+    def _init(self, gen: Gen) -> Any:
         raise NotImplementedError
 
     def layer_names(self) -> tuple[str, ...]:

@@ -12,12 +12,12 @@ from precisionlab.mixed._policy import Policy
 from precisionlab.train._models import conv_ops as _conv
 from precisionlab.train._models.base import (
     MAX_DEPTH,
+    Gen,
     Model,
-    _check_int,
-    _check_layout,
-    _check_scales,
-    _Gen,
-    _normal,
+    check_int,
+    check_layout,
+    check_scales,
+    normal_init,
 )
 
 __all__ = ["ConvNet"]
@@ -43,12 +43,12 @@ class ConvNet(Model):
 
     def __post_init__(self) -> None:
         for n in ("in_dim", "width"):
-            _check_int(n, getattr(self, n), 1)
-        _check_int("depth", self.depth, 1, MAX_DEPTH)
-        _check_int("num_classes", self.num_classes, 2)
-        _check_scales(self)
+            check_int(n, getattr(self, n), 1)
+        check_int("depth", self.depth, 1, MAX_DEPTH)
+        check_int("num_classes", self.num_classes, 2)
+        check_scales(self)
         _conv.check(self)
-        _check_layout(self, None)  # no scan_layers
+        check_layout(self, None)  # no scan_layers
 
     def layer_names(self) -> tuple[str, ...]:
         return (*(f"conv{i}" for i in range(self.depth)), "out")
@@ -56,8 +56,8 @@ class ConvNet(Model):
     def layer_params(self, name: str) -> str:
         return "['out']" if name == "out" else f"['convs'][{int(name[4:])}]"
 
-    def _init(self, gen: _Gen) -> dict[str, Any]:
-        return _conv.init_params(self, gen.split(self.depth + 1), _normal)
+    def _init(self, gen: Gen) -> dict[str, Any]:
+        return _conv.init_params(self, gen.split(self.depth + 1), normal_init)
 
     def apply(
         self,

@@ -17,15 +17,15 @@ from precisionlab.mixed._policy import Policy
 from precisionlab.quant import MX_FORMATS, fake_quant, get_mx_format
 from precisionlab.train._layers import scan_layers, unstack_layers
 from precisionlab.train._models.base import (
-    _ACTIVATIONS,
+    ACTIVATIONS,
     MAX_DEPTH,
+    Gen,
     Model,
-    _check_int,
-    _check_layout,
-    _check_scales,
-    _Gen,
-    _normal,
-    _stack_init,
+    check_int,
+    check_layout,
+    check_scales,
+    normal_init,
+    stack_init,
 )
 
 __all__ = ["MLP"]
@@ -57,13 +57,13 @@ class MLP(Model):
 
     def __post_init__(self) -> None:
         for n in ("in_dim", "width"):
-            _check_int(n, getattr(self, n), 1)
-        _check_int("num_classes", self.num_classes, 2)
-        _check_int("depth", self.depth, 1, MAX_DEPTH)
-        _check_scales(self, "overflow_scale")
-        if self.activation not in _ACTIVATIONS:
+            check_int(n, getattr(self, n), 1)
+        check_int("num_classes", self.num_classes, 2)
+        check_int("depth", self.depth, 1, MAX_DEPTH)
+        check_scales(self, "overflow_scale")
+        if self.activation not in ACTIVATIONS:
             raise ValueError(
-                f"unknown activation {self.activation!r}; allowed: {', '.join(_ACTIVATIONS)}"
+                f"unknown activation {self.activation!r}; allowed: {', '.join(ACTIVATIONS)}"
             )
         if (
             isinstance(self.overflow_layer, bool)  # true was silently layer 1
@@ -85,7 +85,7 @@ class MLP(Model):
                     f"needs use_layernorm = true and a width multiple of 32, got "
                     f"use_layernorm={self.use_layernorm}, width={self.width}"
                 )
-        _check_layout(self, self.depth - 1)  # layer 0 (in_dim -> width) is not stacked
+        check_layout(self, self.depth - 1)  # layer 0 (in_dim -> width) is not stacked
         if self.scan_layers and self.overflow_layer >= 1:
             raise ValueError(
                 f"overflow_layer {self.overflow_layer} is a stacked layer under scan_layers; "
@@ -98,14 +98,14 @@ class MLP(Model):
     def layer_params(self, name: str) -> str:
         return "['out']" if name == "out" else f"['hidden'][{int(name[5:])}]"
 
-    def _init(self, gen: _Gen) -> dict[str, Any]:
+    def _init(self, gen: Gen) -> dict[str, Any]:
         keys = gen.split(self.depth + 1)
         gain = math.sqrt(2.0) if self.activation == "relu" else 1.0
         hidden = []
         fan_in = self.in_dim
         for i in range(self.depth):
             layer = {
-                "w": _normal(
+                "w": normal_init(
                     keys[i], (fan_in, self.width), self.init_scale * gain / math.sqrt(fan_in)
                 ),
                 "b": jnp.zeros((self.width,), jnp.float32),
@@ -116,7 +116,9 @@ class MLP(Model):
             hidden.append(layer)
             fan_in = self.width
         out = {
-            "w": _normal(keys[-1], (fan_in, self.num_classes), self.init_scale / math.sqrt(fan_in)),
+            "w": normal_init(
+                keys[-1], (fan_in, self.num_classes), self.init_scale / math.sqrt(fan_in)
+            ),
             "b": jnp.zeros((self.num_classes,), jnp.float32),
         }
         params = {"hidden": hidden, "out": out}
@@ -127,7 +129,7 @@ class MLP(Model):
         ``"hidden_stack"`` (leaves ``[depth - 1, ...]``); layer 0 stays in ``"hidden"``."""
         if "hidden_stack" in params or len(params["hidden"]) < 2:
             return params
-        rest = _stack_init(list(params["hidden"][1:]), "hidden layer")
+        rest = stack_init(list(params["hidden"][1:]), "hidden layer")
         return {**params, "hidden": list(params["hidden"][:1]), "hidden_stack": rest}
 
     def unstack_params(self, params: dict[str, Any]) -> dict[str, Any]:

@@ -28,13 +28,13 @@ from precisionlab.quant import MX_FORMATS, fake_quant, get_mx_format
 from precisionlab.train._layers import scan_layers, unstack_layers
 from precisionlab.train._models.base import (
     MAX_DEPTH,
+    Gen,
     Model,
-    _check_int,
-    _check_layout,
-    _check_scales,
-    _Gen,
-    _normal,
-    _stack_init,
+    check_int,
+    check_layout,
+    check_scales,
+    normal_init,
+    stack_init,
 )
 
 __all__ = ["Transformer"]
@@ -68,12 +68,12 @@ class Transformer(Model):
 
     def __post_init__(self) -> None:
         for n in ("vocab_size", "seq_len", "d_model", "heads", "mlp_ratio"):
-            _check_int(n, getattr(self, n), 1)
-        _check_int("depth", self.depth, 1, MAX_DEPTH)
+            check_int(n, getattr(self, n), 1)
+        check_int("depth", self.depth, 1, MAX_DEPTH)
         if self.d_model % self.heads:
             raise ValueError(f"d_model {self.d_model} must be divisible by heads {self.heads}")
-        _check_scales(self, "outlier_scale")
-        _check_int("outlier_channels", self.outlier_channels, 0)
+        check_scales(self, "outlier_scale")
+        check_int("outlier_channels", self.outlier_channels, 0)
         if self.outlier_channels > self.d_model:
             raise ValueError(f"outlier_channels {self.outlier_channels} > d_model {self.d_model}")
         if self.mlp not in ("gelu", "swiglu"):
@@ -88,7 +88,7 @@ class Transformer(Model):
                     f"norm_format quantizes blocks of 32 channels: d_model {self.d_model} "
                     "must be a multiple of 32"
                 )
-        _check_layout(self, self.depth)
+        check_layout(self, self.depth)
 
     def layer_names(self) -> tuple[str, ...]:
         return (*(f"block{i}" for i in range(self.depth)), "unembed")
@@ -104,7 +104,7 @@ class Transformer(Model):
         m[: self.outlier_channels] = self.outlier_scale
         return ops.boundary(h * jnp.asarray(m, h.dtype), pol, enforce=enforce)
 
-    def _init(self, gen: _Gen) -> dict[str, Any]:
+    def _init(self, gen: Gen) -> dict[str, Any]:
         d, f = self.d_model, self.d_model * self.mlp_ratio
         s = self.init_scale
         keys = gen.split(3 + 4 * self.depth)
@@ -114,28 +114,28 @@ class Transformer(Model):
             # Output projections scaled by 1/sqrt(2 * depth) (GPT-2) to keep the residual tame.
             out_std = s / math.sqrt(d) / math.sqrt(2 * self.depth)
             blk = {
-                "qkv": _normal(k[0], (d, 3 * d), s / math.sqrt(d)),
-                "proj": _normal(k[1], (d, d), out_std),
-                "fc1": _normal(k[2], (d, f), s / math.sqrt(d)),
+                "qkv": normal_init(k[0], (d, 3 * d), s / math.sqrt(d)),
+                "proj": normal_init(k[1], (d, d), out_std),
+                "fc1": normal_init(k[2], (d, f), s / math.sqrt(d)),
                 "fc1_b": jnp.zeros((f,), jnp.float32),
-                "fc2": _normal(k[3], (f, d), s / math.sqrt(f) / math.sqrt(2 * self.depth)),
+                "fc2": normal_init(k[3], (f, d), s / math.sqrt(f) / math.sqrt(2 * self.depth)),
                 "fc2_b": jnp.zeros((d,), jnp.float32),
             }
             if self.mlp == "swiglu":  # fc1's draw becomes the gate; the up projection's own
                 gate, up = k[2].split(2)
                 del blk["fc1"], blk["fc1_b"], blk["fc2_b"]
-                blk["w_gate"] = _normal(gate, (d, f), s / math.sqrt(d))
-                blk["w_up"] = _normal(up, (d, f), s / math.sqrt(d))
+                blk["w_gate"] = normal_init(gate, (d, f), s / math.sqrt(d))
+                blk["w_up"] = normal_init(up, (d, f), s / math.sqrt(d))
             if self.use_layernorm:
                 for n in ("ln1", "ln2"):
                     blk[f"{n}_scale"] = jnp.ones((d,), jnp.float32)
                     blk[f"{n}_bias"] = jnp.zeros((d,), jnp.float32)
             blocks.append(blk)
         params = {
-            "embed": _normal(keys[0], (self.vocab_size, d), s * 0.5),
-            "pos": _normal(keys[1], (self.seq_len, d), s * 0.1),
-            "blocks": _stack_init(blocks, "block") if self.scan_layers else blocks,
-            "unembed": _normal(keys[2], (d, self.vocab_size), s / math.sqrt(d)),
+            "embed": normal_init(keys[0], (self.vocab_size, d), s * 0.5),
+            "pos": normal_init(keys[1], (self.seq_len, d), s * 0.1),
+            "blocks": stack_init(blocks, "block") if self.scan_layers else blocks,
+            "unembed": normal_init(keys[2], (d, self.vocab_size), s / math.sqrt(d)),
         }
         if self.use_layernorm:
             params["ln_f_scale"] = jnp.ones((d,), jnp.float32)
@@ -147,7 +147,7 @@ class Transformer(Model):
         ``[depth, ...]`` instead of a list of ``depth`` dicts."""
         if not isinstance(params["blocks"], list | tuple):
             return params
-        return {**params, "blocks": _stack_init(list(params["blocks"]), "block")}
+        return {**params, "blocks": stack_init(list(params["blocks"]), "block")}
 
     def unstack_params(self, params: dict[str, Any]) -> dict[str, Any]:
         """The inverse of :meth:`stack_params`: ``"blocks"`` a list of per-block dicts."""
