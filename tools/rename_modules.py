@@ -16,7 +16,8 @@ comment); a pair may name a package (its directory moves whole). The script
    - dotted names ``precisionlab.a.old`` (whole words: ``precisionlab.a.old_x`` is another
      module) in imports, strings (``mock.patch`` targets, ``python -m``, mypy's module
      lists) and prose,
-   - file paths ``precisionlab/a/old.py`` and ``a/old.py`` (and ``a/old/`` for a package);
+   - file paths ``precisionlab/a/old.py`` and ``a/old.py`` (and ``a/old/`` for a package),
+   - Sphinx's relative references in the package's docstrings (``:mod:`.old``` in package a);
 3. sorts and formats the Python files it changed (``ruff``), when ruff is installed.
 
 It is idempotent: run again after merging branches that still use the old names (or add new
@@ -258,8 +259,20 @@ class Rewriter:
 
         return self._LINE_IMPORT.sub(names_sub, text)
 
-    def rewrite(self, text: str, is_python: bool) -> str:
+    def relative_refs(self, text: str, package: str) -> str:
+        """Sphinx's relative references in a docstring of ``package``: ``:mod:`.old```."""
+        renamed = self.by_parent.get(package, {})
+
+        def sub(m: re.Match[str]) -> str:
+            r = renamed.get(m.group(2))
+            return m.group(0) if r is None else f"{m.group(1)}{r.new_leaf}{m.group(3)}"
+
+        return re.sub(r"(:\w+:`~?\.)(\w+)([.`])", sub, text)
+
+    def rewrite(self, text: str, is_python: bool, package: str = "") -> str:
         text = self.python_imports(text) if is_python else self.line_imports(text)
+        if package:
+            text = self.relative_refs(text, package)
         if self.dotted is not None:
             text = self.dotted.sub(self._dotted_sub, text)
         if self.paths is not None:
@@ -282,7 +295,9 @@ def rewrite_tree(rewriter: Rewriter, skip: set[Path], dry_run: bool) -> list[Pat
             continue
         if "\0" in text:
             continue
-        new = rewriter.rewrite(text, is_python=path.suffix == ".py")
+        rel = path.relative_to(ROOT)
+        package = ".".join(rel.parts[:-1]) if rel.parts[0] == PACKAGE else ""
+        new = rewriter.rewrite(text, is_python=path.suffix == ".py", package=package)
         if new != text:
             changed.append(path)
             print(f"rewrite {path.relative_to(ROOT)}")

@@ -3,8 +3,8 @@
 Every library that is installed (ml_dtypes, XLA on each JAX backend, numpy, gfloat, torch)
 converts an edge-case input set into every format it supports, and each result is compared
 with the exact reference (:mod:`precisionlab.bits.reference`, vectorized exactly in
-:mod:`.exact`). Disagreements are classified as spec violations, documented conventions or
-undefined cases, each with the spec text it rests on (:mod:`.spec`).
+:mod:`._exact`). Disagreements are classified as spec violations, documented conventions or
+undefined cases, each with the spec text it rests on (:mod:`._spec`).
 
 Layering: uses formats and bits; writes into the run store of :mod:`precisionlab.experiments`.
 """

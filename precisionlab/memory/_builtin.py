@@ -277,7 +277,7 @@ def measure_train_table(table: dict[str, Any], where: str = "train") -> dict[str
 def _recipe_part(table, where, train_recipe, model, cfg, state, got) -> dict[str, Any]:
     """A recipe step's extra memory: its state in the arguments (delayed scaling: float32
     (L + 2) x 3 per matmul site, counted from the model's matmuls; with include/exclude, from
-    the sites the state holds), the copies hardware would keep (:mod:`.recipe`), and XLA's
+    the sites the state holds), the copies hardware would keep (:mod:`._recipe`), and XLA's
     temporaries of the same step without the recipe, measured for the difference."""
     recipe = train_recipe.recipe
     gemms = builtin_gemms(model, cfg.batch_size // cfg.microbatches)
