@@ -200,11 +200,7 @@ class Rewriter:
         return self.new_of[old]
 
     def _path_sub(self, m: re.Match[str]) -> str:
-        whole = m.group("path")
-        for old, new in self.path_new.items():
-            if whole.startswith(old):
-                return new + whole[len(old) :]
-        return whole
+        return self.path_new[m.group("path")]
 
     def alias(self, package: str, name: str, asname: str | None) -> str | None:
         """The new text of ``name [as asname]`` imported from ``package``, or None to keep."""
