@@ -330,7 +330,7 @@ def test_the_child_gets_the_same_arguments():
 BROADCAST = """
 import json, sys
 import ml_dtypes, numpy as np
-from precisionlab.train import distributed, save_checkpoint
+from precisionlab.train import _distributed as distributed, save_checkpoint
 
 port, index, ckpt = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 distributed.initialize(f"localhost:{port}", 2, index, timeout_s=60)

@@ -44,7 +44,7 @@ name = "b"
 _FAKE_TRAINER = textwrap.dedent(
     """
     import os, sys, time
-    from precisionlab.experiments import train_kind
+    from precisionlab.experiments import _train_kind as train_kind
 
     def run_unit(cfg, unit_dir, *, on_step, on_hist, resume, quiet, label, hooks=(),
                  on_telemetry=None, timings=None):
@@ -150,7 +150,7 @@ def test_the_lock_is_taken_before_config_json_is_written(work, cli):
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import time
-            from precisionlab.experiments import store
+            from precisionlab.experiments import _store as store
             with store.run_lock({str(out)!r}):
                 print("locked", flush=True)
                 time.sleep(60)
@@ -1018,7 +1018,7 @@ def test_a_rerun_copies_its_telemetry_figures_instead_of_drawing_them(work, monk
 _FAKE_TOURNAMENT = textwrap.dedent(
     """
     import sys, time
-    from precisionlab.experiments import tournament
+    from precisionlab.experiments import _tournament as tournament
 
     def run_unit(section, unit, unit_dir, include):
         time.sleep(30)  # ended by the signal

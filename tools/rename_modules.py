@@ -235,7 +235,7 @@ class Rewriter:
     _LINE_IMPORT = re.compile(r"(?P<head>\bfrom\s+(?P<pkg>[\w.]+)\s+import\s+)(?P<names>[^\n(\\]+)")
 
     def line_imports(self, text: str) -> str:
-        """The same, for single-line imports in docs and notebooks (text, not Python)."""
+        """The same, for single-line imports in docs, notebooks and strings (text, not Python)."""
 
         def names_sub(m: re.Match[str]) -> str:
             package = m.group("pkg")
@@ -266,7 +266,9 @@ class Rewriter:
         return re.sub(r"(:\w+:`~?\.)(\w+)([.`])", sub, text)
 
     def rewrite(self, text: str, is_python: bool, package: str = "") -> str:
-        text = self.python_imports(text) if is_python else self.line_imports(text)
+        if is_python:  # then the imports inside strings (``python -c`` scripts, examples)
+            text = self.python_imports(text)
+        text = self.line_imports(text)
         if package:
             text = self.relative_refs(text, package)
         if self.dotted is not None:
