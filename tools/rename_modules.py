@@ -210,19 +210,36 @@ class Rewriter:
         return f"{r.new_leaf} as {asname or name}"
 
     def python_imports(self, text: str) -> str:
-        """``from package import old`` -> ``from package import _new as old``, exactly."""
+        """``from package import old`` -> ``from package import _new as old``, and
+        ``package.old`` -> ``package._new`` where ``package`` is a name bound to the package
+        (``from precisionlab import verify``; ``verify.hook.parse_steps``), exactly."""
         try:
             tree = ast.parse(text)
         except SyntaxError:
             return self.line_imports(text)
         edits = []
+        packages: dict[str, str] = {}  # local name -> the renamed modules' package it binds
         for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.asname and a.name in self.by_parent:
+                        packages[a.asname] = a.name
             if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
                 continue
             for a in node.names:
+                if f"{node.module}.{a.name}" in self.by_parent:
+                    packages[a.asname or a.name] = f"{node.module}.{a.name}"
                 new = self.alias(node.module, a.name, a.asname)
                 if new is not None:
                     edits.append((a.lineno, a.col_offset, a.end_lineno, a.end_col_offset, new))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                package = packages.get(node.value.id)
+                r = self.by_parent.get(package or "", {}).get(node.attr)
+                if r is not None and r.old not in self.shadowed and node.end_col_offset:
+                    end = node.end_col_offset
+                    start = end - len(node.attr.encode("utf-8"))
+                    edits.append((node.end_lineno, start, node.end_lineno, end, r.new_leaf))
         if not edits:
             return text
         lines = text.splitlines(keepends=True)
