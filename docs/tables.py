@@ -176,7 +176,7 @@ def run_dir(ctx: Context, config: str) -> Path:
 def summary_table(ctx: Context, config: str, drop: tuple[str, ...] = ("status", "time_s")) -> str:
     """The run's summary table (``precisionlab report``'s columns, without ``drop``, and
     without inf/nan where no variant had any) in Markdown."""
-    from precisionlab.experiments import report
+    from precisionlab.experiments import _report as report
 
     summary = json.loads((run_dir(ctx, config) / "summary.json").read_text())
     headers = report.headers()
@@ -435,7 +435,7 @@ def _mismatch(ctx: Context) -> dict:
 
 def rl_mismatch(ctx: Context) -> str:
     """The mismatch experiment's gap and ratio tables and its attribution by layer."""
-    from precisionlab.experiments import mismatch_report
+    from precisionlab.experiments import _mismatch_report as mismatch_report
 
     summary = _mismatch(ctx)
     return (
@@ -447,7 +447,7 @@ def rl_mismatch(ctx: Context) -> str:
 
 def rl_reinforce(ctx: Context) -> str:
     """The mismatch experiment's REINFORCE table (same run as rl-mismatch)."""
-    from precisionlab.experiments import mismatch_report
+    from precisionlab.experiments import _mismatch_report as mismatch_report
 
     return mismatch_report.rl_table(_mismatch(ctx))
 
@@ -493,7 +493,7 @@ def fp4_tournament(ctx: Context) -> str:
     copied to docs/img/fp4_tournament_{loss,gaps,gemm_stats}.png, which the page shows."""
     import shutil
 
-    from precisionlab.experiments import tournament_report
+    from precisionlab.experiments import _tournament_report as tournament_report
 
     config = "experiments/fp4_tournament.toml"
     out = run_dir(ctx, config) / "tournament"
@@ -555,7 +555,7 @@ def forecast_evaluation(ctx: Context) -> str:
 
 def forecast_suite(ctx: Context) -> str:
     """Per setting: the variants, what happened to them (failure, step) and the alarms."""
-    from precisionlab.experiments.report import markdown_table
+    from precisionlab.experiments._report import markdown_table
 
     result = _forecast(ctx)
     groups: dict[tuple[str, str], list[dict]] = {}
@@ -584,8 +584,8 @@ def forecast_suite(ctx: Context) -> str:
 
 def forecast_rules(ctx: Context) -> str:
     """The frozen model's rules: what the forecaster fires on (the shipped thresholds)."""
-    from precisionlab.experiments.report import markdown_table
-    from precisionlab.train.forecast import load_model
+    from precisionlab.experiments._report import markdown_table
+    from precisionlab.train._forecast import load_model
 
     model = load_model()
     rows = []

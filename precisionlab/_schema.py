@@ -1,7 +1,7 @@
 """One declarative schema for every table of plain values: typed keys, defaults, allowed values
 and numeric ranges.
 
-Used by the train config (:mod:`precisionlab.train.config`), the experiment files, the survey and
+Used by the train config (:mod:`precisionlab.train._config`), the experiment files, the survey and
 the memory experiment; it imports nothing of precisionlab, so any layer may use it. Validation is
 strict (an unknown key is an error, never ignored) and every error is one :class:`ConfigError`
 line naming where it happened (file and key path), the bad value and what is allowed.

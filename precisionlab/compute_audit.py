@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from precisionlab.intercept import Context, Promotion, Site, flops_by_dtype, intercept
-from precisionlab.mixed.policy import get_policy
+from precisionlab.mixed._policy import get_policy
 
 __all__ = ["Audit", "AuditSite", "ComputeDtypeWarning", "audit"]
 

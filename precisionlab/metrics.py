@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from precisionlab.formats import FloatFormat, Format, IntFormat, get_format
-from precisionlab.quant import pow2
-from precisionlab.quant.mx import get_mx_format
+from precisionlab.quant import _pow2 as pow2
+from precisionlab.quant._mx import get_mx_format
 
 __all__ = ["METRICS", "ErrorReport", "error_report", "format_table"]
 

@@ -30,7 +30,7 @@ from precisionlab.bits import ROUNDING_MODES, parse_rounding
 from precisionlab.formats import FloatFormat, get_format
 from precisionlab.metrics import error_report, format_table
 from precisionlab.quant import dequantize, element_scales, get_mx_format, quantize
-from precisionlab.quant.spec import parse_format, parse_scale
+from precisionlab.quant._spec import parse_format, parse_scale
 
 __all__ = [
     "DEFAULTS",

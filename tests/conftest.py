@@ -39,7 +39,7 @@ def pytest_configure(config):
     controller = config.getoption("numprocesses", None) and not hasattr(config, "workerinput")
     if controller or os.environ.get("PRECISIONLAB_TEST_COMPILE_CACHE", "1") == "0":
         return
-    from precisionlab.train.compile_cache import ENV, enable_compilation_cache
+    from precisionlab.train._compile_cache import ENV, enable_compilation_cache
 
     path = tempfile.mkdtemp(prefix="precisionlab-test-jax-cache-")
     _CACHE_DIRS.append(path)

@@ -49,7 +49,7 @@ def _model(args):
     """The mismatch experiment's model: its trained params if given, else trained here."""
     import jax
 
-    from precisionlab.experiments import mismatch_kind
+    from precisionlab.experiments import _mismatch_kind as mismatch_kind
     from precisionlab.train import TrainConfig, make_model, train
 
     table = dict(mismatch_kind.DEFAULT_TRAIN)

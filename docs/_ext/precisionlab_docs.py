@@ -287,13 +287,15 @@ def _schema_table(schema, undocumented: list[str], where: str) -> list[str]:
 
 def _experiment_page() -> str:
     from precisionlab import survey
-    from precisionlab.experiments import config, mismatch_kind, tournament
-    from precisionlab.memory import checkpointing
-    from precisionlab.memory import experiment as memory
-    from precisionlab.train.config import TRAIN_FIELDS
-    from precisionlab.train.optim import OPTIMIZER_FIELDS
-    from precisionlab.train.predictors import PREDICTOR_FIELDS
-    from precisionlab.train.telemetry import TELEMETRY_FIELDS
+    from precisionlab.experiments import _config as config
+    from precisionlab.experiments import _mismatch_kind as mismatch_kind
+    from precisionlab.experiments import _tournament as tournament
+    from precisionlab.memory import _checkpointing as checkpointing
+    from precisionlab.memory import _experiment as memory
+    from precisionlab.train._config import TRAIN_FIELDS
+    from precisionlab.train._optim import OPTIMIZER_FIELDS
+    from precisionlab.train._predictors import PREDICTOR_FIELDS
+    from precisionlab.train._telemetry import TELEMETRY_FIELDS
 
     undocumented: list[str] = []
     lines = [
@@ -349,7 +351,7 @@ def generate(app: Sphinx) -> None:
 
 
 def _resolve(app, env, node, contnode):
-    """A docstring names an object by its defining module (``precisionlab.bits.rounding.X``)
+    """A docstring names an object by its defining module (``precisionlab.bits._rounding.X``)
     or unqualified (``X``, meaning the module's own); the API pages document it under its
     public namespace. Resolve to that page when exactly one public name fits."""
     if node.get("refdomain") != "py":

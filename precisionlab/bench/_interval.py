@@ -25,7 +25,7 @@ from precisionlab.bench._timing import (
     time_interleaved,
 )
 from precisionlab.train import StepOptions, build_step, make_data, make_model
-from precisionlab.train.models import Model
+from precisionlab.train._models import Model
 
 __all__ = [
     "BATCH_MAX",

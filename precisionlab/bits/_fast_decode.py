@@ -81,7 +81,7 @@ def _decode_e8m0_to_float32(codes: jax.Array) -> jax.Array:
     float32 subnormal, and 255, NaN (quiet, positive, as on the general path). Both are the
     shifted code with the bit 0x400000 set: it is set without a select, from one uint8 test
     (c - 1 wraps code 0 to 255); faster than two selects on the float32 bits in interleaved
-    timings (uint8 codes, as :func:`precisionlab.bits.codec._decode` passes them)."""
+    timings (uint8 codes, as :func:`precisionlab.bits._codec._decode` passes them)."""
     work = jnp.dtype(jnp.uint32)
     c = codes.astype(jnp.uint8)
     special = (c - np.uint8(1)) >= np.uint8(254)  # codes 0 and 255

@@ -16,7 +16,7 @@ from jax import lax
 
 from precisionlab.bits._pack import finish, nan_magnitude, toward_zero
 from precisionlab.bits._parse import E8M0, F32, Parsed, bias, const, uint
-from precisionlab.bits.rounding import Rounding
+from precisionlab.bits._rounding import Rounding
 from precisionlab.formats import FloatFormat, Format, IntFormat, Specials
 
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from precisionlab.bits._parse import Parsed, const, shl, shr
-from precisionlab.bits.rounding import Rounding
+from precisionlab.bits._rounding import Rounding
 from precisionlab.formats import FloatFormat, Format, IntFormat, Specials
 
 

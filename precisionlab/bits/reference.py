@@ -1,7 +1,7 @@
 """Scalar reference codec in plain Python integers and fractions.
 
 Slow and obviously correct: every value is rounded exactly from its rational value, so there
-is no double rounding. The vectorized JAX codec in :mod:`precisionlab.bits.codec` is tested
+is no double rounding. The vectorized JAX codec in :mod:`precisionlab.bits._codec` is tested
 against it (and both against ml_dtypes). The CLI uses it to round decimal input exactly.
 
 Conventions where the formats leave a choice (shared with the vectorized codec):
@@ -24,7 +24,7 @@ import random
 from decimal import Decimal
 from fractions import Fraction
 
-from precisionlab.bits.rounding import Rounding, parse_rounding
+from precisionlab.bits._rounding import Rounding, parse_rounding
 from precisionlab.formats import FloatFormat, Format, IntFormat, Specials, get_format
 
 __all__ = ["decode_scalar", "encode_scalar", "exact_value", "next_down", "next_up"]
@@ -134,7 +134,7 @@ def encode_scalar(
     Args:
       value: an int, float (nan and +-inf allowed), Fraction or Decimal, rounded exactly.
       fmt: a format or its name.
-      rounding: a mode of :class:`~precisionlab.bits.rounding.Rounding`.
+      rounding: a mode of :class:`~precisionlab.bits._rounding.Rounding`.
       saturate: map out-of-range values and +-inf to +-max (NaN stays NaN where it exists).
       subnormals: if False, results that would be subnormal become zero of the same sign.
       u: for stochastic rounding, the uniform draw in [0, 1) (rounds up iff u < fraction);

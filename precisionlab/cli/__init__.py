@@ -28,37 +28,37 @@ def _module(name: str) -> ModuleType:
     """The module of subcommand ``name``, imported now (a command imports only its own module,
     and ``--version`` none)."""
     if name == "bits":
-        from precisionlab.cli import bits_cmd as module
+        from precisionlab.cli import _bits_cmd as module
     elif name == "formats":
-        from precisionlab.cli import formats_cmd as module
+        from precisionlab.cli import _formats_cmd as module
     elif name == "values":
-        from precisionlab.cli import values_cmd as module
+        from precisionlab.cli import _values_cmd as module
     elif name == "env":
-        from precisionlab.cli import env_cmd as module
+        from precisionlab.cli import _env_cmd as module
     elif name == "survey":
-        from precisionlab.cli import survey_cmd as module
+        from precisionlab.cli import _survey_cmd as module
     elif name == "memory":
-        from precisionlab.cli import memory_cmd as module
+        from precisionlab.cli import _memory_cmd as module
     elif name == "run":
-        from precisionlab.cli import run_cmd as module
+        from precisionlab.cli import _run_cmd as module
     elif name == "report":
-        from precisionlab.cli import report_cmd as module
+        from precisionlab.cli import _report_cmd as module
     elif name == "compare":
-        from precisionlab.cli import compare_cmd as module
+        from precisionlab.cli import _compare_cmd as module
     elif name == "bench":
-        from precisionlab.cli import bench_cmd as module
+        from precisionlab.cli import _bench_cmd as module
     elif name == "conformance":
-        from precisionlab.cli import conformance_cmd as module
+        from precisionlab.cli import _conformance_cmd as module
     elif name == "diagnose":
-        from precisionlab.cli import diagnose_cmd as module
+        from precisionlab.cli import _diagnose_cmd as module
     elif name == "emulate-check":
-        from precisionlab.cli import emulate_check_cmd as module
+        from precisionlab.cli import _emulate_check_cmd as module
     elif name == "invariance":
-        from precisionlab.cli import invariance_cmd as module
+        from precisionlab.cli import _invariance_cmd as module
     elif name == "order":
-        from precisionlab.cli import order_cmd as module
+        from precisionlab.cli import _order_cmd as module
     elif name == "verify":
-        from precisionlab.cli import verify_cmd as module
+        from precisionlab.cli import _verify_cmd as module
     else:
         raise KeyError(name)
     return module

@@ -173,8 +173,8 @@ def child(
     others follow it), leave the distributed runtime, then (process 0) write the report."""
     import jax
 
-    from precisionlab.experiments import runner
-    from precisionlab.train import distributed
+    from precisionlab.experiments import _runner as runner
+    from precisionlab.train import _distributed as distributed
 
     coordinator, n, i, timeout = spec
     try:

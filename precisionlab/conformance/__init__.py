@@ -3,18 +3,18 @@
 Every library that is installed (ml_dtypes, XLA on each JAX backend, numpy, gfloat, torch)
 converts an edge-case input set into every format it supports, and each result is compared
 with the exact reference (:mod:`precisionlab.bits.reference`, vectorized exactly in
-:mod:`.exact`). Disagreements are classified as spec violations, documented conventions or
-undefined cases, each with the spec text it rests on (:mod:`.spec`).
+:mod:`._exact`). Disagreements are classified as spec violations, documented conventions or
+undefined cases, each with the spec text it rests on (:mod:`._spec`).
 
 Layering: uses formats and bits; writes into the run store of :mod:`precisionlab.experiments`.
 """
 
-from precisionlab.conformance.adapters import LIBRARIES, Claim
-from precisionlab.conformance.cases import SOURCES, edge_inputs
-from precisionlab.conformance.classify import CATEGORIES, RULES, classify
-from precisionlab.conformance.exact import encode_exact, is_midpoint
-from precisionlab.conformance.report import markdown, matrix_tables, to_json, write_report
-from precisionlab.conformance.run import (
+from precisionlab.conformance._adapters import LIBRARIES, Claim
+from precisionlab.conformance._cases import SOURCES, edge_inputs
+from precisionlab.conformance._classify import CATEGORIES, RULES, classify
+from precisionlab.conformance._exact import encode_exact, is_midpoint
+from precisionlab.conformance._report import markdown, matrix_tables, to_json, write_report
+from precisionlab.conformance._run import (
     DEFAULT_LIBS,
     DEFAULT_SOURCES,
     Result,

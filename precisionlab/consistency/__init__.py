@@ -6,19 +6,19 @@
   run cares about (:class:`Gap`);
 - :func:`attribute`: which layer injects the gap, by activation patching;
 - :class:`TransformerLM`: the built-in transformer with a KV cache, patchable layers;
-- batch invariance (:mod:`~precisionlab.consistency.invariance`): :func:`measure_gemm` and
+- batch invariance (:mod:`~precisionlab.consistency._invariance`): :func:`measure_gemm` and
   :func:`measure_model` on the running backend, :func:`predict` for a named GPU;
-- order discovery (:mod:`~precisionlab.consistency.order`): :func:`reveal` the summation
+- order discovery (:mod:`~precisionlab.consistency._order`): :func:`reveal` the summation
   tree of a black-box reduction (FPRev's probes), :func:`schedule_tree` of a hardware
   preset's model, reference orders;
-- the consequence (:mod:`~precisionlab.consistency.rl`): :func:`reinforce`, on-policy
+- the consequence (:mod:`~precisionlab.consistency._rl`): :func:`reinforce`, on-policy
   REINFORCE whose sampler and trainer differ only in numerics, with and without truncated
   importance sampling.
 """
 
-from precisionlab.consistency.attribution import Attribution, LayerShare, attribute
-from precisionlab.consistency.gap import CLIP, Gap, gap_from_logits, logprob_gap
-from precisionlab.consistency.invariance import (
+from precisionlab.consistency._attribution import Attribution, LayerShare, attribute
+from precisionlab.consistency._gap import CLIP, Gap, gap_from_logits, logprob_gap
+from precisionlab.consistency._invariance import (
     GemmInvariance,
     ModelInvariance,
     Prediction,
@@ -27,8 +27,8 @@ from precisionlab.consistency.invariance import (
     measure_model,
     predict,
 )
-from precisionlab.consistency.lm import LM, FunctionLM, TransformerLM, as_lm
-from precisionlab.consistency.order import (
+from precisionlab.consistency._lm import LM, FunctionLM, TransformerLM, as_lm
+from precisionlab.consistency._order import (
     Tree,
     blocked_tree,
     masking_values,
@@ -37,9 +37,9 @@ from precisionlab.consistency.order import (
     schedule_tree,
     sequential_tree,
 )
-from precisionlab.consistency.rl import RLConfig, reinforce
-from precisionlab.consistency.run import Result, Runner
-from precisionlab.consistency.stack import MODES, Stack, hardware_names, parse_stack
+from precisionlab.consistency._rl import RLConfig, reinforce
+from precisionlab.consistency._run import Result, Runner
+from precisionlab.consistency._stack import MODES, Stack, hardware_names, parse_stack
 
 __all__ = [
     "CLIP",

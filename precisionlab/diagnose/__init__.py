@@ -2,7 +2,7 @@
 
 On experiment variants (``precisionlab diagnose``) and on any JAX function
 (``compare(fn, args, reference="fp32", candidate="c=f16")``, ``bisect(fn, args, ...)``,
-``autoswitch(fn, args, recipe=...)``: :mod:`precisionlab.diagnose.function`).
+``autoswitch(fn, args, recipe=...)``: :mod:`precisionlab.diagnose._function`).
 
 - :func:`compare`: two variants of an experiment in lockstep (same batches and seeds), every
   intercepted tensor compared per step; the first break, explained by its statistics.
@@ -19,27 +19,27 @@ On experiment variants (``precisionlab diagnose``) and on any JAX function
 data; the ``write_*`` functions put a report into a run directory.
 """
 
-from precisionlab.diagnose._forecast_run import forecast_command, write_forecast
-from precisionlab.diagnose._report import open_run, write_autoswitch, write_bisect, write_compare
-from precisionlab.diagnose._variants import check, load_units, pick
-from precisionlab.diagnose.autoswitch import AutoSwitchRecipe, SwitchOptions, SwitchResult
-from precisionlab.diagnose.bisect import BisectOptions, BisectResult, BisectRun, run_budget
-from precisionlab.diagnose.compare import (
+from precisionlab.diagnose._autoswitch import AutoSwitchRecipe, SwitchOptions, SwitchResult
+from precisionlab.diagnose._bisect import BisectOptions, BisectResult, BisectRun, run_budget
+from precisionlab.diagnose._compare import (
     CompareOptions,
     CompareResult,
     Crossing,
     match_tensors,
     relative_difference,
 )
-from precisionlab.diagnose.forecast import fit as fit_forecaster
-from precisionlab.diagnose.forecast import run_forecast
-from precisionlab.diagnose.function import (
+from precisionlab.diagnose._forecast import fit as fit_forecaster
+from precisionlab.diagnose._forecast import run_forecast
+from precisionlab.diagnose._forecast_run import forecast_command, write_forecast
+from precisionlab.diagnose._function import (
     FunctionBisect,
     FunctionComparison,
     autoswitch,
     bisect,
     compare,
 )
+from precisionlab.diagnose._report import open_run, write_autoswitch, write_bisect, write_compare
+from precisionlab.diagnose._variants import check, load_units, pick
 
 __all__ = [
     "AutoSwitchRecipe",

@@ -32,7 +32,7 @@ import numpy as np
 from precisionlab.intercept import Context, Emit, PerIteration, Site, intercept
 from precisionlab.recipes import dot_general as recipe_dot
 from precisionlab.train import TrainSetup
-from precisionlab.train.step import cast_compute
+from precisionlab.train._step import cast_compute
 
 __all__ = ["Capture", "Tensor"]
 

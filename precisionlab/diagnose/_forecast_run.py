@@ -9,12 +9,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from precisionlab.diagnose.bisect import BisectOptions, bisect, final_loss
-from precisionlab.diagnose.forecast import UnitRun, ground_truth, load_run, run_forecast
-from precisionlab.experiments import runner, store
-from precisionlab.experiments.config import experiment_from_document, load_experiment
-from precisionlab.experiments.report import markdown_table, text_table
-from precisionlab.train.forecast import load_model
+from precisionlab.diagnose._bisect import BisectOptions, bisect, final_loss
+from precisionlab.diagnose._forecast import UnitRun, ground_truth, load_run, run_forecast
+from precisionlab.experiments import _runner as runner
+from precisionlab.experiments import _store as store
+from precisionlab.experiments._config import experiment_from_document, load_experiment
+from precisionlab.experiments._report import markdown_table, text_table
+from precisionlab.train._forecast import load_model
 
 __all__ = ["bisect_layers", "forecast_command", "scores_table", "write_forecast"]
 

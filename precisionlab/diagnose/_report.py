@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from precisionlab.experiments import store
-from precisionlab.experiments.report import markdown_table, text_table
+from precisionlab.experiments import _store as store
+from precisionlab.experiments._report import markdown_table, text_table
 
 __all__ = ["open_run", "write_autoswitch", "write_bisect", "write_compare"]
 

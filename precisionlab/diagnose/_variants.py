@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from precisionlab.experiments.config import Experiment, Unit, load_experiment
+from precisionlab.experiments._config import Experiment, Unit, load_experiment
 from precisionlab.train import TrainConfig
-from precisionlab.train.models import layer_names, resolve_layers
+from precisionlab.train._models import layer_names, resolve_layers
 
 __all__ = ["SHARED_KEYS", "check", "load_units", "pick", "with_layers_high"]
 

@@ -14,7 +14,7 @@ the operations by their share of the output's difference; :func:`attribute` does
 two ways of computing a function (:class:`Side`: as written, a policy, an emulate model, a
 recipe).
 Built on :mod:`precisionlab.intercept` and the rounding of
-:mod:`precisionlab.mixed.numerics` (the built-in models' forced numerics).
+:mod:`precisionlab.mixed._numerics` (the built-in models' forced numerics).
 """
 
 from precisionlab.emulate._attribution import Attribution, OpAttribution, Side, attribute

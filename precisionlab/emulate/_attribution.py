@@ -40,10 +40,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from precisionlab import recipes
-from precisionlab.emulate._emulate import Emulated, _collect, emulate
-from precisionlab.intercept import Context, Emit, PerIteration, Site, boundary, intercept
+from precisionlab.emulate._emulate import Emulated, collect, emulate
+from precisionlab.intercept import Context, Emit, PerIteration, Site, intercept
+from precisionlab.intercept import _boundary as boundary
 from precisionlab.mixed import filter_jit
-from precisionlab.mixed.policy import get_policy
+from precisionlab.mixed._policy import get_policy
 
 __all__ = ["Attribution", "OpAttribution", "Side", "attribute", "float_primitives", "native"]
 
@@ -174,7 +175,7 @@ def float_primitives(fn: Callable, args: tuple, kwargs: Mapping | None = None) -
     (recursively), plus ``dot_general``: the operations a comparison records."""
     closed = boundary.trace(fn, args, dict(kwargs or {}))[0]
     found: set[str] = {"dot_general"}
-    _collect(closed.jaxpr, found)
+    collect(closed.jaxpr, found)
     return tuple(sorted(found))
 
 

@@ -7,7 +7,7 @@ operation as :mod:`precisionlab.emulate._model` says XLA:GPU does (correctly rou
 transcendentals, ``integer_pow`` as rounded multiplies, true division; matmuls through the
 ``hardware=`` model of :mod:`precisionlab.emulate._matmul`), applies XLA's constant folding
 (:mod:`precisionlab.emulate._simplify`), and rounds each floating result to its target dtype
-(:func:`precisionlab.mixed.numerics.enforce`: ``lax.reduce_precision``, which XLA never
+(:func:`precisionlab.mixed._numerics.enforce`: ``lax.reduce_precision``, which XLA never
 elides, with float16's subnormals kept, or the project's codec for float8_e4m3fn). The target
 is the value's own dtype where that is 16 bits or narrower; a float32 value keeps float32 in
 a program that computes in the compute dtype itself (its deliberate upcasts, e.g.
@@ -43,9 +43,10 @@ from jax import lax
 
 from precisionlab.emulate import _matmul, _model, _simplify, _subnormal
 from precisionlab.emulate._simplify import Folds
-from precisionlab.intercept import Context, Intercepted, Site, boundary, compute_line, intercept
-from precisionlab.mixed.numerics import enforce
-from precisionlab.mixed.policy import Policy, get_policy
+from precisionlab.intercept import Context, Intercepted, Site, compute_line, intercept
+from precisionlab.intercept import _boundary as boundary
+from precisionlab.mixed._numerics import enforce
+from precisionlab.mixed._policy import Policy, get_policy
 from precisionlab.recipes import accumulate, canonical_operand
 
 __all__ = ["Emulated", "emulate"]
@@ -86,7 +87,7 @@ def _has_float(eqn) -> bool:
     return any(_is_float(a) for a in avals)
 
 
-def _collect(jaxpr, found: set[str]) -> None:
+def collect(jaxpr, found: set[str]) -> None:
     """Names of the first-order primitives with a floating operand or result, recursively
     (every first-order primitive: one emulate has no special rule for, such as jax 0.11's
     ``one_minus_square``, is rounded by the generic rule for its output dtype). Those inside
@@ -95,7 +96,7 @@ def _collect(jaxpr, found: set[str]) -> None:
     for eqn in jaxpr.eqns:
         subs = boundary.subprograms(eqn)
         for sub in subs:
-            _collect(boundary.open_jaxpr(sub)[0], found)
+            collect(boundary.open_jaxpr(sub)[0], found)
         if not subs and _has_float(eqn):
             found.add(eqn.primitive.name)
 
@@ -430,7 +431,7 @@ class Emulated:
     def _intercepted(self, args, kwargs) -> tuple[Intercepted, _RoundRule]:
         closed = boundary.trace(self.fn, args, kwargs)[0]
         found: set[str] = set()
-        _collect(closed.jaxpr, found)
+        collect(closed.jaxpr, found)
         typed = self.program_typed
         if typed is None:
             typed = _computes_in(closed.jaxpr, np.dtype(self.dtype))

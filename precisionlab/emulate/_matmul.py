@@ -21,7 +21,7 @@ operands of a float32 program that computes in float32 on purpose, integer matmu
 
 A convolution (``conv_general_dilated``, forward and the transposed convolutions of its
 gradient) runs through the same model as the implicit GEMM over its patches
-(:func:`implicit_gemm`, :mod:`precisionlab.hardware.conv`): K = (kernel taps row-major, then
+(:func:`implicit_gemm`, :mod:`precisionlab.hardware._conv`): K = (kernel taps row-major, then
 the input channels fastest), the channels-last order of cuDNN's tensor-core convolutions.
 That order and the schedule of the GEMM model are assumed, not checked against a GPU capture.
 """
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from precisionlab import hardware
-from precisionlab.hardware.conv import from_params
+from precisionlab.hardware._conv import from_params
 
 __all__ = [
     "DEFAULT",

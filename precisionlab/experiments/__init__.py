@@ -26,13 +26,13 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "compare_runs":
-        import precisionlab.experiments.compare as home
+        import precisionlab.experiments._compare as home
     elif name in ("ConfigError", "Experiment", "Unit", "load_experiment"):
-        import precisionlab.experiments.config as home
+        import precisionlab.experiments._config as home
     elif name == "write_report":
-        import precisionlab.experiments.report as home
+        import precisionlab.experiments._report as home
     elif name in ("resume", "run_file"):
-        import precisionlab.experiments.runner as home
+        import precisionlab.experiments._runner as home
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(home, name)

@@ -13,14 +13,14 @@
   (the published feature tests' vectors);
 - :func:`fma_pow2`: a GPU's float32 FFMA by a power-of-two scale, exact on any backend
   (DeepGEMM's promotion of a block's partial into its accumulator);
-- :mod:`precisionlab.hardware.reference`: the scalar reference (Python integers).
+- :mod:`precisionlab.hardware._reference`: the scalar reference (Python integers).
 """
 
-from precisionlab.hardware.conv import ConvGemm, conv_gemm, conv_general_dilated
-from precisionlab.hardware.fma import fma_pow2
-from precisionlab.hardware.gemm import MEMORY_BUDGET, check_gemm_size, dot_general, gemm
-from precisionlab.hardware.mma import mma
-from precisionlab.hardware.presets import (
+from precisionlab.hardware._conv import ConvGemm, conv_gemm, conv_general_dilated
+from precisionlab.hardware._fma import fma_pow2
+from precisionlab.hardware._gemm import MEMORY_BUDGET, check_gemm_size, dot_general, gemm
+from precisionlab.hardware._mma import mma
+from precisionlab.hardware._presets import (
     AMBIGUOUS_PRESETS,
     LIBRARIES,
     PRESET_ALIASES,
@@ -30,9 +30,9 @@ from precisionlab.hardware.presets import (
     resolve,
     xla_split,
 )
-from precisionlab.hardware.profiles import PROFILES, Profile, get_profile
-from precisionlab.hardware.schedule import Schedule
-from precisionlab.hardware.step import Step
+from precisionlab.hardware._profiles import PROFILES, Profile, get_profile
+from precisionlab.hardware._schedule import Schedule
+from precisionlab.hardware._step import Step
 
 __all__ = [
     "AMBIGUOUS_PRESETS",

@@ -14,7 +14,7 @@ from jax import lax
 
 from precisionlab.hardware import _kernel as _k
 from precisionlab.hardware import _wide
-from precisionlab.hardware.step import Step
+from precisionlab.hardware._step import Step
 
 __all__ = ["SCALE_FORMATS", "chain_fp4", "decode_scales", "exponent_offsets"]
 

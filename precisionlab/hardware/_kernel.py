@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from precisionlab.formats import get_format
-from precisionlab.hardware.step import Step
+from precisionlab.hardware._step import Step
 
 __all__ = ["INPUT_FORMATS", "decode", "step_apply"]
 
@@ -96,14 +96,14 @@ def _shr_tz(x: jax.Array, s: jax.Array) -> jax.Array:
     return jnp.where(x < 0, -mag, mag)
 
 
-def _bitlen(x: jax.Array) -> jax.Array:
+def bitlen(x: jax.Array) -> jax.Array:
     return 32 - lax.clz(x)
 
 
 def to_f32(neg, hi, lo, q, bits: int, base: int = 15) -> jax.Array:
     """float32 of ``+-(hi * 2**base + lo) * 2**q`` (``hi >= 0``, ``0 <= lo < 2**base``) cut
     toward zero to ``bits`` significant bits and to float32's subnormal grid."""
-    lead = jnp.where(hi > 0, base + _bitlen(hi), _bitlen(lo))  # bit length of the magnitude
+    lead = jnp.where(hi > 0, base + bitlen(hi), bitlen(lo))  # bit length of the magnitude
     drop = jnp.maximum(lead - bits, 0)
     drop = jnp.maximum(drop, -149 - q)  # below float32's smallest subnormal
     d_hi = jnp.clip(drop - base, 0, 31)
@@ -121,7 +121,7 @@ def pack_f32(neg: jax.Array, mant: jax.Array, e: jax.Array) -> jax.Array:
     Assembled from bits, not ``mant * 2**e``: XLA:CPU flushes subnormal products to zero."""
     carry = mant >> 24  # a carry to 2**24: one bit up, exact
     mant, e = mant >> carry, e + carry
-    up = jnp.clip(24 - _bitlen(mant), 0, 24)
+    up = jnp.clip(24 - bitlen(mant), 0, 24)
     up = jnp.minimum(up, jnp.maximum(e + 149, 0))  # never below the subnormal grid
     mant, e = mant << up, e - up
     eb = e + 150

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from precisionlab.hardware import _kernel as _k
-from precisionlab.hardware.step import Step
+from precisionlab.hardware._step import Step
 
 __all__ = ["B", "aligned_sum", "check_budget", "limbs", "step_apply", "sum_to_f32"]
 

@@ -13,10 +13,10 @@ composes with ``jit``, ``grad`` and ``vmap``. A rule may also return auxiliary v
 iteration), conds and checkpoints as :class:`Aux`; :class:`PerIteration` state is sliced per
 loop iteration.
 
-:mod:`precisionlab.intercept.boundary` is the one module that reads JAX's internals (primitive
+:mod:`precisionlab.intercept._boundary` is the one module that reads JAX's internals (primitive
 identities, parameter keys, the bind protocol, source information); a selected operation inside
 a higher-order primitive it does not know raises
-:class:`~precisionlab.intercept.boundary.UnsupportedPrimitive`.
+:class:`~precisionlab.intercept._boundary.UnsupportedPrimitive`.
 """
 
 from precisionlab.intercept._dataflow import Promotion

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from precisionlab.intercept import boundary
+from precisionlab.intercept import _boundary as boundary
 
 __all__ = ["Flow", "Labels", "Promotion", "label", "leaf_label", "param_args", "unpromoted"]
 

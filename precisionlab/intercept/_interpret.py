@@ -11,7 +11,7 @@ was. Because the re-evaluation emits ordinary JAX operations, the result compose
 Other higher-order primitives (``shard_map``, ``custom_linear_solve``, ...) are bound as
 they are when nothing selected sits inside them; their operations are listed (``within``
 names the primitive), and a selected one raises
-:class:`~precisionlab.intercept.boundary.UnsupportedPrimitive` naming the site, the primitive
+:class:`~precisionlab.intercept._boundary.UnsupportedPrimitive` naming the site, the primitive
 and the JAX version, rather than running unreplaced.
 
 Plain replacement: a rule whose ``emits`` attribute is False, called without state or key,
@@ -55,9 +55,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from precisionlab.intercept import _dataflow, boundary
+from precisionlab.intercept import _boundary as boundary
+from precisionlab.intercept import _dataflow
 from precisionlab.intercept._dataflow import Promotion
-from precisionlab.intercept._sites import Site, _width, numbered, select
+from precisionlab.intercept._sites import Site, bit_width, numbered, select
 
 __all__ = [
     "Aux",
@@ -615,7 +616,7 @@ class Intercepted:
         labels = _dataflow.label(t.closed, t.leaves, t.consts, prims)
         out = []
         for s in sites:
-            if s.primitive not in _dataflow.PRODUCTS or _width(s.compute_dtype) < 32:
+            if s.primitive not in _dataflow.PRODUCTS or bit_width(s.compute_dtype) < 32:
                 continue
             flows = labels.flows.get(s.path, ())
             paths = [f.promoted for f in flows if f.promoted is not None]

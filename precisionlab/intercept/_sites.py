@@ -11,7 +11,7 @@ from typing import Any
 __all__ = ["Site", "numbered", "select"]
 
 
-def _width(dtype: str) -> int:
+def bit_width(dtype: str) -> int:
     """Bits of a floating dtype name (``"bfloat16"`` -> 16, ``"float8_e4m3fn"`` -> 8)."""
     m = re.search(r"(\d+)", dtype.replace("float8_", "float8").split("_")[0])
     return int(m.group(1)) if m else 0
@@ -65,7 +65,7 @@ class Site:
         floats = [d for d in self.in_dtypes if "float" in d]
         if not floats:
             return self.dtype
-        return max(floats, key=lambda d: (_width(d), d))
+        return max(floats, key=lambda d: (bit_width(d), d))
 
     index: int
     primitive: str
@@ -122,7 +122,7 @@ class Site:
         """The model layer the site belongs to (at flat ``iteration`` of its loops, row-major
         over :attr:`lengths`, for a site inside a scan over stacked layers).
 
-        A scope part ``"name{k+i}"`` (:func:`precisionlab.train.layers.scan_layers` with a
+        A scope part ``"name{k+i}"`` (:func:`precisionlab.train._layers.scan_layers` with a
         ``scope``) gives ``f"name{k + iteration}"``; otherwise the first scope part among
         ``names`` (when given), else the first scope part, else the site's name; inside a
         loop without such a template ``"@{iteration}"`` is appended (``"dot_general[1]@3"``).

@@ -10,7 +10,7 @@
 - :func:`parse_size` / :func:`format_size`: "80GiB" <-> bytes (GB = 1e9, GiB = 2**30).
 """
 
-from precisionlab.memory.estimate import (
+from precisionlab.memory._estimate import (
     OPTIMIZERS,
     Breakdown,
     ModelSpec,
@@ -22,10 +22,10 @@ from precisionlab.memory.estimate import (
     layer_activation_bytes,
     tree_bytes,
 )
-from precisionlab.memory.fit import FitResult, fit
-from precisionlab.memory.measure import Measured, compare_rows, measure, time_step
-from precisionlab.memory.presets import PRESETS, get_preset, preset_names
-from precisionlab.memory.units import UNITS, format_size, parse_size
+from precisionlab.memory._fit import FitResult, fit
+from precisionlab.memory._measure import Measured, compare_rows, measure, time_step
+from precisionlab.memory._presets import PRESETS, get_preset, preset_names
+from precisionlab.memory._units import UNITS, format_size, parse_size
 
 __all__ = [
     "OPTIMIZERS",

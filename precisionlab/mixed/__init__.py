@@ -16,8 +16,8 @@ Public API:
 """
 
 from precisionlab.mixed import ops
-from precisionlab.mixed.filtering import filter_jit, filter_value_and_grad, is_inexact_array
-from precisionlab.mixed.loss_scale import (
+from precisionlab.mixed._filtering import filter_jit, filter_value_and_grad, is_inexact_array
+from precisionlab.mixed._loss_scale import (
     LOSS_SCALE_KINDS,
     DynamicLossScale,
     LossScale,
@@ -29,8 +29,8 @@ from precisionlab.mixed.loss_scale import (
     parse_loss_scale,
     select_tree,
 )
-from precisionlab.mixed.numerics import enforce, enforce_tree
-from precisionlab.mixed.policy import (
+from precisionlab.mixed._numerics import enforce, enforce_tree
+from precisionlab.mixed._policy import (
     DEFAULT_FP32_OPS,
     FP32_OPS,
     Policy,
@@ -38,7 +38,7 @@ from precisionlab.mixed.policy import (
     get_policy,
     parse_dtype,
 )
-from precisionlab.mixed.storage import (
+from precisionlab.mixed._storage import (
     OPT_STATE_DTYPES,
     UPDATE_MODES,
     ScaledArray,

@@ -4,7 +4,7 @@ Each op computes in float32 when the policy keeps it there (``Policy.fp32_ops``)
 compute dtype, and returns the compute dtype (``cross_entropy`` returns float32 when kept in
 float32: it is the loss). Under a policy with ``enforce=True`` (the default; ``Policy.enforce``)
 each result is rounded to the compute dtype at the op boundary (see
-:mod:`precisionlab.mixed.numerics`), so CPU runs round and overflow where a GPU would.
+:mod:`precisionlab.mixed._numerics`), so CPU runs round and overflow where a GPU would.
 
 Op names in ``Policy.fp32_ops``: ``softmax``, ``layer_norm``, ``cross_entropy``, ``reduce``
 (large sums and means), ``matmul_accumulate`` (matmuls accumulate in float32 and round once, as
@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from precisionlab.mixed.numerics import enforce as _enforce
-from precisionlab.mixed.policy import Policy
+from precisionlab.mixed._numerics import enforce as _enforce
+from precisionlab.mixed._policy import Policy
 
 __all__ = [
     "accuracy",

@@ -12,13 +12,13 @@
 Every element conversion goes through the codecs of :mod:`precisionlab.bits`.
 """
 
-from precisionlab.quant.fake_quant import STE_MODES, fake_quant
+from precisionlab.quant._fake_quant import STE_MODES, fake_quant
+from precisionlab.quant._mx import MX_BLOCK_SIZE, MX_FORMATS, SCALE_RULES, MXFormat, get_mx_format
+from precisionlab.quant._pack import pack, unpack
+from precisionlab.quant._qarray import SCALE_FORMATS, QArray
+from precisionlab.quant._quantize import dequantize, element_scales, quantize
+from precisionlab.quant._spec import SCALE_METHODS, SCHEMES, QuantOptions
 from precisionlab.quant.fp4 import FP4_QUANTIZERS
-from precisionlab.quant.mx import MX_BLOCK_SIZE, MX_FORMATS, SCALE_RULES, MXFormat, get_mx_format
-from precisionlab.quant.pack import pack, unpack
-from precisionlab.quant.qarray import SCALE_FORMATS, QArray
-from precisionlab.quant.quantize import dequantize, element_scales, quantize
-from precisionlab.quant.spec import SCALE_METHODS, SCHEMES, QuantOptions
 
 __all__ = [
     "FP4_QUANTIZERS",

@@ -42,7 +42,7 @@ from jax import lax
 
 from precisionlab.bits import round_to_format
 from precisionlab.formats import FORMATS
-from precisionlab.quant import pow2
+from precisionlab.quant import _pow2 as pow2
 
 __all__ = [
     "E2M1_MAX",

@@ -26,10 +26,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from precisionlab.intercept import Context, Intercepted, Site, boundary, compute_line, intercept
+from precisionlab.intercept import Context, Intercepted, Site, compute_line, intercept
+from precisionlab.intercept import _boundary as boundary
 from precisionlab.mixed import filter_value_and_grad
 from precisionlab.recipes._conv import NOT_COVERED, conv_site
-from precisionlab.recipes._dot import WEIGHT_OPERANDS, _named, dot_general
+from precisionlab.recipes._dot import WEIGHT_OPERANDS, as_recipe, dot_general
 from precisionlab.recipes._recipes import Delayed, Recipe
 
 __all__ = [
@@ -274,7 +275,7 @@ def apply(
       each multiplies and which are quantized; ``.value_and_grad(...)`` and
       ``.update_state(...)`` train with stateful recipes.
     """
-    return Applied(fn, _named(recipe), include, exclude, weight, attention, params)
+    return Applied(fn, as_recipe(recipe), include, exclude, weight, attention, params)
 
 
 def einsum(spec: str, a: jax.Array, b: jax.Array, *, recipe: Recipe | str, **kwargs) -> jax.Array:

@@ -34,7 +34,7 @@ from jax import lax
 
 from precisionlab import hardware as hw
 from precisionlab.bits import encode
-from precisionlab.recipes.scaling import QOperand
+from precisionlab.recipes._scaling import QOperand
 
 __all__ = [
     "ELEMENT_PAIRS", "block_gemm", "block_presets", "check_pairs", "device_error",

@@ -2,7 +2,7 @@
 the GEMM over its patches that it equals.
 
 A convolution is the (batched, one GEMM per group) matmul ``y = P W^T`` of its patch matrix
-``P`` (M, K) and its kernel rows ``W`` (O, K) (:mod:`precisionlab.hardware.conv`): M the
+``P`` (M, K) and its kernel rows ``W`` (O, K) (:mod:`precisionlab.hardware._conv`): M the
 output positions (batch x output spatial), K the window **in the order (kernel taps
 row-major, then C_in fastest)**, K = (kh, kw, C_in) for a 2-D convolution, O the output
 features. The recipe quantizes the three GEMMs of that matmul exactly as a dense layer's
@@ -28,8 +28,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from precisionlab.hardware.conv import conv_gemm
-from precisionlab.recipes._dot import _qdot3_jit, checked_operands
+from precisionlab.hardware._conv import conv_gemm
+from precisionlab.recipes._dot import checked_operands, qdot3_jit
 from precisionlab.recipes._recipes import Delayed, Recipe, get_recipe
 
 __all__ = ["NOT_COVERED", "conv_general_dilated", "conv_site"]
@@ -94,7 +94,7 @@ def conv_general_dilated(
     if not isinstance(recipe, Delayed):
         state = None
     nums = recipe.given_numbers
-    y = _qdot3_jit(recipe.with_numbers(None), kinds, a3, b3, state, key, nums)
+    y = qdot3_jit(recipe.with_numbers(None), kinds, a3, b3, state, key, nums)
     return plan.output(y).astype(out_dtype)
 
 

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from precisionlab import hardware as hw
-from precisionlab.recipes.scaling import QOperand
+from precisionlab.recipes._scaling import QOperand
 
 __all__ = ["BLOCK", "blockwise_gemm"]
 

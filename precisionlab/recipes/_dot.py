@@ -26,8 +26,8 @@ import numpy as np
 from jax import lax
 
 from precisionlab import hardware
-from precisionlab.intercept import boundary
-from precisionlab.recipes import scaling as S
+from precisionlab.intercept import _boundary as boundary
+from precisionlab.recipes import _scaling as S
 from precisionlab.recipes._accumulate import batched_gemm
 from precisionlab.recipes._blockhw import block_gemm
 from precisionlab.recipes._deepgemm import blockwise_gemm
@@ -165,7 +165,7 @@ class GemmRecord(NamedTuple):
     record a step, :mod:`precisionlab.verify`): ``what`` ("fprop", "dgrad", "wgrad"),
     ``kinds`` of (lhs, rhs), ``inputs`` the float32 (B, R, K) operands as quantized (padded,
     Hadamard-transformed), ``scales`` / ``keys`` as given to the quantizer, ``operands`` the
-    two :class:`~precisionlab.recipes.scaling.QOperand` (None for a GEMM the recipe keeps in
+    two :class:`~precisionlab.recipes._scaling.QOperand` (None for a GEMM the recipe keeps in
     high precision), ``out`` the float32 (B, M, N) product."""
 
     what: str
@@ -327,7 +327,7 @@ def _qdot3_bwd(recipe, kinds, res, g):
 
 _qdot3.defvjp(_qdot3_fwd, _qdot3_bwd)
 # Compiled once per recipe and shapes: eager calls would dispatch hundreds of small ops.
-_qdot3_jit = jax.jit(_qdot3, static_argnums=(0, 1))
+qdot3_jit = jax.jit(_qdot3, static_argnums=(0, 1))
 
 
 # --- public --------------------------------------------------------------------------------
@@ -344,7 +344,7 @@ def operand_kinds(weight: str | tuple[str, str]) -> tuple[str, str]:
     )
 
 
-def _named(recipe: Recipe | str) -> Recipe:
+def as_recipe(recipe: Recipe | str) -> Recipe:
     """The recipe; a name gets ``pad=True`` where the recipe has the field (a 10-class
     output's data-gradient GEMM contracts over 10, not a multiple of a 32-element block)."""
     if not isinstance(recipe, str):
@@ -355,7 +355,7 @@ def _named(recipe: Recipe | str) -> Recipe:
     return r
 
 
-def _check_float(x, what: str) -> None:
+def check_float(x, what: str) -> None:
     if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in _FLOATS]:
         raise ValueError(
             f"quantized matmul takes float operands (float32, bfloat16, float16, float64); "
@@ -371,8 +371,8 @@ def checked_operands(
     recipe."""
     kinds = operand_kinds(weight)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-    _check_float(lhs, "lhs")
-    _check_float(rhs, "rhs")
+    check_float(lhs, "lhs")
+    check_float(rhs, "rhs")
     if isinstance(recipe, Delayed) and state is None:
         raise ValueError(
             f"the delayed recipe needs this {what}'s state: pass state=init_site_state(recipe)"
@@ -413,7 +413,7 @@ def dot_general(
     Returns:
       The product, dtype ``preferred_element_type`` or the operands' result dtype.
     """
-    recipe = _named(recipe)
+    recipe = as_recipe(recipe)
     kinds, lhs, rhs = checked_operands(recipe, weight, lhs, rhs, state, "matmul")
     (lc, rc), (lb, rb) = dimension_numbers
     lc, rc, lb, rb = (tuple(int(d) for d in t) for t in (lc, rc, lb, rb))
@@ -436,7 +436,7 @@ def dot_general(
     # VJP's cotangents (as varying as the data) match their inputs' types; JAX sums the
     # gradient of an invariant input (a replicated weight) over those axes as it does for x @ w
     a3, b3, state, key, nums = boundary.match_varying((a3, b3, state, key, nums))
-    out = _qdot3_jit(recipe.with_numbers(None), kinds, a3, b3, state, key, nums)
+    out = qdot3_jit(recipe.with_numbers(None), kinds, a3, b3, state, key, nums)
     batch_shape = tuple(lhs.shape[d] for d in lb)
     return out.reshape(*batch_shape, *lfree, *rfree).astype(out_dtype)
 

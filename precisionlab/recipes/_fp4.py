@@ -41,7 +41,7 @@ import optax
 from jax import lax
 
 from precisionlab.quant import fp4 as _fp4q
-from precisionlab.recipes import scaling as S
+from precisionlab.recipes import _scaling as S
 from precisionlab.recipes._accumulate import batched_gemm
 from precisionlab.recipes._recipes import Recipe
 

@@ -36,9 +36,9 @@ import numpy as np
 from precisionlab import hardware as hw
 from precisionlab.formats import FORMATS, FloatFormat
 from precisionlab.hardware import canonical_preset
-from precisionlab.quant.mx import SCALE_RULES
+from precisionlab.quant._mx import SCALE_RULES
 from precisionlab.recipes import _blockhw
-from precisionlab.recipes import scaling as S
+from precisionlab.recipes import _scaling as S
 
 __all__ = [
     "MX",
@@ -515,7 +515,7 @@ class NVFP4(_Blocked):
 
 def _eps_numbers(eps: float, fmt) -> dict[str, np.ndarray]:
     """An amax floor eps > 0 as the two float32 numbers its scale rule uses (see
-    :class:`precisionlab.recipes.scaling.Floor`), the clamp for each operand kind's format;
+    :class:`precisionlab.recipes._scaling.Floor`), the clamp for each operand kind's format;
     ``{}`` for eps 0 (no floor: a different program)."""
     if eps == 0:
         return {}

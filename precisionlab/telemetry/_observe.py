@@ -33,16 +33,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from precisionlab.hardware.conv import from_params as conv_plan
+from precisionlab.hardware._conv import from_params as conv_plan
 from precisionlab.intercept import (
     Context,
     Emit,
     PerIteration,
     Site,
-    boundary,
     intercept,
     numbered,
     select,
+)
+from precisionlab.intercept import (
+    _boundary as boundary,
 )
 from precisionlab.mixed import filter_value_and_grad
 from precisionlab.telemetry._stats import TensorStats, stacked_stats, tensor_stats

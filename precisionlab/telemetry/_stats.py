@@ -41,10 +41,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from precisionlab.quant import pow2
-from precisionlab.recipes import scaling as S
+from precisionlab.quant import _pow2 as pow2
+from precisionlab.recipes import _scaling as S
 from precisionlab.telemetry._targets import (
-    _EPS,
+    EPS,
     Target,
     count_thresholds,
     magnitude_bits,
@@ -280,7 +280,7 @@ def _segmented(xs: list[jax.Array], ts: tuple[Target, ...]) -> TensorStats:
     for t in ts:
         if t.scaling == "tensor":
             scales[t] = S.scale_from_amax(
-                lax.bitcast_convert_type(amax_nan, jnp.float32), t.fmt.max, eps=_EPS,
+                lax.bitcast_convert_type(amax_nan, jnp.float32), t.fmt.max, eps=EPS,
                 pow2_scales=False,
             )[0]  # fmt: skip
 

@@ -36,10 +36,10 @@ import numpy as np
 from jax import lax
 
 from precisionlab.formats import FloatFormat, Specials, get_format
-from precisionlab.quant import pow2
-from precisionlab.quant.pow2 import scale_exponent
+from precisionlab.quant import _pow2 as pow2
+from precisionlab.quant._pow2 import scale_exponent
 from precisionlab.recipes import MX, get_recipe
-from precisionlab.recipes import scaling as S
+from precisionlab.recipes import _scaling as S
 
 __all__ = ["SCALINGS", "Target", "parse_targets"]
 
@@ -48,7 +48,7 @@ SCALINGS = ("none", "tensor", "row", "block", "mx")
 _ALIASES = {"current": "e4m3:tensor", "rowwise": "e4m3:row", "blockwise": "e4m3:block"}
 _MX_NAMES = ("mxfp8", "mxfp6", "mxfp4")
 _SPEC = re.compile(r"^([^:]+?)(?::(tensor|row|block)(\d+)?)?$")
-_EPS = 1e-12  # torchao's and TE's epsilon of the amax in current and row-wise scaling
+EPS = 1e-12  # torchao's and TE's epsilon of the amax in current and row-wise scaling
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -148,12 +148,12 @@ def quantize_target(x2: jax.Array, t: Target) -> Quantized:
     x3 = _pad(x2, t.block if t.scaling in ("block", "mx") else 1)[None]
     nan = jnp.float32(jnp.nan)
     if t.scaling == "tensor":
-        s, _ = S.scale_from_amax(S.amax(x3, None), t.fmt.max, eps=_EPS, pow2_scales=False)
+        s, _ = S.scale_from_amax(S.amax(x3, None), t.fmt.max, eps=EPS, pow2_scales=False)
         scaled = jnp.where(jnp.isnan(s), nan, x3 * s)
         q = round_to_format(scaled, t.fmt)
         values = q * (jnp.float32(1.0) / s)
     elif t.scaling == "row":
-        s, e = S.scale_from_amax(S.amax(x3, -1), t.fmt.max, eps=_EPS, pow2_scales=True)
+        s, e = S.scale_from_amax(S.amax(x3, -1), t.fmt.max, eps=EPS, pow2_scales=True)
         scaled = jnp.where(jnp.isnan(s), nan, S.mul_pow2(x3, e))
         q = round_to_format(scaled, t.fmt)
         values = q * jnp.where(jnp.isnan(s), s, pow2.pow2(-e))
@@ -189,10 +189,10 @@ def quantize_target_exact(x2: jax.Array, t: Target) -> Quantized:
         return Quantized(x2, q, q)
     x3 = _pad(x2, t.block if t.scaling in ("block", "mx") else 1)[None]
     if t.scaling == "tensor":
-        qo, s = S.tensorwise(x3, t.fmt, eps=_EPS, pow2_scales=False)
+        qo, s = S.tensorwise(x3, t.fmt, eps=EPS, pow2_scales=False)
         scaled = jnp.where(jnp.isnan(s), jnp.float32(jnp.nan), x3 * s)
     elif t.scaling == "row":
-        qo, s = S.per_row(x3, t.fmt, eps=_EPS)
+        qo, s = S.per_row(x3, t.fmt, eps=EPS)
         scaled = _times_pow2(x3, s)
     elif t.scaling == "block":
         qo, s = S.block_pow2(x3, t.fmt, t.block, two_d=False)
@@ -242,7 +242,7 @@ def _pow2_const(e: jax.Array) -> jax.Array:
 
 def round_to_format(y: jax.Array, fmt: FloatFormat) -> jax.Array:
     """float32 ``y`` rounded to ``fmt`` (nearest even), saturated to +-max, NaN kept: the
-    values of :func:`precisionlab.recipes.scaling.round_elements` (the same bits, up to the
+    values of :func:`precisionlab.recipes._scaling.round_elements` (the same bits, up to the
     sign of zero), in a few float or integer operations per element instead of an encode
     and a decode. Formats outside float32's range or without subnormals use the encoder."""
     y = jnp.asarray(y, jnp.float32)

@@ -39,7 +39,7 @@ High level (one call per run)::
   compute-dtype gradient); with a recipe, at histogram steps ``recipe_<group>_<stat>`` (group
   ``x`` activations, ``w`` weights, ``g`` output gradients; stat ``saturated``, ``underflow``,
   ``sqnr_db``, ``log2_scale_min``, ``log2_scale_max``, see
-  :mod:`precisionlab.train.recipe_metrics`).
+  :mod:`precisionlab.train._recipe_metrics`).
 - ``TrainConfig.recipe``: a low-precision matmul recipe (FP8, MX, NVFP4) for every matmul of
   the model: a name (``"mxfp8"``) or a table ``{name = "mxfp8", scale_rule = "floor",
   exclude = [-1]}`` (the recipe's fields; ``include`` / ``exclude`` pick matmuls by position,
@@ -102,7 +102,7 @@ Low level (any user model):
   (steps, eval/checkpoint/hist/shadow intervals, divergence_k, divergence_action, loss_weight,
   checkpoint_dir, resume, progress), ``extras`` a ``LoopExtras`` (eval_fn, probe and shadow
   losses, lr_schedule, values, program_key, timings). What the loop measures every N steps
-  is a hook with ``due(step)`` (:mod:`precisionlab.train.record_hooks`: probes, recipe
+  is a hook with ``due(step)`` (:mod:`precisionlab.train._record_hooks`: probes, recipe
   metrics, telemetry, predictors, lr, evaluation). The run's totals are an ``Aggregates``
   value (pure ``update``); after each step every ``Hook`` (``on_step(StepEnd)``,
   ``close()``) runs: ``CallbackHook`` (a callback), ``ProgressHook``, ``CheckpointHook``.
@@ -114,32 +114,37 @@ Low level (any user model):
   ``shadow_stats(grads, grads_fp32)``.
 - Divergence forecast: ``StepOptions(predictors=Predictors(interval=10, layers=...))`` adds
   ``metrics["predictors"]`` (per-layer signals inside ``jit``, see
-  :mod:`precisionlab.train.predictors`), kept by the loop as ``record["predictors"]`` on the
+  :mod:`precisionlab.train._predictors`), kept by the loop as ``record["predictors"]`` on the
   due steps; ``PredictorHook(callback)`` hands them on; ``Forecaster`` (the frozen rules of
-  :mod:`precisionlab.train.forecast`) turns them into an ``Alarm``, ``ForecastHook`` prints it
+  :mod:`precisionlab.train._forecast`) turns them into an ``Alarm``, ``ForecastHook`` prints it
   during training (``[train.predictors] live = true``).
 """
 
-from precisionlab.train.aggregates import Aggregates
-from precisionlab.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from precisionlab.train.compose import TrainSetup, build, train
-from precisionlab.train.config import DIVERGENCE_ACTIONS, UPDATE_ROUNDINGS, TrainConfig, TrainResult
-from precisionlab.train.data import DATASETS, Dataset, make_data
-from precisionlab.train.evaluation import evaluate, make_eval_fn
-from precisionlab.train.forecast import Alarm, Forecaster, ForecastHook
-from precisionlab.train.hooks import CallbackHook, CheckpointHook, Hook, ProgressHook, StepEnd
-from precisionlab.train.loop import LoopExtras, LoopOptions, train_loop
-from precisionlab.train.meters import (
+from precisionlab.train._aggregates import Aggregates
+from precisionlab.train._checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from precisionlab.train._compose import TrainSetup, build, train
+from precisionlab.train._config import (
+    DIVERGENCE_ACTIONS,
+    UPDATE_ROUNDINGS,
+    TrainConfig,
+    TrainResult,
+)
+from precisionlab.train._data import DATASETS, Dataset, make_data
+from precisionlab.train._evaluation import evaluate, make_eval_fn
+from precisionlab.train._forecast import Alarm, Forecaster, ForecastHook
+from precisionlab.train._hooks import CallbackHook, CheckpointHook, Hook, ProgressHook, StepEnd
+from precisionlab.train._loop import LoopExtras, LoopOptions, train_loop
+from precisionlab.train._meters import (
     log2_histogram,
     nonfinite_fraction,
     shadow_stats,
     underflow_fraction,
 )
-from precisionlab.train.models import MODELS, Model, make_model
-from precisionlab.train.optim import OPTIMIZERS, SCHEDULES, make_optimizer
-from precisionlab.train.predictors import PredictorHook, Predictors
-from precisionlab.train.specs import make_train_step, parse_step_options
-from precisionlab.train.step import StepOptions, TrainState, TrainStep, build_step
+from precisionlab.train._models import MODELS, Model, make_model
+from precisionlab.train._optim import OPTIMIZERS, SCHEDULES, make_optimizer
+from precisionlab.train._predictors import PredictorHook, Predictors
+from precisionlab.train._specs import make_train_step, parse_step_options
+from precisionlab.train._step import StepOptions, TrainState, TrainStep, build_step
 
 __all__ = [
     "DATASETS",

@@ -1,4 +1,4 @@
-"""What the in-step matmul instruments (:mod:`precisionlab.train.recipe_metrics`,
+"""What the in-step matmul instruments (:mod:`precisionlab.train._recipe_metrics`,
 :mod:`precisionlab.train.gemm_stats`) share: the loss as the step differentiates it, and the
 gradients of zero probes that a tapping rule's backward pass fills with its sums."""
 
@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from precisionlab.train.step import normalize_loss_fn
+from precisionlab.train._step import normalize_loss_fn
 
 __all__ = ["probe_grads", "scaled_loss"]
 

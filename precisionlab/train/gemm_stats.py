@@ -41,12 +41,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from precisionlab.intercept import Context, intercept
-from precisionlab.mixed.policy import Policy, cast_floating
+from precisionlab.mixed._policy import Policy, cast_floating
 from precisionlab.recipes import Recipe, dot_general
+from precisionlab.train._hooks import StepEnd
 from precisionlab.train._probes import probe_grads, scaled_loss
-from precisionlab.train.hooks import StepEnd
-from precisionlab.train.recipe import TrainRecipe
-from precisionlab.train.step import weighted_loss
+from precisionlab.train._recipe import TrainRecipe
+from precisionlab.train._step import weighted_loss
 
 __all__ = ["GEMMS", "SQRT3", "STATS", "GemmStatsHook", "gemm_rows", "make_gemm_stats_fn"]
 

@@ -10,7 +10,7 @@ An Orbax checkpoint written here is a composite of two items:
 
 :func:`save_orbax` / :func:`load_orbax` write and read a state directly;
 :func:`export_checkpoint` / :func:`import_checkpoint` convert between precisionlab's own
-checkpoints (:mod:`precisionlab.train.checkpoint`) and Orbax's, bit for bit.
+checkpoints (:mod:`precisionlab.train._checkpoint`) and Orbax's, bit for bit.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from precisionlab.train.checkpoint import load_checkpoint, save_checkpoint
+from precisionlab.train._checkpoint import load_checkpoint, save_checkpoint
 
 __all__ = ["export_checkpoint", "import_checkpoint", "load_orbax", "save_orbax"]
 

@@ -21,6 +21,7 @@ The dump format (a directory with ``manifest.json`` and ``.npz`` arrays, version
 from precisionlab.verify._capture import gemm_dump
 from precisionlab.verify._check import LABELS, Report, TensorCheck, check, find_dumps
 from precisionlab.verify._format import FORMAT_VERSION, Dump, DumpError, read_dump
+from precisionlab.verify._hook import RecordHook
 from precisionlab.verify._models import HARDWARE_MODELS
 from precisionlab.verify._record import (
     DEFAULT_MAX_BYTES,
@@ -29,7 +30,6 @@ from precisionlab.verify._record import (
     estimate,
     record,
 )
-from precisionlab.verify.hook import RecordHook
 
 __all__ = [
     "DEFAULT_MAX_BYTES",

@@ -26,7 +26,7 @@ import numpy as np
 from jax import lax
 
 from precisionlab import hardware, recipes
-from precisionlab.recipes import scaling as S
+from precisionlab.recipes import _scaling as S
 from precisionlab.verify import _models as M
 from precisionlab.verify._check_steps import check_steps
 from precisionlab.verify._diagnose import (

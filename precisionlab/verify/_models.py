@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 
 from precisionlab import hardware, recipes
-from precisionlab.recipes import scaling as S
+from precisionlab.recipes import _scaling as S
 from precisionlab.verify._tape import compact
 
 __all__ = [

@@ -21,7 +21,7 @@ from jax import lax
 
 from precisionlab import recipes
 from precisionlab.intercept import Emit
-from precisionlab.verify._tape import FLOATS, RecipeRule, _to_tape, key_data
+from precisionlab.verify._tape import FLOATS, RecipeRule, key_data, to_tape
 
 __all__ = ["PASSES", "StepsMeta", "StepsRule", "apply_dot3", "pack_steps", "step_pass"]
 
@@ -111,7 +111,7 @@ def _tdot3_bwd(recipe, kinds, sink, saved, cts):
     res, state, observed, key = saved
     (da, db), arrays, meta = _taped(recipe.backward, kinds, res, g.astype(jnp.float32), key)
     sink.backward = meta
-    return da, db, _ct_state(state, observed), None, _to_tape(arrays)
+    return da, db, _ct_state(state, observed), None, to_tape(arrays)
 
 
 _tdot3.defvjp(_tdot3_fwd, _tdot3_bwd)

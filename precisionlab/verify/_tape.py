@@ -22,7 +22,7 @@ from jax import lax
 
 from precisionlab import recipes
 from precisionlab.intercept import Emit
-from precisionlab.recipes import scaling as S
+from precisionlab.recipes import _scaling as S
 from precisionlab.verify._format import storage_dtype
 
 __all__ = [
@@ -138,7 +138,7 @@ def from_halves(h: np.ndarray, dtype: np.dtype, axis: int = 0) -> np.ndarray:
     return ((hi << 16) | lo).view(dtype)
 
 
-def _to_tape(tree: dict[str, jax.Array]) -> dict[str, jax.Array]:
+def to_tape(tree: dict[str, jax.Array]) -> dict[str, jax.Array]:
     out = {}
     for k, v in tree.items():
         if jnp.dtype(v.dtype).itemsize != 4:
@@ -175,7 +175,7 @@ def _tdot_bwd(recipe, kinds, gemm, res, cts):
     da, db, ct_state = recipes.vjp_gemms(
         rec, kinds, a3, b3, state, key, g, tap=taps.append, gemm=gemm
     )
-    return da, db, ct_state, None, None, _to_tape(_bwd_records(taps, rec))
+    return da, db, ct_state, None, None, to_tape(_bwd_records(taps, rec))
 
 
 _tdot.defvjp(_tdot_fwd, _tdot_bwd)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from precisionlab.bench import _timing
-from precisionlab.bench.codecs import DEFAULT_FORMATS, HIGH, LOW, make_inputs
+from precisionlab.bench._codecs import DEFAULT_FORMATS, HIGH, LOW, make_inputs
 from precisionlab.cli import main
 from precisionlab.formats import get_format
 

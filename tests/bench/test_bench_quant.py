@@ -2,7 +2,7 @@
 
 import json
 
-from precisionlab.bench import quant as bench_quant
+from precisionlab.bench import _quant as bench_quant
 from precisionlab.cli import main
 
 

@@ -28,7 +28,7 @@ def test_bad_count(capsys):
 
 @pytest.mark.slow
 def test_conv_model_is_timed(tmp_path):
-    from precisionlab.bench.train import measure
+    from precisionlab.bench._train import measure
 
     result = measure("conv", batch=8, steps=2, repeats=1)
     assert result["model"] == "conv" and set(result["ms_per_step"]) >= {"a-fp32", "b-bf16"}

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from precisionlab.bits import Class, classify, decode, encode, fields
-from precisionlab.bits.codec import _encode
+from precisionlab.bits._codec import _encode
+from precisionlab.bits._rounding import Rounding
 from precisionlab.bits.reference import encode_scalar
-from precisionlab.bits.rounding import Rounding
 from precisionlab.formats import FORMATS, FloatFormat, IntFormat, get_format
 
 SMALL_FLOATS = [f for f in FORMATS.values() if isinstance(f, FloatFormat) and f.bits <= 16]

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from precisionlab.bits import _fast_encode, _pack, _parse, codec, decode
-from precisionlab.bits.rounding import Rounding
+from precisionlab.bits import _codec as codec
+from precisionlab.bits import _fast_encode, _pack, _parse, decode
+from precisionlab.bits._rounding import Rounding
 from precisionlab.formats import FORMATS, FloatFormat, IntFormat, get_format
 
 NARROW = [f for f in FORMATS.values() if _fast_encode.narrow_from_float32(_parse.F32, f)]

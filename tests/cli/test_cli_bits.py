@@ -21,7 +21,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from precisionlab.cli import bits_cmd, main
+from precisionlab.cli import _bits_cmd as bits_cmd
+from precisionlab.cli import main
 
 ML = {
     "bfloat16": (ml_dtypes.bfloat16, np.uint16),

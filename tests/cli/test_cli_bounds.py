@@ -73,7 +73,7 @@ def test_memory_fit_with_a_large_batch_is_fast(capsys):
 
 
 def test_divisors_against_brute_force():
-    from precisionlab.memory.fit import _divisors
+    from precisionlab.memory._fit import _divisors
 
     for n in [1, 2, 12, 97, 360, 1024, 5040]:
         brute = [m for m in range(2, n + 1) if n % m == 0]

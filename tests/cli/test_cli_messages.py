@@ -11,7 +11,8 @@ import pytest
 
 from precisionlab import __version__
 from precisionlab.cli import main
-from precisionlab.experiments import compare, store
+from precisionlab.experiments import _compare as compare
+from precisionlab.experiments import _store as store
 
 PACKAGE = Path(__file__).parents[2] / "precisionlab"
 
@@ -72,7 +73,7 @@ def test_no_internal_issue_numbers_in_user_facing_strings():
 def test_results_table_fits_100_columns():
     """The summary table `run` and `report` print: split into column groups that fit, each
     repeating the variant column, every header and cell kept."""
-    from precisionlab.experiments.report import WIDTH, fitted_table, headers
+    from precisionlab.experiments._report import WIDTH, fitted_table, headers
 
     heads = headers()
     cols = range(len(heads) - 2)
@@ -92,7 +93,7 @@ def test_results_table_fits_100_columns():
 
 
 def test_bench_telemetry_table_fits_100_columns():
-    from precisionlab.bench.telemetry import render
+    from precisionlab.bench._telemetry import render
 
     ms = {"a-plain": 128.4, "b-telemetry": 216.8, "c-no-targets": 170.4, "d-matmuls-only": 180.0}
     model = {"model": "transformer", "params": 107776, "ms_per_step": ms,

@@ -80,8 +80,9 @@ def test_every_table_fits_its_headers(cli, tmp_path):
     (`exact-onceh100-cublaslt-fasth100-cublaslt`): the columns were narrower than the preset
     names. Its tables (from a made-up result: the real one takes minutes), the timings table
     with long unit names, the run report's table and `formats` are each checked."""
-    from precisionlab.conformance.gemm import MODELS, GemmResult, gemm_tables
-    from precisionlab.experiments import report, timings
+    from precisionlab.conformance._gemm import MODELS, GemmResult, gemm_tables
+    from precisionlab.experiments import _report as report
+    from precisionlab.experiments import _timings as timings
 
     share = {("xla:cpu", "e4m3 K=256", m): 0.5 for m in MODELS}
     share[("xla:cpu", "e4m3 K=256", "exact-once")] = None

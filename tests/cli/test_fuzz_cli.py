@@ -406,7 +406,8 @@ def monkeypatch_runner(monkeypatch):
     """Train and memory experiments that pass validation are not trained here (that is
     seconds per case): validation, the run directory and the lock are real, the work is not.
     Survey experiments run for real."""
-    from precisionlab.experiments import runner, store
+    from precisionlab.experiments import _runner as runner
+    from precisionlab.experiments import _store as store
 
     real = runner._run_locked  # called with the run's lock held (run_file, resume)
 

@@ -14,7 +14,8 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec
 
 from precisionlab import recipes, telemetry
-from precisionlab.intercept import boundary, intercept
+from precisionlab.intercept import _boundary as boundary
+from precisionlab.intercept import intercept
 from precisionlab.recipes import get_recipe, init_site_state
 
 P = jnp.asarray(np.random.default_rng(0).normal(size=(4, 4)), jnp.float32)

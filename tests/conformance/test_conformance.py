@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 
 from precisionlab.cli import main
-from precisionlab.conformance import adapters, run_conformance
-from precisionlab.conformance.classify import CATEGORIES, RULES, classify, rule_spec
-from precisionlab.conformance.exact import encode_exact
-from precisionlab.conformance.report import markdown
-from precisionlab.conformance.spec import SPECS
+from precisionlab.conformance import _adapters as adapters
+from precisionlab.conformance import run_conformance
+from precisionlab.conformance._classify import CATEGORIES, RULES, classify, rule_spec
+from precisionlab.conformance._exact import encode_exact
+from precisionlab.conformance._report import markdown
+from precisionlab.conformance._spec import SPECS
 
 NAN8 = 0x7F  # e4m3fn's NaN
 

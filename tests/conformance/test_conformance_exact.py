@@ -8,10 +8,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from precisionlab.bits._rounding import Rounding
 from precisionlab.bits.reference import encode_scalar
-from precisionlab.bits.rounding import Rounding
-from precisionlab.conformance.cases import KNOWN, edge_inputs, extreme_inputs
-from precisionlab.conformance.exact import (
+from precisionlab.conformance._cases import KNOWN, edge_inputs, extreme_inputs
+from precisionlab.conformance._exact import (
     MODES,
     decode_codes,
     encode_exact,

@@ -6,7 +6,7 @@ from precisionlab.cli import main
 
 
 def test_conformance_names_a_missing_library(tmp_path, capsys, monkeypatch):
-    from precisionlab.conformance import adapters
+    from precisionlab.conformance import _adapters as adapters
 
     # a library that is never installed here: torch's adapter reports it missing
     real = adapters._import

@@ -8,8 +8,9 @@ import json
 import pytest
 
 from precisionlab.consistency import Runner
-from precisionlab.experiments import load_experiment, mismatch_kind
-from precisionlab.experiments.runner import run_file
+from precisionlab.experiments import _mismatch_kind as mismatch_kind
+from precisionlab.experiments import load_experiment
+from precisionlab.experiments._runner import run_file
 
 TINY = {
     "formats": ["bf16", "fp16"],
@@ -74,7 +75,7 @@ def test_the_run_writes_what_it_says(finished):
 
 @pytest.mark.slow  # matplotlib and three figures (~2 CPU s) on the finished run
 def test_plots_are_written(finished):
-    from precisionlab.experiments import mismatch_report
+    from precisionlab.experiments import _mismatch_report as mismatch_report
 
     out, summary = finished
     files = mismatch_report.plots(summary, out)

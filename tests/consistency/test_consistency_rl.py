@@ -1,4 +1,4 @@
-"""The REINFORCE study (precisionlab.consistency.rl): the matched sampler is on-policy (its
+"""The REINFORCE study (precisionlab.consistency._rl): the matched sampler is on-policy (its
 recorded log-probabilities are the trainer's), the decode sampler is not, the runs share
 their first batch, and the experiment writes the study's table and plot."""
 
@@ -7,7 +7,7 @@ import copy
 import numpy as np
 import pytest
 
-from precisionlab.consistency.rl import RLConfig, reinforce
+from precisionlab.consistency._rl import RLConfig, reinforce
 
 TINY = RLConfig(vocab=4, length=3, d_model=8, depth=1, heads=2, batch=8, steps=2, kv_block=2)
 EXPERIMENT = {
@@ -62,7 +62,7 @@ def test_bad_settings():
 @pytest.mark.slow  # trains and scores a model and runs the study (~20 CPU s); the study
 # itself is tested above, the experiment's other parts in test_consistency_experiment.py
 def test_the_experiment_runs_the_study(tmp_path):
-    from precisionlab.experiments import mismatch_kind
+    from precisionlab.experiments import _mismatch_kind as mismatch_kind
 
     table = copy.deepcopy(EXPERIMENT)
     table["rl"] = {"enabled": True, "formats": ["bf16"], "samplers": ["matched", "decode"],

@@ -23,11 +23,11 @@ import pytest
 
 from precisionlab import diagnose as d
 from precisionlab.cli import main
-from precisionlab.experiments.config import Unit
-from precisionlab.mixed.policy import get_policy
+from precisionlab.experiments._config import Unit
+from precisionlab.mixed._policy import get_policy
 from precisionlab.train import TrainConfig, build
-from precisionlab.train.models import make_model
-from precisionlab.train.step import cast_compute
+from precisionlab.train._models import make_model
+from precisionlab.train._step import cast_compute
 
 ROOT = Path(__file__).resolve().parents[2]
 BROKEN = str(ROOT / "experiments" / "broken_layer.toml")
@@ -192,7 +192,7 @@ def test_bisect_reports_a_variant_that_already_passes_and_none_when_nothing_help
 
 # --- autoswitch statistics against ml_dtypes ------------------------------------------------
 def test_autoswitch_statistics_match_an_ml_dtypes_recount():
-    from precisionlab.diagnose.autoswitch import _qstats
+    from precisionlab.diagnose._autoswitch import _qstats
     from precisionlab.recipes import get_recipe
 
     rng = np.random.default_rng(0)
@@ -242,7 +242,7 @@ def test_bad_input_is_one_line_and_status_2(argv, message, tmp_path):
 def test_the_files_diagnose_table_gives_defaults_that_flags_override():
     import argparse
 
-    from precisionlab.cli import diagnose_cmd
+    from precisionlab.cli import _diagnose_cmd as diagnose_cmd
 
     parser = argparse.ArgumentParser()
     diagnose_cmd.add_arguments(parser)

@@ -9,7 +9,7 @@ import pytest
 
 from precisionlab import diagnose as d
 from precisionlab.diagnose._capture import Tensor
-from precisionlab.diagnose.compare import match_tensors
+from precisionlab.diagnose._compare import match_tensors
 
 ROOT = Path(__file__).resolve().parents[2]
 FP16 = str(ROOT / "experiments" / "fp16_vs_bf16.toml")
@@ -70,7 +70,7 @@ def test_compare_unrolled_with_scanned_finds_the_unrolled_break():
 def test_nothing_paired_is_an_error_and_shape_mismatches_are_listed():
     from types import SimpleNamespace
 
-    from precisionlab.diagnose.compare import _pair
+    from precisionlab.diagnose._compare import _pair
 
     def runner(ts):
         return SimpleNamespace(capture=SimpleNamespace(tensors=ts, uncaptured=[]))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from precisionlab.cli import main
-from precisionlab.diagnose.forecast import (
+from precisionlab.diagnose._forecast import (
     Outcome,
     UnitRun,
     evaluate,
@@ -25,8 +25,8 @@ from precisionlab.diagnose.forecast import (
     run_forecast,
     te_model,
 )
-from precisionlab.experiments import store
-from precisionlab.train.forecast import Forecaster, ForecastHook, Rule, load_model, slope
+from precisionlab.experiments import _store as store
+from precisionlab.train._forecast import Forecaster, ForecastHook, Rule, load_model, slope
 
 META16 = {"compute": "float16", "params": "float32", "recipe": None, "weight_bits": 16}
 META32 = {"compute": "float32", "params": "float32", "recipe": None, "weight_bits": 16}
@@ -246,7 +246,7 @@ def test_cli_forecast_bad_input_is_one_line(tmp_path, capsys):
 
 
 def test_a_setting_runs_its_own_seeds(tmp_path):
-    from precisionlab.experiments.config import load_experiment
+    from precisionlab.experiments._config import load_experiment
 
     path = tmp_path / "e.toml"
     path.write_text(
@@ -301,7 +301,7 @@ def test_run_forecast_prints_the_live_alarm(tmp_path, capfd):
     model = {"rules": [dict(mechanism="fp16-overflow", signal="headroom", feature="value",
                             op="<", threshold=1.0, requires="fp16", lead=30.0)],
              "debounce": 2, "window": 5}  # fmt: skip
-    import precisionlab.train.forecast as fc
+    import precisionlab.train._forecast as fc
 
     path = tmp_path / "model.json"
     path.write_text(json.dumps(model))

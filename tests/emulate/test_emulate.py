@@ -21,8 +21,8 @@ from flax import nnx
 
 from precisionlab.emulate import emulate
 from precisionlab.mixed import ops
-from precisionlab.mixed.policy import Policy, get_policy
-from precisionlab.train.models import MLP
+from precisionlab.mixed._policy import Policy, get_policy
+from precisionlab.train._models import MLP
 
 POLICIES = [
     "p=f32,c=bf16,o=f32",

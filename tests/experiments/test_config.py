@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from precisionlab.experiments import kinds
-from precisionlab.experiments.config import (
+from precisionlab.experiments import _kinds as kinds
+from precisionlab.experiments._config import (
     ConfigError,
     apply_overrides,
     load_experiment,

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from precisionlab.experiments import runner, store
-from precisionlab.experiments.config import apply_overrides, experiment_from_document
+from precisionlab.experiments import _runner as runner
+from precisionlab.experiments import _store as store
+from precisionlab.experiments._config import apply_overrides, experiment_from_document
 
 ROOT = Path(__file__).parents[2]
 STEPS = 150
@@ -101,7 +102,7 @@ def test_c_swamping_pure_bf16_nearest_stalls_stochastic_rounding_recovers(outcom
 def test_loss_weight_is_invisible_to_fp32_adam(tmp_path):
     """The loss weight used to put gradients below fp16's range changes nothing in fp32 with
     Adam (scale invariant up to eps), and the recorded loss is the plain loss."""
-    from precisionlab.experiments import train_kind
+    from precisionlab.experiments import _train_kind as train_kind
 
     base = {
         "model": "mlp",

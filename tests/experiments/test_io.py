@@ -9,7 +9,7 @@ import pytest
 
 from precisionlab import _io
 from precisionlab.train import Aggregates, save_checkpoint
-from precisionlab.train.checkpoint import load_checkpoint
+from precisionlab.train._checkpoint import load_checkpoint
 
 
 def _strict(text: str):

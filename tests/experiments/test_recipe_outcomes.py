@@ -25,8 +25,8 @@ import pytest
 
 from precisionlab import recipes
 from precisionlab.mixed import NoLossScale
-from precisionlab.train.recipe import TrainRecipe
-from precisionlab.train.recipe_metrics import make_recipe_metrics_fn, recipe_metrics
+from precisionlab.train._recipe import TrainRecipe
+from precisionlab.train._recipe_metrics import make_recipe_metrics_fn, recipe_metrics
 
 SEEDS = (0, 1, 2)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from precisionlab.experiments.recipe_plots import plot_recipe_groups
+from precisionlab.experiments._recipe_plots import plot_recipe_groups
 
 
 def _unit(variant, setting, with_recipe):

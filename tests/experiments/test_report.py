@@ -8,7 +8,11 @@ import matplotlib.image
 import pytest
 
 from precisionlab.cli import main
-from precisionlab.experiments import compare, report, runner, store, train_kind
+from precisionlab.experiments import _compare as compare
+from precisionlab.experiments import _report as report
+from precisionlab.experiments import _runner as runner
+from precisionlab.experiments import _store as store
+from precisionlab.experiments import _train_kind as train_kind
 
 EXP = """
 kind = "train"

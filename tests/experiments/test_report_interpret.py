@@ -14,7 +14,7 @@ def _summary_with(**unit) -> dict:
 def test_the_divergence_step_and_the_first_inf_nan_are_explained_side_by_side():
     """Why: telemetry's first inf/NaN at step 1 sat beside "diverged@ 2" in the table with
     nothing explaining why they differ."""
-    from precisionlab.experiments.report import interpret
+    from precisionlab.experiments._report import interpret
 
     first = {"kind": "op", "layer": "layer0", "site": "integer_pow[0]", "tensor": "out",
              "step": 1, "n_inf": 5, "n_nan": 0, "n": 8, "backward": False}  # fmt: skip
@@ -32,7 +32,7 @@ def test_the_meters_separate_inf_nan_from_underflow():
     report says each."""
     import jax.numpy as jnp
 
-    from precisionlab.experiments.report import interpret
+    from precisionlab.experiments._report import interpret
     from precisionlab.train import nonfinite_fraction, underflow_fraction
 
     g = {"w": jnp.array([jnp.nan, jnp.inf, 0.0, 1e-6, 1.0, 2.0, jnp.nan, 3.0])}
@@ -48,7 +48,7 @@ def test_the_meters_separate_inf_nan_from_underflow():
 def test_what_if_figures_say_they_are_what_ifs(tmp_path):
     """Why: fp16-dynamic listed a what-if fp16 overflow of 100% with no step skipped, without
     saying the figure is what the target format would do, not what the run did."""
-    from precisionlab.experiments.telemetry_views import telemetry_report
+    from precisionlab.experiments._telemetry_views import telemetry_report
 
     entry = {"kind": "op", "layer": "mul[3]", "tensor": "grad", "target": "fp16",
              "fraction": 1.0, "step": 1}  # fmt: skip

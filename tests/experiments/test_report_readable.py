@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from precisionlab.experiments import plots, report
+from precisionlab.experiments import _plots as plots
+from precisionlab.experiments import _report as report
 from precisionlab.mixed import get_policy
 from precisionlab.train import make_model
 

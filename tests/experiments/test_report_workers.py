@@ -9,8 +9,8 @@ import os
 import pytest
 
 from precisionlab import _io
-from precisionlab.experiments import store
-from precisionlab.experiments import telemetry_views as tv
+from precisionlab.experiments import _store as store
+from precisionlab.experiments import _telemetry_views as tv
 
 
 def _rows(scale: float) -> list[dict]:

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from precisionlab.cli import main
-from precisionlab.experiments import store
+from precisionlab.experiments import _store as store
 
 SURVEY = """\
 kind = "survey"
@@ -93,7 +93,7 @@ def test_second_writer_gets_the_holders_pid(tmp_path, capsys):
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import sys, time
-            from precisionlab.experiments import store
+            from precisionlab.experiments import _store as store
             with store.run_lock({str(out)!r}):
                 print("locked", flush=True)
                 time.sleep(60)

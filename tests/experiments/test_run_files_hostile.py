@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from precisionlab import _io
-from precisionlab.experiments import store
+from precisionlab.experiments import _store as store
 
 DATA = Path(__file__).parents[1] / "data" / "run_tiny"
 

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from precisionlab.experiments import runner, store, train_kind
+from precisionlab.experiments import _runner as runner
+from precisionlab.experiments import _store as store
+from precisionlab.experiments import _train_kind as train_kind
 
 DATA = Path(__file__).parents[1] / "data" / "run_tiny"
 
@@ -40,7 +42,7 @@ name = "b"
 _FAKE_TRAINER = textwrap.dedent(
     """
     import os, sys, time
-    from precisionlab.experiments import train_kind
+    from precisionlab.experiments import _train_kind as train_kind
 
     def run_unit(cfg, unit_dir, *, on_step, on_hist, resume, quiet, label, hooks=(),
                  on_telemetry=None, timings=None):
@@ -143,7 +145,7 @@ def test_the_lock_is_taken_before_config_json_is_written(work, cli):
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import time
-            from precisionlab.experiments import store
+            from precisionlab.experiments import _store as store
             with store.run_lock({str(out)!r}):
                 print("locked", flush=True)
                 time.sleep(60)
@@ -312,7 +314,7 @@ def test_damaged_nested_run_fields_are_one_line(work, cli, monkeypatch, case):
 def test_the_run_file_schema_is_one_language():
     """Every run file's schema is made of _schema.Field (nested ones included)."""
     from precisionlab._schema import Field
-    from precisionlab.experiments.runfiles import SCHEMAS
+    from precisionlab.experiments._runfiles import SCHEMAS
 
     stack = [f for schema in SCHEMAS.values() for f in schema.values()]
     seen = 0
@@ -409,7 +411,8 @@ def test_a_rerun_copies_its_telemetry_figures_instead_of_drawing_them(work, monk
     """Time: the report's telemetry figures were half of a warm rerun's CPU seconds. With a
     figure cache (``run`` passes figures/ of its compilation cache), figures drawn from the
     same rows, targets, title and code are copied, byte for byte; other rows are drawn."""
-    from precisionlab.experiments import report, telemetry_views
+    from precisionlab.experiments import _report as report
+    from precisionlab.experiments import _telemetry_views as telemetry_views
 
     monkeypatch.setenv("PRECISIONLAB_REPORT_WORKERS", "1")
     cache = work / "cache" / "figures"
@@ -443,7 +446,7 @@ def test_a_rerun_copies_its_telemetry_figures_instead_of_drawing_them(work, monk
 _FAKE_TOURNAMENT = textwrap.dedent(
     """
     import sys, time
-    from precisionlab.experiments import tournament
+    from precisionlab.experiments import _tournament as tournament
 
     def run_unit(section, unit, unit_dir, include):
         time.sleep(30)  # ended by the signal

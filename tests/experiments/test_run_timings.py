@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from precisionlab.cli import main
-from precisionlab.train.compile_cache import enable_compilation_cache
+from precisionlab.train._compile_cache import enable_compilation_cache
 
 TINY = """
 kind = "train"
@@ -63,8 +63,8 @@ def test_a_second_process_loads_its_programs_from_the_cache(tmp_path):
     script = textwrap.dedent(
         f"""
         import jax, jax.numpy as jnp, numpy as np
-        from precisionlab.train.compile_cache import enable_compilation_cache
-        from precisionlab.train.timing import CompileMeter
+        from precisionlab.train._compile_cache import enable_compilation_cache
+        from precisionlab.train._timing import CompileMeter
         enable_compilation_cache({str(tmp_path / "cache")!r})
         with CompileMeter() as m:
             jax.jit(lambda x: jnp.tanh(x) * 3 + 1)(np.ones(4, np.float32)).block_until_ready()

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from precisionlab.experiments import runner, store, train_kind
-from precisionlab.experiments.summary import SUMMARY_KEYS
+from precisionlab.experiments import _runner as runner
+from precisionlab.experiments import _store as store
+from precisionlab.experiments import _train_kind as train_kind
+from precisionlab.experiments._summary import SUMMARY_KEYS
 
 FAKE = """
 kind = "train"
@@ -280,7 +282,7 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(tmp_path, sig):
 def test_other_kinds_run_through_the_runner(tmp_path, monkeypatch):
     import types
 
-    from precisionlab.experiments import kinds
+    from precisionlab.experiments import _kinds as kinds
 
     module = types.ModuleType("fake_kind")
     module.KIND = "fake"
@@ -304,7 +306,7 @@ def test_other_kinds_run_through_the_runner(tmp_path, monkeypatch):
     summary = store.read_json(run_dir / "summary.json")
     assert summary["status"] == "finished" and summary["result"] == {"rows": 3}
     assert len(store.read_jsonl(run_dir / "fake" / "rows.jsonl")) == 3
-    from precisionlab.experiments import report
+    from precisionlab.experiments import _report as report
 
     path_md, table = report.write_report(run_dir)
     assert "the fake table" in table and "the fake table" in path_md.read_text()
@@ -346,8 +348,8 @@ def test_report_exits_1_when_variants_failed_like_run(tmp_path, monkeypatch):
 
 
 def test_final_loss_of_a_diverged_unit_is_honest(tmp_path):
-    from precisionlab.experiments.config import Unit
-    from precisionlab.experiments.summary import FINAL_WINDOW, summarize_unit
+    from precisionlab.experiments._config import Unit
+    from precisionlab.experiments._summary import FINAL_WINDOW, summarize_unit
 
     losses = [3.0 - 0.1 * i for i in range(12)] + [math.nan]  # stops at its first nan
     with store.JsonlWriter(tmp_path / "metrics.jsonl") as w:

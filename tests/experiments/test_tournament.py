@@ -9,9 +9,10 @@ import shutil
 import numpy as np
 import pytest
 
-from precisionlab.experiments import store, tournament
-from precisionlab.experiments import tournament_report as report
-from precisionlab.experiments.config import ConfigError
+from precisionlab.experiments import _store as store
+from precisionlab.experiments import _tournament as tournament
+from precisionlab.experiments import _tournament_report as report
+from precisionlab.experiments._config import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TRAIN = {"model": "transformer", "data": "markov", "steps": 4, "batch_size": 2,
@@ -131,7 +132,7 @@ def test_quantizer_claims_reproduce_the_papers():
 
 @pytest.mark.slow  # 8 units of a tiny model, then a resumed unit: minutes of CPU
 def test_the_quick_tournament_runs_and_resumes(tmp_path):
-    from precisionlab.experiments import runner
+    from precisionlab.experiments import _runner as runner
 
     run_dir = runner.run_file(ROOT / "experiments" / "fp4_tournament_quick.toml",
                               out=tmp_path / "run", quiet=True)  # fmt: skip

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from precisionlab import hardware as hw
-from precisionlab.hardware.reference import step_reference
+from precisionlab.hardware._reference import step_reference
 
 DATA = np.load(pathlib.Path(__file__).parents[1] / "data" / "h100_gemm.npz")
 E4, E5 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2

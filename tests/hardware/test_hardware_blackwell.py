@@ -1,5 +1,5 @@
 """Blackwell's block-scaled steps and the two-limb (wider than int32) kernel, against the
-scalar references of precisionlab.hardware.reference (Python integers and fractions).
+scalar references of precisionlab.hardware._reference (Python integers and fractions).
 
 The b200 profiles follow MMA-Sim's published model; nothing here was run on a Blackwell GPU.
 """
@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from precisionlab import hardware as hw
-from precisionlab.hardware.reference import (
+from precisionlab.hardware._reference import (
     block_step_reference,
     chain_reference,
     step_reference,

@@ -17,7 +17,7 @@ def test_the_inf_nan_outcome_does_not_depend_on_the_cpus_summation_order():
     import jax.numpy as jnp
 
     from precisionlab import hardware as hw
-    from precisionlab.hardware.reference import chain_reference
+    from precisionlab.hardware._reference import chain_reference
 
     big = 1.5 * 2.0**127
     one_step = np.zeros((1, 16), np.float32)

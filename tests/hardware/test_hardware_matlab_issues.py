@@ -29,7 +29,7 @@ import ml_dtypes
 import numpy as np
 
 from precisionlab import hardware as hw
-from precisionlab.hardware import reference
+from precisionlab.hardware import _reference as reference
 
 CASES = json.loads((pathlib.Path(__file__).parents[1] / "data" / "matlab_tensor_core_issues.json")
                    .read_text())  # fmt: skip

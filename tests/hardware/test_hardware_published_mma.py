@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from precisionlab import hardware as hw
-from precisionlab.hardware.reference import chain_reference
+from precisionlab.hardware._reference import chain_reference
 
 F16, BF16 = np.float16, ml_dtypes.bfloat16
 E4, E5 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
@@ -151,9 +151,9 @@ def test_mma_bad_input_raises_listing_what_exists(call, match):
 def test_an_initial_accumulator_needs_one_chain():
     """mma runs gemm's chain with C as the first step's accumulator; a schedule that
     restarts or splits K has no single first step, so the chain refuses C there."""
-    from precisionlab.hardware.gemm import _chain_all
+    from precisionlab.hardware._gemm import chain_all
 
     a = np.ones((1, 32), np.float16)
     res = hw.resolve("h100", "cublaslt", False, "16bit", {"restart_every": 16})
     with pytest.raises(ValueError, match="initial accumulator is modelled for one chain"):
-        _chain_all(a, a.T, res, init=np.zeros((1, 1), np.float32))
+        chain_all(a, a.T, res, init=np.zeros((1, 1), np.float32))

@@ -1,4 +1,4 @@
-"""The JAX boundary (precisionlab.intercept.boundary): one contract test per higher-order
+"""The JAX boundary (precisionlab.intercept._boundary): one contract test per higher-order
 primitive (a tiny jaxpr, read by its adapter), replays of the parameters jax 0.11.2 recorded
 (tests/data/jaxpr_params_jax_0.11.2.json), the loud failure inside an unknown higher-order
 primitive, both bind-parameter protocols, and the version check."""
@@ -18,7 +18,8 @@ import pytest
 from jax.interpreters import mlir
 
 from precisionlab.emulate import emulate
-from precisionlab.intercept import boundary, intercept
+from precisionlab.intercept import _boundary as boundary
+from precisionlab.intercept import intercept
 
 DATA = json.loads(
     (pathlib.Path(__file__).parents[1] / "data" / "jaxpr_params_jax_0.11.2.json").read_text()

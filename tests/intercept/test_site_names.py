@@ -179,7 +179,7 @@ def test_plain_scan_site_is_named_by_its_stacked_leaf():
 
 
 def _builtin_loss(name: str, **kw):
-    from precisionlab.train.models import make_model
+    from precisionlab.train._models import make_model
 
     model = make_model(name, **kw)
     params = model.init(jax.random.key(0))
@@ -232,7 +232,7 @@ def test_intercept_labels_any_rule_and_numbers_by_primitive():
 
 
 def test_a_recipe_table_opts_attention_in_and_its_metrics_follow():
-    from precisionlab.train.recipe import parse_recipe
+    from precisionlab.train._recipe import parse_recipe
 
     on = parse_recipe({"name": "current", "attention": True})
     off = parse_recipe("current")

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from precisionlab.memory import TrainSetup, estimate
-from precisionlab.memory.builtin import transformer_spec
-from precisionlab.memory.checkpointing import (
+from precisionlab.memory._builtin import transformer_spec
+from precisionlab.memory._checkpointing import (
     checkpointed_bytes,
     layer_bytes,
     measure_point,
@@ -17,7 +17,7 @@ from precisionlab.memory.checkpointing import (
     validate,
 )
 from precisionlab.mixed import get_policy
-from precisionlab.train.models import make_model
+from precisionlab.train._models import make_model
 
 # 17 layers: the first (in_dim -> width) stays unrolled, N = 16 are scanned. A wide batch makes
 # a layer's saved activations about its input's size, as the textbook model assumes.

@@ -12,15 +12,15 @@ import jax
 import numpy as np
 import pytest
 
-from precisionlab.memory.builtin import (
+from precisionlab.memory._builtin import (
     activation_bytes,
     measure_train_table,
     param_count,
     plain_step,
     transformer_spec,
 )
-from precisionlab.memory.estimate import estimate_step
-from precisionlab.memory.measure import measure
+from precisionlab.memory._estimate import estimate_step
+from precisionlab.memory._measure import measure
 from precisionlab.train import make_model
 
 

@@ -11,16 +11,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from precisionlab.memory.estimate import (
+from precisionlab.memory._estimate import (
     ModelSpec,
     TrainSetup,
     best_checkpoint_interval,
     estimate,
     layer_activation_bytes,
 )
-from precisionlab.memory.fit import fit
-from precisionlab.memory.presets import PRESETS, get_preset
-from precisionlab.memory.units import UNITS, format_size, parse_size
+from precisionlab.memory._fit import fit
+from precisionlab.memory._presets import PRESETS, get_preset
+from precisionlab.memory._units import UNITS, format_size, parse_size
 
 GPT3_175B = get_preset("gpt3-175b")
 MIXED = TrainSetup(policy="p=f32,c=f16", optimizer="adam", batch=1, seq=2048)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from precisionlab.memory import experiment
+from precisionlab.memory import _experiment as experiment
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,7 +81,7 @@ def test_run_without_measure_or_plots(tmp_path):
 
 
 def test_the_shipped_config_validates():
-    from precisionlab.experiments.config import load_experiment
+    from precisionlab.experiments._config import load_experiment
 
     exp = load_experiment(ROOT / "experiments" / "memory.toml")
     assert exp.kind == "memory"

@@ -12,9 +12,9 @@ import jax
 import numpy as np
 import pytest
 
-from precisionlab.memory.estimate import estimate_step, tree_bytes
-from precisionlab.memory.measure import compare_rows, measure, time_step
-from precisionlab.memory.steps import mlp_step, stack_step
+from precisionlab.memory._estimate import estimate_step, tree_bytes
+from precisionlab.memory._measure import compare_rows, measure, time_step
+from precisionlab.memory._steps import mlp_step, stack_step
 from precisionlab.mixed import get_policy
 
 CASES = [
@@ -148,7 +148,7 @@ def test_cpu_undoes_checkpointing_of_unrolled_layers():
     backend = jax.default_backend()  # at run time: what this test's compilations target
     if backend != "cpu":
         pytest.skip(
-            f"the claim (memory/steps.py's reason to scan) is about XLA's CPU backend; this run "
+            f"the claim (memory/_steps.py's reason to scan) is about XLA's CPU backend; this run "
             f"compiles for {backend!r}, where the barriers are kept"
         )
     n, d = 8, 64

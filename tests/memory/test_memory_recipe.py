@@ -1,4 +1,4 @@
-"""The memory a matmul recipe adds (precisionlab.memory.recipe, ``memory --recipe``): element
+"""The memory a matmul recipe adds (precisionlab.memory._recipe, ``memory --recipe``): element
 codes, scales and amax history counted by hand from the formats' published sizes, and the
 recipe state's bytes checked against XLA's own argument sizes."""
 
@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from precisionlab.cli import main
-from precisionlab.memory.recipe import Gemm, bits_per_element, copy_bytes, recipe_memory
+from precisionlab.memory._recipe import Gemm, bits_per_element, copy_bytes, recipe_memory
 from precisionlab.recipes import get_recipe
 
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 def test_w8_the_default_dynamic_loss_scale_recovers():
     import jax
 
-    from precisionlab.mixed.loss_scale import DynamicLossScale
+    from precisionlab.mixed._loss_scale import DynamicLossScale
 
     adjust = jax.jit(lambda s, ok: s.adjust(ok))
     for dtype, floor in ((jnp.float32, 2.0**-126), (jnp.float16, 2.0**-14)):

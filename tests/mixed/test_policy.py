@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from precisionlab.mixed import FP32_OPS, Policy, get_policy, parse_dtype
-from precisionlab.mixed.policy import DTYPE_NAMES
+from precisionlab.mixed._policy import DTYPE_NAMES
 
 SPECS = [
     "params=float32,compute=bfloat16,output=float32",
@@ -120,7 +120,7 @@ def test_one_table_of_dtype_names_with_the_format_catalog():
     # formats.ALIASES and policy.DTYPE_NAMES used to disagree; now every name the catalog gives
     # one of the policy dtypes parses to it, except jmp's device-dependent "half".
     from precisionlab.formats import ALIASES
-    from precisionlab.mixed.policy import POLICY_DTYPES
+    from precisionlab.mixed._policy import POLICY_DTYPES
 
     for alias, canonical in ALIASES.items():
         if canonical in POLICY_DTYPES and alias != "half":

@@ -11,7 +11,7 @@ import pytest
 
 from precisionlab.mixed import Policy, get_policy, ops
 from precisionlab.train import TrainConfig
-from precisionlab.train.models.mlp import MLP
+from precisionlab.train._models.mlp import MLP
 
 
 def test_enforce_is_a_field_on_by_default_hashed_and_shown():

@@ -15,7 +15,7 @@ from precisionlab.mixed import (
     round_to_storage,
     store_opt_state,
 )
-from precisionlab.mixed.storage import compress, decompress
+from precisionlab.mixed._storage import compress, decompress
 
 BF16_ULP_AT_1 = 2.0**-7
 

@@ -149,8 +149,8 @@ def test_the_checker_sees_cycles_and_upward_edges():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert RANK["bench"] < RANK["cli"] and RANK["train"] < RANK["experiments"]
     modules = _modules()
-    assert "precisionlab.train.config" in _imports(
-        "precisionlab.train.loop", modules["precisionlab.train.loop"], modules
+    assert "precisionlab.train._config" in _imports(
+        "precisionlab.train._loop", modules["precisionlab.train._loop"], modules
     )
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from precisionlab.quant import FP4_QUANTIZERS, fake_quant, fp4, quantize
-from precisionlab.recipes import scaling as S
+from precisionlab.recipes import _scaling as S
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 F32 = np.float32

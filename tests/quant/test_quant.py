@@ -293,7 +293,7 @@ def test_percentile_clips_at_the_percentile():
 
 
 def test_mse_scale_is_the_best_clip_ratio_of_its_grid():
-    from precisionlab.quant.spec import MSE_GRID, MSE_MIN_RATIO
+    from precisionlab.quant._spec import MSE_GRID, MSE_MIN_RATIO
 
     x = _normal((4096,), seed=9)
     x64 = x.astype(np.float64)
@@ -501,7 +501,7 @@ def test_bad_input_dtype_raises_type_error():
 def test_every_scale_method_listed_is_accepted_and_only_those():
     # SCALE_METHODS is the parser's list: "auto" used to be accepted but not listed.
     from precisionlab.quant import SCALE_METHODS
-    from precisionlab.quant.spec import parse_scale
+    from precisionlab.quant._spec import parse_scale
 
     fmt = get_format("int8")
     for method in SCALE_METHODS:

@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from precisionlab.quant import core, fake_quant
-from precisionlab.quant.spec import resolve
+from precisionlab.quant import _core as core
+from precisionlab.quant import fake_quant
+from precisionlab.quant._spec import resolve
 
 F32 = np.float32
 # NaN payloads: quiet, negative quiet, signalling, all-ones mantissa, negative signalling.

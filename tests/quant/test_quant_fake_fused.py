@@ -20,8 +20,9 @@ import pytest
 from hypothesis import given, settings
 
 from precisionlab.bits import ROUNDING_MODES
-from precisionlab.quant import MX_FORMATS, SCALE_RULES, core, dequantize, fake_quant, quantize
-from precisionlab.quant.spec import resolve
+from precisionlab.quant import MX_FORMATS, SCALE_RULES, dequantize, fake_quant, quantize
+from precisionlab.quant import _core as core
+from precisionlab.quant._spec import resolve
 
 F32 = np.float32
 ROWS, COLS = 6, 96  # 3 MX blocks per row; ragged for block_size 64

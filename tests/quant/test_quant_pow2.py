@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from precisionlab.quant import pow2
+from precisionlab.quant import _pow2 as pow2
 
 F32 = np.float32
 

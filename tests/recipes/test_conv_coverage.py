@@ -25,7 +25,7 @@ from test_recipes import oracle_rowwise as _oracle_rowwise
 
 from precisionlab import hardware, recipes, telemetry
 from precisionlab.emulate import emulate
-from precisionlab.hardware.conv import conv_gemm
+from precisionlab.hardware._conv import conv_gemm
 from precisionlab.intercept import SkippedOperationWarning, _interpret
 
 F32 = np.float32

@@ -5,9 +5,9 @@ import inspect
 
 import jax.numpy as jnp
 
-from precisionlab.diagnose.autoswitch import AutoSwitchRecipe
+from precisionlab.diagnose._autoswitch import AutoSwitchRecipe
 from precisionlab.recipes import AppliedRecipe, RecipeSpec, get_recipe
-from precisionlab.train.recipe import TrainRecipe
+from precisionlab.train._recipe import TrainRecipe
 
 METHODS = ("sites", "init_state", "value_and_grad", "update_state")
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from precisionlab import recipes as R
-from precisionlab.recipes import scaling as S
+from precisionlab.recipes import _scaling as S
 
 F32 = np.float32
 E4M3 = ml_dtypes.float8_e4m3fn

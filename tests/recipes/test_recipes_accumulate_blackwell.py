@@ -2,7 +2,7 @@
 quantized GEMM is Blackwell's block-scaled MMA on the recipe's own elements and scales.
 
 Oracles: ``hw.gemm`` called on operands and scales built here from the recipe's quantizer
-(ml_dtypes casts), and the scalar references of ``precisionlab.hardware.reference`` (Python
+(ml_dtypes casts), and the scalar references of ``precisionlab.hardware._reference`` (Python
 fractions). The b200 profiles are MMA-Sim's published model, not checked on hardware.
 """
 
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from precisionlab import hardware as hw
-from precisionlab.hardware.reference import block_step_reference, chain_reference
+from precisionlab.hardware._reference import block_step_reference, chain_reference
 from precisionlab.recipes import get_recipe, matmul
-from precisionlab.recipes.scaling import apply_hadamard
+from precisionlab.recipes._scaling import apply_hadamard
 
 F4, E8M0, E4 = ml_dtypes.float4_e2m1fn, ml_dtypes.float8_e8m0fnu, ml_dtypes.float8_e4m3fn
 FP4_STEP = hw.get_profile("b200", "fp4").step

@@ -17,7 +17,7 @@ import pytest
 
 from precisionlab import hardware as hw
 from precisionlab.hardware import fma_pow2
-from precisionlab.hardware.reference import step_reference
+from precisionlab.hardware._reference import step_reference
 from precisionlab.recipes import get_recipe, matmul
 from precisionlab.recipes._deepgemm import blockwise_gemm
 

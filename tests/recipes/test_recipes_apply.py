@@ -158,7 +158,7 @@ def test_delayed_observes_true_amaxes_including_scan_layers():
 
 
 def test_delayed_skipped_step_keeps_state_and_checkpoint_round_trip(tmp_path):
-    from precisionlab.train.checkpoint import load_checkpoint, save_checkpoint
+    from precisionlab.train._checkpoint import load_checkpoint, save_checkpoint
 
     p = _params()
     f = R.apply(_loss, "delayed")

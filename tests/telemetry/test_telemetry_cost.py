@@ -177,7 +177,7 @@ def test_training_loop_telemetry_leaves_training_bitwise_unchanged():
     """``build_step`` with ``Telemetry(interval=10)`` against the same step without it, from
     step 0 (computed) through steps 1-2 (skipped): the same params, optimizer state, loss."""
     from precisionlab.train import StepOptions, build_step
-    from precisionlab.train.telemetry import Telemetry
+    from precisionlab.train._telemetry import Telemetry
 
     runs = []
     for tel in (None, Telemetry(interval=10, targets=TARGETS)):

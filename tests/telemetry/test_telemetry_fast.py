@@ -18,8 +18,8 @@ import pytest
 from jax import lax
 
 from precisionlab.formats import FORMATS, FloatFormat
-from precisionlab.quant import pow2
-from precisionlab.recipes import scaling as S
+from precisionlab.quant import _pow2 as pow2
+from precisionlab.recipes import _scaling as S
 from precisionlab.telemetry import derive, parse_targets, stacked_stats
 from precisionlab.telemetry._targets import (
     count_thresholds,

@@ -130,7 +130,7 @@ def test_remat_scan_and_cond_and_while():
 
 
 def test_views_name_layer_and_site_and_still_read_rows_without_a_site(tmp_path):
-    from precisionlab.experiments import telemetry_views as views
+    from precisionlab.experiments import _telemetry_views as views
 
     def row(step, layer, site, tensor, under):
         r = {"step": step, "kind": "matmul", "layer": layer, "tensor": tensor, "n": 64,

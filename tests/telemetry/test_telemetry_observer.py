@@ -2,7 +2,7 @@
 
 Oracle: the same run with telemetry off, compared bit for bit (losses, params, optimizer and
 recipe state after every step). Without the optimization barrier on the float32 gradients of
-a recipe step (precisionlab.train.step), the transformer below differs after its second step
+a recipe step (precisionlab.train._step), the transformer below differs after its second step
 for every recipe tried (current, delayed, rowwise, blockwise, mxfp8): XLA fused the recipe's
 wgrad transpose into Adam's second-moment update in one program and not in the other, and
 LLVM contracted a different product of that update into an FMA.
@@ -17,12 +17,13 @@ import jax
 import numpy as np
 import pytest
 
-from precisionlab.experiments import runner, store
+from precisionlab.experiments import _runner as runner
+from precisionlab.experiments import _store as store
 from precisionlab.recipes import RECIPE_NAMES
 from precisionlab.train import TrainConfig
-from precisionlab.train.compose import build
-from precisionlab.train.step import build_step
-from precisionlab.train.telemetry import Telemetry
+from precisionlab.train._compose import build
+from precisionlab.train._step import build_step
+from precisionlab.train._telemetry import Telemetry
 
 # experiments/fp8_recipes.toml's model and data, 3 steps (the smallest size tried that showed
 # the difference: width 16 did not).

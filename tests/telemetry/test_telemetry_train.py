@@ -20,12 +20,14 @@ import pytest
 from _host_devices import run_on_host_devices
 
 from precisionlab._schema import ConfigError
-from precisionlab.experiments import report, runner, store
+from precisionlab.experiments import _report as report
+from precisionlab.experiments import _runner as runner
+from precisionlab.experiments import _store as store
 from precisionlab.telemetry import stacked_stats, tensor_stats
 from precisionlab.train import TrainConfig, train
-from precisionlab.train.compose import build
-from precisionlab.train.step import normalize_loss_fn, weighted_loss
-from precisionlab.train.telemetry import (
+from precisionlab.train._compose import build
+from precisionlab.train._step import normalize_loss_fn, weighted_loss
+from precisionlab.train._telemetry import (
     Telemetry,
     auto_interval,
     make_telemetry_fn,
@@ -229,7 +231,7 @@ def test_resume_after_a_kill_neither_loses_nor_repeats_telemetry_rows(tmp_path):
 
 
 def test_experiments_turn_telemetry_on_by_default(tmp_path):
-    from precisionlab.experiments.config import load_experiment
+    from precisionlab.experiments._config import load_experiment
 
     path = tmp_path / "tel.toml"
     path.write_text(TOML.format(telemetry=""))
@@ -246,8 +248,8 @@ DP_SCRIPT = textwrap.dedent(
     import jax, numpy as np, optax
     assert jax.device_count() == 4
     from precisionlab.train import build_step, make_data, make_model, parse_step_options
-    from precisionlab.train.parallel import shard_batch
-    from precisionlab.train.telemetry import Telemetry, telemetry_rows
+    from precisionlab.train._parallel import shard_batch
+    from precisionlab.train._telemetry import Telemetry, telemetry_rows
 
     data = make_data("teacher")
     model = make_model("mlp", width=32, **data.model_kwargs())

@@ -18,8 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from precisionlab.experiments import report, runner, store, telemetry_views
-from precisionlab.experiments.config import experiment_from_document
+from precisionlab.experiments import _report as report
+from precisionlab.experiments import _runner as runner
+from precisionlab.experiments import _store as store
+from precisionlab.experiments import _telemetry_views as telemetry_views
+from precisionlab.experiments._config import experiment_from_document
 from precisionlab.telemetry import OPS, observe
 
 MAIN = Path(__file__).parents[2] / "experiments" / "fp16_vs_bf16.toml"
@@ -130,9 +133,9 @@ def test_range_setting_names_gelus_cube_in_one_telemetry_step():
     """The default suite's cheap check of the range setting: one telemetry step of the main
     job's range/fp16-static unit (no training run), the first inf/NaN found in program order
     is GELU's x**3 output in layer0 (numpy oracle: its float16 pre-activations cubed)."""
-    from precisionlab.train.compose import build
-    from precisionlab.train.step import normalize_loss_fn, weighted_loss
-    from precisionlab.train.telemetry import make_telemetry_fn, telemetry_rows
+    from precisionlab.train._compose import build
+    from precisionlab.train._step import normalize_loss_fn, weighted_loss
+    from precisionlab.train._telemetry import make_telemetry_fn, telemetry_rows
 
     doc = _main_job({"fp16-static": ["range"]}, steps=1)
     doc["train"]["batch_size"] = 16

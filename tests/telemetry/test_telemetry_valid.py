@@ -8,7 +8,7 @@ import numpy as np
 from jax import lax
 
 from precisionlab.mixed import NoLossScale, get_policy
-from precisionlab.train.telemetry import Telemetry, make_telemetry_fn, telemetry_rows
+from precisionlab.train._telemetry import Telemetry, make_telemetry_fn, telemetry_rows
 
 
 def _loss(params, batch):

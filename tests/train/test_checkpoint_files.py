@@ -12,7 +12,7 @@ import pytest
 
 def test_a_killed_checkpoint_write_leaves_no_temporary_directory(tmp_path):
     """Why: a checkpoint write killed midway left a .tmp_ckpt_* directory behind for good."""
-    from precisionlab.train.checkpoint import list_checkpoints, save_checkpoint
+    from precisionlab.train._checkpoint import list_checkpoints, save_checkpoint
 
     partial = tmp_path / ".tmp_ckpt_deadbeef"
     partial.mkdir()
@@ -26,7 +26,7 @@ def test_a_fifo_for_a_checkpoint_array_file_is_an_error_not_a_hang(tmp_path):
     """Why: a FIFO in place of a checkpoint's arrays.npz made `run --resume` hang for ever
     (np.load opened it directly, not through precisionlab._io)."""
     from precisionlab import _io
-    from precisionlab.train.checkpoint import load_checkpoint, save_checkpoint
+    from precisionlab.train._checkpoint import load_checkpoint, save_checkpoint
 
     state = {"w": np.arange(3.0, dtype=np.float32)}
     path = save_checkpoint(tmp_path, state, step=1)
@@ -45,7 +45,7 @@ def test_a_fifo_for_a_checkpoint_array_file_is_an_error_not_a_hang(tmp_path):
 
 def test_a_checkpoint_array_file_larger_than_its_arrays_is_refused(tmp_path):
     from precisionlab import _io
-    from precisionlab.train.checkpoint import load_checkpoint, save_checkpoint
+    from precisionlab.train._checkpoint import load_checkpoint, save_checkpoint
 
     state = {"w": np.arange(3.0, dtype=np.float32)}
     path = save_checkpoint(tmp_path, state, step=1)

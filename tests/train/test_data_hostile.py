@@ -42,7 +42,7 @@ def test_c5_an_npz_member_that_is_not_an_array_is_never_read(work):
 
 
 def test_w5_text_data_reads_only_max_bytes(work):
-    from precisionlab.train.data.text import TextData
+    from precisionlab.train._data.text import TextData
 
     big = work / "big.txt"
     with open(big, "wb") as f:

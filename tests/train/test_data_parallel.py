@@ -11,7 +11,7 @@ SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np, optax
     assert jax.device_count() == 4, jax.devices()
     from precisionlab.train import build_step, make_data, make_model, parse_step_options
-    from precisionlab.train.parallel import local_mesh, shard_batch
+    from precisionlab.train._parallel import local_mesh, shard_batch
 
     data = make_data("teacher")
     model = make_model("mlp", width=32, **data.model_kwargs())

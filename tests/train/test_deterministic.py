@@ -11,7 +11,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from precisionlab.experiments import store
+from precisionlab.experiments import _store as store
 
 TINY = """
 kind = "train"
@@ -43,7 +43,7 @@ _CORES = textwrap.dedent(
     if sys.argv[2] != "all":  # before JAX starts: the cores XLA may split a sum over
         os.sched_setaffinity(0, {int(sys.argv[2])})
     import jax, jax.numpy as jnp, numpy as np
-    from precisionlab.train.deterministic import fixed_order
+    from precisionlab.train._deterministic import fixed_order
     a = jnp.asarray(np.random.default_rng(0).standard_normal((512, 2048)).astype(np.float32))
     w = jnp.asarray(np.random.default_rng(1).standard_normal((2048, 8)).astype(np.float32))
     f = lambda a, w: (jnp.sum(a), jnp.mean(a, axis=0), a @ w)
@@ -89,7 +89,7 @@ def test_the_fixed_order_is_the_documented_one():
     import jax.numpy as jnp
     import ml_dtypes
 
-    from precisionlab.train.deterministic import pairwise_dot, pairwise_sum
+    from precisionlab.train._deterministic import pairwise_dot, pairwise_sum
 
     rng = np.random.default_rng(3)
     a = rng.standard_normal((2, 5, 37)).astype(np.float32)

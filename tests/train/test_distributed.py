@@ -311,7 +311,7 @@ def test_the_supervisor_passes_output_and_holds_back_the_runtimes(tmp_path):
 def test_the_child_gets_the_same_arguments():
     import argparse
 
-    from precisionlab.cli import run_cmd
+    from precisionlab.cli import _run_cmd as run_cmd
     from precisionlab.cli._supervise import _child_argv
 
     parser = argparse.ArgumentParser()
@@ -330,7 +330,7 @@ def test_the_child_gets_the_same_arguments():
 BROADCAST = """
 import json, sys
 import ml_dtypes, numpy as np
-from precisionlab.train import distributed, save_checkpoint
+from precisionlab.train import _distributed as distributed, save_checkpoint
 
 port, index, ckpt = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 distributed.initialize(f"localhost:{port}", 2, index, timeout_s=60)

@@ -8,7 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from precisionlab.mixed.loss_scale import NoLossScale
+from precisionlab.mixed._loss_scale import NoLossScale
+from precisionlab.train._hooks import StepEnd
+from precisionlab.train._recipe import parse_recipe
 from precisionlab.train.gemm_stats import (
     GEMMS,
     SQRT3,
@@ -17,8 +19,6 @@ from precisionlab.train.gemm_stats import (
     gemm_rows,
     make_gemm_stats_fn,
 )
-from precisionlab.train.hooks import StepEnd
-from precisionlab.train.recipe import parse_recipe
 
 
 def test_estimators_on_hand_computed_sums():
@@ -105,7 +105,7 @@ def test_the_hook_measures_every_interval_on_the_states_it_is_given():
         params, loss_scale, recipe_state, values = p, NoLossScale(), {}, None
         rng = jax.random.PRNGKey(0)
 
-    from precisionlab.mixed.policy import Policy
+    from precisionlab.mixed._policy import Policy
 
     hook = GemmStatsHook(loss, parse_recipe("bf16"), Policy(), lambda s: b, 2, got.append)
     for step in (1, 2, 3, 4):

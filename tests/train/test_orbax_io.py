@@ -13,7 +13,7 @@ ocp = pytest.importorskip("orbax.checkpoint")
 
 from precisionlab.mixed import Storage  # noqa: E402
 from precisionlab.train import make_model, make_train_step, save_checkpoint  # noqa: E402
-from precisionlab.train.checkpoint import load_checkpoint  # noqa: E402
+from precisionlab.train._checkpoint import load_checkpoint  # noqa: E402
 from precisionlab.train.orbax_io import (  # noqa: E402
     export_checkpoint,
     import_checkpoint,

@@ -19,9 +19,9 @@ import optax
 import pytest
 
 from precisionlab._schema import ConfigError
-from precisionlab.mixed.policy import get_policy
+from precisionlab.mixed._policy import get_policy
 from precisionlab.train import LoopOptions, TrainConfig, train_loop
-from precisionlab.train.predictors import (
+from precisionlab.train._predictors import (
     NOISE_THRESHOLD,
     SIGNALS,
     Predictors,
@@ -31,7 +31,7 @@ from precisionlab.train.predictors import (
     parse_predictors,
     swiglu_alignment,
 )
-from precisionlab.train.step import StepOptions
+from precisionlab.train._step import StepOptions
 
 
 def test_kurtosis_of_rows_by_hand():
@@ -199,7 +199,7 @@ def test_bf16_params_swamp_small_updates_and_fp16_headroom_is_its_range():
 
 
 def test_model_options_for_the_mechanisms_change_what_they_must():
-    from precisionlab.train.models import make_model
+    from precisionlab.train._models import make_model
 
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 32, (2, 9)), jnp.int32)
     base = make_model("transformer", d_model=32, depth=1, heads=2, seq_len=8)
@@ -238,7 +238,7 @@ def test_model_options_for_the_mechanisms_change_what_they_must():
 
 def test_flip_rate_counts_mxfp4_levels_not_scale_moves():
     from precisionlab.recipes import get_recipe
-    from precisionlab.train.predictors import _qdq
+    from precisionlab.train._predictors import _qdq
 
     mx = get_recipe("mxfp4", pad=True)
     # one block of 32 along K: amax 6 sets the E8M0 scale 2^(2 - 2) = 1, so levels are E2M1's
@@ -258,7 +258,7 @@ def test_flip_rate_counts_mxfp4_levels_not_scale_moves():
 
 def test_recipe_quantizer_of_the_te_statistics_matches_ml_dtypes():
     from precisionlab.recipes import get_recipe
-    from precisionlab.train.predictors import _qdq
+    from precisionlab.train._predictors import _qdq
 
     rng = np.random.default_rng(5)
     x = (rng.standard_normal((3, 32)) * np.array([[1.0], [1e-3], [50.0]])).astype(np.float32)

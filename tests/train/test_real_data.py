@@ -307,7 +307,7 @@ _REAL_DATA = pathlib.Path(__file__).parents[2] / "experiments" / "real_data.toml
 def _real_data_experiment(overrides=(), keep=None):
     import tomllib
 
-    from precisionlab.experiments.config import apply_overrides, experiment_from_document
+    from precisionlab.experiments._config import apply_overrides, experiment_from_document
 
     doc = apply_overrides(tomllib.loads(_REAL_DATA.read_text()), list(overrides))
     if keep is not None:
@@ -328,7 +328,8 @@ def test_real_data_digits_mlp_outcomes(tmp_path):
     matches fp32 (no harmful underflow); no overflow (no skipped step, the dynamic scale never
     backs off)."""
     pytest.importorskip("sklearn")
-    from precisionlab.experiments import runner, store
+    from precisionlab.experiments import _runner as runner
+    from precisionlab.experiments import _store as store
 
     names = ("fp32", "fp16-noscale", "fp16-dynamic", "bf16-pure-nearest", "bf16-pure-stochastic")
     exp = _real_data_experiment(
@@ -350,8 +351,8 @@ def test_real_data_digits_mlp_outcomes(tmp_path):
 
 
 def test_run_store_records_the_corpus_of_each_unit(tmp_path):
-    from precisionlab.experiments import store
-    from precisionlab.experiments.runner import run_file
+    from precisionlab.experiments import _store as store
+    from precisionlab.experiments._runner import run_file
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()

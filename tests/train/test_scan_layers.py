@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 
 from precisionlab._schema import ConfigError
-from precisionlab.mixed.policy import get_policy
+from precisionlab.mixed._policy import get_policy
 from precisionlab.train import TrainConfig, train
-from precisionlab.train.layers import (
+from precisionlab.train._layers import (
     REMAT_POLICIES,
     scan_layers,
     stack_layers,
     unstack_layers,
 )
-from precisionlab.train.models import Transformer, make_model
+from precisionlab.train._models import Transformer, make_model
 
 TINY = {
     "transformer": dict(depth=5, d_model=32, heads=4, seq_len=16, vocab_size=32),

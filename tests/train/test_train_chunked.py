@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from precisionlab.train import TrainConfig, train
-from precisionlab.train.compose import build
-from precisionlab.train.loop import LoopOptions, _chunk_len, _chunk_steps
-from precisionlab.train.timing import LoopTimings
+from precisionlab.train._compose import build
+from precisionlab.train._loop import LoopOptions, _chunk_len, _chunk_steps
+from precisionlab.train._timing import LoopTimings
 
 # The main job's (b) setting, fp16 with dynamic loss scaling: skipped steps, a moving loss
 # scale, GELU overflow; and swamping's pure-bf16 params with stochastic rounding (the PRNG).

@@ -12,11 +12,13 @@ from precisionlab.train import (
     StepOptions,
     TrainConfig,
     build_step,
-    models,
     parse_step_options,
     train,
 )
-from precisionlab.train.config import TRAIN_FIELDS
+from precisionlab.train import (
+    _models as models,
+)
+from precisionlab.train._config import TRAIN_FIELDS
 
 SMALL = {"model_kwargs": {"width": 16}, "batch_size": 32, "eval_batches": 1}
 
@@ -75,7 +77,7 @@ def test_a_model_declares_the_data_it_reads(monkeypatch):
         data_kind = "lm"
 
     monkeypatch.setitem(models._BUILDERS, "lm-mlp", Lm)
-    from precisionlab.train import config
+    from precisionlab.train import _config as config
 
     field = TRAIN_FIELDS["model"]
     wider = dataclasses.replace(field, choices=(*field.choices, "lm-mlp"))
@@ -100,13 +102,13 @@ def test_one_loss_knob():
 
 def test_a_config_is_parsed_once_and_training_parses_no_strings():
     # Policy and loss-scale strings used to be parsed three times before training and the inner
-    # layers re-normalised them (nine entries into mixed/policy.py). Now the config parses each
+    # layers re-normalised them (nine entries into mixed/_policy.py). Now the config parses each
     # once, when it is made, and everything below takes the typed objects.
     import sys
     from collections import Counter
 
-    from precisionlab.mixed import loss_scale as ls_mod
-    from precisionlab.mixed import policy as pol_mod
+    from precisionlab.mixed import _loss_scale as ls_mod
+    from precisionlab.mixed import _policy as pol_mod
 
     codes = {
         pol_mod.get_policy.__code__: "get_policy",
@@ -151,7 +153,7 @@ def test_the_field_table_declares_every_config_field_with_its_default():
 def test_record_hooks_are_due_on_their_intervals_and_fold_into_the_aggregates():
     # what the loop measures every N steps: each hook says when it is due (steps done, or the
     # 0-based step for row hooks) and what it adds; the loop only asks and writes
-    from precisionlab.train.record_hooks import EvalHook, LrHook, ProbeHook
+    from precisionlab.train._record_hooks import EvalHook, LrHook, ProbeHook
 
     probe = ProbeHook(lambda state, batch: {}, hist_interval=4, shadow_interval=6)
     assert [s for s in range(13) if probe.due(s)] == [0, 4, 6, 8, 12]

@@ -1,5 +1,5 @@
 """Runs that differ only in values (learning rate, optimizer eps, loss weight, seed) share one
-compiled program (precisionlab.train.programs), and give the numbers of separately compiled
+compiled program (precisionlab.train._programs), and give the numbers of separately compiled
 runs."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from precisionlab.train import TrainConfig, programs, train
-from precisionlab.train.compose import program_key, run_values
+from precisionlab.train import TrainConfig, train
+from precisionlab.train import _programs as programs
+from precisionlab.train._compose import program_key, run_values
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -123,7 +124,7 @@ def test_recipe_value_fields_leave_the_program_key_alone():
 
 def test_recipe_numbers_are_the_value_fields():
     from precisionlab.recipes import NVFP4, Current, Delayed, Rowwise
-    from precisionlab.recipes.scaling import hadamard_matrix
+    from precisionlab.recipes._scaling import hadamard_matrix
 
     assert Delayed(margin=5).numbers() == {"margin_scale": np.float32(32.0)}
     # the floor is the smallest float32 >= eps (0.7 and 0.05 round down and up to float32),

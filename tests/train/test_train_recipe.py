@@ -12,9 +12,9 @@ import pytest
 
 from precisionlab import recipes
 from precisionlab.train import TrainConfig, train
-from precisionlab.train.recipe import TrainRecipe, parse_recipe
-from precisionlab.train.specs import parse_step_options
-from precisionlab.train.step import StepOptions, build_step
+from precisionlab.train._recipe import TrainRecipe, parse_recipe
+from precisionlab.train._specs import parse_step_options
+from precisionlab.train._step import StepOptions, build_step
 
 # A small MLP on the default teacher data: a few seconds per run on 2 busy cores.
 SMALL = dict(model_kwargs={"width": 64, "depth": 1}, batch_size=32, steps=20, lr=1e-2)
@@ -128,8 +128,8 @@ def test_stateful_recipe_needs_an_example_batch():
 
 
 def _metrics(recipe, x, w):
-    from precisionlab.mixed.loss_scale import NoLossScale
-    from precisionlab.train.recipe_metrics import make_recipe_metrics_fn, recipe_metrics
+    from precisionlab.mixed._loss_scale import NoLossScale
+    from precisionlab.train._recipe_metrics import make_recipe_metrics_fn, recipe_metrics
 
     fn = make_recipe_metrics_fn(lambda p, b: jnp.sum(b["x"] @ p["w"]), parse_recipe(recipe))
     return recipe_metrics(jax.jit(fn)({"w": w}, {"x": x}, NoLossScale(), None, None))
@@ -179,7 +179,7 @@ def test_fp8_recipes_experiment_validates_and_cli_errors_are_one_line(capsys):
     from pathlib import Path
 
     from precisionlab.cli import main
-    from precisionlab.experiments.config import load_experiment
+    from precisionlab.experiments._config import load_experiment
 
     path = Path(__file__).parents[2] / "experiments" / "fp8_recipes.toml"
     exp = load_experiment(path)

@@ -13,8 +13,8 @@ SCRIPT = textwrap.dedent(
     import jax, numpy as np, optax
     assert jax.device_count() == 4, jax.devices()
     from precisionlab.train import StepOptions, build_step, make_data, make_model
-    from precisionlab.train.parallel import shard_batch
-    from precisionlab.train.recipe import parse_recipe
+    from precisionlab.train._parallel import shard_batch
+    from precisionlab.train._recipe import parse_recipe
 
     data = make_data("teacher")
     model = make_model("mlp", width=32, depth=1, **data.model_kwargs())

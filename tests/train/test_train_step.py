@@ -8,7 +8,7 @@ import pytest
 
 from precisionlab.mixed import DynamicLossScale, StaticLossScale, Storage, get_policy
 from precisionlab.train import make_train_step
-from precisionlab.train.step import make_grad_fn
+from precisionlab.train._step import make_grad_fn
 
 RNG = np.random.default_rng(0)
 PARAMS = {

@@ -13,7 +13,7 @@ tolerance of 2 gamma_63 (7.5e-6) per step; the first step is exactly that bound 
 later steps carry the gradients' reduction differences too, checked against ``steps`` times it.
 
 Memory. XLA's ``memory_analysis()`` of the compiled step (per device) against
-:func:`precisionlab.memory.zero.zero_state_bytes`, counted from the leaves' shapes.
+:func:`precisionlab.memory._zero.zero_state_bytes`, counted from the leaves' shapes.
 
 Every check runs in a subprocess: the device count must be set before JAX starts its backend.
 """
@@ -30,7 +30,7 @@ PRELUDE = textwrap.dedent(
     assert jax.device_count() == 8, jax.devices()
     from precisionlab.train import LoopOptions, StepOptions, build_step, make_data, make_model
     from precisionlab.train import parse_step_options, train_loop
-    from precisionlab.train.parallel import place_state, shard_batch
+    from precisionlab.train._parallel import place_state, shard_batch
 
     data = make_data("teacher")
     model = make_model("mlp", width=32, **data.model_kwargs())  # a 10-class head: replicated
@@ -110,7 +110,7 @@ plain_losses, _ = run()
 # mixed precision with dynamic loss scaling, bf16 params (the update applied with Kahan
 # compensation, sharded with the optimizer state) and a bf16 reduce-scatter
 kw = dict(policy="p=f32,c=bf16,o=f32", loss_scale="dynamic", allreduce_dtype="bfloat16")
-from precisionlab.mixed.storage import Storage
+from precisionlab.mixed._storage import Storage
 kw["storage"] = Storage(params="bfloat16", update="kahan")
 ref_losses, ref = run(mb=8, **kw)
 for stage in (0, 3):
@@ -127,7 +127,7 @@ losses, state = run(dp=8, stage=2, **sr)
 assert np.array_equal(losses, sr_losses) and same(state, sr_state)
 # gradient accumulation inside each device (2 micro-batches of 4) and delayed FP8 scaling
 # (its amax history is replicated state): every stage equals stage 0 bitwise
-from precisionlab.train.recipe import parse_recipe
+from precisionlab.train._recipe import parse_recipe
 rec = parse_recipe({"name": "delayed", "amax_history_len": 2})
 for extra in (dict(mb=2), dict(recipe=rec)):
     base_losses, base = run(dp=8, stage=0, **extra)
@@ -158,7 +158,7 @@ def test_stages_mixed_precision_bitwise():
 
 
 MEMORY = """
-from precisionlab.memory.zero import measure_zero_table, zero_state_bytes
+from precisionlab.memory._zero import measure_zero_table, zero_state_bytes
 table = dict(model="mlp", model_kwargs={"width": 32}, batch_size=64, optimizer="adam")
 n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
 for stage in STAGES:
@@ -191,7 +191,7 @@ TEXTBOOK = """
 # A transformer whose leaves all divide by 8: the per-leaf count equals the flat
 # ceil(n_params / 8) of the preset estimator (float32: no separate master copy)
 from precisionlab.memory import TrainSetup, estimate
-from precisionlab.memory.builtin import transformer_spec
+from precisionlab.memory._builtin import transformer_spec
 table = dict(model="transformer", data="markov", batch_size=32, optimizer="adam")
 spec = None
 for stage in (0, 1, 2, 3):
@@ -215,7 +215,7 @@ def test_per_device_memory_equals_estimate_every_stage():
 
 
 RESUME = """
-from precisionlab.train.checkpoint import load_checkpoint
+from precisionlab.train._checkpoint import load_checkpoint
 
 def loop(dp, stage, steps, ckpt=None, resume=False, mb=1):
     loss_fn = model.loss_fn("p=f32,c=f32,o=f32")
@@ -253,7 +253,7 @@ def test_resume_across_layouts_bitwise():
 
 def test_zero_stage_errors_name_the_value(capsys):
     from precisionlab.cli import main
-    from precisionlab.memory.zero import zero_state_bytes
+    from precisionlab.memory._zero import zero_state_bytes
     from precisionlab.train import StepOptions, TrainConfig
 
     with pytest.raises(ValueError, match="needs data_parallel"):
@@ -286,7 +286,7 @@ def test_zero_state_bytes_by_hand():
     import jax
     import numpy as np
 
-    from precisionlab.memory.zero import leaf_elements_per_device, zero_state_bytes
+    from precisionlab.memory._zero import leaf_elements_per_device, zero_state_bytes
 
     shapes = {
         "w": jax.ShapeDtypeStruct((6, 16), np.float32),

@@ -460,7 +460,7 @@ def test_fault_one_flipped_output_bit_is_unknown(dumps, tmp_path):
 # --- the built-in transformer (slow: about a minute of CPU per recipe) -----------------------
 def _transformer_dump(root, recipe):
     from precisionlab.train import TrainConfig, build
-    from precisionlab.train.step import build_step
+    from precisionlab.train._step import build_step
 
     # delayed: the newest amax sets the scale, so a history one step old gives another one
     spec = recipe

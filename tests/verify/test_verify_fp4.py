@@ -269,7 +269,7 @@ def test_transformer_step_in_a_training_loop_verifies(tmp_path):
     """The built-in transformer under TetraJet (MXFP4, Q-EMA state per matmul) recorded by the
     training hook from the loop's state and batch: every step of every matmul bit-equal."""
     from precisionlab.train import TrainConfig, build
-    from precisionlab.train.step import build_step
+    from precisionlab.train._step import build_step
 
     cfg = TrainConfig(model="transformer", data="markov", recipe="tetrajet", batch_size=4,
                       model_kwargs={"d_model": 32, "depth": 2, "heads": 2},

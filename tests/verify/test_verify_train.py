@@ -47,7 +47,7 @@ def test_hook_refuses_what_it_cannot_record(tmp_path):
     with pytest.raises(ValueError, match="microbatches = 1"):
         verify.RecordHook.for_config(TrainConfig(**TINY, microbatches=2), tmp_path / "y", [1])
     with pytest.raises(ValueError, match="step numbers >= 1, got '0'"):
-        verify.hook.parse_steps("1,0")
+        verify._hook.parse_steps("1,0")
 
 
 RUN = """

@@ -1,0 +1,201 @@
+"""``precisionlab diagnose``: find where a variant's precision breaks (compare, bisect,
+autoswitch; each writes report.md, result.json and plots into a run directory), or forecast
+it (``--forecast RUN_DIR``: forecast.json and forecast.md)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from precisionlab.cli._common import UsageError, check_out_dir
+
+HELP = (
+    "find the layer and step where precision breaks: --compare, --bisect or --autoswitch; "
+    "or forecast it: --forecast RUN_DIR"
+)
+
+_ONLY = {
+    "threshold": "compare",
+    "every": "compare",
+    "tolerance": "bisect",
+    "tail": "bisect",
+    "layers": "bisect",
+    "underflow": "autoswitch",
+    "mse": "autoswitch",
+}
+#: The flags of --forecast only.
+_FORECAST_ONLY = ("fit", "model", "no_bisect", "quick")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "config", nargs="?", help="experiment file (TOML, kind = 'train'); not with --forecast"
+    )
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--compare", nargs=2, metavar=("REF", "OTHER"),
+        help="run two variants in lockstep; report the first tensor that differs",
+    )  # fmt: skip
+    mode.add_argument(
+        "--bisect", nargs=2, metavar=("FAIL", "PASS"),
+        help="smallest set of layers whose return to high precision makes FAIL pass",
+    )  # fmt: skip
+    mode.add_argument(
+        "--autoswitch", metavar="VARIANT",
+        help="train a recipe variant, switching each matmul to high precision when it goes bad",
+    )  # fmt: skip
+    mode.add_argument(
+        "--forecast", metavar="RUN_DIR",
+        help="forecast divergence from a run's predictors (a run directory; an experiment "
+        "file is run first): alarms per unit and, on a suite, precision/recall/lead",
+    )  # fmt: skip
+    parser.add_argument(
+        "--set", dest="overrides", metavar="KEY.PATH=VALUE", action="append", default=[],
+        help="override a key of the file, as for `precisionlab run`",
+    )  # fmt: skip
+    parser.add_argument("--steps", type=int, help="steps per run (default: the variants')")
+    parser.add_argument(
+        "--out", metavar="DIR", help="run directory (default runs/NAME-diagnose-TIME)"
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    parser.add_argument("--no-plots", action="store_true", help="report.md without plots")
+    g = parser.add_argument_group("compare")
+    g.add_argument("--threshold", type=float, help="relative difference that breaks (default 0.1)")
+    g.add_argument("--every", type=int, help="compare every N steps (default 1)")
+    g = parser.add_argument_group("bisect")
+    g.add_argument(
+        "--tolerance", type=float,
+        help="pass: final loss <= PASS's + tolerance (default 0.05)",
+    )  # fmt: skip
+    g.add_argument("--tail", type=int, help="steps averaged into the final loss (default 10)")
+    g.add_argument(
+        "--layers", metavar="GLOB[,GLOB...]",
+        help="candidate layers (default all), e.g. 'layer*'",
+    )  # fmt: skip
+    g = parser.add_argument_group("forecast")
+    g.add_argument(
+        "--fit", action="store_true",
+        help="refit the rules' thresholds on the suite's fitting settings first (writes "
+        "forecast_model.json beside the report)",
+    )  # fmt: skip
+    g.add_argument("--model", metavar="JSON", help="a forecaster model (default: the frozen one)")
+    g.add_argument(
+        "--no-bisect", action="store_true",
+        help="skip the bisect runs that check the alarms' layers",
+    )  # fmt: skip
+    g.add_argument(
+        "--quick", action="store_true",
+        help="with an experiment file: run its [diagnose] forecast_quick subset (no bisect)",
+    )  # fmt: skip
+    g = parser.add_argument_group("autoswitch")
+    g.add_argument("--underflow", type=float, help="switch above this underflow (default 0.05)")
+    g.add_argument("--mse", type=float, help="switch above this quantization MSE (default 1e-4)")
+
+
+def _options(args: argparse.Namespace, mode: str, defaults: dict) -> object:
+    """The typed options of ``mode`` from the file's ``[diagnose]`` table (``defaults``)
+    overridden by the flags (ValueError for bad values)."""
+    from precisionlab import diagnose as d
+    from precisionlab._schema import coerce
+    from precisionlab.experiments._config import DIAGNOSE_SCHEMA
+
+    given = {k: v for k, v in defaults.items() if _ONLY.get(k) == mode}
+    for flag, owner in _ONLY.items():
+        if getattr(args, flag) is not None and owner != mode:
+            raise UsageError(f"--{flag} applies to --{owner}, not --{mode}")
+    # The counting flags in the range of the file's [diagnose] tail (--tail 1e18 passed); the
+    # options check the thresholds.
+    count = DIAGNOSE_SCHEMA["tail"]
+    for key in ("tail", "every", "steps"):
+        if getattr(args, key, None) is not None:
+            coerce(getattr(args, key), count, f"--{key}")
+    given.update({k: getattr(args, k) for k in _ONLY if getattr(args, k) is not None})
+    given["steps"] = args.steps
+    if mode == "compare":
+        return d.CompareOptions(**given)
+    if mode == "bisect":
+        if "layers" in given:
+            given["layers"] = tuple(p.strip() for p in given["layers"].split(",") if p.strip())
+        return d.BisectOptions(**given)
+    return d.SwitchOptions(**given)
+
+
+def _forecast(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from precisionlab.diagnose import forecast_command
+
+    if args.config:
+        raise UsageError("--forecast takes the run directory (or experiment file) itself")
+    for flag, owner in _ONLY.items():
+        if getattr(args, flag) is not None:
+            raise UsageError(f"--{flag} applies to --{owner}, not --forecast")
+    target = Path(args.forecast)
+    if not target.exists():
+        raise UsageError(f"--forecast {args.forecast}: no such run directory or experiment file")
+    if target.is_dir() and (args.quick or args.overrides):
+        raise UsageError("--quick and --set apply to an experiment file, not a run directory")
+    if args.steps is not None:
+        raise UsageError("--steps does not apply to --forecast (use --set train.steps=N)")
+
+    def say(msg: str) -> None:
+        if not args.quiet:
+            print(msg, file=sys.stderr, flush=True)
+
+    path, _result, text = forecast_command(
+        target, out=args.out, overrides=args.overrides, quick=args.quick, fit=args.fit,
+        model_path=args.model, bisect=not args.no_bisect, quiet=args.quiet, say=say,
+    )  # fmt: skip
+    print(text)
+    print(f"\nreport: {path}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from precisionlab import diagnose as d
+
+    if args.forecast:
+        return _forecast(args)
+    for flag in _FORECAST_ONLY:
+        if getattr(args, flag, None):
+            raise UsageError(f"--{flag.replace('_', '-')} applies to --forecast")
+    mode = next((m for m in ("compare", "bisect", "autoswitch") if getattr(args, m)), None)
+    if mode is None:
+        raise UsageError(
+            "give one of --compare REF OTHER, --bisect FAIL PASS, --autoswitch VARIANT, "
+            "--forecast RUN_DIR"
+        )
+    if not args.config:
+        raise UsageError(f"--{mode} needs the experiment file (CONFIG)")
+    check_out_dir(args.out, new=True)
+    names = [args.autoswitch] if mode == "autoswitch" else list(getattr(args, mode))
+    experiment, units = d.load_units(args.config, names, args.overrides)
+    options = _options(args, mode, experiment.resolved.get("diagnose", {}))
+
+    def say(msg: str) -> None:
+        if not args.quiet:
+            print(msg, file=sys.stderr, flush=True)
+
+    record = {
+        "source": experiment.source,
+        "overrides": list(args.overrides),
+        "mode": mode,
+        "variants": [u.name for u in units],
+        "options": vars(options) if hasattr(options, "__dict__") else {},
+        "document": experiment.document,
+    }
+    d.check(mode, units, options)  # bad layers or a variant without a recipe: before any work
+    run_dir = d.open_run(args.out, f"{experiment.name}-diagnose", record)
+    plots = not args.no_plots
+    if mode == "compare":
+        result = d.compare(*units, options, say=say, dump=run_dir / "tensors.npz")
+        path, text = d.write_compare(run_dir, result, plots=plots)
+    elif mode == "bisect":
+        result = d.bisect(*units, options, say=say)
+        path, text = d.write_bisect(run_dir, result, plots=plots)
+    else:
+        result = d.autoswitch(units[0], options, say=say)
+        path, text = d.write_autoswitch(run_dir, result, plots=plots)
+    print(text)
+    print(f"\nrun directory: {run_dir}\nreport: {path}")
+    return 0
