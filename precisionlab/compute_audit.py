@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from precisionlab.intercept import Context, Promotion, Site, flops_by_dtype, intercept
+from precisionlab.intercept import Context, Promotion, Site, boundary, flops_by_dtype, intercept
 from precisionlab.mixed.policy import get_policy
 
 __all__ = ["Audit", "AuditSite", "ComputeDtypeWarning", "audit"]
@@ -111,7 +111,7 @@ def _short(dtype: str) -> str:
 class _Products:
     """Matches every matmul and convolution and leaves it as it is."""
 
-    primitives = ("dot_general", "conv_general_dilated")
+    primitives = boundary.PRODUCTS
     emits = False
     label = "audit"
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from precisionlab.intercept import Context, intercept
+from precisionlab.intercept import Context, boundary, intercept
 from precisionlab.recipes import WEIGHT_OPERANDS, Recipe, Reference, canonical_operand, dot_general
 from precisionlab.train.recipe import TrainRecipe
 from precisionlab.train.step import normalize_loss_fn
@@ -100,7 +100,7 @@ def _merge(rows: list) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class _TapRule:
     recipe: Recipe
-    primitives: tuple[str, ...] = ("dot_general",)
+    primitives: tuple[str, ...] = (boundary.DOT_GENERAL,)
 
     def apply(self, ctx: Context, lhs, rhs, *, dimension_numbers, **params) -> list:
         pet = params.get("preferred_element_type")

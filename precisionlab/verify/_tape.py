@@ -21,7 +21,7 @@ import numpy as np
 from jax import lax
 
 from precisionlab import recipes
-from precisionlab.intercept import Emit
+from precisionlab.intercept import Emit, boundary
 from precisionlab.recipes import scaling as S
 from precisionlab.verify._format import storage_dtype
 
@@ -232,7 +232,7 @@ class RecipeRule:
     recorded: frozenset[str]
     gemm: Callable | None
     shapes: dict[str, Any] | None = None  # filled by a discovery pass: backward records
-    primitives: tuple[str, ...] = ("dot_general",)
+    primitives: tuple[str, ...] = (boundary.DOT_GENERAL,)
 
     def apply(self, ctx, lhs, rhs, *, dimension_numbers, **params):
         pet = params.get("preferred_element_type")
@@ -280,7 +280,7 @@ class PlainRule:
 
     recorded: frozenset[str]
     params: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    primitives: tuple[str, ...] = ("dot_general",)
+    primitives: tuple[str, ...] = (boundary.DOT_GENERAL,)
 
     def apply(self, ctx, lhs, rhs, **params):
         (out,) = ctx.original(lhs, rhs)
