@@ -446,6 +446,14 @@ def primitive_name_uses(source: str, primitive_names) -> list[tuple[int, str, st
     held = _assigned_primitives(nodes)  # by name, module-wide: a name means one thing here
     out = set()
     for node in nodes:
+        if (  # a site's name matched by its primitive: name.startswith("dot_general[")
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("startswith", "endswith")
+        ):
+            for c in (c for a in node.args for c in _literals(a)):
+                if c.value.rstrip("[") in primitive_names:
+                    out.add((c.lineno, c.value, "a site's name matched by its primitive"))
         if not isinstance(node, ast.Compare):
             continue
         sides = [node.left, *node.comparators]
@@ -487,12 +495,12 @@ def test_the_checker_finds_each_way_of_spelling_a_primitive_name(primitive_names
         "    primitives = ('dot_general',)\n"  # 1: a rule's selection
         "_TABLE = frozenset({'exp', 'log', 'sin', 'cos', 'copy_p'})\n"  # 4 (copy_p: old JAX)
         "MODES = ('floor', 'ceil', 'rceil', 'even')\n"  # not a table of primitives
-        "def g(how):\n"
-        "    return how == 'max'\n"  # not a primitive's name
+        "def g(how, site):\n"
+        "    return how == 'max' or site.startswith('exp[')\n"  # 1: a site's name; 'max' not
     )
     got = [(line, lit) for line, lit, _ in primitive_name_uses(source, primitive_names)]
     assert got == [(3, "div"), (3, "mul"), (4, "tanh"), (5, "while"), (7, "dot_general"),
-                   (8, "cos"), (8, "exp"), (8, "log"), (8, "sin")]  # fmt: skip
+                   (8, "cos"), (8, "exp"), (8, "log"), (8, "sin"), (11, "exp[")]  # fmt: skip
 
 
 def test_primitive_names_are_spelled_only_in_the_boundary_module(primitive_names):
