@@ -50,6 +50,7 @@ from precisionlab.recipes import accumulate
 
 __all__ = ["Emulated", "emulate"]
 
+# the arithmetic primitives, by the names the constant folding below is written in
 ADD, SUB, MUL, DIV = boundary.ADD, boundary.SUB, boundary.MUL, boundary.DIV
 
 
