@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from precisionlab.intercept import Context, Promotion, Site, flops_by_dtype, intercept
+from precisionlab.intercept import _boundary as boundary
 from precisionlab.mixed._policy import get_policy
 
 __all__ = ["Audit", "AuditSite", "ComputeDtypeWarning", "audit"]
@@ -111,7 +112,7 @@ def _short(dtype: str) -> str:
 class _Products:
     """Matches every matmul and convolution and leaves it as it is."""
 
-    primitives = ("dot_general", "conv_general_dilated")
+    primitives = boundary.PRODUCTS
     emits = False
     label = "audit"
 

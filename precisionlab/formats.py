@@ -500,6 +500,14 @@ def get_format(name: str | Format) -> Format:
     Raises:
       TypeError: if ``name`` is neither a string nor a format.
       ValueError: if the name is unknown or ambiguous (the message says what is allowed).
+
+    Example:
+      >>> from precisionlab import get_format
+      >>> fmt = get_format("e4m3")
+      >>> fmt.name, fmt.max, fmt.smallest_normal, fmt.smallest_subnormal
+      ('float8_e4m3fn', 448.0, 0.015625, 0.001953125)
+      >>> get_format("e3m2b5ieee").max  # exponent field 6 (7 is inf/NaN): 1.75 x 2**(6 - 5)
+      3.5
     """
     if isinstance(name, FloatFormat | IntFormat):
         return name

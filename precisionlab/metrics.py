@@ -230,6 +230,17 @@ def error_report(
 
     Returns:
       An :class:`ErrorReport` (a pytree of float32 scalars; jittable when ``fmt`` is static).
+
+    Example:
+      1 + 2**-8 rounds to 1.0 in bfloat16: an error of 2**-8, half of bfloat16's step at 1.
+
+      >>> import jax.numpy as jnp
+      >>> from precisionlab import round_to_format
+      >>> from precisionlab.metrics import error_report
+      >>> x = jnp.array([1.0, 1.00390625, 3.0])
+      >>> r = error_report(x, round_to_format(x, "bf16"), "bf16")
+      >>> float(r.max_abs_error), float(r.max_ulp_error), float(r.frac_saturated)
+      (0.00390625, 0.5, 0.0)
     """
     x = jnp.asarray(x)
     x_hat = jnp.asarray(x_hat)

@@ -123,6 +123,17 @@ def encode(
     Returns:
       Codes with ``x``'s shape, dtype ``fmt.code_dtype`` (uint8, uint16 or uint32). Integer
       formats hold two's-complement codes (int4 -1 is 0xF) of the rounded, saturated value.
+
+    Example:
+      float8_e4m3fn has no infinity: 500 overflows to NaN (0x7f), or saturates to 448 (0x7e).
+
+      >>> import jax.numpy as jnp
+      >>> from precisionlab import encode
+      >>> x = jnp.array([1.0, -2.0, 0.1, 500.0])
+      >>> [hex(c) for c in encode(x, "e4m3").tolist()]
+      ['0x38', '0xc0', '0x1d', '0x7f']
+      >>> [hex(c) for c in encode(x, "e4m3", saturate=True).tolist()]
+      ['0x38', '0xc0', '0x1d', '0x7e']
     """
     fmt = get_format(fmt)
     mode = parse_rounding(rounding)
@@ -181,6 +192,12 @@ def decode(codes: ArrayLike, fmt: Format | str, *, dtype: npt.DTypeLike = jnp.fl
 
     Returns:
       An array of ``dtype`` with the codes' shape; integer formats give their integer value.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from precisionlab import decode
+      >>> decode(jnp.array([0x38, 0xC0, 0x1D, 0x7E, 0x7F], jnp.uint8), "e4m3").tolist()
+      [1.0, -2.0, 0.1015625, 448.0, nan]
     """
     fmt = get_format(fmt)
     dtype = jnp.dtype(dtype)
@@ -196,6 +213,16 @@ def round_to_format(x: ArrayLike, fmt: Format | str, **kwargs: Any) -> jax.Array
 
     Returns float32 (float64 for float64 input); accepts the keyword arguments of
     :func:`encode`.
+
+    Example:
+      1 + 2**-8 lies halfway between two bfloat16 values and rounds to the even one, 1.0.
+
+      >>> import jax.numpy as jnp
+      >>> from precisionlab import round_to_format
+      >>> round_to_format(jnp.array([0.1, 1.00390625, 3.0]), "bf16").tolist()
+      [0.10009765625, 1.0, 3.0]
+      >>> round_to_format(jnp.float32(500.0), "e4m3", saturate=True).tolist()
+      448.0
     """
     x = _check_input(x)
     out = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
@@ -206,6 +233,15 @@ def fields(codes: ArrayLike, fmt: Format | str) -> tuple[jax.Array, jax.Array, j
     """``(sign, biased_exponent, mantissa)`` fields of float codes, each in the code dtype.
 
     Integer formats give ``(sign, 0, magnitude bits)`` of the two's-complement code.
+
+    Example:
+      -1.5 is -1.1 (binary) x 2**0: float8_e5m2 stores sign 1, exponent 0 + bias 15, mantissa 10.
+
+      >>> import jax.numpy as jnp
+      >>> from precisionlab import encode, fields
+      >>> code = encode(jnp.float32(-1.5), "e5m2")
+      >>> hex(int(code)), [int(f) for f in fields(code, "e5m2")]
+      ('0xbe', [1, 15, 2])
     """
     fmt = get_format(fmt)
     return _fields(_check_codes(codes, fmt), fmt=fmt)
@@ -229,6 +265,15 @@ def classify(codes: ArrayLike, fmt: Format | str) -> jax.Array:
     """Class of each code as int8 :class:`Class` values (ZERO, SUBNORMAL, NORMAL, INF, NAN).
 
     Integer codes are ZERO or NORMAL.
+
+    Example:
+      float8_e5m2's smallest normal is 2**-14, so 2**-16 is stored as a subnormal.
+
+      >>> import jax.numpy as jnp
+      >>> from precisionlab import Class, classify, encode
+      >>> codes = encode(jnp.array([0.0, 2.0**-16, 1.0, jnp.inf, jnp.nan]), "e5m2")
+      >>> [Class(c).name for c in classify(codes, "e5m2").tolist()]
+      ['ZERO', 'SUBNORMAL', 'NORMAL', 'INF', 'NAN']
     """
     fmt = get_format(fmt)
     return _classify(_check_codes(codes, fmt), fmt=fmt)

@@ -103,10 +103,10 @@ def _rows(x: jax.Array, contract, batch) -> jax.Array:
 
 
 class _SwitchRule:
-    primitives = ("dot_general",)
+    primitives = (boundary.DOT_GENERAL,)
     # what it could act on but does not (a convolution stays in high precision): listed by
     # the report and warned about once, never silently skipped
-    candidates = ("conv_general_dilated", "ragged_dot_general")
+    candidates = (boundary.CONV, *boundary.RAGGED_PRODUCTS)
     label = "autoswitch"
 
     def __init__(self, recipe, weight: str, sink: dict):

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from precisionlab.intercept import Context, Emit, PerIteration, Site, intercept
+from precisionlab.intercept import _boundary as boundary
 from precisionlab.recipes import dot_general as recipe_dot
 from precisionlab.train import TrainSetup
 from precisionlab.train._step import cast_compute
@@ -60,7 +61,7 @@ class Tensor:
 
 
 class _Record:
-    primitives = ("dot_general",)
+    primitives = (boundary.DOT_GENERAL,)
 
     def __init__(self, recipe, selected: frozenset, rstate: Any):
         self.recipe, self.selected, self.rstate = recipe, selected, rstate
@@ -89,7 +90,7 @@ class _Record:
 def _captured(site: Site) -> bool:
     """Captured sites: at the top level, in calls, checkpoints, scans and conds (not inside a
     while loop, which reverse mode does not differentiate through)."""
-    return "while" not in site.within
+    return boundary.WHILE not in site.within
 
 
 def _probe(site: Site):

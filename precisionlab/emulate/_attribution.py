@@ -174,7 +174,7 @@ def float_primitives(fn: Callable, args: tuple, kwargs: Mapping | None = None) -
     """The first-order primitives of ``fn``'s program with a floating operand or result
     (recursively), plus ``dot_general``: the operations a comparison records."""
     closed = boundary.trace(fn, args, dict(kwargs or {}))[0]
-    found: set[str] = {"dot_general"}
+    found: set[str] = {boundary.DOT_GENERAL}
     collect(closed.jaxpr, found)
     return tuple(sorted(found))
 
@@ -431,7 +431,7 @@ def attribute(
         return intercept(fn, _Dispatch(prims, side, True), while_capacity=while_capacity)
 
     sites = inter(nat).sites(*args, **kwargs)
-    probes = {s.name: _probe(s) for s in sites if "while" not in s.within}
+    probes = {s.name: _probe(s) for s in sites if boundary.WHILE not in s.within}
 
     def call(side: Side, args, kwargs):
         _fresh(side)

@@ -51,19 +51,13 @@ from precisionlab.recipes import accumulate, canonical_operand
 
 __all__ = ["Emulated", "emulate"]
 
-# Operations whose result is exactly representable when their operands are (they move, select or
-# compare values, or change only the sign): their results need no rounding.
-_EXACT = frozenset(
-    {"reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice",
-     "dynamic_slice", "dynamic_update_slice", "gather", "concatenate", "pad", "rev", "select_n",
-     "copy", "copy_p", "device_put", "max", "min", "neg", "abs", "sign", "reduce_max",
-     "reduce_min", "cummax", "cummin", "sort", "clamp", "floor", "ceil", "round", "split"}
-)  # fmt: skip
+# the arithmetic primitives, by the names the constant folding below is written in
+ADD, SUB, MUL, DIV = boundary.ADD, boundary.SUB, boundary.MUL, boundary.DIV
 
 
 def _exact(eqn) -> bool:
     name = eqn.primitive.name
-    if name == "convert_element_type":  # float to an equal or wider float keeps the value
+    if name == boundary.CONVERT:  # float to an equal or wider float keeps the value
         src, dst = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
         return (
             _is_float(eqn.invars[0].aval)
@@ -74,7 +68,7 @@ def _exact(eqn) -> bool:
                 and jnp.finfo(dst).nmant >= jnp.finfo(src).nmant
             )
         )
-    return name in _EXACT
+    return name in boundary.EXACT
 
 
 def _is_float(x: Any) -> bool:
@@ -202,15 +196,15 @@ class _RoundRule:
         tgt = self.target(out_aval) if out_aval is not None else None
         if tgt is None:
             return None
-        if name in _model.TABLED and _model.is_narrow(tgt):
+        if name in boundary.TRANSCENDENTAL and _model.is_narrow(tgt):
             return [_model.tabled_unary(name, ins[0], tgt)]
-        if name == "logistic" and _model.is_narrow(tgt):
+        if name == boundary.LOGISTIC and _model.is_narrow(tgt):
             return [_model.logistic(ins[0], tgt, lambda v: self._rnd(v, out_aval))]
-        if name == "integer_pow":
+        if name == boundary.INTEGER_POW:
             return [_model.integer_power(ins[0], params["y"], lambda v: self._rnd(v, out_aval))]
-        if name == "div" and _is_float(out_aval):
+        if name == boundary.DIV and _is_float(out_aval):
             plain = self._rnd(_model.divide(ins[0], ins[1]), out_aval)
-        elif name in _subnormal.ARITHMETIC and _is_float(out_aval):
+        elif name in boundary.ARITHMETIC and _is_float(out_aval):
             plain = self._rnd(boundary.bind(eqn.primitive, params, *ins)[0], out_aval)
         else:
             return None
@@ -227,15 +221,15 @@ class _RoundRule:
         modelled = self._model(eqn, ins)
         if modelled is not None:
             outs = modelled
-        elif self.accumulate_bits is not None and name == "dot_general":
+        elif self.accumulate_bits is not None and name == boundary.DOT_GENERAL:
             out = _narrow_dot(ins[0], ins[1], params["dimension_numbers"], self.accumulate_bits)
             outs = [out.astype(eqn.outvars[0].aval.dtype)]
-        elif name == "dot_general" and _is_float(eqn.outvars[0].aval):
+        elif name == boundary.DOT_GENERAL and _is_float(eqn.outvars[0].aval):
             # operands in their target format (exact: they hold its values), so that a
             # tensor-core model sees 16-bit inputs in a float32 program under a 16-bit policy
             ops = [self._narrowed(x, v.aval) for x, v in zip(ins, eqn.invars, strict=True)]
             outs = [self.matmul(*ops, params, eqn.outvars[0].aval.dtype)]
-        elif name == "conv_general_dilated" and _is_float(eqn.outvars[0].aval):
+        elif name == boundary.CONV and _is_float(eqn.outvars[0].aval):
             # the implicit GEMM over the patches, through the same matmul model
             ops = [self._narrowed(x, v.aval) for x, v in zip(ins, eqn.invars, strict=True)]
             out_dtype = eqn.outvars[0].aval.dtype
@@ -246,7 +240,7 @@ class _RoundRule:
                 model = self.matmul
             outs = [_matmul.implicit_gemm(model, *ops, params, out_dtype).astype(out_dtype)]
         elif (
-            name == "reduce_sum"
+            name == boundary.REDUCE_SUM
             and (self.backward or not self.reduce_fp32)
             and (self.target(eqn.outvars[0].aval) is not None)
         ):
@@ -264,14 +258,14 @@ class _RoundRule:
         """XLA's constant folding (:mod:`precisionlab.emulate._simplify`) of a forward
         ``mul``/``div``/``add``/``sub`` with a literal operand; None where none applies."""
         name = eqn.primitive.name
-        if self.backward or name not in ("mul", "div", "add", "sub") or len(eqn.invars) != 2:
+        if self.backward or name not in boundary.ARITHMETIC or len(eqn.invars) != 2:
             return None
         aval = eqn.outvars[0].aval
         tgt = self.target(aval)
         if tgt is None or not _model.is_narrow(tgt):
             return None
         lits = [boundary.is_literal(v) for v in eqn.invars]
-        if lits[0] == lits[1] or (name in ("div", "sub") and lits[0]):
+        if lits[0] == lits[1] or (name in (DIV, SUB) and lits[0]):
             return None
         c = _simplify.constant(operands[lits.index(True)])
         if c is None:
@@ -280,29 +274,29 @@ class _RoundRule:
         a_aval = eqn.invars[lits.index(False)].aval
         if tuple(a_aval.shape) != tuple(aval.shape):
             return None
-        if name in ("mul", "div"):
-            kind, c = "mul", (c if name == "mul" else _simplify.reciprocal(c, tgt))
+        if name in (MUL, DIV):
+            kind, c = MUL, (c if name == MUL else _simplify.reciprocal(c, tgt))
         else:
-            kind, c = "add", (c if name == "add" else -c)
+            kind, c = ADD, (c if name == ADD else -c)
         made = self.folds.of(a)
         if made is not None and made[0] == kind:
             a, c = made[1], _simplify.fold(kind, made[2], c, tgt)
-        elif name in ("mul", "add"):
+        elif name in (MUL, ADD):
             return None  # nothing to fold: the operation as written
-        identity = 1.0 if kind == "mul" else 0.0
+        identity = 1.0 if kind == MUL else 0.0
         if c == identity:
             out = a
         else:
             k = jnp.asarray(c, jnp.float32)
             wide = jnp.asarray(a).astype(jnp.float32)
-            out = self._rnd(wide * k if kind == "mul" else wide + k, aval)
+            out = self._rnd(wide * k if kind == MUL else wide + k, aval)
             self.rounded[id(out)] = out
         self.folds.note(out, kind, a, c)
         return [out]
 
     def _note_fold(self, eqn, operands: tuple, ins: list, outs: list) -> None:
         name = eqn.primitive.name
-        if self.backward or name not in ("mul", "add") or len(eqn.invars) != 2:
+        if self.backward or name not in (MUL, ADD) or len(eqn.invars) != 2:
             return
         lits = [boundary.is_literal(v) for v in eqn.invars]
         if lits[0] == lits[1]:
@@ -352,8 +346,10 @@ def _with_rounded_vjp(rule: _RoundRule, eqn) -> Callable:
             return scaled
 
         def back(xs, cts):
-            if prim.name == "tanh":  # jax >= 0.11's VJP: ct * one_minus_square(tanh x), which
-                t = lax.tanh(xs[0])  # XLA computes as (1 - t) * (1 + t)
+            if prim.name == boundary.TANH:
+                # jax >= 0.11's VJP: ct * one_minus_square(tanh x), which XLA computes as
+                # (1 - t) * (1 + t)
+                t = lax.tanh(xs[0])
                 return (cts[0] * ((1 - t) * (1 + t)),)
             return jax.vjp(bare, *xs)[1](cts)
 
@@ -375,10 +371,10 @@ def _scaled_cotangent(rule: _RoundRule, eqn, xs: tuple, cts: tuple) -> tuple | N
     of gelu's ``0.0447 * (0.798 * ...)`` multiplies once, by the folded constant). None for
     any other operation."""
     name = eqn.primitive.name
-    if name not in ("mul", "div") or len(eqn.invars) != 2 or len(cts) != 1:
+    if name not in (MUL, DIV) or len(eqn.invars) != 2 or len(cts) != 1:
         return None
     lits = [boundary.is_literal(v) for v in eqn.invars]
-    if lits[0] == lits[1] or (name == "div" and lits[0]):
+    if lits[0] == lits[1] or (name == DIV and lits[0]):
         return None
     i = lits.index(False)
     aval = eqn.invars[i].aval
@@ -389,16 +385,16 @@ def _scaled_cotangent(rule: _RoundRule, eqn, xs: tuple, cts: tuple) -> tuple | N
         or tuple(aval.shape) != tuple(eqn.outvars[0].aval.shape)
     ):  # fmt: skip
         return None
-    if name == "div":
+    if name == DIV:
         c = _simplify.reciprocal(c, tgt)
     ct = cts[0]
     made = rule.bwd_folds.of(ct)
     base = ct
-    if made is not None and made[0] == "mul":
-        base, c = made[1], _simplify.fold("mul", made[2], c, tgt)
+    if made is not None and made[0] == MUL:
+        base, c = made[1], _simplify.fold(MUL, made[2], c, tgt)
     wide = jnp.asarray(base).astype(jnp.float32) * jnp.asarray(c, jnp.float32)
     g = rule._rnd(wide, aval)
-    rule.bwd_folds.note(g, "mul", base, c)
+    rule.bwd_folds.note(g, MUL, base, c)
     grads: list = [None, None]
     grads[i] = g
     grads[1 - i] = jnp.zeros_like(xs[1 - i])
@@ -436,7 +432,7 @@ class Emulated:
         if typed is None:
             typed = _computes_in(closed.jaxpr, np.dtype(self.dtype))
         rule = _RoundRule(
-            self.dtype, tuple(sorted(found)) or ("add",), self.accumulate_bits,
+            self.dtype, tuple(sorted(found)) or (ADD,), self.accumulate_bits,
             self.reduce_fp32, self.backward, typed, matmul=self.matmul,
         )  # fmt: skip
         return intercept(self.fn, rule, exclude=self.keep), rule

@@ -22,7 +22,6 @@ Established against an H100 (jax/jaxlib 0.11.2, captures in tests/data/h100_emul
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -32,47 +31,9 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
-__all__ = ["TABLED", "divide", "integer_power", "is_narrow", "logistic", "tabled_unary"]
+from precisionlab.intercept import _boundary as boundary
 
-
-def _vec(f: Callable[[float], float]) -> Callable[[np.ndarray], np.ndarray]:
-    def g(x: np.ndarray) -> np.ndarray:
-        out = np.empty_like(x)
-        for i, v in enumerate(x.tolist()):
-            try:
-                out[i] = f(v)
-            except (ValueError, OverflowError):
-                out[i] = np.nan
-        return out
-
-    return g
-
-
-# float64 references of the unary transcendental primitives, by jaxpr name.
-TABLED: dict[str, Callable[[np.ndarray], np.ndarray]] = {
-    "exp": np.exp,
-    "exp2": np.exp2,
-    "expm1": np.expm1,
-    "log": np.log,
-    "log1p": np.log1p,
-    "tanh": np.tanh,
-    "sin": np.sin,
-    "cos": np.cos,
-    "tan": np.tan,
-    "asin": np.arcsin,
-    "acos": np.arccos,
-    "atan": np.arctan,
-    "sinh": np.sinh,
-    "cosh": np.cosh,
-    "asinh": np.arcsinh,
-    "acosh": np.arccosh,
-    "atanh": np.arctanh,
-    "rsqrt": lambda x: 1.0 / np.sqrt(x),
-    "cbrt": np.cbrt,
-    "erf": _vec(math.erf),
-    "erfc": _vec(math.erfc),
-    "lgamma": _vec(math.lgamma),
-}
+__all__ = ["divide", "integer_power", "is_narrow", "logistic", "tabled_unary"]
 
 
 def is_narrow(dtype: Any) -> bool:
@@ -87,7 +48,7 @@ def _table(name: str, dtype_name: str) -> np.ndarray:
     dt = np.dtype(getattr(ml_dtypes, dtype_name, None) or dtype_name)
     with np.errstate(all="ignore"):  # NaN codes and out-of-domain arguments give NaN
         x = np.arange(65536, dtype=np.uint16).view(dt).astype(np.float64)
-        y = TABLED[name](x)
+        y = boundary.TRANSCENDENTAL[name](x)
         # float64 -> 16 bits directly (one rounding; ml_dtypes rounds bfloat16 from float64)
         return np.asarray(y).astype(dt).view(np.uint16)
 
@@ -130,6 +91,6 @@ def divide(a: jax.Array, b: jax.Array) -> jax.Array:
 def logistic(x: jax.Array, dtype: Any, rnd: Callable[[jax.Array], jax.Array]) -> jax.Array:
     """``1 / (1 + exp(-x))`` with ``exp`` correctly rounded to the 16-bit ``dtype`` and the
     sum and the quotient rounded by ``rnd`` (XLA's LogisticExpander)."""
-    e = tabled_unary("exp", -x, dtype)
+    e = tabled_unary(boundary.EXP, -x, dtype)
     d = rnd(e.astype(jnp.float32) + 1.0)
     return rnd(divide(jnp.ones_like(d, jnp.float32), d))

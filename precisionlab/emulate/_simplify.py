@@ -23,12 +23,15 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from precisionlab.intercept import _boundary as boundary
+
 __all__ = ["Folds"]
 
 
 @dataclasses.dataclass
 class Folds:
-    """Traced values known to be ``base * c`` (kind "mul") or ``base + c`` (kind "add")."""
+    """Traced values known to be ``base * c`` (kind :data:`~precisionlab.intercept._boundary.MUL`)
+    or ``base + c`` (kind :data:`~precisionlab.intercept._boundary.ADD`)."""
 
     made: dict[int, tuple[str, Any, float, Any]] = dataclasses.field(default_factory=dict)
 
@@ -53,11 +56,12 @@ def constant(value: Any) -> float | None:
 
 
 def fold(op: str, c1: float, c2: float, dtype: Any) -> float:
-    """The constant XLA folds for ``op`` ("mul": c1*c2, "add": c1+c2), rounded to ``dtype``."""
+    """The constant XLA folds for ``op`` (``boundary.MUL``: c1*c2, ``boundary.ADD``: c1+c2),
+    rounded to ``dtype``."""
     dt = np.dtype(dtype)
     a, b = np.asarray(c1, dt), np.asarray(c2, dt)
     with np.errstate(all="ignore"):
-        out = a * b if op == "mul" else a + b
+        out = a * b if op == boundary.MUL else a + b
     return float(np.asarray(out, dt))
 
 

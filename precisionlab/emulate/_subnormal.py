@@ -25,10 +25,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["ARITHMETIC", "arithmetic", "pack", "split"]
+from precisionlab.intercept import _boundary as boundary
 
-#: The operations :func:`arithmetic` computes, by primitive name.
-ARITHMETIC = ("add", "sub", "mul", "div")
+__all__ = ["arithmetic", "pack", "split"]
 
 _SIGN16 = 0x8000
 
@@ -83,22 +82,23 @@ def _tiny(code: jax.Array) -> jax.Array:
 
 
 def arithmetic(name: str, a: jax.Array, b: jax.Array, plain: jax.Array) -> jax.Array:
-    """``a name b`` for bfloat16 values ``a``, ``b`` (any float dtype), rounded to bfloat16 as
-    IEEE arithmetic with subnormals does; ``plain`` is the same operation as this machine
-    computed it, already rounded to bfloat16, kept wherever it is exact (no zero or subnormal
-    operand or result). Returns bfloat16."""
+    """``a name b`` (``name`` one of :data:`precisionlab.intercept._boundary.ARITHMETIC`) for
+    bfloat16 values ``a``, ``b`` (any float dtype), rounded to bfloat16 as IEEE arithmetic with
+    subnormals does; ``plain`` is the same operation as this machine computed it, already
+    rounded to bfloat16, kept wherever it is exact (no zero or subnormal operand or result).
+    Returns bfloat16."""
     shape = jnp.broadcast_shapes(a.shape, b.shape)
     a, b = jnp.broadcast_to(a, shape), jnp.broadcast_to(b, shape)
     ca, cb, cp = _code(a), _code(b), _code(plain)
     finite = ((ca & 0x7F80) != 0x7F80) & ((cb & 0x7F80) != 0x7F80)
     (ma, ea), (mb, eb) = split(a), split(b)
-    if name == "mul":
+    if name == boundary.MUL:
         m, e = ma * mb, ea + eb
-    elif name == "div":
+    elif name == boundary.DIV:
         safe = jnp.where(mb == 0, jnp.float32(1), mb)
         m, e = ma / safe, ea - eb
     else:
-        if name == "sub":
+        if name == boundary.SUB:
             mb = -mb
         hi = (ea >= eb) | (mb == 0)
         hi = hi & (ma != 0)
@@ -109,7 +109,7 @@ def arithmetic(name: str, a: jax.Array, b: jax.Array, plain: jax.Array) -> jax.A
         m = m_hi + jnp.where(d > 40, 0.0, m_lo * _pow2(-jnp.minimum(d, 40)))
         e = e_hi
     exact = pack(m, e)
-    if name == "div":  # x / 0 with a subnormal x: the CPU read 0 / 0
+    if name == boundary.DIV:  # x / 0 with a subnormal x: the CPU read 0 / 0
         zero_b = (cb & 0x7FFF) == 0
         signed_inf = ((ca ^ cb) & _SIGN16) | 0x7F80
         inf = lax.bitcast_convert_type(signed_inf.astype(jnp.uint16), jnp.bfloat16)

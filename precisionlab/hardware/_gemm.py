@@ -400,6 +400,19 @@ def gemm(
     ``overrides``: any :class:`Step` or :class:`Schedule` field (``fraction_bits=12``,
     ``restart_every=64``, ``split_k=None``, ...). Pure and jittable; works under ``vmap``.
     Unknown device, library, dtypes or override: ``ValueError`` listing what exists.
+
+    Example:
+      An H100 FP8 step aligns its products to the largest exponent (448: 2**8) with 13 fraction
+      bits and cuts the rest: 2**-7 lies below 2**(8 - 13) and is lost. A B200 keeps 25 bits.
+
+      >>> import jax.numpy as jnp
+      >>> from precisionlab.hardware import gemm
+      >>> a = jnp.array([[448.0, 2.0**-7]], jnp.float8_e4m3fn)
+      >>> b = jnp.ones((2, 1), jnp.float8_e4m3fn)
+      >>> gemm(a, b, "h100").tolist()
+      [[448.0]]
+      >>> gemm(a, b, "b200").tolist()
+      [[448.0078125]]
     """
     a, fa, bad_a = as_operand(a, a_format, "a")
     b, fb, bad_b = as_operand(b, b_format, "b")

@@ -7,6 +7,10 @@ parameter is met here, once.
 What it owns:
 
 - the supported versions (:data:`LOWEST`, :data:`HIGHEST_CHECKED`) and :func:`check_version`;
+- the primitive vocabulary: the names of the primitives other modules reason about, as
+  constants and groups (:data:`DOT_GENERAL`, :data:`PRODUCTS`, :data:`ARITHMETIC`,
+  :data:`TRANSCENDENTAL`, :data:`VIEWS`, :data:`EXACT`, the kinds :data:`SCAN`,
+  :data:`WHILE`, ...): no other module spells a primitive's name;
 - primitive identities: :func:`kind` maps a primitive to one of :data:`KINDS` by the object
   JAX exports (``jax.extend.core.primitives``, ``jax.lax``); a name is used only for the
   primitives a JAX version does not export (``pjit`` before 0.7, ``core_call``);
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import math
 import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -33,11 +38,46 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.extend as jex
+import numpy as np
 
 __all__ = [
+    "ADD",
+    "ARITHMETIC",
+    "CALL",
+    "CALLS",
+    "CHECKPOINT",
+    "COND",
+    "CONDITIONAL",
+    "CONV",
+    "CONVERT",
+    "CUSTOM_JVP",
+    "CUSTOM_VJP",
+    "DIV",
+    "DOT_GENERAL",
+    "ERF",
+    "EXACT",
+    "EXP",
+    "EXPONENTIALS",
     "HIGHEST_CHECKED",
+    "INTEGER_POW",
+    "JIT",
     "KINDS",
+    "LOGARITHMS",
+    "LOGISTIC",
+    "LOOPS",
     "LOWEST",
+    "MUL",
+    "POWERS",
+    "PRODUCTS",
+    "RAGGED_PRODUCTS",
+    "REDUCE_SUM",
+    "ROOTS",
+    "SCAN",
+    "SUB",
+    "TANH",
+    "TRANSCENDENTAL",
+    "VIEWS",
+    "WHILE",
     "ScanSplit",
     "UnsupportedPrimitive",
     "WhileParts",
@@ -79,10 +119,109 @@ __all__ = [
 LOWEST = "0.6.2"
 HIGHEST_CHECKED = "0.11.2"
 
-#: The higher-order primitives the interpreter understands.
-KINDS = ("jit", "call", "custom_jvp", "custom_vjp", "checkpoint", "scan", "while", "cond")
+# --- the primitive vocabulary ----------------------------------------------------------------
+# The names of the primitives the rest of the package reasons about, as data: other modules
+# ask "is this a matmul, a loop, an exact operation" through these constants and groups and
+# never spell a primitive's name (tests/test_jax_boundary.py checks it). A primitive JAX
+# renames is renamed here, once.
+
+#: The kinds of higher-order primitive the interpreter understands (:func:`kind`); a
+#: construct appears under its kind in :attr:`precisionlab.intercept.Site.within`.
+JIT, CALL, CUSTOM_JVP, CUSTOM_VJP = "jit", "call", "custom_jvp", "custom_vjp"
+CHECKPOINT, SCAN, WHILE, COND = "checkpoint", "scan", "while", "cond"
+KINDS = (JIT, CALL, CUSTOM_JVP, CUSTOM_VJP, CHECKPOINT, SCAN, WHILE, COND)
 #: Kinds that are calls: their program runs once, inlined (no loop, no branch).
-CALLS = frozenset({"jit", "call", "custom_jvp", "custom_vjp"})
+CALLS = frozenset({JIT, CALL, CUSTOM_JVP, CUSTOM_VJP})
+#: Loop kinds: their operations run once per iteration.
+LOOPS = (SCAN, WHILE)
+#: Kinds under which an operation may not run on a given call (a branch not taken, a while
+#: loop run zero times).
+CONDITIONAL = frozenset({COND, WHILE})
+
+#: The matmul-like primitives: a matrix product and a convolution (an implicit GEMM).
+DOT_GENERAL, CONV = "dot_general", "conv_general_dilated"
+PRODUCTS = (DOT_GENERAL, CONV)
+#: Matmul-like primitives with no rule in recipes or telemetry (listed and warned about);
+#: ``ragged_dot`` is an older JAX's name.
+RAGGED_PRODUCTS = ("ragged_dot_general", "ragged_dot")
+
+#: Elementwise arithmetic (two operands).
+ADD, SUB, MUL, DIV = "add", "sub", "mul", "div"
+ARITHMETIC = (ADD, SUB, MUL, DIV)
+#: A sum over axes, a cast, the logistic sigmoid and tanh, error function: named singly
+#: because a rule treats them specially.
+REDUCE_SUM, CONVERT, LOGISTIC, TANH, ERF = (
+    "reduce_sum", "convert_element_type", "logistic", "tanh", "erf",
+)  # fmt: skip
+#: Powers (``integer_pow`` is ``x ** n`` for a static integer ``n``), roots, exponentials
+#: and logarithms.
+INTEGER_POW, EXP = "integer_pow", "exp"
+POWERS = (INTEGER_POW, "pow", "square")
+ROOTS = ("sqrt", "rsqrt")
+EXPONENTIALS = (EXP, "exp2", "expm1")
+LOGARITHMS = ("log", "log1p")
+
+
+def _elementwise(f: Callable[[float], float]) -> Callable[[np.ndarray], np.ndarray]:
+    """A scalar ``math`` function over a float64 array (NaN where it is undefined)."""
+
+    def g(x: np.ndarray) -> np.ndarray:
+        out = np.empty_like(x)
+        for i, v in enumerate(x.tolist()):
+            try:
+                out[i] = f(v)
+            except (ValueError, OverflowError):
+                out[i] = np.nan
+        return out
+
+    return g
+
+
+#: The unary transcendental primitives and the real function each computes, in float64
+#: (numpy, ``math``): the definition a correctly rounded emulation rounds.
+TRANSCENDENTAL: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    EXP: np.exp,
+    "exp2": np.exp2,
+    "expm1": np.expm1,
+    "log": np.log,
+    "log1p": np.log1p,
+    TANH: np.tanh,
+    "sin": np.sin,
+    "cos": np.cos,
+    "tan": np.tan,
+    "asin": np.arcsin,
+    "acos": np.arccos,
+    "atan": np.arctan,
+    "sinh": np.sinh,
+    "cosh": np.cosh,
+    "asinh": np.arcsinh,
+    "acosh": np.arccosh,
+    "atanh": np.arctanh,
+    "rsqrt": lambda x: 1.0 / np.sqrt(x),
+    "cbrt": np.cbrt,
+    ERF: _elementwise(math.erf),
+    "erfc": _elementwise(math.erfc),
+    "lgamma": _elementwise(math.lgamma),
+}
+
+#: Primitives whose output is a rearranged, re-typed or re-placed copy of their first operand
+#: (its other operands, indices or padding values, are no data). ``copy_p`` and
+#: ``mesh_cast`` are names other JAX versions use.
+VIEWS = frozenset(
+    {CONVERT, "reshape", "transpose", "broadcast_in_dim", "squeeze", "copy",
+     "copy_p", "slice", "dynamic_slice", "gather", "rev", "pad", "reduce_precision",
+     "device_put", "sharding_constraint", "mesh_cast", "reshard", "pvary",
+     "optimization_barrier"}
+)  # fmt: skip
+#: Primitives whose result is exactly representable when their operands are: they move,
+#: select or compare values, or change only the sign (their results need no rounding). A
+#: cast is not among them: it is exact only when it widens.
+EXACT = frozenset(
+    {"reshape", "broadcast_in_dim", "transpose", "squeeze", "slice",
+     "dynamic_slice", "dynamic_update_slice", "gather", "concatenate", "pad", "rev", "select_n",
+     "copy", "copy_p", "device_put", "max", "min", "neg", "abs", "sign", "reduce_max",
+     "reduce_min", "cummax", "cummin", "sort", "clamp", "floor", "ceil", "round", "split"}
+)  # fmt: skip
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
@@ -134,21 +273,21 @@ class _Identity:
 
 
 _IDENTITIES: dict[str, _Identity] = {
-    "jit": _Identity(("jit_p", "pjit_p"), ("jit", "pjit")),
+    JIT: _Identity(("jit_p", "pjit_p"), ("jit", "pjit")),
     # closed_call is named eval_jaxpr at JAX's head (the same object)
-    "call": _Identity(
+    CALL: _Identity(
         ("closed_call_p", "call_p", "eval_jaxpr_p", "core_call_p"),
         ("closed_call", "core_call", "call", "eval_jaxpr"),
     ),
-    "custom_jvp": _Identity(("custom_jvp_call_p",), ("custom_jvp_call",)),
-    "custom_vjp": _Identity(
+    CUSTOM_JVP: _Identity(("custom_jvp_call_p",), ("custom_jvp_call",)),
+    CUSTOM_VJP: _Identity(
         ("custom_vjp_call_p", "custom_vjp_call_jaxpr_p"),
         ("custom_vjp_call", "custom_vjp_call_jaxpr"),
     ),
-    "checkpoint": _Identity(("remat_p", "checkpoint_p"), ("remat2", "checkpoint")),
-    "scan": _Identity(("scan_p",), ("scan",)),
-    "while": _Identity(("while_p",), ("while",)),
-    "cond": _Identity(("cond_p",), ("cond",)),
+    CHECKPOINT: _Identity(("remat_p", "checkpoint_p"), ("remat2", "checkpoint")),
+    SCAN: _Identity(("scan_p",), ("scan",)),
+    WHILE: _Identity(("while_p",), ("while",)),
+    COND: _Identity(("cond_p",), ("cond",)),
 }
 
 # First-order primitives whose parameters hold a small combiner program (a reduction's or a
@@ -378,14 +517,14 @@ def call_program(eqn: Any) -> Any:
 
 def call_name(eqn: Any) -> str:
     """The function name a ``jit`` equation records ("" for other primitives)."""
-    if kind(eqn.primitive) != "jit":
+    if kind(eqn.primitive) != JIT:
         return ""
     return str(eqn.params.get("name") or "")
 
 
 def loop_length(eqn: Any) -> int | None:
     """The iteration count of a ``scan`` (None for a ``while``)."""
-    return int(eqn.params["length"]) if kind(eqn.primitive) == "scan" else None
+    return int(eqn.params["length"]) if kind(eqn.primitive) == SCAN else None
 
 
 def product_flops(eqn: Any) -> int:
@@ -396,14 +535,14 @@ def product_flops(eqn: Any) -> int:
     size = 1
     for d in out:
         size *= int(d)
-    if name == "dot_general":
+    if name == DOT_GENERAL:
         (lc, _), _ = eqn.params["dimension_numbers"]
         lhs = eqn.invars[0].aval.shape
         k = 1
         for d in lc:
             k *= int(lhs[d])
         return 2 * size * k
-    if name == "conv_general_dilated":
+    if name == CONV:
         rhs = eqn.invars[1].aval.shape
         spec = getattr(eqn.params.get("dimension_numbers"), "rhs_spec", None)
         spec = tuple(range(len(rhs))) if spec is None else tuple(spec)

@@ -34,17 +34,6 @@ from precisionlab.intercept import _boundary as boundary
 
 __all__ = ["Flow", "Labels", "Promotion", "label", "leaf_label", "param_args", "unpromoted"]
 
-#: Operations whose output is a rearranged or re-typed copy of their first operand: a view of
-#: a parameter stays that parameter's view through them (when their other operands, indices
-#: or padding values, are no data).
-_VIEWS = frozenset(
-    {"convert_element_type", "reshape", "transpose", "broadcast_in_dim", "squeeze",
-     "expand_dims", "copy", "copy_p", "slice", "dynamic_slice", "gather", "rev", "pad",
-     "reduce_precision", "device_put", "sharding_constraint", "mesh_cast", "reshard", "pvary",
-     "optimization_barrier"}
-)  # fmt: skip
-#: The matched primitives whose operands get roles.
-PRODUCTS = ("dot_general", "conv_general_dilated")
 _MAX_LABELS = 3
 
 
@@ -238,7 +227,7 @@ class _Labeller:
                 f"`{f.view}`" if f.view is not None
                 else f"the {made.primitive.name if made is not None else 'constant'} result"
             )  # fmt: skip
-            if name in PRODUCTS:
+            if name in boundary.PRODUCTS:  # the products' operands get roles
                 self.why[here] = (
                     f"it returns {eqn.outvars[0].aval.dtype} (preferred_element_type) and "
                     "nothing casts the result back"
@@ -303,7 +292,7 @@ class _Labeller:
     def first_order(eqn, flows: list[Flow]) -> Flow:
         if not flows:
             return _NOTHING
-        if eqn.primitive.name in _VIEWS and not any(f.data for f in flows[1:]):
+        if eqn.primitive.name in boundary.VIEWS and not any(f.data for f in flows[1:]):
             head = flows[0]
             rest = _join(flows[1:])
             return Flow(head.data, head.params | rest.params, head.view)
@@ -322,12 +311,12 @@ class _Labeller:
 
     def _known(self, eqn, flows: list[Flow], subs: list, path) -> list[Flow]:
         kind = boundary.kind(eqn.primitive)
-        if kind in boundary.CALLS or kind == "checkpoint":
+        if kind in boundary.CALLS or kind == boundary.CHECKPOINT:
             return self._sub(subs[0], flows, (*path, 0))
-        if kind == "cond":
+        if kind == boundary.COND:
             branches = [self._sub(b, flows[1:], (*path, k)) for k, b in enumerate(subs)]
             return [_join(list(col), keep_view=True) for col in zip(*branches, strict=True)]
-        if kind == "scan":
+        if kind == boundary.SCAN:
             split = boundary.scan_split(eqn.params)
             nc, ncar = split.n_consts, split.n_carry
             consts, carry, xs = flows[:nc], flows[nc : nc + ncar], flows[nc + ncar :]
@@ -339,7 +328,7 @@ class _Labeller:
                     break
                 carry = new
             return [*carry, *outs[ncar:]]
-        if kind == "while":
+        if kind == boundary.WHILE:
             parts = boundary.while_parts(eqn.params)
             cn, bn = parts.cond_nconsts, parts.body_nconsts
             cconsts, bconsts, carry = flows[:cn], flows[cn : cn + bn], flows[cn + bn :]

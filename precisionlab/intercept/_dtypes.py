@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from precisionlab.intercept import _boundary as boundary
 from precisionlab.intercept._sites import Site
 
 __all__ = ["compute_line", "flops_by_dtype"]
 
 #: The primitives whose compute dtype is audited.
-PRODUCTS = ("dot_general", "conv_general_dilated")
+PRODUCTS = boundary.PRODUCTS
 
 
 def _runs(site: Site) -> int:

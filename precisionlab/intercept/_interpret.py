@@ -103,11 +103,6 @@ def _warn_skipped(rule: Any, sites: list[Site]) -> None:
         )
 
 
-#: The loop kinds (their sites run once per iteration).
-_LOOPS = ("scan", "while")
-
-
-#: How a construct is named in :attr:`Site.within` (others: by their primitive's name).
 class Emit(NamedTuple):
     """What a rule returns to pass values out besides the primitive's ``outputs`` (a list,
     as :meth:`Rule.apply` returns): ``aux``, any pytree of arrays (the same structure and
@@ -166,7 +161,7 @@ class Context(NamedTuple):
         if self.key is None:
             return None
         k = jax.random.fold_in(self.key, self.site.index)
-        if self.site.primitive != "dot_general":  # indices may count per primitive
+        if self.site.primitive != boundary.DOT_GENERAL:  # indices may count per primitive
             k = jax.random.fold_in(k, zlib.crc32(self.site.primitive.encode()) & 0x7FFFFFFF)
         for i in self.loop_indices:
             k = jax.random.fold_in(k, i)
@@ -236,10 +231,10 @@ def _walk(
         if kind is None and unknown is not None:
             unknown[(*path, i)] = name
         inner = "/".join(p for p in (here, boundary.call_name(eqn)) if p)
-        inner_loops = loops + ((kind,) if kind in _LOOPS else ())
-        inner_lengths = lengths + ((boundary.loop_length(eqn),) if kind in _LOOPS else ())
+        inner_loops = loops + ((kind,) if kind in boundary.LOOPS else ())
+        inner_lengths = lengths + ((boundary.loop_length(eqn),) if kind in boundary.LOOPS else ())
         # custom derivatives are named too: a rule may leave their insides alone
-        inner_within = within + (() if kind in ("jit", "call") else (kind or name,))
+        inner_within = within + (() if kind in (boundary.JIT, boundary.CALL) else (kind or name,))
         for k, sub in enumerate(subs):
             _walk(
                 boundary.open_jaxpr(sub)[0], (*path, i, k), inner, inner_loops, prims, out,
@@ -382,14 +377,14 @@ class _Run:
             if outs is not None:
                 return outs, {}
         p = eqn.params
-        if kind == "checkpoint":
+        if kind == boundary.CHECKPOINT:
             prog, prevent_cse, policy = boundary.checkpoint_parts(p)
             f = self._sub(prog, (*path, 0), state, loops)
             outs, aux = jax.checkpoint(f, prevent_cse=prevent_cse, policy=policy)(*invals)
             return list(outs), aux
-        if kind == "cond":
+        if kind == boundary.COND:
             return self._cond(p, invals, path, state, loops)
-        if kind == "scan":
+        if kind == boundary.SCAN:
             return self._scan(p, invals, path, state, loops)
         return self._while(p, invals, path, state, loops)
 
@@ -525,7 +520,7 @@ def _labelled(site: Site, flows: tuple) -> Site:
     roles = tuple("w" if f.weight else "x" for f in flows[:2])
     return dataclasses.replace(
         site, operands=tuple(f.label() for f in flows),
-        roles=roles if site.primitive in _dataflow.PRODUCTS else (),
+        roles=roles if site.primitive in boundary.PRODUCTS else (),
     )  # fmt: skip
 
 
@@ -616,7 +611,7 @@ class Intercepted:
         labels = _dataflow.label(t.closed, t.leaves, t.consts, prims)
         out = []
         for s in sites:
-            if s.primitive not in _dataflow.PRODUCTS or bit_width(s.compute_dtype) < 32:
+            if s.primitive not in boundary.PRODUCTS or bit_width(s.compute_dtype) < 32:
                 continue
             flows = labels.flows.get(s.path, ())
             paths = [f.promoted for f in flows if f.promoted is not None]

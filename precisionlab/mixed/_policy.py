@@ -258,6 +258,14 @@ def get_policy(spec: Any, *, fp32_ops: Iterable[str] | None = None) -> Policy:
         ``Policy`` (its three dtypes); or a dtype object (``jnp.bfloat16``, ``np.dtype("f2")``:
         all three).
       fp32_ops: ops kept in float32; default :data:`DEFAULT_FP32_OPS`.
+
+    Example:
+      >>> from precisionlab.mixed import get_policy
+      >>> policy = get_policy("p=f32,c=bf16,o=f32")
+      >>> policy.param_dtype, policy.compute_dtype, policy.output_dtype
+      (dtype('float32'), dtype(bfloat16), dtype('float32'))
+      >>> str(get_policy("bf16"))
+      'p=bf16,c=bf16,o=bf16'
     """
     ops = DEFAULT_FP32_OPS if fp32_ops is None else frozenset(fp32_ops)
     if isinstance(spec, Policy):

@@ -81,6 +81,18 @@ def fake_quant(
     ``"mxfp4_prescaled"``, ``"quest"``, ``"ms_eden"``; see :mod:`precisionlab.quant.fp4`),
     blocked along ``axis`` (default the last), with ``rounding`` ``"nearest_even"`` or
     ``"stochastic"`` and ``key``; it takes no other option.
+
+    Example:
+      The values :func:`~precisionlab.quant.quantize` then ``dequantize`` give (int8, scale
+      amax / 127 = 1/64), with their gradient:
+
+      >>> import jax, jax.numpy as jnp
+      >>> from precisionlab import fake_quant
+      >>> x = jnp.array([1.984375, -1.0, 0.3, 0.01])
+      >>> fake_quant(x, "int8").tolist()
+      [1.984375, -1.0, 0.296875, 0.015625]
+      >>> jax.grad(lambda v: fake_quant(v, "int8").sum())(x).tolist()
+      [1.0, 1.0, 1.0, 1.0]
     """
     if isinstance(fmt, str) and fmt.strip().lower() in fp4.FP4_QUANTIZERS:
         check_option_names(dict(options))

@@ -86,6 +86,19 @@ def quantize(
 
     Returns:
       A :class:`QArray`.
+
+    Example:
+      int8, symmetric, one scale per tensor: amax / 127 (here 1/64, so every step is exact).
+
+      >>> import jax.numpy as jnp
+      >>> from precisionlab import dequantize, quantize
+      >>> q = quantize(jnp.array([1.984375, -1.0, 0.3, 0.01]), "int8")
+      >>> float(q.scales)
+      0.015625
+      >>> q.codes.tolist()  # round(x / scale) as two's-complement bytes: 192 is -64
+      [127, 192, 19, 1]
+      >>> dequantize(q).tolist()
+      [1.984375, -1.0, 0.296875, 0.015625]
     """
     x = check_input(x)
     if isinstance(fmt, str) and fmt.strip().lower() in FP4_QUANTIZERS:
@@ -152,7 +165,16 @@ def _dequantize(q: QArray, dtype: np.dtype) -> jax.Array:
 
 
 def dequantize(q: QArray, dtype: npt.DTypeLike = jnp.float32) -> jax.Array:
-    """Values of a :class:`QArray` as ``dtype`` (float32 by default), shape ``q.shape``."""
+    """Values of a :class:`QArray` as ``dtype`` (float32 by default), shape ``q.shape``.
+
+    Example:
+      int4 keeps [-7, 7]; the scale is amax / 7 = 0.5, so 1.2 and 0.3 round to 2 and 1 steps.
+
+      >>> import jax.numpy as jnp
+      >>> from precisionlab import dequantize, quantize
+      >>> dequantize(quantize(jnp.array([3.5, -1.0, 1.2, 0.3]), "int4")).tolist()
+      [3.5, -1.0, 1.0, 0.5]
+    """
     if not isinstance(q, QArray):
         raise TypeError(f"dequantize takes a QArray, got {type(q).__name__}")
     dtype = jnp.dtype(dtype)

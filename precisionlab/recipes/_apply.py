@@ -79,7 +79,7 @@ def combine_observed(a: dict, b: dict) -> dict:
 class _DotRule:
     recipe: Recipe
     weight: str
-    primitives: tuple[str, ...] = ("dot_general", "conv_general_dilated")
+    primitives: tuple[str, ...] = boundary.PRODUCTS
     candidates: tuple[str, ...] = NOT_COVERED
     emits = False  # never an Emit: a stateless call without a key is rewritten by type
 
@@ -100,7 +100,7 @@ class _DotRule:
         weight = self.weight
         if weight == "auto":  # each operand's role from the dataflow (K and V: activations)
             weight = ctx.site.roles or "rhs"
-        if ctx.site.primitive == "conv_general_dilated":
+        if ctx.site.primitive == boundary.CONV:
             return [conv_site(ctx, lhs, rhs, params, self.recipe, weight)]
         dimension_numbers = params["dimension_numbers"]
         pet = params.get("preferred_element_type")

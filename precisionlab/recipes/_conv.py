@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from precisionlab.hardware._conv import conv_gemm
+from precisionlab.intercept import _boundary as boundary
 from precisionlab.recipes._dot import checked_operands, qdot3_jit
 from precisionlab.recipes._recipes import Delayed, Recipe, get_recipe
 
@@ -36,7 +37,7 @@ __all__ = ["NOT_COVERED", "conv_general_dilated", "conv_site"]
 
 #: Primitives a recipe could quantize but has no rule for: listed by ``Applied.report`` and
 #: warned about once (a grouped matmul's groups have no scaling rule here yet).
-NOT_COVERED: tuple[str, ...] = ("ragged_dot_general", "ragged_dot")
+NOT_COVERED: tuple[str, ...] = boundary.RAGGED_PRODUCTS
 
 
 def conv_general_dilated(

@@ -443,7 +443,18 @@ def dot_general(
 
 def matmul(a: jax.Array, b: jax.Array, *, recipe: Recipe | str, **kwargs) -> jax.Array:
     """``a @ b`` (2-D ``a`` with leading batch axes allowed, 2-D ``b``) through
-    :func:`dot_general`."""
+    :func:`dot_general`.
+
+    Example:
+      FP8 E4M3 with a power-of-two scale per tensor: ``a``'s scale 256 (448 / 1.1 rounded down
+      to a power of two) puts 1.1 at 281.6, which E4M3 (steps of 32 there) rounds to 288: 1.125.
+
+      >>> import jax.numpy as jnp
+      >>> from precisionlab.recipes import get_recipe, matmul
+      >>> a, b = jnp.array([[1.0, 1.1]]), jnp.ones((2, 1))
+      >>> matmul(a, b, recipe=get_recipe("current", pow2_scales=True)).tolist()
+      [[2.125]]
+    """
     a, b = jnp.asarray(a), jnp.asarray(b)
     if b.ndim != 2 or a.ndim < 1:
         raise ValueError(f"matmul takes a (..., K) @ (K, N); got {a.shape} @ {b.shape}")

@@ -58,16 +58,16 @@ __all__ = ["OPS", "Observed", "StatsTable", "every", "observe", "tree_stats"]
 #: squashing functions (whose outputs underflow in their tails) and casts (a float32 value
 #: rounded to float16 overflows or flushes there).
 OPS: tuple[str, ...] = (
-    "integer_pow", "pow", "square", "sqrt", "rsqrt", "exp", "exp2", "expm1", "log", "log1p",
-    "mul", "div", "add", "sub", "reduce_sum", "tanh", "logistic", "erf",
-    "convert_element_type",
+    *boundary.POWERS, *boundary.ROOTS, *boundary.EXPONENTIALS, *boundary.LOGARITHMS,
+    boundary.MUL, boundary.DIV, boundary.ADD, boundary.SUB, boundary.REDUCE_SUM,
+    boundary.TANH, boundary.LOGISTIC, boundary.ERF, boundary.CONVERT,
 )  # fmt: skip
 
 
 #: The products observed with their operands (the others: their output only).
-_PRODUCTS = ("dot_general", "conv_general_dilated")
+_PRODUCTS = boundary.PRODUCTS
 #: Products telemetry has no rule for: listed by ``Observed.skipped`` and warned about once.
-NOT_OBSERVED = ("ragged_dot_general", "ragged_dot")
+NOT_OBSERVED = boundary.RAGGED_PRODUCTS
 
 
 def _check_ops(ops: Sequence[str]) -> tuple[str, ...]:
@@ -111,9 +111,9 @@ class _StatsRule:
         self.axes = {} if axes is None else axes  # conv site -> its output's feature axis
 
     def apply(self, ctx: Context, *operands, **params) -> list | Emit:
-        if ctx.site.primitive == "conv_general_dilated":
+        if ctx.site.primitive == boundary.CONV:
             return self._conv(ctx, *operands, **params)
-        if ctx.site.primitive != "dot_general":
+        if ctx.site.primitive != boundary.DOT_GENERAL:
             return self._output(ctx, operands)
         return self._matmul(ctx, *operands, **params)
 
@@ -166,7 +166,7 @@ class _StatsRule:
 def _probed(site: Site) -> bool:
     """Whether the site's output cotangent can be observed: not inside a while loop (JAX
     does not differentiate through one in reverse mode)."""
-    return "while" not in site.within
+    return boundary.WHILE not in site.within
 
 
 def _probe(site: Site):
@@ -286,7 +286,7 @@ def _collect(aux: dict, sites: dict[str, Site]) -> dict[str, dict]:
     for name, a in aux.items():
         site = sites[name]
         out[site.name] = dict(a.value)
-        if {"cond", "while"} & set(site.within):
+        if boundary.CONDITIONAL & set(site.within):
             out[site.name]["valid"] = a.valid
     return out
 
@@ -295,7 +295,7 @@ def _kept(site: Site) -> bool:
     """Whether an observed site is kept: every matmul; another operation unless it is inside
     a ``custom_vjp`` function (observing it would evaluate that function's primal program and
     drop its backward rule: a straight-through or rounding rule's cotangents would change)."""
-    return site.primitive in _PRODUCTS or "custom_vjp" not in site.within
+    return site.primitive in _PRODUCTS or boundary.CUSTOM_VJP not in site.within
 
 
 class Observed:

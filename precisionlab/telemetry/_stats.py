@@ -256,13 +256,13 @@ def _segmented(xs: list[jax.Array], ts: tuple[Target, ...]) -> TensorStats:
     nonzero = finite & (b != 0)
     amax_r, amin_r, amax_nan_r, nan_r, inf_r, zero_r, tiny_r = _int_rows(
         [
-            (jnp.where(finite, b, 0), "max"),
-            (jnp.where(nonzero, b, inf_b), "min"),
-            (b, "max"),  # the amax a tensorwise scale sees: NaN wins over inf
-            (b > inf_b, "add"),
-            (b == inf_b, "add"),
-            (b == 0, "add"),  # the padding included (subtracted below)
-            (nonzero & (b < 0x00800000), "add"),  # float32 subnormals
+            (jnp.where(finite, b, 0), _MAX),
+            (jnp.where(nonzero, b, inf_b), _MIN),
+            (b, _MAX),  # the amax a tensorwise scale sees: NaN wins over inf
+            (b > inf_b, _SUM),
+            (b == inf_b, _SUM),
+            (b == 0, _SUM),  # the padding included (subtracted below)
+            (nonzero & (b < 0x00800000), _SUM),  # float32 subnormals
         ]
     )
     amax_b, amax_nan = seg_reduce([amax_r, amax_nan_r], jnp.max)
@@ -386,15 +386,19 @@ def _tree_sums(vs: list[jax.Array], rows: list[int]) -> list[jax.Array]:
     return list(v[:, jnp.asarray(starts)])
 
 
-_INT_OPS = {"add": (lax.add, 0), "max": (lax.max, 0), "min": (lax.min, int(_INF_BITS))}
+# The row reductions of :func:`_int_rows`: (combiner, initial value).
+_SUM = (lax.add, 0)
+_MAX = (lax.max, 0)  # of non-negative values
+_MIN = (lax.min, int(_INF_BITS))  # of values <= the inf bits
 
 
 def _int_rows(items: list) -> list:
-    """Row reductions (axis 1) of (R, 512) int32 or bool arrays, each with its op ("add",
-    "max" of non-negative values, "min" of values <= the inf bits), in one variadic reduce:
-    one pass over the elements (integer reductions fuse with their producers on CPU)."""
+    """Row reductions (axis 1) of (R, 512) int32 or bool arrays, each with its reduction
+    (``_SUM``, ``_MAX`` of non-negative values, ``_MIN`` of values <= the inf bits), in one
+    variadic reduce: one pass over the elements (integer reductions fuse with their producers
+    on CPU)."""
     arrs = [jnp.asarray(a).astype(jnp.int32) for a, _ in items]
-    ops = [_INT_OPS[o] for _, o in items]
+    ops = [o for _, o in items]
 
     def body(a, b):
         return [f(u, v) for (f, _), u, v in zip(ops, a, b, strict=True)]
@@ -419,7 +423,7 @@ def _count_items(scaled, nonzero, t: Target, thr: tuple) -> list:
         nonzero & (sb > under) & (sb < normal),
         nonzero & (sb > int(_INF_BITS)),  # NaN: x * scale is 0 * inf (a flushed subnormal)
     ]
-    return [(m, "add") for m in masks]
+    return [(m, _SUM) for m in masks]
 
 
 def _count_items_cast(scaled, elems, nonzero, t: Target) -> list:
@@ -439,7 +443,7 @@ def _count_items_cast(scaled, elems, nonzero, t: Target) -> list:
         nonzero & (bits > 0) & (bits < small_bits),
         nonzero & (bits > int(_INF_BITS)),
     ]
-    return [(m, "add") for m in masks]
+    return [(m, _SUM) for m in masks]
 
 
 def _pow2_const(e: jax.Array) -> jax.Array:

@@ -34,6 +34,7 @@ import numpy as np
 from jax import lax
 
 from precisionlab.intercept import Context, intercept
+from precisionlab.intercept import _boundary as boundary
 
 __all__ = ["BLOCK", "fixed_order", "pairwise_dot", "pairwise_sum"]
 
@@ -111,14 +112,14 @@ def _floating(x: Any) -> bool:
 class _FixedOrder:
     """The interception rule: floating ``dot_general`` and ``reduce_sum`` in fixed order."""
 
-    primitives: tuple[str, ...] = ("dot_general", "reduce_sum")
+    primitives: tuple[str, ...] = (boundary.DOT_GENERAL, boundary.REDUCE_SUM)
     emits = False
 
     def apply(self, ctx: Context, *operands: jax.Array, **params: Any) -> list[jax.Array]:
         out_aval = ctx.eqn.outvars[0].aval
         if not _floating(out_aval) or not all(_floating(x) for x in operands):
             return list(ctx.original(*operands))
-        if ctx.eqn.primitive.name == "dot_general":
+        if ctx.eqn.primitive.name == boundary.DOT_GENERAL:
             dn = params["dimension_numbers"]
             return [pairwise_dot(operands[0], operands[1], dn, out_aval.dtype)]
         return [pairwise_sum(operands[0], params["axes"]).astype(out_aval.dtype)]

@@ -87,6 +87,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from precisionlab._schema import INT32_MAX, Field, validate_enabled_table
+from precisionlab.intercept import _boundary as boundary
 from precisionlab.mixed._policy import Policy, cast_floating
 from precisionlab.quant import MX_FORMATS, fake_quant, get_mx_format
 from precisionlab.telemetry import every, observe
@@ -131,7 +132,8 @@ SIGNALS: dict[str, str] = {
 #: that can grow past a format's max (a subset of :data:`precisionlab.telemetry.OPS`: the
 #: squashing functions, logarithms, roots and casts cannot; fewer sites compile faster).
 GROWING_OPS: tuple[str, ...] = (
-    "integer_pow", "pow", "square", "exp", "exp2", "expm1", "mul", "div", "add", "reduce_sum",
+    *boundary.POWERS, *boundary.EXPONENTIALS, boundary.MUL, boundary.DIV, boundary.ADD,
+    boundary.REDUCE_SUM,
 )  # fmt: skip
 
 #: Chmiel et al.'s threshold of ``noise_ratio``: below it quantized training stops helping.
@@ -326,7 +328,7 @@ def _layer_of_param(path: str, layers: Sequence[tuple[str, str]]) -> str:
 def _is_linear(site: Any) -> bool:
     """A matmul of an activation with a 2-D weight (no batch dimensions): a linear layer."""
     shapes = site.in_shapes
-    return site.primitive == "dot_general" and len(shapes) == 2 and len(shapes[1]) == 2
+    return site.primitive == boundary.DOT_GENERAL and len(shapes) == 2 and len(shapes[1]) == 2
 
 
 class _Acc:
@@ -468,7 +470,7 @@ def _site_signals(acc, site, layer, ts, rq, replaced, rstate, ls, cd) -> None:
     # float32 accumulator is rounded to it at once, and the gradient of a compute-dtype operand
     # is produced in it. An operation's is its output's dtype. (The cotangent itself comes out
     # in float32, through the observer's float32 probe, holding that format's values.)
-    matmul = site.primitive == "dot_general"
+    matmul = site.primitive == boundary.DOT_GENERAL
     gdt = ts["lhs"].dtype if matmul else ts["out"].dtype
     for k in ("lhs", "rhs", "out"):
         if k in ts:
@@ -479,7 +481,7 @@ def _site_signals(acc, site, layer, ts, rq, replaced, rstate, ls, cd) -> None:
             acc.add("min", "headroom", layer, _log2_headroom(_fmax(fmt), a))
     if "grad" in ts:
         acc.add("min", "grad_headroom", layer, _log2_headroom(_fmax(gdt), _amax(ts["grad"])))
-    if site.primitive != "dot_general":
+    if site.primitive != boundary.DOT_GENERAL:
         return
     g = ts.get("grad")
     if g is not None:

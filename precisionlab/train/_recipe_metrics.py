@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from precisionlab.intercept import Context, intercept
+from precisionlab.intercept import _boundary as boundary
 from precisionlab.recipes import WEIGHT_OPERANDS, Recipe, Reference, canonical_operand, dot_general
 from precisionlab.train._probes import probe_grads, scaled_loss
 from precisionlab.train._recipe import TrainRecipe
@@ -100,7 +101,7 @@ def _merge(rows: list) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class _TapRule:
     recipe: Recipe
-    primitives: tuple[str, ...] = ("dot_general",)
+    primitives: tuple[str, ...] = (boundary.DOT_GENERAL,)
 
     def apply(self, ctx: Context, lhs, rhs, *, dimension_numbers, **params) -> list:
         pet = params.get("preferred_element_type")

@@ -343,7 +343,7 @@ def telemetry_rows(
                 continue  # an untaken cond branch or an unused while slot: no row
             if group == "matmul":
                 site, tensor, layer = key
-                kind = "matmul" if site.startswith("dot_general[") else "op"
+                kind = "matmul" if site.startswith(f"{boundary.DOT_GENERAL}[") else "op"
                 row: dict[str, Any] = {"step": step, "kind": kind, "layer": layer}
                 row.update(site=site, tensor=tensor)
                 if where.get(site):

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from precisionlab.intercept import Context, intercept
+from precisionlab.intercept import _boundary as boundary
 from precisionlab.mixed._policy import Policy, cast_floating
 from precisionlab.recipes import Recipe, dot_general
 from precisionlab.train._hooks import StepEnd
@@ -83,7 +84,7 @@ def _sums(h: jax.Array, q1: jax.Array, q2: jax.Array) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class _StatsRule:
     recipe: Recipe
-    primitives: tuple[str, ...] = ("dot_general",)
+    primitives: tuple[str, ...] = (boundary.DOT_GENERAL,)
 
     def apply(self, ctx: Context, lhs, rhs, *, dimension_numbers, **params) -> list:
         floating = jnp.issubdtype(lhs.dtype, jnp.floating) and jnp.issubdtype(

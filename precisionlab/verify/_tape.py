@@ -22,6 +22,7 @@ from jax import lax
 
 from precisionlab import recipes
 from precisionlab.intercept import Emit
+from precisionlab.intercept import _boundary as boundary
 from precisionlab.recipes import _scaling as S
 from precisionlab.verify._format import storage_dtype
 
@@ -227,7 +228,7 @@ class RecipeRule:
     recorded: frozenset[str]
     gemm: Callable | None
     shapes: dict[str, Any] | None = None  # filled by a discovery pass: backward records
-    primitives: tuple[str, ...] = ("dot_general",)
+    primitives: tuple[str, ...] = (boundary.DOT_GENERAL,)
 
     def apply(self, ctx, lhs, rhs, *, dimension_numbers, **params):
         pet = params.get("preferred_element_type")
@@ -275,7 +276,7 @@ class PlainRule:
 
     recorded: frozenset[str]
     params: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    primitives: tuple[str, ...] = ("dot_general",)
+    primitives: tuple[str, ...] = (boundary.DOT_GENERAL,)
 
     def apply(self, ctx, lhs, rhs, **params):
         (out,) = ctx.original(lhs, rhs)

@@ -5,6 +5,7 @@ primitive, both bind-parameter protocols, and the version check."""
 
 from __future__ import annotations
 
+import ast
 import json
 import pathlib
 import re
@@ -368,3 +369,208 @@ def test_matmul_in_a_while_condition_is_replaced_or_refused_never_skipped():
     np.testing.assert_allclose(intercept(f, _PlainDouble())(X), want(X, 2.0), rtol=1e-6)
     with pytest.raises(NotImplementedError, match=r"dot_general\[0\] sits in a while_loop's"):
         intercept(f, _Double())(X)
+
+
+# --- primitive names are spelled only in the boundary module --------------------------------
+PACKAGE = pathlib.Path(__file__).parent.parent / "precisionlab"
+#: Attributes that hold a primitive (``eqn.primitive``), its name (``site.primitive``), the
+#: names a rule acts on or lists (``primitives``, ``candidates``) or a site's enclosing
+#: constructs (``within``, ``loops``).
+_CARRIERS = frozenset({"primitive", "primitives", "candidates", "within", "loops"})
+#: (module, literal): why a primitive's name may be spelled there. Empty: none is needed.
+ALLOWED: dict[tuple[str, str], str] = {}
+
+
+def _literals(node) -> list:
+    """The string constants of a literal, of a tuple/list/set literal (or ``frozenset(...)``
+    of one) and of a dict literal's keys."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node]
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args:
+        return _literals(node.args[0]) if node.func.id in ("frozenset", "set", "tuple") else []
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [c for e in node.elts for c in _literals(e)]
+    if isinstance(node, ast.Dict):
+        return [c for k in node.keys if k is not None for c in _literals(k)]
+    return []
+
+
+def _holds_primitive(node, names: set[str]) -> bool:
+    """Whether an expression holds a primitive, a primitive's name or a site's constructs:
+    ``eqn.primitive``, ``eqn.primitive.name``, ``site.within``, ``boundary.kind(...)``, a
+    variable assigned one of those (``names``)."""
+    if isinstance(node, ast.Attribute):
+        return node.attr in _CARRIERS or (
+            node.attr == "name" and _holds_primitive(node.value, names)
+        )
+    if isinstance(node, ast.Name):
+        return node.id in names
+    if isinstance(node, ast.Call):
+        f = node.func
+        if isinstance(f, ast.Attribute) and f.attr == "kind":
+            return isinstance(f.value, ast.Name) and f.value.id == "boundary"
+        if isinstance(f, ast.Name) and f.id in ("set", "frozenset", "tuple", "str"):
+            return any(_holds_primitive(a, names) for a in node.args)
+    return False
+
+
+def _assigned_primitives(nodes: list) -> set[str]:
+    """The variables of a scope that hold a primitive or its name (to a fixed point)."""
+    names: set[str] = set()
+    while True:
+        before = len(names)
+        for node in nodes:
+            pairs = []
+            if isinstance(node, ast.Assign):
+                for t in node.targets:
+                    v = node.value
+                    if isinstance(t, ast.Tuple) and isinstance(v, ast.Tuple):
+                        pairs += list(zip(t.elts, v.elts, strict=False))
+                    else:
+                        pairs.append((t, v))
+            elif isinstance(node, (ast.AnnAssign, ast.NamedExpr)) and node.value is not None:
+                pairs.append((node.target, node.value))
+            elif isinstance(node, (ast.For, ast.comprehension)):
+                pairs.append((node.target, node.iter))
+            names |= {
+                t.id for t, v in pairs if isinstance(t, ast.Name) and _holds_primitive(v, names)
+            }
+        if len(names) == before:
+            return names
+
+
+def primitive_name_uses(source: str, primitive_names) -> list[tuple[int, str, str]]:
+    """(line, literal, how) for every string equal to a primitive's name that ``source``
+    compares with a primitive's name, declares as a rule's ``primitives``/``candidates``, or
+    assigns as a table of primitive names (at least two names, 80% of its entries)."""
+    nodes = list(ast.walk(ast.parse(source)))
+    held = _assigned_primitives(nodes)  # by name, module-wide: a name means one thing here
+    out = set()
+    for node in nodes:
+        if (  # a site's name matched by its primitive: name.startswith("dot_general[")
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("startswith", "endswith")
+        ):
+            for c in (c for a in node.args for c in _literals(a)):
+                if c.value.rstrip("[") in primitive_names:
+                    out.add((c.lineno, c.value, "a site's name matched by its primitive"))
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        if any(_holds_primitive(s, held) for s in sides):
+            for c in (c for s in sides for c in _literals(s)):
+                if c.value in primitive_names:
+                    out.add((c.lineno, c.value, "compared with a primitive's name"))
+    for node in nodes:
+        if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+            continue
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        target_names = {getattr(t, "id", None) or getattr(t, "attr", None) for t in targets}
+        lits = _literals(node.value)
+        hits = [c for c in lits if c.value in primitive_names]
+        if target_names & {"primitives", "candidates"}:
+            out |= {(c.lineno, c.value, "a rule's primitives") for c in hits}
+        elif len(hits) >= 2 and len(hits) >= 0.8 * len(lits):
+            out |= {(c.lineno, c.value, "a table of primitive names") for c in hits}
+    return sorted(out)
+
+
+@pytest.fixture(scope="module")
+def primitive_names():
+    # every primitive of this JAX (the modules that define them are loaded by then) and the
+    # construct kinds a site's ``within`` holds
+    import precisionlab.emulate  # noqa: F401  (loads the JAX modules a program can use)
+
+    return boundary.primitive_names() | set(boundary.KINDS)
+
+
+def test_the_checker_finds_each_way_of_spelling_a_primitive_name(primitive_names):
+    source = (
+        "def f(eqn, site):\n"
+        "    name = eqn.primitive.name\n"
+        "    if name in ('mul', 'div'):\n"  # 2: through a variable
+        "        return eqn.primitive.name == 'tanh'\n"  # 1: directly
+        "    return 'while' not in site.within\n"  # 1: a construct kind
+        "class Rule:\n"
+        "    primitives = ('dot_general',)\n"  # 1: a rule's selection
+        "_TABLE = frozenset({'exp', 'log', 'sin', 'cos', 'gone_p'})\n"  # 4 (and one gone)
+        "MODES = ('floor', 'ceil', 'rceil', 'even')\n"  # not a table of primitives
+        "def g(how, site):\n"
+        "    return how == 'max' or site.startswith('exp[')\n"  # 1: a site's name; 'max' not
+    )
+    got = [(line, lit) for line, lit, _ in primitive_name_uses(source, primitive_names)]
+    assert got == [(3, "div"), (3, "mul"), (4, "tanh"), (5, "while"), (7, "dot_general"),
+                   (8, "cos"), (8, "exp"), (8, "log"), (8, "sin"), (11, "exp[")]  # fmt: skip
+
+
+def test_primitive_names_are_spelled_only_in_the_boundary_module(primitive_names):
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = path.relative_to(PACKAGE.parent).as_posix()
+        if module == "precisionlab/intercept/_boundary.py":
+            continue
+        for line, lit, how in primitive_name_uses(path.read_text(), primitive_names):
+            if (module, lit) not in ALLOWED:
+                found.append(f"{module}:{line}: {lit!r} ({how})")
+    assert not found, "use precisionlab.intercept._boundary's names:\n" + "\n".join(found)
+
+
+def _kind_examples() -> list:
+    """The higher-order primitives of a program with one construct of each kind."""
+
+    @jax.custom_jvp
+    def cj(x):
+        return jnp.sin(x)
+
+    cj.defjvp(lambda p, t: (cj(p[0]), t[0]))
+
+    @jax.custom_vjp
+    def cv(x):
+        return x * 2
+
+    cv.defvjp(lambda x: (cv(x), None), lambda _, g: (g,))
+    call_p = jex.core.primitives.closed_call_p
+    prog = jax.make_jaxpr(lambda y: y * 3)(X)
+
+    def f(x):
+        x = jax.jit(lambda v: v + 1)(x) + cj(x) + cv(x)
+        x = boundary.bind(call_p, {"call_jaxpr": prog}, x)[0]
+        x = jax.checkpoint(jnp.tanh)(x)
+        x = jax.lax.scan(lambda c, _: (c * 2, None), x, None, length=2)[0]
+        x = jax.lax.while_loop(lambda c: c.sum() < 100, lambda c: c * 2, x)
+        return jax.lax.cond(x.sum() > 0, jnp.sin, jnp.cos, x)
+
+    return [e.primitive for e in jax.make_jaxpr(f)(X).jaxpr.eqns if boundary.subprograms(e)]
+
+
+#: Names in the vocabulary that a supported JAX (jax 0.6.2 up to 0.11) may lack: primitives
+#: added, renamed or removed within that range (``copy`` was ``copy_p``, ``ragged_dot`` became
+#: ``ragged_dot_general``, ``mesh_cast``, ``reshard``, ``pvary`` and ``split`` came with the
+#: sharding and splitting work). Any other name must be a primitive of the JAX running.
+OTHER_VERSIONS = {"copy", "copy_p", "mesh_cast", "reshard", "pvary", "split", "ragged_dot",
+                  "ragged_dot_general"}  # fmt: skip
+
+
+def test_the_vocabulary_names_primitives_of_this_jax(primitive_names):
+    single = [boundary.DOT_GENERAL, boundary.CONV, *boundary.ARITHMETIC, boundary.REDUCE_SUM,
+              boundary.CONVERT, boundary.LOGISTIC, boundary.TANH, boundary.ERF, boundary.EXP,
+              boundary.INTEGER_POW]  # fmt: skip
+    groups = [boundary.PRODUCTS, boundary.RAGGED_PRODUCTS, boundary.POWERS, boundary.ROOTS,
+              boundary.EXPONENTIALS, boundary.LOGARITHMS, boundary.TRANSCENDENTAL,
+              boundary.VIEWS, boundary.EXACT]  # fmt: skip
+    assert set(single) <= primitive_names
+    missing = {n for g in groups for n in g} - primitive_names
+    assert missing <= OTHER_VERSIONS, missing
+    # the kinds are those kind() returns, and each is a construct of this JAX
+    assert set(boundary.KINDS) == {boundary.kind(p) for p in _kind_examples()}
+    assert boundary.CALLS | set(boundary.LOOPS) | boundary.CONDITIONAL <= set(boundary.KINDS)
+    # each function is the one its primitive computes: the name is lax's function's primitive
+    x = np.array([0.5, 0.25, 1.5], np.float32)
+    for name, f in boundary.TRANSCENDENTAL.items():
+        fn = getattr(jax.lax, name)
+        (eqn,) = jax.make_jaxpr(fn)(x).jaxpr.eqns
+        assert eqn.primitive.name == name
+        with np.errstate(invalid="ignore"):  # NaN outside the domain (acosh(0.5)), as jax's
+            want = f(x.astype(np.float64))
+        np.testing.assert_allclose(want, fn(x), rtol=1e-5, err_msg=name)
