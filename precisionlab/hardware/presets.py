@@ -67,7 +67,7 @@ _WHAT = {
 }
 
 
-def canonical_preset(name: str) -> str:
+def canonical_preset(name: object) -> str:
     """The preset ``name`` stands for (itself or its alias's target). ValueError for an
     ambiguous name (listing the choices) or an unknown one (listing the names)."""
     if isinstance(name, str) and name in PRESETS:

@@ -252,6 +252,7 @@ def _measure_sweep(cfg: dict, rows: _Rows, say: Any) -> list[dict[str, Any]]:
         est = estimate_step(
             built.params, built.batch, activation_bytes=built.activation_bytes, microbatches=m
         )
+        step_s = time_step(built.step, *built.args, repeats=3)
         row = {
             "sweep": "measured_checkpoint" if m == 1 else "measured_microbatches",
             "k": k,
@@ -262,7 +263,7 @@ def _measure_sweep(cfg: dict, rows: _Rows, say: Any) -> list[dict[str, Any]]:
             "estimated_arguments": est.arguments,
             "measured_arguments": got.arguments,
             "flops": got.flops,
-            "step_s": time_step(built.step, *built.args, repeats=3),
+            "step_s": step_s,
             "backend": got.backend,
         }
         rows.write(row)
@@ -270,7 +271,7 @@ def _measure_sweep(cfg: dict, rows: _Rows, say: Any) -> list[dict[str, Any]]:
         say(
             f"measured K={k or '-':>3} M={m}: temporaries {got.temporaries / 2**20:7.2f} MiB "
             f"(estimate {est.temporaries / 2**20:7.2f} MiB), {got.flops or 0:.3g} FLOPs, "
-            f"{row['step_s'] * 1e3:.2f} ms/step"
+            f"{step_s * 1e3:.2f} ms/step"
         )
     return out
 
