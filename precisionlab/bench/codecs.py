@@ -170,7 +170,12 @@ class Engine:
 
 
 def _chunked_engine(
-    name: str, encode_fn, decode_fn, fmt: Format, xs: list[jax.Array], codes: list[jax.Array]
+    name: str,
+    encode_fn: Callable[[jax.Array], jax.Array],
+    decode_fn: Callable[[jax.Array], jax.Array],
+    fmt: Format,
+    xs: list[jax.Array],
+    codes: list[jax.Array],
 ) -> Engine:
     """``encode_fn`` (float32 -> code) and ``decode_fn`` (code -> float32), jitted, over
     device chunks ``xs`` and ``codes``, writing into donated output buffers of their shapes."""
@@ -415,7 +420,7 @@ def bench_whole_array(fmt: Format, x: np.ndarray, *, repeats: int) -> tuple[list
     copy, moved = copy_kernel()
     xla_copy, xla_moved = xla_copy_kernel()
     fns |= {"copy": copy, "xla_copy": xla_copy}
-    mismatch = {"encode": None, "decode": None}
+    mismatch: dict[str, int | None] = {"encode": None, "decode": None}
     if peer is not None:
         fns |= {"peer_encode": peer.encode, "peer_decode": peer.decode}
         theirs = _as_codes(fmt, peer.encode()).astype(codes.dtype)
@@ -652,7 +657,9 @@ def _narrow_float(name: str) -> bool:
     return isinstance(fmt, FloatFormat) and fmt.bits <= 8
 
 
-_TARGETS = {
+# each: (target, threshold, the row's values, the formats it covers: names, a test, or all)
+_Covers = tuple[str, ...] | Callable[[str], bool] | None
+_TARGETS: dict[str, list[tuple[str, float, Callable[[Row], list], _Covers]]] = {
     "chunked": [
         ("bf16/fp16 >= 2x peer", 2.0, _ratio("ratio_peer"), ("bfloat16", "float16")),
         ("fp8/fp4 >= 10x ml_dtypes", 10.0, _ratio("ratio_peer"), _NARROW),

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike
 
 from precisionlab.hardware import _block, _wide
 from precisionlab.hardware import _kernel as _k
@@ -373,7 +374,7 @@ def _gemm(a, b, scale_a, scale_b, bias, bsa, bsb, bad_a, bad_b, *, device, libra
 
 
 def gemm(
-    a: jax.Array, b: jax.Array, device: str = "h100", library: str = "cublaslt",
+    a: ArrayLike, b: ArrayLike, device: str = "h100", library: str = "cublaslt",
     fast_accumulation: bool = True, out_dtype=jnp.float32, *, scale_a=None, scale_b=None,
     bias=None, block_scale_a=None, block_scale_b=None, a_format=None, b_format=None,
     **overrides,

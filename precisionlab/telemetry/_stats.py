@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike
 
 from precisionlab.quant import pow2
 from precisionlab.recipes import scaling as S
@@ -128,7 +129,7 @@ def _target_counts(x2, finite, nonzero, xn, k, t: Target):
     return [_count(over), _count(sat), _count(under), _count(sub), _count(poisoned), noise]
 
 
-def tensor_stats(x: jax.Array, targets=()) -> TensorStats:
+def tensor_stats(x: ArrayLike, targets: Any = ()) -> TensorStats:
     """Statistics of ``x`` (any float dtype and shape; computed in float32), and for each
     target (a static tuple of names, see :mod:`precisionlab.telemetry._targets`) the
     counts of its quantized copy. Row and block targets scale along the last axis. Jittable;
