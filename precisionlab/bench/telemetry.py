@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -42,20 +43,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_interval_arguments(parser, models=MODELS, what="telemetry")
 
 
-def _runner(loss_fn, params, batches, telemetry: Telemetry | None):
+def _runner(
+    loss_fn: Callable, params: Any, batches: list[Any], telemetry: Telemetry | None
+) -> Callable[[], dict[str, jax.Array] | None]:
     opts = StepOptions(telemetry=telemetry)
     step, state, _ = build_step(loss_fn, params, optax.adam(1e-3), opts)
     jstep = jax.jit(step, donate_argnums=0)
     cell = [jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), state)]
 
-    def run():
-        s, out = cell[0], None
+    def run() -> dict[str, jax.Array] | None:
+        s = cell[0]
+        out: dict[str, jax.Array] | None = None
         for b in batches:
             due = telemetry is not None and telemetry.due(int(s.step))
             s, out = jstep(s, b)
             tel = out.pop("telemetry", None)
             if due:  # what the loop does on a telemetry step: fetch and make the rows
-                names = step.telemetry_names
+                assert telemetry is not None  # due says so
+                names = getattr(step, "telemetry_names", {})  # filled when the step is traced
                 telemetry_rows(jax.device_get(tel), names, int(s.step), telemetry.targets)
         cell[0] = s
         return out
