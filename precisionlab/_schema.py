@@ -35,6 +35,7 @@ __all__ = [
     "did_you_mean",
     "loads_toml",
     "read_toml",
+    "validate_enabled_table",
     "validate_table",
     "with_docs",
 ]
@@ -211,6 +212,17 @@ def with_docs(schema: Mapping[str, Field], docs: Mapping[str, str]) -> dict[str,
         key: dataclasses.replace(field, doc=docs[key]) if key in docs else field
         for key, field in schema.items()
     }
+
+
+def validate_enabled_table(
+    table: Any, schema: Mapping[str, Field], where: str
+) -> dict[str, Any] | None:
+    """An optional feature's table (its ``schema`` has an ``enabled`` key) validated, or None
+    when it is off: ``table`` None (absent) or ``enabled = false``."""
+    if table is None:
+        return None
+    values = validate_table(table, schema, where)
+    return values if values["enabled"] else None
 
 
 def validate_table(

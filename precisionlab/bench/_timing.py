@@ -16,9 +16,10 @@ machine and on whatever else runs on it, so take the best of several repeats.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -27,9 +28,12 @@ import numpy as np
 
 __all__ = [
     "Timing",
+    "add_output_arguments",
     "copy_bandwidth",
+    "machine",
     "minor_faults",
     "positive_int",
+    "print_rows",
     "repeats_int",
     "time_call",
     "time_interleaved",
@@ -79,29 +83,29 @@ def repeats_int(text: str) -> int:
     return _int_in(text, REPEATS_MAX, "a benchmark takes minutes")
 
 
-def add_interval_arguments(
-    parser: argparse.ArgumentParser, *, models: tuple[str, ...], what: str
-) -> None:
-    """The options of a bench that times a built-in model's train step with an instrument
-    (``what``: its name in the help) every N steps against the plain step: ``--model``
-    (repeatable, ``models``), ``--batch``, ``--interval``, ``--steps``, ``--repeats``, ``--json``,
-    ``--out``."""
-    parser.add_argument(
-        "--model", action="append", choices=models, default=None,
-        help=f"built-in model (repeatable; default: {' and '.join(models)})",
-    )  # fmt: skip
-    parser.add_argument("--batch", type=positive_int, default=128, help="batch size (default 128)")
-    parser.add_argument(
-        "--interval", type=positive_int, default=10, help=f"{what} every N steps (default 10)"
-    )
-    parser.add_argument(
-        "--steps", type=repeats_int, default=20, help="steps per timed chunk (default 20)"
-    )
-    parser.add_argument(
-        "--repeats", type=repeats_int, default=5, help="timed rounds, best kept (default 5)"
-    )
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """A bench's ``--json`` (print the results as JSON) and ``--out OUT`` (also write them)."""
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON to OUT")
+
+
+def print_rows(head: str, lines: Iterable[str]) -> None:
+    """Print a fixed-width table: its ``head`` line, a dashed rule as wide, then ``lines``."""
+    print(head)
+    print("-" * len(head))
+    for line in lines:
+        print(line)
+
+
+def machine() -> dict[str, Any]:
+    """Where a bench ran, for its JSON: ``backend``, ``devices``, ``jax`` (version),
+    ``cpu_count``."""
+    return {
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+        "jax": jax.__version__,
+        "cpu_count": os.cpu_count(),
+    }
 
 
 def time_call(

@@ -40,6 +40,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +50,7 @@ import numpy as np
 from precisionlab import _io
 from precisionlab._text import UsageError, split_list, table
 from precisionlab.bench._timing import (
+    Timing,
     copy_kernel,
     minor_faults,
     repeats_int,
@@ -171,8 +173,8 @@ class Engine:
 
 def _chunked_engine(
     name: str,
-    encode_fn: Callable[[jax.Array], jax.Array],
-    decode_fn: Callable[[jax.Array], jax.Array],
+    encode_fn: Callable[..., jax.Array],
+    decode_fn: Callable[..., jax.Array],
     fmt: Format,
     xs: list[jax.Array],
     codes: list[jax.Array],
@@ -247,7 +249,6 @@ def peer_engine(fmt: Format, xs: list[np.ndarray], codes: list[np.ndarray]) -> E
         store = np.dtype(np.int8 if fmt.signed else np.uint8)
         tmp = [np.empty_like(x) for x in xs]
         enc_out = [np.empty(x.shape, store) for x in xs]
-        dec_out = [np.empty(c.shape, np.float32) for c in codes]
 
         def int_encode() -> list:
             for x, t, out in zip(xs, tmp, enc_out, strict=True):
@@ -256,17 +257,11 @@ def peer_engine(fmt: Format, xs: list[np.ndarray], codes: list[np.ndarray]) -> E
                 np.copyto(out, t, casting="unsafe")
             return enc_out
 
-        def int_decode() -> list:
-            for c, out in zip(codes, dec_out, strict=True):
-                np.copyto(out, c.view(store), casting="unsafe")
-            return dec_out
-
-        return Engine("numpy", int_encode, int_decode)
+        return Engine("numpy", int_encode, _cast_decoder(codes, store))
     dtype = _ml_dtype(fmt)
     if dtype is None:
         return None
     enc_out = [np.empty(x.shape, dtype) for x in xs]
-    dec_out = [np.empty(c.shape, np.float32) for c in codes]
 
     def cast_encode() -> list:
         with np.errstate(over="ignore"):  # overflow to inf/NaN is the format's convention
@@ -274,14 +269,22 @@ def peer_engine(fmt: Format, xs: list[np.ndarray], codes: list[np.ndarray]) -> E
                 np.copyto(out, x, casting="unsafe")
         return enc_out
 
+    # numpy's own float16 has no ml_dtypes counterpart: the peer there is numpy's cast.
+    name = "numpy" if fmt.name in ("float16", "float32") else "ml_dtypes"
+    return Engine(name, cast_encode, _cast_decoder(codes, dtype))
+
+
+def _cast_decoder(codes: list[np.ndarray], dtype: np.dtype) -> Callable[[], list]:
+    """The peers' decode: each chunk of unsigned ``codes`` viewed as ``dtype`` and cast to
+    float32 into a preallocated buffer."""
+    dec_out = [np.empty(c.shape, np.float32) for c in codes]
+
     def cast_decode() -> list:
         for c, out in zip(codes, dec_out, strict=True):
             np.copyto(out, c.view(dtype), casting="unsafe")
         return dec_out
 
-    # numpy's own float16 has no ml_dtypes counterpart: the peer there is numpy's cast.
-    name = "numpy" if fmt.name in ("float16", "float32") else "ml_dtypes"
-    return Engine(name, cast_encode, cast_decode)
+    return cast_decode
 
 
 def precisionlab_whole_array(fmt: Format, x: jax.Array, codes: jax.Array) -> dict:
@@ -406,6 +409,71 @@ def _code_bytes(fmt: Format) -> int:
     return np.dtype(fmt.code_dtype).itemsize
 
 
+def _copy_kernels() -> tuple[dict[str, Callable], Callable[[dict[str, Timing]], float]]:
+    """The two plain copies timed alongside a codec (``copy``, ``xla_copy``), and the copy
+    bandwidth (bytes/s, read + written: the faster of the two) from their timings."""
+    copy, moved = copy_kernel()
+    xla_copy, xla_moved = xla_copy_kernel()
+
+    def bandwidth(t: dict[str, Timing]) -> float:
+        return max(t["copy"].rate(moved), t["xla_copy"].rate(xla_moved))
+
+    return {"copy": copy, "xla_copy": xla_copy}, bandwidth
+
+
+def _peer_mismatches(
+    fmt: Format, codes: np.ndarray, decode: Callable[[], list], peer: Engine | None
+) -> dict[str, int | None]:
+    """Per op, the codes (``encode``: ``codes`` against the peer's) or values (``decode``:
+    precisionlab's decoded chunks, ``decode()``, against the peer's) that differ; None
+    without a peer."""
+    if peer is None:
+        return {"encode": None, "decode": None}
+    theirs = _as_codes(fmt, peer.encode()).astype(codes.dtype)
+    return {
+        "encode": _mismatches(codes, theirs),
+        "decode": _mismatches(_as_values(decode()), _as_values(peer.decode())),
+    }
+
+
+class _Measured(NamedTuple):
+    """One format's timings ``t`` of ``n`` elements each, the copy bandwidth measured
+    alongside (bytes/s), the peer and the mismatches against it per op."""
+
+    fmt: Format
+    t: dict[str, Timing]
+    n: int
+    bandwidth: float
+    peer: Engine | None
+    mismatches: dict[str, int | None]
+
+    def row(self, op: str, *, floor_of: str, **fields: Any) -> Row:
+        """The :class:`Row` of ``op``: precisionlab's rate (``t[op]``), the peer's
+        (``t["peer_" + op]``), their ratio, the copy fraction, the floor (``t["floor_" + op]``;
+        ``floor_of`` names the timing set against it), plus the mode's own ``fields``."""
+        t, n = self.t, self.n
+        ours = t[op].rate(n)
+        floor = t[f"floor_{op}"].rate(n)
+        peer_rate = None if self.peer is None else t[f"peer_{op}"].rate(n)
+        bpe = 4 + _code_bytes(self.fmt)  # float32 in + code out, or code in + float32 out
+        shared: dict[str, Any] = dict(
+            format=self.fmt.name,
+            op=op,
+            precisionlab=ours,
+            peer_name=None if self.peer is None else self.peer.name,
+            peer=peer_rate,
+            ratio_peer=None if peer_rate is None else ours / peer_rate,
+            gfloat=None,
+            ratio_gfloat=None,
+            bytes_per_element=bpe,
+            copy_fraction=ours * bpe / self.bandwidth,
+            mismatches=self.mismatches[op],
+            floor=floor,
+            floor_fraction=t[floor_of].rate(n) / floor,
+        )
+        return Row(**{**shared, **fields})
+
+
 def bench_whole_array(fmt: Format, x: np.ndarray, *, repeats: int) -> tuple[list[Row], float]:
     """Time whole-array encode and decode of ``fmt`` on ``x`` (float32) as users call them:
     precisionlab's public and jitted calls, the peer's ``astype`` and two plain copies
@@ -417,53 +485,35 @@ def bench_whole_array(fmt: Format, x: np.ndarray, *, repeats: int) -> tuple[list
     codes_dev = jax.device_put(codes)
     fns = precisionlab_whole_array(fmt, x_dev, codes_dev)
     peer = peer_whole_array(fmt, x, codes)
-    copy, moved = copy_kernel()
-    xla_copy, xla_moved = xla_copy_kernel()
-    fns |= {"copy": copy, "xla_copy": xla_copy}
-    mismatch: dict[str, int | None] = {"encode": None, "decode": None}
+    copies, bandwidth_of = _copy_kernels()
+    fns |= copies
+    mismatch = _peer_mismatches(fmt, codes, lambda: [fns["decode"]()], peer)
     if peer is not None:
         fns |= {"peer_encode": peer.encode, "peer_decode": peer.decode}
-        theirs = _as_codes(fmt, peer.encode()).astype(codes.dtype)
-        mismatch["encode"] = _mismatches(codes, theirs)
-        ours = _as_values([fns["decode"]()])
-        mismatch["decode"] = _mismatches(ours, _as_values(peer.decode()))
     t = time_interleaved(fns, repeats=repeats)
     faults = {
         name: minor_faults(fn)
         for name, fn in fns.items()
         if "copy" not in name and "floor" not in name
     }
-    bandwidth = max(t["copy"].rate(moved), t["xla_copy"].rate(xla_moved))
-    bpe = 4 + _code_bytes(fmt)
+    measured = _Measured(fmt, t, n, bandwidth_of(t), peer, mismatch)
     rows = []
     for op in ("encode", "decode"):
-        ours_rate, jit_rate = t[op].rate(n), t[f"jit_{op}"].rate(n)
-        floor_rate = t[f"floor_{op}"].rate(n)
+        jit_rate = t[f"jit_{op}"].rate(n)
         peer_rate = None if peer is None else t[f"peer_{op}"].rate(n)
         rows.append(
-            Row(
-                format=fmt.name,
-                op=op,
-                precisionlab=ours_rate,
-                peer_name=None if peer is None else peer.name,
-                peer=peer_rate,
-                ratio_peer=None if peer_rate is None else ours_rate / peer_rate,
-                gfloat=None,
-                ratio_gfloat=None,
-                bytes_per_element=bpe,
-                copy_fraction=ours_rate * bpe / bandwidth,
-                mismatches=mismatch[op],
+            measured.row(
+                op,
+                floor_of=f"jit_{op}",
                 mode="whole-array",
                 jit=jit_rate,
                 ratio_jit_peer=None if peer_rate is None else jit_rate / peer_rate,
                 faults=faults[op],
                 jit_faults=faults[f"jit_{op}"],
                 peer_faults=None if peer is None else faults[f"peer_{op}"],
-                floor=floor_rate,
-                floor_fraction=jit_rate / floor_rate,
             )
         )
-    return rows, bandwidth
+    return rows, measured.bandwidth
 
 
 def bench_format(
@@ -490,50 +540,30 @@ def bench_format(
     ours_codes = [jax.device_put(c) for c in host_codes]
     ours = precisionlab_engine(fmt, dev_x, ours_codes)
     peer = peer_engine(fmt, host_x, host_codes)
-    copy, moved = copy_kernel()
-    xla_copy, xla_moved = xla_copy_kernel()
+    copies, bandwidth_of = _copy_kernels()
     floor = floor_engine(fmt, dev_x, ours_codes)
-    fns = {"encode": ours.encode, "decode": ours.decode, "copy": copy, "xla_copy": xla_copy}
+    fns = {"encode": ours.encode, "decode": ours.decode, **copies}
     fns |= {"floor_encode": floor.encode, "floor_decode": floor.decode}
-    enc_mismatch = dec_mismatch = None
+    mismatch = _peer_mismatches(fmt, codes, ours.decode, peer)
     if peer is not None:
-        enc_mismatch = _mismatches(codes, _as_codes(fmt, peer.encode()).astype(codes.dtype))
-        dec_mismatch = _mismatches(_as_values(ours.decode()), _as_values(peer.decode()))
         fns |= {"peer_encode": peer.encode, "peer_decode": peer.decode}
     t = time_interleaved(fns, repeats=repeats)
-    bandwidth = max(t["copy"].rate(moved), t["xla_copy"].rate(xla_moved))
+    bandwidth = bandwidth_of(t)
 
     m = min(gfloat_size, n)
     gf = gfloat_engine(fmt, x[:m], codes[:m])
-    gf_enc = gf_dec = None
+    gf_rate: dict[str, float | None] = {"encode": None, "decode": None}
     if gf is not None:
         g_reps = min(repeats, 3)
-        gf_enc = time_call(gf.encode, repeats=g_reps).rate(m)
-        gf_dec = time_call(gf.decode, repeats=g_reps).rate(m)
+        gf_rate["encode"] = time_call(gf.encode, repeats=g_reps).rate(m)
+        gf_rate["decode"] = time_call(gf.decode, repeats=g_reps).rate(m)
 
-    bpe = 4 + _code_bytes(fmt)  # float32 in + code out, or code in + float32 out
+    measured = _Measured(fmt, t, n, bandwidth, peer, mismatch)
     rows = []
-    for op, gf_rate, mism in (("encode", gf_enc, enc_mismatch), ("decode", gf_dec, dec_mismatch)):
-        ours_rate = t[op].rate(n)
-        floor_rate = t[f"floor_{op}"].rate(n)
-        peer_rate = None if peer is None else t[f"peer_{op}"].rate(n)
-        rows.append(
-            Row(
-                format=fmt.name,
-                op=op,
-                precisionlab=ours_rate,
-                peer_name=None if peer is None else peer.name,
-                peer=peer_rate,
-                ratio_peer=None if peer_rate is None else ours_rate / peer_rate,
-                gfloat=gf_rate,
-                ratio_gfloat=None if gf_rate is None else ours_rate / gf_rate,
-                bytes_per_element=bpe,
-                copy_fraction=ours_rate * bpe / bandwidth,
-                mismatches=mism,
-                floor=floor_rate,
-                floor_fraction=ours_rate / floor_rate,
-            )
-        )
+    for op in ("encode", "decode"):
+        g = gf_rate[op]
+        ratio = None if g is None else t[op].rate(n) / g
+        rows.append(measured.row(op, floor_of=op, gfloat=g, ratio_gfloat=ratio))
     return rows, bandwidth
 
 
@@ -577,6 +607,16 @@ def _pct(fraction: float | None) -> str:
     return "-" if fraction is None else f"{100 * fraction:.0f}%"
 
 
+def _table(body: list[list[str]], headers: list[str], align: str, markdown: bool) -> str:
+    """``body`` under ``headers`` as aligned plain text or a markdown table (``align``: ``l``
+    or ``r`` per column)."""
+    if not markdown:
+        return table(body, headers, align=align)
+    rule = "|" + "".join("---|" if a == "l" else "--:|" for a in align)
+    head, *rows = ("| " + " | ".join(row) + " |" for row in [headers, *body])
+    return "\n".join([head, rule, *rows])
+
+
 def render_whole_array(rows: list[Row], markdown: bool = False) -> str:
     """The whole-array results table, aligned plain text or a markdown table."""
     body = [
@@ -600,13 +640,7 @@ def render_whole_array(rows: list[Row], markdown: bool = False) -> str:
     ]
     headers = ["format", "op", "public M/s", "jit M/s", "peer", "peer M/s", "public vs peer"]
     headers += ["jit vs peer", "of copy bw", "jit of floor", "faults/call", "mismatches"]
-    if markdown:
-        rule = "|---|---|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|"
-        return "\n".join(
-            ["| " + " | ".join(headers) + " |", rule]
-            + ["| " + " | ".join(row) + " |" for row in body]
-        )
-    return table(body, headers, align="llrrlrrrrrrr")
+    return _table(body, headers, "llrrlrrrrrrr", markdown)
 
 
 def render(rows: list[Row], markdown: bool = False) -> str:
@@ -631,13 +665,7 @@ def render(rows: list[Row], markdown: bool = False) -> str:
     ]
     headers = ["format", "op", "precisionlab M/s", "peer", "peer M/s", "vs peer"]
     headers += ["gfloat M/s", "vs gfloat", "of copy bw", "of floor", "mismatches"]
-    if markdown:
-        rule = "|---|---|--:|---|--:|--:|--:|--:|--:|--:|--:|"
-        return "\n".join(
-            ["| " + " | ".join(headers) + " |", rule]
-            + ["| " + " | ".join(row) + " |" for row in body]
-        )
-    return table(body, headers, align="llrlrrrrrrr")
+    return _table(body, headers, "llrlrrrrrrr", markdown)
 
 
 # The targets on CPU: (description, threshold, values of a row, formats it covers).
@@ -657,7 +685,7 @@ def _narrow_float(name: str) -> bool:
     return isinstance(fmt, FloatFormat) and fmt.bits <= 8
 
 
-# each: (target, threshold, the row's values, the formats it covers: names, a test, or all)
+#: A target's rows: those of these formats, of formats a predicate accepts, or all (None).
 _Covers = tuple[str, ...] | Callable[[str], bool] | None
 _TARGETS: dict[str, list[tuple[str, float, Callable[[Row], list], _Covers]]] = {
     "chunked": [

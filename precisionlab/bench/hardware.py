@@ -16,7 +16,7 @@ import numpy as np
 
 from precisionlab import hardware as hw
 from precisionlab._text import UsageError
-from precisionlab.bench._timing import positive_int, repeats_int, time_interleaved
+from precisionlab.bench._timing import positive_int, print_rows, repeats_int, time_interleaved
 
 HELP = "hardware GEMM models: emulated products/s vs a float32 matmul of the same shape"
 
@@ -80,11 +80,10 @@ def run(args: argparse.Namespace) -> int:
         f"{args.repeats}, alternating with a float32 matmul)"
     )
     head = f"{'case':<31} {'model ms':>9} {'f32 ms':>8} {'M products/s':>13} {'f32 / model':>11}"
-    print(head)
-    print("-" * len(head))
-    for r in res:
-        print(
-            f"{r['case']:<31} {r['model_ms']:>9.1f} {r['f32_ms']:>8.2f} "
-            f"{r['model_Mproducts_s']:>13.0f} {r['model_ms'] / r['f32_ms']:>10.0f}x"
-        )
+    lines = [
+        f"{r['case']:<31} {r['model_ms']:>9.1f} {r['f32_ms']:>8.2f} "
+        f"{r['model_Mproducts_s']:>13.0f} {r['model_ms'] / r['f32_ms']:>10.0f}x"
+        for r in res
+    ]
+    print_rows(head, lines)
     return 0

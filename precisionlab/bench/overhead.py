@@ -40,7 +40,6 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -49,8 +48,8 @@ import optax
 
 from precisionlab import _io, recipes, telemetry
 from precisionlab._text import UsageError, split_list, table
-from precisionlab.bench._timing import positive_int, repeats_int
-from precisionlab.bench.recipes import init_params, loss_fn
+from precisionlab.bench._timing import add_output_arguments, repeats_int
+from precisionlab.bench.recipes import add_model_arguments, init_params, loss_fn
 from precisionlab.emulate import emulate
 from precisionlab.telemetry import parse_targets
 from precisionlab.train import StepOptions, build_step
@@ -79,16 +78,10 @@ COMPILE_TARGET = 2.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    count = positive_int
     parser.add_argument(
         "--variants", help=f"comma-separated (default: all of {','.join(VARIANTS)})"
     )
-    parser.add_argument("--batch", type=count, default=16, help="sequences per step (default 16)")
-    parser.add_argument("--seq", type=count, default=64, help="tokens per sequence (default 64)")
-    parser.add_argument("--d-model", type=count, default=96, help="model width (default 96)")
-    parser.add_argument("--layers", type=count, default=3, help="transformer blocks (default 3)")
-    parser.add_argument("--heads", type=count, default=4, help="attention heads (default 4)")
-    parser.add_argument("--vocab", type=count, default=256, help="vocabulary (default 256)")
+    add_model_arguments(parser, batch=16, seq=64, d_model=96, layers=3, heads=4, vocab=256)
     parser.add_argument(
         "--steps", type=repeats_int, default=10, help="steps per timed round (default 10)"
     )
@@ -104,8 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the telemetry variants' target formats, comma-separated ('' for none: moments, "
         f"extremes and counts only; default {','.join(TELEMETRY_TARGETS)})",
     )  # fmt: skip
-    parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON to OUT")
+    add_output_arguments(parser)
 
 
 # --- the variants ----------------------------------------------------------------------------

@@ -35,7 +35,7 @@ import numpy as np
 
 from precisionlab import recipes as R
 from precisionlab._text import UsageError, split_list
-from precisionlab.bench._timing import positive_int, repeats_int, time_interleaved
+from precisionlab.bench._timing import positive_int, print_rows, repeats_int, time_interleaved
 from precisionlab.recipes import RECIPE_NAMES, FP4Recipe, accumulate, get_recipe
 from precisionlab.train.compile_cache import OFF, enable_compilation_cache
 from precisionlab.train.timing import CompileMeter
@@ -52,13 +52,7 @@ _TARGET = {"current": 1.5, "delayed": 1.5, "rowwise": 1.5, "rowwise_with_gw_hp":
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipes", help=f"comma-separated (default: {','.join(DEFAULT_RECIPES)})")
-    count = positive_int
-    parser.add_argument("--batch", type=count, default=8, help="sequences per step (default 8)")
-    parser.add_argument("--seq", type=count, default=128, help="tokens per sequence (default 128)")
-    parser.add_argument("--d-model", type=count, default=256, help="model width (default 256)")
-    parser.add_argument("--layers", type=count, default=2, help="transformer blocks (default 2)")
-    parser.add_argument("--heads", type=count, default=4, help="attention heads (default 4)")
-    parser.add_argument("--vocab", type=count, default=512, help="vocabulary (default 512)")
+    add_model_arguments(parser, batch=8, seq=128, d_model=256, layers=2, heads=4, vocab=512)
     parser.add_argument("--repeats", type=repeats_int, default=5, help="timed rounds (best of)")
     parser.add_argument(
         "--accumulator", action="store_true",
@@ -76,6 +70,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # --- model ---------------------------------------------------------------------------------
+def add_model_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    batch: int,
+    seq: int,
+    d_model: int,
+    layers: int,
+    heads: int,
+    vocab: int,
+) -> None:
+    """The options that size this module's transformer LM and its batch (``--batch``,
+    ``--seq``, ``--d-model``, ``--layers``, ``--heads``, ``--vocab``), with these defaults."""
+    sizes = (
+        ("--batch", batch, "sequences per step"),
+        ("--seq", seq, "tokens per sequence"),
+        ("--d-model", d_model, "model width"),
+        ("--layers", layers, "transformer blocks"),
+        ("--heads", heads, "attention heads"),
+        ("--vocab", vocab, "vocabulary"),
+    )
+    for flag, default, what in sizes:
+        parser.add_argument(
+            flag, type=positive_int, default=default, help=f"{what} (default {default})"
+        )
+
+
 def init_params(key, *, d: int, layers: int, vocab: int, seq: int) -> dict:
     """float32 parameters of a pre-LayerNorm decoder (4x MLP, learned positions)."""
     ks = iter(jax.random.split(key, 4 + 4 * layers))
@@ -313,18 +333,17 @@ def run(args: argparse.Namespace) -> int:
         f"{'recipe':<20} {'matmuls':>7} {'step ms':>9} {'vs bf16':>8} {'vs fp32':>8} "
         f"{'peak MiB':>9} {'mem vs bf16':>11}"
     )
-    print(head)
-    print("-" * len(head))
 
     def fmt(v, spec):
         return format(v, spec) if v is not None else "-"
 
-    for r in rows:
-        print(
-            f"{r['recipe']:<20} {r['matmuls']:>7} {r['step_ms']:>9.1f} "
-            f"{fmt(r['vs_bf16'], '>7.2f')}x {fmt(r['vs_fp32'], '>7.2f')}x "
-            f"{fmt(r['peak_mib'], '>9.1f')} {fmt(r['peak_vs_bf16'], '>10.2f')}x"
-        )
+    lines = [
+        f"{r['recipe']:<20} {r['matmuls']:>7} {r['step_ms']:>9.1f} "
+        f"{fmt(r['vs_bf16'], '>7.2f')}x {fmt(r['vs_fp32'], '>7.2f')}x "
+        f"{fmt(r['peak_mib'], '>9.1f')} {fmt(r['peak_vs_bf16'], '>10.2f')}x"
+        for r in rows
+    ]
+    print_rows(head, lines)
     p = phases
     print(
         f"\nbench time: tracing and lowering {p['trace_s']:.1f} s, then compiling "

@@ -19,76 +19,44 @@ rounds. The target: b/a <= 1.10.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from collections.abc import Callable
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import optax
-
-from precisionlab import _io
-from precisionlab._text import UsageError, table
-from precisionlab.bench._timing import add_interval_arguments, time_interleaved
-from precisionlab.train import StepOptions, build_step, make_data, make_model
+from precisionlab._text import table
+from precisionlab.bench import _interval
+from precisionlab.bench._interval import MODELS
+from precisionlab.bench._timing import machine
+from precisionlab.train import StepOptions
 from precisionlab.train.telemetry import DEFAULT_TARGETS, Telemetry, telemetry_rows
 
 HELP = "train-step time with numerics telemetry every N steps vs without (ratio, <= 1.10)"
 
-MODELS = ("mlp", "transformer")
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_interval_arguments(parser, models=MODELS, what="telemetry")
-
-
-def _runner(
-    loss_fn: Callable, params: Any, batches: list[Any], telemetry: Telemetry | None
-) -> Callable[[], dict[str, jax.Array] | None]:
-    opts = StepOptions(telemetry=telemetry)
-    step, state, _ = build_step(loss_fn, params, optax.adam(1e-3), opts)
-    jstep = jax.jit(step, donate_argnums=0)
-    cell = [jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), state)]
-
-    def run() -> dict[str, jax.Array] | None:
-        s = cell[0]
-        out: dict[str, jax.Array] | None = None
-        for b in batches:
-            due = telemetry is not None and telemetry.due(int(s.step))
-            s, out = jstep(s, b)
-            tel = out.pop("telemetry", None)
-            if due:  # what the loop does on a telemetry step: fetch and make the rows
-                assert telemetry is not None  # due says so
-                names = getattr(step, "telemetry_names", {})  # filled when the step is traced
-                telemetry_rows(jax.device_get(tel), names, int(s.step), telemetry.targets)
-        cell[0] = s
-        return out
-
-    return run
+    _interval.add_interval_arguments(parser, models=MODELS, what="telemetry")
 
 
 def measure_model(
     model_name: str, batch: int = 128, interval: int = 10, steps: int = 20, repeats: int = 5
 ) -> dict[str, Any]:
     """ms/step of (a), (b), (c), (d) for one model and the ratios b/a, c/a and d/a."""
-    if model_name not in MODELS:
-        raise UsageError(f"--model must be one of {', '.join(MODELS)}, got {model_name!r}")
-    data = make_data("teacher" if model_name == "mlp" else "markov")
-    model = make_model(model_name, **data.model_kwargs())
-    params = model.init(jax.random.PRNGKey(0))
-    batches = [jax.device_put(data.batch(i, batch)) for i in range(steps)]
-    loss_fn = model.loss_fn("float32")
+    model, params, batches, loss_fn = _interval.built_in(model_name, batch, steps)
+
+    def runner(telemetry: Telemetry | None) -> Callable[[], Any]:
+        def record(step: Any, fetched: Any, step_number: int) -> None:
+            assert telemetry is not None  # only called on a due step
+            telemetry_rows(fetched, step.telemetry_names, step_number, telemetry.targets)
+
+        opts = StepOptions(telemetry=telemetry)
+        return _interval.step_runner(loss_fn, params, batches, opts, "telemetry", telemetry, record)
+
     runs = {
-        "a-plain": _runner(loss_fn, params, batches, None),
-        "b-telemetry": _runner(loss_fn, params, batches, Telemetry(interval=interval)),
-        "c-no-targets": _runner(loss_fn, params, batches, Telemetry(interval=interval, targets=())),
-        "d-matmuls-only": _runner(
-            loss_fn, params, batches, Telemetry(interval=interval, ops=False)
-        ),
+        "a-plain": runner(None),
+        "b-telemetry": runner(Telemetry(interval=interval)),
+        "c-no-targets": runner(Telemetry(interval=interval, targets=())),
+        "d-matmuls-only": runner(Telemetry(interval=interval, ops=False)),
     }
-    times = time_interleaved(runs, repeats=repeats, warmup=1)
-    ms = {k: 1e3 * t.best / steps for k, t in times.items()}
+    ms = _interval.ms_per_step(runs, steps, repeats)
     a = ms["a-plain"]
     return {
         "model": model_name,
@@ -119,10 +87,7 @@ def measure(
         "repeats": repeats,
         "models": results,
         "target_met": {r["model"]: r["ratios"]["b/a"] <= 1.10 for r in results},
-        "backend": jax.default_backend(),
-        "devices": [str(d) for d in jax.devices()],
-        "jax": jax.__version__,
-        "cpu_count": os.cpu_count(),
+        **machine(),
     }
 
 
@@ -132,32 +97,15 @@ def render(result: dict[str, Any]) -> str:
         f"batch {result['batch']}, {result['backend']}, best of {result['repeats']} x "
         f"{result['steps_per_round']} steps"
     )
-    rows = []
-    for r in result["models"]:
-        ms = r["ms_per_step"]
-        rows.append([
-            f"{r['model']} ({r['params'] / 1e3:.0f}k)", f"{ms['a-plain']:.3f}",
-            f"{ms['b-telemetry']:.3f}", f"{ms['c-no-targets']:.3f}",
-            f"{ms['d-matmuls-only']:.3f}", f"{r['ratios']['b/a']:.3f}",
-            f"{r['ratios']['c/a']:.3f}", f"{r['ratios']['d/a']:.3f}",
-            "met" if result["target_met"][r["model"]] else "NOT met",
-        ])  # fmt: skip
+    variants = ("a-plain", "b-telemetry", "c-no-targets", "d-matmuls-only")
+    rows = _interval.model_rows(result, variants, ("b/a", "c/a", "d/a"))
+    for row, r in zip(rows, result["models"], strict=True):
+        row.append("met" if result["target_met"][r["model"]] else "NOT met")
     cols = ["model", "(a) plain", "(b) all", "(c) no targets", "(d) matmuls", "b/a", "c/a",
             "d/a", "target"]  # fmt: skip
     lines = [head, "ms per step; model (thousands of params); target: b/a <= 1.10"]
     return "\n".join([*lines, table(rows, cols, align="lrrrrrrrl")])
 
 
-#: Largest batch: the transformer's activations at 65,536 sequences take gigabytes already.
-_BATCH_MAX = 1 << 16
-
-
 def run(args: argparse.Namespace) -> int:
-    models = tuple(dict.fromkeys(args.model)) if args.model else MODELS
-    if args.batch > _BATCH_MAX:
-        raise UsageError(f"--batch must be at most {_BATCH_MAX}, got {args.batch}")
-    result = measure(models, args.batch, args.interval, args.steps, args.repeats)
-    if args.out is not None:
-        _io.write_json(args.out, result)
-    print(json.dumps(result, indent=2) if args.json else render(result))
-    return 0
+    return _interval.run_bench(args, measure, render)

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -37,7 +35,7 @@ import optax
 
 from precisionlab import _io
 from precisionlab._text import UsageError, table
-from precisionlab.bench._timing import positive_int, repeats_int, time_interleaved
+from precisionlab.bench import _timing
 from precisionlab.mixed import get_policy
 from precisionlab.train import make_data, make_model, make_train_step
 
@@ -56,18 +54,19 @@ _DATA: dict[str, tuple[str, dict[str, Any]]] = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="mlp", help="built-in model: mlp, transformer or conv")
-    parser.add_argument("--batch", type=positive_int, default=128, help="batch size (default 128)")
     parser.add_argument(
-        "--steps", type=repeats_int, default=20, help="steps per timed chunk (default 20)"
+        "--batch", type=_timing.positive_int, default=128, help="batch size (default 128)"
     )
     parser.add_argument(
-        "--repeats", type=repeats_int, default=7, help="timed rounds, best kept (default 7)"
+        "--steps", type=_timing.repeats_int, default=20, help="steps per timed chunk (default 20)"
+    )
+    parser.add_argument(
+        "--repeats", type=_timing.repeats_int, default=7, help="timed rounds, best kept (default 7)"
     )
     parser.add_argument(
         "--compute", default="bfloat16", help="compute dtype of (b)-(d): bfloat16 or float16"
     )
-    parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON to OUT")
+    _timing.add_output_arguments(parser)
 
 
 def _jmp_step(loss_fn: Callable, optimizer: Any, policy: Any) -> Callable:
@@ -147,7 +146,7 @@ def measure(
         runs["d-jmp"] = _runner(
             _jmp_step(model.loss_fn(mixed), opt, mixed), (params, opt.init(params), ls), batches
         )
-    times = time_interleaved(runs, repeats=repeats, warmup=1)
+    times = _timing.time_interleaved(runs, repeats=repeats, warmup=1)
     ms = {k: 1e3 * t.best / steps for k, t in times.items()}
     ratios = {
         "b/a": ms["b-bf16"] / ms["a-fp32"],
@@ -170,10 +169,7 @@ def measure(
             "c/b <= 1.03": ratios["c/b"] <= 1.03,
             "c <= d": ratios["c/d"] <= 1.0 if "c/d" in ratios else None,
         },
-        "backend": jax.default_backend(),
-        "devices": [str(d) for d in jax.devices()],
-        "jax": jax.__version__,
-        "cpu_count": os.cpu_count(),
+        **_timing.machine(),
     }
 
 

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 from types import ModuleType
 
-from precisionlab.cli._common import Parser, UsageError, one_line, shorten
+from precisionlab.cli._common import Parser, UsageError, exit_now, one_line, shorten
 
 __all__ = ["COMMANDS", "UsageError", "main"]
 
@@ -152,12 +152,7 @@ def _leave(status: object) -> None:
     import atexit
 
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
+    exit_now(code)
 
 
 def _main(argv: list[str]) -> int:

@@ -26,6 +26,7 @@ __all__ = [
     "UsageError",
     "check_out_dir",
     "check_path_shape",
+    "exit_now",
     "one_line",
     "shorten",
     "split_list",
@@ -78,6 +79,17 @@ def one_line(message: str) -> str:
     first = message.splitlines()[0] if message else ""
     first = _QUOTED.sub(lambda m: m.group(0)[0] + shorten(m.group(0)[1:-1]) + m.group(0)[0], first)
     return shorten(first, MAX_LINE)
+
+
+def exit_now(status: int) -> None:
+    """Flush stdout and stderr (a closed or broken stream is passed over) and end the process
+    with ``status`` at once, without the interpreter's shutdown (``os._exit``)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 def stdout_is_tty() -> bool:

@@ -25,7 +25,7 @@ import traceback
 from collections.abc import Callable
 from typing import IO, Any
 
-from precisionlab.cli._common import UsageError, one_line
+from precisionlab.cli._common import UsageError, exit_now, one_line
 
 __all__ = ["CHILD_ENV", "child", "supervise"]
 
@@ -160,12 +160,7 @@ def _exit(status: int, message: str | None = None) -> None:
     processes that are not coming)."""
     if message:
         sys.stderr.write(f"precisionlab run: {message}\n")
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(status)
+    exit_now(status)
 
 
 def child(

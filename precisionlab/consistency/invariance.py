@@ -61,8 +61,19 @@ def _bits(x: np.ndarray) -> np.ndarray:
     return x.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[x.dtype.itemsize])
 
 
+class _ByBatchSize:
+    """What both measurements answer: whether every batch size gave the reference's bits."""
+
+    differ: tuple[int, ...]
+
+    @property
+    def invariant(self) -> bool:
+        """Every M gives the reference's bits."""
+        return not any(self.differ)
+
+
 @dataclasses.dataclass(frozen=True)
-class GemmInvariance:
+class GemmInvariance(_ByBatchSize):
     """One GEMM shape measured on the running backend.
 
     Attributes:
@@ -83,17 +94,21 @@ class GemmInvariance:
     max_abs: tuple[float, ...]
 
     @property
-    def invariant(self) -> bool:
-        """Every M gives the reference's bits."""
-        return not any(self.differ)
-
-    @property
     def verdict(self) -> str:
         """``"invariant"`` or ``"varies at M=..."``."""
         if self.invariant:
             return "invariant"
         ms = [str(m) for m, d in zip(self.ms, self.differ, strict=True) if d]
         return "varies at M=" + ",".join(ms)
+
+
+def _against_first(outs: list[np.ndarray]) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """Per output of ``outs`` (same shape and dtype), the elements whose bits differ from the
+    first's, and the largest |difference| (0 where there are no elements)."""
+    ref = outs[0]
+    differ = tuple(int(np.sum(_bits(y) != _bits(ref))) for y in outs)
+    diffs = [np.abs(y.astype(np.float64) - ref.astype(np.float64)) for y in outs]
+    return differ, tuple(float(np.max(d)) if d.size else 0.0 for d in diffs)
 
 
 def _operands(m: int, n: int, k: int, dtype: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -125,18 +140,13 @@ def measure_gemm(ms: Sequence[int], n: int, k: int, dtype: str = "float32", *,
     a, b = _operands(max(ms), n, k, dtype, seed)
     f = jax.jit(jnp.matmul)
     r = ms[0]
-    ref = np.asarray(f(a[:r], b))
-    differ, max_abs = [], []
-    for m in ms:
-        y = np.asarray(f(a[:m], b))[:r]
-        differ.append(int(np.sum(_bits(y) != _bits(ref))))
-        diff = np.abs(y.astype(np.float64) - ref.astype(np.float64))
-        max_abs.append(float(np.max(diff)) if diff.size else 0.0)
-    return GemmInvariance(backend_name(), dtype, n, k, tuple(ms), tuple(differ), tuple(max_abs))
+    # copies of the compared rows: a view would keep every M x N output alive
+    differ, max_abs = _against_first([np.asarray(f(a[:m], b))[:r].copy() for m in ms])
+    return GemmInvariance(backend_name(), dtype, n, k, tuple(ms), differ, max_abs)
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelInvariance:
+class ModelInvariance(_ByBatchSize):
     """A model's logits for the first rows under each batch size (``stack`` with
     ``batch_size=M`` on the first M rows): ``differ`` per M, logits of the reference rows
     that differ bit for bit from the smallest M's; ``max_abs`` the largest difference."""
@@ -145,11 +155,6 @@ class ModelInvariance:
     ms: tuple[int, ...]
     differ: tuple[int, ...]
     max_abs: tuple[float, ...]
-
-    @property
-    def invariant(self) -> bool:
-        """Every M gives the reference's bits."""
-        return not any(self.differ)
 
 
 def measure_model(model: Any, params: Any, tokens: Any, ms: Sequence[int],
@@ -165,15 +170,8 @@ def measure_model(model: Any, params: Any, tokens: Any, ms: Sequence[int],
     st = parse_stack(stack)
     runner = Runner(model, params)
     r = ms[0]
-    outs = {}
-    for m in ms:
-        res = runner.run(st.replace(batch_size=m), tok[:m])
-        outs[m] = res.logits[:r]
-    ref = outs[r]
-    differ = tuple(int(np.sum(_bits(outs[m]) != _bits(ref))) for m in ms)
-    max_abs = tuple(
-        float(np.max(np.abs(outs[m].astype(np.float64) - ref.astype(np.float64)))) for m in ms
-    )
+    outs = [runner.run(st.replace(batch_size=m), tok[:m]).logits[:r] for m in ms]
+    differ, max_abs = _against_first(outs)
     return ModelInvariance(st.label, tuple(ms), differ, max_abs)
 
 

@@ -121,6 +121,21 @@ def _apply_patch(name: str, x: jax.Array, patch: Patch | None) -> jax.Array:
     return jnp.where(flag, jnp.asarray(value).astype(x.dtype), x)
 
 
+class _Taps:
+    """The named layer outputs of one pass: ``taps(name, x)`` returns ``x`` patched by
+    ``patch`` (where it names ``name``) and, with ``capture``, keeps it in ``acts``."""
+
+    def __init__(self, patch: Patch | None, capture: bool) -> None:
+        self.patch, self.capture = patch, capture
+        self.acts: dict[str, jax.Array] = {}
+
+    def __call__(self, name: str, x: jax.Array) -> jax.Array:
+        x = _apply_patch(name, x, self.patch)
+        if self.capture:
+            self.acts[name] = x
+        return x
+
+
 def _fp32(pol: Policy) -> Policy:
     return dataclasses.replace(pol, compute_dtype=np.dtype(np.float32))
 
@@ -187,6 +202,13 @@ class TransformerLM(LM):
         logits = ops.matmul(x, params["unembed"], policy=hp)
         return logits if lm_head_fp32 else pol.cast_to_output(logits)
 
+    def _top(
+        self, params: Any, x: jax.Array, pol: Policy, lm_head_fp32: bool, out: _Taps
+    ) -> jax.Array:
+        """The final norm and the unembedding of the residual stream ``x``: the logits."""
+        x = out("final_norm", self._head(params, x, pol, lm_head_fp32))
+        return out("lm_head", self._unembed(params, x, pol, lm_head_fp32))
+
     def _blocks(self, params: Any) -> list:
         return list(self.model.unstack_params(params)["blocks"])
 
@@ -205,13 +227,7 @@ class TransformerLM(LM):
         b, t = tokens.shape
         d, nh = m.d_model, m.heads
         dh = d // nh
-        acts: dict[str, jax.Array] = {}
-
-        def out(name: str, x: jax.Array) -> jax.Array:
-            x = _apply_patch(name, x, patch)
-            if capture:
-                acts[name] = x
-            return x
+        out = _Taps(patch, capture)
 
         cd = pol.compute_dtype
         emb = jnp.asarray(params["embed"]).astype(cd)
@@ -239,9 +255,8 @@ class TransformerLM(LM):
             x = ops.boundary(x + ops.matmul(att, blk["proj"], policy=bp), bp)
             x = out(f"block{i}.attn", x)
             x = out(f"block{i}.mlp", self._mlp(blk, x, bp))
-        x = out("final_norm", self._head(params, x, pol, lm_head_fp32))
-        logits = out("lm_head", self._unembed(params, x, pol, lm_head_fp32))
-        return (logits, acts) if capture else logits
+        logits = self._top(params, x, pol, lm_head_fp32, out)
+        return (logits, out.acts) if capture else logits
 
     # --- token-by-token decoding -------------------------------------------------------
     def init_cache(self, params: Any, batch: int, length: int, policy: Policy) -> Any:
@@ -274,13 +289,7 @@ class TransformerLM(LM):
         b = token.shape[0]
         d, nh = m.d_model, m.heads
         dh = d // nh
-        acts: dict[str, jax.Array] = {}
-
-        def out(name: str, x: jax.Array) -> jax.Array:
-            x = _apply_patch(name, x, patch)
-            if capture:
-                acts[name] = x
-            return x
+        out = _Taps(patch, capture)
 
         cd = pol.compute_dtype
         emb = jnp.asarray(params["embed"]).astype(cd)
@@ -303,9 +312,8 @@ class TransformerLM(LM):
             x = ops.boundary(x + ops.matmul(att.reshape(b, d), blk["proj"], policy=bp), bp)
             x = out(f"block{i}.attn", x)
             x = out(f"block{i}.mlp", self._mlp(blk, x, bp))
-        x = out("final_norm", self._head(params, x, pol, lm_head_fp32))
-        logits = out("lm_head", self._unembed(params, x, pol, lm_head_fp32))
-        return logits, new_cache, acts
+        logits = self._top(params, x, pol, lm_head_fp32, out)
+        return logits, new_cache, out.acts
 
 
 def _attend(

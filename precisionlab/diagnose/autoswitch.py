@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from precisionlab.diagnose._options import check_counts
 from precisionlab.experiments.config import Unit
 from precisionlab.intercept import Context, Intercepted, Site, boundary, intercept
 from precisionlab.mixed import filter_value_and_grad
@@ -66,9 +67,7 @@ class SwitchOptions:
             raise ValueError(f"underflow threshold must be a fraction in [0, 1], got {u!r}")
         if isinstance(m, bool) or not isinstance(m, int | float) or not 0 <= m < math.inf:
             raise ValueError(f"mse threshold must be a number >= 0, got {m!r}")
-        s = self.steps
-        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 1):
-            raise ValueError(f"steps must be an int >= 1, got {s!r}")
+        check_counts(self, optional=("steps",))
 
 
 def _pad(t: jax.Array, recipe: Recipe, kind: str) -> jax.Array:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from precisionlab.diagnose._options import check_counts
 from precisionlab.diagnose._variants import with_layers_high
 from precisionlab.experiments.config import Unit
 from precisionlab.train import TrainConfig, build, train_loop
@@ -52,12 +53,7 @@ class BisectOptions:
         t = self.tolerance
         if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t < math.inf:
             raise ValueError(f"tolerance must be a number >= 0, got {t!r}")
-        for name in ("tail", "steps"):
-            v = getattr(self, name)
-            if v is None and name == "steps":
-                continue
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        check_counts(self, counts=("tail",), optional=("steps",))
         object.__setattr__(self, "layers", tuple(self.layers))
 
 
@@ -73,8 +69,20 @@ class BisectRun:
     passed: bool
 
 
+class SearchRuns:
+    """What a bisection's result (over a run's layers or a function's operations) counts: its
+    ``runs`` labelled ``"search"``, the references left out."""
+
+    runs: list[BisectRun]
+
+    @property
+    def search_runs(self) -> int:
+        """The runs of the search proper."""
+        return sum(r.label == "search" for r in self.runs)
+
+
 @dataclasses.dataclass
-class BisectResult:
+class BisectResult(SearchRuns):
     """The search: variants, reference and fail losses, the pass threshold, the candidate
     layers, every run (references first), the answer (None: no set of candidates passes) and
     ``budget`` = ceil(log2 L) + 1."""
@@ -87,10 +95,6 @@ class BisectResult:
     runs: list[BisectRun]
     answer: tuple[str, ...] | None
     budget: int
-
-    @property
-    def search_runs(self) -> int:
-        return sum(r.label == "search" for r in self.runs)
 
 
 def run_budget(n_layers: int) -> int:

@@ -33,6 +33,7 @@ import numpy as np
 
 from precisionlab import _io
 from precisionlab.diagnose._capture import Capture, Tensor
+from precisionlab.diagnose._options import check_counts
 from precisionlab.experiments.config import Unit
 from precisionlab.telemetry import tensor_stats, to_dict
 from precisionlab.train import build, build_step, make_data
@@ -61,12 +62,7 @@ class CompareOptions:
         t = self.threshold
         if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < math.inf:
             raise ValueError(f"threshold must be a number > 0, got {t!r}")
-        for name in ("every", "steps"):
-            v = getattr(self, name)
-            if v is None and name == "steps":
-                continue
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        check_counts(self, counts=("every",), optional=("steps",))
 
 
 @dataclasses.dataclass(frozen=True)

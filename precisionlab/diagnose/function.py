@@ -35,7 +35,7 @@ import numpy as np
 from precisionlab import recipes
 from precisionlab.diagnose.autoswitch import STAT_NAMES, AutoSwitchRecipe, SwitchResult
 from precisionlab.diagnose.autoswitch import autoswitch as _autoswitch_unit
-from precisionlab.diagnose.bisect import BisectRun, run_budget, search
+from precisionlab.diagnose.bisect import BisectRun, SearchRuns, run_budget, search
 from precisionlab.diagnose.bisect import bisect as _bisect_units
 from precisionlab.diagnose.compare import compare as _compare_units
 from precisionlab.diagnose.compare import relative_difference
@@ -234,7 +234,7 @@ def compare_function(
 
 
 @dataclasses.dataclass
-class FunctionBisect:
+class FunctionBisect(SearchRuns):
     """The search of :func:`bisect_function`: the sides, the output's relative difference
     without help (``base``), the tolerance, the candidate operations (names), every run
     (label ``"reference"`` for the candidate as it is, ``"search"`` after; ``loss`` holds the
@@ -250,10 +250,6 @@ class FunctionBisect:
     runs: list[BisectRun]
     answer: tuple[str, ...] | None
     budget: int
-
-    @property
-    def search_runs(self) -> int:
-        return sum(r.label == "search" for r in self.runs)
 
     def text(self) -> str:
         """The runs and the answer."""

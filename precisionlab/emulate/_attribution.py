@@ -370,7 +370,9 @@ def _cotangent(out: Any, w_leaves: list) -> Any:
     return jax.tree.map(one, out)
 
 
-_EMPTY = jnp.zeros((0,), jnp.float32)
+# numpy, not jnp: a jnp array made at import would start the backend before a multi-process run
+# can call jax.distributed.initialize (tests/project/test_import_time.py)
+_EMPTY = np.zeros((0,), np.float32)
 
 
 def _split(w: jax.Array, like: list) -> list:

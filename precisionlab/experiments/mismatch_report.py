@@ -167,6 +167,27 @@ def _deltas(out_dir: Path, key: str) -> np.ndarray:
     return np.load(io.BytesIO(data))[0]
 
 
+def _label(ax: Any, xlabel: str, ylabel: str, title: str, *, log: bool = False) -> None:
+    """Name the axes of ``ax`` and its title, show its legend; ``log``: a log y-axis."""
+    if log:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+
+
+def _save(fig: Any, out_dir: Path, files: list[str], name: str) -> None:
+    """Lay out ``fig``, write it to ``out_dir / name`` (110 dpi), close it and list ``name``
+    in ``files``."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    files.append(name)
+    _io.save_figure(fig, out_dir / name, dpi=110)
+    plt.close(fig)
+
+
 def plots(summary: dict[str, Any], out_dir: Path) -> list[str]:
     """Write the plots; returns their file names."""
     import matplotlib
@@ -176,7 +197,7 @@ def plots(summary: dict[str, Any], out_dir: Path) -> list[str]:
 
     out_dir = Path(out_dir)
     setups = list(summary["setups"])
-    files = []
+    files: list[str] = []
 
     fig, axes = plt.subplots(1, len(setups), figsize=(5.5 * len(setups), 4), squeeze=False)
     for ax, setup in zip(axes[0], setups, strict=True):
@@ -193,15 +214,14 @@ def plots(summary: dict[str, Any], out_dir: Path) -> list[str]:
                     f"{_g(r['rms_nats'])})")  # fmt: skip
         for x in (0.8, 1.2):
             ax.axvline(x, color="k", ls="--", lw=0.8)
-        ax.set_yscale("log")
-        ax.set_xlabel("importance ratio p_trainer / p_sampler (PPO clip dashed)")
-        ax.set_ylabel("tokens")
-        ax.set_title(f"{setup}: per-token ratio")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    files.append("ratio_hist.png")
-    _io.save_figure(fig, out_dir / files[-1], dpi=110)
-    plt.close(fig)
+        _label(
+            ax,
+            "importance ratio p_trainer / p_sampler (PPO clip dashed)",
+            "tokens",
+            f"{setup}: per-token ratio",
+            log=True,
+        )
+    _save(fig, out_dir, files, "ratio_hist.png")
 
     fig, axes = plt.subplots(1, len(setups), figsize=(5.5 * len(setups), 4), squeeze=False)
     for ax, setup in zip(axes[0], setups, strict=True):
@@ -210,15 +230,14 @@ def plots(summary: dict[str, Any], out_dir: Path) -> list[str]:
             y = np.where(y > 0, y, np.nan)
             ax.plot(np.arange(1, len(y) + 1), y, color=_COLORS.get(r["format"]),
                     label=r["format"])  # fmt: skip
-        ax.set_yscale("log")
-        ax.set_xlabel("position of the predicted token")
-        ax.set_ylabel("RMS delta over rows (nats)")
-        ax.set_title(f"{setup}: gap by position")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    files.append("gap_by_position.png")
-    _io.save_figure(fig, out_dir / files[-1], dpi=110)
-    plt.close(fig)
+        _label(
+            ax,
+            "position of the predicted token",
+            "RMS delta over rows (nats)",
+            f"{setup}: gap by position",
+            log=True,
+        )
+    _save(fig, out_dir, files, "gap_by_position.png")
 
     if summary["attribution"]:
         atts = summary["attribution"]
@@ -236,10 +255,7 @@ def plots(summary: dict[str, Any], out_dir: Path) -> list[str]:
         ax.set_ylabel("share of the RMS gap injected")
         ax.set_title("gap by layer (activation patching)")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        files.append("gap_by_layer.png")
-        _io.save_figure(fig, out_dir / files[-1], dpi=110)
-        plt.close(fig)
+        _save(fig, out_dir, files, "gap_by_layer.png")
     if summary.get("rl"):
         groups = summary["rl"]["groups"]
         fmts = list(dict.fromkeys(g["format"] for g in groups))
@@ -251,12 +267,11 @@ def plots(summary: dict[str, Any], out_dir: Path) -> list[str]:
                     ax.plot(np.arange(1, len(curve) + 1), curve, lw=1, alpha=0.8,
                             color=colors.get(g["sampler"]),
                             label=g["sampler"] if i == 0 else None)  # fmt: skip
-            ax.set_xlabel("REINFORCE step")
-            ax.set_ylabel("mean reward")
-            ax.set_title(f"{fmt} policy: reward by sampler (one line a seed)")
-            ax.legend(fontsize=8)
-        fig.tight_layout()
-        files.append("rl_reward.png")
-        _io.save_figure(fig, out_dir / files[-1], dpi=110)
-        plt.close(fig)
+            _label(
+                ax,
+                "REINFORCE step",
+                "mean reward",
+                f"{fmt} policy: reward by sampler (one line a seed)",
+            )
+        _save(fig, out_dir, files, "rl_reward.png")
     return files

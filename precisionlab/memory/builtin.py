@@ -27,7 +27,7 @@ from precisionlab.memory.estimate import (
 )
 from precisionlab.memory.measure import Measured, measure
 from precisionlab.memory.recipe import builtin_gemms, recipe_memory
-from precisionlab.memory.steps import BuiltStep, _train_step, make_optimizer
+from precisionlab.memory.steps import BuiltStep
 from precisionlab.mixed import Policy, get_policy
 from precisionlab.train import Model, StepOptions, TrainConfig, TrainState, build, build_step
 from precisionlab.train.recipe import TrainRecipe
@@ -154,15 +154,10 @@ def plain_step(
         return loss_and_aux(params, b)[0]
 
     params = policy.cast_to_param(model.init(jax.random.PRNGKey(seed)))
-    opt = make_optimizer(optimizer)
-    return BuiltStep(
-        step=_train_step(loss_fn, opt, policy, microbatches),
-        params=params,
-        opt_state=opt.init(params),
-        batch=example_batch(model, batch),
-        activation_bytes=activation_bytes(model, batch // microbatches, policy),
-        description=f"built-in {model.name}, batch {batch}, {policy}, {optimizer}",
-    )
+    saved = activation_bytes(model, batch // microbatches, policy)
+    what = f"built-in {model.name}, batch {batch}, {policy}, {optimizer}"
+    x = example_batch(model, batch)
+    return BuiltStep.of(loss_fn, params, x, policy, optimizer, microbatches, saved, what)
 
 
 def _scalars(tree: Any) -> int:

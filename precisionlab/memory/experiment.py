@@ -320,20 +320,11 @@ def _plots(
     # Activation memory vs checkpoint interval K.
     fig, ax = plt.subplots(figsize=(7, 4.2))
     ks = [row["k"] for row in sweep]
-    ax.plot(
-        ks,
-        [row["activations_full"] / 1e9 for row in sweep],
-        "o-",
-        ms=3,
-        label="transformer-block count",
-    )
-    ax.plot(
-        ks,
-        [row["activations_boundary"] / 1e9 for row in sweep],
-        "s-",
-        ms=3,
-        label="boundary-only count",
-    )
+    for key, style, label in (
+        ("activations_full", "o-", "transformer-block count"),
+        ("activations_boundary", "s-", "boundary-only count"),
+    ):
+        ax.plot(ks, [row[key] / 1e9 for row in sweep], style, ms=3, label=label)
     ax.axhline(
         plain.activations_full / 1e9, color="gray", ls=":", label="no checkpointing (block count)"
     )

@@ -56,6 +56,32 @@ class BuiltStep:
     def args(self) -> tuple[Any, Any, Any]:
         return (self.params, self.opt_state, self.batch)
 
+    @classmethod
+    def of(
+        cls,
+        loss_fn: Callable[[Any, Any], jax.Array],
+        params: Any,
+        batch: Any,
+        policy: Policy,
+        optimizer: str,
+        microbatches: int,
+        activation_bytes: int,
+        description: str,
+    ) -> BuiltStep:
+        """The plain JAX + optax step minimizing ``loss_fn(compute_params, batch)`` (a float32
+        scalar) with the optimizer called ``optimizer`` (:func:`make_optimizer`), ``params``
+        cast to ``policy``'s compute dtype for the loss, the gradients summed over
+        ``microbatches`` micro-batches of ``batch``; its optimizer state initialized."""
+        opt = make_optimizer(optimizer)
+        return cls(
+            step=_train_step(loss_fn, opt, policy, microbatches),
+            params=params,
+            opt_state=opt.init(params),
+            batch=batch,
+            activation_bytes=activation_bytes,
+            description=description,
+        )
+
 
 def make_optimizer(name: str, learning_rate: float = 1e-3) -> optax.GradientTransformation:
     """The optax optimizer called ``name`` (one of ``estimate.OPTIMIZERS``)."""
@@ -175,7 +201,6 @@ def stack_step(
             h, _ = jax.lax.scan(jax.checkpoint(run_layers), h, segments)
         return jnp.mean(jnp.square(h.astype(jnp.float32)))
 
-    opt = make_optimizer(optimizer)
     micro = batch // microbatches
     unit = micro * d_model * np.dtype(dtype).itemsize
     if checkpoint_every is None:
@@ -184,17 +209,11 @@ def stack_step(
         activations = (n_layers // checkpoint_every) * unit + 3 * checkpoint_every * unit
     ckpt = f", checkpoint every {checkpoint_every}" if checkpoint_every else ""
     acc = f", {microbatches} micro-batches" if microbatches > 1 else ""
-    return BuiltStep(
-        step=_train_step(loss_fn, opt, policy, microbatches),
-        params=params,
-        opt_state=opt.init(params),
-        batch=x,
-        activation_bytes=activations,
-        description=(
-            f"residual tanh stack: {n_layers} layers, d_model {d_model}, batch {batch}, "
-            f"{policy}, {optimizer}{ckpt}{acc}"
-        ),
+    what = (
+        f"residual tanh stack: {n_layers} layers, d_model {d_model}, batch {batch}, {policy}, "
+        f"{optimizer}{ckpt}{acc}"
     )
+    return BuiltStep.of(loss_fn, params, x, policy, optimizer, microbatches, activations, what)
 
 
 def mlp_step(
@@ -242,12 +261,5 @@ def mlp_step(
     micro = batch // microbatches
     e = np.dtype(dtype).itemsize
     activations = sum(2 * micro * w * e for w in sizes[1:-1]) + micro * sizes[-1] * 4
-    opt = make_optimizer(optimizer)
-    return BuiltStep(
-        step=_train_step(loss_fn, opt, policy, microbatches),
-        params=params,
-        opt_state=opt.init(params),
-        batch=x,
-        activation_bytes=activations,
-        description=f"tanh MLP {list(sizes)}, batch {batch}, {policy}, {optimizer}",
-    )
+    what = f"tanh MLP {list(sizes)}, batch {batch}, {policy}, {optimizer}"
+    return BuiltStep.of(loss_fn, params, x, policy, optimizer, microbatches, activations, what)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -47,24 +48,21 @@ DIVERGENCE_ACTIONS: tuple[str, ...] = ("stop", "continue")
 BATCH_SIZE_MAX = 2**24
 
 
-def _policy(text: str) -> str:
-    get_policy(text)
-    return text
+def _parses(parse: Callable[[Any], object]) -> Callable[[Any], Any]:
+    """A field's check: ``parse`` the value (its ValueError is the message) and keep the
+    value as written (the config holds what the user wrote; the build parses it again)."""
+
+    def check(value: Any) -> Any:
+        parse(value)
+        return value
+
+    return check
 
 
-def _loss_scale_spec(text: str) -> str:
-    parse_loss_scale(text)
-    return text
-
-
-def _dtype(text: str) -> str:
-    parse_dtype(text)
-    return text
-
-
-def _recipe(value: Any) -> Any:
-    parse_recipe(value)
-    return value
+_policy = _parses(get_policy)
+_loss_scale_spec = _parses(parse_loss_scale)
+_dtype = _parses(parse_dtype)
+_recipe = _parses(parse_recipe)
 
 
 def _telemetry(table: dict[str, Any]) -> dict[str, Any]:

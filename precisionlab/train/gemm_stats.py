@@ -43,9 +43,10 @@ import numpy as np
 from precisionlab.intercept import Context, intercept
 from precisionlab.mixed.policy import Policy, cast_floating
 from precisionlab.recipes import Recipe, dot_general
+from precisionlab.train._probes import probe_grads, scaled_loss
 from precisionlab.train.hooks import StepEnd
 from precisionlab.train.recipe import TrainRecipe
-from precisionlab.train.step import normalize_loss_fn, weighted_loss
+from precisionlab.train.step import weighted_loss
 
 __all__ = ["GEMMS", "SQRT3", "STATS", "GemmStatsHook", "gemm_rows", "make_gemm_stats_fn"]
 
@@ -144,13 +145,7 @@ def make_gemm_stats_fn(
     (float32 ``[n_matmuls, 3, 6]``, jit it) and ``names(params_compute, batch, loss_scale)``,
     the replaced matmuls' names in the same order; :func:`gemm_rows` turns the sums into rows.
     ``loss_fn(params, batch) -> (loss, aux)`` as the step differentiates it."""
-    f = normalize_loss_fn(loss_fn)
-
-    def scaled(p: Any, b: Any, ls: Any) -> jax.Array:
-        loss, _ = f(p, b)
-        return ls.scale(loss)
-
-    tapped = intercept(scaled, _StatsRule(recipe.recipe), include=recipe.include,
+    tapped = intercept(scaled_loss(loss_fn), _StatsRule(recipe.recipe), include=recipe.include,
                        exclude=recipe.exclude)  # fmt: skip
 
     def names(pc: Any, batch: Any, ls: Any) -> list[str]:
@@ -158,15 +153,7 @@ def make_gemm_stats_fn(
 
     def fn(pc: Any, batch: Any, ls: Any, recipe_state: Any, key: jax.Array | None) -> jax.Array:
         sites = names(pc, batch, ls)
-        rs = jax.lax.stop_gradient(recipe_state or {})
-
-        def run(probes: dict[str, jax.Array]) -> jax.Array:
-            state = {
-                n: {"probe": probes[n], **({"recipe": rs[n]} if n in rs else {})} for n in sites
-            }
-            return tapped.call_with_state(state, pc, batch, ls, key=key)
-
-        grads = jax.grad(run)({n: jnp.zeros((3, _N), jnp.float32) for n in sites})
+        grads = probe_grads(tapped, sites, _N, recipe_state, pc, batch, ls, key=key)
         if not sites:
             return jnp.zeros((0, 3, _N), jnp.float32)
         return jnp.stack([grads[n] for n in sites])

@@ -86,7 +86,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from precisionlab._schema import INT32_MAX, Field, validate_table
+from precisionlab._schema import INT32_MAX, Field, validate_enabled_table
 from precisionlab.mixed.policy import Policy, cast_floating
 from precisionlab.quant import MX_FORMATS, fake_quant, get_mx_format
 from precisionlab.telemetry import every, observe
@@ -206,10 +206,8 @@ def parse_predictors(
     norm_format: str | None = None,
 ) -> Predictors | None:
     """:class:`Predictors` from a ``predictors`` table (None or ``enabled = false``: off)."""
-    if table is None:
-        return None
-    values = validate_table(table, PREDICTOR_FIELDS, "predictors")
-    if not values["enabled"]:
+    values = validate_enabled_table(table, PREDICTOR_FIELDS, "predictors")
+    if values is None:
         return None
     return Predictors(
         interval=values["interval"] or auto_interval(steps),

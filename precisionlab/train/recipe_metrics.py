@@ -29,8 +29,8 @@ import numpy as np
 
 from precisionlab.intercept import Context, intercept
 from precisionlab.recipes import WEIGHT_OPERANDS, Recipe, Reference, canonical_operand, dot_general
+from precisionlab.train._probes import probe_grads, scaled_loss
 from precisionlab.train.recipe import TrainRecipe
-from precisionlab.train.step import normalize_loss_fn
 
 __all__ = ["GROUPS", "STATS", "recipe_metrics"]
 
@@ -181,28 +181,12 @@ def make_recipe_metrics_fn(loss_fn: Callable, recipe: TrainRecipe) -> Callable[.
     """``fn(params_compute, batch, loss_scale, recipe_state, key) -> sums`` (float32
     ``[3, 8]`` summed over the replaced matmuls; jit it), and turn the sums into the
     per-group dict with :func:`recipe_metrics`."""
-    f = normalize_loss_fn(loss_fn)
-
-    def scaled(
-        p: Any, b: Any, ls: Any
-    ) -> jax.Array:  # the function the train step differentiates (same matmul names)
-        loss, _ = f(p, b)
-        return ls.scale(loss)
-
-    tapped = intercept(scaled, _TapRule(recipe.recipe), include=recipe.include,
+    tapped = intercept(scaled_loss(loss_fn), _TapRule(recipe.recipe), include=recipe.include,
                        exclude=recipe.exclude, default=recipe.selects)  # fmt: skip
 
     def fn(pc: Any, batch: Any, ls: Any, recipe_state: Any, key: jax.Array | None) -> jax.Array:
         sites = [s.name for s in tapped.sites(pc, batch, ls) if s.selected]
-        rs = jax.lax.stop_gradient(recipe_state or {})
-
-        def run(probes: dict[str, jax.Array]) -> jax.Array:
-            state = {
-                n: {"probe": probes[n], **({"recipe": rs[n]} if n in rs else {})} for n in sites
-            }
-            return tapped.call_with_state(state, pc, batch, ls, key=key)
-
-        grads = jax.grad(run)({n: jnp.zeros((3, _N), jnp.float32) for n in sites})
+        grads = probe_grads(tapped, sites, _N, recipe_state, pc, batch, ls, key=key)
         probes = [grads[n] for n in sites]
         if not probes:
             return jnp.zeros((3, _N), jnp.float32)

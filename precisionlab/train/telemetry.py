@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from precisionlab._schema import INT32_MAX, Field, validate_table
+from precisionlab._schema import INT32_MAX, Field, validate_enabled_table
 from precisionlab.intercept import boundary
 from precisionlab.mixed.policy import Policy, cast_floating
 from precisionlab.telemetry import (
@@ -128,10 +128,8 @@ class Telemetry:
 
 def parse_telemetry(table: dict[str, Any] | None, steps: int) -> Telemetry | None:
     """A :class:`Telemetry` from a ``telemetry`` table (None or ``enabled = false``: off)."""
-    if table is None:
-        return None
-    values = validate_table(table, TELEMETRY_FIELDS, "telemetry")
-    if not values["enabled"]:
+    values = validate_enabled_table(table, TELEMETRY_FIELDS, "telemetry")
+    if values is None:
         return None
     return Telemetry(
         interval=values["interval"] or auto_interval(steps),
