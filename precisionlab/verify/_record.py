@@ -167,7 +167,8 @@ def _plan(fn, args, *, recipe, state, key, grad, argnums, has_aux, include, excl
         g = _grad_fn(fn, grad, argnums, has_aux)
         probe = intercept(g, PlainRule(frozenset()), include=include, exclude=exclude)
         found = probe.sites(*args)
-        chosen = _chosen(found, sites)
+        # a while loop's sites have no per-iteration records: skipped, as in the recipe mode
+        chosen = [s for s in _chosen(found, sites) if all(n is not None for n in s.lengths)]
         rule = PlainRule(frozenset(s.name for s in chosen))
         inter = intercept(g, rule, include=include, exclude=exclude)
         value_shapes, aux_shapes = jax.eval_shape(lambda *a: inter.call_with_aux(None, *a), *args)
