@@ -30,6 +30,7 @@ from precisionlab import hardware, recipes
 from precisionlab.recipes import scaling as S
 from precisionlab.verify import _models as M
 from precisionlab.verify._check_steps import check_steps
+from precisionlab.verify._context import CheckContext
 from precisionlab.verify._diagnose import (
     OUT_BITS,
     diagnose_codes,
@@ -39,7 +40,7 @@ from precisionlab.verify._diagnose import (
     labelled,
     plain_exact,
 )
-from precisionlab.verify._format import Dump, DumpError, Tensor, read_dump, to_storage
+from precisionlab.verify._format import DumpError, Tensor, read_dump, to_storage
 from precisionlab.verify._report import LABELS, Report, TensorCheck, compare
 from precisionlab.verify._tape import element_format, expand, gemm_kinds
 
@@ -65,31 +66,6 @@ def _amax(x: np.ndarray) -> np.float32:
         return np.float32(0)
     b = np.asarray(x, np.float32).view(np.uint32) & np.uint32(0x7FFFFFFF)
     return np.uint32(b.max()).view(np.float32)
-
-
-# --- the context of one check ----------------------------------------------------------
-@dataclasses.dataclass
-class _Ctx:
-    dump: Dump
-    recipe: recipes.Recipe | None
-    weight: str
-    hardware: str | None
-    notes: list[str]
-    diagnosed: bool = False  # the first difference got its full diagnosis
-    results: dict[str, TensorCheck] = dataclasses.field(default_factory=dict)
-
-    def arr(self, t: Tensor) -> np.ndarray:
-        return self.dump.arrays[t.name]
-
-    def add(self, c: TensorCheck) -> None:
-        self.results[c.name] = c
-
-    def full(self) -> bool:
-        """Whether this difference gets the full (costly) diagnosis: the first one only."""
-        if self.diagnosed:
-            return False
-        self.diagnosed = True
-        return True
 
 
 def _recipe_from(step: dict[str, Any], where: Path) -> recipes.Recipe | None:
@@ -129,7 +105,7 @@ def check(path: str | os.PathLike, *, diagnose: bool = True) -> Report:
             hw = M.check_hardware(hw)
         except ValueError:
             raise DumpError(f"{where}: unknown hardware model {hw!r}") from None
-    ctx = _Ctx(dump, recipe, weight, hw, [])
+    ctx = CheckContext(dump, recipe, weight, hw, [])
     if not diagnose:
         ctx.diagnosed = True
     gemms = _gemm_entries(m.get("gemms", []), where)
@@ -169,7 +145,7 @@ def check(path: str | os.PathLike, *, diagnose: bool = True) -> Report:
     return Report(str(dump.path), m["kind"], env, step, tuple(out), tuple(ctx.notes))
 
 
-def _note_platform(ctx: _Ctx, env: dict, recipe: recipes.Recipe | None, kind: str) -> None:
+def _note_platform(ctx: CheckContext, env: dict, recipe: recipes.Recipe | None, kind: str) -> None:
     here = jax.default_backend()
     there = env.get("backend")
     if kind == "step" and there and there != here:
@@ -235,7 +211,7 @@ def _need(ts: dict[str, Tensor], key: str, g: dict) -> Tensor:
 
 
 # --- recipe GEMMs --------------------------------------------------------------------------
-def _key(ctx: _Ctx, t: Tensor | None) -> Any:
+def _key(ctx: CheckContext, t: Tensor | None) -> Any:
     if t is None:
         return None
     data = jnp.asarray(ctx.arr(t), jnp.uint32)
@@ -254,7 +230,7 @@ def _state_index(weight: str, what: str, side: str) -> int:
     return _STATE_INDEX[(what, side)]
 
 
-def _check_recipe_gemm(ctx: _Ctx, g: dict, ts: dict[str, Tensor]) -> None:
+def _check_recipe_gemm(ctx: CheckContext, g: dict, ts: dict[str, Tensor]) -> None:
     recipe = ctx.recipe
     if recipe is None:
         raise DumpError(f"gemm {g['id']}: a recipe GEMM in a dump without a recipe")
@@ -375,13 +351,13 @@ def _layout(recipe: recipes.Recipe, kind: str) -> tuple[int, bool] | None:
     return None if not sizes else (int(sizes[0]), bool(recipe.two_d(kind)))
 
 
-def _typed(t: Tensor, ctx: _Ctx) -> jax.Array:
+def _typed(t: Tensor, ctx: CheckContext) -> jax.Array:
     a = ctx.arr(t)
     return jnp.asarray(a) if t.dtype != "float32" else jnp.asarray(a, jnp.float32)
 
 
 def _operand(
-    ctx: _Ctx,
+    ctx: CheckContext,
     ts: dict[str, Tensor],
     side: str,
     codes: np.ndarray,
@@ -406,7 +382,7 @@ def _operand(
 
 
 # --- delayed scaling's state -------------------------------------------------------------
-def _delayed(ctx: _Ctx) -> recipes.Delayed:
+def _delayed(ctx: CheckContext) -> recipes.Delayed:
     assert isinstance(ctx.recipe, recipes.Delayed)  # check() refuses state without one
     return ctx.recipe
 
@@ -416,7 +392,7 @@ def _kind_max(recipe: recipes.Delayed, weight: str) -> np.ndarray:
     return np.asarray([recipe.fmt(k).max for k in kinds], np.float32)
 
 
-def _state_arrays(ctx: _Ctx, role: str, site: str) -> tuple[np.ndarray, np.ndarray] | None:
+def _state_arrays(ctx: CheckContext, role: str, site: str) -> tuple[np.ndarray, np.ndarray] | None:
     s = ctx.dump.get(f"{role}/{site}/scale")
     h = ctx.dump.get(f"{role}/{site}/history")
     if s is None or h is None:
@@ -436,7 +412,7 @@ def _older(hist: np.ndarray) -> np.ndarray:
     return np.concatenate([hist[1:], np.zeros_like(hist[:1])])
 
 
-def _check_state(ctx: _Ctx, t: Tensor) -> None:
+def _check_state(ctx: CheckContext, t: Tensor) -> None:
     if not t.name.endswith("/scale"):
         ctx.add(_status(t, "input", "the amax history the step starts from"))
         return
@@ -457,7 +433,7 @@ def _check_state(ctx: _Ctx, t: Tensor) -> None:
     ctx.add(c)
 
 
-def _check_given_scale(ctx: _Ctx, g: dict, side: str, t: Tensor, scale: Any) -> None:
+def _check_given_scale(ctx: CheckContext, g: dict, side: str, t: Tensor, scale: Any) -> None:
     recipe = ctx.recipe
     got = _state_arrays(ctx, "state", g["site"])
     if got is None or not isinstance(recipe, recipes.Delayed):
@@ -478,7 +454,7 @@ def _check_given_scale(ctx: _Ctx, g: dict, side: str, t: Tensor, scale: Any) -> 
 
 
 def _observed(
-    ctx: _Ctx, site: str, gemms: dict[str, dict], by_gemm: dict[str, dict[str, Tensor]]
+    ctx: CheckContext, site: str, gemms: dict[str, dict], by_gemm: dict[str, dict[str, Tensor]]
 ) -> np.ndarray | None:
     """The amaxes (lhs, rhs, output gradient) of a site's recorded inputs, max over its
     iterations; None if a pass is missing."""
@@ -502,7 +478,7 @@ def _observed(
 
 
 def _check_state_after(
-    ctx: _Ctx,
+    ctx: CheckContext,
     after: list[Tensor],
     gemms: dict[str, dict],
     by_gemm: dict[str, dict[str, Tensor]],
@@ -537,7 +513,12 @@ def _check_state_after(
 
 
 def _diagnose_state_after(
-    ctx: _Ctx, c: TensorCheck, part: str, rec: np.ndarray, scale0: np.ndarray, hist0: np.ndarray
+    ctx: CheckContext,
+    c: TensorCheck,
+    part: str,
+    rec: np.ndarray,
+    scale0: np.ndarray,
+    hist0: np.ndarray,
 ) -> TensorCheck:
     ctx.full()
     rec = np.asarray(rec, np.float32)
@@ -561,7 +542,7 @@ def _diagnose_state_after(
 
 
 # --- plain GEMMs and captures ------------------------------------------------------------
-def _check_plain(ctx: _Ctx, g: dict, ts: dict[str, Tensor]) -> None:
+def _check_plain(ctx: CheckContext, g: dict, ts: dict[str, Tensor]) -> None:
     t_l, t_r, t_o = _need(ts, "lhs", g), _need(ts, "rhs", g), _need(ts, "out", g)
     for t in (t_l, t_r):
         ctx.add(_status(t, "input", "a GEMM operand"))
@@ -586,7 +567,7 @@ def _check_plain(ctx: _Ctx, g: dict, ts: dict[str, Tensor]) -> None:
     ctx.add(c)
 
 
-def _check_capture(ctx: _Ctx, g: dict, ts: dict[str, Tensor]) -> None:
+def _check_capture(ctx: CheckContext, g: dict, ts: dict[str, Tensor]) -> None:
     t_a, t_b, t_o = _need(ts, "a", g), _need(ts, "b", g), _need(ts, "out", g)
     for t in (t_a, t_b):
         ctx.add(_status(t, "input", "a GEMM operand"))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -16,17 +16,15 @@ import numpy as np
 
 from precisionlab import recipes
 from precisionlab.quant import SCALE_RULES
+from precisionlab.verify._context import CheckContext
 from precisionlab.verify._diagnose import labelled, zeroed_or_nonfinite
 from precisionlab.verify._format import DumpError, Tensor, from_storage, to_storage
 from precisionlab.verify._report import TensorCheck, compare
 
-if TYPE_CHECKING:  # _check imports this module
-    from precisionlab.verify._check import _Ctx
-
 __all__ = ["check_steps", "scale_alternatives"]
 
 
-def _input(ctx: _Ctx, t: Tensor, impl: str | None) -> Any:
+def _input(ctx: CheckContext, t: Tensor, impl: str | None) -> Any:
     a = ctx.arr(t)
     if impl is not None and impl.startswith("typed:"):
         return jax.random.wrap_key_data(jnp.asarray(a, jnp.uint32), impl=impl.split(":", 1)[1])
@@ -79,7 +77,7 @@ def scale_alternatives(op: str, static: dict[str, Any]) -> list[tuple[str, dict[
 
 
 def check_steps(
-    ctx: _Ctx, g: dict, ts: dict[str, Tensor], check: Callable[..., TensorCheck]
+    ctx: CheckContext, g: dict, ts: dict[str, Tensor], check: Callable[..., TensorCheck]
 ) -> None:
     """Check the steps of gemm entry ``g`` (``ts``: its tensors by relative name; ``check``:
     the checker's ``_check(t, rec, ref)``), adding a verdict per tensor to ``ctx``."""
@@ -126,7 +124,7 @@ def _tensor(ts: dict[str, Tensor], rel: Any, g: dict) -> Tensor:
     return ts[rel]
 
 
-def _same(ctx: _Ctx, outs: dict[str, Tensor], other: dict[str, Any]) -> bool:
+def _same(ctx: CheckContext, outs: dict[str, Tensor], other: dict[str, Any]) -> bool:
     for name, t in outs.items():
         if name not in other:
             return False
@@ -137,7 +135,7 @@ def _same(ctx: _Ctx, outs: dict[str, Tensor], other: dict[str, Any]) -> bool:
 
 
 def _diagnose(
-    ctx: _Ctx,
+    ctx: CheckContext,
     c: TensorCheck,
     t: Tensor,
     ref_all: dict,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -14,11 +14,9 @@ from numpy.typing import ArrayLike
 from precisionlab import recipes
 from precisionlab.quant import SCALE_RULES
 from precisionlab.verify import _models as M
+from precisionlab.verify._context import CheckContext
 from precisionlab.verify._format import Tensor
 from precisionlab.verify._report import TensorCheck, compare
-
-if TYPE_CHECKING:  # _check imports this module
-    from precisionlab.verify._check import _Ctx
 
 #: named ways to recompute a tensor, each a call that returns it (or raises NotModelled)
 _Candidates = Sequence[tuple[str, Callable[[], Any]]]
@@ -47,7 +45,7 @@ def labelled(c: TensorCheck, label: str | None, detail: str) -> TensorCheck:
 
 
 def diagnose_codes(
-    ctx: _Ctx, c: TensorCheck, rec: np.ndarray, ref: np.ndarray, fmt: str, stochastic: bool
+    ctx: CheckContext, c: TensorCheck, rec: np.ndarray, ref: np.ndarray, fmt: str, stochastic: bool
 ) -> TensorCheck:
     z = zeroed_or_nonfinite(rec, ref)
     if z:
@@ -76,7 +74,7 @@ def _scale_alternatives(recipe: recipes.Recipe) -> list[tuple[str, recipes.Recip
 
 
 def diagnose_scale(
-    ctx: _Ctx,
+    ctx: CheckContext,
     c: TensorCheck,
     t: Tensor,
     role: str,
@@ -137,7 +135,7 @@ def within_reordering(
 
 
 def diagnose_output(
-    ctx: _Ctx,
+    ctx: CheckContext,
     c: TensorCheck,
     rec: np.ndarray,
     ref: np.ndarray,
