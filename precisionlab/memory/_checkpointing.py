@@ -266,6 +266,7 @@ def run(section: dict, out_dir: Path, *, quiet: bool = False) -> dict:
                     f"{name} K={k or 'none':>4} M={m}: temp {_mib(got['measured_temp'])} MiB "
                     f"(estimate {_mib(got['estimated_temp'])} MiB){step}"
                 )
+            assert n is not None  # the first point always runs and sets it
             results[name] = _model_summary(rows, n)
             texts.append(_text(name, rows, results[name]))
     finally:
