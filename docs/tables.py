@@ -462,6 +462,23 @@ def accumulation_run(ctx: Context) -> str:
     )
 
 
+def checkpointing_run(ctx: Context) -> str:
+    """The checkpointing experiment's ``summary.txt``; its two figures are copied to
+    docs/img/checkpointing_{transformer,mlp}.png, which the memory guide shows."""
+    import shutil
+
+    config = "experiments/checkpointing.toml"
+    out = ctx.run_dirs.get(config)
+    if out is None:  # with its plots (run_dir runs without the report)
+        out = ctx.tmp / "checkpointing"
+        cli("run", config, "--out", str(out), "--quiet", "--no-report", "--no-cache")
+        ctx.run_dirs[config] = out
+    result = out / "checkpointing"
+    for png in sorted(result.glob("checkpointing_*.png")):
+        shutil.copyfile(png, ROOT / "docs" / "img" / png.name)
+    return fenced((result / "summary.txt").read_text("utf-8"), "")
+
+
 def bench_table(*args: str) -> Callable[[Context], str]:
     """The Markdown table a ``bench ... --markdown`` prints (its header lines dropped: the
     machine line says the same)."""
@@ -654,6 +671,13 @@ REGIONS: dict[str, Region] = {
         "exact",
         120,
         memory_measured,
+    ),
+    "memory-checkpointing": Region(
+        "docs/guides/memory.md",
+        "precisionlab run experiments/checkpointing.toml",
+        "timing",
+        600,
+        timed(checkpointing_run),
     ),
     "rl-mismatch": Region(
         "docs/guides/consistency.md",
