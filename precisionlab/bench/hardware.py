@@ -78,8 +78,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     dev = jax.devices()[0]
     print(
-        # two lines, each within the 100 columns of a terminal and of the docs' code blocks
-        f"hardware GEMM models, {args.m}x{args.k} @ {args.k}x{args.n}\n({dev.platform}, "
+        f"hardware GEMM models, {args.m}x{args.k} @ {args.k}x{args.n} ({dev.platform}, "
         f"{platform.processor() or platform.machine()}, jax {jax.__version__}, best of "
         f"{args.repeats}, alternating with a float32 matmul)"
     )
