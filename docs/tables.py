@@ -520,7 +520,7 @@ def recipe_figures(config: str, setting: str) -> Callable[[Context], str]:
 
     def make(ctx: Context) -> str:
         run_dir(ctx, config)
-        (loss, _), (groups, _) = ((dst, src) for src, dst in FIGURES[config])
+        loss, groups = (dst for _, dst in FIGURES[config])
         return (
             f"![training loss of every variant, {setting}](../img/{loss})\n\n"
             f"![saturation and underflow per group over steps, {setting}](../img/{groups})"
