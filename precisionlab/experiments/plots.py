@@ -223,9 +223,9 @@ def _plot_curves(
         ax.set_xlabel("training step")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3, which="both" if use_log else "major")
-        ax.legend(fontsize=8, loc="best")
+        ax.legend(fontsize=9, loc="best")
     if mark_divergence and any(u["summary"].get("diverged") for u in units):
-        fig.text(0.01, 0.005, "x: divergence detected (non-finite or exploding loss)", fontsize=8)
+        fig.text(0.01, 0.005, "x: divergence detected (non-finite or exploding loss)", fontsize=9)
     fig.tight_layout()
     _io.save_figure(fig, path, dpi=110)
     plt.close(fig)
@@ -334,7 +334,7 @@ def _plot_hist(units: list[dict[str, Any]], key: str, path: Path, *, what: str) 
         # under the panel, so that the panel keeps the page's width
         # (two columns where the labels fit the width, else one)
         longest = max(len(h.get_label()) for h in ax.get_legend_handles_labels()[0])
-        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2),
+        ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.2),
                   ncols=2 if longest <= 48 else 1, borderaxespad=0,
                   frameon=False)  # fmt: skip
     fig.tight_layout()
