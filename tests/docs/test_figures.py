@@ -134,7 +134,6 @@ ALLOWED: dict[tuple[str, str], str] = {
 FIGURES_ALLOWED: dict[str, str] = {
     "fp8_recipes_groups.png": "old rendering (1560 px); python docs/tables.py --update --only "
     "fp8-figures redraws it (about 11 CPU minutes, not run yet)",
-    "fp8_recipes_outliers_groups.png": "run of experiments/fp8_recipes_outliers.toml under way",
 }
 
 _FENCE = re.compile(r"^\s*(`{3,}|~{3,})(.*)$")
