@@ -167,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     device = jax.devices()[0]
     print(
-        f"fake_quant vs astype round trip on a {args.rows}x{args.cols} float32 input "
+        # two lines, each within the 100 columns of a terminal and of the docs' code blocks
+        f"fake_quant vs astype round trip on a {args.rows}x{args.cols} float32 input\n"
         f"({device.platform}, {platform.processor() or platform.machine()}, "
         f"best of {args.repeats} wall, median CPU, alternating; malloc tuning: "
         f"{'on' if malloc_tuning() else 'off'})"

@@ -594,7 +594,7 @@ def plot(s: dict[str, Any], out_dir: Path) -> list[Path]:
 
     out_dir = Path(out_dir)
     paths = []
-    # page-wide figures (7.5 in at 110 dpi: 825 px) with 8-9 point text, readable on the site
+    # page-wide figures (7.5 in at 110 dpi: 825 px), text of 9 points or more: readable on the site
     fig = Figure(figsize=(7.5, 5))
     ax = fig.add_subplot(1, 1, 1)
     for name, v in s["variants"].items():
@@ -607,7 +607,7 @@ def plot(s: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.axhline(s["match_loss"], color="0.5", lw=0.5)
     ax.set_xlabel("tokens (millions)")
     ax.set_ylabel("evaluation loss (nats, seed mean)")
-    ax.legend(fontsize=8, ncol=2)
+    ax.legend(fontsize=9, ncol=2)
     ax.set_title("Evaluation loss")
     fig.tight_layout()
     _io.save_figure(fig, out_dir / "loss_curves.png", dpi=110)
@@ -649,7 +649,7 @@ def plot(s: dict[str, Any], out_dir: Path) -> list[Path]:
             ax.set_title(label, fontsize=9)
             ax.set_xlabel("step")
         handles, labels = fig.axes[0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="lower center", ncols=3, fontsize=8, frameon=False)
+        fig.legend(handles, labels, loc="lower center", ncols=3, fontsize=9, frameon=False)
         fig.tight_layout(rect=(0, legend_in / (3 * 2.4 + legend_in), 1, 1))
         _io.save_figure(fig, out_dir / "gemm_stats.png", dpi=110)
         paths.append(out_dir / "gemm_stats.png")
