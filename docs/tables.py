@@ -34,6 +34,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -68,6 +69,7 @@ class Context:
 
     run_dirs: dict[str, Path] = dataclasses.field(default_factory=dict)
     forecast: dict = dataclasses.field(default_factory=dict)  # see _forecast
+    figures_copied: set[str] = dataclasses.field(default_factory=set)  # see run_dir
     _tmp: tempfile.TemporaryDirectory | None = dataclasses.field(default=None, repr=False)
 
     @property
@@ -160,16 +162,46 @@ def cli(*args: str, env: dict[str, str] | None = None) -> str:
     return proc.stdout
 
 
+#: The figures of the site that a run's report draws: config -> (file in the run directory,
+#: name in docs/img). ``run_dir`` runs these configs with their report and copies the files
+#: (a ``--run-dir`` run too, when it has them), so the command that regenerates a page's
+#: numbers also redraws its figures.
+FIGURES: dict[str, tuple[tuple[str, str], ...]] = {
+    "experiments/fp16_vs_bf16.toml": (("plots/loss.png", "fp16_vs_bf16_loss.png"),),
+    "experiments/accumulation.toml": (("plots/loss.png", "accumulation_loss.png"),),
+    "experiments/fp8_recipes.toml": (
+        ("plots/loss.png", "fp8_recipes_loss.png"),
+        ("plots/recipe_groups.png", "fp8_recipes_groups.png"),
+    ),
+    "experiments/fp8_recipes_outliers.toml": (
+        ("plots/loss.png", "fp8_recipes_outliers_loss.png"),
+        ("plots/recipe_groups.png", "fp8_recipes_outliers_groups.png"),
+    ),
+}
+
+
 def run_dir(ctx: Context, config: str) -> Path:
     """A finished run of ``config`` (with the file's own settings): reused within one
-    invocation (and from ``--run-dir``), else run now without report or plots."""
+    invocation (and from ``--run-dir``), else run now, without report or plots unless the
+    config draws one of :data:`FIGURES` (copied to docs/img once the run is there)."""
     if config not in ctx.run_dirs:
         out = ctx.tmp / Path(config).stem
         # no persistent compilation cache: a clean checkout (CI, a user's first run) compiles,
         # and once (2026-11-28, the main job's range/fp32 row, jax 0.10.2 CPU) a run on a cache
         # filled earlier gave other float32 bits (not reproduced since: getting-started/main-job)
-        cli("run", config, "--out", str(out), "--quiet", "--no-report", "--no-cache")
+        report = () if config in FIGURES else ("--no-report",)
+        cli("run", config, "--out", str(out), "--quiet", *report, "--no-cache")
         ctx.run_dirs[config] = out
+    if config not in ctx.figures_copied:
+        ctx.figures_copied.add(config)
+        for src, dst in FIGURES.get(config, ()):
+            if (ctx.run_dirs[config] / src).exists():
+                shutil.copyfile(ctx.run_dirs[config] / src, ROOT / "docs" / "img" / dst)
+                print(f"copied {src} to docs/img/{dst}", flush=True)
+            else:
+                print(
+                    f"{ctx.run_dirs[config]} has no {src}: docs/img/{dst} not redrawn", flush=True
+                )
     return ctx.run_dirs[config]
 
 
@@ -454,12 +486,47 @@ def rl_reinforce(ctx: Context) -> str:
 
 def accumulation_run(ctx: Context) -> str:
     """The accumulation experiment's printed table (its time column is wall seconds)."""
-    out = ctx.tmp / "accumulation"
-    text = cli("run", "experiments/accumulation.toml", "--out", str(out), "--no-report", "--quiet")
-    table = text[text.index("variant") :] if "variant" in text else text
+    from precisionlab.experiments import _report as report
+
+    summary = json.loads(
+        (run_dir(ctx, "experiments/accumulation.toml") / "summary.json").read_text()
+    )
+    table = report.fitted_table(report.summary_rows(summary), report.headers())
     return "<!-- readme: skip a 25-minute run on 2 shared cores -->\n" + fenced(
         "$ precisionlab run experiments/accumulation.toml\n...\n" + table, "console"
     )
+
+
+def checkpointing_run(ctx: Context) -> str:
+    """The checkpointing experiment's ``summary.txt``; its two figures are copied to
+    docs/img/checkpointing_{transformer,mlp}.png, which the memory guide shows."""
+    import shutil
+
+    config = "experiments/checkpointing.toml"
+    out = ctx.run_dirs.get(config)
+    if out is None:  # with its plots (run_dir runs without the report)
+        out = ctx.tmp / "checkpointing"
+        cli("run", config, "--out", str(out), "--quiet", "--no-report", "--no-cache")
+        ctx.run_dirs[config] = out
+    result = out / "checkpointing"
+    for png in sorted(result.glob("checkpointing_*.png")):
+        shutil.copyfile(png, ROOT / "docs" / "img" / png.name)
+    return fenced((result / "summary.txt").read_text("utf-8"), "")
+
+
+def recipe_figures(config: str, setting: str) -> Callable[[Context], str]:
+    """The training-with-recipes guide's two figures of ``config`` (its run's loss and
+    recipe-group plots, copied to docs/img by :func:`run_dir`), as the page shows them."""
+
+    def make(ctx: Context) -> str:
+        run_dir(ctx, config)
+        loss, groups = (dst for _, dst in FIGURES[config])
+        return (
+            f"![training loss of every variant, {setting}](../img/{loss})\n\n"
+            f"![saturation and underflow per group over steps, {setting}](../img/{groups})"
+        )
+
+    return make
 
 
 def bench_table(*args: str) -> Callable[[Context], str]:
@@ -654,6 +721,27 @@ REGIONS: dict[str, Region] = {
         "exact",
         120,
         memory_measured,
+    ),
+    "memory-checkpointing": Region(
+        "docs/guides/memory.md",
+        "precisionlab run experiments/checkpointing.toml",
+        "timing",
+        600,
+        timed(checkpointing_run),
+    ),
+    "fp8-figures": Region(
+        "docs/guides/training-with-recipes.md",
+        "precisionlab run experiments/fp8_recipes.toml",
+        "exact",
+        700,
+        recipe_figures("experiments/fp8_recipes.toml", "clean setting"),
+    ),
+    "fp8-outliers-figures": Region(
+        "docs/guides/training-with-recipes.md",
+        "precisionlab run experiments/fp8_recipes_outliers.toml",
+        "exact",
+        320,
+        recipe_figures("experiments/fp8_recipes_outliers.toml", "outlier channels"),
     ),
     "rl-mismatch": Region(
         "docs/guides/consistency.md",

@@ -11,6 +11,7 @@ nor a submodule, so that ``precisionlab --version`` answers at once.
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 __version__ = "0.1.0"  # the one place: pyproject.toml reads it (dynamic version)
@@ -44,6 +45,7 @@ _QUANT = ("QArray", "dequantize", "fake_quant", "quantize")
 
 def __getattr__(name: str) -> Any:
     # the three subpackages an eager import made attributes of the package, and their names
+    home: ModuleType
     if name == "bits" or name in _BITS:
         import precisionlab.bits as home
     elif name == "formats" or name in _FORMATS:

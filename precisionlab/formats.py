@@ -16,6 +16,7 @@ import math
 import re
 from collections.abc import Iterator
 from enum import StrEnum
+from typing import Any
 
 import numpy as np
 
@@ -151,11 +152,13 @@ class FloatFormat:
     @property
     def emax(self) -> int:
         """Unbiased exponent of the largest finite value."""
+        assert self.bias is not None  # __post_init__ filled in the default
         return (self.max_code_magnitude >> self.mantissa_bits) - self.bias
 
     @property
     def emin(self) -> int:
         """Unbiased exponent of the smallest normal value."""
+        assert self.bias is not None  # __post_init__ filled in the default
         return (1 if self.subnormals else 0) - self.bias
 
     # --- derived values (exact, as Python floats) ---------------------------------------
@@ -292,6 +295,7 @@ class FloatFormat:
         if exp_field == 0 and self.subnormals:
             value = math.ldexp(mant, self.emin - self.mantissa_bits)
         else:
+            assert self.bias is not None  # __post_init__ filled in the default
             value = math.ldexp(
                 (1 << self.mantissa_bits) | mant, exp_field - self.bias - self.mantissa_bits
             )
@@ -365,7 +369,7 @@ class IntFormat:
 Format = FloatFormat | IntFormat
 
 
-def _f(name: str, e: int, m: int, **kw) -> FloatFormat:
+def _f(name: str, e: int, m: int, **kw: Any) -> FloatFormat:
     return FloatFormat(name=name, exponent_bits=e, mantissa_bits=m, **kw)
 
 

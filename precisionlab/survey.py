@@ -18,6 +18,7 @@ import os
 import pathlib
 import zipfile
 from collections.abc import Callable, Iterator
+from typing import IO, Any
 
 import jax
 import jax.numpy as jnp
@@ -177,7 +178,7 @@ def _check_elements(n: int, what: str) -> None:
         )
 
 
-def _npy_header(fh, name: str) -> tuple[tuple[int, ...], np.dtype]:
+def _npy_header(fh: IO[bytes], name: str) -> tuple[tuple[int, ...], np.dtype]:
     """Shape and dtype from a .npy header, read without loading the data."""
     try:
         version = npy.read_magic(fh)
@@ -223,7 +224,7 @@ def load_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
         with open(path, "rb") as fh:
             shape, dtype = _npy_header(fh, path.stem)
         _check_array(path.stem, shape, dtype)
-        return {path.stem: _load(path, path.stem)}
+        return _load(path, path.stem)
     try:
         archive = zipfile.ZipFile(path)
     except zipfile.BadZipFile:
@@ -246,11 +247,12 @@ def load_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
     return _load(path, path.stem, members)
 
 
-def _load(path: pathlib.Path, name: str, members: list[str] | None = None):
-    """np.load after the headers were checked; a truncated or corrupt body is a ValueError."""
+def _load(path: pathlib.Path, name: str, members: list[str] | None = None) -> dict[str, np.ndarray]:
+    """np.load after the headers were checked, named as :func:`load_inputs` names them; a
+    truncated or corrupt body is a ValueError."""
     try:
         if path.suffix == ".npy":
-            return np.load(path, allow_pickle=False).astype(np.float32)
+            return {name: np.load(path, allow_pickle=False).astype(np.float32)}
         # only the .npy members whose headers were checked: another member (a 1 GiB text
         # file) is never read
         keys = [m[:-4] for m in members or []]
@@ -397,7 +399,7 @@ def validate(section: dict, where: str = "survey") -> dict:
       ValueError: naming ``where.key`` for an unknown key, a wrong type or an unknown name.
     """
     given = validate_table(section, FIELDS, where, defaults=False)
-    out = {k: (list(v) if isinstance(v, list) else v) for k, v in DEFAULTS.items()}
+    out: dict[str, Any] = {k: (list(v) if isinstance(v, list) else v) for k, v in DEFAULTS.items()}
     if "input" in given and "dists" not in given:
         out["dists"] = []
     out.update(given)

@@ -48,6 +48,7 @@ import ml_dtypes
 import numpy as np
 
 from precisionlab import _io
+from precisionlab._alloc import apply_malloc_tuning, malloc_tuning
 from precisionlab._text import UsageError, split_list, table
 from precisionlab.bench._timing import (
     Timing,
@@ -59,7 +60,6 @@ from precisionlab.bench._timing import (
     xla_copy_kernel,
 )
 from precisionlab.bits import decode, encode
-from precisionlab.bits._alloc import apply_malloc_tuning, malloc_tuning
 from precisionlab.formats import FloatFormat, Format, IntFormat, get_format
 
 HELP = "encode/decode throughput vs ml_dtypes and gfloat, as ratios and % of copy bandwidth"
@@ -132,7 +132,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--malloc-tuning",
         action="store_true",
-        help="apply precisionlab's opt-in glibc malloc settings first (see bits.alloc)",
+        help="apply precisionlab's opt-in glibc malloc settings first (see precisionlab._alloc)",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument(
@@ -584,7 +584,7 @@ def machine() -> dict:
         "jax": jax.__version__,
         "ml_dtypes": ml_dtypes.__version__,
         "python": platform.python_version(),
-        # glibc malloc settings applied in this process (see precisionlab.bits._alloc).
+        # glibc malloc settings applied in this process (see precisionlab._alloc).
         "malloc_tuning": malloc_tuning(),
         # Other processes share the cores: the 1-minute load average says how busy they were.
         "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +22,7 @@ HELP = "hardware GEMM models: emulated products/s vs a float32 matmul of the sam
 
 #: name -> (operand dtype, gemm keyword arguments); float4 operands get NVFP4 block scales
 #: (float8_e4m3fn per 16) and run Blackwell's 35-bit step in the two-limb kernel
-CASES: dict[str, tuple[object, dict]] = {
+CASES: dict[str, tuple[type[np.generic], dict[str, Any]]] = {
     "h100-cublaslt-fast fp8": (ml_dtypes.float8_e4m3fn, hw.preset("h100-cublaslt-fast")),
     "h100-cublaslt fp8 (promote 128)": (ml_dtypes.float8_e4m3fn, hw.preset("h100-cublaslt")),
     "h100-cublaslt float16": (np.float16, hw.preset("h100-cublaslt")),
@@ -49,13 +51,8 @@ def measure(m: int, n: int, k: int, repeats: int) -> list[dict]:
                 continue  # the FP4 instruction takes K in multiples of 64
             kw = {**kw, "block_scale_a": jnp.ones((m, k // 16), jnp.float8_e4m3fn),
                   "block_scale_b": jnp.ones((k // 16, n), jnp.float8_e4m3fn)}  # fmt: skip
-        t = time_interleaved(
-            {
-                "model": lambda a=a, b=b, kw=kw: hw.gemm(a, b, **kw),
-                "f32": lambda a=a, b=b: f32(a, b),
-            },
-            repeats=repeats,
-        )
+        fns = {"model": partial(hw.gemm, a, b, **kw), "f32": partial(f32, a, b)}
+        t = time_interleaved(fns, repeats=repeats)
         prod = m * n * k
         out.append({
             "case": name, "model_ms": t["model"].best * 1e3, "f32_ms": t["f32"].best * 1e3,

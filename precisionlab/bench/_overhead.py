@@ -113,15 +113,15 @@ def _value_and_grad(name: str, loss: Callable, targets: tuple = TELEMETRY_TARGET
         observed = telemetry.observe(loss, targets).value_and_grad()
         if name == "telemetry":
 
-            def tel(p, t, i):
+            def tel(p: Any, t: jax.Array, i: jax.Array) -> tuple:
                 value, grads, stats = observed(p, t)
                 return value, grads, (stats, telemetry.tree_stats(grads, targets))
 
             return tel
-        vg = jax.value_and_grad(loss)
+        plain = jax.value_and_grad(loss)
 
-        def skipping(p, t, i):
-            value, grads = vg(p, t)
+        def skipping(p: Any, t: jax.Array, i: jax.Array) -> tuple:
+            value, grads = plain(p, t)
             stats = telemetry.every(10, i, lambda p, t: observed(p, t)[2], p, t)
             return value, grads, stats
 
@@ -130,29 +130,31 @@ def _value_and_grad(name: str, loss: Callable, targets: tuple = TELEMETRY_TARGET
         vg = jax.value_and_grad(emulate(loss, "c=bf16"))
         return lambda p, t, i: (*vg(p, t), None)
     applied = recipes.apply(loss, name)
-    vg = applied.value_and_grad()
+    rvg = applied.value_and_grad()
     if applied.recipe.stateful:  # delayed scaling: the state is part of aux, updated
 
-        def stateful(p, t, i, state):
-            value, grads, observed = vg(state, p, t)
+        def stateful(p: Any, t: jax.Array, i: jax.Array, state: Any) -> tuple:
+            value, grads, observed = rvg(state, p, t)
             return value, grads, applied.update_state(state, observed)
 
         stateful.init = applied.init_state  # type: ignore[attr-defined]
         return stateful
     key = jax.random.key(7)
-    return lambda p, t, i: (*vg({}, p, t, key=key)[:2], None)
+    return lambda p, t, i: (*rvg({}, p, t, key=key)[:2], None)
 
 
 def _train_step(
     name: str, loss: Callable, params: Any, tokens: Any, targets: tuple = TELEMETRY_TARGETS
-) -> tuple[Callable, Any]:
+) -> tuple[jax.stages.Wrapped, Any]:
     """The training loop's step (build_step), with ``Telemetry(interval=10)`` or without."""
     tel = Telemetry(interval=10, targets=targets) if name.endswith("skip") else None
     step, state, _ = build_step(
         lambda p, b: (loss(p, b), {}), params, optax.adamw(1e-3), StepOptions(telemetry=tel)
     )
 
-    def counted(state, tokens, i):  # the step counter set, so that the timed steps skip
+    def counted(
+        state: Any, tokens: jax.Array, i: jax.Array
+    ) -> Any:  # the step counter set, so that the timed steps skip
         return step(state._replace(step=i), tokens)
 
     return jax.jit(counted, donate_argnums=0), state
@@ -160,7 +162,7 @@ def _train_step(
 
 def build(
     name: str, params: Any, tokens: Any, heads: int, targets: tuple = TELEMETRY_TARGETS
-) -> tuple[Callable, Any]:
+) -> tuple[jax.stages.Wrapped, Any]:
     """``(jitted step, initial state)``: ``step(state, tokens, i) -> (state, loss)``."""
     loss = lambda p, t: loss_fn(p, t, heads=heads)  # noqa: E731
     if name.startswith("train-"):
@@ -170,7 +172,7 @@ def build(
     init = getattr(vg, "init", None)
     extra = init(params, tokens) if init else None
 
-    def step(state, tokens, i):
+    def step(state: Any, tokens: jax.Array, i: jax.Array) -> tuple[Any, Any]:
         p, s, x = state
         aux = None
         if init:  # a stateful recipe: its state rides along
@@ -248,7 +250,7 @@ def measure(
         # step counters 1..steps, never a multiple of 10 (every(10) skips them all)
         idx = [jnp.int32(i + 1 + (i + 1) // 10) for i in range(steps)]
 
-        def run(step=step, cell=cell, idx=idx):
+        def run(step: jax.stages.Wrapped = step, cell: list = cell, idx: list = idx) -> Any:
             st, out = cell[0], None
             for i in idx:
                 st, out = step(st, tokens, i)

@@ -29,9 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from precisionlab._alloc import apply_malloc_tuning, malloc_tuning
 from precisionlab._text import UsageError, split_list
 from precisionlab.bench._timing import Timing, positive_int, repeats_int, time_interleaved
-from precisionlab.bits._alloc import apply_malloc_tuning, malloc_tuning
 from precisionlab.quant import _core as core
 from precisionlab.quant import fake_quant
 from precisionlab.quant._spec import resolve
@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--malloc-tuning",
         action="store_true",
-        help="apply precisionlab's opt-in glibc malloc settings first (see bits.alloc): "
+        help="apply precisionlab's opt-in glibc malloc settings first (see precisionlab._alloc): "
         "without them each call's fresh 16 MiB output may be page-faulted in, a cost both "
         "peers pay unevenly",
     )
@@ -167,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     device = jax.devices()[0]
     print(
-        f"fake_quant vs astype round trip on a {args.rows}x{args.cols} float32 input "
+        # two lines, each within the 100 columns of a terminal and of the docs' code blocks
+        f"fake_quant vs astype round trip on a {args.rows}x{args.cols} float32 input\n"
         f"({device.platform}, {platform.processor() or platform.machine()}, "
         f"best of {args.repeats} wall, median CPU, alternating; malloc tuning: "
         f"{'on' if malloc_tuning() else 'off'})"

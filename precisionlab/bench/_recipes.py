@@ -26,7 +26,9 @@ import json
 import os
 import platform
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -96,11 +98,11 @@ def add_model_arguments(
         )
 
 
-def init_params(key, *, d: int, layers: int, vocab: int, seq: int) -> dict:
+def init_params(key: jax.Array, *, d: int, layers: int, vocab: int, seq: int) -> dict:
     """float32 parameters of a pre-LayerNorm decoder (4x MLP, learned positions)."""
     ks = iter(jax.random.split(key, 4 + 4 * layers))
 
-    def dense(i, o):
+    def dense(i: int, o: int) -> jax.Array:
         return jax.random.normal(next(ks), (i, o), jnp.float32) / np.sqrt(i)
 
     blocks = [
@@ -115,12 +117,12 @@ def init_params(key, *, d: int, layers: int, vocab: int, seq: int) -> dict:
     }
 
 
-def _norm(x):
+def _norm(x: jax.Array) -> jax.Array:
     mu = jnp.mean(x, -1, keepdims=True)
     return (x - mu) * jax.lax.rsqrt(jnp.var(x, -1, keepdims=True) + 1e-5)
 
 
-def loss_fn(params, tokens, *, heads: int):
+def loss_fn(params: dict, tokens: jax.Array, *, heads: int) -> jax.Array:
     """Next-token cross-entropy (float32 scalar) of int32 tokens (B, T)."""
     b, t = tokens.shape
     x = params["embed"][tokens] + params["pos"][:t]
@@ -140,7 +142,7 @@ def loss_fn(params, tokens, *, heads: int):
 
 
 # --- measurement ---------------------------------------------------------------------------
-def _peak_bytes(compiled) -> int | None:
+def _peak_bytes(compiled: jax.stages.Compiled) -> int | None:
     m = compiled.memory_analysis()
     if m is None:
         return None
@@ -153,23 +155,23 @@ def _peak_bytes(compiled) -> int | None:
 PLAIN = "plain"  # the loss differentiated as written: no interception, float32
 
 
-def _step(name: str, heads: int):
+def _step(name: str, heads: int) -> tuple[jax.stages.Wrapped, Any]:
     if name == PLAIN:
         vg = jax.value_and_grad(lambda p, tok: loss_fn(p, tok, heads=heads))
 
         class _Plain:
-            def init_state(self, *a):
+            def init_state(self, *a: Any) -> dict:
                 return {}
 
-            def sites(self, *a):
+            def sites(self, *a: Any) -> list:
                 return []
 
         return jax.jit(lambda st, p, tok, key: vg(p, tok)), _Plain()
 
     kw = {"pad": True} if name in _PADDED else {}
     f = R.apply(lambda p, tok: loss_fn(p, tok, heads=heads), R.get_recipe(name, **kw))
-    vg = f.value_and_grad()
-    return jax.jit(lambda st, p, tok, key: vg(st, p, tok, key=key)), f
+    rvg = f.value_and_grad()
+    return jax.jit(lambda st, p, tok, key: rvg(st, p, tok, key=key)), f
 
 
 def _compile_workers() -> int:
@@ -179,7 +181,16 @@ def _compile_workers() -> int:
 
 
 def measure(
-    names, *, batch, seq, d_model, layers, heads, vocab, repeats, phases: dict | None = None
+    names: Sequence[str],
+    *,
+    batch: int,
+    seq: int,
+    d_model: int,
+    layers: int,
+    heads: int,
+    vocab: int,
+    repeats: int,
+    phases: dict | None = None,
 ) -> list[dict]:
     """One row per recipe (see the module docstring). ``phases``, if given, receives the
     seconds of tracing and lowering (``trace_s``, the first programs compiling meanwhile), of
@@ -216,14 +227,15 @@ def measure(
     mem16 = peaks.get("bf16")
     out = []
     for name in names:
+        peak = peaks[name]
         row = {
             "recipe": name,
             "matmuls": matched[name],
             "step_ms": t[name].best * 1e3,
             "vs_bf16": t[name].best / bf16 if bf16 else None,
             "vs_fp32": t[name].best / fp32 if fp32 else None,
-            "peak_mib": peaks[name] / 2**20 if peaks[name] is not None else None,
-            "peak_vs_bf16": peaks[name] / mem16 if (peaks[name] and mem16) else None,
+            "peak_mib": peak / 2**20 if peak is not None else None,
+            "peak_vs_bf16": peak / mem16 if (peak and mem16) else None,
         }
         row["time_target"] = None if name in ("bf16", "fp32", PLAIN) else _target(name)
         out.append(row)
@@ -240,7 +252,7 @@ def _target(name: str) -> float:
 
 
 def accumulator_table(
-    ks=(512, 1024, 2048, 4096, 8192, 16384), bits: int = 14, promote: int = 128,
+    ks: Sequence[int] = (512, 1024, 2048, 4096, 8192, 16384), bits: int = 14, promote: int = 128,
     rows: int = 16, seed: int = 0,
 ) -> list[dict]:  # fmt: skip
     """Relative error ||C_m - C||_F / ||C||_F of a ``bits``-bit accumulator against float64
@@ -253,7 +265,7 @@ def accumulator_table(
         b = rng.standard_normal((1, rows, k)).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
         a, b = a.astype(np.float32), b.astype(np.float32)
         exact = np.einsum("bmk,bnk->bmn", a.astype(np.float64), b.astype(np.float64))
-        row = {"K": k}
+        row: dict[str, float] = {"K": k}
         for mode in ("nearest_even", "toward_zero"):
             for every in (None, promote):
                 got = np.asarray(accumulate(jnp.asarray(a), jnp.asarray(b), bits, mode, every))
@@ -266,7 +278,7 @@ def accumulator_table(
 
 
 # --- CLI -----------------------------------------------------------------------------------
-def _print_accumulator(rows) -> None:
+def _print_accumulator(rows: list[dict]) -> None:
     cols = [c for c in rows[0] if c != "K"]
     print("relative error (Frobenius) of a 14-bit accumulator vs float64, E4M3 x E4M3 inputs")
     head = f"{'K':>6} " + " ".join(f"{c:>26}" for c in cols)
@@ -334,7 +346,7 @@ def run(args: argparse.Namespace) -> int:
         f"{'peak MiB':>9} {'mem vs bf16':>11}"
     )
 
-    def fmt(v, spec):
+    def fmt(v: float | None, spec: str) -> str:
         return format(v, spec) if v is not None else "-"
 
     lines = [

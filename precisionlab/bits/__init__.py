@@ -5,7 +5,7 @@ are static); :mod:`precisionlab.bits.reference` is the exact scalar reference.
 """
 
 # First, before JAX's CPU threads allocate: malloc settings that keep big buffers resident.
-from precisionlab.bits import _alloc as alloc  # noqa: F401
+from precisionlab import _alloc  # noqa: F401
 from precisionlab.bits._codec import Class, classify, decode, encode, fields, round_to_format
 from precisionlab.bits._rounding import ROUNDING_MODES, Rounding, parse_rounding
 

@@ -98,7 +98,9 @@ def _toward_zero_for_sign(mode: Rounding, negative: bool) -> bool:
     )
 
 
-def _encode_int(negative: bool, a, fmt: IntFormat, mode: Rounding, u: Fraction | None) -> int:
+def _encode_int(
+    negative: bool, a: Fraction | float, fmt: IntFormat, mode: Rounding, u: Fraction | None
+) -> int:
     if isinstance(a, float) and math.isnan(a):
         return 0
     if isinstance(a, float):  # inf saturates
@@ -142,11 +144,11 @@ def encode_scalar(
     """
     fmt = get_format(fmt)
     mode = parse_rounding(rounding)
-    if mode is Rounding.STOCHASTIC and u is not None:
-        u = Fraction(u)
+    # the draw, exact (only stochastic rounding reads it)
+    draw = Fraction(u) if mode is Rounding.STOCHASTIC and u is not None else None
     negative, a = exact_value(value)
     if isinstance(fmt, IntFormat):
-        return _encode_int(negative, a, fmt, mode, u)
+        return _encode_int(negative, a, fmt, mode, draw)
 
     sign = fmt.sign_mask if negative else 0
     max_code = fmt.max_code_magnitude
@@ -173,7 +175,7 @@ def encode_scalar(
     if not fmt.subnormals and e < fmt.emin:
         return sign | 0  # no zero to round to: the smallest value
     e_q = max(e, fmt.emin) - m  # exponent of the quantum (last significand bit)
-    q, _ = _round_integer(a / Fraction(2) ** e_q, negative, mode, u)
+    q, _ = _round_integer(a / Fraction(2) ** e_q, negative, mode, draw)
     if fmt.subnormals:
         mag = ((max(e, fmt.emin) - fmt.emin + 1) << m) + q - (1 << m)
     else:
@@ -209,9 +211,10 @@ def next_up(code: int, fmt: Format | str) -> int | None:
     magnitude is ``-0`` where the format has a negative zero, else ``+0``.
     """
     fmt = get_format(fmt)
-    value = fmt.value_of(code)
     if isinstance(fmt, IntFormat):
-        return fmt.code_of(value + 1) if value < fmt.max else None
+        n = fmt.value_of(code)
+        return fmt.code_of(n + 1) if n < fmt.max else None
+    value = fmt.value_of(code)
     if math.isnan(value) or value == math.inf:
         return None
     mag = code & fmt.magnitude_mask
@@ -234,8 +237,8 @@ def next_down(code: int, fmt: Format | str) -> int | None:
     """Code of the next smaller representable value (toward -inf), or None at the bottom."""
     fmt = get_format(fmt)
     if isinstance(fmt, IntFormat):
-        value = fmt.value_of(code)
-        return fmt.code_of(value - 1) if value > fmt.min else None
+        n = fmt.value_of(code)
+        return fmt.code_of(n - 1) if n > fmt.min else None
     value = fmt.value_of(code)
     if math.isnan(value):
         return None

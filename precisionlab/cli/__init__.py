@@ -13,8 +13,12 @@ import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from precisionlab.cli._common import Parser, UsageError, exit_now, one_line, shorten
+
+if TYPE_CHECKING:
+    import argparse
 
 __all__ = ["COMMANDS", "UsageError", "main"]
 
@@ -27,6 +31,7 @@ _NAMES = ("bits", "formats", "values", "env", "survey", "memory", "run", "report
 def _module(name: str) -> ModuleType:
     """The module of subcommand ``name``, imported now (a command imports only its own module,
     and ``--version`` none)."""
+    module: ModuleType
     if name == "bits":
         from precisionlab.cli import _bits_cmd as module
     elif name == "formats":
@@ -99,7 +104,7 @@ def _build_parser(only: str | None = None) -> tuple[Parser, Mapping[str, ModuleT
     return parser, COMMANDS
 
 
-def _innermost(parser: Parser, args) -> Parser:
+def _innermost(parser: Parser, args: argparse.Namespace) -> Parser:
     """The (sub)parser of the command given, so its errors name it (``precisionlab bits``)."""
     import argparse
 

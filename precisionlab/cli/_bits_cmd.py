@@ -225,6 +225,7 @@ def ulp(fmt: Format, code: int) -> Fraction | None:
     if not math.isfinite(value):
         return None
     _, exponent, _ = code_fields(fmt, code)
+    assert exponent is not None and fmt.bias is not None  # a float format's field and bias
     e = fmt.emin if (exponent == 0 and fmt.subnormals) else exponent - fmt.bias
     return Fraction(2) ** (e - fmt.mantissa_bits)
 
@@ -336,6 +337,7 @@ def inspect(parsed: Parsed, fmt: Format, rounding: str, saturate: bool) -> dict:
             )
         given: Ext = _exact(fmt, code)
     else:
+        assert parsed.number is not None  # parse_value gives a code or a number
         given = parsed.number
         code = encode_scalar(given, fmt, rounding=rounding, saturate=saturate)
     stored = _exact(fmt, code)

@@ -117,11 +117,11 @@ def run(args: argparse.Namespace) -> int:
         for r in measured:
             print(json.dumps({"kind": "measured", **dataclasses.asdict(r),
                               "verdict": r.verdict}))  # fmt: skip
-        for r in models:
-            print(json.dumps({"kind": "model", **dataclasses.asdict(r),
-                              "invariant": r.invariant}))  # fmt: skip
-        for r in predicted:
-            print(json.dumps({"kind": "predicted", **r.to_dict()}))
+        for mr in models:
+            print(json.dumps({"kind": "model", **dataclasses.asdict(mr),
+                              "invariant": mr.invariant}))  # fmt: skip
+        for pr in predicted:
+            print(json.dumps({"kind": "predicted", **pr.to_dict()}))
         return 0
     ref = ms[0]
     rest = ms[1:]
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
               "16-bit inputs)")  # fmt: skip
         rows = []
         for p in predicted:
-            worst = max(p.at_stake, key=p.at_stake.get) if p.at_stake else None
+            worst = max(p.at_stake, key=lambda s: p.at_stake[s]) if p.at_stake else None
             stake = "-" if worst is None else (
                 f"{_pct(p.at_stake[worst])} f32 / {_pct(p.at_stake_out[worst])} {p.dtype} "
                 f"({worst})"

@@ -7,8 +7,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
 from precisionlab.cli._common import UsageError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import numpy as np
 
 HELP = "reveal the summation order of a reduction or GEMM here (FPRev's probes), as a tree"
 
@@ -68,7 +74,7 @@ def _check(args: argparse.Namespace) -> None:
                          "bfloat16 or float16")  # fmt: skip
 
 
-def _black_box(args: argparse.Namespace):
+def _black_box(args: argparse.Namespace) -> tuple[Callable[[np.ndarray], float], str]:
     """(fn(probe vector float64 [K]) -> float, description)."""
     import numpy as np
 
@@ -82,13 +88,13 @@ def _black_box(args: argparse.Namespace):
         tdt = getattr(torch, dt)
         if args.op == "sum":
 
-            def fn(x):
+            def fn(x: np.ndarray) -> float:
                 return float(torch.sum(torch.tensor(x, dtype=tdt, device=dev)))
         else:
             b = torch.ones((k, n), dtype=tdt, device=dev)
             rest = torch.zeros((m, k), dtype=tdt, device=dev)
 
-            def fn(x):
+            def fn(x: np.ndarray) -> float:
                 a = rest.clone()
                 a[0] = torch.tensor(x, dtype=tdt, device=dev)
                 return float((a @ b)[0, 0])
@@ -103,7 +109,7 @@ def _black_box(args: argparse.Namespace):
         if args.op == "sum":
             f = jax.jit(jnp.sum)
 
-            def fn(x):
+            def fn(x: np.ndarray) -> float:
                 return float(f(jnp.asarray(x, dt)))
 
             return fn, f"XLA's reduce on {backend_name()}, jax {jax.__version__}"
@@ -118,12 +124,12 @@ def _black_box(args: argparse.Namespace):
     b = jnp.ones((k, n), dt)
     zeros = np.zeros((m, k), np.float64)
 
-    def fn(x):
+    def dot(x: np.ndarray) -> float:
         a = zeros.copy()
         a[0] = x
         return float(g(jnp.asarray(a, dt), b)[0, 0])
 
-    return fn, what
+    return dot, what
 
 
 def run(args: argparse.Namespace) -> int:

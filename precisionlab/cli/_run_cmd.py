@@ -12,8 +12,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from precisionlab.cli._common import UsageError, check_out_dir, terminating_like_ctrl_c
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 HELP = "run an experiment (TOML) into a run directory; --resume DIR continues a killed run"
 
@@ -133,7 +137,8 @@ def distributed_spec(args: argparse.Namespace) -> tuple[str, int, int, int] | No
             f"(or {', '.join(ENV.values())}); missing: {', '.join(missing)}"
         )
     values = {**given, "timeout_s": args.timeout}
-    spec = (str(values["coordinator"]), *(_int(values[k], flag) for k, flag in _FLAG_OF.items()))
+    n_processes, process_id, timeout_s = (_int(values[k], flag) for k, flag in _FLAG_OF.items())
+    spec = (str(values["coordinator"]), n_processes, process_id, timeout_s)
     try:
         check_processes(*spec)
     except ValueError as err:
@@ -180,7 +185,7 @@ def _cache(args: argparse.Namespace) -> None:
     args.figure_cache = None if where is None else where / "figures"
 
 
-def _train(args: argparse.Namespace):
+def _train(args: argparse.Namespace) -> Path:
     from precisionlab._clock import phase
 
     with phase("imports"):  # JAX, the trainer, the runner
@@ -202,7 +207,7 @@ def _train(args: argparse.Namespace):
     )  # fmt: skip
 
 
-def _finish(args: argparse.Namespace, run_dir) -> int:
+def _finish(args: argparse.Namespace, run_dir: Path) -> int:
     from precisionlab._clock import phase
     from precisionlab.experiments._summary import failed_units
     from precisionlab.experiments._timings import FILE, record_phases, record_report, timings_table

@@ -11,7 +11,8 @@ import importlib
 import importlib.metadata
 import warnings
 from collections.abc import Callable
-from typing import NamedTuple
+from types import ModuleType
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +59,7 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _import(name: str):
+def _import(name: str) -> ModuleType | None:
     """The module, or None when it is not installed (tests hide modules by patching this)."""
     try:
         return importlib.import_module(name)
@@ -99,14 +100,14 @@ class Adapter:
 class MlDtypes(Adapter):
     lib = name = dist = "ml_dtypes"
 
-    def support(self, fmt, source):
+    def support(self, fmt: FloatFormat, source: str) -> str | None:
         if fmt.name in ("float16", "float32", "float64"):
             return "numpy's own type (see the numpy row)"
         if getattr(ml_dtypes, fmt.name, None) is None:
             return f"ml_dtypes {ml_dtypes.__version__} has no {fmt.name}"
         return None
 
-    def convert(self, x, fmt, claim):
+    def convert(self, x: np.ndarray, fmt: FloatFormat, claim: Claim) -> Output:
         with warnings.catch_warnings(), np.errstate(all="ignore"):
             warnings.simplefilter("ignore")
             out = x.astype(getattr(ml_dtypes, fmt.name))
@@ -116,14 +117,14 @@ class MlDtypes(Adapter):
 class Numpy(Adapter):
     lib = name = dist = "numpy"
 
-    def support(self, fmt, source):
+    def support(self, fmt: FloatFormat, source: str) -> str | None:
         if fmt.name not in ("float16", "float32"):
             return "numpy has no such type (ml_dtypes adds it)"
         if source not in ("float32", "float64"):
             return "numpy has no such source type"
         return None
 
-    def convert(self, x, fmt, claim):
+    def convert(self, x: np.ndarray, fmt: FloatFormat, claim: Claim) -> Output:
         with np.errstate(all="ignore"):
             out = x.astype(np.dtype(fmt.name))
         return Output(_bits_of(out, fmt))
@@ -143,18 +144,18 @@ class Xla(Adapter):
         self.name = f"xla:{platform}"
         self._fns: dict = {}
 
-    def _device(self):
+    def _device(self) -> jax.Device:
         return jax.devices(self.platform)[0]
 
-    def _target(self, fmt):
+    def _target(self, fmt: FloatFormat) -> Any:
         return getattr(jnp, fmt.name, None)
 
-    def support(self, fmt, source):
+    def support(self, fmt: FloatFormat, source: str) -> str | None:
         if self._target(fmt) is None:
             return f"jax.numpy has no {fmt.name}"
         return None  # whether this backend converts it shows when convert() tries
 
-    def convert(self, x, fmt, claim):
+    def convert(self, x: np.ndarray, fmt: FloatFormat, claim: Claim) -> Output:
         key = (fmt.name, x.dtype.name)
         with jax.enable_x64(x.dtype == np.float64):
             if key not in self._fns:
@@ -197,28 +198,29 @@ class Gfloat(Adapter):
 
     lib = name = dist = "gfloat"
 
-    def unavailable(self):
+    def unavailable(self) -> str | None:
         return None if _import("gfloat") is not None else "gfloat is not installed"
 
-    def support(self, fmt, source):
+    def support(self, fmt: FloatFormat, source: str) -> str | None:
         if fmt.name not in _GFLOAT:
             return "gfloat has no such format"
         if source not in ("float32", "float64"):
             return "gfloat rounds float32/float64 arrays"
         return None
 
-    def claims(self, fmt):
+    def claims(self, fmt: FloatFormat) -> tuple[Claim, ...]:
         return tuple(Claim(mode) for mode in _GFLOAT_MODES)
 
-    def _args(self, fmt, claim):
+    def _args(self, fmt: FloatFormat, claim: Claim) -> tuple[Any, Any, Any, bool]:
         gfloat = _import("gfloat")
+        assert gfloat is not None  # convert runs where unavailable() found it
         fi = getattr(importlib.import_module("gfloat.formats"), _GFLOAT[fmt.name])
         # Without inf or NaN gfloat raises on overflow unless it saturates, which is what
         # such formats do anyway (and what the reference does).
         sat = fmt.specials is Specials.NONE
         return gfloat, fi, getattr(gfloat.RoundMode, _GFLOAT_MODES[claim.mode]), sat
 
-    def convert(self, x, fmt, claim):
+    def convert(self, x: np.ndarray, fmt: FloatFormat, claim: Claim) -> Output:
         gfloat, fi, rnd, sat = self._args(fmt, claim)
         with np.errstate(all="ignore"):
             out = np.asarray(gfloat.round_ndarray(fi, x, rnd, sat=sat), dtype=np.float64)
@@ -231,7 +233,7 @@ class GfloatScalar(Gfloat):
     name = "gfloat.round_float"
     max_inputs = 1000
 
-    def convert(self, x, fmt, claim):
+    def convert(self, x: np.ndarray, fmt: FloatFormat, claim: Claim) -> Output:
         gfloat, fi, rnd, sat = self._args(fmt, claim)
         values = np.empty(len(x), dtype=np.float64)
         raised = np.zeros(len(x), dtype=bool)
@@ -268,17 +270,18 @@ class Torch(Adapter):
         self.device = device
         self.name = f"torch:{device}"
 
-    def unavailable(self):
+    def unavailable(self) -> str | None:
         return None if _import("torch") is not None else "torch is not installed"
 
-    def support(self, fmt, source):
+    def support(self, fmt: FloatFormat, source: str) -> str | None:
         torch = _import("torch")
         if fmt.name not in _TORCH_TYPES or getattr(torch, fmt.name, None) is None:
             return "torch has no such dtype"
         return None
 
-    def convert(self, x, fmt, claim):
+    def convert(self, x: np.ndarray, fmt: FloatFormat, claim: Claim) -> Output:
         torch = _import("torch")
+        assert torch is not None  # convert runs where unavailable() found it
         if x.dtype.name == "bfloat16":
             t = torch.from_numpy(x.view(np.int16).copy()).view(torch.bfloat16)
         else:
@@ -294,10 +297,10 @@ class Precisionlab(Adapter):
 
     lib = name = dist = "precisionlab"
 
-    def claims(self, fmt):
+    def claims(self, fmt: FloatFormat) -> tuple[Claim, ...]:
         return tuple(Claim(mode) for mode in MODES)
 
-    def convert(self, x, fmt, claim):
+    def convert(self, x: np.ndarray, fmt: FloatFormat, claim: Claim) -> Output:
         with jax.enable_x64(x.dtype == np.float64):
             codes = np.asarray(encode(x, fmt, rounding=claim.mode))
         return Output(codes.astype(np.int64))
@@ -305,6 +308,7 @@ class Precisionlab(Adapter):
 
 def _xla_adapters() -> list[Adapter]:
     jax = _import("jax")
+    assert jax is not None  # a required dependency (only optional ones are ever missing)
     out: list[Adapter] = []
     for platform in _JAX_BACKENDS:
         try:

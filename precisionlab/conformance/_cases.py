@@ -53,7 +53,7 @@ KNOWN = np.array(
     ]
 )
 
-_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+_UINT: dict[int, type[np.unsignedinteger]] = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def source_format(source: str) -> FloatFormat:
@@ -97,8 +97,8 @@ def _midpoints(fmt: FloatFormat, values: np.ndarray) -> np.ndarray:
         step = np.ldexp(1.0, np.maximum(np.frexp(np.abs(values))[1] - 1, fmt.emin))
         step = np.ldexp(step, -fmt.mantissa_bits)
         mids = np.concatenate([mids, values + step / 2, values - step / 2])
-    extra = np.array(extra)
-    out = np.concatenate([mids, extra, -extra])
+    ends = np.array(extra)
+    out = np.concatenate([mids, ends, -ends])
     return out[np.isfinite(out)]
 
 

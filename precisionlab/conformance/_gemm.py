@@ -53,7 +53,7 @@ def _implementations() -> dict[str, Callable]:
     out: dict[str, Callable] = {}
     for dev in {d.platform: d for d in jax.devices()}.values():
 
-        def xla(a, b, dev=dev):
+        def xla(a: np.ndarray, b: np.ndarray, dev: jax.Device = dev) -> np.ndarray:
             x, y = jax.device_put(a, dev), jax.device_put(b, dev)
             dn = (((1,), (0,)), ((), ()))
             return np.asarray(jax.lax.dot_general(x, y, dn, preferred_element_type=jnp.float32))
@@ -63,7 +63,7 @@ def _implementations() -> dict[str, Callable]:
     try:
         import torch
 
-        def tmm(a, b):
+        def tmm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
             ta = torch.from_numpy(a.astype(np.float32))
             tb = torch.from_numpy(b.astype(np.float32))
             return (ta @ tb).numpy()
@@ -74,7 +74,7 @@ def _implementations() -> dict[str, Callable]:
     return out
 
 
-def _same(y, ref) -> float:
+def _same(y: np.ndarray, ref: np.ndarray) -> float:
     y = np.asarray(y, np.float32).view(np.uint32)
     return float(np.mean(y == np.asarray(ref, np.float32).view(np.uint32)))
 
@@ -86,7 +86,7 @@ def run_gemm_conformance(seed: int = 0) -> GemmResult:
     for case, (dt, m, k, n) in GEMM_CASES.items():
         a = rng.standard_normal((m, k)).astype(dt)
         b = rng.standard_normal((k, n)).astype(dt)
-        refs = {}
+        refs: dict[str, np.ndarray | None] = {}
         for model, kw in MODELS.items():
             if kw is None:
                 refs[model] = (a.astype(np.float64) @ b.astype(np.float64)).astype(np.float32)

@@ -77,7 +77,16 @@ class FunctionLM(LM):
     fn: Callable[[Any, jax.Array], jax.Array]
     takes_policy = False
 
-    def logits(self, params, tokens, policy, *, lm_head_fp32=False, patch=None, capture=False):
+    def logits(
+        self,
+        params: Any,
+        tokens: jax.Array,
+        policy: Policy,
+        *,
+        lm_head_fp32: bool = False,
+        patch: Patch | None = None,
+        capture: bool = False,
+    ) -> Any:
         if lm_head_fp32:
             raise ValueError(
                 "lm_head_fp32 needs a model that names its LM head (an LM such as "
@@ -164,12 +173,12 @@ class TransformerLM(LM):
     def _pol(self, name: str, pol: Policy) -> Policy:
         return _fp32(pol) if name in self.model.high_precision else pol
 
-    def _norm(self, x, p, name, pol):
+    def _norm(self, x: jax.Array, p: dict[str, Any], name: str, pol: Policy) -> jax.Array:
         if not self.model.use_layernorm:
             return x
         return ops.layer_norm(x, p[f"{name}_scale"], p[f"{name}_bias"], policy=pol)
 
-    def _outliers(self, h, pol):
+    def _outliers(self, h: jax.Array, pol: Policy) -> jax.Array:
         m = self.model
         if not m.outlier_channels:
             return h
@@ -177,32 +186,43 @@ class TransformerLM(LM):
         scale[: m.outlier_channels] = m.outlier_scale
         return ops.boundary(h * jnp.asarray(scale, h.dtype), pol)
 
-    def _mlp(self, blk, x, pol):
+    def _mlp(self, blk: dict[str, Any], x: jax.Array, pol: Policy) -> jax.Array:
         h = self._outliers(self._norm(x, blk, "ln2", pol), pol)
         u = ops.dense(h, blk["fc1"], blk["fc1_b"], policy=pol)
         u = ops.gelu(u, policy=pol)
         return ops.boundary(x + ops.dense(u, blk["fc2"], blk["fc2_b"], policy=pol), pol)
 
-    def _head(self, params, x, pol, lm_head_fp32):
+    def _head(self, params: Any, x: jax.Array, pol: Policy, lm_head_fp32: bool) -> jax.Array:
         if self.model.use_layernorm:
             x = ops.layer_norm(x, params["ln_f_scale"], params["ln_f_bias"], policy=pol)
         return x
 
-    def _unembed(self, params, x, pol, lm_head_fp32):
+    def _unembed(self, params: Any, x: jax.Array, pol: Policy, lm_head_fp32: bool) -> jax.Array:
         hp = _fp32(pol) if lm_head_fp32 else self._pol("unembed", pol)
         logits = ops.matmul(x, params["unembed"], policy=hp)
         return logits if lm_head_fp32 else pol.cast_to_output(logits)
 
-    def _top(self, params, x, pol, lm_head_fp32, out: _Taps) -> jax.Array:
+    def _top(
+        self, params: Any, x: jax.Array, pol: Policy, lm_head_fp32: bool, out: _Taps
+    ) -> jax.Array:
         """The final norm and the unembedding of the residual stream ``x``: the logits."""
         x = out("final_norm", self._head(params, x, pol, lm_head_fp32))
         return out("lm_head", self._unembed(params, x, pol, lm_head_fp32))
 
-    def _blocks(self, params) -> list:
+    def _blocks(self, params: Any) -> list:
         return list(self.model.unstack_params(params)["blocks"])
 
     # --- full sequence ----------------------------------------------------------------
-    def logits(self, params, tokens, policy, *, lm_head_fp32=False, patch=None, capture=False):
+    def logits(
+        self,
+        params: Any,
+        tokens: jax.Array,
+        policy: Policy,
+        *,
+        lm_head_fp32: bool = False,
+        patch: Patch | None = None,
+        capture: bool = False,
+    ) -> Any:
         m, pol = self.model, policy
         b, t = tokens.shape
         d, nh = m.d_model, m.heads
@@ -239,7 +259,7 @@ class TransformerLM(LM):
         return (logits, out.acts) if capture else logits
 
     # --- token-by-token decoding -------------------------------------------------------
-    def init_cache(self, params, batch, length, policy):
+    def init_cache(self, params: Any, batch: int, length: int, policy: Policy) -> Any:
         m = self.model
         dh = m.d_model // m.heads
         if length > m.seq_len:
@@ -252,8 +272,19 @@ class TransformerLM(LM):
             caches.append({"k": jnp.zeros(shape, cd), "v": jnp.zeros(shape, cd)})
         return caches
 
-    def decode(self, params, cache, token, pos, policy, *, kv_block=None, lm_head_fp32=False,
-               patch=None, capture=False):  # fmt: skip
+    def decode(
+        self,
+        params: Any,
+        cache: Any,
+        token: jax.Array,
+        pos: jax.Array,
+        policy: Policy,
+        *,
+        kv_block: int | None = None,
+        lm_head_fp32: bool = False,
+        patch: Patch | None = None,
+        capture: bool = False,
+    ) -> Any:
         m, pol = self.model, policy
         b = token.shape[0]
         d, nh = m.d_model, m.heads
@@ -285,7 +316,15 @@ class TransformerLM(LM):
         return logits, new_cache, out.acts
 
 
-def _attend(q, kc, vc, pos, pol: Policy, scale: float, kv_block: int | None) -> jax.Array:
+def _attend(
+    q: jax.Array,
+    kc: jax.Array,
+    vc: jax.Array,
+    pos: jax.Array,
+    pol: Policy,
+    scale: float,
+    kv_block: int | None,
+) -> jax.Array:
     """One query per row against the cache: q [B, H, Dh], kc/vc [B, L, H, Dh] -> [B, H, Dh]
     in the compute dtype, keys after ``pos`` masked."""
     cd = pol.compute_dtype

@@ -140,7 +140,7 @@ class Tree:
 def _subtrees(node: Node) -> list[Node]:
     if isinstance(node, int):
         return []
-    out = [node]
+    out: list[Node] = [node]
     for c in node:
         out += _subtrees(c)
     return out
@@ -171,7 +171,7 @@ def _chain(node: Node) -> list[Node] | None:
     parts: list[Node] = []
     cur: Node | None = node
     steps = 0
-    while cur is not None and not _atomic(cur) and len(cur) == 2:
+    while isinstance(cur, tuple) and not _atomic(cur) and len(cur) == 2:
         a, b = cur
         la, lb = len(_leaves(a)), len(_leaves(b))
         if la == lb or (_atomic(a) and _atomic(b)):
@@ -191,9 +191,8 @@ def _chain(node: Node) -> list[Node] | None:
 
 
 def _is_run(kids: Sequence[Node]) -> bool:
-    return all(isinstance(c, int) for c in kids) and list(kids) == list(
-        range(int(kids[0]), int(kids[0]) + len(kids))
-    )
+    ints = [c for c in kids if isinstance(c, int)]
+    return len(ints) == len(kids) and ints == list(range(ints[0], ints[0] + len(ints)))
 
 
 def _steps_run(node: Node) -> tuple[int, int, int] | None:
@@ -299,6 +298,8 @@ def schedule_tree(preset: str, k: int, dtype: str = "float16") -> Tree:
     step one node over its products and the accumulator coming in, chained; restarts added
     in float32 in order; split-K slices summed in the schedule's order (the model's own
     rules: :func:`precisionlab.hardware.resolve`)."""
+    if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
+        raise ValueError(f"k must be a positive int, got {k!r}")
     kw = hardware.preset(preset)
     kind = "fp8" if "float8" in dtype else "16bit"
     res = hardware.resolve(kw["device"], kw["library"], kw["fast_accumulation"], kind, {}, k)
@@ -340,21 +341,22 @@ def schedule_tree(preset: str, k: int, dtype: str = "float16") -> Tree:
         node: Node | None = None
         for x in live:
             node = x if node is None else (node, x)
+        assert node is not None  # k >= 1: the first slice holds input 0
         return Tree(node)
-    nb = len(sch.split_order)
-    parts: list[Any] = list(slices)
+    bits = sch.split_order
+    assert not isinstance(bits, str)  # Schedule takes no other string than "sequential"
     # butterfly: for each bit in order, slice i (bit clear) meets slice i + 2**bit
-    groups = {i: parts[i] for i in range(len(parts))}
-    for bit in sch.split_order:
-        new = {}
+    groups: dict[int, Node | None] = dict(enumerate(slices))
+    for bit in bits:
+        new: dict[int, Node | None] = {}
         for i, v in groups.items():
             if i & (1 << bit):
                 continue
             u = groups.get(i | (1 << bit))
             new[i] = v if u is None else (u if v is None else (v, u))
         groups = new
-    del nb
     (root,) = groups.values()
+    assert root is not None  # k >= 1: the first slice holds input 0
     return Tree(root)
 
 

@@ -78,13 +78,13 @@ def _target(cfg: RLConfig) -> np.ndarray:
     return (3 * np.arange(cfg.length) + 1) % cfg.vocab
 
 
-def _logp_of(logits, tok):
+def _logp_of(logits: jax.Array, tok: jax.Array) -> jax.Array:
     """float32 log-softmax of the stack's logits, at ``tok``."""
     lp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
     return jnp.take_along_axis(lp, tok[..., None], axis=-1)[..., 0]
 
 
-def _draw(logits, key):
+def _draw(logits: jax.Array, key: jax.Array) -> jax.Array:
     """Gumbel-max in float32: the same noise for every run."""
     g = jax.random.gumbel(key, logits.shape, jnp.float32)
     return jnp.argmax(jnp.asarray(logits, jnp.float32) + g, axis=-1).astype(jnp.int32)
@@ -94,7 +94,9 @@ def _draw(logits, key):
 def _programs(fmt: str, cfg: RLConfig) -> tuple:
     """The model and the jitted programs of one format: every sampler and seed shares them
     (the truncation is an argument of ``update``, not a program of its own)."""
-    pol = Stack(policy=fmt).policy
+    # Stack parses a format name into a Policy in __post_init__ (as documented); its field's
+    # type says what it holds after that
+    pol = Stack(policy=fmt).policy  # type: ignore[arg-type]
     L, B = cfg.length, cfg.batch
     model = make_model("transformer", vocab_size=cfg.vocab, seq_len=L, d_model=cfg.d_model,
                        depth=cfg.depth, heads=cfg.heads)  # fmt: skip
@@ -103,21 +105,28 @@ def _programs(fmt: str, cfg: RLConfig) -> tuple:
     target = jnp.asarray(_target(cfg))
 
     @jax.jit
-    def full(params, tokens):  # the trainer's program: inputs [B, L] -> logits [B, L, V]
+    def full(params: Any, tokens: jax.Array) -> jax.Array:
+        # the trainer's program: inputs [B, L] -> logits [B, L, V]
         return lm.logits(params, tokens, pol)
 
     @jax.jit
-    def step_decode(params, cache, tok, pos):
+    def step_decode(
+        params: Any, cache: Any, tok: jax.Array, pos: jax.Array
+    ) -> tuple[jax.Array, Any]:
         logits, cache, _ = lm.decode(params, cache, tok, pos, pol, kv_block=cfg.kv_block)
         return logits, cache
 
     @jax.jit
-    def update(params, state, seq, lp_sampler, tis):
+    def update(
+        params: Any, state: Any, seq: jax.Array, lp_sampler: jax.Array, tis: jax.Array
+    ) -> tuple[Any, Any, tuple[jax.Array, ...]]:
         out = seq[:, 1:]
         reward = jnp.mean((out == target).astype(jnp.float32), axis=1)
         adv = reward - jnp.mean(reward)
 
-        def weighted(p, weights):  # per-token weights w [B, L] (not differentiated)
+        def weighted(
+            p: Any, weights: jax.Array
+        ) -> jax.Array:  # per-token weights w [B, L] (not differentiated)
             lp = _logp_of(full(p, seq[:, :L]), out)
             return -jnp.mean(adv[:, None] * weights * lp)
 
@@ -130,10 +139,10 @@ def _programs(fmt: str, cfg: RLConfig) -> tuple:
         g_plain = jax.tree.map(jnp.add, g_1, g_2)  # the whole batch's gradient
         g_tis = jax.grad(weighted)(params, w_tis)
 
-        def norm(t):
+        def norm(t: Any) -> jax.Array:
             return jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(t)))
 
-        def dist(a, b):
+        def dist(a: Any, b: Any) -> jax.Array:
             return norm(jax.tree.map(jnp.subtract, a, b))
 
         gn = jnp.maximum(norm(g_plain), 1e-30)
@@ -162,7 +171,7 @@ def reinforce(fmt: str, sampler: str, cfg: RLConfig | None = None,
     model, lm, opt, pol, full, step_decode, update = _programs(fmt, cfg)
     L, B = cfg.length, cfg.batch
 
-    def sample(params, step, seed):
+    def sample(params: Any, step: int, seed: int) -> tuple[jax.Array, jax.Array]:
         seq = jnp.zeros((B, L + 1), jnp.int32)  # token 0 starts every sequence
         lps = []
         cache = lm.init_cache(params, B, L, pol) if sampler != "matched" else None

@@ -11,6 +11,7 @@ output, so one program serves all of them.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -35,13 +36,13 @@ class Result:
     acts: dict[str, np.ndarray]
 
 
-def _computes_in(fn, args, dtype) -> bool:
+def _computes_in(fn: Callable, args: Sequence[Any], dtype: Any) -> bool:
     """Whether any operation of the program of ``fn(*args)`` returns a value of ``dtype``
     (its inputs having it is not enough: a model may convert them to float32 first)."""
     jaxpr = jax.make_jaxpr(fn)(*args)
     want = np.dtype(dtype)
 
-    def walk(jx) -> bool:
+    def walk(jx: Any) -> bool:
         for eqn in jx.eqns:
             for v in eqn.outvars:
                 if getattr(getattr(v, "aval", None), "dtype", None) == want:
@@ -70,37 +71,38 @@ class Runner:
         self._programs: dict[Any, Any] = {}
 
     # --- programs -----------------------------------------------------------------------
-    def _wrap(self, fn, stack: Stack):
+    def _wrap(self, fn: Callable, stack: Stack) -> Callable:
         """``fn`` jitted natively, or emulated on ``stack.hardware`` and jitted."""
         if stack.hardware == "native":
             return jax.jit(fn)
         return jax.jit(emulate(fn, stack.policy, hardware=stack.hardware))
 
-    def _full(self, stack: Stack):
+    def _full(self, stack: Stack) -> Callable:
         key = ("full", stack.policy, stack.hardware, stack.lm_head_fp32)
         if key not in self._programs:
             lm, pol = self.lm, stack.policy
             if lm.takes_policy:
 
-                def fn(params, tokens, patch):
+                def fn(params: Any, tokens: jax.Array, patch: Any) -> Any:
                     return lm.logits(params, tokens, pol, lm_head_fp32=stack.lm_head_fp32,
                                      patch=patch, capture=bool(lm.layers))  # fmt: skip
             else:
                 if stack.lm_head_fp32:
-                    lm.logits(None, None, pol, lm_head_fp32=True)  # raises, saying why
+                    # called for its error only: it raises, saying why
+                    lm.logits(None, None, pol, lm_head_fp32=True)  # type: ignore[arg-type]
 
-                def fn(params, tokens, patch):
+                def fn(params: Any, tokens: jax.Array, patch: Any) -> Any:
                     return lm.logits(params, tokens, pol), {}
 
             self._programs[key] = self._wrap(fn, stack)
         return self._programs[key]
 
-    def _step(self, stack: Stack):
+    def _step(self, stack: Stack) -> Callable:
         key = ("decode", stack.policy, stack.hardware, stack.lm_head_fp32, stack.kv_block)
         if key not in self._programs:
             lm, pol = self.lm, stack.policy
 
-            def fn(params, cache, token, pos, patch):
+            def fn(params: Any, cache: Any, token: jax.Array, pos: jax.Array, patch: Any) -> Any:
                 return lm.decode(params, cache, token, pos, pol, kv_block=stack.kv_block,
                                  lm_head_fp32=stack.lm_head_fp32, patch=patch,
                                  capture=bool(lm.layers))  # fmt: skip
@@ -217,14 +219,18 @@ class Runner:
         cat = {k: np.concatenate([a[k] for a in acts]) for k in acts[0]}
         return Result(stack, np.concatenate(logits), cat)
 
-    def _run_full(self, stack, tokens, patch, rows):
+    def _run_full(
+        self, stack: Stack, tokens: jax.Array, patch: dict[str, np.ndarray] | None, rows: slice
+    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         self._check_native_dtype(stack, tokens)
         fn = self._full(stack)
         shapes = self._shapes(stack, tokens, False)
         lg, acts = fn(self._params_for(stack), tokens, self._patch(patch, rows, None, shapes))
         return np.asarray(lg), {k: np.asarray(v) for k, v in acts.items()}
 
-    def _run_decode(self, stack, tokens, patch, rows):
+    def _run_decode(
+        self, stack: Stack, tokens: jax.Array, patch: dict[str, np.ndarray] | None, rows: slice
+    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         fn = self._step(stack)
         b, t = tokens.shape
         shapes = self._shapes(stack, tokens, True)

@@ -31,10 +31,10 @@ import numpy as np
 
 from precisionlab.diagnose._options import check_counts
 from precisionlab.experiments._config import Unit
-from precisionlab.intercept import Context, Site, intercept
+from precisionlab.intercept import Context, Intercepted, Site, intercept
 from precisionlab.intercept import _boundary as boundary
 from precisionlab.mixed import filter_value_and_grad
-from precisionlab.recipes import WEIGHT_OPERANDS, AppliedRecipe
+from precisionlab.recipes import WEIGHT_OPERANDS, AppliedRecipe, Recipe
 from precisionlab.recipes import dot_general as recipe_dot
 from precisionlab.train import build, train
 from precisionlab.train._recipe import TrainRecipe
@@ -71,7 +71,7 @@ class SwitchOptions:
         check_counts(self, optional=("steps",))
 
 
-def _pad(t: jax.Array, recipe, kind: str) -> jax.Array:
+def _pad(t: jax.Array, recipe: Recipe, kind: str) -> jax.Array:
     for blk in recipe.block_sizes(kind):
         widths = [(0, 0)] * t.ndim
         widths[-1] = (0, -t.shape[-1] % blk)
@@ -81,7 +81,7 @@ def _pad(t: jax.Array, recipe, kind: str) -> jax.Array:
     return t
 
 
-def _qstats(recipe, t: jax.Array, kind: str, key) -> jax.Array:
+def _qstats(recipe: Recipe, t: jax.Array, kind: str, key: jax.Array | None) -> jax.Array:
     """(underflow fraction, mse) of a float32 (1, R, K) tensor quantized as ``kind``."""
     t = jax.lax.stop_gradient(t.astype(jnp.float32))
     n = t.size
@@ -95,7 +95,7 @@ def _qstats(recipe, t: jax.Array, kind: str, key) -> jax.Array:
     return jnp.stack([under.astype(jnp.float32), (jnp.sum(err) / n).astype(jnp.float32)])
 
 
-def _rows(x: jax.Array, contract, batch) -> jax.Array:
+def _rows(x: jax.Array, contract: Sequence[int], batch: Sequence[int]) -> jax.Array:
     """(1, rows, K): the contraction axes last, everything else flattened into rows."""
     free = [d for d in range(x.ndim) if d not in contract and d not in batch]
     k = math.prod(x.shape[d] for d in contract)
@@ -109,7 +109,7 @@ class _SwitchRule:
     candidates = (boundary.CONV, *boundary.RAGGED_PRODUCTS)
     label = "autoswitch"
 
-    def __init__(self, recipe, weight: str, sink: dict):
+    def __init__(self, recipe: Recipe, weight: str, sink: dict) -> None:
         self.recipe, self.weight, self.sink = recipe, weight, sink
 
     def declines(self, site: Site) -> str | None:
@@ -117,7 +117,9 @@ class _SwitchRule:
         not keep: it stays in high precision, listed and warned about (never silently)."""
         return f"inside {site.loops[0]} (no per-iteration switch state)" if site.loops else None
 
-    def apply(self, ctx: Context, lhs, rhs, *, dimension_numbers, **params) -> list:
+    def apply(
+        self, ctx: Context, lhs: jax.Array, rhs: jax.Array, *, dimension_numbers: Any, **params: Any
+    ) -> list:
         st = ctx.state
         if st is None or str(lhs.dtype) not in _FLOATS or str(rhs.dtype) not in _FLOATS:
             return ctx.original(lhs, rhs)
@@ -144,10 +146,10 @@ class _SwitchRule:
 class _Switched:
     """What the train step needs from a recipe: an :class:`~precisionlab.recipes.AppliedRecipe`."""
 
-    def __init__(self, fn, spec: AutoSwitchRecipe):
+    def __init__(self, fn: Callable, spec: AutoSwitchRecipe) -> None:
         self.fn, self.spec = fn, spec
 
-    def _intercepted(self, sink: dict):
+    def _intercepted(self, sink: dict) -> Intercepted:
         rule = _SwitchRule(self.spec.recipe, self.spec.weight, sink)
         # attention's products (two activations) out by default, as in recipes.apply
         return intercept(
@@ -155,15 +157,15 @@ class _Switched:
             numbering="primitive", default=self.spec.selects,
         )  # fmt: skip
 
-    def sites(self, *args, **kwargs) -> list[Site]:
+    def sites(self, *args: Any, **kwargs: Any) -> list[Site]:
         return self._intercepted({}).sites(*args, **kwargs)
 
-    def skipped(self, *args, **kwargs) -> list[Site]:
+    def skipped(self, *args: Any, **kwargs: Any) -> list[Site]:
         """What it leaves in high precision although a recipe acts on it (a convolution, a
         matmul inside a loop), each with ``Site.skipped`` saying why."""
         return self._intercepted({}).skipped(*args, **kwargs)
 
-    def init_state(self, *args, **kwargs) -> dict[str, Any]:
+    def init_state(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         state = {}
         for s in self.sites(*args, **kwargs):
             if s.selected and not s.loops and s.dtype in _FLOATS:
@@ -183,8 +185,10 @@ class _Switched:
         if argnums != 0:
             raise ValueError("autoswitch differentiates the first argument only")
 
-        def f(state, *args, key=None, **kwargs):
-            def run(st, p, *rest):
+        def f(
+            state: dict[str, Any], *args: Any, key: jax.Array | None = None, **kwargs: Any
+        ) -> tuple[Any, Any, dict[str, jax.Array]]:
+            def run(st: Any, p: Any, *rest: Any) -> tuple[Any, tuple[Any, dict]]:
                 sink: dict = {}
                 out = self._intercepted(sink).call_with_state(st, p, *rest, key=key, **kwargs)
                 value, aux = out if has_aux else (out, None)

@@ -33,6 +33,7 @@ from precisionlab.intercept import Context, Emit, PerIteration, Site, intercept
 from precisionlab.intercept import _boundary as boundary
 from precisionlab.recipes import dot_general as recipe_dot
 from precisionlab.train import TrainSetup
+from precisionlab.train._recipe import TrainRecipe
 from precisionlab.train._step import cast_compute
 
 __all__ = ["Capture", "Tensor"]
@@ -63,10 +64,12 @@ class Tensor:
 class _Record:
     primitives = (boundary.DOT_GENERAL,)
 
-    def __init__(self, recipe, selected: frozenset, rstate: Any):
+    def __init__(self, recipe: TrainRecipe | None, selected: frozenset[str], rstate: Any) -> None:
         self.recipe, self.selected, self.rstate = recipe, selected, rstate
 
-    def apply(self, ctx: Context, lhs, rhs, *, dimension_numbers, **params) -> list | Emit:
+    def apply(
+        self, ctx: Context, lhs: jax.Array, rhs: jax.Array, *, dimension_numbers: Any, **params: Any
+    ) -> list | Emit:
         name = ctx.site.name
         if str(lhs.dtype) not in _FLOATS or str(rhs.dtype) not in _FLOATS:
             return ctx.original(lhs, rhs)
@@ -93,7 +96,7 @@ def _captured(site: Site) -> bool:
     return boundary.WHILE not in site.within
 
 
-def _probe(site: Site):
+def _probe(site: Site) -> jax.Array | PerIteration:
     zero = jnp.full((*site.lengths, *site.out_shapes[0]), -0.0, jnp.float32)
     return PerIteration(zero) if site.lengths else zero
 
@@ -102,9 +105,13 @@ def _iterations(site: Site) -> list[tuple[int, tuple[int, ...]]]:
     """(flat iteration, index into the loop axes) of each iteration of a captured site."""
     if not site.lengths:
         return [(0, ())]
+    lengths = []
+    for n in site.lengths:
+        assert n is not None  # a while loop's (unknown) count: such sites are not captured
+        lengths.append(n)
     return [
-        (i, tuple(int(j) for j in np.unravel_index(i, site.lengths)))
-        for i in range(int(np.prod(site.lengths)))
+        (i, tuple(int(j) for j in np.unravel_index(i, lengths)))
+        for i in range(int(np.prod(lengths)))
     ]
 
 
@@ -139,11 +146,13 @@ class Capture:
         self.tensors: list[Tensor] = []
         self._fn = jax.jit(self._run)
 
-    def _scaled(self, p, batch):
+    def _scaled(self, p: Any, batch: Any) -> tuple[jax.Array, Any]:
         loss, aux = self._loss(p, batch)
         return loss.astype(jnp.float32) * jnp.float32(self.loss_weight), aux
 
-    def _run(self, params, loss_scale, rstate, batch):
+    def _run(
+        self, params: Any, loss_scale: Any, rstate: Any, batch: Any
+    ) -> tuple[jax.Array, Any, Any, dict[str, jax.Array], jax.Array]:
         pc = cast_compute(params, self.policy.compute_dtype, self.fp32)
         selected: frozenset = frozenset()
         if self.recipe is not None:  # the matmuls the variant's recipe replaces
@@ -166,7 +175,7 @@ class Capture:
                 seen[layer] = seen.get(layer, 0) + 1
         probes = {s.name: _probe(s) for s in sites}
 
-        def run(pr, p):
+        def run(pr: Any, p: Any) -> tuple[jax.Array, tuple[jax.Array, Any, Any]]:
             (loss, aux), tensors = inter.call_with_aux(pr, p, batch)
             sink = {k: {**a.value, "valid": a.valid} for k, a in tensors.items()}
             return loss_scale.scale(loss), (loss, aux["activations"], sink)

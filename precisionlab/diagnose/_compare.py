@@ -104,7 +104,9 @@ class CompareResult:
     uncaptured: list[str] = dataclasses.field(default_factory=list)
 
 
-def match_tensors(a: list[Tensor], b: list[Tensor]) -> tuple[list[tuple[Tensor, Tensor]], list]:
+def match_tensors(
+    a: list[Tensor], b: list[Tensor]
+) -> tuple[list[tuple[Tensor, Tensor]], list[str]]:
     """Pairs ``(a's tensor, b's tensor)`` with the same :attr:`Tensor.match` (layer, role and
     position among the layer's matmuls), in ``a``'s order, and the unpaired ones as
     ``"ref LAYER:NAME"`` / ``"other LAYER:NAME"`` (a name twice in one list pairs nothing)."""
@@ -117,7 +119,11 @@ def match_tensors(a: list[Tensor], b: list[Tensor]) -> tuple[list[tuple[Tensor, 
         return out
 
     ia, ib = index(a), index(b)
-    pairs = [(t, ib[m]) for m, t in ia.items() if t is not None and ib.get(m) is not None]
+    pairs = []
+    for m, t in ia.items():
+        u = ib.get(m)
+        if t is not None and u is not None:
+            pairs.append((t, u))
     paired_a = {id(t) for t, _ in pairs}
     paired_b = {id(u) for _, u in pairs}
     unmatched = [f"ref {t.key}" for t in a if id(t) not in paired_a]
@@ -142,7 +148,7 @@ def relative_difference(a: np.ndarray, b: np.ndarray) -> float:
 def _weighted(loss_fn: Callable, w: float) -> Callable:
     f = normalize_loss_fn(loss_fn)
 
-    def weighted(p, b):
+    def weighted(p: Any, b: Any) -> tuple[jax.Array, Any]:
         loss, aux = f(p, b)
         return loss.astype(np.float32) * np.float32(w), aux
 
@@ -279,7 +285,7 @@ def compare(
         if step < steps:
             batch = next(batches)
     ta, tb = last
-    underflow = {}
+    underflow: dict[str, float] = {}
     for t, u in pairs or []:
         if t.kind == "grad" and t.key in ta and u.key in tb:
             _, st = _explain(t, ta[t.key], tb[u.key], rb, other.name)

@@ -253,7 +253,7 @@ def _candidates(values: Sequence[float], limit: int = 80) -> list[float]:
     if len(vals) > limit:
         vals = [vals[round(i * (len(vals) - 1) / (limit - 1))] for i in range(limit)]
     # thresholds just beside the observed values, both ways
-    out = set()
+    out: set[float] = set()
     for v in vals:
         eps = 1e-6 * max(abs(v), 1e-12)
         out.update((v - eps, v + eps))
@@ -286,7 +286,8 @@ def fit_rule(
 
     def score(t: float) -> tuple[float, list[float], int]:
         r = dataclasses.replace(rule, threshold=t)
-        gain, leads, false = 0.0, [], 0
+        gain, false = 0.0, 0
+        leads: list[float] = []
         for u in usable:
             step = _first_alarm(tables[u.id], r, debounce)
             o = truth[u.id]
@@ -414,7 +415,7 @@ def evaluate(
         tp += verdict == "TP"
         fp += verdict == "FP"
         fn += verdict == "FN"
-        if early:
+        if early and a is not None:  # (early says a is not None)
             leads.append(o.step - a.step)
             fracs.append((o.step - a.step) / o.step)
             want = _setting_mechanism(u.setting)
@@ -435,18 +436,18 @@ def evaluate(
             }
         )  # fmt: skip
     alarmed = tp + fp
-    pos = tp + fn
+    n_pos = tp + fn
     return (
         Scores(
             method=method,
             units=len(units),
-            positives=pos,
+            positives=n_pos,
             alarms=alarmed,
             tp=tp,
             fp=fp,
             fn=fn,
             precision=tp / alarmed if alarmed else None,
-            recall=tp / pos if pos else None,
+            recall=tp / n_pos if n_pos else None,
             median_lead=float(statistics.median(leads)) if leads else None,
             median_lead_fraction=float(statistics.median(fracs)) if fracs else None,
             mechanism_share=sum(mech_ok) / len(mech_ok) if mech_ok else None,

@@ -326,8 +326,8 @@ def bisect_function(
     cands = [o for o in at.ops if o.site.path in b.sites and o.site.path in moved]
     for p in ops:
         if not any(_matches(o, p) for o in cands):
-            names = ", ".join(o.name for o in cands[:20]) or "none"
-            raise ValueError(f"ops pattern {p!r} matches no operation of {b.label}; e.g. {names}")
+            some = ", ".join(o.name for o in cands[:20]) or "none"
+            raise ValueError(f"ops pattern {p!r} matches no operation of {b.label}; e.g. {some}")
     if ops:
         cands = [o for o in cands if any(_matches(o, p) for p in ops)]
     by_name = {o.name: o.site.path for o in cands}
@@ -394,14 +394,19 @@ def autoswitch_function(
             f"unknown weight {weight!r}; allowed: {', '.join(recipes.WEIGHT_OPERANDS)}"
         )
     spec = AutoSwitchRecipe(
-        rec, include, tuple(exclude), underflow=underflow, mse=mse, weight=weight
+        rec,
+        None if include is None else tuple(include),
+        tuple(exclude),
+        underflow=underflow,
+        mse=mse,
+        weight=weight,
     )
     args, kwargs = _args(args), dict(kwargs or {})
     applied = spec.apply(fn)
     state = applied.init_state(*args, **kwargs)
     vg = applied.value_and_grad()
 
-    def step(st, *a):
+    def step(st: Any, *a: Any) -> tuple[Any, Any]:
         value, _, observed = vg(st, *a, **kwargs)
         return value, applied.update_state(st, observed)
 

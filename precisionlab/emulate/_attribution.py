@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -41,8 +41,17 @@ import numpy as np
 
 from precisionlab import recipes
 from precisionlab.emulate._emulate import Emulated, collect, emulate
-from precisionlab.intercept import Context, Emit, PerIteration, Site, intercept
-from precisionlab.intercept import _boundary as boundary
+from precisionlab.intercept import (
+    Context,
+    Emit,
+    Intercepted,
+    PerIteration,
+    Site,
+    intercept,
+)
+from precisionlab.intercept import (
+    _boundary as boundary,
+)
 from precisionlab.mixed import filter_jit
 from precisionlab.mixed._policy import get_policy
 
@@ -138,7 +147,7 @@ class Side:
             label = f"emulate c={np.dtype(spec.dtype).name}, {model}"
         return Side(label, rule, picked, key)
 
-    def without(self, paths) -> Side:
+    def without(self, paths: Iterable[tuple[int, ...]]) -> Side:
         """This side with the operations at ``paths`` in high precision: computed as the
         program has them, on the operands they receive, and their results passed on as they
         are (an emulate rule does not round them again where they are used)."""
@@ -192,10 +201,10 @@ class _Dispatch:
     side's sites, its local error and newly non-finite count; a probe in ``ctx.state`` is
     added to that result (``y + -0.0``, the identity) for its cotangent."""
 
-    def __init__(self, primitives: tuple[str, ...], side: Side, record: bool):
+    def __init__(self, primitives: tuple[str, ...], side: Side, record: bool) -> None:
         self.primitives, self.side, self.record = primitives, side, record
 
-    def apply(self, ctx: Context, *operands, **params) -> list | Emit:
+    def apply(self, ctx: Context, *operands: Any, **params: Any) -> list | Emit:
         own = self.side.sites.get(ctx.site.path)
         if own is not None:
             res = self.side.rule.apply(ctx._replace(site=own, state=None), *operands, **params)
@@ -238,7 +247,7 @@ def _wide(ctx: Context, operands: tuple, i: int) -> jax.Array:
     return jnp.asarray(ctx.original(*operands)[i]).astype(jnp.float32)
 
 
-def _is_narrow(x) -> bool:
+def _is_narrow(x: Any) -> bool:
     dt = jnp.result_type(x)
     return jnp.issubdtype(dt, jnp.floating) and jnp.dtype(dt).itemsize < 4
 
@@ -342,20 +351,20 @@ def _rel(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.where(jnp.all(jnp.isfinite(a)), r, jnp.nan)
 
 
-def _probe(site: Site):
+def _probe(site: Site) -> jax.Array | PerIteration:
     zero = jnp.full((*site.lengths, *site.out_shapes[0]), -0.0, jnp.float32)
     return PerIteration(zero) if site.lengths else zero
 
 
-def _floats(tree) -> list:
+def _floats(tree: Any) -> list:
     return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
 
 
-def _cotangent(out, w_leaves: list):
+def _cotangent(out: Any, w_leaves: list) -> Any:
     """A cotangent for ``out``: ``w_leaves`` on its float leaves, float0 zeros elsewhere."""
     it = iter(w_leaves)
 
-    def one(x):
+    def one(x: Any) -> Any:
         if jnp.issubdtype(jnp.result_type(x), jnp.floating):
             return next(it).astype(jnp.result_type(x))
         return np.zeros(np.shape(x), jax.dtypes.float0)
@@ -384,7 +393,7 @@ def _row(ab: Any, aa: Any, g: jax.Array | None, two: bool) -> tuple:
     ya, yb = aa.value["y"], ab.value["y"]
     ok = ab.valid & aa.valid
 
-    def mask(v):  # the loop axes' flag broadcast over the value
+    def mask(v: jax.Array) -> jax.Array:  # the loop axes' flag broadcast over the value
         return v.reshape(v.shape + (1,) * (ya.ndim - v.ndim))
 
     ya = jnp.where(mask(ok), ya.astype(jnp.float32), 0.0)
@@ -427,13 +436,13 @@ def attribute(
     prims = primitives or float_primitives(fn, args, kwargs)
     nat = Side(a.label)
 
-    def inter(side: Side):
+    def inter(side: Side) -> Intercepted:
         return intercept(fn, _Dispatch(prims, side, True), while_capacity=while_capacity)
 
     sites = inter(nat).sites(*args, **kwargs)
     probes = {s.name: _probe(s) for s in sites if boundary.WHILE not in s.within}
 
-    def call(side: Side, args, kwargs):
+    def call(side: Side, args: tuple, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         _fresh(side)
         try:
             return inter(side).call_with_aux(None, *args, key=side.key, **kwargs)
@@ -442,10 +451,10 @@ def attribute(
 
     two = bool(a.sites or a.high)  # the reference is computed differently from native
 
-    def program(args, kwargs):
+    def program(args: tuple, kwargs: dict[str, Any]) -> tuple[dict[str, tuple], Any, Any, Any]:
         out_b, aux_b = call(b, args, kwargs)
 
-        def probed(pr):
+        def probed(pr: Any) -> tuple[Any, dict[str, Any]]:
             return inter(nat).call_with_aux(pr, *args, **kwargs)
 
         out_n, pull, aux_n = jax.vjp(probed, probes, has_aux=True)

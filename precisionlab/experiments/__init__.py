@@ -10,6 +10,7 @@ run store, the report's figures, drawn in worker processes) is imported without 
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    home: ModuleType
     if name == "compare_runs":
         import precisionlab.experiments._compare as home
     elif name in ("ConfigError", "Experiment", "Unit", "load_experiment"):

@@ -38,6 +38,7 @@ import copy
 import io
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -162,7 +163,9 @@ _RL_CONFIG = ("vocab", "length", "d_model", "depth", "heads", "batch", "lr", "ti
 
 
 def _stack(fmt: str, fields: dict[str, Any]) -> Any:
-    return Stack(policy=fmt, **fields)
+    # Stack parses a format name into a Policy in __post_init__ (as documented); its field's
+    # type says what it holds after that
+    return Stack(policy=fmt, **fields)  # type: ignore[arg-type]
 
 
 def _train_config(table: dict[str, Any], where: str) -> Any:
@@ -275,7 +278,9 @@ def _load_params(path: Path, like: Any) -> Any:
     return jax.tree_util.tree_unflatten(tree, leaves)
 
 
-def _trained(cfg: Any, out_dir: Path, say) -> tuple[Any, Any, dict[str, Any]]:
+def _trained(
+    cfg: Any, out_dir: Path, say: Callable[[str], None]
+) -> tuple[Any, Any, dict[str, Any]]:
     """(model, params, train summary): read back if this run trained already."""
     model = make_model(cfg.model, **cfg.model_kwargs, **_model_sizes(cfg))
     params_path, info_path = out_dir / "params.npz", out_dir / "train.json"
@@ -414,7 +419,7 @@ def _plain(row: dict[str, Any]) -> dict[str, Any]:
             "rate", "kl")) else v) for k, v in row.items()}  # fmt: skip
 
 
-def _rl(rl: dict[str, Any], out_dir: Path, say) -> list[dict[str, Any]]:
+def _rl(rl: dict[str, Any], out_dir: Path, say: Callable[[str], None]) -> list[dict[str, Any]]:
     """The REINFORCE runs (read back from ``rl.jsonl`` where finished)."""
     if not rl["enabled"]:
         return []

@@ -157,7 +157,11 @@ def _plot_curves(
     if not chosen:
         return False
     colors = _colors(units)
-    fig, axes = _panels(len(chosen))
+    # more variants than a legend inside the panel can hold without hiding the curves: the
+    # legend goes under the panel, three columns, and the panel grows to hold it
+    crowded = max(len(us) for us in chosen.values()) > 8
+    below = 0.2 * math.ceil(max(len(us) for us in chosen.values()) / 3) + 0.5 if crowded else 0
+    fig, axes = _panels(len(chosen), height=3.4 + below)
     for ax, (setting, us) in zip(axes, chosen.items(), strict=True):
         lo, hi = np.inf, -np.inf
         drawn: list[tuple[str, np.ndarray, np.ndarray]] = []
@@ -223,9 +227,13 @@ def _plot_curves(
         ax.set_xlabel("training step")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3, which="both" if use_log else "major")
-        ax.legend(fontsize=8, loc="best")
+        if crowded:
+            ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=3,
+                      frameon=False)  # fmt: skip
+        else:
+            ax.legend(fontsize=9, loc="best")
     if mark_divergence and any(u["summary"].get("diverged") for u in units):
-        fig.text(0.01, 0.005, "x: divergence detected (non-finite or exploding loss)", fontsize=8)
+        fig.text(0.01, 0.005, "x: divergence detected (non-finite or exploding loss)", fontsize=9)
     fig.tight_layout()
     _io.save_figure(fig, path, dpi=110)
     plt.close(fig)
@@ -334,7 +342,7 @@ def _plot_hist(units: list[dict[str, Any]], key: str, path: Path, *, what: str) 
         # under the panel, so that the panel keeps the page's width
         # (two columns where the labels fit the width, else one)
         longest = max(len(h.get_label()) for h in ax.get_legend_handles_labels()[0])
-        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2),
+        ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.2),
                   ncols=2 if longest <= 48 else 1, borderaxespad=0,
                   frameon=False)  # fmt: skip
     fig.tight_layout()

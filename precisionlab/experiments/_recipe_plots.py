@@ -33,10 +33,15 @@ def _points(rows: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarra
     return steps, 100 * np.array([p[1] for p in pairs], np.float64)
 
 
+def _tick(value: float, _pos: object) -> str:
+    return f"{value:.2g}"
+
+
 def plot_recipe_groups(units: list[dict[str, Any]], path: Path) -> bool:
     """Write the figure for the variants of ``units`` that ran a recipe (with metrics); False
     (nothing written) when none did."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     keep = [u for u in units if any("recipe_g_saturated" in r for r in u["metrics"])]
     if not keep:
@@ -65,12 +70,15 @@ def plot_recipe_groups(units: list[dict[str, Any]], path: Path) -> bool:
                             marker=_MARKERS[i % len(_MARKERS)], ms=4, label=variant)  # fmt: skip
                 ax.set_yscale("symlog", linthresh=0.01)
                 ax.set_ylim(bottom=0)
-                ax.set_title(f"{setting + ': ' if setting else ''}{title}", fontsize=9)
+                # the setting beside the row, not in each title: three titles fit the width
+                ax.set_title(title, fontsize=9)
                 ax.set_xlabel("step", fontsize=9)
                 if col == 0:
-                    ax.set_ylabel(ylabel, fontsize=9)
+                    ax.set_ylabel(f"{setting + ': ' if setting else ''}{ylabel}", fontsize=9)
                 ax.grid(alpha=0.3)
                 ax.tick_params(labelsize=9)
+                # plain short tick labels (symlog's default writes 2.46488 x 10^-3)
+                ax.yaxis.set_major_formatter(FuncFormatter(_tick))
                 for line in ax.get_lines():
                     handles.setdefault(line.get_label(), line)
             row += 1

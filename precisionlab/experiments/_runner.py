@@ -236,7 +236,9 @@ def _run_locked(
     if not (run_dir / "config.json").exists():
         _write_config(run_dir, experiment, ())
     run_json = run_dir / "run.json"
-    run_info = store.read_json(run_json) if run_json.exists() else {"created": _now()}
+    run_info: dict[str, Any] = (
+        store.read_json(run_json) if run_json.exists() else {"created": _now()}
+    )
     if run_info.get("status") == "running" and previous and previous != str(os.getpid()):
         say(
             f"note: {run_dir} was left running by process {previous}, which has ended (killed?); "

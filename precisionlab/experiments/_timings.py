@@ -81,19 +81,21 @@ def _f(x: Any, scale: float = 1.0, digits: int = 2) -> str:
 
 
 def timings_table(run_dir: Path) -> str:
-    """The timings of ``run_dir`` as a text table, one row per unit, then the totals."""
+    """The timings of ``run_dir`` as two text tables, one row per unit, then the totals: the
+    compiling columns, then the running ones (two, so that each fits 100 columns)."""
     doc = _read(run_dir)
-    header = [
-        "unit", "compiles", "compile s", "cache hits", "first call s", "step ms", "syncs",
-        "eval s", "probe s", "hooks s", "wall s", "cpu s",
-    ]  # fmt: skip
-    rows, totals = [], dict.fromkeys(("compile_s", "wall_s", "cpu_s", "first_call_s"), 0.0)
+    compiling = ["unit", "compiles", "compile s", "cache hits", "first call s"]
+    running = ["unit", "step ms", "syncs", "eval s", "probe s", "hooks s", "wall s", "cpu s"]
+    first, second = [], []
+    totals = dict.fromkeys(("compile_s", "wall_s", "cpu_s", "first_call_s"), 0.0)
     for entry in doc["units"].values():
         loop = entry.get("loop", {})
-        rows.append([
+        first.append([
             entry["name"], str(loop.get("compiles", "-")), _f(loop.get("compile_s")),
             str(loop.get("compile_cache_hits", "-")), _f(loop.get("first_call_s")),
-            _f(loop.get("steady_step_s"), 1e3, 3), str(loop.get("host_syncs", "-")),
+        ])  # fmt: skip
+        second.append([
+            entry["name"], _f(loop.get("steady_step_s"), 1e3, 3), str(loop.get("host_syncs", "-")),
             _f(loop.get("eval_s")), _f(loop.get("probe_s")), _f(loop.get("hooks_s")),
             _f(entry.get("wall_s")), _f(entry.get("cpu_s")),
         ])  # fmt: skip
@@ -101,13 +103,11 @@ def timings_table(run_dir: Path) -> str:
             totals[key] += loop.get(key, 0.0) or 0.0
         for key in ("wall_s", "cpu_s"):
             totals[key] += entry.get(key, 0.0) or 0.0
-    rows.append([
-        "all units", "", _f(totals["compile_s"]), "", _f(totals["first_call_s"]), "", "", "", "",
-        "", _f(totals["wall_s"]), _f(totals["cpu_s"]),
-    ])  # fmt: skip
+    first.append(["all units", "", _f(totals["compile_s"]), "", _f(totals["first_call_s"])])
+    second.append(["all units", "", "", "", "", "", _f(totals["wall_s"]), _f(totals["cpu_s"])])
     report = doc.get("report")
     if report:
-        rows.append(["report", *[""] * 9, _f(report["wall_s"]), _f(report["cpu_s"])])
-    text = table(rows, header)
+        second.append(["report", *[""] * 5, _f(report["wall_s"]), _f(report["cpu_s"])])
+    text = f"{table(first, compiling)}\n\n{table(second, running)}"
     phases = phases_table(run_dir)
     return text if phases is None else f"{text}\n\nthe whole process, by phase:\n{phases}"

@@ -135,8 +135,8 @@ def _stats(runs: list[dict]) -> dict[str, Any]:
         for key in ("rel_bias", "rel_var", "cosine", "ratio"):
             vals = []
             for s in steps:
-                v = [_real(r[key]) for r in rows if r["step"] == s and r["gemm"] == gemm]
-                v = [x for x in v if x is not None]
+                got = [_real(r[key]) for r in rows if r["step"] == s and r["gemm"] == gemm]
+                v = [x for x in got if x is not None]
                 vals.append(float(np.mean(v)) if v else None)
             per[key] = vals
         out[gemm] = per
@@ -146,7 +146,7 @@ def _stats(runs: list[dict]) -> dict[str, Any]:
     seeds = {}
     for run in runs:
         w = [r for r in run["stats"] if r["site"] == "all" and r["gemm"] == "wgrad"]
-        c = [r["step"] for r in w if _real(r["ratio"]) is not None and _real(r["ratio"]) < SQRT3]
+        c = [r["step"] for r in w if (q := _real(r["ratio"])) is not None and q < SQRT3]
         seeds[str(run["unit"].seed)] = c[0] if c else None
     out["sqrt3_crossing_step_per_seed"] = seeds
     return out
@@ -186,7 +186,7 @@ def summarize(
             "gap_nats": gap,
             "ci95_low": lo,
             "ci95_high": hi,
-            "significant": None if lo is None else bool(lo > 0 or hi < 0),
+            "significant": None if lo is None or hi is None else bool(lo > 0 or hi < 0),
             "tokens_to_match": ttm,
             "tokens_to_match_vs_baseline": (
                 None if ttm is None or not base_tokens else ttm / base_tokens
@@ -247,19 +247,19 @@ def _ranking(out: dict, runs: dict, baseline: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _direction(m, lo, hi) -> str:
+def _direction(m: float | None, lo: float | None, hi: float | None) -> str:
     """A claimed negative difference: reproduced (significant), in its direction but within
     the noise, not reproduced, or contradicted (significantly positive)."""
     if m is None:
         return "not measured"
-    sig = lo is not None and (lo > 0 or hi < 0)
+    sig = lo is not None and hi is not None and (lo > 0 or hi < 0)
     if m < 0:
         return "reproduced" if sig else "same direction, not significant"
     return "contradicted" if sig else "not reproduced"
 
 
-def _sig(lo, hi) -> str:
-    if lo is None:
+def _sig(lo: float | None, hi: float | None) -> str:
+    if lo is None or hi is None:
         return "n/a"
     return "significant" if (lo > 0 or hi < 0) else "not significant"
 
@@ -326,8 +326,8 @@ def quantizer_claims(seed: int = 0, rows: int = 256, cols: int = 1024, draws: in
     out: dict[str, Any] = {}
 
     eden = {}
-    for name, x in data.items():
-        xj = jnp.asarray(x)
+    for name, x_np in data.items():
+        xj = jnp.asarray(x_np)
         signs = fp4.random_signs(jax.random.fold_in(key, 7), 128)
         xr = fp4.rotate(xj, signs)
         e, sr_rot, sr_raw = [], [], []
@@ -594,7 +594,7 @@ def plot(s: dict[str, Any], out_dir: Path) -> list[Path]:
 
     out_dir = Path(out_dir)
     paths = []
-    # page-wide figures (7.5 in at 110 dpi: 825 px) with 8-9 point text, readable on the site
+    # page-wide figures (7.5 in at 110 dpi: 825 px), text of 9 points or more: readable on the site
     fig = Figure(figsize=(7.5, 5))
     ax = fig.add_subplot(1, 1, 1)
     for name, v in s["variants"].items():
@@ -607,7 +607,7 @@ def plot(s: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.axhline(s["match_loss"], color="0.5", lw=0.5)
     ax.set_xlabel("tokens (millions)")
     ax.set_ylabel("evaluation loss (nats, seed mean)")
-    ax.legend(fontsize=8, ncol=2)
+    ax.legend(fontsize=9, ncol=2)
     ax.set_title("Evaluation loss")
     fig.tight_layout()
     _io.save_figure(fig, out_dir / "loss_curves.png", dpi=110)
@@ -649,7 +649,7 @@ def plot(s: dict[str, Any], out_dir: Path) -> list[Path]:
             ax.set_title(label, fontsize=9)
             ax.set_xlabel("step")
         handles, labels = fig.axes[0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="lower center", ncols=3, fontsize=8, frameon=False)
+        fig.legend(handles, labels, loc="lower center", ncols=3, fontsize=9, frameon=False)
         fig.tight_layout(rect=(0, legend_in / (3 * 2.4 + legend_in), 1, 1))
         _io.save_figure(fig, out_dir / "gemm_stats.png", dpi=110)
         paths.append(out_dir / "gemm_stats.png")

@@ -5,13 +5,16 @@ from __future__ import annotations
 import functools
 import math
 import operator
+from collections.abc import Callable, Sequence
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike, DTypeLike
 
 from precisionlab.hardware import _block, _wide
 from precisionlab.hardware import _kernel as _k
@@ -19,6 +22,7 @@ from precisionlab.hardware._presets import Resolved, resolve
 from precisionlab.hardware._presets import preset as _preset
 from precisionlab.hardware._profiles import check_inputs
 from precisionlab.hardware._schedule import Schedule
+from precisionlab.hardware._step import Step
 
 __all__ = ["MEMORY_BUDGET", "check_gemm_size", "dot_general", "gemm"]
 
@@ -69,7 +73,7 @@ def _code_values(fmt: str) -> np.ndarray:
     return codes.view(dt).astype(np.float32)
 
 
-def _concrete(x) -> np.ndarray | None:
+def _concrete(x: ArrayLike) -> np.ndarray | None:
     """``x`` as numpy when it has a value now (not a tracer under jit or vmap), else None."""
     try:
         return np.asarray(x)
@@ -77,7 +81,9 @@ def _concrete(x) -> np.ndarray | None:
         return None
 
 
-def as_operand(x, fmt: str | None, which: str) -> tuple[jax.Array, str, jax.Array | None]:
+def as_operand(
+    x: ArrayLike, fmt: str | None, which: str
+) -> tuple[jax.Array, str, jax.Array | None]:
     """``x`` as a JAX array, its element format name, and (integer codes under a trace only)
     the mask of codes out of the format's range, whose outputs become NaN. A numpy array of an
     FP6 dtype (ml_dtypes; JAX has none) becomes its uint8 codes. Integer codes need ``fmt``:
@@ -159,7 +165,14 @@ def check_gemm_size(
 
 
 def chain_all(
-    a, b, res: Resolved, a_off=None, b_off=None, fa=None, fb=None, init=None
+    a: jax.Array,
+    b: jax.Array,
+    res: Resolved,
+    a_off: jax.Array | None = None,
+    b_off: jax.Array | None = None,
+    fa: str | None = None,
+    fb: str | None = None,
+    init: jax.Array | None = None,
 ) -> jax.Array:
     """float32 accumulators of ``a`` (M, K) x ``b`` (K, N) under ``res``; ``a_off`` (M, K) and
     ``b_off`` (K, N): int32 exponent offsets (MX block scales) or None; ``fa``/``fb``: the
@@ -202,11 +215,12 @@ def chain_all(
     am, ae = _k.decode(a, _k.shift_for(step, pa, pb), flush, fa)
     bm, be = _k.decode(b, 0, flush, fb)
     if a_off is not None:
+        assert b_off is not None  # block scales come in pairs (_check_blocks)
         ae = ae + jnp.pad(a_off, ((0, 0), (0, kp - kk)))
         be = be + jnp.pad(b_off, ((0, kp - kk), (0, 0)))
 
     # (nslices, nblocks, nsteps, w, M or N): slices, then blocks, then steps, run in order
-    def lay(x, r):
+    def lay(x: jax.Array, r: int) -> jax.Array:
         x = x.reshape(r, nslices, nblocks, nsteps, w)
         return jnp.transpose(x, (1, 2, 3, 4, 0))
 
@@ -215,17 +229,19 @@ def chain_all(
     zero = jnp.zeros((m, n), jnp.float32)
     start = zero if init is None else init
 
-    apply = _wide.step_apply if step.fraction_bits > _k.MAX_F else _k.step_apply
+    apply: Callable[..., jax.Array] = (
+        _wide.step_apply if step.fraction_bits > _k.MAX_F else _k.step_apply
+    )
 
-    def one_step(c, x):
+    def one_step(c: jax.Array, x: tuple) -> tuple[jax.Array, None]:
         return apply(*x, c, step, pa, pb), None
 
-    def one_block(total, x):
+    def one_block(total: jax.Array, x: tuple) -> tuple[jax.Array, None]:
         c, _ = lax.scan(one_step, start, x)
         # restart: the block's chain is added into a float32 register, rounded to nearest
         return (c if nblocks == 1 else total + c), None
 
-    def one_slice(_, x):
+    def one_slice(_: None, x: tuple) -> tuple[None, jax.Array]:
         total, _ = lax.scan(one_block, zero, x)
         return None, total
 
@@ -233,7 +249,9 @@ def chain_all(
     return _reduce_slices(acc, sch)
 
 
-def _fp8_pairs(a, b, step, sch: Schedule, scaled: bool):
+def _fp8_pairs(
+    a: jax.Array, b: jax.Array, step: Step, sch: Schedule, scaled: bool
+) -> tuple[jax.Array, jax.Array]:
     """``a`` (M, K) and ``b`` (K, N) reordered along K as ``k_order="fp8_pairs"`` takes them
     (:mod:`~precisionlab.hardware._schedule`): K zero-padded to a multiple of 32, then in each
     32-k block the k with ``k % 4`` in {0, 1} first, those in {2, 3} second."""
@@ -264,15 +282,24 @@ def _reduce_slices(acc: jax.Array, sch: Schedule) -> jax.Array:
     if sch.split_order == "sequential":
         out, _ = lax.scan(lambda s, x: (s + x, None), acc[0], acc[1:])
         return out
-    nb = len(sch.split_order)
+    bits = sch.split_order
+    assert not isinstance(bits, str)  # Schedule takes no other string than "sequential"
+    nb = len(bits)
     x = acc.reshape((2,) * nb + acc.shape[1:])  # axis j holds bit nb - 1 - j
-    for bit in sch.split_order:
+    for bit in bits:
         ax = nb - 1 - bit
         x = lax.index_in_dim(x, 0, ax) + lax.index_in_dim(x, 1, ax)
     return x.reshape(acc.shape[1:])
 
 
-def specials(a, b, acc, fa=None, fb=None, init=None):
+def specials(
+    a: jax.Array,
+    b: jax.Array,
+    acc: jax.Array,
+    fa: str | None = None,
+    fb: str | None = None,
+    init: jax.Array | None = None,
+) -> jax.Array:
     """The outputs the special inputs decide, whatever the order of the sum (the step model
     covers finite values): NaN where a product is NaN (a NaN input, or an infinity times a
     zero) or where +inf and -inf products (with ``init``, the accumulator going in, if any)
@@ -283,7 +310,9 @@ def specials(a, b, acc, fa=None, fb=None, init=None):
         return acc  # FP6 and FP4 have no inf or NaN
     va, vb = _values(a, fa), _values(b, fb)
 
-    def meet(left, right):  # any k with left[i, k] and right[k, j]: a 0/1 matmul, exact > 0
+    def meet(
+        left: list[jax.Array], right: list[jax.Array]
+    ) -> jax.Array:  # any k with left[i, k] and right[k, j]: a 0/1 matmul, exact > 0
         lhs = jnp.concatenate([x.astype(jnp.float32) for x in left], axis=1)
         rhs = jnp.concatenate([x.astype(jnp.float32) for x in right], axis=0)
         return jnp.matmul(lhs, rhs, precision=lax.Precision.HIGHEST) > 0
@@ -303,7 +332,7 @@ def specials(a, b, acc, fa=None, fb=None, init=None):
     return jnp.where(nan | (pos & neg), jnp.float32(jnp.nan), out)
 
 
-def poison(out: jax.Array, bad_a, bad_b) -> jax.Array:
+def poison(out: jax.Array, bad_a: jax.Array | None, bad_b: jax.Array | None) -> jax.Array:
     """NaN in every output whose row of ``a`` or column of ``b`` holds an out-of-range code
     (masks from :func:`as_operand`; None: none possible)."""
     if bad_a is not None:
@@ -313,7 +342,9 @@ def poison(out: jax.Array, bad_a, bad_b) -> jax.Array:
     return out
 
 
-def _check_blocks(a, b, bsa, bsb, kind: str) -> int:
+def _check_blocks(
+    a: jax.Array, b: jax.Array, bsa: jax.Array | None, bsb: jax.Array | None, kind: str
+) -> int:
     """Validate block scales against the operands; the block size (elements per scale)."""
     if bsa is None or bsb is None:
         raise ValueError("block-scaled GEMMs need both block_scale_a and block_scale_b")
@@ -348,13 +379,32 @@ def _check_blocks(a, b, bsa, bsb, kind: str) -> int:
 
 @partial(jax.jit, static_argnames=("device", "library", "fast_accumulation", "out_dtype", "ov",
                                    "fa", "fb"))  # fmt: skip
-def _gemm(a, b, scale_a, scale_b, bias, bsa, bsb, bad_a, bad_b, *, device, library,
-          fast_accumulation, out_dtype, ov, fa, fb):  # fmt: skip
+def _gemm(
+    a: jax.Array,
+    b: jax.Array,
+    scale_a: ArrayLike | None,
+    scale_b: ArrayLike | None,
+    bias: ArrayLike | None,
+    bsa: jax.Array | None,
+    bsb: jax.Array | None,
+    bad_a: jax.Array | None,
+    bad_b: jax.Array | None,
+    *,
+    device: str,
+    library: str,
+    fast_accumulation: bool,
+    out_dtype: str,
+    ov: tuple,
+    fa: str,
+    fb: str,
+) -> jax.Array:
     kind = _kind(fa, fb)  # gemm checked the call; this is the traced body
     res = resolve(device, library, fast_accumulation, kind, dict(ov), a.shape[1])
     if kind == "fp4":
+        assert bsa is not None and bsb is not None  # gemm refuses FP4 without block scales
         acc = _block.chain_fp4(a, b, bsa, bsb, res.step)
     elif bsa is not None:
+        assert bsb is not None  # block scales come in pairs (_check_blocks)
         block = a.shape[1] // bsa.shape[1]
         a_off, nan_a = _block.exponent_offsets(bsa, block, axis=1)
         b_off, nan_b = _block.exponent_offsets(bsb, block, axis=0)
@@ -373,10 +423,12 @@ def _gemm(a, b, scale_a, scale_b, bias, bsa, bsb, bad_a, bad_b, *, device, libra
 
 
 def gemm(
-    a: jax.Array, b: jax.Array, device: str = "h100", library: str = "cublaslt",
-    fast_accumulation: bool = True, out_dtype=jnp.float32, *, scale_a=None, scale_b=None,
-    bias=None, block_scale_a=None, block_scale_b=None, a_format=None, b_format=None,
-    **overrides,
+    a: ArrayLike, b: ArrayLike, device: str = "h100", library: str = "cublaslt",
+    fast_accumulation: bool = True, out_dtype: DTypeLike = jnp.float32, *,
+    scale_a: ArrayLike | None = None, scale_b: ArrayLike | None = None,
+    bias: ArrayLike | None = None, block_scale_a: ArrayLike | None = None,
+    block_scale_b: ArrayLike | None = None, a_format: str | None = None,
+    b_format: str | None = None, **overrides: Any,
 ) -> jax.Array:  # fmt: skip
     """``a @ b`` as ``device``'s tensor cores under ``library`` compute it, bit for bit.
 
@@ -456,9 +508,9 @@ def gemm(
 
 
 def dot_general(
-    lhs: jax.Array, rhs: jax.Array, dimension_numbers, *, preset: str | None = None,
+    lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, *, preset: str | None = None,
     device: str = "h100", library: str = "cublaslt", fast_accumulation: bool = True,
-    out_dtype=jnp.float32, **overrides,
+    out_dtype: DTypeLike = jnp.float32, **overrides: Any,
 ) -> jax.Array:  # fmt: skip
     """``lax.dot_general(lhs, rhs, dimension_numbers)`` computed by :func:`gemm`.
 
@@ -500,13 +552,18 @@ def dot_general(
         return jnp.zeros(bshape + lfs + rfs, jnp.dtype(out_dtype))
     a3 = jnp.transpose(lhs, (*lb, *lf, *lc)).reshape(bsz, -1, k)
     b3 = jnp.transpose(rhs, (*rb, *rc, *rf)).reshape(bsz, k, -1)
-    f = partial(gemm, device=device, library=library, fast_accumulation=fast_accumulation,
-                out_dtype=out_dtype, **overrides)  # fmt: skip
+
+    def f(a: jax.Array, b: jax.Array) -> jax.Array:
+        return gemm(a, b, device=device, library=library, fast_accumulation=fast_accumulation,
+                    out_dtype=out_dtype, **overrides)  # fmt: skip
+
     y = jax.vmap(f)(a3, b3)
     return y.reshape(bshape + lfs + rfs)
 
 
-def _dimensions(dimension_numbers, lshape, rshape) -> tuple[tuple[int, ...], ...]:
+def _dimensions(
+    dimension_numbers: Any, lshape: Sequence[int], rshape: Sequence[int]
+) -> tuple[tuple[int, ...], ...]:
     """``(lc, rc, lb, rb)`` of ``dimension_numbers`` ``((lc, rc), (lb, rb))``; ValueError
     unless each is a sequence of distinct in-range axes, paired axes have equal sizes, and an
     axis is contracting or batch, not both."""

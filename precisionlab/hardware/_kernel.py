@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from precisionlab.formats import get_format
+from precisionlab.formats import FloatFormat, get_format
 from precisionlab.hardware._step import Step
 
 __all__ = ["INPUT_FORMATS", "decode", "step_apply"]
@@ -24,6 +24,7 @@ __all__ = ["INPUT_FORMATS", "decode", "step_apply"]
 
 def _fields(name: str) -> tuple[int, int, int, jnp.dtype]:
     f = get_format(name)
+    assert isinstance(f, FloatFormat)  # the tensor cores' inputs are float formats
     return f.mantissa_bits, f.exponent_bits, 1 - f.emin, jnp.dtype(f.code_dtype)
 
 
@@ -100,7 +101,9 @@ def bitlen(x: jax.Array) -> jax.Array:
     return 32 - lax.clz(x)
 
 
-def to_f32(neg, hi, lo, q, bits: int, base: int = 15) -> jax.Array:
+def to_f32(
+    neg: jax.Array, hi: jax.Array, lo: jax.Array, q: jax.Array, bits: int, base: int = 15
+) -> jax.Array:
     """float32 of ``+-(hi * 2**base + lo) * 2**q`` (``hi >= 0``, ``0 <= lo < 2**base``) cut
     toward zero to ``bits`` significant bits and to float32's subnormal grid."""
     lead = jnp.where(hi > 0, base + bitlen(hi), bitlen(lo))  # bit length of the magnitude

@@ -67,7 +67,7 @@ _WHAT = {
 }
 
 
-def canonical_preset(name: str) -> str:
+def canonical_preset(name: object) -> str:
     """The preset ``name`` stands for (itself or its alias's target). ValueError for an
     ambiguous name (listing the choices) or an unknown one (listing the names)."""
     if isinstance(name, str) and name in PRESETS:
@@ -164,7 +164,7 @@ def resolve(device: str, library: str, fast_accumulation: bool, kind: str,
     return Resolved(prof, step, sched)
 
 
-def preset(name: str) -> dict:
+def preset(name: object) -> dict:
     """``gemm`` keyword arguments of a named preset or alias (:func:`canonical_preset`)."""
     dev, lib, fast = PRESETS[canonical_preset(name)]
     return {"device": dev, "library": lib, "fast_accumulation": fast}

@@ -10,15 +10,22 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
-from precisionlab.formats import get_format
+from precisionlab.formats import FloatFormat, get_format
 from precisionlab.hardware._step import Step
 
 __all__ = ["EMIN", "SCALE_EMIN", "block_step_reference", "chain_reference", "step_reference"]
 
+
+def _emin(name: str) -> int:
+    f = get_format(name)
+    assert isinstance(f, FloatFormat)  # _NAMES are float formats
+    return f.emin
+
+
 #: smallest normal exponent of each input format (from :mod:`precisionlab.formats`)
 _NAMES = ("float8_e4m3fn", "float8_e5m2", "float6_e2m3fn", "float6_e3m2fn", "float4_e2m1fn",
           "float16", "bfloat16")  # fmt: skip
-EMIN = {n: get_format(n).emin for n in _NAMES}
+EMIN = {n: _emin(n) for n in _NAMES}
 
 
 def _exp(x: float, emin: int) -> int:
@@ -138,12 +145,12 @@ def block_step_reference(
     unit = Fraction(2) ** (big - step.fraction_bits)
     total = sum(math.trunc(t / unit) for t in terms)
     if total == 0:
-        s = 0.0
+        r = 0.0
     else:
         drop = max(abs(total).bit_length() - step.result_bits, 0)
         drop = max(drop, -149 - (big - step.fraction_bits))
         v = Fraction(abs(total) >> drop) * unit * Fraction(2) ** drop
-        s = math.copysign(math.inf if v >= Fraction(2) ** 128 else float(v), total)
+        r = math.copysign(math.inf if v >= Fraction(2) ** 128 else float(v), total)
     if step.accumulator_in_alignment:
-        return s
-    return _rn_f32(Fraction(c) + Fraction(s))
+        return r
+    return _rn_f32(Fraction(c) + Fraction(r))

@@ -28,7 +28,6 @@ What it owns:
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import math
 import re
@@ -719,9 +718,3 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, Any, list]:
 
     closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*[abstract(leaves[i]) for i in dyn])
     return closed, out_shape, [leaves[i] for i in dyn]
-
-
-def parse_recorded(text: str) -> Any:
-    """A recorded parameter's text (``"((), (None,), (None,))"``) as a Python value: the form
-    the replay tests feed :func:`scan_split`."""
-    return ast.literal_eval(text)

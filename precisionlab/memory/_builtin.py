@@ -25,11 +25,12 @@ from precisionlab.memory._estimate import (
     layer_activation_bytes,
     tree_bytes,
 )
-from precisionlab.memory._measure import measure
+from precisionlab.memory._measure import Measured, measure
 from precisionlab.memory._recipe import builtin_gemms, recipe_memory
 from precisionlab.memory._steps import BuiltStep
 from precisionlab.mixed import Policy, get_policy
-from precisionlab.train import StepOptions, TrainConfig, build, build_step
+from precisionlab.train import Model, StepOptions, TrainConfig, TrainState, build, build_step
+from precisionlab.train._recipe import TrainRecipe
 
 __all__ = [
     "activation_bytes",
@@ -269,7 +270,15 @@ def measure_train_table(table: dict[str, Any], where: str = "train") -> dict[str
     }
 
 
-def _recipe_part(table, where, train_recipe, model, cfg, state, got) -> dict[str, Any]:
+def _recipe_part(
+    table: dict[str, Any],
+    where: str,
+    train_recipe: TrainRecipe,
+    model: Model,
+    cfg: TrainConfig,
+    state: TrainState,
+    got: Measured,
+) -> dict[str, Any]:
     """A recipe step's extra memory: its state in the arguments (delayed scaling: float32
     (L + 2) x 3 per matmul site, counted from the model's matmuls; with include/exclude, from
     the sites the state holds), the copies hardware would keep (:mod:`._recipe`), and XLA's
@@ -281,8 +290,11 @@ def _recipe_part(table, where, train_recipe, model, cfg, state, got) -> dict[str
         n_sites = len(state.recipe_state or {})
     else:
         n_sites = len(gemms)
-    history = getattr(recipe, "amax_history_len", None)
-    state_bytes = n_sites * 4 * 3 * (history + 2) if train_recipe.stateful else 0
+    state_bytes = 0
+    if train_recipe.stateful:
+        history = getattr(recipe, "amax_history_len", None)
+        assert history is not None  # delayed scaling: recipe_memory refused the FP4 recipes
+        state_bytes = n_sites * 4 * 3 * (history + 2)
     plain = {k: v for k, v in table.items() if k != "recipe"}
     without = measure_train_table(plain, where)
     return {

@@ -178,11 +178,11 @@ class TrainSetup:
 
     @property
     def param_dtype(self) -> np.dtype:
-        return self.policy.param_dtype
+        return _policy(self).param_dtype
 
     @property
     def compute_dtype(self) -> np.dtype:
-        return self.policy.compute_dtype
+        return _policy(self).compute_dtype
 
     @property
     def state_dtype(self) -> np.dtype:
@@ -191,6 +191,11 @@ class TrainSetup:
     @property
     def gradient_dtype(self) -> np.dtype:
         return self.compute_dtype if self.grad_dtype is None else self.grad_dtype
+
+
+def _policy(setup: TrainSetup) -> Policy:
+    assert isinstance(setup.policy, Policy)  # TrainSetup.__post_init__ parsed it
+    return setup.policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,7 +333,7 @@ def estimate(model: ModelSpec, setup: TrainSetup) -> Breakdown:
     boundary, full = _activations(model, setup, setup.checkpoint_every)
     seq = setup.seq or model.seq_len
     micro = setup.batch // setup.microbatches
-    policy = setup.policy
+    policy = _policy(setup)
     logits = micro * seq * model.vocab
     temporaries = logits * (
         _nbytes(policy.output_dtype) + _nbytes(policy.op_dtype("cross_entropy"))

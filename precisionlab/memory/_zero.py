@@ -143,6 +143,8 @@ def measure_zero_table(
     batch = shard_batch(batch, mesh)
     compiled = jax.jit(step_fn, donate_argnums=0).lower(state, batch).compile()
     stats = compiled.memory_analysis()
+    if stats is None:  # a backend that reports no buffer assignment
+        raise ValueError(f"XLA gives no memory analysis on {jax.default_backend()}")
     in_state = compiled.input_shardings[0][0]
 
     param_dtype = storage.param_dtype(policy.param_dtype)

@@ -47,7 +47,7 @@ def filter_value_and_grad(
     ``has_aux``); ``grads`` has each differentiated argument's structure (a tuple of them when
     ``argnums`` is a sequence)."""
     single = isinstance(argnums, int)
-    nums = (argnums,) if single else tuple(argnums)
+    nums: tuple[int, ...] = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
     def f(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         for n in nums:
@@ -97,7 +97,7 @@ def filter_jit(fn: Callable) -> Callable[..., Any]:
             full = list(leaves)
             for i, v in zip(dyn, values, strict=True):
                 full[i] = v
-            a, k = treedef.unflatten(full)
+            a, k = jax.tree_util.tree_unflatten(treedef, full)
             return fn(*a, **k)
 
         return jax.jit(inner)(*[leaves[i] for i in dyn])

@@ -589,6 +589,7 @@ def _named_values(
         signs = jnp.ones((_divisor(x.shape[-1], 32),), jnp.float32)
         q = quest(rotate(x, signs))
         return rotate(q.values(), signs, inverse=True), (q.mask, signs)
+    assert key is not None  # ms_eden: fake_quant refused a missing key
     ks, kq = jax.random.split(key)
     n = _divisor(x.shape[-1], 128)
     signs = random_signs(ks, n)

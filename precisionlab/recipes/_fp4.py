@@ -321,7 +321,7 @@ class FP4Recipe(Recipe):
         return list(jax.random.split(key, n))
 
     # --- the recipe --------------------------------------------------------------------------
-    def forward(self, kinds, a, b, state, key) -> tuple[jax.Array, Any]:
+    def forward(self, kinds, a, b, state, key) -> tuple[jax.Array, Any, Any]:
         """(fprop output (B, M, N), residuals for :meth:`backward`, observation or None)."""
         raise NotImplementedError
 

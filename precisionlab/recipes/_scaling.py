@@ -17,7 +17,7 @@ scale is NaN and so is every value of the group, instead of a silently saturated
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple, overload
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +31,14 @@ from precisionlab.quant._pow2 import scale_exponent
 
 __all__ = ["Floor", "QOperand", "amax", "block_pow2", "mx_blocks", "nvfp4", "per_row", "tensorwise"]
 
-E4M3 = FORMATS["float8_e4m3fn"]
+
+def _float_format(name: str) -> FloatFormat:
+    fmt = FORMATS[name]
+    assert isinstance(fmt, FloatFormat)  # the element formats are float formats
+    return fmt
+
+
+E4M3 = _float_format("float8_e4m3fn")
 _ABS = np.uint32(0x7FFFFFFF)
 
 
@@ -68,7 +75,7 @@ class QOperand(NamedTuple):
         return factor
 
 
-def amax(x: jax.Array, axis, keepdims: bool = True) -> jax.Array:
+def amax(x: jax.Array, axis: int | tuple[int, ...] | None, keepdims: bool = True) -> jax.Array:
     """float32 max |x| computed on the bits (exact for subnormals; NaN wins over inf)."""
     b = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32) & _ABS
     m = jnp.max(b, axis=axis, keepdims=keepdims)
@@ -85,13 +92,12 @@ def is_finite(a: jax.Array) -> jax.Array:
 
 
 def round_elements(
-    y: jax.Array, fmt: FloatFormat, rounding: str = "nearest_even", key=None
+    y: jax.Array, fmt: FloatFormat, rounding: str = "nearest_even", key: jax.Array | None = None
 ) -> jax.Array:
     """Scaled values to the element format, saturating to +-max (NaN stays NaN), float32."""
-    kw = {"rounding": rounding}
     if rounding == "stochastic":
-        kw["key"] = key
-    return decode(encode(y, fmt, saturate=True, **kw), fmt)
+        return decode(encode(y, fmt, saturate=True, rounding=rounding, key=key), fmt)
+    return decode(encode(y, fmt, saturate=True, rounding=rounding), fmt)
 
 
 def mul_pow2(x: jax.Array, e: jax.Array) -> jax.Array:
@@ -100,13 +106,14 @@ def mul_pow2(x: jax.Array, e: jax.Array) -> jax.Array:
     normal), else the integer ldexp (XLA on CPU flushes float32 subnormals)."""
     safe = jnp.all(jnp.abs(e) <= 100)
 
-    def fast(x, e):  # 2**e built from its exponent field, on e's own (small) shape
+    def fast(x: jax.Array, e: jax.Array) -> jax.Array:
+        # 2**e built from its exponent field, on e's own (small) shape
         two_e = lax.bitcast_convert_type(
             (jnp.clip(e, -126, 127) + 127).astype(jnp.uint32) << 23, jnp.float32
         )
         return x * two_e
 
-    def exact(x, e):
+    def exact(x: jax.Array, e: jax.Array) -> jax.Array:
         return pow2.ldexp(x, jnp.broadcast_to(e, x.shape))
 
     return lax.cond(safe, fast, exact, x, e)
@@ -117,8 +124,8 @@ class Floor(NamedTuple):
     arguments of a program so that floors share it): ``lo``, the smallest float32 >= eps,
     and ``clamp``, ``fmt_max / eps`` computed in float64 and rounded once."""
 
-    lo: jax.Array | np.ndarray
-    clamp: jax.Array | np.ndarray
+    lo: jax.Array | np.ndarray | np.floating
+    clamp: jax.Array | np.ndarray | np.floating
 
 
 def floor_numbers(fmt_max: float, eps: float) -> Floor:
@@ -148,7 +155,21 @@ def _pow2_floor(s: jax.Array) -> jax.Array:
 
 
 # --- tensor- and row-wise ----------------------------------------------------------------
-def scale_from_amax(a: jax.Array, fmt_max: float, *, eps: float | Floor, pow2_scales: bool):
+@overload
+def scale_from_amax(
+    a: jax.Array, fmt_max: float, *, eps: float | Floor, pow2_scales: Literal[True]
+) -> tuple[jax.Array, jax.Array]: ...
+@overload
+def scale_from_amax(
+    a: jax.Array, fmt_max: float, *, eps: float | Floor, pow2_scales: Literal[False]
+) -> tuple[jax.Array, None]: ...
+@overload
+def scale_from_amax(
+    a: jax.Array, fmt_max: float, *, eps: float | Floor, pow2_scales: bool
+) -> tuple[jax.Array, jax.Array | None]: ...
+def scale_from_amax(
+    a: jax.Array, fmt_max: float, *, eps: float | Floor, pow2_scales: bool
+) -> tuple[jax.Array, jax.Array | None]:
     """Quantization scale ``s`` (x * s lands in the element range) from an amax.
 
     ``s = fmt_max / max(amax, eps)`` (TE current scaling, torchao tensorwise/rowwise with
@@ -168,7 +189,14 @@ def scale_from_amax(a: jax.Array, fmt_max: float, *, eps: float | Floor, pow2_sc
     return jnp.where(bad, jnp.float32(jnp.nan), s), None
 
 
-def _apply(x, s, e, fmt, rounding, key) -> jax.Array:
+def _apply(
+    x: jax.Array,
+    s: jax.Array,
+    e: jax.Array | None,
+    fmt: FloatFormat,
+    rounding: str,
+    key: jax.Array | None,
+) -> jax.Array:
     y = mul_pow2(x, e) if e is not None else x * s
     y = jnp.where(jnp.isnan(s), jnp.float32(jnp.nan), y)
     return round_elements(y, fmt, rounding, key)
@@ -182,8 +210,8 @@ def _inv(s: jax.Array, e: jax.Array | None) -> jax.Array:
 
 def tensorwise(
     x: jax.Array, fmt: FloatFormat, *, eps: float | Floor, pow2_scales: bool,
-    rounding="nearest_even",
-    key=None,
+    rounding: str = "nearest_even",
+    key: jax.Array | None = None,
 ) -> tuple[QOperand, jax.Array]:  # fmt: skip
     """One scale for the whole operand (current scaling). Returns (operand, scale s)."""
     s, e = scale_from_amax(amax(x, None), fmt.max, eps=eps, pow2_scales=pow2_scales)
@@ -191,7 +219,13 @@ def tensorwise(
     return QOperand(q, _inv(s, e).reshape(1, 1, 1), None), s
 
 
-def with_scale(x: jax.Array, s: jax.Array, fmt: FloatFormat, rounding="nearest_even", key=None):
+def with_scale(
+    x: jax.Array,
+    s: jax.Array,
+    fmt: FloatFormat,
+    rounding: str = "nearest_even",
+    key: jax.Array | None = None,
+) -> QOperand:
     """Quantize with a given per-tensor scale (delayed scaling): saturating cast of x * s.
     TE saturates (NaN stays NaN); the inverse scale is float32 1/s."""
     q = round_elements(x * s, fmt, rounding, key)
@@ -199,7 +233,12 @@ def with_scale(x: jax.Array, s: jax.Array, fmt: FloatFormat, rounding="nearest_e
 
 
 def per_row(
-    x: jax.Array, fmt: FloatFormat, *, eps: float | Floor, rounding="nearest_even", key=None
+    x: jax.Array,
+    fmt: FloatFormat,
+    *,
+    eps: float | Floor,
+    rounding: str = "nearest_even",
+    key: jax.Array | None = None,
 ) -> tuple[QOperand, jax.Array]:
     """One power-of-two scale per row along the contraction (last) axis: torchao rowwise
     (axiswise scaling, ``round_scales_to_power_of_2=True``). Returns (operand, s (B,R,1))."""
@@ -230,7 +269,13 @@ def block_amax(x: jax.Array, block: int, two_d: bool) -> jax.Array:
 
 
 def block_pow2(
-    x: jax.Array, fmt: FloatFormat, block: int, *, two_d: bool, rounding="nearest_even", key=None
+    x: jax.Array,
+    fmt: FloatFormat,
+    block: int,
+    *,
+    two_d: bool,
+    rounding: str = "nearest_even",
+    key: jax.Array | None = None,
 ) -> tuple[QOperand, jax.Array]:
     """DeepSeek-V3 / TE Float8BlockScaling: per 1 x block (or block x block) tile, the scale
     ``s = 2**floor(log2(float32(fmt_max / amax)))``, amax 0 -> 1, inf quotient -> 2**127.
@@ -242,7 +287,13 @@ def block_pow2(
 
 
 def mx_blocks(
-    x: jax.Array, fmt: FloatFormat, block: int, rule: str, *, rounding="nearest_even", key=None
+    x: jax.Array,
+    fmt: FloatFormat,
+    block: int,
+    rule: str,
+    *,
+    rounding: str = "nearest_even",
+    key: jax.Array | None = None,
 ) -> tuple[QOperand, jax.Array]:
     """OCP MX: E8M0 scale X = 2**e per ``block`` elements along K, e by ``rule`` (see
     :data:`precisionlab.quant.SCALE_RULES`), clamped to [-127, 127]; elements x / X rounded and
@@ -263,14 +314,19 @@ def mx_blocks(
 
 
 # --- NVFP4 -------------------------------------------------------------------------------
-_E2M1 = FORMATS["float4_e2m1fn"]
+_E2M1 = _float_format("float4_e2m1fn")
 _NV_GLOBAL = np.float32(6.0 * 448.0)
 _SIXTH = np.float32(np.float32(1.0) / np.float32(6.0))
 _F32_MAX = np.float32(np.finfo(np.float32).max)
 
 
 def nvfp4(
-    x: jax.Array, block: int, *, two_d: bool, rounding="nearest_even", key=None
+    x: jax.Array,
+    block: int,
+    *,
+    two_d: bool,
+    rounding: str = "nearest_even",
+    key: jax.Array | None = None,
 ) -> tuple[QOperand, jax.Array, jax.Array]:
     """NVFP4 two-level scaling (TE NVFP4BlockScaling; NVIDIA, "Pretraining LLMs with NVFP4").
 

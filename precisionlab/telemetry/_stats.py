@@ -33,13 +33,15 @@ Conventions:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike
 
 from precisionlab.quant import _pow2 as pow2
 from precisionlab.recipes import _scaling as S
@@ -109,7 +111,9 @@ def _count(mask: jax.Array) -> jax.Array:
     return jnp.sum(mask, dtype=jnp.int32)
 
 
-def _target_counts(x2, finite, nonzero, xn, k, t: Target):
+def _target_counts(
+    x2: jax.Array, finite: jax.Array, nonzero: jax.Array, xn: jax.Array, k: jax.Array, t: Target
+) -> list[jax.Array]:
     q = quantize_target(x2, t)
     bits = magnitude_bits(q.elems)
     thr, tie = t.overflow_threshold
@@ -128,7 +132,7 @@ def _target_counts(x2, finite, nonzero, xn, k, t: Target):
     return [_count(over), _count(sat), _count(under), _count(sub), _count(poisoned), noise]
 
 
-def tensor_stats(x: jax.Array, targets=()) -> TensorStats:
+def tensor_stats(x: ArrayLike, targets: Any = ()) -> TensorStats:
     """Statistics of ``x`` (any float dtype and shape; computed in float32), and for each
     target (a static tuple of names, see :mod:`precisionlab.telemetry._targets`) the
     counts of its quantized copy. Row and block targets scale along the last axis. Jittable;
@@ -172,7 +176,7 @@ def _stats(x: jax.Array, ts: tuple[Target, ...]) -> TensorStats:
 _CHUNK = 512  # elements per row of the concatenated buffer of stats_of_many
 
 
-def stats_of_many(tensors: dict, targets=()) -> dict:
+def stats_of_many(tensors: dict, targets: Any = ()) -> dict:
     """``{key: tensor_stats(x, targets)}`` for a dict of float arrays: :func:`stacked_stats`
     split per key (inside ``jit`` prefer :func:`stacked_stats` itself: a program with
     hundreds of small outputs compiles several times slower)."""
@@ -181,7 +185,7 @@ def stats_of_many(tensors: dict, targets=()) -> dict:
     return {k: jax.tree.map(lambda v, j=j: v[j], st) for j, k in enumerate(keys)}
 
 
-def stacked_stats(xs, targets=()) -> TensorStats:
+def stacked_stats(xs: Sequence[ArrayLike], targets: Any = ()) -> TensorStats:
     """The statistics of every tensor of ``xs`` (a sequence of float arrays of any shapes),
     stacked: each field gets a leading axis of ``len(xs)`` (``TensorStats(*fields)[i]`` is
     ``tensor_stats(xs[i], targets)``), in one program whose size does not grow with the
@@ -197,18 +201,18 @@ def stacked_stats(xs, targets=()) -> TensorStats:
     one that depends on the tensor alone, not on the others stacked with it. Use :func:`combine` /
     :func:`reduce_over` under ``jax.vmap``."""
     ts = parse_targets(targets)
-    xs = [jnp.asarray(x) for x in xs]
-    for i, x in enumerate(xs):
+    arrays = [jnp.asarray(x) for x in xs]
+    for i, x in enumerate(arrays):
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"stacked_stats takes float arrays, got {x.dtype} at position {i}")
-    if not xs:
+    if not arrays:
         raise ValueError("stacked_stats needs at least one tensor")
     flat = tuple(t for t in ts if t.scaling in ("none", "tensor"))
-    base = _segmented(xs, flat)
+    base = _segmented(arrays, flat)
     per = tuple(t for t in ts if t.scaling not in ("none", "tensor"))
     if not per:
         return base
-    laid = _by_layout(xs, base.k, per)
+    laid = _by_layout(arrays, base.k, per)
     ia, ib = iter(range(len(flat))), iter(range(len(per)))
     order = [("a", next(ia)) if t.scaling in ("none", "tensor") else ("b", next(ib)) for t in ts]
     cols = {}
@@ -240,7 +244,9 @@ def _segmented(xs: list[jax.Array], ts: tuple[Target, ...]) -> TensorStats:
     # them far faster than scatters (and the rows are few: 512 elements each).
     onehot = jnp.asarray(seg)[None, :] == jnp.arange(nseg, dtype=np.int32)[:, None]
 
-    def seg_reduce(vs: list, op) -> list:  # (R,) row partials -> (nseg,) per tensor
+    def seg_reduce(
+        vs: list, op: Callable[..., jax.Array]
+    ) -> list:  # (R,) row partials -> (nseg,) per tensor
         if not vs:
             return []
         v = jnp.stack(vs)[:, None, :]
@@ -284,13 +290,13 @@ def _segmented(xs: list[jax.Array], ts: tuple[Target, ...]) -> TensorStats:
                 pow2_scales=False,
             )[0]  # fmt: skip
 
-    def scaled_of(t):
+    def scaled_of(t: Target) -> jax.Array:
         if t.scaling == "none":
             return xc
         s_rows = scales[t][seg][:, None]
         return jnp.where(jnp.isnan(s_rows), jnp.float32(jnp.nan), xc * s_rows)
 
-    def copy_of(t):  # the dequantized copy the recipe's GEMM would multiply
+    def copy_of(t: Target) -> jax.Array:  # the dequantized copy the recipe's GEMM would multiply
         q = round_to_format(scaled_of(t), t.fmt)
         return q if t.scaling == "none" else q * (jnp.float32(1.0) / scales[t][seg][:, None])
 
@@ -312,7 +318,7 @@ def _segmented(xs: list[jax.Array], ts: tuple[Target, ...]) -> TensorStats:
     inv_rows = _pow2_const(jnp.clip(-k, -126, 126))[seg][:, None]
     ok = valid & finite
 
-    def sums(fast: bool, xc):
+    def sums(fast: bool, xc: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, list[jax.Array]]:
         x0 = jnp.where(ok, xc, 0.0)
         copies = [jnp.where(ok, copy_of(t), 0.0) for t in ts]
         if fast:  # each copy scaled inside its own reduction
@@ -360,7 +366,7 @@ def _part_sums(terms: list[jax.Array]) -> list[jax.Array]:
     r = terms[0].shape[0]
     flat = [t.reshape(r * (_CHUNK // _SUB), _SUB) for t in terms]
 
-    def body(a, b):
+    def body(a: list[jax.Array], b: list[jax.Array]) -> list[jax.Array]:
         return [u + v for u, v in zip(a, b, strict=True)]
 
     return list(lax.reduce(flat, [jnp.float32(0)] * len(flat), body, (1,)))
@@ -400,14 +406,14 @@ def _int_rows(items: list) -> list:
     arrs = [jnp.asarray(a).astype(jnp.int32) for a, _ in items]
     ops = [o for _, o in items]
 
-    def body(a, b):
+    def body(a: list[jax.Array], b: list[jax.Array]) -> list[jax.Array]:
         return [f(u, v) for (f, _), u, v in zip(ops, a, b, strict=True)]
 
     inits = [jnp.int32(init) for _, init in ops]
     return list(lax.reduce(arrs, inits, body, (1,)))
 
 
-def _count_items(scaled, nonzero, t: Target, thr: tuple) -> list:
+def _count_items(scaled: jax.Array, nonzero: jax.Array, t: Target, thr: tuple) -> list:
     """Overflow, saturate, underflow, subnormal and poisoned masks of one target (for
     :func:`_int_rows`) from the scaled magnitudes against the format's exact thresholds
     (:func:`count_thresholds`): no cast needed."""
@@ -426,7 +432,7 @@ def _count_items(scaled, nonzero, t: Target, thr: tuple) -> list:
     return [(m, _SUM) for m in masks]
 
 
-def _count_items_cast(scaled, elems, nonzero, t: Target) -> list:
+def _count_items_cast(scaled: jax.Array, elems: jax.Array, nonzero: jax.Array, t: Target) -> list:
     """As :func:`_count_items`, from the cast values (formats without thresholds)."""
     i32 = partial(lax.bitcast_convert_type, new_dtype=jnp.int32)
     bits = i32(magnitude_bits(elems))
@@ -460,7 +466,7 @@ def _by_layout(xs: list[jax.Array], k: jax.Array, ts: tuple[Target, ...]) -> Ten
         groups.setdefault(x2.shape, []).append(i)
     results: dict[int, list] = {}
 
-    def one(x2, kk):
+    def one(x2: jax.Array, kk: jax.Array) -> list[list[jax.Array]]:
         b = magnitude_bits(x2)
         finite = b < _INF_BITS
         nonzero = finite & (b != 0)
@@ -486,11 +492,11 @@ def _by_layout(xs: list[jax.Array], k: jax.Array, ts: tuple[Target, ...]) -> Ten
 
 
 # --- combining ---------------------------------------------------------------------------
-def _max_bits(a, b):
+def _max_bits(a: jax.Array, b: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(jnp.maximum(magnitude_bits(a), magnitude_bits(b)), jnp.float32)
 
 
-def _min_bits(a, b):
+def _min_bits(a: jax.Array, b: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(jnp.minimum(magnitude_bits(a), magnitude_bits(b)), jnp.float32)
 
 
@@ -528,7 +534,7 @@ def combine(a: TensorStats, b: TensorStats) -> TensorStats:
     )  # fmt: skip
 
 
-def reduce_over(s: TensorStats, axis_name) -> TensorStats:
+def reduce_over(s: TensorStats, axis_name: Any) -> TensorStats:
     """:func:`combine` across a mapped axis (``shard_map`` / ``pmap`` data parallelism):
     the statistics of the whole (global) tensor on every device."""
     kk = lax.pmax(s.k, axis_name)
@@ -593,7 +599,7 @@ _COUNTS = ("n", "n_nan", "n_inf", "n_zero", "n_nonzero")
 _PER_TARGET = ("overflow", "saturate", "underflow", "subnormal", "poisoned", "sqnr_db")
 
 
-def to_dict(s: TensorStats, targets=()) -> dict:
+def to_dict(s: TensorStats, targets: Any = ()) -> dict:
     """Host-side summary (Python floats and ints; ``None`` where undefined) with the targets
     by name: ``{"n": ..., "amax": ..., ..., "targets": {"e4m3:tensor": {"underflow": ...}}}``.
     """
@@ -604,9 +610,9 @@ def to_dict(s: TensorStats, targets=()) -> dict:
             f"{len(ts)} target names for statistics of {np.asarray(s.overflow).shape[-1]}"
         )
 
-    def num(v):
-        v = float(v)
-        return None if math.isnan(v) else v
+    def num(v: Any) -> float | None:
+        f = float(v)
+        return None if math.isnan(f) else f
 
     out: dict = {k: int(np.asarray(getattr(s, k))) for k in _COUNTS}
     out.update({k: num(v) for k, v in d.items() if k not in _PER_TARGET})

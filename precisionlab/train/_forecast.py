@@ -114,9 +114,9 @@ def load_model(path: str | Path | None = None) -> dict[str, Any]:
     return json.loads(Path(path or MODEL_PATH).read_text())
 
 
-def slope(steps: Sequence[float], values: Sequence[float]) -> float | None:
+def slope(steps: Sequence[float], values: Sequence[float | None]) -> float | None:
     """Least-squares slope of ``values`` over ``steps`` (None with fewer than 2 points or no
-    spread in the steps)."""
+    spread in the steps; None and non-finite values are left out)."""
     pts = [(s, v) for s, v in zip(steps, values, strict=True) if v is not None and math.isfinite(v)]
     if len(pts) < 2:
         return None
@@ -204,8 +204,8 @@ class Forecaster:
             if rule.feature == "value":
                 out[layer] = value
             elif rule.feature == "rise":  # above the lowest of the run's first records
-                first = [_scale(rule, _at(r, rule.signal, layer)) for r in rows[:window]]
-                first = [v for v in first if v is not None]
+                scaled = [_scale(rule, _at(r, rule.signal, layer)) for r in rows[:window]]
+                first = [v for v in scaled if v is not None]
                 v = _scale(rule, value)
                 out[layer] = None if v is None or not first else v - min(first)
             elif len(rows) < max(self.settle, 2):
@@ -235,6 +235,7 @@ class Forecaster:
                 if rule.holds(value):
                     self.streak[key] = self.streak.get(key, 0) + 1
                     if self.streak[key] >= self.debounce:
+                        assert value is not None  # holds() is False for None
                         fired.append((r, rule, layer, value))
                 else:
                     self.streak[key] = 0
@@ -266,6 +267,7 @@ class Forecaster:
 
     def _evidence(self, rule: Rule, layer: str, value: float) -> str:
         what = {"value": "", "rise": " rise since the first records", "slope": " per 100 steps"}
+        assert rule.threshold is not None  # update() skips the rules without one
         text = (
             f"{rule.signal}{what[rule.feature]} = {_fmt(value)} {rule.op} {_fmt(rule.threshold)} "
             f"in {layer} for {self.debounce} records"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -60,7 +61,9 @@ def _elem_max(recipe: Recipe, kind: str) -> float:
     return _E2M1_MAX if recipe.name == "nvfp4" else _E4M3_MAX
 
 
-def _stats(recipe: Recipe, t: jax.Array, kind: str, scale, key) -> jax.Array:
+def _stats(
+    recipe: Recipe, t: jax.Array, kind: str, scale: jax.Array | None, key: jax.Array | None
+) -> jax.Array:
     """The ``_N`` sums of one (B, R, K) operand quantized as ``kind``."""
     t = _pad(recipe, t.astype(jnp.float32), kind)
     q = recipe.quantize(t, kind, scale=scale, key=key)
@@ -103,7 +106,9 @@ class _TapRule:
     recipe: Recipe
     primitives: tuple[str, ...] = (boundary.DOT_GENERAL,)
 
-    def apply(self, ctx: Context, lhs, rhs, *, dimension_numbers, **params) -> list:
+    def apply(
+        self, ctx: Context, lhs: jax.Array, rhs: jax.Array, *, dimension_numbers: Any, **params: Any
+    ) -> list:
         pet = params.get("preferred_element_type")
         if not (
             jnp.issubdtype(lhs.dtype, jnp.floating) and jnp.issubdtype(rhs.dtype, jnp.floating)
@@ -118,19 +123,23 @@ class _TapRule:
             (None, None, None) if rstate is None else tuple(rstate["scale"][i] for i in range(3))
         )
 
-        def qdot(a, b):
+        def qdot(a: jax.Array, b: jax.Array) -> jax.Array:
             return dot_general(a, b, dn, preferred_element_type=pet, recipe=recipe,
                                state=rstate, key=key, weight=(kx, kw))  # fmt: skip
 
         @jax.custom_vjp
-        def tap(a, b, probe):
+        def tap(a: jax.Array, b: jax.Array, probe: jax.Array) -> jax.Array:
             return qdot(a, b)
 
-        def fwd(a, b, probe):
+        def fwd(
+            a: jax.Array, b: jax.Array, probe: jax.Array
+        ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, Callable]]:
             y, vjp = jax.vjp(qdot, a, b)
             return y, (a, b, vjp)
 
-        def bwd(res, g):
+        def bwd(
+            res: tuple[jax.Array, jax.Array, Callable], g: jax.Array
+        ) -> tuple[jax.Array, jax.Array, jax.Array]:
             a, b, vjp = res
             da, db = vjp(g)
             if isinstance(recipe, Reference):
@@ -169,14 +178,14 @@ def _summarize(sums: np.ndarray) -> dict[str, dict[str, float]]:
     return out
 
 
-def make_recipe_metrics_fn(loss_fn, recipe: TrainRecipe):
+def make_recipe_metrics_fn(loss_fn: Callable, recipe: TrainRecipe) -> Callable[..., jax.Array]:
     """``fn(params_compute, batch, loss_scale, recipe_state, key) -> sums`` (float32
     ``[3, 8]`` summed over the replaced matmuls; jit it), and turn the sums into the
     per-group dict with :func:`recipe_metrics`."""
     tapped = intercept(scaled_loss(loss_fn), _TapRule(recipe.recipe), include=recipe.include,
                        exclude=recipe.exclude, default=recipe.selects)  # fmt: skip
 
-    def fn(pc, batch, ls, recipe_state, key):
+    def fn(pc: Any, batch: Any, ls: Any, recipe_state: Any, key: jax.Array | None) -> jax.Array:
         sites = [s.name for s in tapped.sites(pc, batch, ls) if s.selected]
         grads = probe_grads(tapped, sites, _N, recipe_state, pc, batch, ls, key=key)
         probes = [grads[n] for n in sites]

@@ -300,7 +300,7 @@ class StepOptions:
         if self.recipe is not None and not isinstance(self.recipe, TrainRecipe):
             raise TypeError(
                 f"recipe must be a TrainRecipe, got {type(self.recipe).__name__} "
-                "(precisionlab.train._recipe.parse_recipe accepts names and tables)"
+                "(TrainConfig(recipe=...) takes a recipe name or table)"
             )
         for name, kind in (("policy", Policy), ("loss_scale", LossScale), ("storage", Storage)):
             if not isinstance(getattr(self, name), kind):

@@ -86,7 +86,9 @@ class _StatsRule:
     recipe: Recipe
     primitives: tuple[str, ...] = (boundary.DOT_GENERAL,)
 
-    def apply(self, ctx: Context, lhs, rhs, *, dimension_numbers, **params) -> list:
+    def apply(
+        self, ctx: Context, lhs: jax.Array, rhs: jax.Array, *, dimension_numbers: Any, **params: Any
+    ) -> list:
         floating = jnp.issubdtype(lhs.dtype, jnp.floating) and jnp.issubdtype(
             rhs.dtype, jnp.floating
         )
@@ -97,25 +99,29 @@ class _StatsRule:
         rstate = ctx.state.get("recipe")
         key = ctx.site_key()
 
-        def qdot(a, b, k):
+        def qdot(a: jax.Array, b: jax.Array, k: jax.Array | None) -> jax.Array:
             return dot_general(a, b, dn, preferred_element_type=pet, recipe=recipe,
                                state=rstate, key=k, weight="rhs")  # fmt: skip
 
-        def hdot(a, b):
+        def hdot(a: jax.Array, b: jax.Array) -> jax.Array:
             return jax.lax.dot_general(
                 a.astype(jnp.float32), b.astype(jnp.float32), dn,
                 precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
             )  # fmt: skip
 
         @jax.custom_vjp
-        def tap(a, b, probe):
+        def tap(a: jax.Array, b: jax.Array, probe: jax.Array) -> jax.Array:
             return qdot(a, b, key)
 
-        def fwd(a, b, probe):
+        def fwd(
+            a: jax.Array, b: jax.Array, probe: jax.Array
+        ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, Callable]]:
             y, vjp = jax.vjp(lambda a, b: qdot(a, b, key), a, b)
             return y, (a, b, vjp)
 
-        def bwd(res, g):
+        def bwd(
+            res: tuple[jax.Array, jax.Array, Callable], g: jax.Array
+        ) -> tuple[jax.Array, jax.Array, jax.Array]:
             a, b, vjp = res
             da, db = vjp(g)
             k1 = None if key is None else jax.random.fold_in(key, 1)
@@ -143,10 +149,10 @@ def make_gemm_stats_fn(
     tapped = intercept(scaled_loss(loss_fn), _StatsRule(recipe.recipe), include=recipe.include,
                        exclude=recipe.exclude)  # fmt: skip
 
-    def names(pc, batch, ls) -> list[str]:
+    def names(pc: Any, batch: Any, ls: Any) -> list[str]:
         return [s.name for s in tapped.sites(pc, batch, ls) if s.selected]
 
-    def fn(pc, batch, ls, recipe_state, key):
+    def fn(pc: Any, batch: Any, ls: Any, recipe_state: Any, key: jax.Array | None) -> jax.Array:
         sites = names(pc, batch, ls)
         grads = probe_grads(tapped, sites, _N, recipe_state, pc, batch, ls, key=key)
         if not sites:
@@ -221,7 +227,7 @@ class GemmStatsHook:
         self._fn: Callable | None = None
         self._names: list[str] | None = None
 
-    def _compiled(self, values):
+    def _compiled(self, values: Any) -> Callable:
         if self._fn is None:
             made = _PROGRAMS.get(self.cache_key) if self.cache_key is not None else None
             if made is None:

@@ -60,7 +60,7 @@ def gemm_dump(
             or o.shape != (a.shape[0], b.shape[1])
         ):
             raise ValueError(f"gemms[{i}] ({gid}): shapes {a.shape} x {b.shape} -> {o.shape}")
-        entry = {"id": gid, "model": "hardware", "hardware": hw}
+        entry: dict[str, Any] = {"id": gid, "model": "hardware", "hardware": hw}
         for k in ("scale_a", "scale_b"):
             if g.get(k) is not None:
                 entry[k] = float(np.float32(g[k]))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from precisionlab import hardware, recipes
 from precisionlab.recipes import _scaling as S
 from precisionlab.verify import _models as M
 from precisionlab.verify._check_steps import check_steps
+from precisionlab.verify._context import CheckContext
 from precisionlab.verify._diagnose import (
     OUT_BITS,
     diagnose_codes,
@@ -38,14 +40,16 @@ from precisionlab.verify._diagnose import (
     labelled,
     plain_exact,
 )
-from precisionlab.verify._format import Dump, DumpError, Tensor, read_dump, to_storage
+from precisionlab.verify._format import DumpError, Tensor, read_dump, to_storage
 from precisionlab.verify._report import LABELS, Report, TensorCheck, compare
 from precisionlab.verify._tape import element_format, expand, gemm_kinds
 
 __all__ = ["LABELS", "Report", "TensorCheck", "check", "find_dumps"]
 
 
-def _check(t: Tensor, rec, ref, dtype=None, **kw) -> TensorCheck:
+def _check(
+    t: Tensor, rec: np.ndarray, ref: np.ndarray, dtype: str | None = None, **kw: Any
+) -> TensorCheck:
     n, eq, ulp, _ = compare(rec, ref, dtype or t.dtype)
     status = "match" if eq == n else "differ"
     return TensorCheck(t.name, t.role, t.order, t.gemm, status, n, eq, ulp, **kw)
@@ -62,31 +66,6 @@ def _amax(x: np.ndarray) -> np.float32:
         return np.float32(0)
     b = np.asarray(x, np.float32).view(np.uint32) & np.uint32(0x7FFFFFFF)
     return np.uint32(b.max()).view(np.float32)
-
-
-# --- the context of one check ----------------------------------------------------------
-@dataclasses.dataclass
-class _Ctx:
-    dump: Dump
-    recipe: recipes.Recipe | None
-    weight: str
-    hardware: str | None
-    notes: list[str]
-    diagnosed: bool = False  # the first difference got its full diagnosis
-    results: dict[str, TensorCheck] = dataclasses.field(default_factory=dict)
-
-    def arr(self, t: Tensor) -> np.ndarray:
-        return self.dump.arrays[t.name]
-
-    def add(self, c: TensorCheck) -> None:
-        self.results[c.name] = c
-
-    def full(self) -> bool:
-        """Whether this difference gets the full (costly) diagnosis: the first one only."""
-        if self.diagnosed:
-            return False
-        self.diagnosed = True
-        return True
 
 
 def _recipe_from(step: dict[str, Any], where: Path) -> recipes.Recipe | None:
@@ -113,8 +92,9 @@ def check(path: str | os.PathLike, *, diagnose: bool = True) -> Report:
     dump = read_dump(path)
     m = dump.manifest
     where = dump.path / "manifest.json"
-    step = m.get("step") if isinstance(m.get("step"), dict) else {}
-    env = m.get("environment") if isinstance(m.get("environment"), dict) else {}
+    raw_step, raw_env = m.get("step"), m.get("environment")
+    step: dict[str, Any] = raw_step if isinstance(raw_step, dict) else {}
+    env: dict[str, Any] = raw_env if isinstance(raw_env, dict) else {}
     recipe = _recipe_from(step, where) if m["kind"] == "step" else None
     weight = step.get("weight", "rhs")
     if weight not in recipes.WEIGHT_OPERANDS:
@@ -125,7 +105,7 @@ def check(path: str | os.PathLike, *, diagnose: bool = True) -> Report:
             hw = M.check_hardware(hw)
         except ValueError:
             raise DumpError(f"{where}: unknown hardware model {hw!r}") from None
-    ctx = _Ctx(dump, recipe, weight, hw, [])
+    ctx = CheckContext(dump, recipe, weight, hw, [])
     if not diagnose:
         ctx.diagnosed = True
     gemms = _gemm_entries(m.get("gemms", []), where)
@@ -165,7 +145,7 @@ def check(path: str | os.PathLike, *, diagnose: bool = True) -> Report:
     return Report(str(dump.path), m["kind"], env, step, tuple(out), tuple(ctx.notes))
 
 
-def _note_platform(ctx: _Ctx, env: dict, recipe, kind: str) -> None:
+def _note_platform(ctx: CheckContext, env: dict, recipe: recipes.Recipe | None, kind: str) -> None:
     here = jax.default_backend()
     there = env.get("backend")
     if kind == "step" and there and there != here:
@@ -231,7 +211,7 @@ def _need(ts: dict[str, Tensor], key: str, g: dict) -> Tensor:
 
 
 # --- recipe GEMMs --------------------------------------------------------------------------
-def _key(ctx: _Ctx, t: Tensor | None) -> Any:
+def _key(ctx: CheckContext, t: Tensor | None) -> Any:
     if t is None:
         return None
     data = jnp.asarray(ctx.arr(t), jnp.uint32)
@@ -250,7 +230,7 @@ def _state_index(weight: str, what: str, side: str) -> int:
     return _STATE_INDEX[(what, side)]
 
 
-def _check_recipe_gemm(ctx: _Ctx, g: dict, ts: dict[str, Tensor]) -> None:
+def _check_recipe_gemm(ctx: CheckContext, g: dict, ts: dict[str, Tensor]) -> None:
     recipe = ctx.recipe
     if recipe is None:
         raise DumpError(f"gemm {g['id']}: a recipe GEMM in a dump without a recipe")
@@ -322,6 +302,7 @@ def _check_recipe_gemm(ctx: _Ctx, g: dict, ts: dict[str, Tensor]) -> None:
     t_out = _need(ts, "out", g)
     rec_out = np.asarray(ctx.arr(t_out), np.float32)
     m, n = g["m"], g["n"]
+    compute: Callable[[Any], np.ndarray | None]  # the output under another accumulator
     try:
         if model == "hp":
             ref_out = M.hp_gemm(inputs["lhs"], inputs["rhs"])
@@ -365,28 +346,35 @@ def _check_recipe_gemm(ctx: _Ctx, g: dict, ts: dict[str, Tensor]) -> None:
     ctx.add(c)
 
 
-def _layout(recipe, kind: str):
+def _layout(recipe: recipes.Recipe, kind: str) -> tuple[int, bool] | None:
     sizes = recipe.block_sizes(kind)
     return None if not sizes else (int(sizes[0]), bool(recipe.two_d(kind)))
 
 
-def _typed(t: Tensor, ctx: _Ctx) -> jax.Array:
+def _typed(t: Tensor, ctx: CheckContext) -> jax.Array:
     a = ctx.arr(t)
     return jnp.asarray(a) if t.dtype != "float32" else jnp.asarray(a, jnp.float32)
 
 
-def _operand(ctx, ts, side, codes, recipe, kind) -> S.QOperand:
+def _operand(
+    ctx: CheckContext,
+    ts: dict[str, Tensor],
+    side: str,
+    codes: np.ndarray,
+    recipe: recipes.Recipe,
+    kind: str,
+) -> S.QOperand:
     """The recorded operand as the GEMM takes it (elements and factors as recorded)."""
     layout = _layout(recipe, kind)
     elems = jnp.asarray(np.asarray(codes).astype(np.float32))
-    get = lambda r: ts.get(f"{side}/{r}")  # noqa: E731
-    row = None if get("row_scale") is None else jnp.asarray(ctx.arr(get("row_scale")))
+    t_row, t_blk, t_exp = (ts.get(f"{side}/{r}") for r in ("row_scale", "block_scale", "block_exp"))
+    row = None if t_row is None else jnp.asarray(ctx.arr(t_row))
     blk = None
-    if get("block_scale") is not None:
-        blk = jnp.asarray(expand(np.asarray(ctx.arr(get("block_scale"))), layout))
+    if t_blk is not None:
+        blk = jnp.asarray(expand(np.asarray(ctx.arr(t_blk)), layout))
     exp = None
-    if get("block_exp") is not None:
-        exp = jnp.asarray(expand(np.asarray(ctx.arr(get("block_exp"))), layout))
+    if t_exp is not None:
+        exp = jnp.asarray(expand(np.asarray(ctx.arr(t_exp)), layout))
     for name, v in (("block_scale", blk), ("block_exp", exp)):
         if v is not None and v.shape != elems.shape:
             raise DumpError(f"{side}/{name} expands to {v.shape}, its codes are {elems.shape}")
@@ -394,12 +382,17 @@ def _operand(ctx, ts, side, codes, recipe, kind) -> S.QOperand:
 
 
 # --- delayed scaling's state -------------------------------------------------------------
-def _kind_max(recipe, weight: str) -> np.ndarray:
+def _delayed(ctx: CheckContext) -> recipes.Delayed:
+    assert isinstance(ctx.recipe, recipes.Delayed)  # check() refuses state without one
+    return ctx.recipe
+
+
+def _kind_max(recipe: recipes.Delayed, weight: str) -> np.ndarray:
     kinds = (*recipes.WEIGHT_OPERANDS[weight], "g")
     return np.asarray([recipe.fmt(k).max for k in kinds], np.float32)
 
 
-def _state_arrays(ctx: _Ctx, role: str, site: str) -> tuple[np.ndarray, np.ndarray] | None:
+def _state_arrays(ctx: CheckContext, role: str, site: str) -> tuple[np.ndarray, np.ndarray] | None:
     s = ctx.dump.get(f"{role}/{site}/scale")
     h = ctx.dump.get(f"{role}/{site}/history")
     if s is None or h is None:
@@ -407,7 +400,9 @@ def _state_arrays(ctx: _Ctx, role: str, site: str) -> tuple[np.ndarray, np.ndarr
     return np.asarray(s, np.float32), np.asarray(h, np.float32)
 
 
-def _next_scale(recipe, hist, scale, weight) -> np.ndarray:
+def _next_scale(
+    recipe: recipes.Delayed, hist: np.ndarray, scale: np.ndarray, weight: str
+) -> np.ndarray:
     return np.asarray(recipe.next_scale(jnp.asarray(hist), jnp.asarray(scale),
                                         jnp.asarray(_kind_max(recipe, weight))))  # fmt: skip
 
@@ -417,7 +412,7 @@ def _older(hist: np.ndarray) -> np.ndarray:
     return np.concatenate([hist[1:], np.zeros_like(hist[:1])])
 
 
-def _check_state(ctx: _Ctx, t: Tensor) -> None:
+def _check_state(ctx: CheckContext, t: Tensor) -> None:
     if not t.name.endswith("/scale"):
         ctx.add(_status(t, "input", "the amax history the step starts from"))
         return
@@ -425,11 +420,11 @@ def _check_state(ctx: _Ctx, t: Tensor) -> None:
     if got is None:
         raise DumpError(f"{t.name}: its history is missing")
     scale, hist = got
-    expect = _next_scale(ctx.recipe, hist, scale, ctx.weight)
+    expect = _next_scale(_delayed(ctx), hist, scale, ctx.weight)
     c = _check(t, scale, expect)
     if c.status == "differ":
         ctx.full()
-        stale = _next_scale(ctx.recipe, _older(hist), scale, ctx.weight)
+        stale = _next_scale(_delayed(ctx), _older(hist), scale, ctx.weight)
         if compare(scale, stale, "float32")[1] == c.elements:
             c = labelled(c, "stale-amax", "the scale is the one of the history before its "
                           "newest amax (one step old)")  # fmt: skip
@@ -438,7 +433,7 @@ def _check_state(ctx: _Ctx, t: Tensor) -> None:
     ctx.add(c)
 
 
-def _check_given_scale(ctx, g, side, t, scale) -> None:
+def _check_given_scale(ctx: CheckContext, g: dict, side: str, t: Tensor, scale: Any) -> None:
     recipe = ctx.recipe
     got = _state_arrays(ctx, "state", g["site"])
     if got is None or not isinstance(recipe, recipes.Delayed):
@@ -458,10 +453,12 @@ def _check_given_scale(ctx, g, side, t, scale) -> None:
     ctx.add(c)
 
 
-def _observed(ctx, site: str, gemms, by_gemm) -> np.ndarray | None:
+def _observed(
+    ctx: CheckContext, site: str, gemms: dict[str, dict], by_gemm: dict[str, dict[str, Tensor]]
+) -> np.ndarray | None:
     """The amaxes (lhs, rhs, output gradient) of a site's recorded inputs, max over its
     iterations; None if a pass is missing."""
-    found = {0: [], 1: [], 2: []}
+    found: dict[int, list[np.float32]] = {0: [], 1: [], 2: []}
     for gid, g in gemms.items():
         if g.get("site") != site:
             continue
@@ -480,8 +477,14 @@ def _observed(ctx, site: str, gemms, by_gemm) -> np.ndarray | None:
     return np.asarray(out, np.float32)
 
 
-def _check_state_after(ctx, after: list[Tensor], gemms, by_gemm, skipped: bool) -> None:
-    recipe = ctx.recipe
+def _check_state_after(
+    ctx: CheckContext,
+    after: list[Tensor],
+    gemms: dict[str, dict],
+    by_gemm: dict[str, dict[str, Tensor]],
+    skipped: bool,
+) -> None:
+    recipe = _delayed(ctx)
     for t in after:
         site = t.site or ""
         before = _state_arrays(ctx, "state", site)
@@ -509,7 +512,14 @@ def _check_state_after(ctx, after: list[Tensor], gemms, by_gemm, skipped: bool) 
         ctx.add(c)
 
 
-def _diagnose_state_after(ctx, c, part, rec, scale0, hist0) -> TensorCheck:
+def _diagnose_state_after(
+    ctx: CheckContext,
+    c: TensorCheck,
+    part: str,
+    rec: np.ndarray,
+    scale0: np.ndarray,
+    hist0: np.ndarray,
+) -> TensorCheck:
     ctx.full()
     rec = np.asarray(rec, np.float32)
     if part == "history":
@@ -524,7 +534,7 @@ def _diagnose_state_after(ctx, c, part, rec, scale0, hist0) -> TensorCheck:
             return labelled(c, "stale-amax", "the newest history row holds the previous "
                              "step's amax, not this step's")  # fmt: skip
         return labelled(c, "unknown", "the history is not this step's amaxes rolled in")
-    stale = _next_scale(ctx.recipe, hist0, scale0, ctx.weight)
+    stale = _next_scale(_delayed(ctx), hist0, scale0, ctx.weight)
     if compare(rec, stale, "float32")[1] == rec.size:
         return labelled(c, "stale-amax", "the new scale is computed from the history before "
                          "this step's amax")  # fmt: skip
@@ -532,7 +542,7 @@ def _diagnose_state_after(ctx, c, part, rec, scale0, hist0) -> TensorCheck:
 
 
 # --- plain GEMMs and captures ------------------------------------------------------------
-def _check_plain(ctx: _Ctx, g: dict, ts: dict[str, Tensor]) -> None:
+def _check_plain(ctx: CheckContext, g: dict, ts: dict[str, Tensor]) -> None:
     t_l, t_r, t_o = _need(ts, "lhs", g), _need(ts, "rhs", g), _need(ts, "out", g)
     for t in (t_l, t_r):
         ctx.add(_status(t, "input", "a GEMM operand"))
@@ -557,7 +567,7 @@ def _check_plain(ctx: _Ctx, g: dict, ts: dict[str, Tensor]) -> None:
     ctx.add(c)
 
 
-def _check_capture(ctx: _Ctx, g: dict, ts: dict[str, Tensor]) -> None:
+def _check_capture(ctx: CheckContext, g: dict, ts: dict[str, Tensor]) -> None:
     t_a, t_b, t_o = _need(ts, "a", g), _need(ts, "b", g), _need(ts, "out", g)
     for t in (t_a, t_b):
         ctx.add(_status(t, "input", "a GEMM operand"))
@@ -572,7 +582,7 @@ def _check_capture(ctx: _Ctx, g: dict, ts: dict[str, Tensor]) -> None:
     a, b, rec = ctx.arr(t_a), ctx.arr(t_b), ctx.arr(t_o)
     out_dtype = t_o.dtype
 
-    def run(preset_kw, ov):
+    def run(preset_kw: dict[str, Any], ov: dict[str, Any]) -> np.ndarray:
         ov = {k: tuple(v) if isinstance(v, list) else v for k, v in ov.items()}
         return np.asarray(hardware.gemm(
             jnp.asarray(a), jnp.asarray(b), out_dtype=jnp.dtype(getattr(ml_dtypes, out_dtype,

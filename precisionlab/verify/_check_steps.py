@@ -6,6 +6,7 @@ rule or 4-or-6 choice, other stochastic-rounding bits, zeros)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -15,6 +16,7 @@ import numpy as np
 
 from precisionlab import recipes
 from precisionlab.quant import SCALE_RULES
+from precisionlab.verify._context import CheckContext
 from precisionlab.verify._diagnose import labelled, zeroed_or_nonfinite
 from precisionlab.verify._format import DumpError, Tensor, from_storage, to_storage
 from precisionlab.verify._report import TensorCheck, compare
@@ -22,7 +24,7 @@ from precisionlab.verify._report import TensorCheck, compare
 __all__ = ["check_steps", "scale_alternatives"]
 
 
-def _input(ctx, t: Tensor, impl: str | None) -> Any:
+def _input(ctx: CheckContext, t: Tensor, impl: str | None) -> Any:
     a = ctx.arr(t)
     if impl is not None and impl.startswith("typed:"):
         return jax.random.wrap_key_data(jnp.asarray(a, jnp.uint32), impl=impl.split(":", 1)[1])
@@ -42,11 +44,11 @@ def _hashable(v: Any) -> Any:
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2))
-def _replay_jit(recipe, op: str, static: tuple, ins: dict) -> dict:
+def _replay_jit(recipe: recipes.Recipe, op: str, static: tuple, ins: dict) -> dict:
     return recipes.replay_fp4_step(recipe, op, ins, dict(static))
 
 
-def replay(recipe, op: str, ins: dict, static: dict) -> dict:
+def replay(recipe: recipes.Recipe, op: str, ins: dict, static: dict) -> dict:
     """:func:`precisionlab.recipes.replay_fp4_step`, compiled once per op, arguments and
     shapes (a step's dozens of small operations dispatched one by one cost more)."""
     items = tuple(sorted((k, _hashable(v)) for k, v in static.items()))
@@ -74,7 +76,9 @@ def scale_alternatives(op: str, static: dict[str, Any]) -> list[tuple[str, dict[
     return out
 
 
-def check_steps(ctx, g: dict, ts: dict[str, Tensor], check) -> None:
+def check_steps(
+    ctx: CheckContext, g: dict, ts: dict[str, Tensor], check: Callable[..., TensorCheck]
+) -> None:
     """Check the steps of gemm entry ``g`` (``ts``: its tensors by relative name; ``check``:
     the checker's ``_check(t, rec, ref)``), adding a verdict per tensor to ``ctx``."""
     steps = g.get("steps")
@@ -120,7 +124,7 @@ def _tensor(ts: dict[str, Tensor], rel: Any, g: dict) -> Tensor:
     return ts[rel]
 
 
-def _same(ctx, outs: dict[str, Tensor], other: dict[str, Any]) -> bool:
+def _same(ctx: CheckContext, outs: dict[str, Tensor], other: dict[str, Any]) -> bool:
     for name, t in outs.items():
         if name not in other:
             return False
@@ -130,8 +134,16 @@ def _same(ctx, outs: dict[str, Tensor], other: dict[str, Any]) -> bool:
     return True
 
 
-def _diagnose(ctx, c: TensorCheck, t: Tensor, ref_all: dict, st, ins, outs,
-              keyed: bool) -> TensorCheck:  # fmt: skip
+def _diagnose(
+    ctx: CheckContext,
+    c: TensorCheck,
+    t: Tensor,
+    ref_all: dict,
+    st: dict[str, Any],
+    ins: dict[str, Any],
+    outs: dict[str, Tensor],
+    keyed: bool,
+) -> TensorCheck:
     rec, ref = ctx.arr(t), ref_all[t.name.rsplit("/", 1)[-1]]
     z = zeroed_or_nonfinite(np.asarray(rec).astype(np.float32), np.asarray(ref))
     if z:
@@ -142,6 +154,7 @@ def _diagnose(ctx, c: TensorCheck, t: Tensor, ref_all: dict, st, ins, outs,
     scale = outs.get("scale")
     same_scale = scale is not None and _same(ctx, {"scale": scale}, {"scale": ref_all["scale"]})
     # another scale rule shows in the scales; with the scales the recipe's, skip the search
+    assert ctx.recipe is not None  # check_steps checked that it is an FP4 recipe
     for name, alt in [] if same_scale else scale_alternatives(st["op"], st["static"]):
         try:
             other = replay(ctx.recipe, st["op"], ins, alt)

@@ -5,15 +5,21 @@ wins; the costly searches run for the first difference of a dump only."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from precisionlab import recipes
 from precisionlab.quant import SCALE_RULES
 from precisionlab.verify import _models as M
+from precisionlab.verify._context import CheckContext
+from precisionlab.verify._format import Tensor
 from precisionlab.verify._report import TensorCheck, compare
+
+#: named ways to recompute a tensor, each a call that returns it (or raises NotModelled)
+_Candidates = Sequence[tuple[str, Callable[[], Any]]]
 
 __all__ = [
     "OUT_BITS", "diagnose_codes", "diagnose_output", "diagnose_scale", "exact_sums", "labelled",
@@ -38,7 +44,9 @@ def labelled(c: TensorCheck, label: str | None, detail: str) -> TensorCheck:
     return dataclasses.replace(c, label=label, detail=detail)
 
 
-def diagnose_codes(ctx, c, rec, ref, fmt: str, stochastic: bool) -> TensorCheck:
+def diagnose_codes(
+    ctx: CheckContext, c: TensorCheck, rec: np.ndarray, ref: np.ndarray, fmt: str, stochastic: bool
+) -> TensorCheck:
     z = zeroed_or_nonfinite(rec, ref)
     if z:
         ctx.full()
@@ -54,8 +62,8 @@ def diagnose_codes(ctx, c, rec, ref, fmt: str, stochastic: bool) -> TensorCheck:
     return labelled(c, "unknown", f"codes up to {c.max_ulp} codes apart")
 
 
-def _scale_alternatives(recipe) -> list[tuple[str, Any]]:
-    out = []
+def _scale_alternatives(recipe: recipes.Recipe) -> list[tuple[str, recipes.Recipe]]:
+    out: list[tuple[str, recipes.Recipe]] = []
     if isinstance(recipe, recipes.MX):
         out += [(f"scale_rule={r!r}", dataclasses.replace(recipe, scale_rule=r))
                 for r in SCALE_RULES if r != recipe.scale_rule]  # fmt: skip
@@ -65,7 +73,19 @@ def _scale_alternatives(recipe) -> list[tuple[str, Any]]:
     return out
 
 
-def diagnose_scale(ctx, c, t, role, ref, recipe, kind, layout, x, scale, key) -> TensorCheck:
+def diagnose_scale(
+    ctx: CheckContext,
+    c: TensorCheck,
+    t: Tensor,
+    role: str,
+    ref: np.ndarray,
+    recipe: recipes.Recipe,
+    kind: str,
+    layout: Any,
+    x: np.ndarray,
+    scale: Any,
+    key: Any,
+) -> TensorCheck:
     rec = ctx.arr(t)
     z = zeroed_or_nonfinite(rec, ref) if role != "block_exp" else None
     if z:
@@ -95,7 +115,7 @@ def diagnose_scale(ctx, c, t, role, ref, recipe, kind, layout, x, scale, key) ->
     return labelled(c, "unknown", f"scales differ, up to {c.max_ulp} ulp")
 
 
-def _rule_of(recipe) -> str:
+def _rule_of(recipe: recipes.Recipe) -> str:
     if isinstance(recipe, recipes.MX):
         return f"scale_rule={recipe.scale_rule!r}"
     if isinstance(recipe, recipes.Current):
@@ -103,7 +123,9 @@ def _rule_of(recipe) -> str:
     return recipe.name
 
 
-def within_reordering(rec, exact, absum, k: int, out_bits: int = 24) -> bool:
+def within_reordering(
+    rec: np.ndarray, exact: np.ndarray, absum: np.ndarray, k: int, out_bits: int = 24
+) -> bool:
     """Whether every output is within the error bound of summing the same exact products in
     float32 in some order: ``|out - sum| <= (k + 1) 2**-24 sum |a_k b_k|`` (the k - 1
     additions, the final scaling, float32's products being exact or rounded once), plus
@@ -112,7 +134,16 @@ def within_reordering(rec, exact, absum, k: int, out_bits: int = 24) -> bool:
     return bool(np.all(np.abs(rec.astype(np.float64) - exact) <= bound))
 
 
-def diagnose_output(ctx, c, rec, ref, alts, bf16, reorder=None, out_bits=24) -> TensorCheck:
+def diagnose_output(
+    ctx: CheckContext,
+    c: TensorCheck,
+    rec: np.ndarray,
+    ref: np.ndarray,
+    alts: _Candidates,
+    bf16: _Candidates,
+    reorder: Callable[[], tuple[np.ndarray, np.ndarray, int]] | None = None,
+    out_bits: int = 24,
+) -> TensorCheck:
     """``reorder``: for a float32 model (XLA's order), ``() -> (exact sum, sum of |products|,
     K)`` in float64, so a difference of summation order is told apart."""
     z = zeroed_or_nonfinite(rec, ref)
@@ -130,7 +161,7 @@ def diagnose_output(ctx, c, rec, ref, alts, bf16, reorder=None, out_bits=24) -> 
                 "equals the GEMM of the operands' inputs "
                 f"rounded to bfloat16 ({name}), not of the recipe's codes",
             )
-    best = (c.share, None)
+    best: tuple[float, str | None] = (c.share, None)
     for name, f in alts:
         other = _try(f)
         if other is None:
@@ -168,7 +199,9 @@ def _try(f: Callable[[], Any]) -> Any:
         return None
 
 
-def exact_sums(operands, inputs, hp: bool, m: int, n: int):
+def exact_sums(
+    operands: dict[str, Any], inputs: dict[str, Any], hp: bool, m: int, n: int
+) -> tuple[np.ndarray, np.ndarray, int]:
     """The exact (float64) GEMM of the recorded operands, the sum of its |products| and K."""
     if hp:
         a, b, fa, fb = inputs["lhs"], inputs["rhs"], None, None
@@ -190,12 +223,14 @@ def exact_sums(operands, inputs, hp: bool, m: int, n: int):
 OUT_BITS = {"float32": 24, "bfloat16": 8, "float16": 11}
 
 
-def plain_exact(lhs, rhs, g: dict):
+def plain_exact(lhs: ArrayLike, rhs: ArrayLike, g: dict) -> tuple[np.ndarray, np.ndarray, int]:
     """The exact (float64) dot_general of a plain site's operands, laid out as its output,
     the sum of its |products| and K."""
     (lc, rc), (lb, rb) = g["dimension_numbers"]
 
-    def canon(x, contract, batch):
+    def canon(
+        x: ArrayLike, contract: Sequence[int], batch: Sequence[int]
+    ) -> tuple[np.ndarray, list[int]]:
         x = np.asarray(x).astype(np.float64)
         free = [d for d in range(x.ndim) if d not in contract and d not in batch]
         xt = np.transpose(x, (*batch, *free, *contract))

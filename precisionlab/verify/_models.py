@@ -18,6 +18,7 @@ are flagged, so a GPU dump checked on a CPU says why its float32 sums differ.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike
 
 from precisionlab import hardware, recipes
 from precisionlab.recipes import _scaling as S
@@ -81,7 +83,14 @@ def _need_cpu(what: str) -> None:
 
 # --- quantization: the recipe's rule on the recorded input -----------------------------
 @partial(jax.jit, static_argnames=("recipe", "kind", "layout"))
-def _quantize(recipe, kind, layout, x, scale, key):
+def _quantize(
+    recipe: recipes.Recipe,
+    kind: str,
+    layout: Any,
+    x: jax.Array,
+    scale: jax.Array | None,
+    key: jax.Array | None,
+) -> dict[str, jax.Array]:
     q = recipe.quantize(x, kind, scale=scale, key=key)
     out = {"codes": q.elems}
     if q.row_inv is not None:
@@ -94,7 +103,14 @@ def _quantize(recipe, kind, layout, x, scale, key):
     return out
 
 
-def quantize(recipe, kind: str, layout, x: np.ndarray, scale, key) -> dict[str, np.ndarray]:
+def quantize(
+    recipe: recipes.Recipe,
+    kind: str,
+    layout: Any,
+    x: np.ndarray,
+    scale: ArrayLike | None,
+    key: jax.Array | None,
+) -> dict[str, np.ndarray]:
     """The recipe's quantization of the recorded input ``x`` (float32 (B, R, K)) with the
     recorded scale (delayed) and key (stochastic rounding): codes (float32 element values)
     and the row and block factors, as the recorder keeps them."""
@@ -104,18 +120,27 @@ def quantize(recipe, kind: str, layout, x: np.ndarray, scale, key) -> dict[str, 
 
 # --- GEMMs -----------------------------------------------------------------------------
 @partial(jax.jit, static_argnames=("recipe", "kinds", "m", "n"))
-def _recipe_gemm(recipe, kinds, m, n, qa, qb):
+def _recipe_gemm(
+    recipe: recipes.Recipe,
+    kinds: tuple[str, str],
+    m: int,
+    n: int,
+    qa: S.QOperand,
+    qb: S.QOperand,
+) -> jax.Array:
     qa, qb = lax.optimization_barrier((qa, qb))  # as the recorder computes it
     return recipes.operand_gemm(recipe, qa, qb, kinds)[:, :m, :n]
 
 
-def recipe_gemm(recipe, kinds, m: int, n: int, qa: S.QOperand, qb: S.QOperand) -> np.ndarray:
+def recipe_gemm(
+    recipe: recipes.Recipe, kinds: Sequence[str], m: int, n: int, qa: S.QOperand, qb: S.QOperand
+) -> np.ndarray:
     """The recipe's GEMM of two quantized operands, cut to (B, m, n)."""
     return np.asarray(_recipe_gemm(recipe, tuple(kinds), m, n, qa, qb))
 
 
 @jax.jit
-def _hp(a, b):
+def _hp(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum("bmk,bnk->bmn", a, b, precision=lax.Precision.HIGHEST,
                       preferred_element_type=jnp.float32)  # fmt: skip
 
@@ -126,22 +151,30 @@ def hp_gemm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 @partial(jax.jit, static_argnames=("dn", "precision", "pet"))
-def _xla_dot(a, b, dn, precision, pet):
+def _xla_dot(a: jax.Array, b: jax.Array, dn: Any, precision: Any, pet: Any) -> jax.Array:
     return lax.dot_general(a, b, dn, precision=precision, preferred_element_type=pet)
 
 
 @partial(jax.jit, static_argnames=("dn", "preset", "out_dtype"))
-def _preset_dot(a, b, dn, preset, out_dtype):
+def _preset_dot(a: jax.Array, b: jax.Array, dn: Any, preset: str, out_dtype: str) -> jax.Array:
     return hardware.dot_general(a, b, dn, preset=preset, out_dtype=out_dtype)
 
 
-def _precision(p):
+def _precision(p: Sequence[Any] | None) -> tuple[lax.Precision | None, ...] | None:
     if p is None:
         return None
     return tuple(None if x is None else lax.Precision[str(x).split(".")[-1]] for x in p)
 
 
-def model_gemm(a, b, dn, model: str, *, precision=None, pet: str | None = None) -> np.ndarray:
+def model_gemm(
+    a: np.ndarray | jax.Array,
+    b: np.ndarray | jax.Array,
+    dn: Any,
+    model: str,
+    *,
+    precision: Sequence[Any] | None = None,
+    pet: str | None = None,
+) -> np.ndarray:
     """``dot_general(a, b, dn)`` of typed operands (FP8, 16-bit) as ``model`` computes it:
     ``"xla-cpu"`` (replayed, CPU only) or a hardware preset. NotModelled when the model does
     not cover the operands."""
@@ -160,14 +193,18 @@ def model_gemm(a, b, dn, model: str, *, precision=None, pet: str | None = None) 
         raise NotModelled(f"{model}: {str(err).splitlines()[0]}") from None
 
 
-def plain_gemm(lhs, rhs, params: dict, model: str) -> np.ndarray:
+def plain_gemm(
+    lhs: np.ndarray | jax.Array, rhs: np.ndarray | jax.Array, params: dict, model: str
+) -> np.ndarray:
     """A plain site's ``dot_general`` with its recorded parameters, by ``model``."""
     return model_gemm(lhs, rhs, params["dimension_numbers"], model,
                       precision=params.get("precision"),
                       pet=params.get("preferred_element_type"))  # fmt: skip
 
 
-def native_gemm(a, b, factor, model: str) -> np.ndarray:
+def native_gemm(
+    a: np.ndarray | jax.Array, b: np.ndarray | jax.Array, factor: ArrayLike | None, model: str
+) -> np.ndarray:
     """(B, M, K) x (B, N, K) typed elements by ``model`` (float32 out), times the row
     factors (float32, as the recorded run multiplied them)."""
     acc = model_gemm(a, b, _BDIMS, model, pet="float32")

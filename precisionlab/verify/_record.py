@@ -30,7 +30,7 @@ import ml_dtypes
 import numpy as np
 
 from precisionlab import __version__, recipes
-from precisionlab.intercept import PerIteration, Site, intercept, select
+from precisionlab.intercept import Intercepted, PerIteration, Site, intercept, select
 from precisionlab.verify._format import DumpWriter, storage_dtype
 from precisionlab.verify._models import check_hardware
 from precisionlab.verify._steps import StepsRule, step_pass
@@ -113,7 +113,16 @@ def recipe_json(recipe: recipes.Recipe) -> dict[str, Any]:
 
 # --- record ------------------------------------------------------------------------------
 def _iterations(site: Site) -> list[tuple[int, ...]]:
-    return list(np.ndindex(*site.lengths)) if site.lengths else [()]
+    lengths = _known_lengths(site)
+    assert lengths is not None  # recorded sites are in no while loop (_plan leaves them out)
+    return list(np.ndindex(*lengths)) if lengths else [()]
+
+
+def _known_lengths(site: Site) -> tuple[int, ...] | None:
+    """The iteration counts of the site's loops; None inside a while loop (unknown)."""
+    if any(n is None for n in site.lengths):
+        return None
+    return tuple(n for n in site.lengths if n is not None)
 
 
 def _suffix(it: tuple[int, ...]) -> str:
@@ -138,7 +147,9 @@ class _Plan:
     rule: Any
 
 
-def _check_args(recipe, gemm, weight, grad, has_aux) -> None:
+def _check_args(
+    recipe: recipes.Recipe | None, gemm: str, weight: str, grad: bool, has_aux: bool
+) -> None:
     if gemm not in GEMM_MODES:
         raise ValueError(f"unknown gemm {gemm!r}; allowed: {', '.join(GEMM_MODES)}")
     if weight not in recipes.WEIGHT_OPERANDS:
@@ -151,7 +162,7 @@ def _check_args(recipe, gemm, weight, grad, has_aux) -> None:
         raise ValueError("has_aux applies with grad=True (the value is the output as it is)")
 
 
-def _grad_fn(fn: Callable, grad: bool, argnums, has_aux: bool) -> Callable:
+def _grad_fn(fn: Callable, grad: bool, argnums: int | Sequence[int], has_aux: bool) -> Callable:
     return jax.value_and_grad(fn, argnums=argnums, has_aux=has_aux) if grad else fn
 
 
@@ -159,21 +170,37 @@ def _loop_stack(x: Any, lengths: tuple[int, ...]) -> Any:
     return jax.tree.map(lambda a: jnp.broadcast_to(a, (*lengths, *jnp.shape(a))), x)
 
 
-def _plan(fn, args, *, recipe, state, key, grad, argnums, has_aux, include, exclude, weight,
-          sites, gemm_fn, default) -> _Plan:  # fmt: skip
+def _plan(
+    fn: Callable,
+    args: tuple,
+    *,
+    recipe: recipes.Recipe | None,
+    state: Any,
+    key: jax.Array | None,
+    grad: bool,
+    argnums: int | Sequence[int],
+    has_aux: bool,
+    include: Any,
+    exclude: Any,
+    weight: str,
+    sites: Any,
+    gemm_fn: Callable,
+    default: Callable | None,
+) -> _Plan:
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     del nums  # the plain mode differentiates fn itself
     if recipe is None:
         g = _grad_fn(fn, grad, argnums, has_aux)
         probe = intercept(g, PlainRule(frozenset()), include=include, exclude=exclude)
         found = probe.sites(*args)
-        chosen = _chosen(found, sites)
-        rule = PlainRule(frozenset(s.name for s in chosen))
-        inter = intercept(g, rule, include=include, exclude=exclude)
+        # a while loop's sites have no per-iteration records: skipped, as in the recipe mode
+        chosen = [s for s in _chosen(found, sites) if all(n is not None for n in s.lengths)]
+        plain = PlainRule(frozenset(s.name for s in chosen))
+        inter = intercept(g, plain, include=include, exclude=exclude)
         value_shapes, aux_shapes = jax.eval_shape(lambda *a: inter.call_with_aux(None, *a), *args)
         skipped = [{"site": s.name, "why": "inside a while_loop"} for s in found
                    if s.selected and any(n is None for n in s.lengths)]  # fmt: skip
-        return _Plan(found, chosen, skipped, {}, aux_shapes, {}, value_shapes, rule)
+        return _Plan(found, chosen, skipped, {}, aux_shapes, {}, value_shapes, plain)
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     Rule = StepsRule if isinstance(recipe, recipes.FP4Recipe) else RecipeRule
     probe = intercept(fn, Rule(recipe, weight, frozenset(), gemm_fn),
@@ -205,7 +232,7 @@ def _plan(fn, args, *, recipe, state, key, grad, argnums, has_aux, include, excl
     return _Plan(found, chosen, skipped, states, aux_shapes, tapes, value_shapes, rule)
 
 
-def _chosen(found: list[Site], sites) -> list[Site]:
+def _chosen(found: list[Site], sites: Any) -> list[Site]:
     selected = [s for s in found if s.selected]
     if sites is None:
         return selected
@@ -215,7 +242,13 @@ def _chosen(found: list[Site], sites) -> list[Site]:
     return [s for s in selected if s.name in names]
 
 
-def _entries(found, chosen, recipe, state, tapes) -> dict[str, Any]:
+def _entries(
+    found: list[Site],
+    chosen: list[Site],
+    recipe: recipes.Recipe,
+    state: Any,
+    tapes: dict[str, Any] | None,
+) -> dict[str, Any]:
     """The per-site state: ``{"recipe": its recipe state, "tape": zeros}`` (PerIteration,
     stacked, inside loops)."""
     rec_names = {s.name for s in chosen}
@@ -224,37 +257,45 @@ def _entries(found, chosen, recipe, state, tapes) -> dict[str, Any]:
         if not s.selected:
             continue
         rs = (state or {}).get(s.name) if recipe.stateful else None
+        known = _known_lengths(s)
         tape = None
         if tapes is not None and s.name in rec_names:
             one = jax.tree.map(lambda sd: jnp.zeros((2, *sd.shape), jnp.float32), tapes[s.name])
-            tape = _loop_stack(one, s.lengths) if s.lengths else one
-        if s.lengths and all(n is not None for n in s.lengths):
-            out[s.name] = PerIteration({"recipe": _loop_stack(rs, s.lengths), "tape": tape})
+            tape = _loop_stack(one, known) if known else one  # (recorded: lengths known)
+        if known:
+            out[s.name] = PerIteration({"recipe": _loop_stack(rs, known), "tape": tape})
         else:
             out[s.name] = {"recipe": rs, "tape": tape}
     return out
 
 
-def _runner(inter, grad: bool, nums: tuple[int, ...], single: bool, has_aux: bool, key):
+def _runner(
+    inter: Intercepted,
+    grad: bool,
+    nums: tuple[int, ...],
+    single: bool,
+    has_aux: bool,
+    key: jax.Array | None,
+) -> Callable[..., tuple[Any, Any, Any]]:
     """``run(states, *args) -> (value, aux, state grads or None)``: the function under the
     rule, differentiated w.r.t. the states (the tapes) and the ``nums`` arguments when
     ``grad``; ``value`` as ``jax.value_and_grad`` returns it (or the output)."""
     if not grad:
 
-        def plain(states, *args):
+        def plain(states: Any, *args: Any) -> tuple[Any, Any, None]:
             out, aux = inter.call_with_aux(states, *args, key=key)
             return out, aux, None
 
         return plain
 
-    def call(states, *args):
+    def call(states: Any, *args: Any) -> tuple[Any, tuple[Any, Any]]:
         out, aux = inter.call_with_aux(states, *args, key=key)
         loss = out[0] if has_aux else out
         return loss, (out, aux)
 
     vg = jax.value_and_grad(call, argnums=(0, *(n + 1 for n in nums)), has_aux=True)
 
-    def run(states, *args):
+    def run(states: Any, *args: Any) -> tuple[Any, Any, Any]:
         (_, (out, aux)), grads = vg(states, *args)
         g = grads[1] if single else tuple(grads[1:])
         return (out, g), aux, grads[0]
@@ -269,11 +310,11 @@ def estimate(fn: Callable, *args: Any, **options: Any) -> int:
     return _estimate(_plan(fn, args, **opts), opts, options.get("results", True))
 
 
-def _nbytes(shape, itemsize: int) -> int:
+def _nbytes(shape: Sequence[int], itemsize: int) -> int:
     return int(np.prod(shape, dtype=np.int64)) * itemsize
 
 
-def _record_bytes(key: str, sd: Any, rec, weight: str, what: str | None) -> int:
+def _record_bytes(key: str, sd: Any, rec: recipes.Recipe, weight: str, what: str | None) -> int:
     """Stored bytes of one record entry (``[what/]side/role`` or ``out``): element codes
     take their format's width, everything else its own dtype."""
     parts = key.split("/")
@@ -301,7 +342,9 @@ def _estimate(plan: _Plan, opts: dict[str, Any], results: bool) -> int:
             else:
                 total += _record_bytes(key, sd, rec, weight, "fprop")
     for s in plan.recorded if opts["grad"] else ():  # the backward records
-        reps = int(np.prod(s.lengths, dtype=np.int64)) if s.lengths else 1
+        known = _known_lengths(s)
+        assert known is not None  # recorded sites are in no while loop (_plan leaves them out)
+        reps = int(np.prod(known, dtype=np.int64)) if known else 1
         for key, sd in plan.tape_shapes.get(s.name, {}).items():
             if rec is None:
                 total += reps * _nbytes(sd.shape, jnp.dtype(sd.dtype).itemsize)
@@ -326,17 +369,36 @@ def _weight_products(site: Site) -> bool:
     return not site.activations_only
 
 
-def _plan_options(*, recipe=None, state=None, key=None, grad=True, argnums=0, has_aux=False,
-                  include=None, exclude=(), weight="rhs", sites=None, gemm="recipe",
-                  attention=True, **_ignored) -> dict[str, Any]:  # fmt: skip
+def _plan_options(
+    *,
+    recipe: Any = None,
+    state: Any = None,
+    key: jax.Array | None = None,
+    grad: bool = True,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    include: Any = None,
+    exclude: Any = (),
+    weight: str = "rhs",
+    sites: Any = None,
+    gemm: str = "recipe",
+    attention: bool = True,
+    **_ignored: Any,
+) -> dict[str, Any]:
     rec = None if recipe is None else recipes.get_recipe(recipe)
     if isinstance(rec, recipes.FP4Recipe) and gemm != "recipe":
         raise ValueError(
             f"gemm={gemm!r}: the {rec.name} recipe computes its GEMMs itself (rotated, "
             "re-quantized operands); record it with gemm='recipe'"
         )
-    if isinstance(recipe, str) and "pad" in {f.name for f in dataclasses.fields(rec)}:
-        rec = dataclasses.replace(rec, pad=True)  # as recipes.apply takes a name
+    if (
+        isinstance(recipe, str)
+        and rec is not None
+        and "pad" in {f.name for f in dataclasses.fields(rec)}
+    ):
+        # as recipes.apply takes a name; the recipe's class has a pad field (checked above),
+        # which the base Recipe that mypy sees here has not
+        rec = dataclasses.replace(rec, pad=True)  # type: ignore[call-arg]
     _check_args(rec, gemm, weight, grad, has_aux)
     if not isinstance(attention, bool):
         raise ValueError(f"attention must be True or False, got {attention!r}")
@@ -437,8 +499,22 @@ def record(
 
 
 # --- writing the records in program order ------------------------------------------------
-def _write(writer, plan, rec, state, value, aux, state_grads, opts, *, grad, results, gemm, hw,
-           key):  # fmt: skip
+def _write(
+    writer: DumpWriter,
+    plan: _Plan,
+    rec: recipes.Recipe | None,
+    state: Any,
+    value: Any,
+    aux: Any,
+    state_grads: Any,
+    opts: dict[str, Any],
+    *,
+    grad: bool,
+    results: bool,
+    gemm: str,
+    hw: str | None,
+    key: jax.Array | None,
+) -> tuple[dict[str, Any], Any]:
     weight = opts["weight"]
     gemms: list[dict[str, Any]] = []
     state_after, skipped = None, False
@@ -505,14 +581,25 @@ def _site_json(s: Site, recorded: bool) -> dict[str, Any]:
             "lengths": list(s.lengths), "recorded": recorded}  # fmt: skip
 
 
-def _valid(aux, s: Site, it) -> bool:
+def _valid(aux: Any, s: Site, it: tuple[int, ...]) -> bool:
     if s.name not in aux:
         return False
     v = np.asarray(aux[s.name].valid)
     return bool(v[it] if it and v.ndim else v)
 
 
-def _write_gemm(writer, gemms, rec, weight, s: Site, it, what, part: dict, gemm, hw) -> None:
+def _write_gemm(
+    writer: DumpWriter,
+    gemms: list[dict[str, Any]],
+    rec: recipes.Recipe,
+    weight: str,
+    s: Site,
+    it: tuple[int, ...],
+    what: str,
+    part: dict,
+    gemm: str,
+    hw: str | None,
+) -> None:
     gid = f"{s.name}{_suffix(it)}/{what}"
     hp = not any(k.endswith("/codes") for k in part)
     kinds = gemm_kinds(weight, what)
@@ -560,7 +647,14 @@ def _untape(v: np.ndarray, dtype: np.dtype, axis: int) -> np.ndarray:
     return from_halves(v, np.dtype(np.float32), axis).astype(dtype)
 
 
-def _write_fp4(writer, plan, aux, state_grads, gemms, grad: bool) -> None:
+def _write_fp4(
+    writer: DumpWriter,
+    plan: _Plan,
+    aux: Any,
+    state_grads: Any,
+    gemms: list[dict[str, Any]],
+    grad: bool,
+) -> None:
     """The steps of a recipe owning its GEMMs: per site and iteration, its forward, then
     (sites in reverse) its backward."""
     for s in plan.recorded:
@@ -582,7 +676,15 @@ def _write_fp4(writer, plan, aux, state_grads, gemms, grad: bool) -> None:
                              one)  # fmt: skip
 
 
-def _write_steps(writer, gemms, meta: list[dict], s: Site, it, which: str, arrays) -> None:
+def _write_steps(
+    writer: DumpWriter,
+    gemms: list[dict[str, Any]],
+    meta: list[dict],
+    s: Site,
+    it: tuple[int, ...],
+    which: str,
+    arrays: Any,
+) -> None:
     gid = f"{s.name}{_suffix(it)}/{which}"
     steps = []
     info = dict(site=s.name, gemm=gid, iteration=it)
@@ -608,7 +710,9 @@ def _write_steps(writer, gemms, meta: list[dict], s: Site, it, which: str, array
                   "model": "steps", "steps": steps})  # fmt: skip
 
 
-def _write_plain(writer, plan, aux, gemms, hw) -> None:
+def _write_plain(
+    writer: DumpWriter, plan: _Plan, aux: Any, gemms: list[dict[str, Any]], hw: str | None
+) -> None:
     for s in plan.recorded:
         if s.name not in aux:
             continue
@@ -634,7 +738,7 @@ def _write_plain(writer, plan, aux, gemms, hw) -> None:
                        producer="dot_general", **meta)  # fmt: skip
 
 
-def _write_state(writer, plan, state, role: str, producer: str) -> None:
+def _write_state(writer: DumpWriter, plan: _Plan, state: Any, role: str, producer: str) -> None:
     for s in plan.sites:
         if not s.selected or s.name not in state:
             continue
@@ -643,9 +747,12 @@ def _write_state(writer, plan, state, role: str, producer: str) -> None:
                        site=s.name, producer=producer)  # fmt: skip
 
 
-def _state_after(plan, rec, state, state_grads, value, weight):
+def _state_after(
+    plan: _Plan, rec: recipes.Recipe, state: Any, state_grads: Any, value: Any, weight: str
+) -> tuple[dict[str, Any], bool]:
     """The recipe's state after the step (``update_site_state``; unchanged where a gradient
     is not finite, as the train step skips such a step), and whether it was skipped."""
+    assert isinstance(rec, recipes.Delayed)  # the stateful recipe it is called for
     grads = value[1]
     finite = all(bool(np.all(np.isfinite(np.asarray(g)))) for g in jax.tree.leaves(grads)
                  if np.issubdtype(np.asarray(g).dtype, np.floating))  # fmt: skip
@@ -665,7 +772,7 @@ def _state_after(plan, rec, state, state_grads, value, weight):
     return new, not finite
 
 
-def _write_results(writer, value, grad: bool) -> None:
+def _write_results(writer: DumpWriter, value: Any, grad: bool) -> None:
     if grad:
         out, grads = value
         trees = [("result/value", out), ("result/grad", grads)]

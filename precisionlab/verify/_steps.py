@@ -12,6 +12,7 @@ the host in a :class:`StepsMeta` per site.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from precisionlab import recipes
-from precisionlab.intercept import Emit
+from precisionlab.intercept import Context, Emit
 from precisionlab.verify._tape import FLOATS, RecipeRule, key_data, to_tape
 
 __all__ = ["PASSES", "StepsMeta", "StepsRule", "apply_dot3", "pack_steps", "step_pass"]
@@ -78,7 +79,7 @@ def step_pass(meta: list[dict[str, Any]], which: str) -> list[str]:
     return out
 
 
-def _taped(fn, *args):
+def _taped(fn: Callable[..., Any], *args: Any) -> tuple[Any, dict[str, jax.Array], list[dict]]:
     steps: list[recipes.FP4Step] = []
     with recipes.fp4_step_tap(steps.append):
         out = fn(*args)
@@ -86,7 +87,9 @@ def _taped(fn, *args):
     return out, arrays, meta
 
 
-def _ct_state(state, observed):
+def _ct_state(
+    state: dict[str, jax.Array] | None, observed: jax.Array | None
+) -> dict[str, jax.Array] | None:
     if state is None:
         return None
     ct = {k: jnp.zeros_like(v) for k, v in state.items()}
@@ -96,17 +99,41 @@ def _ct_state(state, observed):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _tdot3(recipe, kinds, sink, a, b, state, key, tape):
+def _tdot3(
+    recipe: recipes.FP4Recipe,
+    kinds: tuple[str, str],
+    sink: StepsMeta,
+    a: jax.Array,
+    b: jax.Array,
+    state: Any,
+    key: jax.Array | None,
+    tape: Any,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     return _tdot3_fwd(recipe, kinds, sink, a, b, state, key, tape)[0]
 
 
-def _tdot3_fwd(recipe, kinds, sink, a, b, state, key, tape):
+def _tdot3_fwd(
+    recipe: recipes.FP4Recipe,
+    kinds: tuple[str, str],
+    sink: StepsMeta,
+    a: jax.Array,
+    b: jax.Array,
+    state: Any,
+    key: jax.Array | None,
+    tape: Any,
+) -> tuple[tuple[jax.Array, dict[str, jax.Array]], tuple[Any, ...]]:
     (y, res, observed), arrays, meta = _taped(recipe.forward, kinds, a, b, state, key)
     sink.fprop = meta
     return (y, arrays), (res, state, observed, key)
 
 
-def _tdot3_bwd(recipe, kinds, sink, saved, cts):
+def _tdot3_bwd(
+    recipe: recipes.FP4Recipe,
+    kinds: tuple[str, str],
+    sink: StepsMeta,
+    saved: tuple[Any, ...],
+    cts: tuple[jax.Array, Any],
+) -> tuple[Any, ...]:
     g, _ = cts
     res, state, observed, key = saved
     (da, db), arrays, meta = _taped(recipe.backward, kinds, res, g.astype(jnp.float32), key)
@@ -117,10 +144,18 @@ def _tdot3_bwd(recipe, kinds, sink, saved, cts):
 _tdot3.defvjp(_tdot3_fwd, _tdot3_bwd)
 
 
-def _bwd_shapes(recipe, kinds, sink, a, b, state, key) -> dict[str, Any]:
+def _bwd_shapes(
+    recipe: recipes.FP4Recipe,
+    kinds: tuple[str, str],
+    sink: StepsMeta,
+    a: jax.Array,
+    b: jax.Array,
+    state: Any,
+    key: jax.Array | None,
+) -> dict[str, Any]:
     """Shapes and dtypes of a site's backward step arrays (traced, nothing computed)."""
 
-    def run(a, b, state, key):
+    def run(a: jax.Array, b: jax.Array, state: Any, key: jax.Array | None) -> dict[str, jax.Array]:
         y, res, _ = recipe.forward(kinds, a, b, state, key)
         g = jnp.zeros(y.shape, jnp.float32)
         _, arrays, meta = _taped(recipe.backward, kinds, res, g, key)
@@ -137,17 +172,28 @@ class StepsRule(RecipeRule):
     #: per recorded site: what its steps are
     steps: dict[str, StepsMeta] = dataclasses.field(default_factory=dict)
 
-    def apply(self, ctx, lhs, rhs, *, dimension_numbers, **params):
+    def apply(
+        self, ctx: Context, lhs: jax.Array, rhs: jax.Array, *, dimension_numbers: Any, **params: Any
+    ) -> list[jax.Array] | Emit:
         entry = ctx.state or {}
         rstate = entry.get("recipe") if isinstance(entry, dict) else None
         pet = params.get("preferred_element_type")
         return apply_dot3(self, ctx, lhs, rhs, dimension_numbers, pet, rstate)
 
 
-def apply_dot3(rule, ctx, lhs, rhs, dimension_numbers, pet, rstate):
+def apply_dot3(
+    rule: StepsRule,
+    ctx: Context,
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers: Any,
+    pet: Any,
+    rstate: Any,
+) -> list[jax.Array] | Emit:
     """:meth:`StepsRule.apply` (``rule``: the rule; its ``steps`` keeps each site's
     :class:`StepsMeta`)."""
     recipe = rule.recipe
+    assert isinstance(recipe, recipes.FP4Recipe)  # _record builds a StepsRule for these only
     if str(lhs.dtype) not in FLOATS or str(rhs.dtype) not in FLOATS:
         return [lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=pet)]
     state = rstate if recipe.stateful else None
@@ -164,12 +210,19 @@ def apply_dot3(rule, ctx, lhs, rhs, dimension_numbers, pet, rstate):
     wc, wb = (lc, lb) if kinds == ("w", "x") else (rc, rb)
     sink = rule.steps.setdefault(ctx.site.name, StepsMeta())
     held: dict[str, Any] = {}
-    discovery = rule.shapes is not None
-    tape = None if discovery else (ctx.state or {})["tape"]
+    shapes = rule.shapes  # set: a discovery pass (the backward steps' shapes)
+    tape = None if shapes is not None else (ctx.state or {})["tape"]
 
-    def run(rec, kinds, a, b, st, key):
-        if discovery:
-            rule.shapes[ctx.site.name] = _bwd_shapes(rec, kinds, sink, a, b, st, key)
+    def run(
+        rec: recipes.FP4Recipe,
+        kinds: tuple[str, str],
+        a: jax.Array,
+        b: jax.Array,
+        st: Any,
+        key: jax.Array | None,
+    ) -> jax.Array:
+        if shapes is not None:
+            shapes[ctx.site.name] = _bwd_shapes(rec, kinds, sink, a, b, st, key)
             (y, held["fwd"]), _ = _tdot3_fwd(rec, kinds, sink, a, b, st, key, None)
         else:
             y, held["fwd"] = _tdot3(rec, kinds, sink, a, b, st, key, tape)

@@ -21,7 +21,7 @@ import numpy as np
 from jax import lax
 
 from precisionlab import recipes
-from precisionlab.intercept import Emit
+from precisionlab.intercept import Context, Emit
 from precisionlab.intercept import _boundary as boundary
 from precisionlab.recipes import _scaling as S
 from precisionlab.verify._format import storage_dtype
@@ -148,7 +148,7 @@ def to_tape(tree: dict[str, jax.Array]) -> dict[str, jax.Array]:
     return out
 
 
-def _bwd_records(taps: list, recipe) -> dict[str, jax.Array]:
+def _bwd_records(taps: list, recipe: recipes.Recipe) -> dict[str, jax.Array]:
     out = {}
     for rec in taps:
         for k, v in _pack(rec, recipe).items():
@@ -157,18 +157,44 @@ def _bwd_records(taps: list, recipe) -> dict[str, jax.Array]:
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _tdot(recipe, kinds, gemm, a3, b3, state, key, nums, tape):
+def _tdot(
+    recipe: recipes.Recipe,
+    kinds: tuple[str, str],
+    gemm: Callable | None,
+    a3: jax.Array,
+    b3: jax.Array,
+    state: Any,
+    key: jax.Array | None,
+    nums: Any,
+    tape: Any,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     return _tdot_fwd(recipe, kinds, gemm, a3, b3, state, key, nums, tape)[0]
 
 
-def _tdot_fwd(recipe, kinds, gemm, a3, b3, state, key, nums, tape):
+def _tdot_fwd(
+    recipe: recipes.Recipe,
+    kinds: tuple[str, str],
+    gemm: Callable | None,
+    a3: jax.Array,
+    b3: jax.Array,
+    state: Any,
+    key: jax.Array | None,
+    nums: Any,
+    tape: Any,
+) -> tuple[tuple[jax.Array, dict[str, jax.Array]], tuple[Any, ...]]:
     taps: list = []
     rec = recipe.with_numbers(nums)
     out = recipes.fprop_gemm(rec, kinds, a3, b3, state, tap=taps.append, gemm=gemm)
     return (out, _pack(taps[0], rec)), (a3, b3, state, key, nums)
 
 
-def _tdot_bwd(recipe, kinds, gemm, res, cts):
+def _tdot_bwd(
+    recipe: recipes.Recipe,
+    kinds: tuple[str, str],
+    gemm: Callable | None,
+    res: tuple[Any, ...],
+    cts: tuple[jax.Array, Any],
+) -> tuple[Any, ...]:
     g, _ = cts
     a3, b3, state, key, nums = res
     rec = recipe.with_numbers(nums)
@@ -182,10 +208,22 @@ def _tdot_bwd(recipe, kinds, gemm, res, cts):
 _tdot.defvjp(_tdot_fwd, _tdot_bwd)
 
 
-def _bwd_shapes(recipe, kinds, gemm, a3, b3, state, key, nums, g) -> dict[str, Any]:
+def _bwd_shapes(
+    recipe: recipes.Recipe,
+    kinds: tuple[str, str],
+    gemm: Callable | None,
+    a3: jax.Array,
+    b3: jax.Array,
+    state: Any,
+    key: jax.Array | None,
+    nums: Any,
+    g: jax.ShapeDtypeStruct,
+) -> dict[str, Any]:
     """Shapes and dtypes of the backward records of one site (traced, nothing computed)."""
 
-    def run(a3, b3, state, key, nums, g):
+    def run(
+        a3: jax.Array, b3: jax.Array, state: Any, key: jax.Array | None, nums: Any, g: jax.Array
+    ) -> dict[str, jax.Array]:
         rec = recipe.with_numbers(nums)
         taps: list = []
         recipes.vjp_gemms(rec, kinds, a3, b3, state, key, g, tap=taps.append, gemm=gemm)
@@ -194,14 +232,18 @@ def _bwd_shapes(recipe, kinds, gemm, a3, b3, state, key, nums, g) -> dict[str, A
     return jax.eval_shape(run, a3, b3, state, key, nums, g)
 
 
-def pinned_gemm(recipe, qa: S.QOperand, qb: S.QOperand, kinds) -> jax.Array:
+def pinned_gemm(
+    recipe: recipes.Recipe, qa: S.QOperand, qb: S.QOperand, kinds: tuple[str, str]
+) -> jax.Array:
     """The recipe's own GEMM on operands materialized first (an optimization barrier): XLA
     then sums a float32 GEMM as it does in a program of that GEMM alone, the check's."""
     qa, qb = lax.optimization_barrier((qa, qb))
     return recipes.operand_gemm(recipe, qa, qb, kinds)
 
 
-def native_gemm(recipe, qa: S.QOperand, qb: S.QOperand, kinds) -> jax.Array:
+def native_gemm(
+    recipe: recipes.Recipe, qa: S.QOperand, qb: S.QOperand, kinds: tuple[str, str]
+) -> jax.Array:
     """The GEMM of two quantized operands as the backend's own ``dot_general`` computes it:
     elements in their dtype (FP8, bfloat16), float32 output, then the per-row factors."""
     if qa.block_inv is not None or qb.block_inv is not None:
@@ -230,7 +272,9 @@ class RecipeRule:
     shapes: dict[str, Any] | None = None  # filled by a discovery pass: backward records
     primitives: tuple[str, ...] = (boundary.DOT_GENERAL,)
 
-    def apply(self, ctx, lhs, rhs, *, dimension_numbers, **params):
+    def apply(
+        self, ctx: Context, lhs: jax.Array, rhs: jax.Array, *, dimension_numbers: Any, **params: Any
+    ) -> list[jax.Array] | Emit:
         pet = params.get("preferred_element_type")
         if str(lhs.dtype) not in FLOATS or str(rhs.dtype) not in FLOATS:
             return [lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=pet)]
@@ -278,7 +322,9 @@ class PlainRule:
     params: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     primitives: tuple[str, ...] = (boundary.DOT_GENERAL,)
 
-    def apply(self, ctx, lhs, rhs, **params):
+    def apply(
+        self, ctx: Context, lhs: jax.Array, rhs: jax.Array, **params: Any
+    ) -> list[jax.Array] | Emit:
         (out,) = ctx.original(lhs, rhs)
         if ctx.site.name not in self.recorded or str(lhs.dtype) not in FLOATS:
             return [out]

@@ -119,6 +119,14 @@ def test_the_hardware_models_reveal_their_schedules(preset, k, dtype):
     assert got == schedule_tree(preset, k, dtype), got.text()
 
 
+def test_schedule_tree_refuses_a_contraction_without_inputs():
+    # mypy found it: with k < 1 no slice holds an input, and Tree(None) failed inside with
+    # "'NoneType' object is not iterable"; now a ValueError names k
+    for k in (0, -4, 2.0, True):
+        with pytest.raises(ValueError, match="k must be a positive int"):
+            schedule_tree("h100-xla", k)
+
+
 def test_schedule_trees_by_hand():
     assert schedule_tree("h100-xla", 48).text() == "steps[0..47 by 16]"
     assert schedule_tree("h100-xla", 256).text() == (

@@ -49,7 +49,7 @@ def test_every_marker_pair_is_well_formed_and_registered():
 #: Timing regions that still hold the run recorded by hand on the date their page gives (a
 #: regenerated one starts with the machine line; drop it from here when regenerating it).
 PENDING = {
-    "bench-codecs-whole-array", "bench-codecs-chunked", "bench-quant", "bench-hardware",
+    "bench-codecs-whole-array", "bench-codecs-chunked", "bench-hardware",
     "hardware-accumulation", "performance-cold", "performance-warm",
 }  # fmt: skip
 

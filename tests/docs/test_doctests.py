@@ -141,7 +141,7 @@ HEADLINE = {
     "precisionlab.fake_quant": _fake_quant,
     "precisionlab.mixed.get_policy": _get_policy,
     "precisionlab.recipes.matmul": _matmul,
-    "precisionlab.hardware.gemm": _gemm,
+    "precisionlab.hardware._gemm": _gemm,
     "precisionlab.metrics.error_report": _error_report,
 }
 

@@ -172,10 +172,10 @@ EXPECTED_SPLITS = [(0, 1), (1, 2)]
 @pytest.mark.parametrize("form", ["recorded", "flattree"])
 def test_replay_scan_ft_in_from_jax_0_11_2(i, form):
     rec = DATA["scans_in_jaxpr_text"][i]
-    ft = boundary.parse_recorded(rec["ft_in"])
+    ft = ast.literal_eval(rec["ft_in"])
     params = {
         "ft_in": ft if form == "recorded" else _FlatTreeLike(ft),
-        "ft_out": boundary.parse_recorded(rec["ft_out"]),
+        "ft_out": ast.literal_eval(rec["ft_out"]),
         "length": rec["length"], "reverse": False, "unroll": 1, "jaxpr": None,
     }  # fmt: skip
     split = boundary.scan_split(params)
@@ -191,9 +191,7 @@ def test_replay_first_recorded_scan_params_and_no_num_consts():
     params = DATA["primitive_params"]["scan"]
     assert "num_consts" not in params and "ft_in" in params
     keys = ("ft_in", "length", "reverse", "unroll")
-    split = boundary.scan_split(
-        {**{k: boundary.parse_recorded(params[k]) for k in keys}, "jaxpr": None}
-    )
+    split = boundary.scan_split({**{k: ast.literal_eval(params[k]) for k in keys}, "jaxpr": None})
     assert (split.n_consts, split.n_carry, split.length, split.reverse) == (0, 1, 3, False)
 
 

@@ -3,7 +3,7 @@
 Read from the source (every ``import`` statement, also those inside functions), so a lazy import
 cannot hide an edge. Layers, lowest first; a module may import its own layer and those below:
 
-    _schema, _io, _text, _clock (neutral helpers) -> formats -> bits -> quant -> metrics
+    _schema, _io, _text, _clock, _alloc (neutral helpers) -> formats -> bits -> quant -> metrics
     -> survey -> mixed -> intercept, recipes, emulate -> compute_audit -> (precisionlab facade)
     -> telemetry -> train -> memory -> bench -> consistency -> experiments, verify -> diagnose
     -> conformance -> cli -> __main__
@@ -19,7 +19,7 @@ import precisionlab
 ROOT = pathlib.Path(precisionlab.__file__).parent
 
 LAYERS = [
-    ("_schema", "_io", "_text", "_clock"),
+    ("_schema", "_io", "_text", "_clock", "_alloc"),
     ("formats",),
     ("bits",),
     ("quant",),

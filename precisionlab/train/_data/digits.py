@@ -17,6 +17,7 @@ the eval set (a few images twice).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from typing import Any
 
@@ -80,6 +81,11 @@ class DigitsData(Dataset):
                 f"to train on), got {self.eval_size!r}"
             )
         check_int("split_seed", self.split_seed, 0)
+        _ = self._loaded  # read now: a missing extra or a bad file fails here
+
+    @functools.cached_property
+    def _loaded(self) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], dict[str, Any]]:
+        """(split -> (images, labels), the record :meth:`describe` adds)."""
         images, labels = load_digits_arrays()
         order = np.random.default_rng([self.split_seed, 8008]).permutation(len(labels))
         eval_idx, train_idx = order[-self.eval_size :], order[: -self.eval_size]
@@ -98,12 +104,11 @@ class DigitsData(Dataset):
             ).hexdigest(),
             "sha256": hashlib.sha256(images.tobytes() + labels.astype("<i4").tobytes()).hexdigest(),
         }
-        object.__setattr__(
-            self,
-            "_arrays",
-            {"train": (x[train_idx], labels[train_idx]), "eval": (x[eval_idx], labels[eval_idx])},
-        )
-        object.__setattr__(self, "_info", info)
+        arrays = {
+            "train": (x[train_idx], labels[train_idx]),
+            "eval": (x[eval_idx], labels[eval_idx]),
+        }
+        return arrays, info
 
     def describe(self) -> dict[str, Any]:
         """JSON-able record of the options and ``source``, ``images``, ``image_shape``,
@@ -111,14 +116,14 @@ class DigitsData(Dataset):
         (images and labels)."""
         return {
             **super().describe(),
-            **{k: list(v) if isinstance(v, list) else v for k, v in self._info.items()},
+            **{k: list(v) if isinstance(v, list) else v for k, v in self._loaded[1].items()},
         }
 
     def batch(
         self, step: int, batch_size: int, *, seed: int = 0, split: str = "train"
     ) -> dict[str, np.ndarray]:
         g = split_rng(seed, split, step)  # also checks the split name
-        x, y = self._arrays[split]
+        x, y = self._loaded[0][split]
         if split == "train":
             idx = g.integers(0, y.size, size=batch_size)
         else:

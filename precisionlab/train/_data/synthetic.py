@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -37,13 +38,18 @@ class TeacherData(Dataset):
         _check_float("input_scale", self.input_scale, 1e-30, MAX_INPUT_SCALE)
         _check_float("label_noise", self.label_noise, 0.0, 1.0)
         _check_int("task_seed", self.task_seed, 0)
+        _ = self._teacher  # drawn now, as the options are checked
+
+    @functools.cached_property
+    def _teacher(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The teacher's two weight matrices and the centre of its logits."""
         g = np.random.default_rng([self.task_seed, 12345])
         w1 = g.normal(size=(self.in_dim, self.teacher_width)) / np.sqrt(self.in_dim)
         w2 = g.normal(size=(self.teacher_width, self.num_classes)) / np.sqrt(self.teacher_width)
         # Balance the classes: centre the logits over a large probe sample.
         probe = g.normal(size=(4096, self.in_dim))
         centre = (np.tanh(probe @ w1 * 2.0) @ w2).mean(axis=0)
-        object.__setattr__(self, "_teacher", (w1, w2, centre))
+        return w1, w2, centre
 
     @property
     def chance(self) -> float:  # type: ignore[override]
@@ -86,13 +92,18 @@ class MarkovData(Dataset):
             raise ValueError(f"branching {self.branching} > vocab_size {self.vocab_size}")
         _check_float("concentration", self.concentration, 1e-6)
         _check_int("task_seed", self.task_seed, 0)
+        _ = self._table  # drawn now, as the options are checked
+
+    @functools.cached_property
+    def _table(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each pair of tokens' successors (int32) and the cumulative probabilities of them."""
         v, k = self.vocab_size, self.branching
         g = np.random.default_rng([self.task_seed, 54321])
         succ = np.stack([g.choice(v, size=k, replace=False) for _ in range(v * v)])
         probs = g.dirichlet(np.full(k, self.concentration), size=v * v)
         cdf = np.cumsum(probs, axis=-1)
         cdf[:, -1] = 1.0
-        object.__setattr__(self, "_table", (succ.astype(np.int32), cdf))
+        return succ.astype(np.int32), cdf
 
     @property
     def chance(self) -> float:  # type: ignore[override]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import functools
 import hashlib
 import os
 import pathlib
@@ -116,11 +117,17 @@ class TextData(Dataset):
             raise ValueError(
                 f"pattern must be a non-empty glob string or None, got {self.pattern!r}"
             )
-        object.__setattr__(self, "_corpus", self._load())
+        _ = self._corpus  # read now: a missing or unreadable corpus fails here
+
+    @functools.cached_property
+    def _corpus(self) -> dict[str, Any]:
+        return self._load()
 
     def _load(self) -> dict[str, Any]:
         default = self.path is None
-        root = stdlib_dir() if default else pathlib.Path(os.fspath(self.path)).expanduser()
+        root = (
+            stdlib_dir() if self.path is None else pathlib.Path(os.fspath(self.path)).expanduser()
+        )
         if not root.exists():
             raise ValueError(f"text path {str(root)!r} does not exist; give a file or a directory")
         if root.is_file():
@@ -165,8 +172,8 @@ class TextData(Dataset):
             train_c = [c for i, c in enumerate(chunks) if i not in held]
             eval_c = [chunks[i] for i in held]
         else:
-            cut = len(chunks[0]) - max(1, round(len(chunks[0]) * self.eval_fraction))
-            train_c, eval_c, held = [chunks[0][:cut]], [chunks[0][cut:]], []
+            n_train = len(chunks[0]) - max(1, round(len(chunks[0]) * self.eval_fraction))
+            train_c, eval_c, held = [chunks[0][:n_train]], [chunks[0][n_train:]], []
         streams = {
             "train": np.frombuffer(b"".join(train_c), np.uint8),
             "eval": np.frombuffer(b"".join(eval_c), np.uint8),

@@ -1,4 +1,5 @@
-"""Keep large host buffers resident between calls (glibc malloc settings for XLA on CPU).
+"""Keep large host buffers resident between calls (glibc malloc settings for XLA on CPU; ground
+floor: imports nothing of precisionlab).
 
 Shared with the benchmarks; not part of the public API (docs/reference/public_api.txt).
 

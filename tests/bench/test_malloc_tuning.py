@@ -1,4 +1,4 @@
-"""The opt-in glibc malloc settings (precisionlab.bits._alloc)."""
+"""The opt-in glibc malloc settings (precisionlab._alloc)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 GLIBC = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
-SHOW = "from precisionlab.bits._alloc import malloc_tuning; print(malloc_tuning())"
+SHOW = "from precisionlab._alloc import malloc_tuning; print(malloc_tuning())"
 
 
 def _tuning(env_value: str | None) -> str:
