@@ -130,24 +130,24 @@ def _error_report():
 
 #: public name -> the outputs its examples show, computed by the oracle.
 HEADLINE = {
-    "precisionlab.encode": _encode,
-    "precisionlab.decode": _decode,
-    "precisionlab.round_to_format": _round_to_format,
-    "precisionlab.fields": _fields,
-    "precisionlab.classify": _classify,
-    "precisionlab.get_format": _get_format,
-    "precisionlab.quantize": _quantize,
-    "precisionlab.dequantize": _dequantize,
-    "precisionlab.fake_quant": _fake_quant,
-    "precisionlab.mixed.get_policy": _get_policy,
-    "precisionlab.recipes.matmul": _matmul,
-    "precisionlab.hardware._gemm": _gemm,
-    "precisionlab.metrics.error_report": _error_report,
+    "precisionlab:encode": _encode,
+    "precisionlab:decode": _decode,
+    "precisionlab:round_to_format": _round_to_format,
+    "precisionlab:fields": _fields,
+    "precisionlab:classify": _classify,
+    "precisionlab:get_format": _get_format,
+    "precisionlab:quantize": _quantize,
+    "precisionlab:dequantize": _dequantize,
+    "precisionlab:fake_quant": _fake_quant,
+    "precisionlab.mixed:get_policy": _get_policy,
+    "precisionlab.recipes:matmul": _matmul,
+    "precisionlab.hardware:gemm": _gemm,
+    "precisionlab.metrics:error_report": _error_report,
 }
 
 
 def _resolve(name: str):
-    module, attr = name.rsplit(".", 1)
+    module, attr = name.split(":")
     return getattr(importlib.import_module(module), attr)
 
 
