@@ -100,9 +100,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("docs/guides/hardware.md", "{'device': 'h100'"): _REPR,
     ("docs/guides/hardware.md", "accumulate=None  1.0"): _MSG,
     ("docs/guides/hardware.md", "accumulate=None           y[0]"): _MSG,
-    ("docs/guides/hardware.md", "$ precisionlab run experiments/accumulation.toml"): _TODO
-    + "printed by the code of 2026-11-26 (one table; `run` prints its table fitted "
-    "to 100 columns now): regenerating the region costs about 25 CPU minutes",
     ("docs/guides/jax-compatibility.md", "RuntimeError: precisionlab supports jax"): _MSG,
     ("docs/guides/jax-compatibility.md", "dot_general[0] sits inside 'shard_map'"): _MSG,
     ("docs/guides/memory.md", "$ precisionlab memory --preset gpt3-175b"): _TODO
