@@ -10,26 +10,20 @@ import stat
 from pathlib import Path
 
 import pytest
+from _tiny_runs import ONE, one_variant
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from precisionlab import _io
 from precisionlab.experiments import _store as store
 
+
+@pytest.fixture
+def work(tmp_path, monkeypatch):
+    return one_variant(tmp_path, monkeypatch)
+
+
 DATA = Path(__file__).parents[1] / "data" / "run_tiny"
-
-
-TINY = """
-kind = "train"
-name = "tiny"
-[train]
-model = "mlp"
-steps = 2
-batch_size = 8
-model_kwargs = { width = 8, depth = 2 }
-[[variant]]
-name = "a"
-"""
 
 
 def _snapshot(root: Path) -> dict[str, tuple]:
@@ -44,14 +38,6 @@ def _snapshot(root: Path) -> dict[str, tuple]:
             link = os.readlink(path) if stat.S_ISLNK(info.st_mode) else None
             out[os.path.relpath(path, root)] = (kind, body, link, info.st_ino)
     return out
-
-
-@pytest.fixture
-def work(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("PRECISIONLAB_DEBUG", raising=False)
-    (tmp_path / "tiny.toml").write_text(TINY)
-    return tmp_path
 
 
 def _device_node(path: Path) -> str:
@@ -229,7 +215,7 @@ def test_meaningless_values_are_one_line(work, cli, argv, message):
 
 
 def test_c3_a_deeply_nested_experiment_file(work, cli):
-    (work / "deep.toml").write_text(TINY + "[a]\nb = " + "{c = " * 400 + "1" + "}" * 400 + "\n")
+    (work / "deep.toml").write_text(ONE + "[a]\nb = " + "{c = " * 400 + "1" + "}" * 400 + "\n")
     _, err = cli(["run", "deep.toml", "--quiet"])
     assert "deep.toml: nested deeper than 32 levels" in err
 

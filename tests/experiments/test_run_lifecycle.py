@@ -14,27 +14,19 @@ import time
 from pathlib import Path
 
 import pytest
+from _tiny_runs import two_variants
 
 from precisionlab.experiments import _runner as runner
 from precisionlab.experiments import _store as store
 from precisionlab.experiments import _train_kind as train_kind
 
+
+@pytest.fixture
+def work(tmp_path, monkeypatch):
+    return two_variants(tmp_path, monkeypatch)
+
+
 DATA = Path(__file__).parents[1] / "data" / "run_tiny"
-
-
-TINY = """
-kind = "train"
-name = "tiny"
-[train]
-model = "mlp"
-steps = {steps}
-batch_size = 8
-model_kwargs = {{ width = 8, depth = 2 }}
-[[variant]]
-name = "a"
-[[variant]]
-name = "b"
-"""
 
 
 # A subprocess running `precisionlab ARGV` with train_kind.run_unit replaced by a stand-in that
@@ -88,15 +80,6 @@ def fake_run_unit(cfg, unit_dir, *, on_step, on_hist, resume, quiet, label, hook
 def fake_trainer(monkeypatch):
     monkeypatch.setattr(train_kind, "run_unit", fake_run_unit)
     monkeypatch.setattr(train_kind, "precompile", lambda cfg: None)
-
-
-@pytest.fixture
-def work(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("PRECISIONLAB_DEBUG", raising=False)
-    (tmp_path / "s2.toml").write_text(TINY.format(steps=2))
-    (tmp_path / "s5.toml").write_text(TINY.format(steps=5))
-    return tmp_path
 
 
 def _tree(root: Path) -> dict[str, bytes]:

@@ -5,26 +5,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-TINY = """
-kind = "train"
-name = "tiny"
-[train]
-model = "mlp"
-steps = 2
-batch_size = 8
-model_kwargs = { width = 8, depth = 2 }
-[[variant]]
-name = "a"
-"""
+from _tiny_runs import workdir
 
 
 @pytest.fixture
 def work(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("PRECISIONLAB_DEBUG", raising=False)
-    (tmp_path / "tiny.toml").write_text(TINY)
-    return tmp_path
+    return workdir(tmp_path, monkeypatch, {})
 
 
 # --- numerics (W1, W6, W8) --------------------------------------------------------------------

@@ -10,31 +10,14 @@ import textwrap
 
 import numpy as np
 import pytest
+from _tiny_runs import TWO, two_variants
 
 from precisionlab.experiments import _store as store
-
-TINY = """
-kind = "train"
-name = "tiny"
-[train]
-model = "mlp"
-steps = {steps}
-batch_size = 8
-model_kwargs = {{ width = 8, depth = 2 }}
-[[variant]]
-name = "a"
-[[variant]]
-name = "b"
-"""
 
 
 @pytest.fixture
 def work(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("PRECISIONLAB_DEBUG", raising=False)
-    (tmp_path / "s2.toml").write_text(TINY.format(steps=2))
-    (tmp_path / "s5.toml").write_text(TINY.format(steps=5))
-    return tmp_path
+    return two_variants(tmp_path, monkeypatch)
 
 
 _CORES = textwrap.dedent(
@@ -114,7 +97,7 @@ def test_a_deterministic_run_records_the_cpu_and_trains(work, cli):
     """`run --deterministic` sets train.deterministic, trains through the fixed order (its
     losses are finite and close to the plain run's) and records the CPU's instruction set,
     the usable cores and XLA's version and flags in environment.json."""
-    (work / "d.toml").write_text(TINY.format(steps=3).replace(
+    (work / "d.toml").write_text(TWO.format(steps=3).replace(
         "[[variant]]\nname = \"b\"\n", "") + "telemetry = { enabled = false }\n")  # fmt: skip
     base = ["run", "d.toml", "--quiet", "--no-report", "--no-cache"]
     cli([*base, "--out", "plain"], status=0, limit_s=600)  # compiles: slow on a loaded machine
