@@ -25,7 +25,9 @@ imports of them), it moves nothing already moved and rewrites only what is new. 
 package's ``__init__`` binds to something else (``precisionlab.diagnose.bisect`` is the function
 ``bisect``, re-exported) is rewritten only where it can only mean the module: followed by
 ``.attribute`` (or ``.*``), after ``import `` or ``-m ``, before `` import``, or as a whole quoted
-string (``"precisionlab.memory.fit"`` in mypy's module lists, ``sys.modules``).
+string (``"precisionlab.memory.fit"`` in mypy's module lists, ``sys.modules``) in the run that
+moves the module only: once the module has moved, ``"precisionlab.hardware.gemm"`` names what
+the package binds (the function ``gemm``), and a rerun leaves it alone.
 
 ``--propose`` lists, as mapping lines, the modules that break the privacy rule of
 docs/contributing.md: every module that is not a namespace of docs/reference/public_api.txt
@@ -104,9 +106,11 @@ def rel_path(dotted: str, is_package: bool) -> str:
     return "/".join(parts) + ("" if is_package else ".py")
 
 
-def move_files(renames: list[Rename], dry_run: bool) -> dict[str, bool]:
-    """git mv each old module to its new place; returns which renames are packages."""
+def move_files(renames: list[Rename], dry_run: bool) -> tuple[dict[str, bool], set[str]]:
+    """git mv each old module to its new place; returns which renames are packages, and the
+    old names moved by this run."""
     packages = {}
+    moved = set()
     for r in renames:
         old_dir = ROOT.joinpath(*r.old.split("."))
         new_dir = ROOT.joinpath(*r.new.split("."))
@@ -125,9 +129,10 @@ def move_files(renames: list[Rename], dry_run: bool) -> dict[str, bool]:
                 print(f"warning: neither {r.old} nor {r.new} exists", file=sys.stderr)
             continue
         print(f"move {old.relative_to(ROOT)} -> {new.relative_to(ROOT)}")
+        moved.add(r.old)
         if not dry_run:
             subprocess.run(["git", "mv", str(old), str(new)], cwd=ROOT, check=True)
-    return packages
+    return packages, moved
 
 
 def bound_in_init(package: str) -> set[str]:
@@ -159,7 +164,9 @@ def bound_in_init(package: str) -> set[str]:
 class Rewriter:
     """The text rewrites of one mapping."""
 
-    def __init__(self, renames: list[Rename], packages: dict[str, bool]) -> None:
+    def __init__(
+        self, renames: list[Rename], packages: dict[str, bool], moved: set[str] | None = None
+    ) -> None:
         self.renames = renames
         self.by_parent: dict[str, dict[str, Rename]] = {}
         for r in renames:
@@ -170,6 +177,8 @@ class Rewriter:
         self.new_of = {r.old: r.new for r in renames}
         plain = [re.escape(r.old) for r in ordered if r.old not in shadowed]
         shadow = [re.escape(r.old) for r in ordered if r.old in shadowed]
+        # a whole quoted string means the module only while the module is there to be moved
+        quoted = [re.escape(r.old) for r in ordered if r.old in shadowed & (moved or set())]
         patterns = []
         if plain:
             patterns.append(rf"(?<![\w.])(?P<plain>{'|'.join(plain)})(?!\w)")
@@ -179,8 +188,9 @@ class Rewriter:
                 rf"(?<![\w.])(?P<shadow>{alts})(?=\.[A-Za-z_*])"
                 rf"|(?:(?<=import )|(?<=-m ))(?P<shadow2>{alts})(?![\w.])"
                 rf"|(?<![\w.])(?P<shadow3>{alts})(?=\s+import\b)"
-                rf"|(?<=[\"'])(?P<shadow4>{alts})(?=[\"'])"
             )
+            if quoted:
+                patterns[-1] += rf"|(?<=[\"'])(?P<shadow4>{'|'.join(quoted)})(?=[\"'])"
         self.dotted = re.compile("|".join(patterns)) if patterns else None
         self.path_new: dict[str, str] = {}
         path_alts = []
@@ -383,8 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(propose()))
         return 0
     renames = read_mapping(args.mapping)
-    packages = move_files(renames, args.dry_run)
-    rewriter = Rewriter(renames, packages)
+    packages, moved = move_files(renames, args.dry_run)
+    rewriter = Rewriter(renames, packages, moved)
     changed = rewrite_tree(
         rewriter, {args.mapping.resolve(), Path(__file__).resolve()}, args.dry_run
     )
