@@ -21,6 +21,7 @@ __all__ = [
     "load_run",
     "markdown_table",
     "summary_rows",
+    "summary_table",
     "text_table",
     "write_report",
 ]
@@ -46,7 +47,11 @@ _fmt = fmt_value  # the summary-table cell style (shared with plots and compare)
 
 
 def load_run(run_dir: str | Path) -> dict[str, Any]:
-    """Everything a report needs from a run directory (summary, environment, per-unit rows)."""
+    """Everything a report needs from a run directory, as read from its files: a dict with
+    ``dir``, ``config``, ``summary`` (``summary.json``), ``environment``, ``run`` and ``units``
+    (for a ``train`` run, one dict per variant: its ``summary``, ``metrics`` (the rows of
+    ``metrics.jsonl``, one per logged step) and ``hist``). ValueError for a directory that is
+    not a finished run."""
     run_dir = Path(run_dir)
     if not (run_dir / "config.json").exists():
         raise ValueError(f"{run_dir}: not a run directory (no config.json)")
@@ -163,6 +168,20 @@ def markdown_table(rows: Sequence[Sequence[str]], headers: Sequence[str]) -> str
 
 def headers() -> list[str]:
     return [h for h, _, _ in TABLE]
+
+
+def summary_table(summary: dict[str, Any], columns: Sequence[str] | None = None) -> str:
+    """A ``train`` run's summary table (``load_run(d)["summary"]``) as aligned text, the table
+    ``precisionlab report`` prints, split into parts of at most :data:`WIDTH` characters.
+    ``columns``: the headers to keep, in this order (all of them by default); an unknown one
+    raises ValueError naming the headers there are."""
+    names = headers()
+    keep = list(names if columns is None else columns)
+    unknown = [c for c in keep if c not in names]
+    if unknown or not keep:
+        raise ValueError(f"summary_table: unknown columns {unknown}; there are {names}")
+    index = [names.index(c) for c in keep]
+    return fitted_table([[row[i] for i in index] for row in summary_rows(summary)], keep)
 
 
 def write_report(

@@ -13,7 +13,8 @@
   (the published feature tests' vectors);
 - :func:`fma_pow2`: a GPU's float32 FFMA by a power-of-two scale, exact on any backend
   (DeepGEMM's promotion of a block's partial into its accumulator);
-- :mod:`precisionlab.hardware._reference`: the scalar reference (Python integers).
+- :func:`step_reference`, :func:`chain_reference`, :func:`block_step_reference`: the scalar
+  references, in exact arithmetic apart from the vectorized model (its tests' oracle).
 """
 
 from precisionlab.hardware._conv import ConvGemm, conv_gemm, conv_general_dilated
@@ -31,6 +32,7 @@ from precisionlab.hardware._presets import (
     xla_split,
 )
 from precisionlab.hardware._profiles import PROFILES, Profile, get_profile
+from precisionlab.hardware._reference import block_step_reference, chain_reference, step_reference
 from precisionlab.hardware._schedule import Schedule
 from precisionlab.hardware._step import Step
 
@@ -45,7 +47,9 @@ __all__ = [
     "Profile",
     "Schedule",
     "Step",
+    "block_step_reference",
     "canonical_preset",
+    "chain_reference",
     "check_gemm_size",
     "conv_gemm",
     "conv_general_dilated",
@@ -56,5 +60,6 @@ __all__ = [
     "mma",
     "preset",
     "resolve",
+    "step_reference",
     "xla_split",
 ]

@@ -58,8 +58,13 @@ def step_reference(
     scale_exps: list[int] | None = None,
 ) -> float:  # fmt: skip
     """One step: ``c`` (float32 value) plus the products ``a[i] * b[i]`` as ``step`` computes.
-    ``scale_exps[i]`` (MXFP8's block scales): product i is multiplied by ``2**scale_exps[i]``
-    and its alignment exponent raised by as much."""
+
+    The scalar reference of :func:`gemm`, written apart from it in exact arithmetic
+    (``Fraction``, Python integers): ``a`` and ``b`` hold ``step.products`` values of the
+    formats named ``a_format`` and ``b_format`` (``"float8_e4m3fn"``, ...); the result is the
+    float32 value the step writes, as a Python float. ``scale_exps[i]`` (MXFP8's block scales):
+    product i is multiplied by ``2**scale_exps[i]`` and its alignment exponent raised by as
+    much."""
     terms, exps = [], []
     shifts = scale_exps if scale_exps is not None else [0] * len(a)
     for x, y, t in zip(a, b, shifts, strict=True):

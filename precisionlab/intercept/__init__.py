@@ -16,9 +16,10 @@ loop iteration.
 :mod:`precisionlab.intercept._boundary` is the one module that reads JAX's internals (primitive
 identities, parameter keys, the bind protocol, source information); a selected operation inside
 a higher-order primitive it does not know raises
-:class:`~precisionlab.intercept._boundary.UnsupportedPrimitive`.
+:class:`UnsupportedPrimitive`.
 """
 
+from precisionlab.intercept._boundary import UnsupportedPrimitive
 from precisionlab.intercept._dataflow import Promotion
 from precisionlab.intercept._dtypes import compute_line, flops_by_dtype
 from precisionlab.intercept._interpret import (
@@ -43,6 +44,7 @@ __all__ = [
     "Rule",
     "Site",
     "SkippedOperationWarning",
+    "UnsupportedPrimitive",
     "compute_line",
     "flops_by_dtype",
     "intercept",
