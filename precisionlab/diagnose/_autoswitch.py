@@ -41,14 +41,11 @@ from precisionlab.train._recipe import TrainRecipe
 
 __all__ = ["STAT_NAMES", "AutoSwitchRecipe", "SwitchOptions", "SwitchResult", "autoswitch"]
 
-#: The statistics kept per matmul, in order (operand kind, statistic).
-STAT_NAMES: tuple[str, ...] = (
-    "x_underflow",
-    "x_mse",
-    "w_underflow",
-    "w_mse",
-    "g_underflow",
-    "g_mse",
+#: The statistics kept per matmul, in order: per operand kind (activation ``x``, weight ``w``,
+#: output gradient ``g``) its underflow fraction and mean squared error, the thresholds'
+#: order (``[underflow, mse] * 3``).
+STAT_NAMES: tuple[str, ...] = tuple(
+    f"{kind}_{stat}" for kind in ("x", "w", "g") for stat in ("underflow", "mse")
 )
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 

@@ -49,6 +49,21 @@ __all__ = [
 #: optimizer kwargs of ``VALUE_KWARGS`` share their programs (see :func:`program_key`).
 VALUE_FIELDS: tuple[str, ...] = ("lr", "loss_weight", "seed", "progress")
 
+#: The :class:`LoopOptions` a config sets, by the same names (the rest, such as the checkpoint
+#: directory and resuming, are the caller's: :func:`train`).
+_LOOP_FIELDS: tuple[str, ...] = (
+    "steps",
+    "eval_interval",
+    "checkpoint_interval",
+    "divergence_k",
+    "divergence_action",
+    "hist_interval",
+    "shadow_interval",
+    "loss_weight",
+    "chunk_steps",
+    "deterministic",
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainSetup:
@@ -183,18 +198,7 @@ def build(config: TrainConfig) -> TrainSetup:
             norm_format=getattr(model, "norm_format", None),
         ),
     )
-    loop = LoopOptions(
-        steps=config.steps,
-        eval_interval=config.eval_interval,
-        checkpoint_interval=config.checkpoint_interval,
-        divergence_k=config.divergence_k,
-        divergence_action=config.divergence_action,
-        hist_interval=config.hist_interval,
-        shadow_interval=config.shadow_interval,
-        loss_weight=config.loss_weight,
-        chunk_steps=config.chunk_steps,
-        deterministic=config.deterministic,
-    )
+    loop = LoopOptions(**{name: getattr(config, name) for name in _LOOP_FIELDS})
     return TrainSetup(
         config=config,
         data=data,

@@ -1,18 +1,28 @@
 """What the in-step matmul instruments (:mod:`precisionlab.train._recipe_metrics`,
-:mod:`precisionlab.train.gemm_stats`) share: the loss as the step differentiates it, and the
-gradients of zero probes that a tapping rule's backward pass fills with its sums."""
+:mod:`precisionlab.train.gemm_stats`) share: the loss as the step differentiates it, the
+tapping rule whose backward pass fills a zero probe with its sums, and the gradients of the
+probes."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from precisionlab.intercept import Context
+from precisionlab.intercept import _boundary as boundary
+from precisionlab.recipes import Recipe
 from precisionlab.train._step import normalize_loss_fn
 
-__all__ = ["probe_grads", "scaled_loss"]
+__all__ = ["Dot", "Sums", "TapRule", "probe_grads", "scaled_loss"]
+
+#: A matmul of the tapped site's operands: ``(lhs, rhs) -> out``.
+Dot = Callable[[jax.Array, jax.Array], jax.Array]
+#: What a tap sums into its probe: ``(lhs, rhs, out_grad) -> float32 [3, width]``.
+Sums = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 def scaled_loss(loss_fn: Callable) -> Callable[[Any, Any, Any], jax.Array]:
@@ -41,3 +51,47 @@ def probe_grads(
         return tapped.call_with_state(state, *args, key=key)
 
     return jax.grad(run)({n: jnp.zeros((3, width), jnp.float32) for n in sites})
+
+
+@dataclasses.dataclass(frozen=True)
+class TapRule:
+    """An interception rule on float matmuls: each runs as :meth:`tap`'s ``dot`` (the recipe's,
+    as the step runs it), and the backward pass returns ``sums(lhs, rhs, out_grad)`` as the
+    cotangent of the site's ``probe`` state (read with :func:`probe_grads`). Other matmuls run
+    as written."""
+
+    recipe: Recipe
+    primitives: tuple[str, ...] = (boundary.DOT_GENERAL,)
+
+    def tap(self, ctx: Context, dimension_numbers: Any, pet: Any) -> tuple[Dot, Sums]:
+        """The site's ``(dot, sums)``; ``pet``: the matmul's ``preferred_element_type``."""
+        raise NotImplementedError
+
+    def apply(
+        self, ctx: Context, lhs: jax.Array, rhs: jax.Array, *, dimension_numbers: Any, **params: Any
+    ) -> list:
+        if not (
+            jnp.issubdtype(lhs.dtype, jnp.floating) and jnp.issubdtype(rhs.dtype, jnp.floating)
+        ):
+            return ctx.original(lhs, rhs)
+        dot, sums = self.tap(ctx, dimension_numbers, params.get("preferred_element_type"))
+
+        @jax.custom_vjp
+        def tapped(a: jax.Array, b: jax.Array, probe: jax.Array) -> jax.Array:
+            return dot(a, b)
+
+        def fwd(
+            a: jax.Array, b: jax.Array, probe: jax.Array
+        ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, Callable]]:
+            y, vjp = jax.vjp(dot, a, b)
+            return y, (a, b, vjp)
+
+        def bwd(
+            res: tuple[jax.Array, jax.Array, Callable], g: jax.Array
+        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+            a, b, vjp = res
+            da, db = vjp(g)
+            return da, db, sums(a, b, g)
+
+        tapped.defvjp(fwd, bwd)
+        return [tapped(lhs, rhs, ctx.state["probe"])]

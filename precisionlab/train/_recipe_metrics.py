@@ -28,9 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from precisionlab.intercept import Context, intercept
-from precisionlab.intercept import _boundary as boundary
 from precisionlab.recipes import WEIGHT_OPERANDS, Recipe, Reference, canonical_operand, dot_general
-from precisionlab.train._probes import probe_grads, scaled_loss
+from precisionlab.train._probes import Dot, Sums, TapRule, probe_grads, scaled_loss
 from precisionlab.train._recipe import TrainRecipe
 
 __all__ = ["GROUPS", "STATS", "recipe_metrics"]
@@ -102,18 +101,8 @@ def _merge(rows: list) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class _TapRule:
-    recipe: Recipe
-    primitives: tuple[str, ...] = (boundary.DOT_GENERAL,)
-
-    def apply(
-        self, ctx: Context, lhs: jax.Array, rhs: jax.Array, *, dimension_numbers: Any, **params: Any
-    ) -> list:
-        pet = params.get("preferred_element_type")
-        if not (
-            jnp.issubdtype(lhs.dtype, jnp.floating) and jnp.issubdtype(rhs.dtype, jnp.floating)
-        ):
-            return ctx.original(lhs, rhs)
+class _MetricsRule(TapRule):
+    def tap(self, ctx: Context, dimension_numbers: Any, pet: Any) -> tuple[Dot, Sums]:
         recipe, dn = self.recipe, dimension_numbers
         (lc, rc), (lb, rb) = dn
         rstate = ctx.state.get("recipe")
@@ -127,23 +116,9 @@ class _TapRule:
             return dot_general(a, b, dn, preferred_element_type=pet, recipe=recipe,
                                state=rstate, key=key, weight=(kx, kw))  # fmt: skip
 
-        @jax.custom_vjp
-        def tap(a: jax.Array, b: jax.Array, probe: jax.Array) -> jax.Array:
-            return qdot(a, b)
-
-        def fwd(
-            a: jax.Array, b: jax.Array, probe: jax.Array
-        ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, Callable]]:
-            y, vjp = jax.vjp(qdot, a, b)
-            return y, (a, b, vjp)
-
-        def bwd(
-            res: tuple[jax.Array, jax.Array, Callable], g: jax.Array
-        ) -> tuple[jax.Array, jax.Array, jax.Array]:
-            a, b, vjp = res
-            da, db = vjp(g)
+        def sums(a: jax.Array, b: jax.Array, g: jax.Array) -> jax.Array:
             if isinstance(recipe, Reference):
-                return da, db, jnp.zeros((3, _N), jnp.float32)
+                return jnp.zeros((3, _N), jnp.float32)
             # g is (batch, lhs free, rhs free): dgrad contracts the rhs free axes
             nb = len(lb)
             n_lfree = a.ndim - len(lc) - nb
@@ -156,10 +131,9 @@ class _TapRule:
             gs = _stats(
                 recipe, canonical_operand(g, g_contract, tuple(range(nb)))[0], "g", scales[2], gkey
             )
-            return da, db, jnp.stack([_merge(rows["x"]), _merge(rows["w"]), gs])
+            return jnp.stack([_merge(rows["x"]), _merge(rows["w"]), gs])
 
-        tap.defvjp(fwd, bwd)
-        return [tap(lhs, rhs, ctx.state["probe"])]
+        return qdot, sums
 
 
 def _summarize(sums: np.ndarray) -> dict[str, dict[str, float]]:
@@ -182,7 +156,7 @@ def make_recipe_metrics_fn(loss_fn: Callable, recipe: TrainRecipe) -> Callable[.
     """``fn(params_compute, batch, loss_scale, recipe_state, key) -> sums`` (float32
     ``[3, 8]`` summed over the replaced matmuls; jit it), and turn the sums into the
     per-group dict with :func:`recipe_metrics`."""
-    tapped = intercept(scaled_loss(loss_fn), _TapRule(recipe.recipe), include=recipe.include,
+    tapped = intercept(scaled_loss(loss_fn), _MetricsRule(recipe.recipe), include=recipe.include,
                        exclude=recipe.exclude, default=recipe.selects)  # fmt: skip
 
     def fn(pc: Any, batch: Any, ls: Any, recipe_state: Any, key: jax.Array | None) -> jax.Array:

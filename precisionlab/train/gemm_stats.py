@@ -41,11 +41,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from precisionlab.intercept import Context, intercept
-from precisionlab.intercept import _boundary as boundary
 from precisionlab.mixed._policy import Policy, cast_floating
-from precisionlab.recipes import Recipe, dot_general
+from precisionlab.recipes import dot_general
 from precisionlab.train._hooks import StepEnd
-from precisionlab.train._probes import probe_grads, scaled_loss
+from precisionlab.train._probes import Dot, Sums, TapRule, probe_grads, scaled_loss
 from precisionlab.train._recipe import TrainRecipe
 from precisionlab.train._step import weighted_loss
 
@@ -82,20 +81,9 @@ def _sums(h: jax.Array, q1: jax.Array, q2: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class _StatsRule:
-    recipe: Recipe
-    primitives: tuple[str, ...] = (boundary.DOT_GENERAL,)
-
-    def apply(
-        self, ctx: Context, lhs: jax.Array, rhs: jax.Array, *, dimension_numbers: Any, **params: Any
-    ) -> list:
-        floating = jnp.issubdtype(lhs.dtype, jnp.floating) and jnp.issubdtype(
-            rhs.dtype, jnp.floating
-        )
-        if not floating:
-            return ctx.original(lhs, rhs)
+class _StatsRule(TapRule):
+    def tap(self, ctx: Context, dimension_numbers: Any, pet: Any) -> tuple[Dot, Sums]:
         recipe, dn = self.recipe, dimension_numbers
-        pet = params.get("preferred_element_type")
         rstate = ctx.state.get("recipe")
         key = ctx.site_key()
 
@@ -109,21 +97,7 @@ class _StatsRule:
                 precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
             )  # fmt: skip
 
-        @jax.custom_vjp
-        def tap(a: jax.Array, b: jax.Array, probe: jax.Array) -> jax.Array:
-            return qdot(a, b, key)
-
-        def fwd(
-            a: jax.Array, b: jax.Array, probe: jax.Array
-        ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, Callable]]:
-            y, vjp = jax.vjp(lambda a, b: qdot(a, b, key), a, b)
-            return y, (a, b, vjp)
-
-        def bwd(
-            res: tuple[jax.Array, jax.Array, Callable], g: jax.Array
-        ) -> tuple[jax.Array, jax.Array, jax.Array]:
-            a, b, vjp = res
-            da, db = vjp(g)
+        def sums(a: jax.Array, b: jax.Array, g: jax.Array) -> jax.Array:
             k1 = None if key is None else jax.random.fold_in(key, 1)
             k2 = None if key is None else jax.random.fold_in(key, 2)
             y1, vjp1 = jax.vjp(lambda a, b: qdot(a, b, k1), a, b)
@@ -132,11 +106,9 @@ class _StatsRule:
             g32 = g.astype(jnp.float32)
             (da1, db1), (da2, db2) = vjp1(g), vjp2(g)
             dah, dbh = vjph(g32)
-            stats = jnp.stack([_sums(yh, y1, y2), _sums(dah, da1, da2), _sums(dbh, db1, db2)])
-            return da, db, stats
+            return jnp.stack([_sums(yh, y1, y2), _sums(dah, da1, da2), _sums(dbh, db1, db2)])
 
-        tap.defvjp(fwd, bwd)
-        return [tap(lhs, rhs, ctx.state["probe"])]
+        return (lambda a, b: qdot(a, b, key)), sums
 
 
 def make_gemm_stats_fn(

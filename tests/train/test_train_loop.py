@@ -1,5 +1,6 @@
 """The training loop: target metric, bitwise resume, divergence, metrics, config errors."""
 
+import dataclasses
 import json
 
 import jax
@@ -7,14 +8,40 @@ import numpy as np
 import pytest
 
 from precisionlab.train import (
+    LoopOptions,
     TrainConfig,
+    build,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
     train,
 )
+from precisionlab.train._compose import _LOOP_FIELDS
 
 SMALL = {"model_kwargs": {"width": 32}, "batch_size": 32, "eval_batches": 2}
+
+
+def test_build_gives_the_loop_the_configs_loop_options():
+    """build reads the config's loop options by name (_compose._LOOP_FIELDS): each is a field of
+    both classes with the same type, and each one set off its default reaches the loop."""
+    given = dict(
+        steps=12,
+        eval_interval=3,
+        checkpoint_interval=4,
+        divergence_k=5.0,
+        divergence_action="continue",
+        hist_interval=2,
+        shadow_interval=6,
+        loss_weight=2.0,
+        chunk_steps=2,
+        deterministic=True,
+    )
+    assert sorted(_LOOP_FIELDS) == sorted(given)
+    config_types = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+    loop_types = {f.name: f.type for f in dataclasses.fields(LoopOptions)}
+    assert {n: config_types[n] for n in given} == {n: loop_types[n] for n in given}
+    loop = build(TrainConfig(model="mlp", shadow=True, **SMALL, **given)).loop
+    assert loop == LoopOptions(**given)  # the rest (checkpoint_dir, resume, ...) as default
 
 
 def test_fp32_mlp_reaches_target_metric():
