@@ -65,7 +65,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in listed or item.nodeid.split("::", 1)[0] in listed:
             item.add_marker(pytest.mark.slow)
-            item.add_marker(pytest.mark.costly)  # .ci/run's lowest-JAX subset still runs them
 
 
 def pytest_sessionfinish(session):
