@@ -8,7 +8,6 @@ Each bench times the plain step (a) against the step with its instrument; see it
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -16,14 +15,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from precisionlab import _io
 from precisionlab._text import UsageError
-from precisionlab.bench._timing import (
-    add_output_arguments,
-    positive_int,
-    repeats_int,
-    time_interleaved,
-)
+from precisionlab.bench._output import add_output_arguments, print_result
+from precisionlab.bench._timing import positive_int, repeats_int, time_interleaved
 from precisionlab.train import StepOptions, build_step, make_data, make_model
 from precisionlab.train._models import Model
 
@@ -160,7 +154,5 @@ def run_bench(
     if args.batch > BATCH_MAX:
         raise UsageError(f"--batch must be at most {BATCH_MAX}, got {args.batch}")
     result = measure(models, args.batch, args.interval, args.steps, args.repeats)
-    if args.out is not None:
-        _io.write_json(args.out, result)
-    print(json.dumps(result, indent=2) if args.json else render(result))
+    print_result(result, args, render)
     return 0

@@ -35,7 +35,6 @@ steps <= 1.1x, FP8 recipes <= 2x, 4-bit <= 3x, emulate <= 10x, the telemetry ste
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -46,10 +45,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from precisionlab import _io, recipes, telemetry
+from precisionlab import recipes, telemetry
 from precisionlab._text import UsageError, split_list, table
+from precisionlab.bench._output import add_output_arguments, print_result
 from precisionlab.bench._recipes import add_model_arguments, init_params, loss_fn
-from precisionlab.bench._timing import add_output_arguments, repeats_int
+from precisionlab.bench._timing import repeats_int
 from precisionlab.emulate import emulate
 from precisionlab.telemetry import parse_targets
 from precisionlab.train import StepOptions, build_step
@@ -363,7 +363,5 @@ def run(args: argparse.Namespace) -> int:
         heads=args.heads, vocab=args.vocab, steps=args.steps, repeats=args.repeats,
         compile_time=args.compile, targets=targets,
     )  # fmt: skip
-    if args.out is not None:
-        _io.write_json(args.out, result)
-    print(json.dumps(result, indent=2) if args.json else render(result))
+    print_result(result, args, render)
     return 0

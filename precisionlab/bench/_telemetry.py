@@ -25,7 +25,7 @@ from typing import Any
 from precisionlab._text import table
 from precisionlab.bench import _interval
 from precisionlab.bench._interval import MODELS
-from precisionlab.bench._timing import machine
+from precisionlab.bench._output import machine
 from precisionlab.train import StepOptions
 from precisionlab.train._telemetry import DEFAULT_TARGETS, Telemetry, telemetry_rows
 

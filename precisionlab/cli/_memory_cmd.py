@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -68,8 +69,6 @@ def run(args: argparse.Namespace) -> int:
 def _list_presets(args: argparse.Namespace, presets: Any) -> int:
     specs = [presets.PRESETS[name] for name in presets.preset_names()]
     if args.json:
-        import dataclasses
-
         print(json.dumps([dataclasses.asdict(s) for s in specs], indent=2))
         return 0
     print("GPT-3 family, Brown et al. 2020, Table 2.1 (n_ctx 2048, vocabulary 50257)")
@@ -84,21 +83,11 @@ def _list_presets(args: argparse.Namespace, presets: Any) -> int:
 
 
 def _setup(args: argparse.Namespace) -> Any:
+    """The ``TrainSetup`` of the "training setup" flags: each of its fields is the flag of the
+    same name (``--opt-dtype`` -> ``opt_dtype``), checked by ``TrainSetup`` itself."""
     from precisionlab.memory._estimate import TrainSetup
 
-    return TrainSetup(
-        policy=args.policy,
-        optimizer=args.optimizer,
-        opt_dtype=args.opt_dtype,
-        grad_dtype=args.grad_dtype,
-        batch=args.batch,
-        seq=args.seq,
-        checkpoint_every=args.checkpoint_every,
-        microbatches=args.microbatches,
-        zero_stage=args.zero_stage,
-        dp=args.dp,
-        dropout=args.dropout,
-    )
+    return TrainSetup(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainSetup)})
 
 
 def _dtype_label(dtype: Any) -> str:
@@ -299,8 +288,6 @@ def _measure(args: argparse.Namespace) -> int:
             f"{args.measure}: --measure needs an experiment of kind 'train', "
             f"got {experiment.kind!r}"
         )
-    import dataclasses
-
     from precisionlab.train import TrainConfig
 
     # The runner validated the tables; keys it adds beyond TrainConfig's are dropped here.
