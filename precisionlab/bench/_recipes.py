@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +54,9 @@ _TARGET = {"current": 1.5, "delayed": 1.5, "rowwise": 1.5, "rowwise_with_gw_hp":
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipes", help=f"comma-separated (default: {','.join(DEFAULT_RECIPES)})")
-    add_model_arguments(parser, batch=8, seq=128, d_model=256, layers=2, heads=4, vocab=512)
+    add_model_arguments(
+        parser, ModelSize(batch=8, seq=128, d_model=256, layers=2, heads=4, vocab=512)
+    )
     parser.add_argument("--repeats", type=repeats_int, default=5, help="timed rounds (best of)")
     parser.add_argument(
         "--accumulator", action="store_true",
@@ -72,29 +74,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # --- model ---------------------------------------------------------------------------------
-def add_model_arguments(
-    parser: argparse.ArgumentParser,
-    *,
-    batch: int,
-    seq: int,
-    d_model: int,
-    layers: int,
-    heads: int,
-    vocab: int,
-) -> None:
+class ModelSize(NamedTuple):
+    """The size of this module's transformer LM and of its batch (counts): ``batch``
+    sequences of ``seq`` tokens, width ``d_model``, ``layers`` blocks of ``heads`` attention
+    heads, a ``vocab``-token vocabulary. Each is the option of the same name (``--d-model``)."""
+
+    batch: int
+    seq: int
+    d_model: int
+    layers: int
+    heads: int
+    vocab: int
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ModelSize:
+        """The size the options of :func:`add_model_arguments` give."""
+        return cls(*(getattr(args, field) for field in cls._fields))
+
+    def inputs(self) -> tuple[dict, jax.Array]:
+        """The model's float32 parameters (key 0) and a batch of int32 tokens (key 1)."""
+        params = init_params(
+            jax.random.key(0), d=self.d_model, layers=self.layers, vocab=self.vocab, seq=self.seq
+        )
+        tokens = jax.random.randint(
+            jax.random.key(1), (self.batch, self.seq), 0, self.vocab, jnp.int32
+        )
+        return params, tokens
+
+
+#: What each :class:`ModelSize` option counts, for its help.
+_SIZE_HELP = {
+    "batch": "sequences per step",
+    "seq": "tokens per sequence",
+    "d_model": "model width",
+    "layers": "transformer blocks",
+    "heads": "attention heads",
+    "vocab": "vocabulary",
+}
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, defaults: ModelSize) -> None:
     """The options that size this module's transformer LM and its batch (``--batch``,
     ``--seq``, ``--d-model``, ``--layers``, ``--heads``, ``--vocab``), with these defaults."""
-    sizes = (
-        ("--batch", batch, "sequences per step"),
-        ("--seq", seq, "tokens per sequence"),
-        ("--d-model", d_model, "model width"),
-        ("--layers", layers, "transformer blocks"),
-        ("--heads", heads, "attention heads"),
-        ("--vocab", vocab, "vocabulary"),
-    )
-    for flag, default, what in sizes:
+    for field, default in defaults._asdict().items():
         parser.add_argument(
-            flag, type=positive_int, default=default, help=f"{what} (default {default})"
+            "--" + field.replace("_", "-"),
+            type=positive_int,
+            default=default,
+            help=f"{_SIZE_HELP[field]} (default {default})",
         )
 
 
@@ -181,31 +208,22 @@ def _compile_workers() -> int:
 
 
 def measure(
-    names: Sequence[str],
-    *,
-    batch: int,
-    seq: int,
-    d_model: int,
-    layers: int,
-    heads: int,
-    vocab: int,
-    repeats: int,
-    phases: dict | None = None,
+    names: Sequence[str], size: ModelSize, *, repeats: int, phases: dict | None = None
 ) -> list[dict]:
-    """One row per recipe (see the module docstring). ``phases``, if given, receives the
+    """One row per recipe for the model of ``size`` (see the module docstring). ``phases``, if
+    given, receives the
     seconds of tracing and lowering (``trace_s``, the first programs compiling meanwhile), of
     the wait for the rest of compilation (``compile_s``) and of timing (``timing_s``), and the
     ``programs`` compiled or loaded with the ``cache_hits`` among them."""
     clock = time.perf_counter()
-    params = init_params(jax.random.key(0), d=d_model, layers=layers, vocab=vocab, seq=seq)
-    tokens = jax.random.randint(jax.random.key(1), (batch, seq), 0, vocab, jnp.int32)
+    params, tokens = size.inputs()
     key = jax.random.key(2)
     fns, peaks, matched, states, pending = {}, {}, {}, {}, {}
     # Tracing holds the Python lock, so the recipes are traced one at a time; XLA compiles
     # outside it, so each program compiles in a thread (side by side with the next traces).
     with CompileMeter() as meter, ThreadPoolExecutor(max_workers=_compile_workers()) as pool:
         for name in names:
-            step, f = _step(name, heads)
+            step, f = _step(name, size.heads)
             states[name] = f.init_state(params, tokens)
             pending[name] = pool.submit(step.lower(states[name], params, tokens, key).compile)
             matched[name] = sum(s.selected for s in f.sites(params, tokens))
@@ -362,9 +380,6 @@ def run(args: argparse.Namespace) -> int:
 
     cache = enable_compilation_cache(OFF if args.no_cache else args.cache_dir)
     phases: dict = {}
-    rows = measure(
-        names, batch=args.batch, seq=args.seq, d_model=args.d_model, layers=args.layers,
-        heads=args.heads, vocab=args.vocab, repeats=args.repeats, phases=phases,
-    )  # fmt: skip
+    rows = measure(names, ModelSize.from_args(args), repeats=args.repeats, phases=phases)
     print_result(rows, args, lambda r: _render(r, args, phases, cache), indent=1)
     return 0
