@@ -50,6 +50,7 @@ import numpy as np
 from precisionlab import _io
 from precisionlab._alloc import apply_malloc_tuning, malloc_tuning
 from precisionlab._text import UsageError, split_list, table
+from precisionlab.bench._output import cpu_name
 from precisionlab.bench._timing import (
     Timing,
     copy_kernel,
@@ -569,7 +570,7 @@ def bench_format(
 
 def machine() -> dict:
     """Where the numbers were measured."""
-    cpu = platform.processor() or platform.machine()
+    cpu = cpu_name()
     try:
         with open("/proc/cpuinfo") as f:
             names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]

@@ -4,8 +4,6 @@ float32 matmul of the same shape, in the same run (alternating rounds)."""
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 from functools import partial
 from typing import Any
 
@@ -16,7 +14,8 @@ import numpy as np
 
 from precisionlab import hardware as hw
 from precisionlab._text import UsageError
-from precisionlab.bench._timing import positive_int, print_rows, repeats_int, time_interleaved
+from precisionlab.bench._output import device_and_cpu, print_result, rows_text
+from precisionlab.bench._timing import positive_int, repeats_int, time_interleaved
 
 HELP = "hardware GEMM models: emulated products/s vs a float32 matmul of the same shape"
 
@@ -62,6 +61,21 @@ def measure(m: int, n: int, k: int, repeats: int) -> list[dict]:
     return out
 
 
+def render(res: list[dict], args: argparse.Namespace) -> str:
+    """:func:`measure`'s rows as a table under a heading naming the sizes and the machine."""
+    heading = (
+        f"hardware GEMM models, {args.m}x{args.k} @ {args.k}x{args.n} ({device_and_cpu()}, "
+        f"jax {jax.__version__}, best of {args.repeats}, alternating with a float32 matmul)"
+    )
+    head = f"{'case':<31} {'model ms':>9} {'f32 ms':>8} {'M products/s':>13} {'f32 / model':>11}"
+    lines = [
+        f"{r['case']:<31} {r['model_ms']:>9.1f} {r['f32_ms']:>8.2f} "
+        f"{r['model_Mproducts_s']:>13.0f} {r['model_ms'] / r['f32_ms']:>10.0f}x"
+        for r in res
+    ]
+    return "\n".join([heading, rows_text(head, lines)])
+
+
 def run(args: argparse.Namespace) -> int:
     if args.m * args.n * args.k > 2**34:
         raise UsageError("--m x --n x --k must be at most 2^34 products")
@@ -70,20 +84,5 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise UsageError(f"--m {args.m} --k {args.k} --n {args.n}: {err}") from None
     res = measure(args.m, args.n, args.k, args.repeats)
-    if args.json:
-        print(json.dumps(res, indent=1))
-        return 0
-    dev = jax.devices()[0]
-    print(
-        f"hardware GEMM models, {args.m}x{args.k} @ {args.k}x{args.n} ({dev.platform}, "
-        f"{platform.processor() or platform.machine()}, jax {jax.__version__}, best of "
-        f"{args.repeats}, alternating with a float32 matmul)"
-    )
-    head = f"{'case':<31} {'model ms':>9} {'f32 ms':>8} {'M products/s':>13} {'f32 / model':>11}"
-    lines = [
-        f"{r['case']:<31} {r['model_ms']:>9.1f} {r['f32_ms']:>8.2f} "
-        f"{r['model_Mproducts_s']:>13.0f} {r['model_ms'] / r['f32_ms']:>10.0f}x"
-        for r in res
-    ]
-    print_rows(head, lines)
+    print_result(res, args, lambda r: render(r, args), indent=1)
     return 0

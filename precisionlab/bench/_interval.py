@@ -8,7 +8,6 @@ Each bench times the plain step (a) against the step with its instrument; see it
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -16,14 +15,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from precisionlab import _io
 from precisionlab._text import UsageError
-from precisionlab.bench._timing import (
-    add_output_arguments,
-    positive_int,
-    repeats_int,
-    time_interleaved,
-)
+from precisionlab.bench._output import add_output_arguments, machine, print_result
+from precisionlab.bench._timing import positive_int, repeats_int, time_interleaved
 from precisionlab.train import StepOptions, build_step, make_data, make_model
 from precisionlab.train._models import Model
 
@@ -33,6 +27,8 @@ __all__ = [
     "Instrument",
     "add_interval_arguments",
     "built_in",
+    "measure",
+    "model_result",
     "model_rows",
     "ms_per_step",
     "run_bench",
@@ -133,6 +129,59 @@ def ms_per_step(runs: Mapping[str, Callable[[], Any]], steps: int, repeats: int)
     return {k: 1e3 * t.best / steps for k, t in times.items()}
 
 
+def model_result(
+    model_name: str,
+    model: Model,
+    params: Any,
+    runs: Mapping[str, Callable[[], Any]],
+    steps: int,
+    repeats: int,
+) -> dict[str, Any]:
+    """One model's entry of a bench's result: the ms per step of each of ``runs`` (see
+    :func:`ms_per_step`), the first the plain step ``a-...``, and the ratio of every other,
+    ``b-...``, ``c-...``, to it (keys ``b/a``, ``c/a``, ...)."""
+    ms = ms_per_step(runs, steps, repeats)
+    plain, *others = ms
+    return {
+        "model": model_name,
+        "params": model.param_count(params),
+        "ms_per_step": ms,
+        "ratios": {f"{name[0]}/a": ms[name] / ms[plain] for name in others},
+    }
+
+
+#: ``measure_model(model_name, batch, interval, steps, repeats)``: one model's
+#: :func:`model_result`.
+MeasureModel = Callable[[str, int, int, int, int], dict[str, Any]]
+
+
+def measure(
+    measure_model: MeasureModel,
+    models: tuple[str, ...] = MODELS,
+    batch: int = 128,
+    interval: int = 10,
+    steps: int = 20,
+    repeats: int = 5,
+    *,
+    settings: Mapping[str, Any] | None = None,
+    verdict: Callable[[list[dict[str, Any]]], Mapping[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """A bench's result: its settings (``batch``, ``interval``, then the bench's own
+    ``settings``, ``steps_per_round``, ``repeats``), every model's ``measure_model`` in order,
+    the bench's ``verdict`` on them, and the machine."""
+    results = [measure_model(m, batch, interval, steps, repeats) for m in models]
+    return {
+        "batch": batch,
+        "interval": interval,
+        **(settings or {}),
+        "steps_per_round": steps,
+        "repeats": repeats,
+        "models": results,
+        **(verdict(results) if verdict is not None else {}),
+        **machine(),
+    }
+
+
 def model_rows(
     result: dict[str, Any], variants: tuple[str, ...], ratios: tuple[str, ...]
 ) -> list[list[str]]:
@@ -160,7 +209,5 @@ def run_bench(
     if args.batch > BATCH_MAX:
         raise UsageError(f"--batch must be at most {BATCH_MAX}, got {args.batch}")
     result = measure(models, args.batch, args.interval, args.steps, args.repeats)
-    if args.out is not None:
-        _io.write_json(args.out, result)
-    print(json.dumps(result, indent=2) if args.json else render(result))
+    print_result(result, args, render)
     return 0

@@ -35,7 +35,6 @@ steps <= 1.1x, FP8 recipes <= 2x, 4-bit <= 3x, emulate <= 10x, the telemetry ste
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -46,10 +45,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from precisionlab import _io, recipes, telemetry
+from precisionlab import recipes, telemetry
 from precisionlab._text import UsageError, split_list, table
-from precisionlab.bench._recipes import add_model_arguments, init_params, loss_fn
-from precisionlab.bench._timing import add_output_arguments, repeats_int
+from precisionlab.bench._output import add_output_arguments, print_result
+from precisionlab.bench._recipes import ModelSize, add_model_arguments, loss_fn
+from precisionlab.bench._timing import repeats_int
 from precisionlab.emulate import emulate
 from precisionlab.telemetry import parse_targets
 from precisionlab.train import StepOptions, build_step
@@ -75,13 +75,15 @@ TARGETS: dict[str, tuple[str, float]] = {
 }
 TELEMETRY_TARGETS = ("fp16", "bf16", "e4m3:tensor", "e5m2")
 COMPILE_TARGET = 2.0
+#: The model of the module docstring.
+DEFAULT_SIZE = ModelSize(batch=16, seq=64, d_model=96, layers=3, heads=4, vocab=256)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--variants", help=f"comma-separated (default: all of {','.join(VARIANTS)})"
     )
-    add_model_arguments(parser, batch=16, seq=64, d_model=96, layers=3, heads=4, vocab=256)
+    add_model_arguments(parser, DEFAULT_SIZE)
     parser.add_argument(
         "--steps", type=repeats_int, default=10, help="steps per timed round (default 10)"
     )
@@ -222,14 +224,9 @@ def compile_seconds(
 
 def measure(
     names: tuple[str, ...] = VARIANTS,
+    size: ModelSize = DEFAULT_SIZE,
     *,
-    batch: int = 16,
-    seq: int = 64,
-    d_model: int = 96,
-    layers: int = 3,
-    heads: int = 4,
     targets: tuple[str, ...] = TELEMETRY_TARGETS,
-    vocab: int = 256,
     steps: int = 10,
     repeats: int = 5,
     compile_time: bool = False,
@@ -237,8 +234,8 @@ def measure(
     """Step times (ms) of every variant and their ratios to the reference (see the module
     docstring); with ``compile_time`` the compile seconds of the plain and telemetry steps."""
     load0 = os.getloadavg()
-    params = init_params(jax.random.key(0), d=d_model, layers=layers, vocab=vocab, seq=seq)
-    tokens = jax.random.randint(jax.random.key(1), (batch, seq), 0, vocab, jnp.int32)
+    params, tokens = size.inputs()
+    heads = size.heads
     compiles = {}
     if compile_time:  # before anything else is compiled: nothing shared, no cache
         for name in ("fp32", "telemetry"):
@@ -271,12 +268,7 @@ def measure(
             cpu_ratios[name] = cpu_ms[name] / cpu_ms[ref]
     out: dict[str, Any] = {
         "model": {
-            "batch": batch,
-            "seq": seq,
-            "d_model": d_model,
-            "layers": layers,
-            "heads": heads,
-            "vocab": vocab,
+            **size._asdict(),
             "telemetry_targets": list(targets),
             "params": int(sum(x.size for x in jax.tree.leaves(params))),
         },
@@ -359,11 +351,8 @@ def run(args: argparse.Namespace) -> int:
     if args.batch * args.seq * max(4 * args.d_model, args.vocab) > 2**28:
         raise UsageError("--batch x --seq x max(4 x --d-model, --vocab) must be at most 2**28")
     result = measure(
-        names, batch=args.batch, seq=args.seq, d_model=args.d_model, layers=args.layers,
-        heads=args.heads, vocab=args.vocab, steps=args.steps, repeats=args.repeats,
+        names, ModelSize.from_args(args), steps=args.steps, repeats=args.repeats,
         compile_time=args.compile, targets=targets,
     )  # fmt: skip
-    if args.out is not None:
-        _io.write_json(args.out, result)
-    print(json.dumps(result, indent=2) if args.json else render(result))
+    print_result(result, args, render)
     return 0

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 from precisionlab._text import table
 from precisionlab.bench import _interval
 from precisionlab.bench._interval import MODELS
-from precisionlab.bench._timing import machine
 from precisionlab.train import StepOptions
 from precisionlab.train._predictors import Predictors, predictor_row
 
@@ -57,32 +57,12 @@ def measure_model(
         "b-interval": runner(Predictors(interval=interval)),
         "c-every-step": runner(Predictors(interval=1)),
     }
-    ms = _interval.ms_per_step(runs, steps, repeats)
-    a = ms["a-plain"]
-    return {
-        "model": model_name,
-        "params": model.param_count(params),
-        "ms_per_step": ms,
-        "ratios": {"b/a": ms["b-interval"] / a, "c/a": ms["c-every-step"] / a},
-    }
+    return _interval.model_result(model_name, model, params, runs, steps, repeats)
 
 
-def measure(
-    models: tuple[str, ...] = MODELS,
-    batch: int = 128,
-    interval: int = 10,
-    steps: int = 20,
-    repeats: int = 5,
-) -> dict[str, Any]:
-    """Every model's :func:`measure_model`, with the machine."""
-    return {
-        "batch": batch,
-        "interval": interval,
-        "steps_per_round": steps,
-        "repeats": repeats,
-        "models": [measure_model(m, batch, interval, steps, repeats) for m in models],
-        **machine(),
-    }
+#: Every model's :func:`measure_model`, with the settings and the machine:
+#: ``measure(models=MODELS, batch=128, interval=10, steps=20, repeats=5)``.
+measure = functools.partial(_interval.measure, measure_model)
 
 
 def render(result: dict[str, Any]) -> str:

@@ -17,8 +17,6 @@ pass at the astype's speed after the reduce would give.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -31,6 +29,7 @@ import numpy as np
 
 from precisionlab._alloc import apply_malloc_tuning, malloc_tuning
 from precisionlab._text import UsageError, split_list
+from precisionlab.bench._output import device_and_cpu, print_result, rows_text
 from precisionlab.bench._timing import Timing, positive_int, repeats_int, time_interleaved
 from precisionlab.quant import _core as core
 from precisionlab.quant import fake_quant
@@ -143,6 +142,27 @@ def measure(rows: int, cols: int, repeats: int, cases: list[str]) -> list[dict]:
     return results
 
 
+def render(results: list[dict], args: argparse.Namespace) -> str:
+    """:func:`measure`'s rows as a table under a heading naming the input and the machine."""
+    heading = (
+        # two lines, each within the 100 columns of a terminal and of the docs' code blocks
+        f"fake_quant vs astype round trip on a {args.rows}x{args.cols} float32 input\n"
+        f"({device_and_cpu()}, best of {args.repeats} wall, median CPU, alternating; "
+        f"malloc tuning: {'on' if malloc_tuning() else 'off'})"
+    )
+    head = (
+        f"{'case':<20} {'fake_quant ms':>13} {'astype ms':>10} {'ratio':>6} "
+        f"{'cpu ratio':>9} {'amax':>6} {'Melem/s':>8}"
+    )
+    lines = [
+        f"{r['case']:<20} {r['fake_quant_ms']:>13.2f} {r['astype_ms']:>10.2f} "
+        f"{r['ratio']:>5.2f}x {r['cpu_ratio']:>8.2f}x {r['amax_ratio']:>5.2f}x "
+        f"{r['fake_quant_melem_s']:>8.1f}"
+        for r in results
+    ]
+    return "\n".join([heading, rows_text(head, lines)])
+
+
 #: Most input elements: 1 GiB of float32 (fake_quant's output and the astype's come on top).
 _ELEMENTS_MAX = 1 << 28
 
@@ -162,27 +182,5 @@ def run(args: argparse.Namespace) -> int:
     if args.malloc_tuning:
         apply_malloc_tuning()  # before the first computation, so XLA's threads see it
     results = measure(args.rows, args.cols, args.repeats, cases)
-    if args.json:
-        print(json.dumps(results, indent=1))
-        return 0
-    device = jax.devices()[0]
-    print(
-        # two lines, each within the 100 columns of a terminal and of the docs' code blocks
-        f"fake_quant vs astype round trip on a {args.rows}x{args.cols} float32 input\n"
-        f"({device.platform}, {platform.processor() or platform.machine()}, "
-        f"best of {args.repeats} wall, median CPU, alternating; malloc tuning: "
-        f"{'on' if malloc_tuning() else 'off'})"
-    )
-    head = (
-        f"{'case':<20} {'fake_quant ms':>13} {'astype ms':>10} {'ratio':>6} "
-        f"{'cpu ratio':>9} {'amax':>6} {'Melem/s':>8}"
-    )
-    print(head)
-    print("-" * len(head))
-    for r in results:
-        print(
-            f"{r['case']:<20} {r['fake_quant_ms']:>13.2f} {r['astype_ms']:>10.2f} "
-            f"{r['ratio']:>5.2f}x {r['cpu_ratio']:>8.2f}x {r['amax_ratio']:>5.2f}x "
-            f"{r['fake_quant_melem_s']:>8.1f}"
-        )
+    print_result(results, args, lambda r: render(r, args), indent=1)
     return 0

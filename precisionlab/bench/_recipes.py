@@ -22,13 +22,12 @@ float64, for K from 512 to 16384, with and without promotion to float32 every 12
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +36,8 @@ import numpy as np
 
 from precisionlab import recipes as R
 from precisionlab._text import UsageError, split_list
-from precisionlab.bench._timing import positive_int, print_rows, repeats_int, time_interleaved
+from precisionlab.bench._output import cpu_name, print_result, rows_text
+from precisionlab.bench._timing import positive_int, repeats_int, time_interleaved
 from precisionlab.recipes import RECIPE_NAMES, FP4Recipe, accumulate, get_recipe
 from precisionlab.train._compile_cache import OFF, enable_compilation_cache
 from precisionlab.train._timing import CompileMeter
@@ -54,7 +54,9 @@ _TARGET = {"current": 1.5, "delayed": 1.5, "rowwise": 1.5, "rowwise_with_gw_hp":
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipes", help=f"comma-separated (default: {','.join(DEFAULT_RECIPES)})")
-    add_model_arguments(parser, batch=8, seq=128, d_model=256, layers=2, heads=4, vocab=512)
+    add_model_arguments(
+        parser, ModelSize(batch=8, seq=128, d_model=256, layers=2, heads=4, vocab=512)
+    )
     parser.add_argument("--repeats", type=repeats_int, default=5, help="timed rounds (best of)")
     parser.add_argument(
         "--accumulator", action="store_true",
@@ -72,29 +74,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # --- model ---------------------------------------------------------------------------------
-def add_model_arguments(
-    parser: argparse.ArgumentParser,
-    *,
-    batch: int,
-    seq: int,
-    d_model: int,
-    layers: int,
-    heads: int,
-    vocab: int,
-) -> None:
+class ModelSize(NamedTuple):
+    """The size of this module's transformer LM and of its batch (counts): ``batch``
+    sequences of ``seq`` tokens, width ``d_model``, ``layers`` blocks of ``heads`` attention
+    heads, a ``vocab``-token vocabulary. Each is the option of the same name (``--d-model``)."""
+
+    batch: int
+    seq: int
+    d_model: int
+    layers: int
+    heads: int
+    vocab: int
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ModelSize:
+        """The size the options of :func:`add_model_arguments` give."""
+        return cls(*(getattr(args, field) for field in cls._fields))
+
+    def inputs(self) -> tuple[dict, jax.Array]:
+        """The model's float32 parameters (key 0) and a batch of int32 tokens (key 1)."""
+        params = init_params(
+            jax.random.key(0), d=self.d_model, layers=self.layers, vocab=self.vocab, seq=self.seq
+        )
+        tokens = jax.random.randint(
+            jax.random.key(1), (self.batch, self.seq), 0, self.vocab, jnp.int32
+        )
+        return params, tokens
+
+
+#: What each :class:`ModelSize` option counts, for its help.
+_SIZE_HELP = {
+    "batch": "sequences per step",
+    "seq": "tokens per sequence",
+    "d_model": "model width",
+    "layers": "transformer blocks",
+    "heads": "attention heads",
+    "vocab": "vocabulary",
+}
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, defaults: ModelSize) -> None:
     """The options that size this module's transformer LM and its batch (``--batch``,
     ``--seq``, ``--d-model``, ``--layers``, ``--heads``, ``--vocab``), with these defaults."""
-    sizes = (
-        ("--batch", batch, "sequences per step"),
-        ("--seq", seq, "tokens per sequence"),
-        ("--d-model", d_model, "model width"),
-        ("--layers", layers, "transformer blocks"),
-        ("--heads", heads, "attention heads"),
-        ("--vocab", vocab, "vocabulary"),
-    )
-    for flag, default, what in sizes:
+    for field, default in defaults._asdict().items():
         parser.add_argument(
-            flag, type=positive_int, default=default, help=f"{what} (default {default})"
+            "--" + field.replace("_", "-"),
+            type=positive_int,
+            default=default,
+            help=f"{_SIZE_HELP[field]} (default {default})",
         )
 
 
@@ -181,31 +208,22 @@ def _compile_workers() -> int:
 
 
 def measure(
-    names: Sequence[str],
-    *,
-    batch: int,
-    seq: int,
-    d_model: int,
-    layers: int,
-    heads: int,
-    vocab: int,
-    repeats: int,
-    phases: dict | None = None,
+    names: Sequence[str], size: ModelSize, *, repeats: int, phases: dict | None = None
 ) -> list[dict]:
-    """One row per recipe (see the module docstring). ``phases``, if given, receives the
+    """One row per recipe for the model of ``size`` (see the module docstring). ``phases``, if
+    given, receives the
     seconds of tracing and lowering (``trace_s``, the first programs compiling meanwhile), of
     the wait for the rest of compilation (``compile_s``) and of timing (``timing_s``), and the
     ``programs`` compiled or loaded with the ``cache_hits`` among them."""
     clock = time.perf_counter()
-    params = init_params(jax.random.key(0), d=d_model, layers=layers, vocab=vocab, seq=seq)
-    tokens = jax.random.randint(jax.random.key(1), (batch, seq), 0, vocab, jnp.int32)
+    params, tokens = size.inputs()
     key = jax.random.key(2)
     fns, peaks, matched, states, pending = {}, {}, {}, {}, {}
     # Tracing holds the Python lock, so the recipes are traced one at a time; XLA compiles
     # outside it, so each program compiles in a thread (side by side with the next traces).
     with CompileMeter() as meter, ThreadPoolExecutor(max_workers=_compile_workers()) as pool:
         for name in names:
-            step, f = _step(name, heads)
+            step, f = _step(name, size.heads)
             states[name] = f.init_state(params, tokens)
             pending[name] = pool.submit(step.lower(states[name], params, tokens, key).compile)
             matched[name] = sum(s.selected for s in f.sites(params, tokens))
@@ -278,13 +296,15 @@ def accumulator_table(
 
 
 # --- CLI -----------------------------------------------------------------------------------
-def _print_accumulator(rows: list[dict]) -> None:
+def _accumulator_text(rows: list[dict]) -> str:
     cols = [c for c in rows[0] if c != "K"]
-    print("relative error (Frobenius) of a 14-bit accumulator vs float64, E4M3 x E4M3 inputs")
-    head = f"{'K':>6} " + " ".join(f"{c:>26}" for c in cols)
-    print(head)
-    for r in rows:
-        print(f"{r['K']:>6} " + " ".join(f"{r[c]:>26.2e}" for c in cols))
+    return "\n".join(
+        [
+            "relative error (Frobenius) of a 14-bit accumulator vs float64, E4M3 x E4M3 inputs",
+            f"{'K':>6} " + " ".join(f"{c:>26}" for c in cols),
+            *(f"{r['K']:>6} " + " ".join(f"{r[c]:>26.2e}" for c in cols) for r in rows),
+        ]
+    )
 
 
 #: Most elements of one of the benchmark's tensors: past int32 indexing, and 8 GiB of float32.
@@ -307,39 +327,13 @@ def _check_sizes(args: argparse.Namespace) -> None:
             raise UsageError(f"{what} = {n:,} elements; at most {_ELEMENTS_MAX:,} (2**31 - 1)")
 
 
-def run(args: argparse.Namespace) -> int:
-    names = list(DEFAULT_RECIPES) if args.recipes is None else split_list(args.recipes)
-    bad = [n for n in names if n not in (*RECIPE_NAMES, PLAIN)]
-    allowed = f"allowed: {PLAIN}, {', '.join(RECIPE_NAMES)}"
-    if not names:
-        raise UsageError(f"--recipes: name at least one recipe; {allowed}")
-    if bad:
-        raise UsageError(f"unknown recipe {bad[0]!r}; {allowed}")
-    if args.accumulator:
-        if args.recipes is not None:  # the table is the recipes' shared accumulator model
-            raise UsageError("--accumulator prints one table for every recipe; drop --recipes")
-        rows = accumulator_table()
-        print(json.dumps(rows, indent=1)) if args.json else _print_accumulator(rows)
-        return 0
-    _check_sizes(args)
-    if args.d_model % args.heads:
-        raise UsageError(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
-    if args.no_cache and args.cache_dir:
-        raise UsageError("give either --cache-dir DIR or --no-cache, not both")
-
-    cache = enable_compilation_cache(OFF if args.no_cache else args.cache_dir)
-    phases: dict = {}
-    rows = measure(
-        names, batch=args.batch, seq=args.seq, d_model=args.d_model, layers=args.layers,
-        heads=args.heads, vocab=args.vocab, repeats=args.repeats, phases=phases,
-    )  # fmt: skip
-    if args.json:
-        print(json.dumps(rows, indent=1))
-        return 0
-    print(
+def _render(rows: list[dict], args: argparse.Namespace, phases: dict, cache: Path | None) -> str:
+    """:func:`measure`'s rows as a table under a heading naming the model and the machine, and
+    where the bench's time went (``phases``; ``cache``: the compilation cache's directory)."""
+    heading = (
         f"transformer step (fwd+bwd), {args.layers} layers, d={args.d_model}, batch "
-        f"{args.batch}x{args.seq}, {jax.devices()[0].platform} "
-        f"({platform.processor() or platform.machine()}), best of {args.repeats}, alternating"
+        f"{args.batch}x{args.seq}, {jax.devices()[0].platform} ({cpu_name()}), best of "
+        f"{args.repeats}, alternating"
     )
     head = (
         f"{'recipe':<20} {'matmuls':>7} {'step ms':>9} {'vs bf16':>8} {'vs fp32':>8} "
@@ -355,12 +349,37 @@ def run(args: argparse.Namespace) -> int:
         f"{fmt(r['peak_mib'], '>9.1f')} {fmt(r['peak_vs_bf16'], '>10.2f')}x"
         for r in rows
     ]
-    print_rows(head, lines)
     p = phases
-    print(
-        f"\nbench time: tracing and lowering {p['trace_s']:.1f} s, then compiling "
+    bench_time = (
+        f"bench time: tracing and lowering {p['trace_s']:.1f} s, then compiling "
         f"{p['compile_s']:.1f} s more ({_compile_workers()} threads; {p['cache_hits']} of "
         f"{p['programs']} programs loaded from the cache"
         f"{'' if cache is None else f' {cache}'}), timing {p['timing_s']:.1f} s"
     )
+    return "\n".join([heading, rows_text(head, lines), "", bench_time])
+
+
+def run(args: argparse.Namespace) -> int:
+    names = list(DEFAULT_RECIPES) if args.recipes is None else split_list(args.recipes)
+    bad = [n for n in names if n not in (*RECIPE_NAMES, PLAIN)]
+    allowed = f"allowed: {PLAIN}, {', '.join(RECIPE_NAMES)}"
+    if not names:
+        raise UsageError(f"--recipes: name at least one recipe; {allowed}")
+    if bad:
+        raise UsageError(f"unknown recipe {bad[0]!r}; {allowed}")
+    if args.accumulator:
+        if args.recipes is not None:  # the table is the recipes' shared accumulator model
+            raise UsageError("--accumulator prints one table for every recipe; drop --recipes")
+        print_result(accumulator_table(), args, _accumulator_text, indent=1)
+        return 0
+    _check_sizes(args)
+    if args.d_model % args.heads:
+        raise UsageError(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
+    if args.no_cache and args.cache_dir:
+        raise UsageError("give either --cache-dir DIR or --no-cache, not both")
+
+    cache = enable_compilation_cache(OFF if args.no_cache else args.cache_dir)
+    phases: dict = {}
+    rows = measure(names, ModelSize.from_args(args), repeats=args.repeats, phases=phases)
+    print_result(rows, args, lambda r: _render(r, args, phases, cache), indent=1)
     return 0

@@ -19,13 +19,13 @@ rounds. The target: b/a <= 1.10.
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable
 from typing import Any
 
 from precisionlab._text import table
 from precisionlab.bench import _interval
 from precisionlab.bench._interval import MODELS
-from precisionlab.bench._timing import machine
 from precisionlab.train import StepOptions
 from precisionlab.train._telemetry import DEFAULT_TARGETS, Telemetry, telemetry_rows
 
@@ -56,39 +56,22 @@ def measure_model(
         "c-no-targets": runner(Telemetry(interval=interval, targets=())),
         "d-matmuls-only": runner(Telemetry(interval=interval, ops=False)),
     }
-    ms = _interval.ms_per_step(runs, steps, repeats)
-    a = ms["a-plain"]
-    return {
-        "model": model_name,
-        "params": model.param_count(params),
-        "ms_per_step": ms,
-        "ratios": {
-            "b/a": ms["b-telemetry"] / a,
-            "c/a": ms["c-no-targets"] / a,
-            "d/a": ms["d-matmuls-only"] / a,
-        },
-    }
+    return _interval.model_result(model_name, model, params, runs, steps, repeats)
 
 
-def measure(
-    models: tuple[str, ...] = MODELS,
-    batch: int = 128,
-    interval: int = 10,
-    steps: int = 20,
-    repeats: int = 5,
-) -> dict[str, Any]:
-    """Every model's :func:`measure_model`, with the target verdict and the machine."""
-    results = [measure_model(m, batch, interval, steps, repeats) for m in models]
-    return {
-        "batch": batch,
-        "interval": interval,
-        "targets": list(DEFAULT_TARGETS),
-        "steps_per_round": steps,
-        "repeats": repeats,
-        "models": results,
-        "target_met": {r["model"]: r["ratios"]["b/a"] <= 1.10 for r in results},
-        **machine(),
-    }
+def _target_met(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The target verdict per model: b/a <= 1.10."""
+    return {"target_met": {r["model"]: r["ratios"]["b/a"] <= 1.10 for r in results}}
+
+
+#: Every model's :func:`measure_model`, with the default targets, the target verdict and the
+#: machine: ``measure(models=MODELS, batch=128, interval=10, steps=20, repeats=5)``.
+measure = functools.partial(
+    _interval.measure,
+    measure_model,
+    settings={"targets": list(DEFAULT_TARGETS)},
+    verdict=_target_met,
+)
 
 
 def render(result: dict[str, Any]) -> str:

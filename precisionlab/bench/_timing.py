@@ -16,11 +16,9 @@ machine and on whatever else runs on it, so take the best of several repeats.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
-from collections.abc import Callable, Iterable, Mapping
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -28,12 +26,9 @@ import numpy as np
 
 __all__ = [
     "Timing",
-    "add_output_arguments",
     "copy_bandwidth",
-    "machine",
     "minor_faults",
     "positive_int",
-    "print_rows",
     "repeats_int",
     "time_call",
     "time_interleaved",
@@ -81,31 +76,6 @@ def repeats_int(text: str) -> int:
     """argparse type of the bench flags that repeat timed work (rounds, steps per timed chunk):
     an int in [1, :data:`REPEATS_MAX`]."""
     return _int_in(text, REPEATS_MAX, "a benchmark takes minutes")
-
-
-def add_output_arguments(parser: argparse.ArgumentParser) -> None:
-    """A bench's ``--json`` (print the results as JSON) and ``--out OUT`` (also write them)."""
-    parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON to OUT")
-
-
-def print_rows(head: str, lines: Iterable[str]) -> None:
-    """Print a fixed-width table: its ``head`` line, a dashed rule as wide, then ``lines``."""
-    print(head)
-    print("-" * len(head))
-    for line in lines:
-        print(line)
-
-
-def machine() -> dict[str, Any]:
-    """Where a bench ran, for its JSON: ``backend``, ``devices``, ``jax`` (version),
-    ``cpu_count``."""
-    return {
-        "backend": jax.default_backend(),
-        "devices": [str(d) for d in jax.devices()],
-        "jax": jax.__version__,
-        "cpu_count": os.cpu_count(),
-    }
 
 
 def time_call(

@@ -24,7 +24,6 @@ bookkeeping, not a hardware speed-up (which needs bf16/fp16 matrix units, as on 
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -33,9 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from precisionlab import _io
 from precisionlab._text import UsageError, table
-from precisionlab.bench import _timing
+from precisionlab.bench import _output, _timing
 from precisionlab.mixed import get_policy
 from precisionlab.train import make_data, make_model, make_train_step
 
@@ -66,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compute", default="bfloat16", help="compute dtype of (b)-(d): bfloat16 or float16"
     )
-    _timing.add_output_arguments(parser)
+    _output.add_output_arguments(parser)
 
 
 def _jmp_step(loss_fn: Callable, optimizer: Any, policy: Any) -> Callable:
@@ -169,7 +167,7 @@ def measure(
             "c/b <= 1.03": ratios["c/b"] <= 1.03,
             "c <= d": ratios["c/d"] <= 1.0 if "c/d" in ratios else None,
         },
-        **_timing.machine(),
+        **_output.machine(),
     }
 
 
@@ -198,7 +196,5 @@ def render(result: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     result = measure(args.model, args.batch, args.steps, args.repeats, args.compute)
-    if args.out is not None:
-        _io.write_json(args.out, result)
-    print(json.dumps(result, indent=2) if args.json else render(result))
+    _output.print_result(result, args, render)
     return 0

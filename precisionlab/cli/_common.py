@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import re
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from precisionlab._text import UsageError, split_list
 
@@ -21,9 +23,11 @@ _QUOTED = re.compile(rf"'[^']{{{MAX_ECHO},}}'|\"[^\"]{{{MAX_ECHO},}}\"")
 
 __all__ = [
     "MAX_ECHO",
+    "Flag",
     "Parser",
     "Terminated",
     "UsageError",
+    "add_flags",
     "check_out_dir",
     "check_path_shape",
     "exit_now",
@@ -31,6 +35,7 @@ __all__ = [
     "shorten",
     "split_list",
     "stdout_is_tty",
+    "switch",
     "terminating_like_ctrl_c",
 ]
 
@@ -48,6 +53,38 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         sys.stderr.write(f"{self.prog}: error: {one_line(_suggest(message))}\n")
         raise SystemExit(2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """One option of a command as a row of a table (see :func:`add_flags`): its ``name``
+    (``--out``, or a positional argument's name), its ``help``, and the keywords of
+    ``argparse``'s ``add_argument`` it takes (None: argparse's default)."""
+
+    name: str
+    help: str
+    metavar: str | tuple[str, ...] | None = None
+    type: Callable[[str], Any] | None = None
+    default: Any = None
+    nargs: int | str | None = None
+    action: str | None = None
+    dest: str | None = None
+
+
+def switch(name: str, help: str) -> Flag:
+    """A flag that takes no value (``action="store_true"``)."""
+    return Flag(name, help, action="store_true")
+
+
+def add_flags(parser: argparse._ActionsContainer, flags: Iterable[Flag]) -> None:
+    """Add each of ``flags`` to ``parser`` (a parser or an argument group), in order."""
+    for flag in flags:
+        given = {
+            field.name: getattr(flag, field.name)
+            for field in dataclasses.fields(flag)
+            if field.name != "name" and getattr(flag, field.name) is not None
+        }
+        parser.add_argument(flag.name, **given)
 
 
 _INVALID = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)")

@@ -7,89 +7,105 @@ from __future__ import annotations
 import argparse
 import sys
 
-from precisionlab.cli._common import UsageError, check_out_dir
+from precisionlab.cli._common import Flag, UsageError, add_flags, check_out_dir, switch
 
 HELP = (
     "find the layer and step where precision breaks: --compare, --bisect or --autoswitch; "
     "or forecast it: --forecast RUN_DIR"
 )
 
+#: diagnose's modes, one at a time (a mutually exclusive group).
+_MODES = (
+    Flag(
+        "--compare",
+        "run two variants in lockstep; report the first tensor that differs",
+        metavar=("REF", "OTHER"),
+        nargs=2,
+    ),
+    Flag(
+        "--bisect",
+        "smallest set of layers whose return to high precision makes FAIL pass",
+        metavar=("FAIL", "PASS"),
+        nargs=2,
+    ),
+    Flag(
+        "--autoswitch",
+        "train a recipe variant, switching each matmul to high precision when it goes bad",
+        metavar="VARIANT",
+    ),
+    Flag(
+        "--forecast",
+        "forecast divergence from a run's predictors (a run directory; an experiment "
+        "file is run first): alarms per unit and, on a suite, precision/recall/lead",
+        metavar="RUN_DIR",
+    ),
+)
+#: The options of every mode.
+_COMMON = (
+    Flag(
+        "--set",
+        "override a key of the file, as for `precisionlab run`",
+        metavar="KEY.PATH=VALUE",
+        default=[],
+        action="append",
+        dest="overrides",
+    ),
+    Flag("--steps", "steps per run (default: the variants')", type=int),
+    Flag("--out", "run directory (default runs/NAME-diagnose-TIME)", metavar="DIR"),
+    switch("--quiet", "no progress on stderr"),
+    switch("--no-plots", "report.md without plots"),
+)
+#: The options of one mode each, by mode (their --help group), in --help's order.
+_OF_MODE = {
+    "compare": (
+        Flag("--threshold", "relative difference that breaks (default 0.1)", type=float),
+        Flag("--every", "compare every N steps (default 1)", type=int),
+    ),
+    "bisect": (
+        Flag("--tolerance", "pass: final loss <= PASS's + tolerance (default 0.05)", type=float),
+        Flag("--tail", "steps averaged into the final loss (default 10)", type=int),
+        Flag("--layers", "candidate layers (default all), e.g. 'layer*'", metavar="GLOB[,GLOB...]"),
+    ),
+    "forecast": (
+        switch(
+            "--fit",
+            "refit the rules' thresholds on the suite's fitting settings first (writes "
+            "forecast_model.json beside the report)",
+        ),
+        Flag("--model", "a forecaster model (default: the frozen one)", metavar="JSON"),
+        switch("--no-bisect", "skip the bisect runs that check the alarms' layers"),
+        switch(
+            "--quick",
+            "with an experiment file: run its [diagnose] forecast_quick subset (no bisect)",
+        ),
+    ),
+    "autoswitch": (
+        Flag("--underflow", "switch above this underflow (default 0.05)", type=float),
+        Flag("--mse", "switch above this quantization MSE (default 1e-4)", type=float),
+    ),
+}
+
+
+def _dest(flag: Flag) -> str:
+    return flag.name.removeprefix("--").replace("-", "_")
+
+
+#: The options of --compare, --bisect and --autoswitch -> the mode each applies to.
 _ONLY = {
-    "threshold": "compare",
-    "every": "compare",
-    "tolerance": "bisect",
-    "tail": "bisect",
-    "layers": "bisect",
-    "underflow": "autoswitch",
-    "mse": "autoswitch",
+    _dest(flag): mode for mode, flags in _OF_MODE.items() if mode != "forecast" for flag in flags
 }
 #: The flags of --forecast only.
-_FORECAST_ONLY = ("fit", "model", "no_bisect", "quick")
+_FORECAST_ONLY = tuple(_dest(flag) for flag in _OF_MODE["forecast"])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "config", nargs="?", help="experiment file (TOML, kind = 'train'); not with --forecast"
     )
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument(
-        "--compare", nargs=2, metavar=("REF", "OTHER"),
-        help="run two variants in lockstep; report the first tensor that differs",
-    )  # fmt: skip
-    mode.add_argument(
-        "--bisect", nargs=2, metavar=("FAIL", "PASS"),
-        help="smallest set of layers whose return to high precision makes FAIL pass",
-    )  # fmt: skip
-    mode.add_argument(
-        "--autoswitch", metavar="VARIANT",
-        help="train a recipe variant, switching each matmul to high precision when it goes bad",
-    )  # fmt: skip
-    mode.add_argument(
-        "--forecast", metavar="RUN_DIR",
-        help="forecast divergence from a run's predictors (a run directory; an experiment "
-        "file is run first): alarms per unit and, on a suite, precision/recall/lead",
-    )  # fmt: skip
-    parser.add_argument(
-        "--set", dest="overrides", metavar="KEY.PATH=VALUE", action="append", default=[],
-        help="override a key of the file, as for `precisionlab run`",
-    )  # fmt: skip
-    parser.add_argument("--steps", type=int, help="steps per run (default: the variants')")
-    parser.add_argument(
-        "--out", metavar="DIR", help="run directory (default runs/NAME-diagnose-TIME)"
-    )
-    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    parser.add_argument("--no-plots", action="store_true", help="report.md without plots")
-    g = parser.add_argument_group("compare")
-    g.add_argument("--threshold", type=float, help="relative difference that breaks (default 0.1)")
-    g.add_argument("--every", type=int, help="compare every N steps (default 1)")
-    g = parser.add_argument_group("bisect")
-    g.add_argument(
-        "--tolerance", type=float,
-        help="pass: final loss <= PASS's + tolerance (default 0.05)",
-    )  # fmt: skip
-    g.add_argument("--tail", type=int, help="steps averaged into the final loss (default 10)")
-    g.add_argument(
-        "--layers", metavar="GLOB[,GLOB...]",
-        help="candidate layers (default all), e.g. 'layer*'",
-    )  # fmt: skip
-    g = parser.add_argument_group("forecast")
-    g.add_argument(
-        "--fit", action="store_true",
-        help="refit the rules' thresholds on the suite's fitting settings first (writes "
-        "forecast_model.json beside the report)",
-    )  # fmt: skip
-    g.add_argument("--model", metavar="JSON", help="a forecaster model (default: the frozen one)")
-    g.add_argument(
-        "--no-bisect", action="store_true",
-        help="skip the bisect runs that check the alarms' layers",
-    )  # fmt: skip
-    g.add_argument(
-        "--quick", action="store_true",
-        help="with an experiment file: run its [diagnose] forecast_quick subset (no bisect)",
-    )  # fmt: skip
-    g = parser.add_argument_group("autoswitch")
-    g.add_argument("--underflow", type=float, help="switch above this underflow (default 0.05)")
-    g.add_argument("--mse", type=float, help="switch above this quantization MSE (default 1e-4)")
+    add_flags(parser.add_mutually_exclusive_group(), _MODES)
+    add_flags(parser, _COMMON)
+    for mode, flags in _OF_MODE.items():
+        add_flags(parser.add_argument_group(mode), flags)
 
 
 def _options(args: argparse.Namespace, mode: str, defaults: dict) -> object:

@@ -3,46 +3,57 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
 from typing import Any
 
-from precisionlab.cli._common import UsageError
+from precisionlab.cli._common import Flag, UsageError, add_flags, switch
 
 HELP = "memory of training a model: weights, gradients, optimizer state, activations; vs XLA"
 
 
+#: memory's options by --help group, in order.
+_GROUPS = {
+    "what to account": (
+        Flag("--preset", "a model preset, e.g. gpt3-175b (see --list-presets)"),
+        switch("--list-presets", "list the model presets"),
+        Flag(
+            "--measure",
+            "estimate vs XLA's allocation for the train steps of an experiment file "
+            "(per device with --zero-stage S / --dp N)",
+            metavar="CONFIG",
+        ),
+    ),
+    "training setup": (
+        Flag("--policy", "precision policy (p=f32,c=f16)", default="p=f32,c=f16"),
+        Flag("--optimizer", "adam, adamw, lion, momentum, sgd", default="adam"),
+        Flag("--opt-dtype", "dtype of optimizer moments (default: param dtype)"),
+        Flag("--grad-dtype", "dtype of gradients (default: compute dtype)"),
+        Flag("--batch", "sequences per device per step", type=int, default=1),
+        Flag("--seq", "sequence length (default: the model's)", type=int),
+        Flag("--checkpoint-every", "checkpoint every K", metavar="K", type=int),
+        Flag("--microbatches", "accumulate M", metavar="M", type=int, default=1),
+        Flag("--zero-stage", "ZeRO stage 0-3", metavar="S", type=int, default=0),
+        Flag("--dp", "data-parallel devices", metavar="N", type=int, default=1),
+        switch("--dropout", "count dropout masks"),
+        Flag(
+            "--recipe",
+            "low-precision matmul recipe (mxfp8, nvfp4, delayed, ...): count its FP8/FP4 "
+            "copies, scales and amax history; with --measure, applied to every variant",
+        ),
+    ),
+    "output": (
+        Flag("--budget", "memory per device, e.g. 80GiB: does it fit?"),
+        switch("--json", "print JSON instead of a table"),
+    ),
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    what = parser.add_argument_group("what to account")
-    what.add_argument("--preset", help="a model preset, e.g. gpt3-175b (see --list-presets)")
-    what.add_argument("--list-presets", action="store_true", help="list the model presets")
-    what.add_argument(
-        "--measure",
-        metavar="CONFIG",
-        help="estimate vs XLA's allocation for the train steps of an experiment file "
-        "(per device with --zero-stage S / --dp N)",
-    )
-    setup = parser.add_argument_group("training setup")
-    setup.add_argument("--policy", default="p=f32,c=f16", help="precision policy (p=f32,c=f16)")
-    setup.add_argument("--optimizer", default="adam", help="adam, adamw, lion, momentum, sgd")
-    setup.add_argument("--opt-dtype", help="dtype of optimizer moments (default: param dtype)")
-    setup.add_argument("--grad-dtype", help="dtype of gradients (default: compute dtype)")
-    setup.add_argument("--batch", type=int, default=1, help="sequences per device per step")
-    setup.add_argument("--seq", type=int, help="sequence length (default: the model's)")
-    setup.add_argument("--checkpoint-every", type=int, metavar="K", help="checkpoint every K")
-    setup.add_argument("--microbatches", type=int, default=1, metavar="M", help="accumulate M")
-    setup.add_argument("--zero-stage", type=int, default=0, metavar="S", help="ZeRO stage 0-3")
-    setup.add_argument("--dp", type=int, default=1, metavar="N", help="data-parallel devices")
-    setup.add_argument("--dropout", action="store_true", help="count dropout masks")
-    setup.add_argument(
-        "--recipe",
-        help="low-precision matmul recipe (mxfp8, nvfp4, delayed, ...): count its FP8/FP4 "
-        "copies, scales and amax history; with --measure, applied to every variant",
-    )
-    out = parser.add_argument_group("output")
-    out.add_argument("--budget", help="memory per device, e.g. 80GiB: does it fit?")
-    out.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    for title, flags in _GROUPS.items():
+        add_flags(parser.add_argument_group(title), flags)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,8 +79,6 @@ def run(args: argparse.Namespace) -> int:
 def _list_presets(args: argparse.Namespace, presets: Any) -> int:
     specs = [presets.PRESETS[name] for name in presets.preset_names()]
     if args.json:
-        import dataclasses
-
         print(json.dumps([dataclasses.asdict(s) for s in specs], indent=2))
         return 0
     print("GPT-3 family, Brown et al. 2020, Table 2.1 (n_ctx 2048, vocabulary 50257)")
@@ -84,21 +93,11 @@ def _list_presets(args: argparse.Namespace, presets: Any) -> int:
 
 
 def _setup(args: argparse.Namespace) -> Any:
+    """The ``TrainSetup`` of the "training setup" flags: each of its fields is the flag of the
+    same name (``--opt-dtype`` -> ``opt_dtype``), checked by ``TrainSetup`` itself."""
     from precisionlab.memory._estimate import TrainSetup
 
-    return TrainSetup(
-        policy=args.policy,
-        optimizer=args.optimizer,
-        opt_dtype=args.opt_dtype,
-        grad_dtype=args.grad_dtype,
-        batch=args.batch,
-        seq=args.seq,
-        checkpoint_every=args.checkpoint_every,
-        microbatches=args.microbatches,
-        zero_stage=args.zero_stage,
-        dp=args.dp,
-        dropout=args.dropout,
-    )
+    return TrainSetup(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainSetup)})
 
 
 def _dtype_label(dtype: Any) -> str:
@@ -299,8 +298,6 @@ def _measure(args: argparse.Namespace) -> int:
             f"{args.measure}: --measure needs an experiment of kind 'train', "
             f"got {experiment.kind!r}"
         )
-    import dataclasses
-
     from precisionlab.train import TrainConfig
 
     # The runner validated the tables; keys it adds beyond TrainConfig's are dropped here.

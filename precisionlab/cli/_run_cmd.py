@@ -14,7 +14,14 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from precisionlab.cli._common import UsageError, check_out_dir, terminating_like_ctrl_c
+from precisionlab.cli._common import (
+    Flag,
+    UsageError,
+    add_flags,
+    check_out_dir,
+    switch,
+    terminating_like_ctrl_c,
+)
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -37,61 +44,59 @@ _FLAG_OF = {
 }
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", nargs="?", help="experiment file (TOML)")
-    parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR")
-    parser.add_argument(
-        "--out", metavar="DIR", help="new or empty run directory (default runs/NAME-TIME)"
-    )
-    parser.add_argument(
+#: run's options, in --help's order (the multi-process group follows).
+_FLAGS = (
+    Flag("config", "experiment file (TOML)", nargs="?"),
+    Flag("--resume", "continue the run in DIR", metavar="DIR"),
+    Flag("--out", "new or empty run directory (default runs/NAME-TIME)", metavar="DIR"),
+    switch(
         "--force",
-        action="store_true",
-        help="let --out name a directory that holds other files (a run in it is still kept), "
+        "let --out name a directory that holds other files (a run in it is still kept), "
         "or start a new run although an unfinished one of the same experiment is under runs/",
-    )
-    parser.add_argument(
+    ),
+    Flag(
         "--set",
-        dest="overrides",
+        "override a key of the file, e.g. train.steps=50 or variant.fp16-static.lr=0.01",
         metavar="KEY.PATH=VALUE",
-        action="append",
         default=[],
-        help="override a key of the file, e.g. train.steps=50 or variant.fp16-static.lr=0.01",
-    )
-    parser.add_argument(
+        action="append",
+        dest="overrides",
+    ),
+    switch(
         "--deterministic",
-        action="store_true",
-        help="matmuls and sums in a fixed order, so that a train experiment's numbers are the "
+        "matmuls and sums in a fixed order, so that a train experiment's numbers are the "
         "same bits on any CPU (at a cost; sets train.deterministic = true)",
-    )
-    parser.add_argument("--quiet", action="store_true", help="no progress output")
-    parser.add_argument(
+    ),
+    switch("--quiet", "no progress output"),
+    switch(
         "--forecast",
-        action="store_true",
-        help="record the divergence predictors and print the forecaster's alarm when it "
+        "record the divergence predictors and print the forecaster's alarm when it "
         "fires (sets train.predictors.live = true)",
-    )
-    parser.add_argument("--no-report", action="store_true", help="skip report.md and plots")
-    parser.add_argument(
+    ),
+    switch("--no-report", "skip report.md and plots"),
+    switch(
         "--timings",
-        action="store_true",
-        help="write where each variant's time went (compile, first step, steady step, host "
+        "write where each variant's time went (compile, first step, steady step, host "
         "syncs, report) to timings.json in the run directory and print a table",
-    )
-    parser.add_argument(
+    ),
+    Flag(
         "--record-steps",
-        metavar="N[,N...]",
-        help="record these steps of each variant for `precisionlab verify` (into "
+        "record these steps of each variant for `precisionlab verify` (into "
         "variants/ID/verify/step_N; the variant then runs one step per compiled call)",
-    )
-    parser.add_argument(
+        metavar="N[,N...]",
+    ),
+    Flag(
         "--cache-dir",
-        metavar="DIR",
-        help="JAX's persistent compilation cache (default $PRECISIONLAB_CACHE_DIR, else "
+        "JAX's persistent compilation cache (default $PRECISIONLAB_CACHE_DIR, else "
         "~/.cache/precisionlab/jax): a rerun or resume loads its programs instead of compiling",
-    )
-    parser.add_argument(
-        "--no-cache", action="store_true", help="no persistent compilation cache for this run"
-    )
+        metavar="DIR",
+    ),
+    switch("--no-cache", "no persistent compilation cache for this run"),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, _FLAGS)
     group = parser.add_argument_group(
         "multi-process training (all three, or none; or "
         + ", ".join(f"${env}" for env in ENV.values())
