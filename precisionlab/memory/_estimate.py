@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from precisionlab.memory._rows import ByteRows
 from precisionlab.mixed import Policy, get_policy, parse_dtype
 
 __all__ = [
@@ -198,8 +199,12 @@ def _policy(setup: TrainSetup) -> Policy:
     return setup.policy
 
 
+#: the byte counts of :attr:`Breakdown.model_states`
+_MODEL_STATES = ("weights", "master_weights", "gradients", "grad_accumulator", "optimizer_state")
+
+
 @dataclasses.dataclass(frozen=True)
-class Breakdown:
+class Breakdown(ByteRows):
     """Bytes per device of one training step.
 
     ``activations_boundary`` is the textbook lower bound (only the layer-boundary tensors of
@@ -207,6 +212,20 @@ class Breakdown:
     backward pass (Korthikanti et al. 2022, Sec. 4.1) and is the one in ``total``.
     ``temporaries`` are the logits and their gradient (batch x seq x vocab).
     """
+
+    # the boundary-only activation row is informative (``total`` counts the full one)
+    _ROWS = (
+        ("weights", "weights"),
+        ("master weights", "master_weights"),
+        ("gradients", "gradients"),
+        ("gradient accumulator", "grad_accumulator"),
+        ("optimizer state", "optimizer_state"),
+        ("activations (boundary only)", "activations_boundary"),
+        ("activations (transformer block)", "activations_full"),
+        ("temporaries (logits)", "temporaries"),
+        ("total", "total"),
+    )
+    _DERIVED = ("model_states", "total", "bytes_per_param")
 
     n_params: int
     weights: int
@@ -221,13 +240,7 @@ class Breakdown:
     @property
     def model_states(self) -> int:
         """Weights, master weights, gradients (and accumulator) and optimizer state."""
-        return (
-            self.weights
-            + self.master_weights
-            + self.gradients
-            + self.grad_accumulator
-            + self.optimizer_state
-        )
+        return self.sum_of(_MODEL_STATES)
 
     @property
     def total(self) -> int:
@@ -237,29 +250,6 @@ class Breakdown:
     def bytes_per_param(self) -> float:
         """Model-state bytes per parameter (16 for fp16/fp32 mixed-precision Adam)."""
         return self.model_states / self.n_params
-
-    def rows(self) -> list[tuple[str, int]]:
-        """(label, bytes) in display order; the boundary-only activation row is informative."""
-        return [
-            ("weights", self.weights),
-            ("master weights", self.master_weights),
-            ("gradients", self.gradients),
-            ("gradient accumulator", self.grad_accumulator),
-            ("optimizer state", self.optimizer_state),
-            ("activations (boundary only)", self.activations_boundary),
-            ("activations (transformer block)", self.activations_full),
-            ("temporaries (logits)", self.temporaries),
-            ("total", self.total),
-        ]
-
-    def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out.update(
-            model_states=self.model_states,
-            total=self.total,
-            bytes_per_param=self.bytes_per_param,
-        )
-        return out
 
 
 def _nbytes(dtype: Any) -> int:

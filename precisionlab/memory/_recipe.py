@@ -42,6 +42,7 @@ import math
 from typing import Any
 
 from precisionlab.memory._estimate import ModelSpec, TrainSetup
+from precisionlab.memory._rows import ByteRows
 from precisionlab.recipes import (
     MX,
     NVFP4,
@@ -81,8 +82,19 @@ class Gemm:
 
 
 @dataclasses.dataclass(frozen=True)
-class RecipeMemory:
+class RecipeMemory(ByteRows):
     """Bytes a recipe adds to one training step (see the module docstring)."""
+
+    _ROWS = (
+        ("FP8/FP4 weight copies (rowwise + columnwise)", "weight_codes"),
+        ("weight scales", "weight_scales"),
+        ("saved activation copies (columnwise)", "saved_codes"),
+        ("saved activation scales", "saved_scales"),
+        ("transient copies (largest GEMM)", "transient"),
+        ("amax history (delayed scaling)", "amax_history"),
+        ("recipe total", "total"),
+    )
+    _DERIVED = ("total",)
 
     recipe: str
     weight_codes: int
@@ -94,29 +106,7 @@ class RecipeMemory:
 
     @property
     def total(self) -> int:
-        return (
-            self.weight_codes
-            + self.weight_scales
-            + self.saved_codes
-            + self.saved_scales
-            + self.transient
-            + self.amax_history
-        )
-
-    def rows(self) -> list[tuple[str, int]]:
-        """(label, bytes) in display order."""
-        return [
-            ("FP8/FP4 weight copies (rowwise + columnwise)", self.weight_codes),
-            ("weight scales", self.weight_scales),
-            ("saved activation copies (columnwise)", self.saved_codes),
-            ("saved activation scales", self.saved_scales),
-            ("transient copies (largest GEMM)", self.transient),
-            ("amax history (delayed scaling)", self.amax_history),
-            ("recipe total", self.total),
-        ]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "total": self.total}
+        return self.sum_of(name for _, name in self._ROWS[:-1])  # the rows above the total
 
 
 def _elem_bits(recipe: Recipe, kind: str) -> int:
