@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 from precisionlab.memory._estimate import ModelSpec, TrainSetup
 from precisionlab.memory._rows import ByteRows
@@ -158,6 +158,17 @@ def _shared_scales(recipe: Recipe, kind: str) -> bool:
     return isinstance(recipe, (Delayed, Current)) or recipe.two_d(kind)
 
 
+class _Copies(NamedTuple):
+    """Bytes of quantized copies: their codes and their scales."""
+
+    codes: int
+    scales: int
+
+    def plus(self, copies: tuple[int, int], times: int = 1) -> _Copies:
+        """These and ``times`` x ``copies`` (codes, scales)."""
+        return _Copies(self.codes + times * copies[0], self.scales + times * copies[1])
+
+
 def _pair(recipe: Recipe, kind: str, r: int, c: int, batch: int) -> tuple[int, int]:
     """(codes, scales) of both copies of a ``r`` x ``c`` tensor (along c, then along r)."""
     c1, s1 = copy_bytes(recipe, kind, r, c)
@@ -176,18 +187,17 @@ def recipe_memory(recipe: Recipe, gemms: list[Gemm]) -> RecipeMemory:
             "(its rotated copies and state); it models delayed, current, rowwise, blockwise, "
             "mxfp8, mxfp4, nvfp4, bf16 and fp32"
         )
-    wc = ws = sc = ss = 0
+    weights = saved = _Copies(0, 0)
     transient = 0
     hp_wgrad = recipe.wgrad_hp
     for g in gemms:
-        c, s = _pair(recipe, "w", g.k, g.n, g.batch)  # rhs: fprop along k, dgrad along n
+        rhs = _pair(recipe, "w", g.k, g.n, g.batch)  # rhs: fprop along k, dgrad along n
         if g.weight:
-            wc, ws = wc + c, ws + s
+            weights = weights.plus(rhs)
         else:
-            sc, ss = sc + c, ss + s
+            saved = saved.plus(rhs)
         if not hp_wgrad:  # x along m, for wgrad
-            c, s = copy_bytes(recipe, "x", g.k, g.m)
-            sc, ss = sc + g.batch * c, ss + g.batch * s
+            saved = saved.plus(copy_bytes(recipe, "x", g.k, g.m), g.batch)
         xc, xs = copy_bytes(recipe, "x", g.m, g.k)
         if hp_wgrad:
             gc, gs = copy_bytes(recipe, "g", g.m, g.n)
@@ -199,10 +209,10 @@ def recipe_memory(recipe: Recipe, gemms: list[Gemm]) -> RecipeMemory:
         history = len(gemms) * 4 * 3 * (recipe.amax_history_len + 2)
     return RecipeMemory(
         recipe=_describe(recipe),
-        weight_codes=wc,
-        weight_scales=ws,
-        saved_codes=sc,
-        saved_scales=ss,
+        weight_codes=weights.codes,
+        weight_scales=weights.scales,
+        saved_codes=saved.codes,
+        saved_scales=saved.scales,
         transient=transient,
         amax_history=history,
     )
