@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from precisionlab.memory._rows import ByteRows
+from precisionlab.memory._rows import byte_dict, byte_rows, byte_sum
 from precisionlab.mixed import Policy, get_policy, parse_dtype
 
 __all__ = [
@@ -204,7 +204,7 @@ _MODEL_STATES = ("weights", "master_weights", "gradients", "grad_accumulator", "
 
 
 @dataclasses.dataclass(frozen=True)
-class Breakdown(ByteRows):
+class Breakdown:
     """Bytes per device of one training step.
 
     ``activations_boundary`` is the textbook lower bound (only the layer-boundary tensors of
@@ -225,7 +225,6 @@ class Breakdown(ByteRows):
         ("temporaries (logits)", "temporaries"),
         ("total", "total"),
     )
-    _DERIVED = ("model_states", "total", "bytes_per_param")
 
     n_params: int
     weights: int
@@ -240,7 +239,7 @@ class Breakdown(ByteRows):
     @property
     def model_states(self) -> int:
         """Weights, master weights, gradients (and accumulator) and optimizer state."""
-        return self.sum_of(_MODEL_STATES)
+        return byte_sum(self, _MODEL_STATES)
 
     @property
     def total(self) -> int:
@@ -250,6 +249,13 @@ class Breakdown(ByteRows):
     def bytes_per_param(self) -> float:
         """Model-state bytes per parameter (16 for fp16/fp32 mixed-precision Adam)."""
         return self.model_states / self.n_params
+
+    def rows(self) -> list[tuple[str, int]]:
+        """(label, bytes) in display order; the boundary-only activation row is informative."""
+        return byte_rows(self, self._ROWS)
+
+    def to_dict(self) -> dict[str, Any]:
+        return byte_dict(self, ("model_states", "total", "bytes_per_param"))
 
 
 def _nbytes(dtype: Any) -> int:

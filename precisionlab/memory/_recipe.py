@@ -42,7 +42,7 @@ import math
 from typing import Any, NamedTuple
 
 from precisionlab.memory._estimate import ModelSpec, TrainSetup
-from precisionlab.memory._rows import ByteRows
+from precisionlab.memory._rows import byte_dict, byte_rows, byte_sum
 from precisionlab.recipes import (
     MX,
     NVFP4,
@@ -82,7 +82,7 @@ class Gemm:
 
 
 @dataclasses.dataclass(frozen=True)
-class RecipeMemory(ByteRows):
+class RecipeMemory:
     """Bytes a recipe adds to one training step (see the module docstring)."""
 
     _ROWS = (
@@ -94,7 +94,6 @@ class RecipeMemory(ByteRows):
         ("amax history (delayed scaling)", "amax_history"),
         ("recipe total", "total"),
     )
-    _DERIVED = ("total",)
 
     recipe: str
     weight_codes: int
@@ -106,7 +105,14 @@ class RecipeMemory(ByteRows):
 
     @property
     def total(self) -> int:
-        return self.sum_of(name for _, name in self._ROWS[:-1])  # the rows above the total
+        return byte_sum(self, (name for _, name in self._ROWS[:-1]))  # the rows above it
+
+    def rows(self) -> list[tuple[str, int]]:
+        """(label, bytes) in display order."""
+        return byte_rows(self, self._ROWS)
+
+    def to_dict(self) -> dict[str, Any]:
+        return byte_dict(self, ("total",))
 
 
 def _elem_bits(recipe: Recipe, kind: str) -> int:

@@ -4,28 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import Any
 
-__all__ = ["ByteRows"]
+__all__ = ["byte_dict", "byte_rows", "byte_sum"]
 
 
-class ByteRows:
-    """Base of a frozen dataclass of byte counts: ``_ROWS`` lists each displayed row as
-    ``(label, attribute)`` (a field or a property) in display order, ``_DERIVED`` the
-    properties :meth:`to_dict` adds after the fields."""
+def byte_sum(obj: Any, names: Iterable[str]) -> int:
+    """The sum of ``obj``'s byte counts called ``names``."""
+    return sum(getattr(obj, name) for name in names)
 
-    __dataclass_fields__: ClassVar[dict[str, Any]]
-    _ROWS: ClassVar[tuple[tuple[str, str], ...]]
-    _DERIVED: ClassVar[tuple[str, ...]]
 
-    def sum_of(self, names: Iterable[str]) -> int:
-        """The sum of the named byte counts."""
-        return sum(getattr(self, name) for name in names)
+def byte_rows(obj: Any, rows: Iterable[tuple[str, str]]) -> list[tuple[str, int]]:
+    """``(label, bytes)`` of ``obj`` for each ``(label, attribute)`` of ``rows``, in order."""
+    return [(label, getattr(obj, name)) for label, name in rows]
 
-    def rows(self) -> list[tuple[str, int]]:
-        """(label, bytes) in display order."""
-        return [(label, getattr(self, name)) for label, name in self._ROWS]
 
-    def to_dict(self) -> dict[str, Any]:
-        """The fields, then the derived totals, as plain values."""
-        return {**dataclasses.asdict(self), **{name: getattr(self, name) for name in self._DERIVED}}
+def byte_dict(obj: Any, derived: Iterable[str]) -> dict[str, Any]:
+    """The fields of the dataclass ``obj``, then its properties called ``derived``."""
+    return {**dataclasses.asdict(obj), **{name: getattr(obj, name) for name in derived}}
