@@ -394,6 +394,14 @@ def _setting_mechanism(setting: str) -> str | None:
     return None
 
 
+def _ratio(part: int, whole: int) -> float | None:
+    return part / whole if whole else None
+
+
+def _median(values: list) -> float | None:
+    return float(statistics.median(values)) if values else None
+
+
 def evaluate(
     method: str,
     units: Sequence[UnitRun],
@@ -435,23 +443,21 @@ def evaluate(
                 "message": None if a is None else a.message(),
             }
         )  # fmt: skip
-    alarmed = tp + fp
-    n_pos = tp + fn
     return (
         Scores(
             method=method,
             units=len(units),
-            positives=n_pos,
-            alarms=alarmed,
+            positives=tp + fn,
+            alarms=tp + fp,
             tp=tp,
             fp=fp,
             fn=fn,
-            precision=tp / alarmed if alarmed else None,
-            recall=tp / n_pos if n_pos else None,
-            median_lead=float(statistics.median(leads)) if leads else None,
-            median_lead_fraction=float(statistics.median(fracs)) if fracs else None,
-            mechanism_share=sum(mech_ok) / len(mech_ok) if mech_ok else None,
-            layer_share=sum(layer_ok) / len(layer_ok) if layer_ok else None,
+            precision=_ratio(tp, tp + fp),
+            recall=_ratio(tp, tp + fn),
+            median_lead=_median(leads),
+            median_lead_fraction=_median(fracs),
+            mechanism_share=_ratio(sum(mech_ok), len(mech_ok)),
+            layer_share=_ratio(sum(layer_ok), len(layer_ok)),
             layer_checked=len(layer_ok),
         ),
         rows,

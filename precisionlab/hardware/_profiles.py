@@ -38,6 +38,9 @@ class Profile:
 
 _FP8_HOPPER = Step(products=32, fraction_bits=13, result_bits=14)
 _16_HOPPER = Step(products=16, fraction_bits=25, result_bits=24)
+# Ampere's 16-bit step and instruction, which Ada (L40S) shares
+_16_AMPERE = Step(products=8, fraction_bits=24)
+_MMA_16 = "mma.m16n8k16 (two fused 8-product steps)"
 
 #: Tensor-core profiles by "device/kind" (e.g. "h100/fp8"): each step's arithmetic, its
 #: source and whether it was checked on hardware.
@@ -67,8 +70,8 @@ PROFILES: dict[str, Profile] = {
         Profile(
             "a100",
             "16bit",
-            Step(products=8, fraction_bits=24),
-            "mma.m16n8k16 (two fused 8-product steps)",
+            _16_AMPERE,
+            _MMA_16,
             f"{MS}; {FASI}",
             False,
             "published checks (tests/test_hardware_published.py, via hardware.mma): Fasi et "
@@ -96,8 +99,8 @@ PROFILES: dict[str, Profile] = {
         Profile(
             "l40s",
             "16bit",
-            Step(products=8, fraction_bits=24),
-            "mma.m16n8k16 (two fused 8-product steps)",
+            _16_AMPERE,
+            _MMA_16,
             MS,
             False,
             "published checks: Khattak and Mikaitis' L40S and Ada RTX 1000 outputs bit for "

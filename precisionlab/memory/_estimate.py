@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from precisionlab.memory._rows import byte_dict, byte_rows, byte_sum
 from precisionlab.mixed import Policy, get_policy, parse_dtype
 
 __all__ = [
@@ -198,6 +199,10 @@ def _policy(setup: TrainSetup) -> Policy:
     return setup.policy
 
 
+#: the byte counts of :attr:`Breakdown.model_states`
+_MODEL_STATES = ("weights", "master_weights", "gradients", "grad_accumulator", "optimizer_state")
+
+
 @dataclasses.dataclass(frozen=True)
 class Breakdown:
     """Bytes per device of one training step.
@@ -207,6 +212,19 @@ class Breakdown:
     backward pass (Korthikanti et al. 2022, Sec. 4.1) and is the one in ``total``.
     ``temporaries`` are the logits and their gradient (batch x seq x vocab).
     """
+
+    # the boundary-only activation row is informative (``total`` counts the full one)
+    _ROWS = (
+        ("weights", "weights"),
+        ("master weights", "master_weights"),
+        ("gradients", "gradients"),
+        ("gradient accumulator", "grad_accumulator"),
+        ("optimizer state", "optimizer_state"),
+        ("activations (boundary only)", "activations_boundary"),
+        ("activations (transformer block)", "activations_full"),
+        ("temporaries (logits)", "temporaries"),
+        ("total", "total"),
+    )
 
     n_params: int
     weights: int
@@ -221,13 +239,7 @@ class Breakdown:
     @property
     def model_states(self) -> int:
         """Weights, master weights, gradients (and accumulator) and optimizer state."""
-        return (
-            self.weights
-            + self.master_weights
-            + self.gradients
-            + self.grad_accumulator
-            + self.optimizer_state
-        )
+        return byte_sum(self, _MODEL_STATES)
 
     @property
     def total(self) -> int:
@@ -240,26 +252,10 @@ class Breakdown:
 
     def rows(self) -> list[tuple[str, int]]:
         """(label, bytes) in display order; the boundary-only activation row is informative."""
-        return [
-            ("weights", self.weights),
-            ("master weights", self.master_weights),
-            ("gradients", self.gradients),
-            ("gradient accumulator", self.grad_accumulator),
-            ("optimizer state", self.optimizer_state),
-            ("activations (boundary only)", self.activations_boundary),
-            ("activations (transformer block)", self.activations_full),
-            ("temporaries (logits)", self.temporaries),
-            ("total", self.total),
-        ]
+        return byte_rows(self, self._ROWS)
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out.update(
-            model_states=self.model_states,
-            total=self.total,
-            bytes_per_param=self.bytes_per_param,
-        )
-        return out
+        return byte_dict(self, ("model_states", "total", "bytes_per_param"))
 
 
 def _nbytes(dtype: Any) -> int:

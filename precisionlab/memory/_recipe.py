@@ -39,9 +39,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 from precisionlab.memory._estimate import ModelSpec, TrainSetup
+from precisionlab.memory._rows import byte_dict, byte_rows, byte_sum
 from precisionlab.recipes import (
     MX,
     NVFP4,
@@ -84,6 +85,16 @@ class Gemm:
 class RecipeMemory:
     """Bytes a recipe adds to one training step (see the module docstring)."""
 
+    _ROWS = (
+        ("FP8/FP4 weight copies (rowwise + columnwise)", "weight_codes"),
+        ("weight scales", "weight_scales"),
+        ("saved activation copies (columnwise)", "saved_codes"),
+        ("saved activation scales", "saved_scales"),
+        ("transient copies (largest GEMM)", "transient"),
+        ("amax history (delayed scaling)", "amax_history"),
+        ("recipe total", "total"),
+    )
+
     recipe: str
     weight_codes: int
     weight_scales: int
@@ -94,29 +105,14 @@ class RecipeMemory:
 
     @property
     def total(self) -> int:
-        return (
-            self.weight_codes
-            + self.weight_scales
-            + self.saved_codes
-            + self.saved_scales
-            + self.transient
-            + self.amax_history
-        )
+        return byte_sum(self, (name for _, name in self._ROWS[:-1]))  # the rows above it
 
     def rows(self) -> list[tuple[str, int]]:
         """(label, bytes) in display order."""
-        return [
-            ("FP8/FP4 weight copies (rowwise + columnwise)", self.weight_codes),
-            ("weight scales", self.weight_scales),
-            ("saved activation copies (columnwise)", self.saved_codes),
-            ("saved activation scales", self.saved_scales),
-            ("transient copies (largest GEMM)", self.transient),
-            ("amax history (delayed scaling)", self.amax_history),
-            ("recipe total", self.total),
-        ]
+        return byte_rows(self, self._ROWS)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "total": self.total}
+        return byte_dict(self, ("total",))
 
 
 def _elem_bits(recipe: Recipe, kind: str) -> int:
@@ -168,6 +164,17 @@ def _shared_scales(recipe: Recipe, kind: str) -> bool:
     return isinstance(recipe, (Delayed, Current)) or recipe.two_d(kind)
 
 
+class _Copies(NamedTuple):
+    """Bytes of quantized copies: their codes and their scales."""
+
+    codes: int
+    scales: int
+
+    def plus(self, copies: tuple[int, int], times: int = 1) -> _Copies:
+        """These and ``times`` x ``copies`` (codes, scales)."""
+        return _Copies(self.codes + times * copies[0], self.scales + times * copies[1])
+
+
 def _pair(recipe: Recipe, kind: str, r: int, c: int, batch: int) -> tuple[int, int]:
     """(codes, scales) of both copies of a ``r`` x ``c`` tensor (along c, then along r)."""
     c1, s1 = copy_bytes(recipe, kind, r, c)
@@ -186,18 +193,17 @@ def recipe_memory(recipe: Recipe, gemms: list[Gemm]) -> RecipeMemory:
             "(its rotated copies and state); it models delayed, current, rowwise, blockwise, "
             "mxfp8, mxfp4, nvfp4, bf16 and fp32"
         )
-    wc = ws = sc = ss = 0
+    weights = saved = _Copies(0, 0)
     transient = 0
     hp_wgrad = recipe.wgrad_hp
     for g in gemms:
-        c, s = _pair(recipe, "w", g.k, g.n, g.batch)  # rhs: fprop along k, dgrad along n
+        rhs = _pair(recipe, "w", g.k, g.n, g.batch)  # rhs: fprop along k, dgrad along n
         if g.weight:
-            wc, ws = wc + c, ws + s
+            weights = weights.plus(rhs)
         else:
-            sc, ss = sc + c, ss + s
+            saved = saved.plus(rhs)
         if not hp_wgrad:  # x along m, for wgrad
-            c, s = copy_bytes(recipe, "x", g.k, g.m)
-            sc, ss = sc + g.batch * c, ss + g.batch * s
+            saved = saved.plus(copy_bytes(recipe, "x", g.k, g.m), g.batch)
         xc, xs = copy_bytes(recipe, "x", g.m, g.k)
         if hp_wgrad:
             gc, gs = copy_bytes(recipe, "g", g.m, g.n)
@@ -209,10 +215,10 @@ def recipe_memory(recipe: Recipe, gemms: list[Gemm]) -> RecipeMemory:
         history = len(gemms) * 4 * 3 * (recipe.amax_history_len + 2)
     return RecipeMemory(
         recipe=_describe(recipe),
-        weight_codes=wc,
-        weight_scales=ws,
-        saved_codes=sc,
-        saved_scales=ss,
+        weight_codes=weights.codes,
+        weight_scales=weights.scales,
+        saved_codes=saved.codes,
+        saved_scales=saved.scales,
         transient=transient,
         amax_history=history,
     )

@@ -24,24 +24,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from precisionlab import bits
+from precisionlab.formats import FloatFormat, get_format
 
 __all__ = ["enforce", "enforce_tree", "ieee_widths", "uses_reduce_precision"]
 
 T = TypeVar("T")
 
-# dtype name -> (exponent bits, mantissa bits) for formats whose specials follow IEEE.
-_IEEE: dict[str, tuple[int, int]] = {
-    "float32": (8, 23),
-    "bfloat16": (8, 7),
-    "float16": (5, 10),
-    "float8_e5m2": (5, 2),
-    "float64": (11, 52),
-}
+#: dtype names of the formats whose specials follow IEEE (their widths: precisionlab.formats)
+_IEEE = ("float32", "bfloat16", "float16", "float8_e5m2", "float64")
 
 
 def ieee_widths(dtype: Any) -> tuple[int, int] | None:
     """(exponent_bits, mantissa_bits) if ``dtype`` is IEEE-style, else None."""
-    return _IEEE.get(np.dtype(dtype).name)
+    name = np.dtype(dtype).name
+    if name not in _IEEE:
+        return None
+    fmt = get_format(name)
+    assert isinstance(fmt, FloatFormat)
+    return fmt.exponent_bits, fmt.mantissa_bits
 
 
 def uses_reduce_precision(dtype: Any) -> bool:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import jax
@@ -22,7 +21,7 @@ from jax import lax
 
 from precisionlab import recipes
 from precisionlab.intercept import Context, Emit
-from precisionlab.verify._tape import FLOATS, RecipeRule, key_data, to_tape
+from precisionlab.verify._tape import FLOATS, RecipeRule, TapedVJP, key_data
 
 __all__ = ["PASSES", "StepsMeta", "StepsRule", "apply_dot3", "pack_steps", "step_pass"]
 
@@ -98,20 +97,6 @@ def _ct_state(
     return ct
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _tdot3(
-    recipe: recipes.FP4Recipe,
-    kinds: tuple[str, str],
-    sink: StepsMeta,
-    a: jax.Array,
-    b: jax.Array,
-    state: Any,
-    key: jax.Array | None,
-    tape: Any,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    return _tdot3_fwd(recipe, kinds, sink, a, b, state, key, tape)[0]
-
-
 def _tdot3_fwd(
     recipe: recipes.FP4Recipe,
     kinds: tuple[str, str],
@@ -138,31 +123,11 @@ def _tdot3_bwd(
     res, state, observed, key = saved
     (da, db), arrays, meta = _taped(recipe.backward, kinds, res, g.astype(jnp.float32), key)
     sink.backward = meta
-    return da, db, _ct_state(state, observed), None, to_tape(arrays)
+    return da, db, _ct_state(state, observed), None, arrays
 
 
-_tdot3.defvjp(_tdot3_fwd, _tdot3_bwd)
-
-
-def _bwd_shapes(
-    recipe: recipes.FP4Recipe,
-    kinds: tuple[str, str],
-    sink: StepsMeta,
-    a: jax.Array,
-    b: jax.Array,
-    state: Any,
-    key: jax.Array | None,
-) -> dict[str, Any]:
-    """Shapes and dtypes of a site's backward step arrays (traced, nothing computed)."""
-
-    def run(a: jax.Array, b: jax.Array, state: Any, key: jax.Array | None) -> dict[str, jax.Array]:
-        y, res, _ = recipe.forward(kinds, a, b, state, key)
-        g = jnp.zeros(y.shape, jnp.float32)
-        _, arrays, meta = _taped(recipe.backward, kinds, res, g, key)
-        sink.backward = meta
-        return arrays
-
-    return jax.eval_shape(run, a, b, state, key)
+#: a site's forward steps, whose cotangent on ``tape`` is its backward steps
+_tdot3 = TapedVJP(_tdot3_fwd, _tdot3_bwd, n_static=3)
 
 
 @dataclasses.dataclass
@@ -222,7 +187,7 @@ def apply_dot3(
         key: jax.Array | None,
     ) -> jax.Array:
         if shapes is not None:
-            shapes[ctx.site.name] = _bwd_shapes(rec, kinds, sink, a, b, st, key)
+            shapes[ctx.site.name] = _tdot3.record_shapes(rec, kinds, sink, a, b, st, key, None)
             (y, held["fwd"]), _ = _tdot3_fwd(rec, kinds, sink, a, b, st, key, None)
         else:
             y, held["fwd"] = _tdot3(rec, kinds, sink, a, b, st, key, tape)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from functools import partial
-from typing import Any
+from functools import wraps
+from typing import Any, Generic, ParamSpec, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -27,9 +27,12 @@ from precisionlab.recipes import _scaling as S
 from precisionlab.verify._format import storage_dtype
 
 __all__ = [
-    "FLOATS", "PlainRule", "RecipeRule", "block_layout", "compact", "element_format", "expand",
-    "from_halves", "gemm_kinds", "key_data", "native_gemm", "pinned_gemm",
+    "FLOATS", "PlainRule", "RecipeRule", "TapedVJP", "block_layout", "compact", "element_format",
+    "expand", "from_halves", "gemm_kinds", "key_data", "native_gemm", "pinned_gemm",
 ]  # fmt: skip
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 #: dtypes of the matmul operands the recorders take (others, e.g. integer matmuls, run as
 #: they are, unrecorded)
@@ -148,27 +151,62 @@ def to_tape(tree: dict[str, jax.Array]) -> dict[str, jax.Array]:
     return out
 
 
+class TapedVJP(Generic[P, R]):
+    """A ``jax.custom_vjp`` function built from its two rules, whose last argument is the
+    tape: its primal is ``fwd``'s output without the residuals (so it has ``fwd``'s
+    signature); ``bwd(*static, residuals, cotangents)`` returns the cotangents of the other
+    differentiated arguments followed by the records, which leave as the tape's cotangent
+    (in 16-bit halves, :func:`to_tape`).
+
+    Args:
+      fwd: the forward rule, ``(output, residuals)``; ``output`` is ``(array, records)``.
+      bwd: the backward rule described above.
+      n_static: the leading arguments that are static (not differentiated).
+    """
+
+    def __init__(
+        self,
+        fwd: Callable[P, tuple[R, tuple[Any, ...]]],
+        bwd: Callable[..., tuple[Any, ...]],
+        n_static: int,
+    ) -> None:
+        self.n_static = n_static
+        self.fwd: Callable[..., Any] = fwd  # its output: ((array, records), residuals)
+        self.bwd = bwd
+
+        @wraps(fwd)
+        def primal(*args: P.args, **kwargs: P.kwargs) -> R:
+            return fwd(*args, **kwargs)[0]
+
+        def taped_bwd(*args: Any) -> tuple[Any, ...]:
+            *cts, records = bwd(*args)
+            return (*cts, to_tape(records))
+
+        self._f = jax.custom_vjp(primal, nondiff_argnums=tuple(range(n_static)))
+        self._f.defvjp(fwd, taped_bwd)
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        return self._f(*args, **kwargs)
+
+    def record_shapes(self, *args: P.args, **kwargs: P.kwargs) -> dict[str, Any]:
+        """Shapes and dtypes of the records the backward rule leaves on the tape (before
+        halving), for a float32 cotangent of the output (traced, nothing computed)."""
+        static = args[: self.n_static]
+
+        def run(*dynamic: Any) -> dict[str, jax.Array]:
+            (out, _), res = self.fwd(*static, *dynamic, **kwargs)
+            g = jnp.zeros(out.shape, jnp.float32)
+            return self.bwd(*static, res, (g, None))[-1]
+
+        return jax.eval_shape(run, *args[self.n_static :])
+
+
 def _bwd_records(taps: list, recipe: recipes.Recipe) -> dict[str, jax.Array]:
     out = {}
     for rec in taps:
         for k, v in _pack(rec, recipe).items():
             out[f"{rec.what}/{k}"] = v
     return out
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _tdot(
-    recipe: recipes.Recipe,
-    kinds: tuple[str, str],
-    gemm: Callable | None,
-    a3: jax.Array,
-    b3: jax.Array,
-    state: Any,
-    key: jax.Array | None,
-    nums: Any,
-    tape: Any,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    return _tdot_fwd(recipe, kinds, gemm, a3, b3, state, key, nums, tape)[0]
 
 
 def _tdot_fwd(
@@ -202,34 +240,11 @@ def _tdot_bwd(
     da, db, ct_state = recipes.vjp_gemms(
         rec, kinds, a3, b3, state, key, g, tap=taps.append, gemm=gemm
     )
-    return da, db, ct_state, None, None, to_tape(_bwd_records(taps, rec))
+    return da, db, ct_state, None, None, _bwd_records(taps, rec)
 
 
-_tdot.defvjp(_tdot_fwd, _tdot_bwd)
-
-
-def _bwd_shapes(
-    recipe: recipes.Recipe,
-    kinds: tuple[str, str],
-    gemm: Callable | None,
-    a3: jax.Array,
-    b3: jax.Array,
-    state: Any,
-    key: jax.Array | None,
-    nums: Any,
-    g: jax.ShapeDtypeStruct,
-) -> dict[str, Any]:
-    """Shapes and dtypes of the backward records of one site (traced, nothing computed)."""
-
-    def run(
-        a3: jax.Array, b3: jax.Array, state: Any, key: jax.Array | None, nums: Any, g: jax.Array
-    ) -> dict[str, jax.Array]:
-        rec = recipe.with_numbers(nums)
-        taps: list = []
-        recipes.vjp_gemms(rec, kinds, a3, b3, state, key, g, tap=taps.append, gemm=gemm)
-        return _bwd_records(taps, rec)
-
-    return jax.eval_shape(run, a3, b3, state, key, nums, g)
+#: the forward GEMM with its record, whose cotangent on ``tape`` is the backward's records
+_tdot = TapedVJP(_tdot_fwd, _tdot_bwd, n_static=3)
 
 
 def pinned_gemm(
@@ -298,9 +313,8 @@ class RecipeRule:
         static = recipe.with_numbers(None)
         key = ctx.site_key()
         if self.shapes is not None:  # discovery: the backward records' shapes
-            g = jax.ShapeDtypeStruct((a3.shape[0], a3.shape[1], b3.shape[1]), jnp.float32)
-            self.shapes[ctx.site.name] = _bwd_shapes(
-                static, kinds, self.gemm, a3, b3, state, key, nums, g
+            self.shapes[ctx.site.name] = _tdot.record_shapes(
+                static, kinds, self.gemm, a3, b3, state, key, nums, None
             )
             tape = None
         else:
