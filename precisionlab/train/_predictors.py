@@ -80,17 +80,24 @@ import dataclasses
 import fnmatch
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from precisionlab._schema import INT32_MAX, Field, validate_enabled_table
+from precisionlab.intercept import Site
 from precisionlab.intercept import _boundary as boundary
+from precisionlab.mixed._loss_scale import LossScale
 from precisionlab.mixed._policy import Policy, cast_floating
 from precisionlab.quant import MX_FORMATS, fake_quant, get_mx_format
 from precisionlab.telemetry import every, observe
+
+if TYPE_CHECKING:  # the step imports this module
+    import optax
+
+    from precisionlab.train._step import TrainState
 
 __all__ = [
     "GROWING_OPS",
@@ -389,13 +396,19 @@ def make_predictor_fn(
     cd = policy.compute_dtype
     rq = None if recipe is None else recipe.recipe
 
-    def scaled(p, b, ls):
+    def scaled(p: Any, b: Any, ls: LossScale) -> jax.Array:
         loss, _ = loss_fn(p, b)
         return ls.scale(loss)
 
     vg = observe(scaled, (), ops=GROWING_OPS).value_and_grad(0, tensors=True)
 
-    def compute(state, new_params, g32, batch, opt):
+    def compute(
+        state: TrainState,
+        new_params: Any,
+        g32: Any,
+        batch: Any,
+        opt: optax.GradientTransformation,
+    ) -> dict[str, dict[str, jax.Array]]:
         acc = _Acc()
         seen_layers: list[str] = list(layer_names)
         ls = state.loss_scale
@@ -420,28 +433,33 @@ def make_predictor_fn(
                 )
         _state_signals(acc, state, new_params, g32, opt, predictors, rq, cd, seen_layers)
         out: dict[str, dict[str, jax.Array]] = {}
-        defaults = {
+        # per signal: its reduction over a layer's values and its value without any
+        extremes = {
             "kurtosis": ("max", 0.0), "amax": ("max", 0.0), "headroom": ("min", 256.0),
             "scaled_headroom": ("min", 256.0),
             "grad_headroom": ("min", 256.0), "noise_ratio": ("min", _RATIO_CAP),
-            "q_underflow": ("max", 0.0), "q_mse": ("max", 0.0), "flip_rate": ("sum", None),
+            "q_underflow": ("max", 0.0), "q_mse": ("max", 0.0),
             "ln_bias": ("max", 0.0), "swiglu_align": ("max", 0.0),
-            "grad_underflow": ("sum", None), "update_ratio": ("sum", None),
-            "update_applied": ("sum", None), "grad_norm": ("sum", None),
         }  # fmt: skip
         for signal in SIGNALS:
-            kind, default = defaults[signal]
             out[signal] = {}
             for layer in seen_layers:
-                if kind != "sum":
+                if signal in extremes:
+                    kind, default = extremes[signal]
                     out[signal][layer] = acc.get(kind, signal, layer, default)
-                else:
+                else:  # pooled from summed parts
                     out[signal][layer] = _finish_sum(acc, signal, layer)
         return out
 
-    def fn(state, new_params, g32, batch, opt):
+    def fn(
+        state: TrainState,
+        new_params: Any,
+        g32: Any,
+        batch: Any,
+        opt: optax.GradientTransformation,
+    ) -> dict[str, dict[str, jax.Array]]:
         # the optimizer is functions, not arrays: closed over, not a lax.cond operand
-        def run(st, new, g, b):
+        def run(st: TrainState, new: Any, g: Any, b: Any) -> dict[str, dict[str, jax.Array]]:
             return compute(st, new, g, b, opt)
 
         return every(predictors.interval, state.step, run, state, new_params, g32, batch)
@@ -464,7 +482,17 @@ def _finish_sum(acc: _Acc, signal: str, layer: str) -> jax.Array:
     return jnp.sqrt(s[0])  # grad_norm: (sum g^2,)
 
 
-def _site_signals(acc, site, layer, ts, rq, replaced, rstate, ls, cd) -> None:
+def _site_signals(
+    acc: _Acc,
+    site: Site,
+    layer: str,
+    ts: dict[str, jax.Array],
+    rq: Any,
+    replaced: bool,
+    rstate: dict[str, Any] | None,
+    ls: LossScale,
+    cd: Any,
+) -> None:
     """The signals one matmul or operation contributes to its layer."""
     # The format of a matmul's output and cotangent is its operands' (the compute dtype): its
     # float32 accumulator is rounded to it at once, and the gradient of a compute-dtype operand
@@ -526,7 +554,17 @@ def _site_signals(acc, site, layer, ts, rq, replaced, rstate, ls, cd) -> None:
             acc.add("min", "noise_ratio", layer, noise_ratio(grad_w, grad_q))
 
 
-def _state_signals(acc, state, new_params, g32, opt, predictors, rq, cd, seen_layers) -> None:
+def _state_signals(
+    acc: _Acc,
+    state: TrainState,
+    new_params: Any,
+    g32: Any,
+    opt: optax.GradientTransformation,
+    predictors: Predictors,
+    rq: Any,
+    cd: Any,
+    seen_layers: list[str],
+) -> None:
     """The signals of the params, gradients and update (no extra forward pass)."""
     layers = predictors.layers
     p_old = jax.tree_util.tree_flatten_with_path(state.params)[0]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from precisionlab.intercept import intercept
+from precisionlab.intercept import Context, Site, intercept
 
 
 class Scale:
@@ -233,8 +233,6 @@ def test_a_rule_rounding_every_float_op_to_bfloat16():
 def test_a_context_without_an_equation_says_so_when_asked_for_the_original():
     """A Context a rule's own test builds (no traced equation) has nothing to re-apply: a
     ValueError naming the site, not an AttributeError from inside the interpreter."""
-    from precisionlab.intercept import Context, Site
-
     site = Site(
         index=0,
         primitive="dot_general",
