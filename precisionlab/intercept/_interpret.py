@@ -63,6 +63,9 @@ from precisionlab.intercept._sites import Site, bit_width, numbered, select
 # what this module exports is listed once, by the package (precisionlab.intercept.__all__)
 
 Path = boundary.Path
+#: Per-site state (site name -> the pytree its rule reads) and the enclosing loops' counters.
+_State: TypeAlias = Mapping[str, Any]
+_Loops: TypeAlias = tuple[jax.Array, ...]
 #: A value the interpreter holds for a program variable: an array, a tracer, or a literal's or
 #: captured constant's value (a numpy array or scalar).
 Value: TypeAlias = jax.typing.ArrayLike
@@ -284,7 +287,7 @@ def _broadcast_state(state: Any, n: int) -> Any:
     return jax.tree.map(one, state)
 
 
-def _slice_state(state: Mapping[str, Any], keys: set[str], index: jax.Array) -> dict[str, Any]:
+def _slice_state(state: _State, keys: set[str], index: jax.Array) -> dict[str, Any]:
     """``state`` with the :class:`PerIteration` entries in ``keys`` sliced at ``index``."""
     return {
         k: PerIteration(jax.tree.map(lambda a: a[index], v.value))
@@ -320,8 +323,8 @@ class _Run:
         consts: Sequence[Value],
         args: Sequence[Value],
         path: Path,
-        state: Mapping[str, Any],
-        loops: tuple[jax.Array, ...],
+        state: _State,
+        loops: _Loops,
     ) -> _Evaluated:
         """The program's outputs and the :class:`Aux` of every site under it that emitted."""
         env = boundary.environment(jaxpr, consts, args)
@@ -358,11 +361,7 @@ class _Run:
         return [read(v) for v in jaxpr.outvars], aux
 
     def _sub(
-        self,
-        closed: boundary.Program,
-        path: Path,
-        state: Mapping[str, Any],
-        loops: tuple[jax.Array, ...],
+        self, closed: boundary.Program, path: Path, state: _State, loops: _Loops
     ) -> Callable[..., _Evaluated]:
         jaxpr, consts = boundary.open_jaxpr(closed)
         return lambda *a: self.eval(jaxpr, consts, list(a), path, state, loops)
@@ -370,7 +369,7 @@ class _Run:
     def _inner(self, path: Path) -> set[str]:
         return {s.name for p, s in self.sites.items() if p[: len(path)] == path}
 
-    def _loop_state(self, path: Path, state: Mapping[str, Any], n: int) -> dict[str, Any]:
+    def _loop_state(self, path: Path, state: _State, n: int) -> dict[str, Any]:
         """Broadcast (gradient: max) the plain states of sites under ``path`` along a scan;
         :class:`PerIteration` states go in as they are (the scan slices them)."""
         inner = self._inner(path)
@@ -391,12 +390,7 @@ class _Run:
         return out
 
     def higher_order(
-        self,
-        eqn: boundary.Eqn,
-        invals: list[Value],
-        path: Path,
-        state: Mapping[str, Any],
-        loops: tuple[jax.Array, ...],
+        self, eqn: boundary.Eqn, invals: list[Value], path: Path, state: _State, loops: _Loops
     ) -> _Evaluated:
         kind = boundary.kind(eqn.primitive)
         if kind is None:
@@ -422,7 +416,7 @@ class _Run:
         return self._while(p, invals, path, state, loops)
 
     def _rewrite(
-        self, eqn: boundary.Eqn, invals: list[Value], path: Path, loops: tuple[jax.Array, ...]
+        self, eqn: boundary.Eqn, invals: list[Value], path: Path, loops: _Loops
     ) -> list[Value] | None:
         """``eqn`` bound again with every sub-program holding a selected site re-traced through
         the rule (None when a program cannot be re-expressed: the adapter then runs it)."""
@@ -450,12 +444,7 @@ class _Run:
             return None
 
     def _cond(
-        self,
-        p: dict[str, Any],
-        invals: list[Value],
-        path: Path,
-        state: Mapping[str, Any],
-        loops: tuple[jax.Array, ...],
+        self, p: dict[str, Any], invals: list[Value], path: Path, state: _State, loops: _Loops
     ) -> _Evaluated:
         branches = boundary.cond_branches(p)
         subs = [self._sub(b, (*path, k), state, loops) for k, b in enumerate(branches)]
@@ -480,12 +469,7 @@ class _Run:
         return list(outs), aux
 
     def _scan(
-        self,
-        p: dict[str, Any],
-        invals: list[Value],
-        path: Path,
-        state: Mapping[str, Any],
-        loops: tuple[jax.Array, ...],
+        self, p: dict[str, Any], invals: list[Value], path: Path, state: _State, loops: _Loops
     ) -> _Evaluated:
         split = boundary.scan_split(p)
         nc, ncarry, n = split.n_consts, split.n_carry, split.length
@@ -509,12 +493,7 @@ class _Run:
         return [*carry, *ys], aux
 
     def _while(
-        self,
-        p: dict[str, Any],
-        invals: list[Value],
-        path: Path,
-        state: Mapping[str, Any],
-        loops: tuple[jax.Array, ...],
+        self, p: dict[str, Any], invals: list[Value], path: Path, state: _State, loops: _Loops
     ) -> _Evaluated:
         parts = boundary.while_parts(p)
         cn, bn = parts.cond_nconsts, parts.body_nconsts

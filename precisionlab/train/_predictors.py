@@ -80,7 +80,7 @@ import dataclasses
 import fnmatch
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -376,13 +376,17 @@ def _entries(site: Any, tensors: dict[str, Any], names: Sequence[str]) -> list[t
     return out
 
 
+#: One step's predictors: signal -> layer -> float32 scalar.
+Signals: TypeAlias = dict[str, dict[str, jax.Array]]
+
+
 def make_predictor_fn(
     loss_fn: Callable,
     policy: Policy,
     predictors: Predictors,
     *,
     recipe: Any = None,
-) -> Callable[..., dict[str, dict[str, jax.Array]]]:
+) -> Callable[..., Signals]:
     """``fn(state, new_params, grads32, batch, optimizer) -> {signal: {layer: f32[]}}``
     (zeros on the steps ``predictors.interval`` skips), the step's predictors.
 
@@ -403,12 +407,8 @@ def make_predictor_fn(
     vg = observe(scaled, (), ops=GROWING_OPS).value_and_grad(0, tensors=True)
 
     def compute(
-        state: TrainState,
-        new_params: Any,
-        g32: Any,
-        batch: Any,
-        opt: optax.GradientTransformation,
-    ) -> dict[str, dict[str, jax.Array]]:
+        state: TrainState, new_params: Any, g32: Any, batch: Any, opt: optax.GradientTransformation
+    ) -> Signals:
         acc = _Acc()
         seen_layers: list[str] = list(layer_names)
         ls = state.loss_scale
@@ -432,7 +432,7 @@ def make_predictor_fn(
                     acc, site, layer, ts, rq, site.name in replaced, rstate.get(site.name), ls, cd
                 )
         _state_signals(acc, state, new_params, g32, opt, predictors, rq, cd, seen_layers)
-        out: dict[str, dict[str, jax.Array]] = {}
+        out: Signals = {}
         # per signal: its reduction over a layer's values and its value without any
         extremes = {
             "kurtosis": ("max", 0.0), "amax": ("max", 0.0), "headroom": ("min", 256.0),
@@ -452,14 +452,10 @@ def make_predictor_fn(
         return out
 
     def fn(
-        state: TrainState,
-        new_params: Any,
-        g32: Any,
-        batch: Any,
-        opt: optax.GradientTransformation,
-    ) -> dict[str, dict[str, jax.Array]]:
+        state: TrainState, new_params: Any, g32: Any, batch: Any, opt: optax.GradientTransformation
+    ) -> Signals:
         # the optimizer is functions, not arrays: closed over, not a lax.cond operand
-        def run(st: TrainState, new: Any, g: Any, b: Any) -> dict[str, dict[str, jax.Array]]:
+        def run(st: TrainState, new: Any, g: Any, b: Any) -> Signals:
             return compute(st, new, g, b, opt)
 
         return every(predictors.interval, state.step, run, state, new_params, g32, batch)
