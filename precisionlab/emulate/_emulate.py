@@ -115,7 +115,9 @@ def _computes_in(jaxpr: boundary.Jaxpr, dtype: np.dtype) -> bool:
     return any(_float_dtype(v.aval) == dtype for v in jaxpr.invars)
 
 
-def _narrow_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, bits: int) -> jax.Array:
+def _narrow_dot(
+    lhs: jax.Array, rhs: jax.Array, dimension_numbers: lax.DotDimensionNumbers, bits: int
+) -> jax.Array:
     """``dot_general`` of float32 operands with an m-bit accumulator (recipes.accumulate)."""
     (lc, rc), (lb, rb) = dimension_numbers
     a, lfree = canonical_operand(lhs, lc, lb)

@@ -487,7 +487,7 @@ def _site_signals(
     replaced: bool,
     rstate: dict[str, Any] | None,
     ls: LossScale,
-    cd: Any,
+    cd: np.dtype,
 ) -> None:
     """The signals one matmul or operation contributes to its layer."""
     # The format of a matmul's output and cotangent is its operands' (the compute dtype): its
@@ -558,7 +558,7 @@ def _state_signals(
     opt: optax.GradientTransformation,
     predictors: Predictors,
     rq: Any,
-    cd: Any,
+    cd: np.dtype,
     seen_layers: list[str],
 ) -> None:
     """The signals of the params, gradients and update (no extra forward pass)."""
