@@ -80,7 +80,7 @@ import dataclasses
 import fnmatch
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -94,10 +94,29 @@ from precisionlab.mixed._policy import Policy, cast_floating
 from precisionlab.quant import MX_FORMATS, fake_quant, get_mx_format
 from precisionlab.telemetry import every, observe
 
-if TYPE_CHECKING:  # the step imports this module
+if TYPE_CHECKING:
     import optax
 
-    from precisionlab.train._step import TrainState
+
+class _StepState(Protocol):
+    """What the predictors read of the step's state (a ``TrainState``; the step imports this
+    module, so its class is not named here)."""
+
+    @property
+    def step(self) -> jax.Array: ...
+
+    @property
+    def params(self) -> Any: ...
+
+    @property
+    def opt_state(self) -> Any: ...
+
+    @property
+    def loss_scale(self) -> LossScale: ...
+
+    @property
+    def recipe_state(self) -> Any: ...
+
 
 __all__ = [
     "GROWING_OPS",
@@ -394,7 +413,7 @@ def make_predictor_fn(
     params; the observed pass runs it without the recipe, as numerics telemetry does, and
     applies the recipe's quantizers to what it sees); ``recipe``: the run's
     :class:`~precisionlab.train._recipe.TrainRecipe` or None; ``state``: the
-    :class:`~precisionlab.train._step.TrainState` the step started from; ``optimizer``: the
+    :class:`~precisionlab.train._step._StepState` the step started from; ``optimizer``: the
     step's optax transformation (its update is recomputed for the update signals)."""
     layer_names = tuple(n for n, _ in predictors.layers)
     cd = policy.compute_dtype
@@ -407,7 +426,7 @@ def make_predictor_fn(
     vg = observe(scaled, (), ops=GROWING_OPS).value_and_grad(0, tensors=True)
 
     def compute(
-        state: TrainState, new_params: Any, g32: Any, batch: Any, opt: optax.GradientTransformation
+        state: _StepState, new_params: Any, g32: Any, batch: Any, opt: optax.GradientTransformation
     ) -> Signals:
         acc = _Acc()
         seen_layers: list[str] = list(layer_names)
@@ -452,10 +471,10 @@ def make_predictor_fn(
         return out
 
     def fn(
-        state: TrainState, new_params: Any, g32: Any, batch: Any, opt: optax.GradientTransformation
+        state: _StepState, new_params: Any, g32: Any, batch: Any, opt: optax.GradientTransformation
     ) -> Signals:
         # the optimizer is functions, not arrays: closed over, not a lax.cond operand
-        def run(st: TrainState, new: Any, g: Any, b: Any) -> Signals:
+        def run(st: _StepState, new: Any, g: Any, b: Any) -> Signals:
             return compute(st, new, g, b, opt)
 
         return every(predictors.interval, state.step, run, state, new_params, g32, batch)
@@ -552,7 +571,7 @@ def _site_signals(
 
 def _state_signals(
     acc: _Acc,
-    state: TrainState,
+    state: _StepState,
     new_params: Any,
     g32: Any,
     opt: optax.GradientTransformation,
