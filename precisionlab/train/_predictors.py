@@ -413,7 +413,7 @@ def make_predictor_fn(
     params; the observed pass runs it without the recipe, as numerics telemetry does, and
     applies the recipe's quantizers to what it sees); ``recipe``: the run's
     :class:`~precisionlab.train._recipe.TrainRecipe` or None; ``state``: the
-    :class:`~precisionlab.train._step._StepState` the step started from; ``optimizer``: the
+    :class:`~precisionlab.train._step.TrainState` the step started from; ``optimizer``: the
     step's optax transformation (its update is recomputed for the update signals)."""
     layer_names = tuple(n for n, _ in predictors.layers)
     cd = policy.compute_dtype
