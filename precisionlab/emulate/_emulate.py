@@ -55,13 +55,13 @@ __all__ = ["Emulated", "emulate"]
 ADD, SUB, MUL, DIV = boundary.ADD, boundary.SUB, boundary.MUL, boundary.DIV
 
 
-def _exact(eqn) -> bool:
+def _exact(eqn: boundary.Eqn) -> bool:
     name = eqn.primitive.name
     if name == boundary.CONVERT:  # float to an equal or wider float keeps the value
-        src, dst = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
+        src, dst = _float_dtype(eqn.invars[0].aval), _float_dtype(eqn.outvars[0].aval)
         return (
-            _is_float(eqn.invars[0].aval)
-            and _is_float(eqn.outvars[0].aval)
+            src is not None
+            and dst is not None
             and (
                 jnp.finfo(dst).maxexp >= jnp.finfo(src).maxexp
                 and jnp.finfo(dst).minexp <= jnp.finfo(src).minexp
@@ -71,17 +71,24 @@ def _exact(eqn) -> bool:
     return name in boundary.EXACT
 
 
-def _is_float(x: Any) -> bool:
+def _float_dtype(x: object) -> np.dtype | None:
+    """The dtype of an array or abstract value when it is floating, else None."""
     dtype = getattr(x, "dtype", None)
-    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        return None
+    return np.dtype(dtype)
 
 
-def _has_float(eqn) -> bool:
+def _is_float(x: object) -> bool:
+    return _float_dtype(x) is not None
+
+
+def _has_float(eqn: boundary.Eqn) -> bool:
     avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
     return any(_is_float(a) for a in avals)
 
 
-def collect(jaxpr, found: set[str]) -> None:
+def collect(jaxpr: boundary.Jaxpr, found: set[str]) -> None:
     """Names of the first-order primitives with a floating operand or result, recursively
     (every first-order primitive: one emulate has no special rule for, such as jax 0.11's
     ``one_minus_square``, is rounded by the generic rule for its output dtype). Those inside
@@ -95,20 +102,22 @@ def collect(jaxpr, found: set[str]) -> None:
             found.add(eqn.primitive.name)
 
 
-def _computes_in(jaxpr, dtype: np.dtype) -> bool:
+def _computes_in(jaxpr: boundary.Jaxpr, dtype: np.dtype) -> bool:
     """Whether any floating value of ``jaxpr`` (or its sub-programs) has ``dtype``: the
     program is then typed in the compute dtype itself, and its float32 values are deliberate."""
     for eqn in jaxpr.eqns:
         for v in (*eqn.invars, *eqn.outvars):
-            if _is_float(v.aval) and np.dtype(v.aval.dtype) == dtype:
+            if _float_dtype(v.aval) == dtype:
                 return True
         for sub in boundary.subprograms(eqn):
             if _computes_in(boundary.open_jaxpr(sub)[0], dtype):
                 return True
-    return any(_is_float(v.aval) and np.dtype(v.aval.dtype) == dtype for v in jaxpr.invars)
+    return any(_float_dtype(v.aval) == dtype for v in jaxpr.invars)
 
 
-def _narrow_dot(lhs, rhs, dimension_numbers, bits: int) -> jax.Array:
+def _narrow_dot(
+    lhs: jax.Array, rhs: jax.Array, dimension_numbers: lax.DotDimensionNumbers, bits: int
+) -> jax.Array:
     """``dot_general`` of float32 operands with an m-bit accumulator (recipes.accumulate)."""
     (lc, rc), (lb, rb) = dimension_numbers
     a, lfree = canonical_operand(lhs, lc, lb)
@@ -152,60 +161,60 @@ class _RoundRule:
     # Cotangents known to be ``ct * c`` (by the backward of a multiply by a literal), for the
     # backward passes of this trace's operations to fold as XLA does.
     bwd_folds: Folds = dataclasses.field(default_factory=Folds)
-    matmul: Callable = _matmul.float32_once
+    matmul: _matmul.MatmulModel = _matmul.float32_once
 
-    def target(self, aval: Any) -> np.dtype | None:
+    def target(self, aval: object) -> np.dtype | None:
         """The dtype a value of ``aval`` is rounded to (None: left as computed)."""
-        if not _is_float(aval):
+        own = _float_dtype(aval)
+        if own is None:
             return None
-        own = np.dtype(aval.dtype)
         if own.itemsize < 4:
             return own
         return None if self.program_typed else np.dtype(self.dtype)
 
-    def _rnd(self, x: Any, aval: Any) -> Any:
-        """``x`` rounded to ``aval``'s own narrow dtype, then (policy mode) to the compute
-        dtype; returned in ``aval``'s dtype."""
+    def _rnd(self, x: jax.typing.ArrayLike, own: np.dtype) -> jax.Array:
+        """``x`` rounded to its own dtype ``own`` where that is narrow, then (policy mode) to
+        the compute dtype; returned in ``own``."""
         y = jnp.asarray(x)
-        own = np.dtype(aval.dtype)
         if own.itemsize < 4:
             y = enforce(y.astype(jnp.promote_types(own, jnp.float32)), own)
         if not self.program_typed:
             y = enforce(y, self.dtype)
         return y.astype(own)
 
-    def _narrowed(self, x: Any, aval: Any) -> Any:
+    def _narrowed(self, x: jax.Array, aval: object) -> jax.Array:
         """``x`` (already rounded to its target) in its target dtype where that is narrower."""
-        tgt = self.target(aval)
-        if tgt is None or np.dtype(tgt).itemsize >= np.dtype(aval.dtype).itemsize:
+        tgt, own = self.target(aval), _float_dtype(aval)
+        if tgt is None or own is None or np.dtype(tgt).itemsize >= own.itemsize:
             return x
         return jnp.asarray(x).astype(tgt)
 
-    def _round(self, x: Any, aval: Any) -> Any:
-        if self.target(aval) is None or id(x) in self.rounded:
+    def _round(self, x: jax.Array, aval: object) -> jax.Array:
+        own = _float_dtype(aval)
+        if own is None or self.target(aval) is None or id(x) in self.rounded:
             return x
-        y = self._rnd(x, aval)
+        y = self._rnd(x, own)
         self.rounded[id(y)] = y
         return y
 
-    def _model(self, eqn, ins: list) -> list | None:
+    def _model(self, eqn: boundary.Eqn, ins: list[jax.Array]) -> list[jax.Array] | None:
         """The operation as XLA:GPU computes it, where that differs from binding the primitive
         on CPU and rounding (None: bind and round)."""
         name, params = eqn.primitive.name, eqn.params
         out_aval = eqn.outvars[0].aval if eqn.outvars else None
-        tgt = self.target(out_aval) if out_aval is not None else None
-        if tgt is None:
+        tgt, out = self.target(out_aval), _float_dtype(out_aval)
+        if tgt is None or out is None:
             return None
         if name in boundary.TRANSCENDENTAL and _model.is_narrow(tgt):
             return [_model.tabled_unary(name, ins[0], tgt)]
         if name == boundary.LOGISTIC and _model.is_narrow(tgt):
-            return [_model.logistic(ins[0], tgt, lambda v: self._rnd(v, out_aval))]
+            return [_model.logistic(ins[0], tgt, lambda v: self._rnd(v, out))]
         if name == boundary.INTEGER_POW:
-            return [_model.integer_power(ins[0], params["y"], lambda v: self._rnd(v, out_aval))]
+            return [_model.integer_power(ins[0], params["y"], lambda v: self._rnd(v, out))]
         if name == boundary.DIV and _is_float(out_aval):
-            plain = self._rnd(_model.divide(ins[0], ins[1]), out_aval)
+            plain = self._rnd(_model.divide(ins[0], ins[1]), out)
         elif name in boundary.ARITHMETIC and _is_float(out_aval):
-            plain = self._rnd(boundary.bind(eqn.primitive, params, *ins)[0], out_aval)
+            plain = self._rnd(boundary.bind(eqn.primitive, params, *ins)[0], out)
         else:
             return None
         if np.dtype(tgt) != np.dtype(jnp.bfloat16) or not all(
@@ -213,38 +222,40 @@ class _RoundRule:
         ):
             return [plain]
         # bfloat16's subnormals are float32's, which this CPU flushes: computed exactly
-        return [_subnormal.arithmetic(name, ins[0], ins[1], plain).astype(out_aval.dtype)]
+        return [_subnormal.arithmetic(name, ins[0], ins[1], plain).astype(out)]
 
-    def _compute(self, eqn, ins: list) -> list:
+    def _compute(self, eqn: boundary.Eqn, ins: list[jax.Array]) -> list[jax.Array]:
         """The primitive on rounded operands, results rounded."""
         name, params = eqn.primitive.name, eqn.params
         modelled = self._model(eqn, ins)
+        outs: list[jax.Array]
         if modelled is not None:
             outs = modelled
         elif self.accumulate_bits is not None and name == boundary.DOT_GENERAL:
             out = _narrow_dot(ins[0], ins[1], params["dimension_numbers"], self.accumulate_bits)
-            outs = [out.astype(eqn.outvars[0].aval.dtype)]
+            outs = [out.astype(boundary.aval(eqn.outvars[0]).dtype)]
         elif name == boundary.DOT_GENERAL and _is_float(eqn.outvars[0].aval):
             # operands in their target format (exact: they hold its values), so that a
             # tensor-core model sees 16-bit inputs in a float32 program under a 16-bit policy
-            ops = [self._narrowed(x, v.aval) for x, v in zip(ins, eqn.invars, strict=True)]
-            outs = [self.matmul(*ops, params, eqn.outvars[0].aval.dtype)]
+            lhs, rhs = [self._narrowed(x, v.aval) for x, v in zip(ins, eqn.invars, strict=True)]
+            outs = [self.matmul(lhs, rhs, params, boundary.aval(eqn.outvars[0]).dtype)]
         elif name == boundary.CONV and _is_float(eqn.outvars[0].aval):
             # the implicit GEMM over the patches, through the same matmul model
-            ops = [self._narrowed(x, v.aval) for x, v in zip(ins, eqn.invars, strict=True)]
-            out_dtype = eqn.outvars[0].aval.dtype
+            lhs, rhs = [self._narrowed(x, v.aval) for x, v in zip(ins, eqn.invars, strict=True)]
+            out_dtype = boundary.aval(eqn.outvars[0]).dtype
             if self.accumulate_bits is not None:
                 bits = self.accumulate_bits
-                model = lambda a, b, p, dt: _narrow_dot(a, b, p["dimension_numbers"], bits)  # noqa: E731
+                model: _matmul.MatmulModel = lambda a, b, p, dt: _narrow_dot(  # noqa: E731
+                    a, b, p["dimension_numbers"], bits
+                )
             else:
                 model = self.matmul
-            outs = [_matmul.implicit_gemm(model, *ops, params, out_dtype).astype(out_dtype)]
+            outs = [_matmul.implicit_gemm(model, lhs, rhs, params, out_dtype).astype(out_dtype)]
         elif (
             name == boundary.REDUCE_SUM
             and (self.backward or not self.reduce_fp32)
-            and (self.target(eqn.outvars[0].aval) is not None)
+            and (tgt := self.target(eqn.outvars[0].aval)) is not None
         ):
-            tgt = self.target(eqn.outvars[0].aval)
             outs = [_reduce_rounded(ins[0], params["axes"], tgt)]
         else:
             outs = boundary.bind(eqn.primitive, params, *ins)
@@ -254,15 +265,17 @@ class _RoundRule:
                 return outs
         return [self._round(y, v.aval) for y, v in zip(outs, eqn.outvars, strict=True)]
 
-    def _simplified(self, eqn, operands: tuple) -> list | None:
+    def _simplified(
+        self, eqn: boundary.Eqn, operands: tuple[jax.Array, ...]
+    ) -> list[jax.Array] | None:
         """XLA's constant folding (:mod:`precisionlab.emulate._simplify`) of a forward
         ``mul``/``div``/``add``/``sub`` with a literal operand; None where none applies."""
         name = eqn.primitive.name
         if self.backward or name not in boundary.ARITHMETIC or len(eqn.invars) != 2:
             return None
         aval = eqn.outvars[0].aval
-        tgt = self.target(aval)
-        if tgt is None or not _model.is_narrow(tgt):
+        tgt, own = self.target(aval), _float_dtype(aval)
+        if tgt is None or own is None or not _model.is_narrow(tgt):
             return None
         lits = [boundary.is_literal(v) for v in eqn.invars]
         if lits[0] == lits[1] or (name in (DIV, SUB) and lits[0]):
@@ -271,8 +284,8 @@ class _RoundRule:
         if c is None:
             return None
         a = operands[lits.index(False)]
-        a_aval = eqn.invars[lits.index(False)].aval
-        if tuple(a_aval.shape) != tuple(aval.shape):
+        a_aval = boundary.aval(eqn.invars[lits.index(False)])
+        if tuple(a_aval.shape) != tuple(boundary.aval(eqn.outvars[0]).shape):
             return None
         if name in (MUL, DIV):
             kind, c = MUL, (c if name == MUL else _simplify.reciprocal(c, tgt))
@@ -289,12 +302,18 @@ class _RoundRule:
         else:
             k = jnp.asarray(c, jnp.float32)
             wide = jnp.asarray(a).astype(jnp.float32)
-            out = self._rnd(wide * k if kind == MUL else wide + k, aval)
+            out = self._rnd(wide * k if kind == MUL else wide + k, own)
             self.rounded[id(out)] = out
         self.folds.note(out, kind, a, c)
         return [out]
 
-    def _note_fold(self, eqn, operands: tuple, ins: list, outs: list) -> None:
+    def _note_fold(
+        self,
+        eqn: boundary.Eqn,
+        operands: tuple[jax.Array, ...],
+        ins: list[jax.Array],
+        outs: list[jax.Array],
+    ) -> None:
         name = eqn.primitive.name
         if self.backward or name not in (MUL, ADD) or len(eqn.invars) != 2:
             return
@@ -302,12 +321,14 @@ class _RoundRule:
         if lits[0] == lits[1]:
             return
         c = _simplify.constant(operands[lits.index(True)])
-        a_aval = eqn.invars[lits.index(False)].aval
-        if c is not None and tuple(a_aval.shape) == tuple(eqn.outvars[0].aval.shape):
+        a_aval = boundary.aval(eqn.invars[lits.index(False)])
+        if c is not None and tuple(a_aval.shape) == tuple(boundary.aval(eqn.outvars[0]).shape):
             self.folds.note(outs[0], name, ins[lits.index(False)], c)
 
-    def apply(self, ctx: Context, *operands: Any, **params: Any) -> list:
+    def apply(self, ctx: Context, *operands: jax.Array, **params: Any) -> list[jax.Array]:
         eqn = ctx.eqn
+        if eqn is None:  # the interceptor passes every matched equation
+            raise ValueError(f"emulate's rule needs the traced equation of {ctx.site.name}")
         simplified = self._simplified(eqn, operands)
         if simplified is not None:
             return simplified
@@ -324,28 +345,28 @@ class _RoundRule:
         return list(outs)
 
 
-def _with_rounded_vjp(rule: _RoundRule, eqn) -> Callable:
+def _with_rounded_vjp(rule: _RoundRule, eqn: boundary.Eqn) -> Callable[..., tuple[jax.Array, ...]]:
     """``eqn``'s primitive (operands already rounded) as a custom_vjp function whose backward
     pass is the primitive's VJP emulated by a backward copy of ``rule``."""
     prim = eqn.primitive
     floats_in = [_is_float(v.aval) for v in eqn.invars]
 
-    def bare(*xs):
+    def bare(*xs: jax.Array) -> tuple[jax.Array, ...]:
         return tuple(boundary.bind(prim, eqn.params, *xs))
 
     @jax.custom_vjp
-    def op(*xs):
+    def op(*xs: jax.Array) -> tuple[jax.Array, ...]:
         return tuple(rule._compute(eqn, list(xs)))
 
-    def fwd(*xs):
+    def fwd(*xs: jax.Array) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
         return op(*xs), xs
 
-    def bwd(xs, cts):
+    def bwd(xs: tuple[jax.Array, ...], cts: tuple[jax.Array, ...]) -> tuple[jax.Array | None, ...]:
         scaled = _scaled_cotangent(rule, eqn, xs, cts)
         if scaled is not None:
             return scaled
 
-        def back(xs, cts):
+        def back(xs: tuple[jax.Array, ...], cts: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
             if prim.name == boundary.TANH:
                 # jax >= 0.11's VJP: ct * one_minus_square(tanh x), which XLA computes as
                 # (1 - t) * (1 + t)
@@ -364,7 +385,9 @@ def _with_rounded_vjp(rule: _RoundRule, eqn) -> Callable:
     return op
 
 
-def _scaled_cotangent(rule: _RoundRule, eqn, xs: tuple, cts: tuple) -> tuple | None:
+def _scaled_cotangent(
+    rule: _RoundRule, eqn: boundary.Eqn, xs: tuple[jax.Array, ...], cts: tuple[jax.Array, ...]
+) -> tuple[jax.Array | None, ...] | None:
     """The backward pass of ``a * c`` or ``a / c`` (c a scalar literal) as XLA:GPU computes
     it: ``ct * c`` (``ct * (1/c)`` for a division, the reciprocal rounded), with the constant
     folded into the one that made ``ct`` where ``ct`` is itself ``b * c1`` (the GPU gradient
@@ -377,12 +400,12 @@ def _scaled_cotangent(rule: _RoundRule, eqn, xs: tuple, cts: tuple) -> tuple | N
     if lits[0] == lits[1] or (name == DIV and lits[0]):
         return None
     i = lits.index(False)
-    aval = eqn.invars[i].aval
-    tgt = rule.target(aval)
-    c = _simplify.constant(eqn.invars[1 - i].val)
+    aval, lit = eqn.invars[i].aval, eqn.invars[1 - i]
+    tgt, own = rule.target(aval), _float_dtype(aval)
+    c = _simplify.constant(lit.val) if isinstance(lit, boundary.Literal) else None
     if (
-        c is None or tgt is None or not _model.is_narrow(tgt)
-        or tuple(aval.shape) != tuple(eqn.outvars[0].aval.shape)
+        c is None or tgt is None or own is None or not _model.is_narrow(tgt)
+        or tuple(boundary.aval(eqn.invars[i]).shape) != tuple(boundary.aval(eqn.outvars[0]).shape)
     ):  # fmt: skip
         return None
     if name == DIV:
@@ -393,9 +416,9 @@ def _scaled_cotangent(rule: _RoundRule, eqn, xs: tuple, cts: tuple) -> tuple | N
     if made is not None and made[0] == MUL:
         base, c = made[1], _simplify.fold(MUL, made[2], c, tgt)
     wide = jnp.asarray(base).astype(jnp.float32) * jnp.asarray(c, jnp.float32)
-    g = rule._rnd(wide, aval)
+    g = rule._rnd(wide, own)
     rule.bwd_folds.note(g, MUL, base, c)
-    grads: list = [None, None]
+    grads: list[jax.Array | None] = [None, None]
     grads[i] = g
     grads[1 - i] = jnp.zeros_like(xs[1 - i])
     return tuple(grads)
@@ -407,15 +430,15 @@ class Emulated:
 
     def __init__(
         self,
-        fn: Callable,
+        fn: Callable[..., Any],
         dtype: np.dtype,
         keep: tuple[int | str, ...],
         accumulate_bits: int | None,
         reduce_fp32: bool = True,
         backward: bool = False,
         program_typed: bool | None = None,
-        matmul: Callable = _matmul.float32_once,
-    ):
+        matmul: _matmul.MatmulModel = _matmul.float32_once,
+    ) -> None:
         self.program_typed, self.matmul = program_typed, matmul
         self.matmul_model: str | None = None  # the hardware= name (emulate sets it)
         self.fn, self.dtype, self.keep = fn, dtype, keep
@@ -424,7 +447,9 @@ class Emulated:
         )  # fmt: skip
         self.__wrapped__ = fn
 
-    def _intercepted(self, args, kwargs) -> tuple[Intercepted, _RoundRule]:
+    def _intercepted(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Intercepted, _RoundRule]:
         closed = boundary.trace(self.fn, args, kwargs)[0]
         found: set[str] = set()
         collect(closed.jaxpr, found)
@@ -437,13 +462,13 @@ class Emulated:
         )  # fmt: skip
         return intercept(self.fn, rule, exclude=self.keep), rule
 
-    def sites(self, *args, **kwargs) -> list[Site]:
+    def sites(self, *args: Any, **kwargs: Any) -> list[Site]:
         """The floating-point operations of ``fn`` on these arguments, in program order
         (``selected`` False: kept unrounded by ``keep``)."""
         with _keep_hint():
             return self._intercepted(args, kwargs)[0].sites(*args, **kwargs)
 
-    def report(self, *args, **kwargs) -> str:
+    def report(self, *args: Any, **kwargs: Any) -> str:
         """One line per floating-point operation (see :meth:`Site.describe`), then the
         compute-dtype line of the program's matmuls and convolutions
         (:func:`precisionlab.intercept.compute_line`) and what emulate rounds them to."""
@@ -457,10 +482,10 @@ class Emulated:
         )  # fmt: skip
         return f"{text}\n{line} ({how})"
 
-    def __call__(self, *args, **kwargs) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._call((), args, kwargs)
 
-    def _call(self, rounded: Any, args: tuple, kwargs: dict) -> Any:
+    def _call(self, rounded: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``__call__`` with the leaves of ``rounded`` known to be rounded already."""
         fn, rule = self._intercepted(args, kwargs)
         for x in jax.tree.leaves(rounded):
@@ -489,12 +514,12 @@ def _keep_hint() -> Iterator[None]:
 
 
 def emulate(
-    fn: Callable,
+    fn: Callable[..., Any],
     policy: Policy | str | Any,
     *,
     keep: Sequence[int | str] | str = (),
     accumulate_bits: int | None = None,
-    hardware: str | Callable = "h100-xla",
+    hardware: str | _matmul.MatmulModel = "h100-xla",
 ) -> Emulated:
     """``fn`` computed as XLA's GPU backend computes it, on any machine: each floating-point
     operation's result rounded to the dtype the program gives it (a 16-bit program's float32

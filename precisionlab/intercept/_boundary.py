@@ -23,7 +23,9 @@ What it owns:
   jax 0.9.2, a ``(subfuns, params)`` tuple before);
 - source information (:func:`where`, :func:`source_context`, :func:`name_stack`): optional,
   guarded (a JAX without ``source_info_util`` loses line numbers, nothing else);
-- tracing: :func:`trace` (a function with array leaves abstract, other leaves static).
+- tracing: :func:`trace` (a function with array leaves abstract, other leaves static);
+- the program types, named for annotations (:data:`Jaxpr`, :data:`Program`, :data:`Eqn`,
+  :data:`Var`, :data:`Atom`, ...) and :func:`environment`, an interpreter's starting state.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import math
 import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, TypeAlias, TypeVar, cast
 
 import jax
 import jax.extend as jex
@@ -77,15 +79,27 @@ __all__ = [
     "TRANSCENDENTAL",
     "VIEWS",
     "WHILE",
+    "ArrayAval",
+    "Atom",
+    "ClosedJaxpr",
+    "Eqn",
+    "Jaxpr",
+    "Literal",
+    "Path",
+    "Primitive",
+    "Program",
     "ScanSplit",
     "UnsupportedPrimitive",
+    "Var",
     "WhileParts",
+    "aval",
     "bind",
     "call_name",
     "call_program",
     "check_version",
     "checkpoint_parts",
     "cond_branches",
+    "environment",
     "eval_shape",
     "is_combiner",
     "is_literal",
@@ -101,6 +115,7 @@ __all__ = [
     "retrace",
     "scan_split",
     "source_context",
+    "split_leaves",
     "subprograms",
     "trace",
     "tree_varying_axes",
@@ -117,6 +132,59 @@ __all__ = [
 #: ran on 0.10.2; the recorded parameters of jax 0.11.2 are replayed by the tests).
 LOWEST = "0.6.2"
 HIGHEST_CHECKED = "0.11.2"
+
+# --- the program types ----------------------------------------------------------------------
+# JAX's own classes (``jax.extend.core`` exports them from the lowest JAX on), named here so
+# that the interpreter's annotations say what they walk without importing JAX's internals.
+
+#: An open program: ``constvars``, ``invars``, ``eqns``, ``outvars``.
+Jaxpr: TypeAlias = jex.core.Jaxpr
+#: A program with its constants' values (``.jaxpr``, ``.consts``).
+ClosedJaxpr: TypeAlias = jex.core.ClosedJaxpr
+#: A sub-program as an equation's parameters hold it (:func:`subprograms`).
+Program: TypeAlias = jex.core.ClosedJaxpr | jex.core.Jaxpr
+#: One equation: ``primitive``, ``params``, ``invars``, ``outvars``, ``source_info``.
+Eqn: TypeAlias = jex.core.JaxprEqn
+#: A primitive (``.name``, ``.bind``).
+Primitive: TypeAlias = jex.core.Primitive
+#: A variable of a program (``.aval``) and a literal operand (``.val``, ``.aval``).
+Var: TypeAlias = jex.core.Var
+Literal: TypeAlias = jex.core.Literal
+#: An equation's operand: a variable or a literal.
+Atom: TypeAlias = jex.core.Var | jex.core.Literal
+#: Where an equation sits: its index in each enclosing program, then the sub-program's position
+#: among :func:`subprograms`, alternately (``Site.path``).
+Path: TypeAlias = tuple[int, ...]
+
+_T = TypeVar("_T")
+
+
+def environment(jaxpr: Jaxpr, consts: Sequence[_T], args: Sequence[_T]) -> dict[Var, _T]:
+    """The start of a walk over ``jaxpr``: its constants bound to ``consts`` and its inputs
+    to ``args`` (one value each, whatever an interpreter tracks: arrays, dataflow labels)."""
+    env = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    return env
+
+
+class ArrayAval(Protocol):
+    """What is read of an array value's abstract value (a ``ShapedArray``, a reference's)."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> np.dtype: ...
+
+
+def aval(v: Atom) -> ArrayAval:
+    """The abstract value of an array operand or result of an equation (its shape and dtype);
+    TypeError for one that has none (a token)."""
+    a = v.aval
+    if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+        raise TypeError(f"{v} is no array: its abstract value {a} has no shape and dtype")
+    return cast(ArrayAval, a)
+
 
 # --- the primitive vocabulary ----------------------------------------------------------------
 # The names of the primitives the rest of the package reasons about, as data: other modules
@@ -336,7 +404,7 @@ def _is_jaxpr(x: Any) -> bool:
     return isinstance(x, (jex.core.ClosedJaxpr, jex.core.Jaxpr))
 
 
-def _program_params(params: dict) -> Iterator[tuple[str, int | None, Any]]:
+def _program_params(params: dict[str, Any]) -> Iterator[tuple[str, int | None, Program]]:
     """(key, position in a tuple or None, program) for every jaxpr-valued parameter, keys in
     sorted order (stable whatever order JAX built the dict in)."""
     for key in sorted(params):
@@ -349,7 +417,7 @@ def _program_params(params: dict) -> Iterator[tuple[str, int | None, Any]]:
                     yield key, j, x
 
 
-def subprograms(eqn: Any) -> list[Any]:
+def subprograms(eqn: Eqn) -> list[Program]:
     """Every sub-program (ClosedJaxpr or Jaxpr) in ``eqn``'s parameters, found by type; empty
     for a combiner (:func:`is_combiner`). Position ``k`` in this list is the sub-program's index
     in :attr:`precisionlab.intercept.Site.path`."""
@@ -358,7 +426,9 @@ def subprograms(eqn: Any) -> list[Any]:
     return [p for _, _, p in _program_params(eqn.params)]
 
 
-def rebind(eqn: Any, args: Sequence[Any], transform: Callable[[Any, int], Any]) -> list:
+def rebind(
+    eqn: Eqn, args: Sequence[Any], transform: Callable[[Program, int], Program]
+) -> list[Any]:
     """``eqn``'s primitive bound on ``args`` with its own parameters, each sub-program ``p``
     (the ``k``-th of :func:`subprograms`) replaced by ``transform(p, k)``: a rewrite that needs
     no knowledge of what the primitive means."""
@@ -375,14 +445,14 @@ def rebind(eqn: Any, args: Sequence[Any], transform: Callable[[Any, int], Any]) 
     return bind(eqn.primitive, params, *args)
 
 
-def open_jaxpr(j: Any) -> tuple[Any, Sequence[Any]]:
+def open_jaxpr(j: Program) -> tuple[Jaxpr, Sequence[Any]]:
     """(open jaxpr, consts) of a ClosedJaxpr or an open Jaxpr."""
     if isinstance(j, jex.core.ClosedJaxpr):
         return j.jaxpr, j.consts
     return j, ()
 
 
-def retrace(fn: Callable, like: Any) -> Any | None:
+def retrace(fn: Callable[..., Any], like: Program) -> Program | None:
     """``fn`` traced on the input types of the program ``like``, as a program of ``like``'s
     type (ClosedJaxpr or open Jaxpr); None when an open Jaxpr is asked for and the trace
     captured constants (an open Jaxpr cannot hold them)."""
@@ -401,7 +471,7 @@ def is_literal(v: Any) -> bool:
     return isinstance(v, jex.core.Literal)
 
 
-def jaxpr_as_fun(jaxpr: Any, consts: Sequence[Any]) -> Callable:
+def jaxpr_as_fun(jaxpr: Jaxpr, consts: Sequence[Any]) -> Callable[..., list[Any]]:
     """The open ``jaxpr`` with ``consts`` as a function of its inputs (outputs: a list)."""
     return jex.core.jaxpr_as_fun(jex.core.ClosedJaxpr(jaxpr, list(consts)))
 
@@ -439,7 +509,7 @@ class ScanSplit(NamedTuple):
     length: int
     reverse: bool
     unroll: Any
-    jaxpr: Any  # the body (ClosedJaxpr): consts, carry, x in; carry, y out
+    jaxpr: ClosedJaxpr  # the body: consts, carry, x in; carry, y out
 
 
 def scan_split(params: dict) -> ScanSplit:
@@ -467,8 +537,8 @@ class WhileParts(NamedTuple):
 
     cond_nconsts: int
     body_nconsts: int
-    cond_jaxpr: Any
-    body_jaxpr: Any
+    cond_jaxpr: ClosedJaxpr
+    body_jaxpr: ClosedJaxpr
 
 
 def while_parts(params: dict) -> WhileParts:
@@ -491,18 +561,18 @@ def while_cond_index(params: dict) -> int:
     return keys.index("cond_jaxpr")
 
 
-def cond_branches(params: dict) -> tuple[Any, ...]:
+def cond_branches(params: dict[str, Any]) -> tuple[ClosedJaxpr, ...]:
     """A ``cond`` equation's branches (operand 0 is the branch index, the rest the branches'
     operands); positions among :func:`subprograms` are the branch numbers."""
     return tuple(params["branches"])
 
 
-def checkpoint_parts(params: dict) -> tuple[Any, bool, Any]:
+def checkpoint_parts(params: dict[str, Any]) -> tuple[Program, bool, Any]:
     """(program, prevent_cse, policy) of a ``checkpoint``/``remat`` equation."""
     return params["jaxpr"], bool(params.get("prevent_cse", True)), params.get("policy")
 
 
-def call_program(eqn: Any) -> Any:
+def call_program(eqn: Eqn) -> Program:
     """The program a call (jit, closed_call, custom_jvp/vjp) runs on all its operands: its one
     jaxpr-valued parameter (``jaxpr``, ``call_jaxpr`` or ``fun_jaxpr`` across versions)."""
     progs = [p for _, _, p in _program_params(eqn.params)]
@@ -687,6 +757,32 @@ def is_array(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, type)
 
 
+_R = TypeVar("_R")
+
+
+def split_leaves(
+    fn: Callable[..., _R],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    dynamic: Callable[[Any], bool] = is_array,
+) -> tuple[Callable[..., _R], list[Any]]:
+    """``(flat, values)``: ``flat(*values)`` is ``fn(*args, **kwargs)``, where ``values`` are
+    the leaves of the arguments for which ``dynamic`` holds (flattening order) and every other
+    leaf is closed over as a constant: what tracing or jitting a function whose arguments
+    hold more than arrays (static numbers, an Equinox module's functions) needs."""
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    dyn = [i for i, x in enumerate(leaves) if dynamic(x)]
+
+    def flat(*values: Any) -> _R:
+        full = list(leaves)
+        for i, v in zip(dyn, values, strict=True):
+            full[i] = v
+        a, kw = jax.tree.unflatten(treedef, full)
+        return fn(*a, **kw)
+
+    return flat, [leaves[i] for i in dyn]
+
+
 def _spec(aval: Any) -> Any:
     if _varying(aval):
         # inside shard_map: the aval itself, so the program is traced with the manual axes
@@ -701,20 +797,13 @@ def abstract(x: Any) -> Any:
     return _spec(x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x))
 
 
-def trace(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, Any, list]:
+def trace(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[ClosedJaxpr, Any, list[Any]]:
     """``(closed jaxpr, output shapes, traced leaves)`` of ``fn(*args, **kwargs)``: the array
     leaves of the arguments are traced (abstractly: the caller's tracers never enter the trace),
     the other leaves are static (closed over), as ``jax.jit`` with static arguments."""
     check_version()
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    dyn = [i for i, x in enumerate(leaves) if is_array(x)]
-
-    def flat(*values: Any) -> Any:
-        full = list(leaves)
-        for i, v in zip(dyn, values, strict=True):
-            full[i] = v
-        a, kw = jax.tree.unflatten(treedef, full)
-        return fn(*a, **kw)
-
-    closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*[abstract(leaves[i]) for i in dyn])
-    return closed, out_shape, [leaves[i] for i in dyn]
+    flat, values = split_leaves(fn, args, kwargs)
+    closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*[abstract(v) for v in values])
+    return closed, out_shape, values

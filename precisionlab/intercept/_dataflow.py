@@ -36,6 +36,10 @@ __all__ = ["Flow", "Labels", "Promotion", "label", "leaf_label", "param_args", "
 
 _MAX_LABELS = 3
 
+Path = boundary.Path
+#: The equation that computed each variable of a program (for messages).
+_Producers = dict[boundary.Atom, boundary.Eqn]
+
 
 @dataclasses.dataclass(frozen=True)
 class Flow:
@@ -125,7 +129,7 @@ def leaf_label(path: Sequence[Any]) -> str:
     return "/".join(names)
 
 
-def param_args(args: tuple, params: int | Sequence[int] | None) -> tuple[int, ...]:
+def param_args(args: tuple[Any, ...], params: int | Sequence[int] | None) -> tuple[int, ...]:
     """The positions of the arguments holding parameters. ``params`` None: the first argument
     when there are two or more (``apply(params, x)``, ``loss(params, batch)``,
     ``f(model, x)``) or when the only one is a pytree of several arrays; none when the only
@@ -146,7 +150,13 @@ def param_args(args: tuple, params: int | Sequence[int] | None) -> tuple[int, ..
     return ()
 
 
-def input_flows(fn: Any, args: tuple, kwargs: dict, params: tuple[int, ...], consts) -> tuple:
+def input_flows(
+    fn: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    params: tuple[int, ...],
+    consts: Sequence[Any],
+) -> tuple[list[Flow], list[Flow]]:
     """(flows of the traced leaves in ``boundary.trace`` order, flows of the constants)."""
     leaves = jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
     out = []
@@ -165,7 +175,7 @@ def input_flows(fn: Any, args: tuple, kwargs: dict, params: tuple[int, ...], con
             head = f"arg{argnum}" if in_args else "kwargs"
             out.append(Flow(data=True, view=f"{head}/{rest}" if rest else head))
     # captured constants: parameters; named by their path in fn when fn is a pytree of them
-    known = {}
+    known: dict[int, str] = {}
     try:
         for path, leaf in jax.tree_util.tree_flatten_with_path(fn)[0]:
             known[id(leaf)] = leaf_label(path)
@@ -178,7 +188,7 @@ def input_flows(fn: Any, args: tuple, kwargs: dict, params: tuple[int, ...], con
     return out, cflows
 
 
-def _bits(aval: Any) -> int:
+def _bits(aval: object) -> int:
     """The width of a floating aval or dtype (0 for other dtypes)."""
     dt = aval if isinstance(aval, jax.numpy.dtype) else getattr(aval, "dtype", None)
     try:
@@ -190,28 +200,29 @@ def _bits(aval: Any) -> int:
 
 
 class _Labeller:
-    def __init__(self, prims: frozenset[str]):
+    def __init__(self, prims: frozenset[str]) -> None:
         self.prims = prims
         self.seen: dict[tuple[int, ...], tuple[Flow, ...]] = {}
         self.promotions: dict[tuple[int, ...], Promotion] = {}
         self.why: dict[tuple[int, ...], str] = {}
 
-    def _describe(self, v: Any, f: Flow, producers: dict) -> str:
+    def _describe(self, v: boundary.Atom, f: Flow, producers: _Producers) -> str:
         """A genuine 32-bit operand, in words."""
+        dtype = boundary.aval(v).dtype
         if f.view is not None:
             kind = "input" if f.data else "parameter"
-            return f"`{f.view}`, a {v.aval.dtype} {kind}"
+            return f"`{f.view}`, a {dtype} {kind}"
         if f.weight:
-            return f"{v.aval.dtype} parameters ({f.label()})"
+            return f"{dtype} parameters ({f.label()})"
         eqn = producers.get(v)
         if eqn is None:
-            return f"a {v.aval.dtype} constant"
+            return f"a {dtype} constant"
         where = boundary.where(eqn)
-        return f"the {v.aval.dtype} result of {eqn.primitive.name}" + (
-            f" at {where}" if where else ""
-        )
+        return f"the {dtype} result of {eqn.primitive.name}" + (f" at {where}" if where else "")
 
-    def _promote(self, eqn, flows: list[Flow], here, producers: dict) -> tuple | None:
+    def _promote(
+        self, eqn: boundary.Eqn, flows: list[Flow], here: Path, producers: _Producers
+    ) -> Path | None:
         """The promoted path of ``eqn``'s outputs (a new promotion here, or the inputs')."""
         outs = [_bits(v.aval) for v in eqn.outvars]
         if not outs or max(outs) < 32:
@@ -229,17 +240,17 @@ class _Labeller:
             )  # fmt: skip
             if name in boundary.PRODUCTS:  # the products' operands get roles
                 self.why[here] = (
-                    f"it returns {eqn.outvars[0].aval.dtype} (preferred_element_type) and "
-                    "nothing casts the result back"
+                    f"it returns {boundary.aval(eqn.outvars[0]).dtype} (preferred_element_type) "
+                    "and nothing casts the result back"
                 )
             self.promotions[here] = Promotion(
-                name, boundary.where(eqn), boundary.name_stack(eqn), value, str(v.aval.dtype),
-                str(eqn.outvars[0].aval.dtype), "",
+                name, boundary.where(eqn), boundary.name_stack(eqn), value,
+                str(boundary.aval(v).dtype), str(boundary.aval(eqn.outvars[0]).dtype), "",
             )  # fmt: skip
             return here
         return _earliest(flows)
 
-    def _explain(self, eqn, flows: list[Flow], producers: dict) -> None:
+    def _explain(self, eqn: boundary.Eqn, flows: list[Flow], producers: _Producers) -> None:
         """Explain the promotions this equation mixes with a genuine 32-bit operand."""
         genuine = [  # 32-bit values from inputs or parameters, never 16-bit (not constants)
             (v, f) for v, f in zip(eqn.invars, flows, strict=False)
@@ -257,17 +268,15 @@ class _Labeller:
                     + (f" at {at}" if at else "")
                 )
 
-    def run(self, jaxpr, consts: Sequence[Flow], ins: Sequence[Flow], path) -> list[Flow]:
-        env: dict = {}
-        producers: dict = {}
+    def run(
+        self, jaxpr: boundary.Jaxpr, consts: Sequence[Flow], ins: Sequence[Flow], path: Path
+    ) -> list[Flow]:
+        env = boundary.environment(jaxpr, consts, ins)
+        producers: _Producers = {}
 
-        def read(v) -> Flow:
-            return _NOTHING if boundary.is_literal(v) else env.get(v, _NOTHING)
+        def read(v: boundary.Atom) -> Flow:
+            return _NOTHING if isinstance(v, boundary.Literal) else env.get(v, _NOTHING)
 
-        for v, f in zip(jaxpr.constvars, consts, strict=False):
-            env[v] = f
-        for v, f in zip(jaxpr.invars, ins, strict=False):
-            env[v] = f
         for i, eqn in enumerate(jaxpr.eqns):
             flows = [read(v) for v in eqn.invars]
             here = (*path, i)
@@ -289,7 +298,7 @@ class _Labeller:
         return [read(v) for v in jaxpr.outvars]
 
     @staticmethod
-    def first_order(eqn, flows: list[Flow]) -> Flow:
+    def first_order(eqn: boundary.Eqn, flows: list[Flow]) -> Flow:
         if not flows:
             return _NOTHING
         if eqn.primitive.name in boundary.VIEWS and not any(f.data for f in flows[1:]):
@@ -298,18 +307,22 @@ class _Labeller:
             return Flow(head.data, head.params | rest.params, head.view)
         return _join(flows)
 
-    def _sub(self, prog, ins: Sequence[Flow], path) -> list[Flow]:
+    def _sub(self, prog: boundary.Program, ins: Sequence[Flow], path: Path) -> list[Flow]:
         jaxpr, consts = boundary.open_jaxpr(prog)
         cflows = [Flow(False, frozenset({"const"}), "const") for _ in consts]
         return self.run(jaxpr, cflows, ins, path)
 
-    def higher(self, eqn, flows: list[Flow], subs: list, path) -> list[Flow]:
+    def higher(
+        self, eqn: boundary.Eqn, flows: list[Flow], subs: list[boundary.Program], path: Path
+    ) -> list[Flow]:
         try:
             return self._known(eqn, flows, subs, path)
         except Exception:
             return self._generic(eqn, flows, subs, path)
 
-    def _known(self, eqn, flows: list[Flow], subs: list, path) -> list[Flow]:
+    def _known(
+        self, eqn: boundary.Eqn, flows: list[Flow], subs: list[boundary.Program], path: Path
+    ) -> list[Flow]:
         kind = boundary.kind(eqn.primitive)
         if kind in boundary.CALLS or kind == boundary.CHECKPOINT:
             return self._sub(subs[0], flows, (*path, 0))
@@ -345,7 +358,9 @@ class _Labeller:
             return carry
         return self._generic(eqn, flows, subs, path)
 
-    def _generic(self, eqn, flows: list[Flow], subs: list, path) -> list[Flow]:
+    def _generic(
+        self, eqn: boundary.Eqn, flows: list[Flow], subs: list[boundary.Program], path: Path
+    ) -> list[Flow]:
         """A construct read by type only: positional where the arities agree (a loop's carry
         taken once, not to its fixed point), else everything joined."""
         n_out = len(eqn.outvars)
@@ -396,7 +411,10 @@ class Labels(NamedTuple):
 
 
 def label(
-    closed: Any, leaf_flows: Sequence[Flow], const_flows: Sequence[Flow], prims: Sequence[str]
+    closed: boundary.ClosedJaxpr,
+    leaf_flows: Sequence[Flow],
+    const_flows: Sequence[Flow],
+    prims: Sequence[str],
 ) -> Labels:
     """The dataflow of the traced program ``closed`` whose inputs have ``leaf_flows`` and
     whose captured constants ``const_flows`` (:class:`Labels`); paths as the interpreter gives

@@ -47,9 +47,9 @@ import collections
 import dataclasses
 import warnings
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -60,16 +60,18 @@ from precisionlab.intercept import _dataflow
 from precisionlab.intercept._dataflow import Promotion
 from precisionlab.intercept._sites import Site, bit_width, numbered, select
 
-__all__ = [
-    "Aux",
-    "Context",
-    "Emit",
-    "Intercepted",
-    "PerIteration",
-    "Rule",
-    "SkippedOperationWarning",
-    "intercept",
-]
+# what this module exports is listed once, by the package (precisionlab.intercept.__all__)
+
+Path = boundary.Path
+#: Per-site state (site name -> the pytree its rule reads) and the enclosing loops' counters.
+_State: TypeAlias = Mapping[str, Any]
+_Loops: TypeAlias = tuple[jax.Array, ...]
+#: A value the interpreter holds for a program variable: an array, a tracer, or a literal's or
+#: captured constant's value (a numpy array or scalar).
+Value: TypeAlias = jax.typing.ArrayLike
+
+#: Which sites ``include``/``exclude`` name: positions, names or patterns (see :func:`select`).
+_Items: TypeAlias = Sequence[int | str] | int | str
 
 #: How sites may be numbered (see ``precisionlab.intercept._sites.numbered``).
 NUMBERINGS = ("program", "primitive")
@@ -84,7 +86,7 @@ class SkippedOperationWarning(UserWarning):
 _WARNED: set[tuple[str, str, str]] = set()
 
 
-def _warn_skipped(rule: Any, sites: list[Site]) -> None:
+def _warn_skipped(rule: Rule, sites: list[Site]) -> None:
     """One :class:`SkippedOperationWarning` per (rule, primitive, reason) not yet warned."""
     by_key: dict[tuple[str, str, str], list[str]] = {}
     for s in sites:
@@ -108,7 +110,7 @@ class Emit(NamedTuple):
     as :meth:`Rule.apply` returns): ``aux``, any pytree of arrays (the same structure and
     shapes on every call of the site), collected by :meth:`Intercepted.call_with_aux`."""
 
-    outputs: list
+    outputs: list[jax.Array]
     aux: Any
 
 
@@ -121,6 +123,10 @@ class Aux(NamedTuple):
 
     value: Any
     valid: jax.Array
+
+
+#: A program as a function of its inputs: (outputs, the :class:`Aux` of the sites that emitted).
+_Evaluated: TypeAlias = tuple[list[Value], dict[str, Aux]]
 
 
 class PerIteration(NamedTuple):
@@ -149,11 +155,13 @@ class Context(NamedTuple):
     state: Any
     loop_indices: tuple[jax.Array, ...]
     key: jax.Array | None
-    eqn: Any = None  # the matched equation (its primitive and params)
+    eqn: boundary.Eqn | None = None  # the matched equation (its primitive and params)
 
     def original(self, *operands: jax.Array) -> list[jax.Array]:
         """The matched primitive applied to ``operands`` as the program had it (a rule that
         post-processes the result, e.g. rounds it to a format, starts from this)."""
+        if self.eqn is None:
+            raise ValueError(f"the context of {self.site.name} holds no equation to re-apply")
         return boundary.bind(self.eqn.primitive, self.eqn.params, *operands)
 
     def site_key(self) -> jax.Array | None:
@@ -196,7 +204,15 @@ class Rule(Protocol):
 
 # --- static walk ---------------------------------------------------------------------------
 def _walk(
-    jaxpr, path, scope, loops, prims, out: list[Site], within=(), lengths=(), unknown=None
+    jaxpr: boundary.Jaxpr,
+    path: Path,
+    scope: str,
+    loops: tuple[str, ...],
+    prims: tuple[str, ...],
+    out: list[Site],
+    within: tuple[str, ...] = (),
+    lengths: tuple[int | None, ...] = (),
+    unknown: dict[Path, str] | None = None,
 ) -> None:
     """Append a :class:`Site` per matched equation under ``jaxpr`` (depth first); ``unknown``
     collects the paths of higher-order primitives the interpreter does not know."""
@@ -205,6 +221,8 @@ def _walk(
         stack = boundary.name_stack(eqn)
         here = "/".join(p for p in (scope, stack) if p)
         if name in prims:
+            ins = [boundary.aval(v) for v in eqn.invars]
+            outs = [boundary.aval(v) for v in eqn.outvars]
             out.append(
                 Site(
                     index=len(out),
@@ -212,15 +230,15 @@ def _walk(
                     scope=here,
                     where=boundary.where(eqn),
                     loops=loops,
-                    in_shapes=tuple(tuple(v.aval.shape) for v in eqn.invars),
-                    out_shapes=tuple(tuple(v.aval.shape) for v in eqn.outvars),
-                    dtype=str(eqn.invars[0].aval.dtype),
+                    in_shapes=tuple(tuple(a.shape) for a in ins),
+                    out_shapes=tuple(tuple(a.shape) for a in outs),
+                    dtype=str(ins[0].dtype),
                     path=(*path, i),
                     within=within,
                     lengths=lengths,
-                    in_dtypes=tuple(str(v.aval.dtype) for v in eqn.invars),
+                    in_dtypes=tuple(str(a.dtype) for a in ins),
                     flops=boundary.product_flops(eqn),
-                    out_dtype=str(eqn.outvars[0].aval.dtype) if eqn.outvars else "",
+                    out_dtype=str(outs[0].dtype) if outs else "",
                 )
             )
             continue
@@ -248,19 +266,19 @@ def _broadcast_max(x: jax.Array, n: int) -> jax.Array:
     return jnp.broadcast_to(x, (n, *x.shape))
 
 
-def _bmax_fwd(x, n):
+def _bmax_fwd(x: jax.Array, n: int) -> tuple[jax.Array, None]:
     return _broadcast_max(x, n), None
 
 
-def _bmax_bwd(n, _, ct):
+def _bmax_bwd(n: int, _: None, ct: jax.Array) -> tuple[jax.Array]:
     return (jnp.max(ct, axis=0),)
 
 
 _broadcast_max.defvjp(_bmax_fwd, _bmax_bwd)
 
 
-def _broadcast_state(state, n: int):
-    def one(x):
+def _broadcast_state(state: Any, n: int) -> Any:
+    def one(x: jax.typing.ArrayLike) -> jax.Array:
         x = jnp.asarray(x)
         if jnp.issubdtype(x.dtype, jnp.floating):
             return _broadcast_max(x, n)
@@ -269,7 +287,7 @@ def _broadcast_state(state, n: int):
     return jax.tree.map(one, state)
 
 
-def _slice_state(state: dict, keys, index) -> dict:
+def _slice_state(state: _State, keys: set[str], index: jax.Array) -> dict[str, Any]:
     """``state`` with the :class:`PerIteration` entries in ``keys`` sliced at ``index``."""
     return {
         k: PerIteration(jax.tree.map(lambda a: a[index], v.value))
@@ -279,14 +297,14 @@ def _slice_state(state: dict, keys, index) -> dict:
     }
 
 
-def _zeros(shape, like) -> jax.Array:
+def _zeros(shape: tuple[int, ...], like: boundary.ArrayAval) -> jax.Array:
     """Zeros varying over the manual axes ``like`` (an aval) varies over inside
     ``shard_map``, so a branch or loop carry holding them has the type the computed values
     have."""
     return boundary.pvary(jnp.zeros(shape, like.dtype), boundary.varying_axes(like))
 
 
-def _zeros_like(tree):
+def _zeros_like(tree: Any) -> Any:
     return jax.tree.map(lambda a: _zeros(a.shape, a), tree)
 
 
@@ -294,26 +312,31 @@ def _zeros_like(tree):
 class _Run:
     rule: Rule
     sites: dict[tuple[int, ...], Site]  # selected sites by path
-    prefixes: frozenset  # paths of sub-programs that hold a selected site
+    prefixes: frozenset[Path]  # paths of sub-programs that hold a selected site
     key: jax.Array | None
     while_capacity: int = 16
     plain: bool = False  # rewrite sub-programs by type (no state, aux or key to thread)
 
-    def eval(self, jaxpr, consts, args, path, state, loops) -> tuple[list, dict[str, Aux]]:
+    def eval(
+        self,
+        jaxpr: boundary.Jaxpr,
+        consts: Sequence[Value],
+        args: Sequence[Value],
+        path: Path,
+        state: _State,
+        loops: _Loops,
+    ) -> _Evaluated:
         """The program's outputs and the :class:`Aux` of every site under it that emitted."""
-        env: dict = {}
+        env = boundary.environment(jaxpr, consts, args)
         aux: dict[str, Aux] = {}
 
-        def read(v):
-            return v.val if boundary.is_literal(v) else env[v]
+        def read(v: boundary.Atom) -> Value:
+            return v.val if isinstance(v, boundary.Literal) else env[v]
 
-        for v, c in zip(jaxpr.constvars, consts, strict=True):
-            env[v] = c
-        for v, a in zip(jaxpr.invars, args, strict=True):
-            env[v] = a
         for i, eqn in enumerate(jaxpr.eqns):
             invals = [read(v) for v in eqn.invars]
             here = (*path, i)
+            outs: Sequence[Value]
             if here in self.sites:
                 site = self.sites[here]
                 st = state.get(site.name)
@@ -337,14 +360,16 @@ class _Run:
                 env[v] = o  # a dropped output's variable is never read
         return [read(v) for v in jaxpr.outvars], aux
 
-    def _sub(self, closed, path, state, loops) -> Callable:
+    def _sub(
+        self, closed: boundary.Program, path: Path, state: _State, loops: _Loops
+    ) -> Callable[..., _Evaluated]:
         jaxpr, consts = boundary.open_jaxpr(closed)
         return lambda *a: self.eval(jaxpr, consts, list(a), path, state, loops)
 
-    def _inner(self, path) -> set[str]:
+    def _inner(self, path: Path) -> set[str]:
         return {s.name for p, s in self.sites.items() if p[: len(path)] == path}
 
-    def _loop_state(self, path, state, n):
+    def _loop_state(self, path: Path, state: _State, n: int) -> dict[str, Any]:
         """Broadcast (gradient: max) the plain states of sites under ``path`` along a scan;
         :class:`PerIteration` states go in as they are (the scan slices them)."""
         inner = self._inner(path)
@@ -364,7 +389,9 @@ class _Run:
                 out[k] = _broadcast_state(v, n)
         return out
 
-    def higher_order(self, eqn, invals, path, state, loops) -> tuple[list, dict]:
+    def higher_order(
+        self, eqn: boundary.Eqn, invals: list[Value], path: Path, state: _State, loops: _Loops
+    ) -> _Evaluated:
         kind = boundary.kind(eqn.primitive)
         if kind is None:
             inside = sorted(s.name for p, s in self.sites.items() if p[: len(path)] == path)
@@ -388,20 +415,22 @@ class _Run:
             return self._scan(p, invals, path, state, loops)
         return self._while(p, invals, path, state, loops)
 
-    def _rewrite(self, eqn, invals, path, loops) -> list | None:
+    def _rewrite(
+        self, eqn: boundary.Eqn, invals: list[Value], path: Path, loops: _Loops
+    ) -> list[Value] | None:
         """``eqn`` bound again with every sub-program holding a selected site re-traced through
         the rule (None when a program cannot be re-expressed: the adapter then runs it)."""
 
         class _Retry(Exception):
             pass
 
-        def transform(prog, k):
+        def transform(prog: boundary.Program, k: int) -> boundary.Program:
             sub = (*path, k)
             if sub not in self.prefixes:
                 return prog
             jaxpr, consts = boundary.open_jaxpr(prog)
 
-            def run(*a):
+            def run(*a: Value) -> list[Value]:
                 return self.eval(jaxpr, consts, list(a), sub, {}, loops)[0]
 
             new = boundary.retrace(run, prog)
@@ -414,7 +443,9 @@ class _Run:
         except _Retry:
             return None
 
-    def _cond(self, p, invals, path, state, loops) -> tuple[list, dict]:
+    def _cond(
+        self, p: dict[str, Any], invals: list[Value], path: Path, state: _State, loops: _Loops
+    ) -> _Evaluated:
         branches = boundary.cond_branches(p)
         subs = [self._sub(b, (*path, k), state, loops) for k, b in enumerate(branches)]
         ops = invals[1:]
@@ -423,10 +454,10 @@ class _Run:
         # every branch returns every branch's aux: its own, and zeros (valid False) for others
         shapes = [boundary.eval_shape(f, *ops)[1] for f in subs]
 
-        def branch(k):
-            def run(*a):
+        def branch(k: int) -> Callable[..., _Evaluated]:
+            def run(*a: Value) -> _Evaluated:
                 outs, aux = subs[k](*a)
-                full = {}
+                full: dict[str, Aux] = {}
                 for j, sh in enumerate(shapes):
                     for site, x in sh.items():
                         full[site] = aux[site] if j == k else _zeros_like(x)
@@ -437,14 +468,18 @@ class _Run:
         outs, aux = lax.switch(invals[0], [branch(k) for k in range(len(subs))], *ops)
         return list(outs), aux
 
-    def _scan(self, p, invals, path, state, loops) -> tuple[list, dict]:
+    def _scan(
+        self, p: dict[str, Any], invals: list[Value], path: Path, state: _State, loops: _Loops
+    ) -> _Evaluated:
         split = boundary.scan_split(p)
         nc, ncarry, n = split.n_consts, split.n_carry, split.length
         consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
         jaxpr, jconsts = boundary.open_jaxpr(split.jaxpr)
         loop_state = self._loop_state(path, state, n)
 
-        def body(carry, x):
+        def body(
+            carry: tuple[jax.Array, list[Value]], x: tuple[list[Value], dict[str, Any]]
+        ) -> tuple[tuple[jax.Array, list[Value]], tuple[list[Value], dict[str, Aux]]]:
             i, c = carry
             xs_i, st_i = x
             st = {**state, **st_i}
@@ -457,7 +492,9 @@ class _Run:
         )  # fmt: skip
         return [*carry, *ys], aux
 
-    def _while(self, p, invals, path, state, loops) -> tuple[list, dict]:
+    def _while(
+        self, p: dict[str, Any], invals: list[Value], path: Path, state: _State, loops: _Loops
+    ) -> _Evaluated:
         parts = boundary.while_parts(p)
         cn, bn = parts.cond_nconsts, parts.body_nconsts
         cconsts, bconsts, init = invals[:cn], invals[cn : cn + bn], invals[cn + bn :]
@@ -475,18 +512,20 @@ class _Run:
         cap = self.while_capacity
         inner = self._inner(path)
 
-        def run_body(i, c):
+        def run_body(i: jax.Array, c: list[Value]) -> _Evaluated:
             st = _slice_state(state, inner, jnp.minimum(i, cap - 1))
             return self.eval(body_j, body_c, [*bconsts, *c], body_path, st, (*loops, i))
 
         shapes = boundary.eval_shape(run_body, jnp.int32(0), list(init))[1]
         buf0 = jax.tree.map(lambda a: _zeros((cap, *a.shape), a), shapes)
 
-        def cond(carry):
+        def cond(carry: tuple[jax.Array, list[Value], dict[str, Aux]]) -> Value:
             _, c, _ = carry
             return boundary.jaxpr_as_fun(cond_j, cond_c)(*cconsts, *c)[0]
 
-        def body(carry):
+        def body(
+            carry: tuple[jax.Array, list[Value], dict[str, Aux]],
+        ) -> tuple[jax.Array, list[Value], dict[str, Aux]]:
             i, c, buf = carry
             outs, aux = run_body(i, c)
             # iterations past the capacity are dropped (mode="drop": an out-of-range write)
@@ -497,8 +536,8 @@ class _Run:
         return list(out), buf
 
 
-def _prefixes(paths) -> frozenset:
-    out = set()
+def _prefixes(paths: Iterable[Path]) -> frozenset[Path]:
+    out: set[Path] = set()
     for p in paths:
         for k in range(1, len(p)):
             out.add(p[:k])
@@ -506,14 +545,14 @@ def _prefixes(paths) -> frozenset:
 
 
 class _Traced(NamedTuple):
-    closed: Any
-    out_shape: Any
-    dyn: list
-    leaves: list  # a Flow per traced leaf (parameter or data)
-    consts: list  # a Flow per captured constant
+    closed: boundary.ClosedJaxpr
+    out_shape: Any  # the output pytree, ShapeDtypeStruct leaves
+    dyn: list[Value]  # the traced leaves' values
+    leaves: list[_dataflow.Flow]  # a Flow per traced leaf (parameter or data)
+    consts: list[_dataflow.Flow]  # a Flow per captured constant
 
 
-def _labelled(site: Site, flows: tuple) -> Site:
+def _labelled(site: Site, flows: tuple[_dataflow.Flow, ...]) -> Site:
     """``site`` with its operands' labels and, for a matmul or convolution, their roles."""
     if not flows:
         return site
@@ -528,10 +567,10 @@ class Intercepted:
     """``fn`` with the rule's primitives replaced; see :func:`intercept`."""
 
     def __init__(
-        self, fn, rule: Rule, include, exclude, while_capacity: int = 16,
-        numbering: str = "program", params: int | Sequence[int] | None = None,
-        default: Callable[[Site], bool] | None = None,
-    ):  # fmt: skip
+        self, fn: Callable[..., Any], rule: Rule, include: _Items | None, exclude: _Items,
+        while_capacity: int = 16, numbering: str = "program",
+        params: int | Sequence[int] | None = None, default: Callable[[Site], bool] | None = None,
+    ) -> None:  # fmt: skip
         if not callable(fn):
             raise TypeError(f"intercept needs a callable, got {type(fn).__name__}")
         prims = getattr(rule, "primitives", None)
@@ -555,19 +594,19 @@ class Intercepted:
         self.params, self.default = params, default
         self.__wrapped__ = fn
 
-    def _trace(self, args, kwargs) -> _Traced:
+    def _trace(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Traced:
         closed, out_shape, dyn = boundary.trace(self.fn, args, kwargs)
         nums = _dataflow.param_args(args, self.params)
         leaves, consts = _dataflow.input_flows(self.fn, args, kwargs, nums, closed.consts)
         return _Traced(closed, out_shape, dyn, leaves, consts)
 
-    def _found(self, t: _Traced) -> tuple[list[Site], list[Site], dict]:
+    def _found(self, t: _Traced) -> tuple[list[Site], list[Site], dict[Path, str]]:
         """(matched sites, numbered, labelled, skipped ones marked; candidate sites the rule
         has no rule for; paths of unknown higher-order primitives)."""
         prims = tuple(self.rule.primitives)
         extra = tuple(p for p in getattr(self.rule, "candidates", ()) if p not in prims)
         found: list[Site] = []
-        unknown: dict = {}
+        unknown: dict[Path, str] = {}
         _walk(t.closed.jaxpr, (), "", (), prims + extra, found, unknown=unknown)
         flows = _dataflow.label(t.closed, t.leaves, t.consts, prims + extra).flows
         found = [_labelled(s, flows.get(s.path, ())) for s in found]
@@ -585,22 +624,22 @@ class Intercepted:
             _warn_skipped(self.rule, skipped)
         return matched, others, unknown
 
-    def _walk(self, t: _Traced) -> tuple[list[Site], dict]:
+    def _walk(self, t: _Traced) -> tuple[list[Site], dict[Path, str]]:
         matched, _, unknown = self._found(t)
         return select(matched, self.include, self.exclude, self.default), unknown
 
-    def sites(self, *args, **kwargs) -> list[Site]:
+    def sites(self, *args: Any, **kwargs: Any) -> list[Site]:
         """Every matched operation of ``fn`` on these arguments, in program order, with
         ``selected`` telling which the call replaces (arguments may be ShapeDtypeStructs)."""
         return self._walk(self._trace(args, kwargs))[0]
 
-    def skipped(self, *args, **kwargs) -> list[Site]:
+    def skipped(self, *args: Any, **kwargs: Any) -> list[Site]:
         """The operations the rule could act on but leaves as they were (``Site.skipped``
         says why): matched ones it declines, then those of its ``candidates``."""
         matched, others, _ = self._found(self._trace(args, kwargs))
         return [s for s in matched if s.skipped] + others
 
-    def promotions(self, *args, **kwargs) -> list[tuple[Site, Promotion | None, str]]:
+    def promotions(self, *args: Any, **kwargs: Any) -> list[tuple[Site, Promotion | None, str]]:
         """For every matmul or convolution that multiplies in 32 bits or more, in program
         order: the earliest operation that turned a 16-bit value into what its operands
         carry (:class:`Promotion`, with its reason) and ``""``; or None and why its
@@ -609,7 +648,7 @@ class Intercepted:
         sites = self._walk(t)[0]
         prims = tuple(self.rule.primitives)
         labels = _dataflow.label(t.closed, t.leaves, t.consts, prims)
-        out = []
+        out: list[tuple[Site, Promotion | None, str]] = []
         for s in sites:
             if s.primitive not in boundary.PRODUCTS or bit_width(s.compute_dtype) < 32:
                 continue
@@ -621,7 +660,7 @@ class Intercepted:
                 out.append((s, None, _dataflow.unpromoted(flows, s.in_dtypes)))
         return out
 
-    def report(self, *args, **kwargs) -> str:
+    def report(self, *args: Any, **kwargs: Any) -> str:
         """The matched operations, one line each (see :meth:`Site.describe`), then the
         operations the rule leaves as they were although it could act on them."""
         t = self._trace(args, kwargs)
@@ -644,9 +683,9 @@ class Intercepted:
     def call_with_aux(
         self,
         state: Mapping[str, Any] | None,
-        *args,
+        *args: Any,
         key: jax.Array | None = None,
-        **kwargs,
+        **kwargs: Any,
     ) -> tuple[Any, dict[str, Aux]]:
         """``(fn(*args, **kwargs), aux)`` with the replacements: ``aux`` maps the name of
         each site whose rule returned an :class:`Emit` to its :class:`Aux` (see the module
@@ -674,21 +713,21 @@ class Intercepted:
     def call_with_state(
         self,
         state: Mapping[str, Any] | None,
-        *args,
+        *args: Any,
         key: jax.Array | None = None,
-        **kwargs,
+        **kwargs: Any,
     ) -> Any:
         """Run ``fn(*args, **kwargs)`` with the replacements; ``state`` maps site names to
         the pytrees the rule reads (``ctx.state``; a :class:`PerIteration` entry is sliced
         per loop iteration); ``key`` seeds ``ctx.site_key()``."""
         return self.call_with_aux(state, *args, key=key, **kwargs)[0]
 
-    def __call__(self, *args, **kwargs) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.call_with_state(None, *args, **kwargs)
 
 
 def intercept(
-    fn: Callable,
+    fn: Callable[..., Any],
     rule: Rule,
     *,
     include: Sequence[int | str] | int | str | None = None,

@@ -17,7 +17,15 @@
 (:func:`stacked_stats`) and return a :class:`StatsTable`, read like a dict.
 """
 
-from precisionlab.telemetry._observe import OPS, Observed, StatsTable, every, observe, tree_stats
+from precisionlab.telemetry._observe import (
+    OPS,
+    Observed,
+    ObservedGrad,
+    StatsTable,
+    every,
+    observe,
+    tree_stats,
+)
 from precisionlab.telemetry._stats import (
     TensorStats,
     combine,
@@ -34,6 +42,7 @@ __all__ = [
     "OPS",
     "SCALINGS",
     "Observed",
+    "ObservedGrad",
     "StatsTable",
     "Target",
     "TensorStats",

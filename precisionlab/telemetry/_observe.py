@@ -26,8 +26,8 @@ branch did not run or the while slot is unused (its statistics are then of zeros
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -35,8 +35,10 @@ from jax import lax
 
 from precisionlab.hardware._conv import from_params as conv_plan
 from precisionlab.intercept import (
+    Aux,
     Context,
     Emit,
+    Intercepted,
     PerIteration,
     Site,
     intercept,
@@ -48,9 +50,19 @@ from precisionlab.intercept import (
 )
 from precisionlab.mixed import filter_value_and_grad
 from precisionlab.telemetry._stats import TensorStats, stacked_stats, tensor_stats
-from precisionlab.telemetry._targets import parse_targets
+from precisionlab.telemetry._targets import Target, parse_targets
 
-__all__ = ["OPS", "Observed", "StatsTable", "every", "observe", "tree_stats"]
+__all__ = ["OPS", "Observed", "ObservedGrad", "StatsTable", "every", "observe", "tree_stats"]
+
+#: What the rule records of a tensor: its :class:`TensorStats`, or the tensor itself (the
+#: statistics of all of them are then taken at once).
+_Stat: TypeAlias = Callable[[jax.Array, tuple[Target, ...]], TensorStats | jax.Array]
+#: The tensors of the observed sites: site name -> role (``"lhs"``, ``"grad"``, ``"valid"``)
+#: -> tensor, with one leading axis per enclosing loop.
+Tensors: TypeAlias = dict[str, dict[str, jax.Array]]
+#: Where a tensor's statistics sit in a :class:`StatsTable`: (key, role or None, first
+#: entry, loop axes' shape).
+_Entry: TypeAlias = tuple[str, str | None, int, tuple[int, ...]]
 
 #: The floating-point operations whose outputs can overflow or underflow (besides the
 #: matmuls): powers, exponentials and logarithms (GELU's x**3, softmax's exponent), products,
@@ -85,14 +97,14 @@ def _check_ops(ops: Sequence[str]) -> tuple[str, ...]:
     return tuple(ops)
 
 
-def _contraction_last(x: jax.Array, contract, batch) -> jax.Array:
+def _contraction_last(x: jax.Array, contract: Sequence[int], batch: Sequence[int]) -> jax.Array:
     """(rows, K): batch and free axes flattened into rows, the contraction axes into K."""
     free = [d for d in range(x.ndim) if d not in contract and d not in batch]
     k = math.prod(x.shape[d] for d in contract)
     return jnp.transpose(x, (*batch, *free, *contract)).reshape(-1, k)
 
 
-def _is_float(x) -> bool:
+def _is_float(x: object) -> bool:
     """A floating array (or Python float); not a function or other static leaf of a model."""
     if isinstance(x, float):
         return True
@@ -104,20 +116,28 @@ class _StatsRule:
     label = "telemetry"
     candidates = NOT_OBSERVED
 
-    def __init__(self, targets, record: frozenset, stat=tensor_stats, ops: tuple = (),
-                 axes: dict | None = None):  # fmt: skip
+    def __init__(
+        self,
+        targets: tuple[Target, ...],
+        record: frozenset[str],
+        stat: _Stat = tensor_stats,
+        ops: tuple[str, ...] = (),
+        axes: dict[str, int] | None = None,
+    ) -> None:
         self.targets, self.record, self.stat = targets, record, stat
         self.primitives = (*_PRODUCTS, *(o for o in ops if o not in _PRODUCTS))
         self.axes = {} if axes is None else axes  # conv site -> its output's feature axis
 
-    def apply(self, ctx: Context, *operands, **params) -> list | Emit:
+    def apply(self, ctx: Context, *operands: jax.Array, **params: Any) -> list[jax.Array] | Emit:
         if ctx.site.primitive == boundary.CONV:
             return self._conv(ctx, *operands, **params)
         if ctx.site.primitive != boundary.DOT_GENERAL:
             return self._output(ctx, operands)
         return self._matmul(ctx, *operands, **params)
 
-    def _conv(self, ctx: Context, lhs, rhs, **params) -> list | Emit:
+    def _conv(
+        self, ctx: Context, lhs: jax.Array, rhs: jax.Array, **params: Any
+    ) -> list[jax.Array] | Emit:
         """A convolution: its operands as the GEMM over the patches (rows, K), K = kernel
         taps then input channels fastest, as the recipes quantize them; the output (and
         its cotangent) with the features last."""
@@ -136,7 +156,7 @@ class _StatsRule:
             out = out + ctx.state.astype(out.dtype)
         return Emit([out], stats)
 
-    def _output(self, ctx: Context, operands) -> list | Emit:
+    def _output(self, ctx: Context, operands: tuple[jax.Array, ...]) -> list[jax.Array] | Emit:
         """Any other operation: the statistics of its (first) output, as it was computed."""
         outs = ctx.original(*operands)
         out = outs[0]
@@ -147,7 +167,15 @@ class _StatsRule:
             out = out + ctx.state.astype(out.dtype)
         return Emit([out], stats)
 
-    def _matmul(self, ctx: Context, lhs, rhs, *, dimension_numbers, **params) -> list | Emit:
+    def _matmul(
+        self,
+        ctx: Context,
+        lhs: jax.Array,
+        rhs: jax.Array,
+        *,
+        dimension_numbers: lax.DotDimensionNumbers,
+        **params: Any,
+    ) -> list[jax.Array] | Emit:
         out = ctx.original(lhs, rhs)[0]
         name = ctx.site.name
         if name in self.record and _is_float(lhs) and _is_float(rhs) and _is_float(out):
@@ -169,14 +197,14 @@ def _probed(site: Site) -> bool:
     return boundary.WHILE not in site.within
 
 
-def _probe(site: Site):
+def _probe(site: Site) -> jax.Array | PerIteration:
     """The ``-0.0`` probe of a site's output: one per iteration of its enclosing scans."""
     zero = jnp.full((*site.lengths, *site.out_shapes[0]), -0.0, jnp.float32)
     return PerIteration(zero) if site.lengths else zero
 
 
 @jax.tree_util.register_pytree_node_class
-class StatsTable(Mapping):
+class StatsTable(Mapping[str, Any]):
     """Statistics of many tensors, computed together (:func:`stacked_stats`) and read like a
     dict: ``table[site][role]`` (``observe``: ``{"lhs", "rhs", "out"[, "grad"][, "valid"]}``
     per site) or ``table[key]`` (``tree_stats``: a :class:`TensorStats` per leaf path), each
@@ -187,22 +215,31 @@ class StatsTable(Mapping):
     made XLA compile several times slower); ``jax.device_get`` it, then read it on the host.
     """
 
-    def __init__(self, stacked: TensorStats | None, index: tuple, valid: dict | None = None):
+    def __init__(
+        self,
+        stacked: TensorStats | None,
+        index: tuple[_Entry, ...],
+        valid: dict[str, jax.Array] | None = None,
+    ) -> None:
         self.stacked = stacked  # fields with a leading axis: one entry per tensor
         self.index = index  # (key, role or None, first entry, loop axes' shape) per tensor
         self.valid = valid or {}  # key -> bool flags over its loop axes (cond / while)
 
-    def tree_flatten(self):
+    def tree_flatten(
+        self,
+    ) -> tuple[tuple[TensorStats | None, dict[str, jax.Array]], tuple[_Entry, ...]]:
         return (self.stacked, self.valid), self.index
 
     @classmethod
-    def tree_unflatten(cls, index, children):
+    def tree_unflatten(cls, index: tuple[_Entry, ...], children: Sequence[Any]) -> StatsTable:
         return cls(children[0], index, children[1])
 
-    def _entry(self, start: int, loops: tuple) -> TensorStats:
+    def _entry(self, start: int, loops: tuple[int, ...]) -> TensorStats:
+        if self.stacked is None:  # an empty table: no index entry leads here
+            raise KeyError(start)
         n = math.prod(loops)
 
-        def take(v):
+        def take(v: Any) -> Any:
             if isinstance(v, jax.ShapeDtypeStruct):  # under jax.eval_shape: the entry's shape
                 return jax.ShapeDtypeStruct((*loops, *v.shape[1:]), v.dtype)
             if not loops:
@@ -220,12 +257,14 @@ class StatsTable(Mapping):
             raise KeyError(key)
         if entries[0][1] is None:
             return self._entry(entries[0][2], entries[0][3])
-        out: dict[str, Any] = {role: self._entry(start, loops) for _, role, start, loops in entries}
+        out: dict[str, Any] = {
+            role: self._entry(start, loops) for _, role, start, loops in entries if role is not None
+        }
         if key in self.valid:
             out["valid"] = self.valid[key]
         return out
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter(dict.fromkeys(e[0] for e in self.index))
 
     def __len__(self) -> int:
@@ -240,7 +279,9 @@ def _identity(x: jax.Array, _targets: Any) -> jax.Array:
     return x
 
 
-def _batched_stats(found: dict, plan: dict[str, Site], targets) -> StatsTable:
+def _batched_stats(
+    found: Tensors, plan: dict[str, Site], targets: tuple[Target, ...]
+) -> StatsTable:
     """:func:`tensor_stats` of every observed tensor (``found``: site -> role -> tensor, with
     one leading axis per enclosing loop, and ``"valid"``), computed together in one program
     by :func:`~precisionlab.telemetry.stacked_stats` and handed out as a
@@ -250,9 +291,9 @@ def _batched_stats(found: dict, plan: dict[str, Site], targets) -> StatsTable:
     noise) are added in another order. As before, an untaken ``cond`` branch's or an unused
     while slot's forward entries are zeros (their cotangents' statistics are of zeros)."""
     by_name = {s.name: s for s in plan.values()}
-    pieces: list = []
-    index: list = []
-    masks: list = []
+    pieces: list[jax.Array] = []
+    index: list[_Entry] = []
+    masks: list[jax.Array] = []
     valid = {name: roles["valid"] for name, roles in found.items() if "valid" in roles}
     for name, roles in found.items():
         n_axes = len(by_name[name].lengths)
@@ -279,10 +320,10 @@ def _where(ok: jax.Array, v: jax.Array) -> jax.Array:
     return jnp.where(ok.reshape(ok.shape + (1,) * (v.ndim - ok.ndim)), v, jnp.zeros_like(v))
 
 
-def _collect(aux: dict, sites: dict[str, Site]) -> dict[str, dict]:
+def _collect(aux: dict[str, Aux], sites: dict[str, Site]) -> Tensors:
     """Each emitting site's statistics under its public name (``sites``: internal name ->
     public :class:`Site`), with ``"valid"`` under a cond or while loop."""
-    out = {}
+    out: Tensors = {}
     for name, a in aux.items():
         site = sites[name]
         out[site.name] = dict(a.value)
@@ -301,7 +342,15 @@ def _kept(site: Site) -> bool:
 class Observed:
     """``fn`` with its matmuls (and ``ops``) observed; see :func:`observe`."""
 
-    def __init__(self, fn, targets, include, exclude, while_capacity=16, ops=()):
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        targets: Sequence[str] | str,
+        include: Sequence[int | str] | int | str | None,
+        exclude: Sequence[int | str] | int | str,
+        while_capacity: int = 16,
+        ops: Sequence[str] = (),
+    ) -> None:
         self.fn, self.targets = fn, parse_targets(targets)
         if include is not None and isinstance(include, (str, int)):
             include = (include,)
@@ -314,14 +363,16 @@ class Observed:
         self._axes: dict[str, int] = {}
         self.__wrapped__ = fn
 
-    def _intercepted(self, record=frozenset(), stat=tensor_stats):
+    def _intercepted(
+        self, record: frozenset[str] = frozenset(), stat: _Stat = tensor_stats
+    ) -> Intercepted:
         rule = _StatsRule(self.targets, record, stat, self.ops, self._axes)
         # only the recorded sites go through the rule: an excluded one inside a construct the
         # interception layer cannot enter (a shard_map in fn) is left to run as it is
         include = tuple(sorted(record))
         return intercept(self.fn, rule, include=include, while_capacity=self.while_capacity)
 
-    def _plan(self, args, kwargs) -> dict[str, Site]:
+    def _plan(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Site]:
         """Internal site name -> the public (per-primitive numbered) selected site."""
         found = self._intercepted().sites(*args, **kwargs)
         # numbered per primitive (dot_general[0..], exp[0..]): the matmuls keep the names
@@ -330,17 +381,17 @@ class Observed:
         # every construct the interception layer finds is observed; none is skipped today
         return {s.name: p for s, p in zip(found, public, strict=True) if p.selected and _kept(p)}
 
-    def sites(self, *args, **kwargs) -> list[Site]:
+    def sites(self, *args: Any, **kwargs: Any) -> list[Site]:
         """The observed operations (selected, numbered per primitive: ``dot_general[2]``,
         ``exp[0]``), inside loops, conds and checkpoints too, in program order."""
         return list(self._plan(args, kwargs).values())
 
-    def skipped(self, *args, **kwargs) -> list[Site]:
+    def skipped(self, *args: Any, **kwargs: Any) -> list[Site]:
         """Operations telemetry could observe but does not (``ragged_dot``; ``Site.skipped``
         says why), warned about once when traced."""
         return self._intercepted().skipped(*args, **kwargs)
 
-    def report(self, *args, **kwargs) -> str:
+    def report(self, *args: Any, **kwargs: Any) -> str:
         """One line per observed operation (the parameter it multiplies, its shapes and
         source line), then those telemetry could observe but does not (:meth:`skipped`)."""
         sites = self.sites(*args, **kwargs)
@@ -351,7 +402,7 @@ class Observed:
                 f"{s.name} ({s.skipped})" for s in skipped))  # fmt: skip
         return "\n".join(lines)
 
-    def __call__(self, *args, **kwargs) -> tuple[Any, dict[str, dict[str, TensorStats]]]:
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, StatsTable]:
         """``(fn(*args, **kwargs), {site: {"lhs", "rhs", "out": TensorStats[, "valid"]}})``
         (other operations: ``"out"`` only; per-iteration statistics of sites inside loops:
         see the module docstring)."""
@@ -363,14 +414,15 @@ class Observed:
 
     def value_and_grad(
         self, argnums: int | Sequence[int] = 0, has_aux: bool = False, *, tensors: bool = False
-    ) -> Callable[..., tuple[Any, Any, dict]]:
+    ) -> ObservedGrad:
         """``f(*args, **kwargs) -> (value, grads, stats)``: ``jax.value_and_grad(fn,
         argnums, has_aux)``'s value and gradients (unchanged) plus per-site statistics with
         ``"grad"``: the output cotangent's (per iteration inside a scan; none inside a while
         loop). ``tensors=True`` gives the tensors themselves (float, laid out as their
         statistics would be: operands ``(rows, K)``, with the loop axes in front) instead of
         their statistics, for a caller that batches the statistics of many tensors.
-        ``f.sites``: the observed :class:`Site` list of the last call (set when it traces).
+        ``f.sites``: the observed :class:`Site` list of the last call (set when it traces;
+        see :class:`ObservedGrad`).
 
         The differentiated arguments may hold non-array leaves (an Equinox module's activation
         function): only floating arrays are differentiated, the others pass through with
@@ -378,44 +430,59 @@ class Observed:
         ``shard_map`` the statistics are each device's (reduce them with
         :func:`~precisionlab.telemetry.reduce_over`); the gradients are JAX's (a replicated
         argument's summed over the devices)."""
+        return ObservedGrad(self, argnums, has_aux, tensors)
+
+
+class ObservedGrad:
+    """What :meth:`Observed.value_and_grad` returns: called like ``fn``, it gives ``(value,
+    grads, stats)``; ``sites`` lists the observed :class:`~precisionlab.intercept.Site`
+    of the last call (set when it traces)."""
+
+    def __init__(
+        self, observed: Observed, argnums: int | Sequence[int], has_aux: bool, tensors: bool
+    ) -> None:
+        self.observed, self.argnums, self.has_aux, self.tensors = (
+            observed, argnums, has_aux, tensors,
+        )  # fmt: skip
+        #: The observed sites of the last call, in program order.
+        self.sites: list[Site] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, Any, StatsTable | Tensors]:
+        """``(value, grads, stats)``: see :meth:`Observed.value_and_grad`."""
+        obs, argnums, has_aux = self.observed, self.argnums, self.has_aux
         nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+        plan = obs._plan(args, kwargs)
+        self.sites = list(plan.values())
+        probes = {k: _probe(s) for k, s in plan.items() if _probed(s)}
+        # inside shard_map the probes vary as the data does: each device's own cotangent
+        probes = boundary.match_varying(probes, boundary.tree_varying_axes((args, kwargs)))
 
-        def f(*args, **kwargs):
-            plan = self._plan(args, kwargs)
-            f.sites = list(plan.values())  # type: ignore[attr-defined]
-            probes = {k: _probe(s) for k, s in plan.items() if _probed(s)}
-            # inside shard_map the probes vary as the data does: each device's own cotangent
-            probes = boundary.match_varying(probes, boundary.tree_varying_axes((args, kwargs)))
+        def run(pr: dict[str, Any], *a: Any) -> tuple[Any, tuple[Any, dict[str, Aux]]]:
+            inter = obs._intercepted(frozenset(plan), _identity)
+            out, aux = inter.call_with_aux(pr, *a, **kwargs)
+            if has_aux:
+                return out[0], (out[1], aux)
+            return out, (None, aux)
 
-            def run(pr, *a):
-                inter = self._intercepted(frozenset(plan), _identity)
-                out, aux = inter.call_with_aux(pr, *a, **kwargs)
-                if has_aux:
-                    return out[0], (out[1], aux)
-                return out, (None, aux)
-
-            # filtered: an Equinox model's non-array leaves pass through (gradient None)
-            vg = filter_value_and_grad(run, argnums=(0, *(n + 1 for n in nums)), has_aux=True)
-            (value, (aux, fwd)), grads = vg(probes, *args)
-            found = _collect(fwd, plan)
-            for key, ct in grads[0].items():
-                name = plan[key].name
-                if name in found:
-                    ct = ct.value if isinstance(ct, PerIteration) else ct
-                    axis = self._axes.get(key)  # a convolution's: the features last
-                    if axis is not None:
-                        ct = jnp.moveaxis(ct, len(plan[key].lengths) + axis, -1)
-                    found[name]["grad"] = ct
-            stats = found if tensors else _batched_stats(found, plan, self.targets)
-            g = grads[1] if isinstance(argnums, int) else tuple(grads[1:])
-            return ((value, aux) if has_aux else value), g, stats
-
-        f.sites = []  # type: ignore[attr-defined]
-        return f
+        # filtered: an Equinox model's non-array leaves pass through (gradient None)
+        vg = filter_value_and_grad(run, argnums=(0, *(n + 1 for n in nums)), has_aux=True)
+        (value, (aux, fwd)), grads = vg(probes, *args)
+        found = _collect(fwd, plan)
+        for key, ct in grads[0].items():
+            name = plan[key].name
+            if name in found:
+                ct = ct.value if isinstance(ct, PerIteration) else ct
+                axis = obs._axes.get(key)  # a convolution's: the features last
+                if axis is not None:
+                    ct = jnp.moveaxis(ct, len(plan[key].lengths) + axis, -1)
+                found[name]["grad"] = ct
+        stats = found if self.tensors else _batched_stats(found, plan, obs.targets)
+        g = grads[1] if isinstance(argnums, int) else tuple(grads[1:])
+        return ((value, aux) if has_aux else value), g, stats
 
 
 def observe(
-    fn: Callable,
+    fn: Callable[..., Any],
     targets: Sequence[str] | str = (),
     *,
     include: Sequence[int | str] | int | str | None = None,
@@ -469,26 +536,17 @@ def tree_stats(tree: Any, targets: Sequence[str] | str = ()) -> StatsTable:
     return StatsTable(stacked_stats(list(floats.values()), targets), index)
 
 
-def every(n: int, step: jax.Array, fn: Callable, *args: Any) -> Any:
+def every(n: int, step: jax.Array, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` when ``step % n == 0``, else zeros of the same structure, behind a
     ``lax.cond`` (only the taken branch runs). ``n`` is a static int >= 1; ``step`` an
     integer (traced or not)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"every: n must be an int >= 1, got {n!r}")
     # array leaves go through the cond; the others (an Equinox model's functions) are static
-    leaves, treedef = jax.tree_util.tree_flatten(args)
-    dyn = [i for i, x in enumerate(leaves) if boundary.is_array(x)]
-
-    def call(*values):
-        full = list(leaves)
-        for i, v in zip(dyn, values, strict=True):
-            full[i] = v
-        return fn(*treedef.unflatten(full))
-
-    values = [leaves[i] for i in dyn]
+    call, values = boundary.split_leaves(fn, args, {})
     shapes = boundary.eval_shape(call, *values)
 
-    def skip(*_):
+    def skip(*_: Any) -> Any:
         # inside shard_map: each as varying as the statistic the other branch computes
         return jax.tree.map(
             lambda s: boundary.pvary(jnp.zeros(s.shape, s.dtype), boundary.varying_axes(s)),

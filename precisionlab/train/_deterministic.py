@@ -116,13 +116,13 @@ class _FixedOrder:
     emits = False
 
     def apply(self, ctx: Context, *operands: jax.Array, **params: Any) -> list[jax.Array]:
-        out_aval = ctx.eqn.outvars[0].aval
-        if not _floating(out_aval) or not all(_floating(x) for x in operands):
+        out_dtype = jnp.dtype(ctx.site.out_dtype)
+        if not jnp.issubdtype(out_dtype, jnp.floating) or not all(_floating(x) for x in operands):
             return list(ctx.original(*operands))
-        if ctx.eqn.primitive.name == boundary.DOT_GENERAL:
+        if ctx.site.primitive == boundary.DOT_GENERAL:
             dn = params["dimension_numbers"]
-            return [pairwise_dot(operands[0], operands[1], dn, out_aval.dtype)]
-        return [pairwise_sum(operands[0], params["axes"]).astype(out_aval.dtype)]
+            return [pairwise_dot(operands[0], operands[1], dn, out_dtype)]
+        return [pairwise_sum(operands[0], params["axes"]).astype(out_dtype)]
 
 
 def fixed_order(fn: Callable) -> Callable:

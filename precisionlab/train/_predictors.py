@@ -80,17 +80,43 @@ import dataclasses
 import fnmatch
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from precisionlab._schema import INT32_MAX, Field, validate_enabled_table
+from precisionlab.intercept import Site
 from precisionlab.intercept import _boundary as boundary
+from precisionlab.mixed._loss_scale import LossScale
 from precisionlab.mixed._policy import Policy, cast_floating
 from precisionlab.quant import MX_FORMATS, fake_quant, get_mx_format
 from precisionlab.telemetry import every, observe
+
+if TYPE_CHECKING:
+    import optax
+
+
+class _StepState(Protocol):
+    """What the predictors read of the step's state (a ``TrainState``; the step imports this
+    module, so its class is not named here)."""
+
+    @property
+    def step(self) -> jax.Array: ...
+
+    @property
+    def params(self) -> Any: ...
+
+    @property
+    def opt_state(self) -> Any: ...
+
+    @property
+    def loss_scale(self) -> LossScale: ...
+
+    @property
+    def recipe_state(self) -> Any: ...
+
 
 __all__ = [
     "GROWING_OPS",
@@ -369,13 +395,17 @@ def _entries(site: Any, tensors: dict[str, Any], names: Sequence[str]) -> list[t
     return out
 
 
+#: One step's predictors: signal -> layer -> float32 scalar.
+Signals: TypeAlias = dict[str, dict[str, jax.Array]]
+
+
 def make_predictor_fn(
     loss_fn: Callable,
     policy: Policy,
     predictors: Predictors,
     *,
     recipe: Any = None,
-) -> Callable[..., dict[str, dict[str, jax.Array]]]:
+) -> Callable[..., Signals]:
     """``fn(state, new_params, grads32, batch, optimizer) -> {signal: {layer: f32[]}}``
     (zeros on the steps ``predictors.interval`` skips), the step's predictors.
 
@@ -389,13 +419,15 @@ def make_predictor_fn(
     cd = policy.compute_dtype
     rq = None if recipe is None else recipe.recipe
 
-    def scaled(p, b, ls):
+    def scaled(p: Any, b: Any, ls: LossScale) -> jax.Array:
         loss, _ = loss_fn(p, b)
         return ls.scale(loss)
 
     vg = observe(scaled, (), ops=GROWING_OPS).value_and_grad(0, tensors=True)
 
-    def compute(state, new_params, g32, batch, opt):
+    def compute(
+        state: _StepState, new_params: Any, g32: Any, batch: Any, opt: optax.GradientTransformation
+    ) -> Signals:
         acc = _Acc()
         seen_layers: list[str] = list(layer_names)
         ls = state.loss_scale
@@ -419,29 +451,30 @@ def make_predictor_fn(
                     acc, site, layer, ts, rq, site.name in replaced, rstate.get(site.name), ls, cd
                 )
         _state_signals(acc, state, new_params, g32, opt, predictors, rq, cd, seen_layers)
-        out: dict[str, dict[str, jax.Array]] = {}
-        defaults = {
+        out: Signals = {}
+        # per signal: its reduction over a layer's values and its value without any
+        extremes = {
             "kurtosis": ("max", 0.0), "amax": ("max", 0.0), "headroom": ("min", 256.0),
             "scaled_headroom": ("min", 256.0),
             "grad_headroom": ("min", 256.0), "noise_ratio": ("min", _RATIO_CAP),
-            "q_underflow": ("max", 0.0), "q_mse": ("max", 0.0), "flip_rate": ("sum", None),
+            "q_underflow": ("max", 0.0), "q_mse": ("max", 0.0),
             "ln_bias": ("max", 0.0), "swiglu_align": ("max", 0.0),
-            "grad_underflow": ("sum", None), "update_ratio": ("sum", None),
-            "update_applied": ("sum", None), "grad_norm": ("sum", None),
         }  # fmt: skip
         for signal in SIGNALS:
-            kind, default = defaults[signal]
             out[signal] = {}
             for layer in seen_layers:
-                if kind != "sum":
+                if signal in extremes:
+                    kind, default = extremes[signal]
                     out[signal][layer] = acc.get(kind, signal, layer, default)
-                else:
+                else:  # pooled from summed parts
                     out[signal][layer] = _finish_sum(acc, signal, layer)
         return out
 
-    def fn(state, new_params, g32, batch, opt):
+    def fn(
+        state: _StepState, new_params: Any, g32: Any, batch: Any, opt: optax.GradientTransformation
+    ) -> Signals:
         # the optimizer is functions, not arrays: closed over, not a lax.cond operand
-        def run(st, new, g, b):
+        def run(st: _StepState, new: Any, g: Any, b: Any) -> Signals:
             return compute(st, new, g, b, opt)
 
         return every(predictors.interval, state.step, run, state, new_params, g32, batch)
@@ -464,7 +497,17 @@ def _finish_sum(acc: _Acc, signal: str, layer: str) -> jax.Array:
     return jnp.sqrt(s[0])  # grad_norm: (sum g^2,)
 
 
-def _site_signals(acc, site, layer, ts, rq, replaced, rstate, ls, cd) -> None:
+def _site_signals(
+    acc: _Acc,
+    site: Site,
+    layer: str,
+    ts: dict[str, jax.Array],
+    rq: Any,
+    replaced: bool,
+    rstate: dict[str, Any] | None,
+    ls: LossScale,
+    cd: np.dtype,
+) -> None:
     """The signals one matmul or operation contributes to its layer."""
     # The format of a matmul's output and cotangent is its operands' (the compute dtype): its
     # float32 accumulator is rounded to it at once, and the gradient of a compute-dtype operand
@@ -526,7 +569,17 @@ def _site_signals(acc, site, layer, ts, rq, replaced, rstate, ls, cd) -> None:
             acc.add("min", "noise_ratio", layer, noise_ratio(grad_w, grad_q))
 
 
-def _state_signals(acc, state, new_params, g32, opt, predictors, rq, cd, seen_layers) -> None:
+def _state_signals(
+    acc: _Acc,
+    state: _StepState,
+    new_params: Any,
+    g32: Any,
+    opt: optax.GradientTransformation,
+    predictors: Predictors,
+    rq: Any,
+    cd: np.dtype,
+    seen_layers: list[str],
+) -> None:
     """The signals of the params, gradients and update (no extra forward pass)."""
     layers = predictors.layers
     p_old = jax.tree_util.tree_flatten_with_path(state.params)[0]

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeAlias, TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +42,9 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from precisionlab._schema import INT32_MAX, Field, validate_enabled_table
+from precisionlab.intercept import Site
 from precisionlab.intercept import _boundary as boundary
+from precisionlab.mixed._loss_scale import LossScale
 from precisionlab.mixed._policy import Policy, cast_floating
 from precisionlab.telemetry import (
     OPS,
@@ -62,11 +64,29 @@ __all__ = [
     "DEFAULT_TARGETS",
     "TELEMETRY_FIELDS",
     "Telemetry",
+    "TelemetryNames",
     "auto_interval",
     "make_telemetry_fn",
     "parse_telemetry",
     "telemetry_rows",
 ]
+
+
+class TelemetryNames(TypedDict, total=False):
+    """What the statistics of :func:`make_telemetry_fn`'s ``fn`` are, in order (filled when
+    ``fn`` is traced): ``matmul``: ``(site, "lhs" | "rhs" | "out" | "grad", layer)`` per
+    observed tensor; ``state``: ``("param" | "grad" | "opt_state", leaf path)`` per state
+    tensor; ``where``: each observed site's source line."""
+
+    matmul: list[tuple[str, str, str]]
+    state: list[tuple[str, str]]
+    where: dict[str, str]
+
+
+#: One step's telemetry: ``"matmul"`` and ``"state"`` statistics (stacked over the tensors)
+#: and, with ``dump``, ``"tensors"``: the tensors themselves (``{"matmul": [...], "state":
+#: [...]}``).
+TelemetryStats: TypeAlias = dict[str, TensorStats | dict[str, list[jax.Array]]]
 
 #: Targets when the table names none: the two 16-bit formats (why bf16 survives where fp16
 #: does not) and e4m3 with current scaling (the common fp8 recipe).
@@ -151,11 +171,13 @@ def _empty(s: TensorStats) -> TensorStats:
     return TensorStats(**fields)
 
 
-def _per_layer(site: Any, tensors: dict[str, Any]) -> dict[tuple, tuple]:
+def _per_layer(
+    site: Site, tensors: dict[str, jax.Array]
+) -> dict[tuple[str, str, str], tuple[jax.Array, jax.Array]]:
     """``{(site, tensor, layer): (tensor, valid)}`` of one site's observed tensors, one entry
     per iteration of its loops (leading axes, flattened row-major: a scanned layer each);
     ``valid``: bool scalar, False for an untaken ``cond`` branch or an unused while slot."""
-    out = {}
+    out: dict[tuple[str, str, str], tuple[jax.Array, jax.Array]] = {}
     roles = [k for k in ("lhs", "rhs", "out", "grad") if k in tensors]
     n_loops = len(site.loops)
     loop_shape = tensors["out"].shape[:n_loops]
@@ -169,7 +191,7 @@ def _per_layer(site: Any, tensors: dict[str, Any]) -> dict[tuple, tuple]:
     return out
 
 
-def _masked(stats: TensorStats, valid: list) -> TensorStats:
+def _masked(stats: TensorStats, valid: list[jax.Array]) -> TensorStats:
     """Stacked statistics with the invalid entries' replaced by the empty identity (n == 0)."""
     if not valid:
         return stats
@@ -186,9 +208,9 @@ def make_telemetry_fn(
     telemetry: Telemetry,
     *,
     microbatches: int = 1,
-    mesh: Any = None,
+    mesh: jax.sharding.Mesh | None = None,
     dump: bool = False,
-) -> Callable[..., dict[str, TensorStats]]:
+) -> Callable[..., TelemetryStats]:
     """``fn(params_stored, opt_state, loss_scale, grads32, batch, step) -> stats``, the
     step's telemetry: ``{"matmul": TensorStats, "state": TensorStats}``, each stacked over
     its tensors (see :func:`precisionlab.telemetry.stacked_stats`; zeros on the steps
@@ -201,19 +223,19 @@ def make_telemetry_fn(
     themselves (``{"matmul": [...], "state": [...]}``, in ``names`` order), computed in the
     same program as their statistics, for checks against an independent recount."""
     targets = telemetry.targets
-    names: dict[str, list] = {}
+    names: TelemetryNames = {}
 
-    def scaled(p, b, ls):
+    def scaled(p: Any, b: Any, ls: LossScale) -> jax.Array:
         loss, _ = loss_fn(p, b)
         return ls.scale(loss)
 
     ops = OPS if telemetry.ops else ()
     vg = observe(scaled, targets, ops=ops).value_and_grad(0, tensors=True)
 
-    def matmul_tensors(pc, b, ls) -> tuple[list, list]:
+    def matmul_tensors(pc: Any, b: Any, ls: LossScale) -> tuple[list[jax.Array], list[jax.Array]]:
         """(tensors, valid flags), in ``names["matmul"]`` order."""
         tensors = vg(pc, b, ls)[2]
-        flat = {}
+        flat: dict[tuple[str, str, str], tuple[jax.Array, jax.Array]] = {}
         for site in vg.sites:  # program order
             if site.name in tensors:
                 flat.update(_per_layer(site, tensors[site.name]))
@@ -221,12 +243,12 @@ def make_telemetry_fn(
         names["where"] = {s.name: s.where for s in vg.sites}
         return [x for x, _ in flat.values()], [ok for _, ok in flat.values()]
 
-    def one(pc, b, ls):
+    def one(pc: Any, b: Any, ls: LossScale) -> TensorStats:
         # one program for all tensors: hundreds of separate statistics compile slowly
         xs, valid = matmul_tensors(pc, b, ls)
         return _masked(stacked_stats(xs, targets), valid)
 
-    def local_stats(pc, batch, ls):
+    def local_stats(pc: Any, batch: Any, ls: LossScale) -> TensorStats:
         if microbatches == 1:
             return one(pc, batch, ls)
         # [B, ...] -> [microbatches, B // microbatches, ...], as the step splits it
@@ -234,7 +256,7 @@ def make_telemetry_fn(
         first = jax.tree.map(lambda x: x[0], micro)
         init = _empty(jax.eval_shape(lambda b: one(pc, b, ls), first))
 
-        def body(acc, b):
+        def body(acc: TensorStats, b: Any) -> tuple[TensorStats, None]:
             return jax.vmap(combine)(acc, one(pc, b, ls)), None
 
         return jax.lax.scan(body, init, micro)[0]
@@ -242,7 +264,7 @@ def make_telemetry_fn(
     matmul_stats = local_stats
     if mesh is not None:
 
-        def per_device(pc, batch, ls):
+        def per_device(pc: Any, batch: Any, ls: LossScale) -> TensorStats:
             # every device's statistics are its own (params and scale varying over the data
             # axis, as the step's gradients are), combined over the axis by reduce_over
             pc, ls = boundary.match_varying((pc, ls), (AXIS,))
@@ -253,8 +275,8 @@ def make_telemetry_fn(
             per_device, mesh=mesh, in_specs=(rep, PartitionSpec(AXIS), rep), out_specs=rep
         )
 
-    def state_tensors(params_s, opt_state, g32) -> list:
-        flat = {}
+    def state_tensors(params_s: Any, opt_state: Any, g32: Any) -> list[jax.Array]:
+        flat: dict[tuple[str, str], jax.Array] = {}
         for kind, tree in (("param", params_s), ("grad", g32), ("opt_state", opt_state)):
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
                 if jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating):
@@ -262,7 +284,9 @@ def make_telemetry_fn(
         names["state"] = list(flat)
         return list(flat.values())
 
-    def compute(params_s, opt_state, ls, g32, batch):
+    def compute(
+        params_s: Any, opt_state: Any, ls: LossScale, g32: Any, batch: Any
+    ) -> TelemetryStats:
         pc = cast_floating(params_s, policy.compute_dtype)
         mm = telemetry.matmuls
         st = state_tensors(params_s, opt_state, g32) if telemetry.state else []
@@ -275,7 +299,7 @@ def make_telemetry_fn(
                 return {}
             both = stacked_stats(xs + st, targets)
             mm_stats = _masked(jax.tree.map(lambda v: v[: len(xs)], both), valid)
-            out = {"matmul": mm_stats} if xs else {}
+            out: TelemetryStats = {"matmul": mm_stats} if xs else {}
             if st:
                 out["state"] = jax.tree.map(lambda v: v[len(xs) :], both)
             if dump:
@@ -288,10 +312,12 @@ def make_telemetry_fn(
             out["state"] = stacked_stats(st, targets)
         return out
 
-    def fn(params_s, opt_state, ls, g32, batch, step):
+    def fn(
+        params_s: Any, opt_state: Any, ls: LossScale, g32: Any, batch: Any, step: jax.Array
+    ) -> TelemetryStats:
         return every(telemetry.interval, step, compute, params_s, opt_state, ls, g32, batch)
 
-    fn.names = names  # type: ignore[attr-defined]
+    fn.names = names  # type: ignore[attr-defined]  # read by the step's row hook
     return fn
 
 
@@ -310,12 +336,12 @@ def _num(v: Any) -> float | None:
 
 
 def telemetry_rows(
-    stats: dict[str, Any], names: dict[str, list], step: int, targets: tuple[str, ...]
+    stats: dict[str, Any], names: Mapping[str, Any], step: int, targets: tuple[str, ...]
 ) -> list[dict]:
     """One JSON row per layer and tensor of a step's statistics (host values of
-    :func:`make_telemetry_fn`'s output, named by its ``names``), matmuls first (by site),
-    then params, grads and optimizer state (by leaf path); a matmul entry with no element
-    (a ``cond`` branch that did not run, an unused while slot) gives no row::
+    :func:`make_telemetry_fn`'s output, named by its ``names``: ``TelemetryNames``), matmuls
+    first (by site), then params, grads and optimizer state (by leaf path); a matmul entry
+    with no element (a ``cond`` branch that did not run, an unused while slot) gives no row::
 
         {"step", "kind": "matmul" | "op" | "param" | "grad" | "opt_state", "layer": the
          model layer (matmuls and ops: "layer3", see Site.layer) or leaf path, "site": the
@@ -336,7 +362,7 @@ def telemetry_rows(
     for group in ("matmul", "state"):
         if group not in stats:
             continue
-        st = TensorStats(*(np.asarray(v) for v in stats[group]))
+        st = TensorStats._make(np.asarray(v) for v in stats[group])  # host copies
         derived = {k: np.asarray(v) for k, v in _derive_stacked(st).items()}
         for i, key in enumerate(names[group]):
             if group == "matmul" and int(st.n[i]) == 0:

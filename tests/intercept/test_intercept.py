@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from precisionlab.intercept import intercept
+from precisionlab.intercept import Context, Site, intercept
 
 
 class Scale:
@@ -228,3 +228,22 @@ def test_a_rule_rounding_every_float_op_to_bfloat16():
     f = intercept(model, RoundBF16())
     assert [s.primitive for s in f.sites(w, X)] == ["dot_general", "mul", "add", "tanh"]
     np.testing.assert_array_equal(np.asarray(f(w, X)), np.asarray(by_hand(w, X)))
+
+
+def test_a_context_without_an_equation_says_so_when_asked_for_the_original():
+    """A Context a rule's own test builds (no traced equation) has nothing to re-apply: a
+    ValueError naming the site, not an AttributeError from inside the interpreter."""
+    site = Site(
+        index=0,
+        primitive="dot_general",
+        scope="",
+        where="",
+        loops=(),
+        dtype="float32",
+        in_shapes=((2, 2), (2, 2)),
+        out_shapes=((2, 2),),
+        path=(0,),
+    )
+    ctx = Context(site, None, (), None)
+    with pytest.raises(ValueError, match=r"dot_general\[0\].*no equation"):
+        ctx.original(jnp.ones((2, 2)), jnp.ones((2, 2)))

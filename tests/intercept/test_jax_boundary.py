@@ -302,6 +302,22 @@ def test_bind_accepts_both_get_bind_params_forms():
         assert boundary.bind(p, {"factor": 3.0}, X)[0].tolist() == (X * 3).tolist()
 
 
+def test_split_leaves_passes_arrays_and_closes_over_the_rest():
+    """The arrays of positional and keyword arguments become the arguments of the split
+    function (flattening order); numbers and functions stay constants; ``dynamic`` chooses."""
+
+    def fn(w, cfg, *, x, act):
+        return act(x @ w) * cfg["scale"]
+
+    args, kwargs = (W, {"scale": 2.0}), {"x": X, "act": jnp.tanh}
+    flat, values = boundary.split_leaves(fn, args, kwargs)
+    assert [v is a for v, a in zip(values, (W, X), strict=True)] == [True, True]
+    np.testing.assert_array_equal(flat(W * 0, X), jnp.zeros((2, 4)))
+    np.testing.assert_array_equal(flat(*values), fn(*args, **kwargs))
+    flat2, values2 = boundary.split_leaves(fn, args, kwargs, lambda v: isinstance(v, float))
+    assert values2 == [2.0] and float(flat2(0.5)[0, 1]) == float(jnp.tanh(X @ W)[0, 1] * 0.5)
+
+
 class _PlainDouble(_Double):
     emits = False
 
