@@ -65,6 +65,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in listed or item.nodeid.split("::", 1)[0] in listed:
             item.add_marker(pytest.mark.slow)
+    if "not slow" not in (config.option.markexpr or ""):
+        # CI's slow phase has a time budget and runs in this order: the documentation's
+        # regenerations (whole experiments, minutes each, checking pages) go after the numerics,
+        # training and multi-process checks, which the alphabetical order put after them
+        items.sort(key=lambda item: item.nodeid.startswith("tests/docs/"))
 
 
 def pytest_sessionfinish(session):
