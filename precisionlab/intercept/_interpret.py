@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 import warnings
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -691,8 +692,8 @@ def intercept(
     fn: Callable,
     rule: Rule,
     *,
-    include: Sequence[int | str] | int | str | None = None,
-    exclude: Sequence[int | str] | int | str = (),
+    include: Sequence[int | str | re.Pattern] | int | str | None = None,
+    exclude: Sequence[int | str | re.Pattern] | int | str = (),
     while_capacity: int = 16,
     numbering: str = "program",
     params: int | Sequence[int] | None = None,

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike
 
 from precisionlab.bits import decode, encode
 from precisionlab.formats import FORMATS, FloatFormat
@@ -32,13 +33,14 @@ from precisionlab.quant._pow2 import scale_exponent
 __all__ = ["Floor", "QOperand", "amax", "block_pow2", "mx_blocks", "nvfp4", "per_row", "tensorwise"]
 
 
-def _float_format(name: str) -> FloatFormat:
+def float_format(name: str) -> FloatFormat:
+    """The float format called ``name`` (the element and scale formats of the recipes)."""
     fmt = FORMATS[name]
     assert isinstance(fmt, FloatFormat)  # the element formats are float formats
     return fmt
 
 
-E4M3 = _float_format("float8_e4m3fn")
+E4M3 = float_format("float8_e4m3fn")
 _ABS = np.uint32(0x7FFFFFFF)
 
 
@@ -124,8 +126,8 @@ class Floor(NamedTuple):
     arguments of a program so that floors share it): ``lo``, the smallest float32 >= eps,
     and ``clamp``, ``fmt_max / eps`` computed in float64 and rounded once."""
 
-    lo: jax.Array | np.ndarray | np.floating
-    clamp: jax.Array | np.ndarray | np.floating
+    lo: ArrayLike
+    clamp: ArrayLike
 
 
 def floor_numbers(fmt_max: float, eps: float) -> Floor:
@@ -314,7 +316,7 @@ def mx_blocks(
 
 
 # --- NVFP4 -------------------------------------------------------------------------------
-_E2M1 = _float_format("float4_e2m1fn")
+_E2M1 = float_format("float4_e2m1fn")
 _NV_GLOBAL = np.float32(6.0 * 448.0)
 _SIXTH = np.float32(np.float32(1.0) / np.float32(6.0))
 _F32_MAX = np.float32(np.finfo(np.float32).max)
