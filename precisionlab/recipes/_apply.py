@@ -174,9 +174,17 @@ class Applied:
 
     def _site_state(self, site: Site) -> dict[str, jax.Array]:
         rec = self.recipe
-        if isinstance(rec, FP4Recipe):  # per-site shapes
-            return rec.site_state(site, self.weight)
+        if isinstance(rec, FP4Recipe):  # per-site shapes: the weight operand's
+            return rec.site_state(site, self._site_weight(site))
         return init_site_state(_delayed(rec))
+
+    def _site_weight(self, site: Site) -> str:
+        """The name of :data:`WEIGHT_OPERANDS` saying which operand of ``site`` is the weight
+        (``"auto"``: from the site's roles, as the rule reads them; ``"rhs"`` without roles)."""
+        if self.weight != "auto":
+            return self.weight
+        names: dict[tuple[str, ...], str] = {k: n for n, k in WEIGHT_OPERANDS.items()}
+        return names.get(site.roles, "rhs")
 
     def _check_state(self, state: dict | None) -> None:
         if self.recipe.stateful and state is None:
