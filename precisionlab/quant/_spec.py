@@ -146,6 +146,34 @@ class QuantSpec:
         return math.floor(math.log2(self.clip_target))
 
     @property
+    def group_axis(self) -> int:
+        """The axis of channel and block granularity (``axis``, normalized)."""
+        if self.axis is None:
+            raise ValueError(f"{self.granularity} granularity has no axis")
+        return self.axis
+
+    @property
+    def block(self) -> int:
+        """The elements per block of block granularity (``block_size``)."""
+        if self.block_size is None:
+            raise ValueError(f"{self.granularity} granularity has no block size")
+        return self.block_size
+
+    @property
+    def pow2_rule(self) -> str:
+        """The rule of power-of-two scales (``scale_rule``; see :data:`SCALE_RULES`)."""
+        if self.scale_rule is None:
+            raise ValueError(f"scale_format {self.scale_format!r} has no power-of-two rule")
+        return self.scale_rule
+
+    @property
+    def clip_percentile(self) -> float:
+        """The percentile of ``scale="percentile:<p>"``."""
+        if self.percentile is None:
+            raise ValueError(f"scale {self.scale!r} has no percentile")
+        return self.percentile
+
+    @property
     def scale_method(self) -> str:
         return f"percentile:{self.percentile:g}" if self.scale == "percentile" else self.scale
 
