@@ -22,7 +22,7 @@ import numpy as np
 from precisionlab.bits import encode, round_to_format
 from precisionlab.formats import FORMATS, FloatFormat, IntFormat
 from precisionlab.quant import _pow2 as pow2
-from precisionlab.quant._spec import MSE_GRID, MSE_MIN_RATIO, QuantSpec
+from precisionlab.quant._spec import MSE_GRID, MSE_MIN_RATIO, QuantSpec, given
 
 SCALE16 = {"float16": FORMATS["float16"], "bfloat16": FORMATS["bfloat16"]}
 
@@ -94,16 +94,12 @@ class Scale(NamedTuple):
     @property
     def float_s(self) -> jax.Array:
         """``s``, the float scale (a power-of-two scale has ``e`` instead)."""
-        if self.s is None:
-            raise ValueError("a power-of-two scale has no float s (read e)")
-        return self.s
+        return given(self.s, "a power-of-two scale has no float s (read e)")
 
     @property
     def zero_point(self) -> jax.Array:
         """``zp``, the zero point of an asymmetric scale."""
-        if self.zp is None:
-            raise ValueError("a symmetric scale has no zero point")
-        return self.zp
+        return given(self.zp, "a symmetric scale has no zero point")
 
 
 def _mbits(spec: QuantSpec) -> int:

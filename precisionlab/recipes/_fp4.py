@@ -424,6 +424,12 @@ class FP4Recipe(Recipe, Generic[_Res]):
         return out[:, :m, :n]
 
 
+def _rceil(fmt: str) -> dict[str, Any]:
+    """Quantizer options scaling MXFP4 blocks by ``rceil`` (TE's MX rule, never saturating;
+    NVFP4 has its own E4M3 scales)."""
+    return {} if fmt == "nvfp4" else {"rule": "rceil"}
+
+
 def _observed(recipe: FP4Recipe[Any], observed: Array | None) -> Array:
     """A stateful site's observation (the probe's cotangent); ValueError where it is missing."""
     if observed is None:
@@ -500,7 +506,11 @@ class _NvidiaGemms(FP4Recipe[tuple[Array, Array, FP4Block]]):
         rounding: str = "nearest_even",
         key: Array | None = None,
     ) -> FP4Block:
-        """``t`` quantized along its last axis by the recipe's rule."""
+        """``t`` quantized along its last axis in the recipe's format, with its options."""
+        return self._q(t, two_d=two_d, rounding=rounding, key=key, **self._q_options())
+
+    def _q_options(self) -> dict[str, Any]:
+        """The recipe's options of the quantizer (:meth:`FP4Recipe._q`)."""
         raise NotImplementedError
 
     def fprop_operand(self, t: Array, kind: str, key: Array | None) -> _Quantized:
@@ -561,15 +571,8 @@ class NvidiaFP4(_NvidiaGemms):
     name: ClassVar[str] = "nvidia_fp4"
     hadamard_seed: int = 0
 
-    def _qf(
-        self,
-        t: Array,
-        two_d: bool = False,
-        rounding: str = "nearest_even",
-        key: Array | None = None,
-    ) -> FP4Block:
-        kw = {} if self.fmt == "nvfp4" else {"rule": "rceil"}
-        return self._q(t, two_d=two_d, rounding=rounding, key=key, **kw)
+    def _q_options(self) -> dict[str, Any]:
+        return _rceil(self.fmt)
 
 
 # --- Tseng, Yu and Park -------------------------------------------------------------------------
@@ -789,15 +792,8 @@ class FourOverSix(_NvidiaGemms):
         super().__post_init__()
         self._check_fields()
 
-    def _qf(
-        self,
-        t: Array,
-        two_d: bool = False,
-        rounding: str = "nearest_even",
-        key: Array | None = None,
-    ) -> FP4Block:
-        return fp4.nvfp4(t, two_d=two_d, rounding=rounding, key=key, scale_max=256.0,
-                         four_over_six=self.rule)  # fmt: skip
+    def _q_options(self) -> dict[str, Any]:
+        return {"scale_max": 256.0, "four_over_six": self.rule}
 
 
 # --- TetraJet ----------------------------------------------------------------------------------
@@ -835,8 +831,7 @@ class TetraJet(FP4Recipe[tuple[Array, Array]]):
         return self.qema
 
     def _qf(self, t: Array, rounding: str = "nearest_even", key: Array | None = None) -> FP4Block:
-        kw: dict[str, Any] = {} if self.fmt == "nvfp4" else {"rule": "rceil"}
-        return self._q(t, rounding=rounding, key=key, **kw)
+        return self._q(t, rounding=rounding, key=key, **_rceil(self.fmt))
 
     def fprop_operand(self, t: Array, kind: str, key: Array | None) -> _Quantized:
         if kind == "g":
