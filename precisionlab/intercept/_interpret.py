@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 import warnings
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -71,7 +72,7 @@ _Loops: TypeAlias = tuple[jax.Array, ...]
 Value: TypeAlias = jax.typing.ArrayLike
 
 #: Which sites ``include``/``exclude`` name: positions, names or patterns (see :func:`select`).
-_Items: TypeAlias = Sequence[int | str] | int | str
+_Items: TypeAlias = Sequence[int | str | re.Pattern] | int | str
 
 #: How sites may be numbered (see ``precisionlab.intercept._sites.numbered``).
 NUMBERINGS = ("program", "primitive")
@@ -730,8 +731,8 @@ def intercept(
     fn: Callable[..., Any],
     rule: Rule,
     *,
-    include: Sequence[int | str] | int | str | None = None,
-    exclude: Sequence[int | str] | int | str = (),
+    include: _Items | None = None,
+    exclude: _Items = (),
     while_capacity: int = 16,
     numbering: str = "program",
     params: int | Sequence[int] | None = None,

@@ -12,7 +12,8 @@ on that view, so every step is elementwise broadcasting, and nothing loops over 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, NamedTuple, overload
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple, TypeAlias, overload
 
 import jax
 import jax.numpy as jnp
@@ -21,17 +22,19 @@ import numpy as np
 from precisionlab.bits import encode, round_to_format
 from precisionlab.formats import FORMATS, FloatFormat, IntFormat
 from precisionlab.quant import _pow2 as pow2
-from precisionlab.quant._spec import MSE_GRID, MSE_MIN_RATIO, QuantSpec
+from precisionlab.quant._spec import MSE_GRID, MSE_MIN_RATIO, QuantSpec, given
 
 SCALE16 = {"float16": FORMATS["float16"], "bfloat16": FORMATS["bfloat16"]}
 
 
 # --- layout --------------------------------------------------------------------------------
-def to_groups(x: jax.Array, spec: QuantSpec, fill: float = 0.0) -> tuple[jax.Array, tuple]:
+def to_groups(
+    x: jax.Array, spec: QuantSpec, fill: float = 0.0
+) -> tuple[jax.Array, tuple[int, ...]]:
     """Grouped view of ``x`` and the axes that statistics reduce over."""
     if spec.granularity == "block":
-        xm = jnp.moveaxis(x, spec.axis, -1)
-        n, b = xm.shape[-1], spec.block_size
+        xm = jnp.moveaxis(x, spec.group_axis, -1)
+        n, b = xm.shape[-1], spec.block
         nb = max(-(-n // b), 1)
         pad = nb * b - n
         if pad:
@@ -39,7 +42,7 @@ def to_groups(x: jax.Array, spec: QuantSpec, fill: float = 0.0) -> tuple[jax.Arr
         xg = xm.reshape(*xm.shape[:-1], nb, b)
         return xg, (xg.ndim - 1,)
     if spec.granularity == "channel":
-        return x, tuple(i for i in range(x.ndim) if i != spec.axis)
+        return x, tuple(i for i in range(x.ndim) if i != spec.group_axis)
     return x, tuple(range(x.ndim))
 
 
@@ -47,27 +50,27 @@ def from_groups(vg: jax.Array, spec: QuantSpec, shape: tuple[int, ...]) -> jax.A
     """Inverse of :func:`to_groups` (drops the padding)."""
     if spec.granularity != "block":
         return vg
-    n = shape[spec.axis]
+    n = shape[spec.group_axis]
     vm = vg.reshape(*vg.shape[:-2], -1)[..., :n]
-    return jnp.moveaxis(vm, -1, spec.axis)
+    return jnp.moveaxis(vm, -1, spec.group_axis)
 
 
 def store_groups(s: jax.Array, spec: QuantSpec) -> jax.Array:
     """keepdims per-group array -> stored shape: (), (C,), or x.shape with nb along axis."""
     if spec.granularity == "block":
-        return jnp.moveaxis(s[..., 0], -1, spec.axis)
+        return jnp.moveaxis(s[..., 0], -1, spec.group_axis)
     if spec.granularity == "channel":
-        return s.reshape(s.shape[spec.axis])
+        return s.reshape(s.shape[spec.group_axis])
     return s.reshape(())
 
 
 def load_groups(s: jax.Array, spec: QuantSpec) -> jax.Array:
     """Stored per-group array -> keepdims shape on the grouped view."""
     if spec.granularity == "block":
-        return jnp.moveaxis(s, spec.axis, -1)[..., None]
+        return jnp.moveaxis(s, spec.group_axis, -1)[..., None]
     if spec.granularity == "channel":
         shape = [1] * spec.ndim
-        shape[spec.axis] = s.shape[0]
+        shape[spec.group_axis] = s.shape[0]
         return s.reshape(shape)
     return s.reshape((1,) * spec.ndim)
 
@@ -87,6 +90,16 @@ class Scale(NamedTuple):
     bad: jax.Array | None
     zp: jax.Array | None
     s_codes: jax.Array | None
+
+    @property
+    def float_s(self) -> jax.Array:
+        """``s``, the float scale (a power-of-two scale has ``e`` instead)."""
+        return given(self.s, "a power-of-two scale has no float s (read e)")
+
+    @property
+    def zero_point(self) -> jax.Array:
+        """``zp``, the zero point of an asymmetric scale."""
+        return given(self.zp, "a symmetric scale has no zero point")
 
 
 def _mbits(spec: QuantSpec) -> int:
@@ -126,9 +139,17 @@ def _float_scale(
     return s, None
 
 
-def scale_from_clip(spec: QuantSpec, c=None, lo=None, hi=None) -> Scale:
+def scale_from_clip(
+    spec: QuantSpec,
+    c: jax.Array | None = None,
+    lo: jax.Array | None = None,
+    hi: jax.Array | None = None,
+) -> Scale:
     """Scale (and zero point) that maps clip value ``c`` (symmetric) or the range
-    ``[lo, hi]`` with ``lo <= 0 <= hi`` (asymmetric) onto the element range."""
+    ``[lo, hi]`` with ``lo <= 0 <= hi`` (asymmetric) onto the element range (none of them for
+    ``scale="none"``)."""
+    s: jax.Array | None  # float scales
+    e: jax.Array | None  # power-of-two scales
     if spec.scale == "none":
         ones = jnp.ones((1,) * spec.ndim, jnp.float32)
         if spec.pow2:
@@ -136,19 +157,23 @@ def scale_from_clip(spec: QuantSpec, c=None, lo=None, hi=None) -> Scale:
         s, codes = _float_scale(ones, spec)
         return Scale(s, None, None, None, codes)
     if spec.scheme == "symmetric":
+        if c is None:
+            raise ValueError("a symmetric scale needs the clip value c")
         bad = ~jnp.isfinite(c) if spec.mx is not None else None
         if spec.pow2:
             e = pow2.scale_exponent(
-                c, spec.clip_target, spec.emax_target, spec.scale_rule, _mbits(spec)
+                c, spec.clip_target, spec.emax_target, spec.pow2_rule, _mbits(spec)
             )
             return Scale(None, e, bad, None, None)
         s, codes = _float_scale(_div_const(c, spec.clip_target), spec, zero=c == 0)
         return Scale(s, None, None, None, codes)
+    if lo is None or hi is None:
+        raise ValueError("an asymmetric scale needs the range lo, hi")
     qrange = spec.qmax - spec.qmin
     span = (hi - lo).astype(jnp.float32)
     if spec.pow2:
         e = pow2.scale_exponent(
-            span, qrange, int(np.floor(np.log2(qrange))), spec.scale_rule, _mbits(spec)
+            span, qrange, int(np.floor(np.log2(qrange))), spec.pow2_rule, _mbits(spec)
         )
         shifted = pow2.ldexp(lo, -e)
         s, codes = None, None
@@ -183,7 +208,7 @@ def apply_scale(xg: jax.Array, sc: Scale, spec: QuantSpec) -> jax.Array:
     """x * (1 / scale) in element units (times 2**frac_bits for MXINT8), float32."""
     if sc.e is not None:
         return _pow2_scale(xg, spec.frac_bits - sc.e, sc.e)
-    return xg * (jnp.float32(1.0) / sc.s)  # see _div_const
+    return xg * (jnp.float32(1.0) / sc.float_s)  # see _div_const
 
 
 @overload
@@ -207,15 +232,17 @@ def fake_values(
     (:func:`round_elements` with ``codes=False``), never through a code array.
     """
 
-    def finish(y, out):
+    def finish(y: jax.Array, out: jax.Array) -> jax.Array | tuple[jax.Array, jax.Array]:
         return (out, inside_mask(y, sc, spec)) if with_mask else out
 
     if sc.e is None:
         y = apply_scale(xg, sc, spec)
         return finish(y, unapply_scale(round_elements(y, sc, spec, key, codes=False), sc, spec))
 
-    def pipeline(scale_by):
-        def run(xg, e):
+    def pipeline(
+        scale_by: Callable[[jax.Array, jax.Array], jax.Array],
+    ) -> Callable[[jax.Array, jax.Array], jax.Array | tuple[jax.Array, jax.Array]]:
+        def run(xg: jax.Array, e: jax.Array) -> jax.Array | tuple[jax.Array, jax.Array]:
             y = scale_by(xg, spec.frac_bits - e)
             values = round_elements(y, sc, spec, key, codes=False)
             out = scale_by(values, e - spec.frac_bits)
@@ -235,7 +262,7 @@ def unapply_scale(v: jax.Array, sc: Scale, spec: QuantSpec) -> jax.Array:
     if sc.e is not None:
         out = _pow2_scale(v, sc.e - spec.frac_bits, sc.e)
     else:
-        out = v * sc.s
+        out = v * sc.float_s
     if sc.bad is not None:
         out = jnp.where(sc.bad, jnp.float32(jnp.nan), out)
     return out
@@ -247,7 +274,7 @@ def _wide_int(spec: QuantSpec) -> IntFormat:
     return IntFormat(name=f"int{spec.fmt.bits + 2}", bits=spec.fmt.bits + 2)
 
 
-def _rounding_kwargs(spec: QuantSpec, key) -> dict:
+def _rounding_kwargs(spec: QuantSpec, key: jax.Array | None) -> dict[str, Any]:
     if spec.rounding == "stochastic":
         return {"rounding": "stochastic", "key": key}
     return {"rounding": spec.rounding}
@@ -263,7 +290,9 @@ def round_int_grid(yc: jax.Array) -> jax.Array:
     return jnp.where(jnp.abs(r) > 0, r, jnp.float32(0.0))
 
 
-def round_elements(y: jax.Array, sc: Scale, spec: QuantSpec, key, *, codes: bool) -> jax.Array:
+def round_elements(
+    y: jax.Array, sc: Scale, spec: QuantSpec, key: jax.Array | None, *, codes: bool
+) -> jax.Array:
     """Round scaled values to the element format.
 
     Returns codes of the element format (``codes=True``; asymmetric codes include the zero
@@ -282,8 +311,8 @@ def round_elements(y: jax.Array, sc: Scale, spec: QuantSpec, key, *, codes: bool
             return round_int_grid(yc)
         return encode(yc, fmt, **kw) if codes else round_to_format(yc, fmt, **kw)
     r = round_to_format(y, _wide_int(spec), **kw)
-    q = jnp.clip(r + sc.zp, spec.qmin, spec.qmax)
-    return encode(q, fmt) if codes else q - sc.zp
+    q = jnp.clip(r + sc.zero_point, spec.qmin, spec.qmax)
+    return encode(q, fmt) if codes else q - sc.zero_point
 
 
 def inside_mask(y: jax.Array, sc: Scale, spec: QuantSpec) -> jax.Array:
@@ -307,7 +336,15 @@ def inside_mask(y: jax.Array, sc: Scale, spec: QuantSpec) -> jax.Array:
 
 
 # --- clip values ---------------------------------------------------------------------------
-def _reduce_with_nan(xg, axes, parts):
+#: A prologue applied to each element and the reduce that combines the results.
+_Part: TypeAlias = tuple[
+    Callable[[jax.Array], jax.Array], Callable[[jax.Array, jax.Array], jax.Array]
+]
+
+
+def _reduce_with_nan(
+    xg: jax.Array, axes: tuple[int, ...], parts: tuple[_Part, ...]
+) -> tuple[jax.Array, ...]:
     """Per-group reduces of ``xg`` over ``axes`` in one pass, each NaN-propagating.
 
     ``parts`` pairs a prologue (elementwise on ``xg``) with ``jnp.maximum`` or
@@ -321,7 +358,7 @@ def _reduce_with_nan(xg, axes, parts):
     """
     inits = tuple(jnp.float32(-jnp.inf if op is jnp.maximum else jnp.inf) for _, op in parts)
 
-    def combine(a, b):
+    def combine(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         vals = tuple(op(u, v) for (_, op), u, v in zip(parts, a[:-1], b[:-1], strict=True))
         return (*vals, a[-1] | b[-1])
 
@@ -331,35 +368,41 @@ def _reduce_with_nan(xg, axes, parts):
     return tuple(jnp.where(nan, jnp.float32(jnp.nan), jnp.expand_dims(v, axes)) for v in vals)
 
 
-def group_amax(xg, axes):
+def group_amax(xg: jax.Array, axes: tuple[int, ...]) -> jax.Array:
     """max |x| per group (keepdims), float32; NaN in a group gives NaN."""
     (m,) = _reduce_with_nan(xg, axes, ((jnp.abs, jnp.maximum),))
     return m
 
 
-def _min_max(xg, axes):
+def _identity(v: jax.Array) -> jax.Array:
+    return v
+
+
+def _min_max(xg: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
     """(min(x, 0), max(x, 0)) per group (keepdims), float32; NaN in a group makes both NaN."""
-    ident = lambda v: v  # noqa: E731
-    lo, hi = _reduce_with_nan(xg, axes, ((ident, jnp.minimum), (ident, jnp.maximum)))
+    lo, hi = _reduce_with_nan(xg, axes, ((_identity, jnp.minimum), (_identity, jnp.maximum)))
     return jnp.minimum(lo, 0.0), jnp.maximum(hi, 0.0)
 
 
-def _search_mse(xg, axes, spec: QuantSpec) -> Scale:
+def _search_mse(xg: jax.Array, axes: tuple[int, ...], spec: QuantSpec) -> Scale:
     """Try clipping ratios 1.0 .. MSE_MIN_RATIO; keep, per group, the least squared error."""
     ratios = jnp.asarray(np.geomspace(1.0, MSE_MIN_RATIO, MSE_GRID), jnp.float32)
     near = dataclasses.replace(spec, rounding="nearest_even")
+    base: tuple[jax.Array, ...]
     if spec.scheme == "symmetric":
         base = (group_amax(xg, axes),)
     else:
         base = _min_max(xg, axes)
 
-    def err_for(r):
+    def err_for(r: jax.Array) -> jax.Array:
         sc = _rescale(near, base, r)
         y = apply_scale(xg, sc, near)
         xh = unapply_scale(round_elements(y, sc, near, None, codes=False), sc, near)
         return jnp.sum(jnp.square(xg - xh), axis=axes, keepdims=True)
 
-    def step(carry, r):
+    def step(
+        carry: tuple[jax.Array, jax.Array], r: jax.Array
+    ) -> tuple[tuple[jax.Array, jax.Array], None]:
         best_err, best_r = carry
         err = err_for(r)
         better = err < best_err
@@ -371,7 +414,7 @@ def _search_mse(xg, axes, spec: QuantSpec) -> Scale:
     return _rescale(spec, base, best_r)
 
 
-def _rescale(spec: QuantSpec, base, r) -> Scale:
+def _rescale(spec: QuantSpec, base: tuple[jax.Array, ...], r: jax.Array) -> Scale:
     clip = tuple(b * r for b in base)
     if spec.scheme == "symmetric":
         return scale_from_clip(spec, c=clip[0])
@@ -387,7 +430,7 @@ def choose_scale(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, Scale]:
         xg_nan, axes = to_groups(x, spec, fill=np.nan)
         xg, _ = to_groups(x, spec)
         has_nan = jnp.any(jnp.isnan(xg), axis=axes, keepdims=True)
-        p = spec.percentile
+        p = spec.clip_percentile
         if spec.scheme == "symmetric":
             c = jnp.nanpercentile(jnp.abs(xg_nan), p, axis=axes, keepdims=True)
             c = jnp.where(has_nan, jnp.nan, c)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, TypedDict, Unpack
+from typing import Any, TypedDict, TypeVar, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +20,7 @@ from precisionlab.formats import FloatFormat, Format, IntFormat, get_format
 from precisionlab.quant._mx import MX_FORMATS, SCALE_RULES, MXFormat, get_mx_format
 from precisionlab.quant._qarray import SCALE_FORMATS
 
-__all__ = ["SCALE_METHODS", "SCHEMES", "QuantOptions", "QuantSpec", "prepare", "resolve"]
+__all__ = ["SCALE_METHODS", "SCHEMES", "QuantOptions", "QuantSpec", "given", "prepare", "resolve"]
 
 #: Quantization schemes: a symmetric range, or an integer zero point from min/max.
 SCHEMES = ("symmetric", "asymmetric")
@@ -86,6 +86,16 @@ def check_option_names(options: dict[str, Any]) -> None:
         )
 
 
+_T = TypeVar("_T")
+
+
+def given(value: _T | None, missing: str) -> _T:
+    """``value``, which the rest of a spec implies is set; ``ValueError(missing)`` where None."""
+    if value is None:
+        raise ValueError(missing)
+    return value
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class QuantSpec:
     """Everything static about one quantization (hashable: a jit static argument)."""
@@ -144,6 +154,28 @@ class QuantSpec:
         if isinstance(self.fmt, FloatFormat):
             return self.fmt.emax
         return math.floor(math.log2(self.clip_target))
+
+    @property
+    def group_axis(self) -> int:
+        """The axis of channel and block granularity (``axis``, normalized)."""
+        return given(self.axis, f"{self.granularity} granularity has no axis")
+
+    @property
+    def block(self) -> int:
+        """The elements per block of block granularity (``block_size``)."""
+        return given(self.block_size, f"{self.granularity} granularity has no block size")
+
+    @property
+    def pow2_rule(self) -> str:
+        """The rule of power-of-two scales (``scale_rule``; see :data:`SCALE_RULES`)."""
+        return given(
+            self.scale_rule, f"scale_format {self.scale_format!r} has no power-of-two rule"
+        )
+
+    @property
+    def clip_percentile(self) -> float:
+        """The percentile of ``scale="percentile:<p>"``."""
+        return given(self.percentile, f"scale {self.scale!r} has no percentile")
 
     @property
     def scale_method(self) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +30,8 @@ from precisionlab.intercept import Context, Intercepted, Site, compute_line, int
 from precisionlab.intercept import _boundary as boundary
 from precisionlab.mixed import filter_value_and_grad
 from precisionlab.recipes._conv import NOT_COVERED, conv_site
-from precisionlab.recipes._dot import WEIGHT_OPERANDS, as_recipe, dot_general
+from precisionlab.recipes._dot import WEIGHT_OPERANDS, Weight, as_recipe, dot_general
+from precisionlab.recipes._fp4 import FP4Recipe
 from precisionlab.recipes._recipes import Delayed, Recipe
 
 __all__ = [
@@ -43,6 +44,8 @@ __all__ = [
 ]
 
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
+#: Which matched operations to quantize (``include`` / ``exclude`` of :func:`apply`).
+Selection: TypeAlias = Sequence[int | str | re.Pattern] | int | str
 
 
 def init_site_state(recipe: Delayed) -> dict[str, jax.Array]:
@@ -94,10 +97,10 @@ class _DotRule:
             return f"{' x '.join(site.in_dtypes)} operands (recipes take {', '.join(_FLOATS)})"
         return None
 
-    def apply(self, ctx: Context, lhs, rhs, **params) -> list:
+    def apply(self, ctx: Context, lhs: jax.Array, rhs: jax.Array, **params: Any) -> list[jax.Array]:
         if ctx.site.skipped:
             return ctx.original(lhs, rhs)
-        weight = self.weight
+        weight: Weight = self.weight
         if weight == "auto":  # each operand's role from the dataflow (K and V: activations)
             weight = ctx.site.roles or "rhs"
         if ctx.site.primitive == boundary.CONV:
@@ -127,9 +130,10 @@ class Applied:
     """A function with a recipe applied; see :func:`apply`."""
 
     def __init__(
-        self, fn, recipe: Recipe, include, exclude, weight: str, attention: bool = False,
+        self, fn: Callable[..., Any], recipe: Recipe, include: Selection | None,
+        exclude: Selection, weight: str, attention: bool = False,
         params: int | Sequence[int] | None = None,
-    ):  # fmt: skip
+    ) -> None:  # fmt: skip
         if weight not in WEIGHTS:
             raise ValueError(f"unknown weight {weight!r}; allowed: {', '.join(WEIGHTS)}")
         if not isinstance(attention, bool):
@@ -149,11 +153,11 @@ class Applied:
             numbering="primitive", params=params, default=None if attention else weight_products,
         )  # fmt: skip
 
-    def sites(self, *args, **kwargs) -> list[Site]:
+    def sites(self, *args: Any, **kwargs: Any) -> list[Site]:
         """The matched matmuls (see :class:`precisionlab.intercept.Site`)."""
         return self.intercepted.sites(*args, **kwargs)
 
-    def report(self, *args, **kwargs) -> str:
+    def report(self, *args: Any, **kwargs: Any) -> str:
         """One line per matched matmul and convolution (the parameter it multiplies, whether
         the recipe replaces it), the operations left as they were, and the compute-dtype line
         (:func:`precisionlab.intercept.compute_line`: the dtypes the products multiply in
@@ -161,26 +165,37 @@ class Applied:
         text = self.intercepted.report(*args, **kwargs)
         return f"{text}\n{compute_line(self.sites(*args, **kwargs))}"
 
-    def init_state(self, *args, **kwargs) -> dict[str, Any]:
+    def init_state(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Fresh state for these arguments: ``{}`` unless the recipe is stateful (delayed),
         then one :func:`init_site_state` per replaced matmul."""
         if not self.recipe.stateful:
             return {}
-        own = getattr(self.recipe, "site_state", None)  # recipes._fp4: per-site shapes
-        return {
-            s.name: own(s, self.weight) if own else init_site_state(self.recipe)
-            for s in self.sites(*args, **kwargs)
-            if s.selected
-        }
+        return {s.name: self._site_state(s) for s in self.sites(*args, **kwargs) if s.selected}
 
-    def _check_state(self, state):
+    def _site_state(self, site: Site) -> dict[str, jax.Array]:
+        rec = self.recipe
+        if isinstance(rec, FP4Recipe):  # per-site shapes: the weight operand's
+            return rec.site_state(site, self._site_weight(site))
+        return init_site_state(_delayed(rec))
+
+    def _site_weight(self, site: Site) -> str:
+        """The name of :data:`WEIGHT_OPERANDS` saying which operand of ``site`` is the weight
+        (``"auto"``: from the site's roles, as the rule reads them; ``"rhs"`` without roles)."""
+        if self.weight != "auto":
+            return self.weight
+        names: dict[tuple[str, ...], str] = {k: n for n, k in WEIGHT_OPERANDS.items()}
+        return names.get(site.roles, "rhs")
+
+    def _check_state(self, state: dict | None) -> None:
         if self.recipe.stateful and state is None:
             raise ValueError(
                 f"the {self.recipe.name} recipe is stateful: pass state=f.init_state(*args), "
                 "f being this recipes.apply(...) result"
             )
 
-    def __call__(self, *args, state: dict | None = None, key=None, **kwargs) -> Any:
+    def __call__(
+        self, *args: Any, state: dict | None = None, key: jax.Array | None = None, **kwargs: Any
+    ) -> Any:
         """``fn(*args, **kwargs)`` with the recipe (forward; the state is only read)."""
         self._check_state(state)
         return self.intercepted.call_with_state(state, *args, key=key, **kwargs)
@@ -199,14 +214,16 @@ class Applied:
         :meth:`update_state`); the gradients are JAX's (a replicated argument's summed)."""
         nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
-        def f(state, *args, key=None, **kwargs):
+        def f(
+            state: dict | None, *args: Any, key: jax.Array | None = None, **kwargs: Any
+        ) -> tuple[Any, Any, dict]:
             self._check_state(state)
             state = state or {}
             # inside shard_map: the state varies as the data does, so each device observes
             # its own amaxes (a replicated state's cotangent would be their sum)
             state = boundary.match_varying(state, boundary.tree_varying_axes((args, kwargs)))
 
-            def run(st, *a):
+            def run(st: dict, *a: Any) -> Any:
                 return self.intercepted.call_with_state(st, *a, key=key, **kwargs)
 
             # filtered: an Equinox model's non-array leaves pass through (gradient None)
@@ -222,21 +239,32 @@ class Applied:
         """The state after a step that observed ``observed``; unchanged where ``skip``."""
         if not self.recipe.stateful:
             return state
-        own = getattr(self.recipe, "update_site", None)  # recipes._fp4
-        new = {
-            k: own(v, observed.get(k)) if own else update_site_state(self.recipe, v, observed[k],
-                                                                  self.weight)
-            for k, v in state.items()
-        }  # fmt: skip
+        rec = self.recipe
+        if isinstance(rec, FP4Recipe):
+            new = {k: rec.update_site(v, observed.get(k)) for k, v in state.items()}
+        else:
+            dl = _delayed(rec)
+            new = {k: update_site_state(dl, v, observed[k], self.weight) for k, v in state.items()}
         return jax.tree.map(lambda old, n: jnp.where(skip, old, n), state, new)
 
 
+def _delayed(recipe: Recipe) -> Delayed:
+    """The stateful recipe whose state :func:`init_site_state` makes (the FP4 recipes make
+    their own)."""
+    if not isinstance(recipe, Delayed):
+        raise TypeError(
+            f"the {recipe.name} recipe is stateful but neither Delayed nor an FP4 recipe (with "
+            "site_state and update_site): recipes.apply keeps no state for it"
+        )
+    return recipe
+
+
 def apply(
-    fn: Callable,
+    fn: Callable[..., Any],
     recipe: Recipe | str,
     *,
-    include: Sequence[int | str | re.Pattern] | int | str | None = None,
-    exclude: Sequence[int | str | re.Pattern] | int | str = (),
+    include: Selection | None = None,
+    exclude: Selection = (),
     weight: str = "auto",
     attention: bool = False,
     params: int | Sequence[int] | None = None,
@@ -278,7 +306,9 @@ def apply(
     return Applied(fn, as_recipe(recipe), include, exclude, weight, attention, params)
 
 
-def einsum(spec: str, a: jax.Array, b: jax.Array, *, recipe: Recipe | str, **kwargs) -> jax.Array:
+def einsum(
+    spec: str, a: jax.Array, b: jax.Array, *, recipe: Recipe | str, **kwargs: Any
+) -> jax.Array:
     """Two-operand ``jnp.einsum`` whose contraction runs through :func:`dot_general`
     (traced with ``jnp.einsum`` and its single ``dot_general`` replaced; ``b`` is the weight
     unless ``weight=`` says otherwise)."""

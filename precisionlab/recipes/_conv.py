@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from precisionlab.hardware._conv import conv_gemm
 from precisionlab.intercept import _boundary as boundary
-from precisionlab.recipes._dot import checked_operands, qdot3_jit
+from precisionlab.recipes._dot import Weight, checked_operands, qdot3_jit
 from precisionlab.recipes._recipes import Delayed, Recipe, get_recipe
 
 __all__ = ["NOT_COVERED", "conv_general_dilated", "conv_site"]
@@ -56,7 +56,7 @@ def conv_general_dilated(
     recipe: Recipe | str,
     state: dict | None = None,
     key: jax.Array | None = None,
-    weight: str | tuple[str, str] = "rhs",
+    weight: Weight = "rhs",
 ) -> jax.Array:
     """``lax.conv_general_dilated`` whose forward and backward GEMMs are quantized by
     ``recipe``, as the GEMM over the patches (see the module docstring for the scaled axis of
@@ -101,7 +101,7 @@ def conv_general_dilated(
 
 def conv_site(
     ctx: Any, lhs: jax.Array, rhs: jax.Array, params: dict, recipe: Recipe,
-    weight: str | tuple[str, str],
+    weight: Weight,
 ) -> jax.Array:  # fmt: skip
     """A matched ``conv_general_dilated`` equation (its parameters ``params``) quantized."""
     return conv_general_dilated(

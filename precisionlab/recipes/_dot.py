@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike
 
 from precisionlab import hardware
 from precisionlab.intercept import _boundary as boundary
@@ -31,11 +32,14 @@ from precisionlab.recipes import _scaling as S
 from precisionlab.recipes._accumulate import batched_gemm
 from precisionlab.recipes._blockhw import block_gemm
 from precisionlab.recipes._deepgemm import blockwise_gemm
+from precisionlab.recipes._fp4 import FP4Recipe
 from precisionlab.recipes._names import get_recipe
 from precisionlab.recipes._recipes import (
     MX,
     NVFP4,
+    Blocked,
     Blockwise,
+    Current,
     Delayed,
     Recipe,
     Reference,
@@ -46,6 +50,7 @@ E4M3_NAME = "float8_e4m3fn"
 __all__ = [
     "WEIGHT_OPERANDS",
     "GemmRecord",
+    "Weight",
     "dot_general",
     "fprop_gemm",
     "matmul",
@@ -53,13 +58,18 @@ __all__ = [
     "vjp_gemms",
 ]
 
+#: Which operand of a product is the weight: a name of :data:`WEIGHT_OPERANDS`, or the kinds of
+#: (lhs, rhs) as a pair (an intercepted site's ``Site.roles``; :func:`operand_kinds` checks it).
+Weight: TypeAlias = str | tuple[str, ...]
 #: which operand is the weight: kinds of (lhs, rhs) ("both": a product of two parameters).
 WEIGHT_OPERANDS = {"rhs": ("x", "w"), "lhs": ("w", "x"), "none": ("x", "x"), "both": ("w", "w")}
 _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
 
 
 # --- layout --------------------------------------------------------------------------------
-def canonical_operand(x: jax.Array, contract, batch) -> tuple[jax.Array, tuple[int, ...]]:
+def canonical_operand(
+    x: jax.Array, contract: Sequence[int], batch: Sequence[int]
+) -> tuple[jax.Array, tuple[int, ...]]:
     """``x`` laid out as a recipe's GEMM reads an operand: (B, R, K) with the ``batch`` axes,
     the kept axes and the ``contract`` axes each flattened, in that order; and the kept axes'
     sizes (to restore the output's shape)."""
@@ -69,14 +79,6 @@ def canonical_operand(x: jax.Array, contract, batch) -> tuple[jax.Array, tuple[i
     r = math.prod(x.shape[d] for d in free)
     k = math.prod(x.shape[d] for d in contract)
     return xt.reshape(bsz, r, k), tuple(x.shape[d] for d in free)
-
-
-def _uncanon_grad(g3: jax.Array, x_shape, contract, batch) -> jax.Array:
-    """(B, R, K) gradient back to the operand's layout."""
-    free = [d for d in range(len(x_shape)) if d not in contract and d not in batch]
-    perm = (*batch, *free, *contract)
-    shaped = g3.reshape(tuple(x_shape[d] for d in perm))
-    return jnp.transpose(shaped, np.argsort(perm))
 
 
 # --- GEMM ----------------------------------------------------------------------------------
@@ -114,7 +116,7 @@ def _prepare(recipe: Recipe, t: jax.Array, kind: str, what: str) -> jax.Array:
     return t
 
 
-def _element_dtype(recipe: Recipe, kind: str, q: S.QOperand):
+def _element_dtype(recipe: Recipe, kind: str, q: S.QOperand) -> np.dtype:
     """The dtype holding a quantized operand's elements exactly, for the hardware GEMM."""
     if q.block_inv is not None:
         raise ValueError(
@@ -126,33 +128,40 @@ def _element_dtype(recipe: Recipe, kind: str, q: S.QOperand):
     if isinstance(recipe, Reference):
         if recipe.dtype != "bfloat16":
             raise ValueError("accumulate= a hardware preset needs Reference(dtype='bfloat16')")
-        return jnp.bfloat16
-    fmt = recipe.fmt(kind) if hasattr(recipe, "fmt") else E4M3_NAME
-    return jnp.dtype(getattr(fmt, "name", fmt))
+        return jnp.dtype(jnp.bfloat16)
+    # rowwise: E4M3 for every operand (no formats to choose)
+    name = recipe.fmt(kind).name if isinstance(recipe, (Delayed, Current, MX)) else E4M3_NAME
+    return jnp.dtype(name)
 
 
-def _hardware_gemm(recipe: Recipe, qa, qb, kinds) -> jax.Array:
+def _hardware_gemm(
+    recipe: Recipe, preset: str, qa: S.QOperand, qb: S.QOperand, kinds: tuple[str, str]
+) -> jax.Array:
+    """The GEMM as hardware ``preset`` (the recipe's ``accumulate``) computes it."""
     if isinstance(recipe, Blockwise):  # DeepGEMM's per-128 promotion (the recipe checked it)
-        return blockwise_gemm(qa, qb, recipe.accumulate)
+        return blockwise_gemm(qa, qb, preset)
     if qa.block_inv is not None and qb.block_inv is not None and isinstance(recipe, (MX, NVFP4)):
         # block scales inside the contraction: Blackwell's block-scaled MMA (the recipe
         # checked the preset and its formats when it was made)
         (ea, scale), (eb, _) = recipe.hardware_blocks(kinds[0]), recipe.hardware_blocks(kinds[1])
-        return block_gemm(qa, qb, (ea, eb), scale, recipe.block, recipe.accumulate)
+        return block_gemm(qa, qb, (ea, eb), scale, recipe.block, preset)
     da = _element_dtype(recipe, kinds[0], qa)
     db = _element_dtype(recipe, kinds[1], qb)
     a, b = qa.elems.astype(da), qb.elems.astype(db)  # exact: the elements are format values
     if jnp.dtype(da).itemsize != jnp.dtype(db).itemsize:
         raise ValueError(f"hardware GEMM of {jnp.dtype(da).name} x {jnp.dtype(db).name}")
-    kw = hardware.preset(recipe.accumulate)
+    kw = hardware.preset(preset)
     dn = (((2,), (2,)), ((0,), (0,)))
     return hardware.dot_general(a, b, dn, **kw)
 
 
-def _gemm(recipe: Recipe, qa: S.QOperand, qb: S.QOperand, kinds=("x", "w")) -> jax.Array:
+def _gemm(
+    recipe: Recipe, qa: S.QOperand, qb: S.QOperand, kinds: tuple[str, str] = ("x", "w")
+) -> jax.Array:
     a, b = qa.block_values(), qb.block_values()
-    if recipe.accumulate not in (None, "sequential"):
-        acc = _hardware_gemm(recipe, qa, qb, kinds)
+    preset = recipe.accumulate
+    if preset is not None and preset != "sequential":
+        acc = _hardware_gemm(recipe, preset, qa, qb, kinds)
     else:
         acc = batched_gemm(a, b, recipe.accumulate_bits, recipe.accumulate_rounding,
                            recipe.promote_every)  # fmt: skip
@@ -177,6 +186,8 @@ class GemmRecord(NamedTuple):
     out: jax.Array
 
 
+#: A pair of per-operand arguments of a quantizer (scales, keys), None where not given.
+_Pair: TypeAlias = tuple[jax.Array | None, jax.Array | None]
 #: A function receiving each :class:`GemmRecord` while the GEMMs are traced.
 Tap = Callable[[GemmRecord], None]
 #: A replacement of :func:`operand_gemm`: ``gemm(recipe, qa, qb, kinds) -> (B, M, N)``.
@@ -193,30 +204,33 @@ def operand_gemm(
 
 def quantized_gemm(
     recipe: Recipe, a: jax.Array, b: jax.Array, kinds: tuple[str, str], *, what: str,
-    scales=(None, None), keys=(None, None), hadamard: bool = False, tap: Tap | None = None,
+    scales: _Pair = (None, None), keys: _Pair = (None, None),
+    hadamard: np.ndarray | jax.Array | None = None, tap: Tap | None = None,
     gemm: GemmFn | None = None,
 ) -> jax.Array:  # fmt: skip
-    """``Q(a) Q(b)^T`` of float32 (B, M, K) and (B, N, K) operands: (B, M, N) float32."""
+    """``Q(a) Q(b)^T`` of float32 (B, M, K) and (B, N, K) operands: (B, M, N) float32;
+    ``hadamard``: the (16, 16) transform applied to both along K first (NVFP4's wgrad)."""
     m, n = a.shape[1], b.shape[1]
     a = _prepare(recipe, a, kinds[0], f"{what} lhs")
     b = _prepare(recipe, b, kinds[1], f"{what} rhs")
     if a.shape[-1] != b.shape[-1]:  # 2-D tiles padded one operand's K further
         k = max(a.shape[-1], b.shape[-1])
         a, b = _pad_to(a, -1, k), _pad_to(b, -1, k)
-    if hadamard:
-        h = recipe.hadamard_matrix()
-        a = S.apply_hadamard(_pad_to(a, -1, 16), h)
-        b = S.apply_hadamard(_pad_to(b, -1, 16), h)
+    if hadamard is not None:
+        a = S.apply_hadamard(_pad_to(a, -1, 16), hadamard)
+        b = S.apply_hadamard(_pad_to(b, -1, 16), hadamard)
     qa = recipe.quantize(a, kinds[0], scale=scales[0], key=keys[0])
     qb = recipe.quantize(b, kinds[1], scale=scales[1], key=keys[1])
     out = (gemm or _gemm)(recipe, qa, qb, kinds)[:, :m, :n]
     if tap is not None:
-        tap(GemmRecord(what, kinds, (a, b), tuple(scales), tuple(keys), (qa, qb), out))
+        tap(GemmRecord(what, kinds, (a, b), scales, keys, (qa, qb), out))
     return out
 
 
 # --- custom VJP ----------------------------------------------------------------------------
-def _hp_gemm(a, b, kinds=("g", "x"), what="wgrad", tap: Tap | None = None) -> jax.Array:
+def _hp_gemm(
+    a: jax.Array, b: jax.Array, kinds: tuple[str, str], what: str, tap: Tap | None = None
+) -> jax.Array:
     out = jnp.einsum(
         "bmk,bnk->bmn", a, b, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
     )
@@ -225,16 +239,25 @@ def _hp_gemm(a, b, kinds=("g", "x"), what="wgrad", tap: Tap | None = None) -> ja
     return out
 
 
-def _observe(a3, b3) -> jax.Array:
+def _observe(a3: jax.Array, b3: jax.Array) -> jax.Array:
     return jnp.stack([S.amax(a3, None, False), S.amax(b3, None, False)])
 
 
+#: A recipe's numbers as arguments of a program (see :meth:`Recipe.with_numbers`), or None.
+_Numbers: TypeAlias = Mapping[str, ArrayLike] | None
+#: What the forward of the custom VJP saves: the operands, the state, the key, the numbers.
+_Saved: TypeAlias = tuple[jax.Array, jax.Array, dict | None, jax.Array | None, _Numbers]
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _qdot3(recipe: Recipe, kinds, a3, b3, state, key, nums):
+def _qdot3(
+    recipe: Recipe, kinds: tuple[str, str], a3: jax.Array, b3: jax.Array, state: dict | None,
+    key: jax.Array | None, nums: _Numbers,
+) -> jax.Array:  # fmt: skip
     return _fprop(recipe.with_numbers(nums), kinds, a3, b3, state)
 
 
-def _scales(state):
+def _scales(state: dict | None) -> tuple[jax.Array | None, jax.Array | None, jax.Array | None]:
     if state is None:
         return None, None, None
     s = state["scale"]
@@ -255,11 +278,16 @@ def fprop_gemm(
     )  # fmt: skip
 
 
-def _fprop(recipe, kinds, a3, b3, state):
+def _fprop(
+    recipe: Recipe, kinds: tuple[str, str], a3: jax.Array, b3: jax.Array, state: dict | None
+) -> jax.Array:
     return fprop_gemm(recipe, kinds, a3, b3, state)
 
 
-def _qdot3_fwd(recipe, kinds, a3, b3, state, key, nums):
+def _qdot3_fwd(
+    recipe: Recipe, kinds: tuple[str, str], a3: jax.Array, b3: jax.Array, state: dict | None,
+    key: jax.Array | None, nums: _Numbers,
+) -> tuple[jax.Array, _Saved]:  # fmt: skip
     return _fprop(recipe.with_numbers(nums), kinds, a3, b3, state), (a3, b3, state, key, nums)
 
 
@@ -304,7 +332,7 @@ def vjp_gemms(
         db = quantized_gemm(
             recipe, gt, jnp.swapaxes(a, -1, -2), ("g", kinds[0]), what="wgrad",
             scales=(sg, sa), keys=(kg2, None),
-            hadamard=isinstance(recipe, NVFP4) and recipe.hadamard, tap=tap, gemm=gemm,
+            hadamard=_wgrad_hadamard(recipe), tap=tap, gemm=gemm,
         )  # fmt: skip
     if recipe.wgrad_hp and kinds[0] == "w":  # the weight is the lhs: its gradient is da
         da = _hp_gemm(g, b3.astype(jnp.float32).swapaxes(-1, -2), ("g", kinds[1]), "dgrad", tap)
@@ -319,7 +347,14 @@ def vjp_gemms(
     return da.astype(a3.dtype), db.astype(b3.dtype), ct_state
 
 
-def _qdot3_bwd(recipe, kinds, res, g):
+def _wgrad_hadamard(recipe: Recipe) -> np.ndarray | jax.Array | None:
+    """The transform NVFP4 applies to the wgrad operands (``hadamard``), or None."""
+    return recipe.hadamard_matrix() if isinstance(recipe, NVFP4) and recipe.hadamard else None
+
+
+def _qdot3_bwd(
+    recipe: Recipe, kinds: tuple[str, str], res: _Saved, g: jax.Array
+) -> tuple[jax.Array, jax.Array, dict | None, None, None]:
     a3, b3, state, key, nums = res
     da, db, ct_state = vjp_gemms(recipe.with_numbers(nums), kinds, a3, b3, state, key, g)
     return da, db, ct_state, None, None
@@ -331,7 +366,7 @@ qdot3_jit = jax.jit(_qdot3, static_argnums=(0, 1))
 
 
 # --- public --------------------------------------------------------------------------------
-def operand_kinds(weight: str | tuple[str, str]) -> tuple[str, str]:
+def operand_kinds(weight: Weight) -> tuple[str, str]:
     """The kinds of (lhs, rhs): a name of :data:`WEIGHT_OPERANDS` or the pair itself
     (``("x", "w")``, a site's ``Site.roles``)."""
     if isinstance(weight, str) and weight in WEIGHT_OPERANDS:
@@ -350,12 +385,12 @@ def as_recipe(recipe: Recipe | str) -> Recipe:
     if not isinstance(recipe, str):
         return get_recipe(recipe)
     r = get_recipe(recipe)
-    if "pad" in {f.name for f in dataclasses.fields(r)}:
-        return dataclasses.replace(r, pad=True)  # type: ignore[type-var]
+    if isinstance(r, (Blocked, FP4Recipe)):  # the recipes with a pad field
+        return dataclasses.replace(r, pad=True)
     return r
 
 
-def check_float(x, what: str) -> None:
+def check_float(x: jax.Array, what: str) -> None:
     if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in _FLOATS]:
         raise ValueError(
             f"quantized matmul takes float operands (float32, bfloat16, float16, float64); "
@@ -364,7 +399,7 @@ def check_float(x, what: str) -> None:
 
 
 def checked_operands(
-    recipe: Recipe, weight: str | tuple[str, str], lhs: Any, rhs: Any, state: Any, what: str
+    recipe: Recipe, weight: Weight, lhs: Any, rhs: Any, state: Any, what: str
 ) -> tuple[tuple[str, str], jax.Array, jax.Array]:
     """The checks a quantized matmul and convolution (``what``) share: the operands' kinds
     (from ``weight``), float operands (returned as arrays), and a state for the delayed
@@ -383,14 +418,14 @@ def checked_operands(
 def dot_general(
     lhs: jax.Array,
     rhs: jax.Array,
-    dimension_numbers,
+    dimension_numbers: lax.DotDimensionNumbers,
     precision: Any = None,
     preferred_element_type: Any = None,
     *,
     recipe: Recipe | str,
     state: dict | None = None,
     key: jax.Array | None = None,
-    weight: str | tuple[str, str] = "rhs",
+    weight: Weight = "rhs",
 ) -> jax.Array:
     """``lax.dot_general`` whose forward and backward GEMMs are quantized by ``recipe``.
 
@@ -422,7 +457,7 @@ def dot_general(
     out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
     if not recipe.stateful:
         state = None
-    if hasattr(recipe, "dot3"):  # a recipe owning its three GEMMs (recipes._fp4)
+    if isinstance(recipe, FP4Recipe):  # a recipe owning its three GEMMs (recipes._fp4)
         wc, wb = (lc, lb) if kinds == ("w", "x") else (rc, rb)
         out = recipe.dot3(
             kinds, a3, b3, state, key, canon=lambda t: canonical_operand(t, wc, wb)[0]
@@ -441,7 +476,7 @@ def dot_general(
     return out.reshape(*batch_shape, *lfree, *rfree).astype(out_dtype)
 
 
-def matmul(a: jax.Array, b: jax.Array, *, recipe: Recipe | str, **kwargs) -> jax.Array:
+def matmul(a: jax.Array, b: jax.Array, *, recipe: Recipe | str, **kwargs: Any) -> jax.Array:
     """``a @ b`` (2-D ``a`` with leading batch axes allowed, 2-D ``b``) through
     :func:`dot_general`.
 

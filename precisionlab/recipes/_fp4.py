@@ -32,15 +32,17 @@ import inspect
 import threading
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, Generic, NamedTuple, ParamSpec, Protocol, TypeAlias, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
+from jax import Array, lax
 
+from precisionlab.intercept import Site
 from precisionlab.quant import fp4 as _fp4q
+from precisionlab.quant.fp4 import FP4Block
 from precisionlab.recipes import _scaling as S
 from precisionlab.recipes._accumulate import batched_gemm
 from precisionlab.recipes._recipes import Recipe
@@ -67,7 +69,7 @@ _NV, _MX = 16, 32
 _SR_HEADROOM = 6.0 * 16.0 / 17.0  # Quartet II's "unbiased" NVFP4 target: SR never clips
 
 
-def _t(x: jax.Array) -> jax.Array:
+def _t(x: Array) -> Array:
     return jnp.swapaxes(x, -1, -2)
 
 
@@ -103,8 +105,14 @@ class _Taps(threading.local):
 
 
 _TAPS_LOCAL = _Taps()  # per thread: another thread's trace reports nothing to this one's tap
-#: the functions of :mod:`precisionlab.quant.fp4` reported as steps
-_QUANT_STEPS = ("nvfp4", "mxfp4", "quest", "ms_eden", "qema_nearest", "rotate", "random_signs")
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+#: What an FP4 recipe saves from its forward for its backward (a tuple per recipe).
+_Res = TypeVar("_Res")
+#: An operand as an FP4 recipe's GEMM takes it: an FP4 block, or float32 values (BF16, MXFP8).
+_Quantized: TypeAlias = FP4Block | Array
+#: The kinds of a GEMM's (lhs, rhs) (see :mod:`precisionlab.recipes._dot`).
+Kinds: TypeAlias = tuple[str, str]
 
 
 @contextlib.contextmanager
@@ -126,44 +134,60 @@ def _tapping() -> bool:
     return bool(_TAPS_LOCAL.stack)
 
 
-def _report(op: str, static: dict, inputs: dict, outputs: dict) -> None:
+def _report(
+    op: str, static: dict[str, Any], inputs: dict[str, Any], outputs: dict[str, Any]
+) -> None:
     if _TAPS_LOCAL.stack:
         _TAPS_LOCAL.stack[-1](FP4Step(op, static, inputs, outputs))
 
 
 def _outputs(out: Any) -> dict[str, Any]:
-    if isinstance(out, _fp4q.FP4Block):
+    if isinstance(out, FP4Block):
         return {k: v for k, v in out._asdict().items() if v is not None}
     return {"out": out}
 
 
+def _tapped(name: str, f: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``f`` (the function ``name`` of :mod:`precisionlab.quant.fp4`) reporting each call as a
+    step while a step tap is active."""
+
+    def call(*args: _P.args, **kw: _P.kwargs) -> _R:
+        out = f(*args, **kw)
+        if _tapping():
+            bound = inspect.signature(f).bind(*args, **kw)
+            bound.apply_defaults()  # every choice stated, defaults included
+            arrays = {k: v for k, v in bound.arguments.items()
+                      if isinstance(v, (Array, np.ndarray))}  # fmt: skip
+            static = {k: (v.item() if isinstance(v, np.generic) else v)
+                      for k, v in bound.arguments.items() if k not in arrays}  # fmt: skip
+            _report(name, static, arrays, _outputs(out))
+        return out
+
+    return call
+
+
 class _TappedQuant:
-    """:mod:`precisionlab.quant.fp4` with its quantizers and rotations reported as steps."""
+    """The quantizers and rotations of :mod:`precisionlab.quant.fp4` the recipes call, each
+    reported as a step (:func:`_tapped`)."""
 
-    def __getattr__(self, name: str) -> Any:
-        f = getattr(_fp4q, name)
-        if name not in _QUANT_STEPS:
-            return f
-
-        def call(*args, **kw):
-            out = f(*args, **kw)
-            if _tapping():
-                bound = inspect.signature(f).bind(*args, **kw)
-                bound.apply_defaults()  # every choice stated, defaults included
-                arrays = {k: v for k, v in bound.arguments.items()
-                          if isinstance(v, (jax.Array, np.ndarray))}  # fmt: skip
-                static = {k: (v.item() if isinstance(v, np.generic) else v)
-                          for k, v in bound.arguments.items() if k not in arrays}  # fmt: skip
-                _report(name, static, arrays, _outputs(out))
-            return out
-
-        return call
+    def __init__(self) -> None:
+        self.nvfp4 = _tapped("nvfp4", _fp4q.nvfp4)
+        self.mxfp4 = _tapped("mxfp4", _fp4q.mxfp4)
+        self.quest = _tapped("quest", _fp4q.quest)
+        self.ms_eden = _tapped("ms_eden", _fp4q.ms_eden)
+        self.qema_nearest = _tapped("qema_nearest", _fp4q.qema_nearest)
+        self.rotate = _tapped("rotate", _fp4q.rotate)
+        self.random_signs = _tapped("random_signs", _fp4q.random_signs)
 
 
 fp4 = _TappedQuant()
+#: the functions of :mod:`precisionlab.quant.fp4` reported as steps (the attributes of ``fp4``)
+_QUANT_STEPS: tuple[str, ...] = tuple(vars(fp4))
 
 
-def _cond(pred, true_fn, false_fn, *operands):
+def _cond(
+    pred: Array, true_fn: Callable[..., _R], false_fn: Callable[..., _R], *operands: Any
+) -> _R:
     """``lax.cond``; while a step tap is active both branches run and one is selected (a
     step traced inside a branch could not leave it)."""
     if not _tapping():
@@ -172,14 +196,14 @@ def _cond(pred, true_fn, false_fn, *operands):
     return jax.tree.map(lambda x, y: jnp.where(pred, x, y), t, f)
 
 
-def _bf16(t: jax.Array) -> jax.Array:
+def _bf16(t: Array) -> Array:
     """``t`` rounded to bfloat16 (held in float32): a step."""
     out = t.astype(jnp.bfloat16).astype(jnp.float32)
     _report("bf16", {}, {"x": t}, {"out": out})
     return out
 
 
-def _mm_values(recipe: Recipe, va, fa, vb, fb) -> jax.Array:
+def _mm_values(recipe: Recipe, va: Array, fa: Array | None, vb: Array, fb: Array | None) -> Array:
     """``va vb^T`` (float32 accumulation or the sequential study model) times the factors."""
     acc = batched_gemm(va, vb, recipe.accumulate_bits, recipe.accumulate_rounding,
                        recipe.promote_every)  # fmt: skip
@@ -190,7 +214,7 @@ def _mm_values(recipe: Recipe, va, fa, vb, fb) -> jax.Array:
 
 
 def replay_fp4_step(recipe: Recipe, op: str, inputs: dict[str, Any],
-                    static: dict[str, Any]) -> dict[str, jax.Array]:  # fmt: skip
+                    static: dict[str, Any]) -> dict[str, Array]:  # fmt: skip
     """The outputs of step ``op`` (an :class:`FP4Step`'s) recomputed from ``inputs`` and
     ``static`` with the same codecs (``"gemm"`` by ``recipe``'s accumulation). ValueError
     for an unknown op."""
@@ -202,7 +226,8 @@ def replay_fp4_step(recipe: Recipe, op: str, inputs: dict[str, Any],
         return {"out": inputs["x"].astype(jnp.bfloat16).astype(jnp.float32)}
     if op == "gemm":
         g = inputs.get
-        return {"out": _mm_values(recipe, g("lhs"), g("lhs_factor"), g("rhs"), g("rhs_factor"))}
+        out = _mm_values(recipe, inputs["lhs"], g("lhs_factor"), inputs["rhs"], g("rhs_factor"))
+        return {"out": out}
     allowed = ", ".join((*_QUANT_STEPS, "mxfp8", "bf16", "gemm"))
     raise ValueError(f"unknown FP4 recipe step {op!r}; known: {allowed}")
 
@@ -211,12 +236,12 @@ class _Operand(NamedTuple):
     """What a GEMM multiplies: ``values`` (float32) and a scalar factor applied to its output
     (NVFP4's per-tensor decode scale), or None."""
 
-    values: jax.Array
-    factor: jax.Array | None
+    values: Array
+    factor: Array | None
 
 
-def _as_operand(q: fp4.FP4Block | jax.Array) -> _Operand:
-    if not isinstance(q, fp4.FP4Block):
+def _as_operand(q: _Quantized) -> _Operand:
+    if not isinstance(q, FP4Block):
         return _Operand(q.astype(jnp.float32), None)
     v = q.elems * q.scale
     if q.tensor_inv is None:
@@ -226,21 +251,27 @@ def _as_operand(q: fp4.FP4Block | jax.Array) -> _Operand:
     return _Operand(v * q.tensor_inv, None)
 
 
+class _Quantizer(Protocol):
+    """A recipe's quantizer of a (B, R, K) operand along K, with the rounding as keyword."""
+
+    def __call__(self, t: Array, *, rounding: str = ..., key: Array | None = ...) -> _Quantized: ...
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class FP4Recipe(Recipe):
+class FP4Recipe(Recipe, Generic[_Res]):
     """Base of the FP4 recipes: the element format (``fmt``: ``"nvfp4"`` or ``"mxfp4"``,
     where the recipe defines both), ``pad``, the accumulator fields of :class:`Recipe`, and the
-    custom-VJP plumbing (:meth:`dot3`). Subclasses write :meth:`forward` and :meth:`backward`.
+    custom-VJP plumbing (:meth:`dot3`). Subclasses write :meth:`forward` and :meth:`backward`
+    (``_Res``: the type of what the forward saves for the backward). Every FP4 recipe's GEMMs
+    need a PRNG key (stochastic rounding or random rotations).
     """
 
     name: ClassVar[str] = "fp4"
     formats: ClassVar[tuple[str, ...]] = FORMATS
-    #: the recipe's GEMMs need a PRNG key (stochastic rounding or random rotations)
-    needs_key: ClassVar[bool] = True
     fmt: str = "nvfp4"
     pad: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         if self.fmt not in self.formats:
             raise ValueError(
@@ -265,22 +296,32 @@ class FP4Recipe(Recipe):
     def two_d(self, kind: str) -> bool:
         return False
 
-    def quantize(self, t, kind, *, scale=None, key=None) -> S.QOperand:
+    def quantize(
+        self, t: Array, kind: str, *, scale: Array | None = None, key: Array | None = None
+    ) -> S.QOperand:
         """The forward quantization of an operand of ``kind`` (``x`` the fprop lhs, ``w`` its
         rhs, ``g`` the dgrad gradient), as the GEMM multiplies it (rotated where the recipe
         rotates): for telemetry and the recipe metrics."""
         q = self.fprop_operand(t.astype(jnp.float32), kind, key)
-        if not isinstance(q, fp4.FP4Block):
+        if not isinstance(q, FP4Block):
             return S.QOperand(q, None, None)
         tinv = None if q.tensor_inv is None else jnp.broadcast_to(q.tensor_inv, q.elems.shape)
         return S.QOperand(q.elems, None if tinv is None else tinv[..., :1], q.scale)
 
-    def fprop_operand(self, t: jax.Array, kind: str, key) -> fp4.FP4Block | jax.Array:
+    def fprop_operand(self, t: Array, kind: str, key: Array | None) -> _Quantized:
         """One operand as the recipe's forward (or, for ``g``, its dgrad) quantizes it."""
         raise NotImplementedError
 
     # --- helpers ---------------------------------------------------------------------------
-    def _q(self, t, *, rounding="nearest_even", key=None, two_d=False, **kw) -> fp4.FP4Block:
+    def _q(
+        self,
+        t: Array,
+        *,
+        rounding: str = "nearest_even",
+        key: Array | None = None,
+        two_d: bool = False,
+        **kw: Any,
+    ) -> FP4Block:
         """``t`` quantized in the recipe's format along its last axis (NVFP4 or MXFP4)."""
         if rounding == "stochastic" and key is None:
             raise ValueError(f"{self.name}: stochastic rounding needs a PRNG key")
@@ -288,7 +329,7 @@ class FP4Recipe(Recipe):
             return fp4.nvfp4(t, two_d=two_d, rounding=rounding, key=key, **kw)
         return fp4.mxfp4(t, two_d=two_d, rounding=rounding, key=key, **kw)
 
-    def _mm(self, a, b) -> jax.Array:
+    def _mm(self, a: _Quantized, b: _Quantized) -> Array:
         """``a b^T`` of two quantized (or plain) (B, R, K) operands, float32 accumulation
         (or the sequential study model), per-tensor factors applied to the output."""
         oa, ob = _as_operand(a), _as_operand(b)
@@ -301,7 +342,9 @@ class FP4Recipe(Recipe):
         _report("gemm", {}, {k: v for k, v in ins.items() if v is not None}, {"out": acc})
         return acc
 
-    def _stochastic_backward(self, quantize: Callable, a, b, g, key) -> tuple:
+    def _stochastic_backward(
+        self, quantize: _Quantizer, a: Array, b: Array, g: Array, key: Array | None
+    ) -> tuple[Array, Array]:
         """dgrad ``g b`` and wgrad ``g^T a`` with all four operands quantized by
         ``quantize`` with stochastic rounding, each with its own key split from ``key``."""
         k1, k2, k3, k4 = self._keys(key, 4)
@@ -310,36 +353,48 @@ class FP4Recipe(Recipe):
         db = self._mm(sr(_t(g), key=k3), sr(_t(a), key=k4))
         return da, db
 
-    def _keys(self, key, n: int) -> list:
+    def _key(self, key: Array | None) -> Array:
+        """``key``; ValueError where there is none."""
         if key is None:
-            if self.needs_key:
-                raise ValueError(
-                    f"{self.name} rounds stochastically or rotates randomly and needs a PRNG "
-                    "key: pass key=... (the train step passes one)"
-                )
-            return [None] * n
-        return list(jax.random.split(key, n))
+            raise ValueError(
+                f"{self.name} rounds stochastically or rotates randomly and needs a PRNG "
+                "key: pass key=... (the train step passes one)"
+            )
+        return key
+
+    def _keys(self, key: Array | None, n: int) -> list[Array]:
+        return list(jax.random.split(self._key(key), n))
 
     # --- the recipe --------------------------------------------------------------------------
-    def forward(self, kinds, a, b, state, key) -> tuple[jax.Array, Any, Any]:
+    def forward(
+        self, kinds: Kinds, a: Array, b: Array, state: dict | None, key: Array | None
+    ) -> tuple[Array, _Res, Array | None]:
         """(fprop output (B, M, N), residuals for :meth:`backward`, observation or None)."""
         raise NotImplementedError
 
-    def backward(self, kinds, res, g, key) -> tuple[jax.Array, jax.Array]:
+    def backward(self, kinds: Kinds, res: _Res, g: Array, key: Array | None) -> tuple[Array, Array]:
         """(da (B, M, K), db (B, N, K)) from the residuals and the output gradient."""
         raise NotImplementedError
 
     # --- state (recipes with per-matmul state override these) -------------------------------
-    def site_state(self, site: Any, weight: str) -> dict[str, jax.Array]:
+    def site_state(self, site: Site, weight: str) -> dict[str, Array]:
         """Fresh state of one matmul (``{}``: none)."""
         return {}
 
-    def update_site(self, state: dict, observed: jax.Array) -> dict:
+    def update_site(self, state: dict, observed: Array | None) -> dict:
         """The state after a step that observed ``observed`` (the probe's cotangent)."""
         return state
 
-    def dot3(self, kinds, a3, b3, state, key, canon: Callable | None = None,
-             run: Callable | None = None) -> jax.Array:  # fmt: skip
+    def dot3(
+        self,
+        kinds: Kinds,
+        a3: Array,
+        b3: Array,
+        state: dict | None,
+        key: Array | None,
+        canon: Callable[[Array], Array] | None = None,
+        run: Callable[..., Array] | None = None,
+    ) -> Array:
         """The matmul on canonical operands: ``a3`` (B, M, K), ``b3`` (B, N, K), output
         (B, M, N) float32; ``state`` this matmul's state (weight-shaped leaves, put in the
         canonical layout by ``canon``) or None. ``run(recipe, kinds, a, b, state, key)``
@@ -369,24 +424,57 @@ class FP4Recipe(Recipe):
         return out[:, :m, :n]
 
 
-def _pad3(x: jax.Array, mult: int, axes) -> jax.Array:
+def _rceil(fmt: str) -> dict[str, Any]:
+    """Quantizer options scaling MXFP4 blocks by ``rceil`` (TE's MX rule, never saturating;
+    NVFP4 has its own E4M3 scales)."""
+    return {} if fmt == "nvfp4" else {"rule": "rceil"}
+
+
+def _observed(recipe: FP4Recipe[Any], observed: Array | None) -> Array:
+    """A stateful site's observation (the probe's cotangent); ValueError where it is missing."""
+    if observed is None:
+        raise ValueError(
+            f"{recipe.name}: no observation for a matmul with state (pass update_state the "
+            "observations value_and_grad returned)"
+        )
+    return observed
+
+
+def _trust_mask(q: FP4Block) -> Array:
+    """The trust mask of a QuEST-quantized operand (:func:`precisionlab.quant.fp4.quest`)."""
+    if q.mask is None:
+        raise ValueError("quest gave no trust mask")
+    return q.mask
+
+
+def _pad3(x: Array, mult: int, axes: tuple[int, ...]) -> Array:
     widths = [(0, 0)] * x.ndim
     for ax in axes:
         widths[ax] = (0, -x.shape[ax] % mult)
     return jnp.pad(x, widths) if any(w[1] for w in widths) else x
 
 
+#: What the custom VJP saves: the recipe's residuals, the state, the observation, the key.
+_Saved: TypeAlias = tuple[Any, dict | None, Array | None, Array | None]
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _dot3(recipe: FP4Recipe, kinds, a, b, state, key):
+def _dot3(
+    recipe: FP4Recipe[Any], kinds: Kinds, a: Array, b: Array, state: dict | None, key: Array | None
+) -> Array:
     return recipe.forward(kinds, a, b, state, key)[0]
 
 
-def _dot3_fwd(recipe, kinds, a, b, state, key):
+def _dot3_fwd(
+    recipe: FP4Recipe[Any], kinds: Kinds, a: Array, b: Array, state: dict | None, key: Array | None
+) -> tuple[Array, _Saved]:
     y, res, observed = recipe.forward(kinds, a, b, state, key)
     return y, (res, state, observed, key)
 
 
-def _dot3_bwd(recipe, kinds, saved, g):
+def _dot3_bwd(
+    recipe: FP4Recipe[Any], kinds: Kinds, saved: _Saved, g: Array
+) -> tuple[Array, Array, dict | None, None]:
     res, state, observed, key = saved
     da, db = recipe.backward(kinds, res, g.astype(jnp.float32), key)
     ct_state = None
@@ -402,8 +490,64 @@ _dot3_jit = jax.jit(_dot3, static_argnums=(0, 1))
 
 
 # --- NVIDIA ------------------------------------------------------------------------------------
+class _NvidiaGemms(FP4Recipe[tuple[Array, Array, FP4Block]]):
+    """NVIDIA's three GEMMs (:class:`NvidiaFP4`, and :class:`FourOverSix` with its own
+    quantizer :meth:`_qf`). Not a dataclass: each recipe declares its fields."""
+
+    hadamard_seed: int  # a field of each recipe
+
+    def two_d(self, kind: str) -> bool:
+        return kind == "w"
+
+    def _qf(
+        self,
+        t: Array,
+        two_d: bool = False,
+        rounding: str = "nearest_even",
+        key: Array | None = None,
+    ) -> FP4Block:
+        """``t`` quantized along its last axis in the recipe's format, with its options."""
+        return self._q(t, two_d=two_d, rounding=rounding, key=key, **self._q_options())
+
+    def _q_options(self) -> dict[str, Any]:
+        """The recipe's options of the quantizer (:meth:`FP4Recipe._q`)."""
+        raise NotImplementedError
+
+    def fprop_operand(self, t: Array, kind: str, key: Array | None) -> _Quantized:
+        if kind == "g":
+            return self._qf(t, rounding="stochastic", key=key)
+        return self._qf(t, two_d=kind == "w")
+
+    def _signs(self) -> Array:
+        h = S.hadamard_matrix(self.hadamard_seed, 16)  # diag(signs) H / 4
+        return jnp.asarray(np.sign(h[:, 0]), jnp.float32)
+
+    def forward(
+        self, kinds: Kinds, a: Array, b: Array, state: dict | None, key: Array | None
+    ) -> tuple[Array, tuple[Array, Array, FP4Block], None]:
+        qa = self._qf(a)
+        qb = self._qf(b, two_d=kinds[1] == "w")
+        return self._mm(qa, qb), (a, b, qb), None
+
+    def backward(
+        self, kinds: Kinds, res: tuple[Array, Array, FP4Block], g: Array, key: Array | None
+    ) -> tuple[Array, Array]:
+        a, b, qb = res
+        k1, k2 = self._keys(key, 2)
+        gq = self._qf(g, rounding="stochastic", key=k1)
+        if kinds[1] == "w":  # 2-D tiles: the transposed weight is the same quantized tensor
+            bt = FP4Block(_t(qb.elems), _t(qb.scale), qb.tensor_inv)
+        else:
+            bt = self._qf(_t(b))
+        da = self._mm(gq, bt)
+        signs = self._signs()
+        gt = self._qf(fp4.rotate(_t(g), signs), rounding="stochastic", key=k2)
+        at = self._qf(fp4.rotate(_t(a), signs))
+        return da, self._mm(gt, at)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class NvidiaFP4(FP4Recipe):
+class NvidiaFP4(_NvidiaGemms):
     """NVIDIA's NVFP4 pretraining recipe (NVIDIA, "Pretraining Large Language Models with
     NVFP4", arXiv 2509.25149, sec. 4; TE's ``NVFP4BlockScaling``).
 
@@ -427,45 +571,13 @@ class NvidiaFP4(FP4Recipe):
     name: ClassVar[str] = "nvidia_fp4"
     hadamard_seed: int = 0
 
-    def two_d(self, kind):
-        return kind == "w"
-
-    def _qf(self, t, two_d=False, rounding="nearest_even", key=None):
-        kw = {} if self.fmt == "nvfp4" else {"rule": "rceil"}
-        return self._q(t, two_d=two_d, rounding=rounding, key=key, **kw)
-
-    def fprop_operand(self, t, kind, key):
-        if kind == "g":
-            return self._qf(t, rounding="stochastic", key=key)
-        return self._qf(t, two_d=kind == "w")
-
-    def _signs(self):
-        h = S.hadamard_matrix(self.hadamard_seed, 16)  # diag(signs) H / 4
-        return jnp.asarray(np.sign(h[:, 0]), jnp.float32)
-
-    def forward(self, kinds, a, b, state, key):
-        qa = self._qf(a)
-        qb = self._qf(b, two_d=kinds[1] == "w")
-        return self._mm(qa, qb), (a, b, qb), None
-
-    def backward(self, kinds, res, g, key):
-        a, b, qb = res
-        k1, k2 = self._keys(key, 2)
-        gq = self._qf(g, rounding="stochastic", key=k1)
-        if kinds[1] == "w":  # 2-D tiles: the transposed weight is the same quantized tensor
-            bt = fp4.FP4Block(_t(qb.elems), _t(qb.scale), qb.tensor_inv)
-        else:
-            bt = self._qf(_t(b))
-        da = self._mm(gq, bt)
-        signs = self._signs()
-        gt = self._qf(fp4.rotate(_t(g), signs), rounding="stochastic", key=k2)
-        at = self._qf(fp4.rotate(_t(a), signs))
-        return da, self._mm(gt, at)
+    def _q_options(self) -> dict[str, Any]:
+        return _rceil(self.fmt)
 
 
 # --- Tseng, Yu and Park -------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TsengFP4(FP4Recipe):
+class TsengFP4(FP4Recipe[tuple[Array, Array]]):
     """Tseng, Yu and Park, "Training LLMs with MXFP4" (arXiv 2502.20586, sec. 3-4; the
     authors' patches of microxcaling and Megatron-LM).
 
@@ -485,27 +597,31 @@ class TsengFP4(FP4Recipe):
     fmt: str = "mxfp4"
     hadamard_size: int = 64
 
-    def _sr(self, t, key):
+    def _sr(self, t: Array, key: Array | None) -> FP4Block:
         if self.fmt == "nvfp4":
             return self._q(t, rounding="stochastic", key=key, val_max=_SR_HEADROOM)
         return self._q(t, rounding="stochastic", key=key, prescale=True)
 
-    def fprop_operand(self, t, kind, key):
+    def fprop_operand(self, t: Array, kind: str, key: Array | None) -> _Quantized:
         if kind == "g":
             return self._sr(t, key)
         return _bf16(t)
 
-    def forward(self, kinds, a, b, state, key):
+    def forward(
+        self, kinds: Kinds, a: Array, b: Array, state: dict | None, key: Array | None
+    ) -> tuple[Array, tuple[Array, Array], None]:
         a16, b16 = _bf16(a), _bf16(b)
         return self._mm(a16, b16), (a16, b16), None
 
-    def _rotated_pair(self, u, v, key):
+    def _rotated_pair(self, u: Array, v: Array, key: Array) -> tuple[FP4Block, FP4Block]:
         n = _pow2_divisor(u.shape[-1], self.hadamard_size, self.block)
         ks, ku, kv = jax.random.split(key, 3)
         signs = fp4.random_signs(ks, n)
         return self._sr(fp4.rotate(u, signs), ku), self._sr(fp4.rotate(v, signs), kv)
 
-    def backward(self, kinds, res, g, key):
+    def backward(
+        self, kinds: Kinds, res: tuple[Array, Array], g: Array, key: Array | None
+    ) -> tuple[Array, Array]:
         a, b = res
         k1, k2 = self._keys(key, 2)
         da = self._mm(*self._rotated_pair(g, _t(b), k1))
@@ -515,7 +631,7 @@ class TsengFP4(FP4Recipe):
 
 # --- Quartet -----------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Quartet(FP4Recipe):
+class Quartet(FP4Recipe[tuple[Array, Array, Array, Array]]):
     """Quartet (Castro et al., "Quartet: Native FP4 Training Can Be Optimal for Large Language
     Models", arXiv 2505.14669, sec. 4; the authors' ``QuestMXFP4Quantizer`` and backward
     scheme ``Q(E)Q(Wt)t_Q(Et)Q(Xt)t``). MXFP4 only.
@@ -539,28 +655,32 @@ class Quartet(FP4Recipe):
     fmt: str = "mxfp4"
     hadamard_size: int = 32
 
-    def _h(self, n: int) -> jax.Array:
+    def _h(self, n: int) -> Array:
         return jnp.ones((_pow2_divisor(n, self.hadamard_size, _MX),), jnp.float32)
 
-    def fprop_operand(self, t, kind, key):
+    def fprop_operand(self, t: Array, kind: str, key: Array | None) -> _Quantized:
         if kind == "g":
             return self._sr(t, key)
         return fp4.quest(fp4.rotate(t, self._h(t.shape[-1])))
 
-    def _sr(self, t, key):
+    def _sr(self, t: Array, key: Array | None) -> FP4Block:
         return self._q(t, rounding="stochastic", key=key, prescale=True)
 
-    def forward(self, kinds, a, b, state, key):
+    def forward(
+        self, kinds: Kinds, a: Array, b: Array, state: dict | None, key: Array | None
+    ) -> tuple[Array, tuple[Array, Array, Array, Array], None]:
         ones = self._h(a.shape[-1])
         qa, qb = fp4.quest(fp4.rotate(a, ones)), fp4.quest(fp4.rotate(b, ones))
         va, vb = qa.values(), qb.values()
-        return self._mm(va, vb), (va, vb, qa.mask, qb.mask), None
+        return self._mm(va, vb), (va, vb, _trust_mask(qa), _trust_mask(qb)), None
 
-    def _post_signed(self, t, signs):
+    def _post_signed(self, t: Array, signs: Array) -> Array:
         """t rotated by ``H diag(signs)`` (the reference's order: signs after H)."""
         return fp4.rotate(t, jnp.ones_like(signs)) * jnp.tile(signs, t.shape[-1] // signs.size)
 
-    def backward(self, kinds, res, g, key):
+    def backward(
+        self, kinds: Kinds, res: tuple[Array, Array, Array, Array], g: Array, key: Array | None
+    ) -> tuple[Array, Array]:
         va, vb, ma, mb = res
         ks, k1, k2, k3, k4 = self._keys(key, 5)
         n = _pow2_divisor(g.shape[-1], self.hadamard_size, _MX)
@@ -582,7 +702,7 @@ class Quartet(FP4Recipe):
 
 # --- Quartet II --------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class QuartetII(FP4Recipe):
+class QuartetII(FP4Recipe[tuple[Array, Array]]):
     """Quartet II (Panferov et al., arXiv 2601.22813; the authors' ``Quartet_II_fn`` with the
     setup of their sweep: rotation 128, no delayed amax, Four Over Six off). NVFP4 only.
 
@@ -605,22 +725,24 @@ class QuartetII(FP4Recipe):
     hadamard_size: int = 128
     four_over_six: bool = False
 
-    def _fwd(self, t):
+    def _fwd(self, t: Array) -> FP4Block:
         if self.four_over_six:
             return fp4.nvfp4(t, scale_max=256.0, four_over_six="mse")
         return fp4.nvfp4(t)
 
-    def fprop_operand(self, t, kind, key):
+    def fprop_operand(self, t: Array, kind: str, key: Array | None) -> _Quantized:
         if kind == "g":
             n = _pow2_divisor(t.shape[-1], self.hadamard_size, _NV)
-            return fp4.ms_eden(t, key, group=n)
+            return fp4.ms_eden(t, self._key(key), group=n)
         return self._fwd(t)
 
-    def forward(self, kinds, a, b, state, key):
+    def forward(
+        self, kinds: Kinds, a: Array, b: Array, state: dict | None, key: Array | None
+    ) -> tuple[Array, tuple[Array, Array], None]:
         va, vb = self._fwd(a).values(), self._fwd(b).values()
         return self._mm(va, vb), (va, vb), None
 
-    def _eden_pair(self, u, v, signs, key):
+    def _eden_pair(self, u: Array, v: Array, signs: Array, key: Array) -> tuple[FP4Block, FP4Block]:
         k1, k2 = jax.random.split(key)
         n = signs.size
         return (
@@ -628,7 +750,9 @@ class QuartetII(FP4Recipe):
             fp4.ms_eden(fp4.rotate(v, signs), k2, group=n),
         )
 
-    def backward(self, kinds, res, g, key):
+    def backward(
+        self, kinds: Kinds, res: tuple[Array, Array], g: Array, key: Array | None
+    ) -> tuple[Array, Array]:
         va, vb = res
         ks, k1, k2 = self._keys(key, 3)
         base = fp4.random_signs(ks, self.hadamard_size)
@@ -641,7 +765,7 @@ class QuartetII(FP4Recipe):
 
 # --- Four Over Six -----------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class FourOverSix(FP4Recipe):
+class FourOverSix(_NvidiaGemms):
     """Four Over Six (Cook et al., "Four Over Six: More Accurate NVFP4 Quantization with
     Adaptive Block Scaling", arXiv 2512.02010; the authors' ``fouroversix`` training config:
     ``scale_rule="mse"`` on every operand, ``weight_scale_2d``, stochastic gradients, the
@@ -659,31 +783,22 @@ class FourOverSix(FP4Recipe):
     rule: str = "mse"
     hadamard_seed: int = 0
 
-    def _check_fields(self):
+    def _check_fields(self) -> None:
         if self.rule not in ("mse", "mae", "abs_max"):
             raise ValueError(f"four_over_six: unknown rule {self.rule!r}; allowed: mse, mae, "
                              "abs_max")  # fmt: skip
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         self._check_fields()
 
-    def two_d(self, kind):
-        return kind == "w"
-
-    def _qf(self, t, two_d=False, rounding="nearest_even", key=None):
-        return fp4.nvfp4(t, two_d=two_d, rounding=rounding, key=key, scale_max=256.0,
-                         four_over_six=self.rule)  # fmt: skip
-
-    fprop_operand = NvidiaFP4.fprop_operand
-    _signs = NvidiaFP4._signs
-    forward = NvidiaFP4.forward
-    backward = NvidiaFP4.backward
+    def _q_options(self) -> dict[str, Any]:
+        return {"scale_max": 256.0, "four_over_six": self.rule}
 
 
 # --- TetraJet ----------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TetraJet(FP4Recipe):
+class TetraJet(FP4Recipe[tuple[Array, Array]]):
     """TetraJet (Chen et al., "Oscillation-Reduced MXFP4 Training for Vision Transformers",
     arXiv 2502.20853, sec. 4-5; the authors' ``QuantLinear`` with ``--mxscale 1``), with Q-EMA.
 
@@ -712,19 +827,18 @@ class TetraJet(FP4Recipe):
     qema: bool = True
 
     @property
-    def stateful(self) -> bool:  # type: ignore[override]
+    def stateful(self) -> bool:  # type: ignore[override]  # per instance (qema), a class constant in Recipe
         return self.qema
 
-    def _qf(self, t, rounding="nearest_even", key=None):
-        kw = {} if self.fmt == "nvfp4" else {"rule": "rceil"}
-        return self._q(t, rounding=rounding, key=key, **kw)
+    def _qf(self, t: Array, rounding: str = "nearest_even", key: Array | None = None) -> FP4Block:
+        return self._q(t, rounding=rounding, key=key, **_rceil(self.fmt))
 
-    def fprop_operand(self, t, kind, key):
+    def fprop_operand(self, t: Array, kind: str, key: Array | None) -> _Quantized:
         if kind == "g":
             return self._qf(t, rounding="stochastic", key=key)
         return self._qf(t)
 
-    def site_state(self, site, weight):
+    def site_state(self, site: Site, weight: str) -> dict[str, Array]:
         shapes = site.in_shapes
         w = 0 if weight == "lhs" else 1
         if not self.qema or weight == "none":
@@ -732,12 +846,12 @@ class TetraJet(FP4Recipe):
         z = jnp.zeros(shapes[w], jnp.float32)
         return {"ema": z, "count": jnp.zeros((), jnp.float32), "probe": z}
 
-    def update_site(self, state, observed):
+    def update_site(self, state: dict, observed: Array | None) -> dict:
         if not state:
             return state
-        return {**state, "ema": observed, "count": state["count"] + 1.0}
+        return {**state, "ema": _observed(self, observed), "count": state["count"] + 1.0}
 
-    def _weight(self, b, state):
+    def _weight(self, b: Array, state: dict | None) -> tuple[FP4Block, Array | None]:
         """The forward's quantized weight and the EMA it used (or None)."""
         q = self._qf(b)
         if not state:
@@ -750,9 +864,11 @@ class TetraJet(FP4Recipe):
         y = b / factor
         qe = fp4.qema_nearest(y, ema / factor)
         use = state["count"] >= self.ema_warmup
-        return fp4.FP4Block(jnp.where(use, qe, q.elems), q.scale, q.tensor_inv), ema
+        return FP4Block(jnp.where(use, qe, q.elems), q.scale, q.tensor_inv), ema
 
-    def forward(self, kinds, a, b, state, key):
+    def forward(
+        self, kinds: Kinds, a: Array, b: Array, state: dict | None, key: Array | None
+    ) -> tuple[Array, tuple[Array, Array], Array | None]:
         qa = self._qf(a)
         if kinds[1] == "w":
             qb, ema = self._weight(b, state)
@@ -761,14 +877,16 @@ class TetraJet(FP4Recipe):
         va, vb = qa.values(), qb.values()
         return self._mm(va, vb), (va, vb), ema
 
-    def backward(self, kinds, res, g, key):
+    def backward(
+        self, kinds: Kinds, res: tuple[Array, Array], g: Array, key: Array | None
+    ) -> tuple[Array, Array]:
         va, vb = res
         return self._stochastic_backward(self._qf, va, vb, g, key)
 
 
 # --- TetraJet-v2 -------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TetraJetV2(FP4Recipe):
+class TetraJetV2(FP4Recipe[tuple[Array, Array, Array, Array | None]]):
     """TetraJet-v2 (Chen et al., "TetraJet-v2: Accurate NVFP4 Training for Large Language
     Models with Oscillation Suppression and Outlier Control", arXiv 2510.27527; the authors'
     ``NVFP4_TetraJetv2_MatMulFunc_BwdAllRHT16SQ`` and ``NVFP4_mix_MXFP8`` layers and configs).
@@ -803,39 +921,41 @@ class TetraJetV2(FP4Recipe):
     outlier_iters: int = 50
 
     @property
-    def stateful(self) -> bool:  # type: ignore[override]
+    def stateful(self) -> bool:  # type: ignore[override]  # per instance, a class constant in Recipe
         return self.outlier_ratio > 0
 
-    def _q2(self, t, rounding="nearest_even", key=None):
+    def _q2(self, t: Array, rounding: str = "nearest_even", key: Array | None = None) -> FP4Block:
         o = _pow2_divisor(t.shape[-1], self.outer, _NV)
         return fp4.nvfp4(t, outer=o, rounding=rounding, key=key)
 
-    def fprop_operand(self, t, kind, key):
+    def fprop_operand(self, t: Array, kind: str, key: Array | None) -> _Quantized:
         if kind == "g":
             return self._q2(t, rounding="stochastic", key=key)
         return self._q2(t)
 
     # -- OutControl state
-    def site_state(self, site, weight):
+    def site_state(self, site: Site, weight: str) -> dict[str, Array]:
         if not self.stateful or weight == "none":
             return {}
         w = 0 if weight == "lhs" else 1
         z = jnp.zeros(site.in_shapes[w], jnp.float32)
         return {"norm": z, "count": jnp.zeros((), jnp.float32), "probe": z}
 
-    def update_site(self, state, observed):
+    def update_site(self, state: dict, observed: Array | None) -> dict:
         if not state:
             return state
         c = state["count"]
         start, stop = self.outlier_start, self.outlier_start + self.outlier_iters
         recording = (c >= start) & (c < stop)
-        norm = jnp.where(recording, state["norm"] + observed, state["norm"])
+        norm = jnp.where(recording, state["norm"] + _observed(self, observed), state["norm"])
         return {**state, "norm": norm, "count": c + 1.0}
 
     def _split(self, k: int) -> int:
         return round(self.outlier_ratio * k)
 
-    def forward(self, kinds, a, b, state, key):
+    def forward(
+        self, kinds: Kinds, a: Array, b: Array, state: dict | None, key: Array | None
+    ) -> tuple[Array, tuple[Array, Array, Array, Array | None], Array | None]:
         k8 = self._split(a.shape[-1])
         if not state or kinds[1] != "w" or k8 == 0:
             va, vb = self._q2(a).values(), self._q2(b).values()
@@ -846,11 +966,11 @@ class TetraJetV2(FP4Recipe):
         # ranked once recorded (ties: lower index first): the top k8 run in MXFP8
         order = jnp.argsort(-state["norm"][0, 0], stable=True)
 
-        def plain(a, b, order):
+        def plain(a: Array, b: Array, order: Array) -> tuple[Array, Array, Array]:
             va, vb = self._q2(a).values(), self._q2(b).values()
             return self._mm(va, vb), va, vb
 
-        def mixed(a, b, order):
+        def mixed(a: Array, b: Array, order: Array) -> tuple[Array, Array, Array]:
             k = a.shape[-1]
             inv = jnp.argsort(order)
             a8, b8 = jnp.take(a, order[:k8], axis=-1), jnp.take(b, order[:k8], axis=-1)
@@ -867,7 +987,13 @@ class TetraJetV2(FP4Recipe):
         y, va, vb = _cond(done, mixed, plain, a, b, order)
         return y, (va, vb, a, jnp.where(done, order, -1)), observed
 
-    def backward(self, kinds, res, g, key):
+    def backward(
+        self,
+        kinds: Kinds,
+        res: tuple[Array, Array, Array, Array | None],
+        g: Array,
+        key: Array | None,
+    ) -> tuple[Array, Array]:
         va, vb, a, order = res
         k1, k2, k3, k4, k5, k6, k7 = self._keys(key, 7)
         n = _pow2_divisor(g.shape[-1], self.hadamard_size, _NV)
@@ -880,7 +1006,7 @@ class TetraJetV2(FP4Recipe):
         if order is None or k8 == 0:
             return da, db
 
-        def outliers(db):
+        def outliers(db: Array) -> Array:
             # the outlier channels' weight gradient in MXFP8 (g^T and x^T along the tokens)
             idx = order[:k8]
             at8 = _pad3(_t(jnp.take(a, idx, axis=-1)), 32, (2,))
@@ -892,7 +1018,7 @@ class TetraJetV2(FP4Recipe):
         return da, _cond(order[0] >= 0, outliers, lambda d: d, db)
 
 
-def _mxfp8(t: jax.Array) -> jax.Array:
+def _mxfp8(t: Array) -> Array:
     """MXFP8 (E4M3 elements, 1 x 32 blocks, rceil scales): dequantized float32 values."""
     q, _ = S.mx_blocks(t, S.E4M3, 32, "rceil")
     out = q.block_values()
@@ -902,7 +1028,7 @@ def _mxfp8(t: jax.Array) -> jax.Array:
 
 # --- FP4 All the Way ---------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class FP4AllTheWay(FP4Recipe):
+class FP4AllTheWay(FP4Recipe[tuple[Array, Array]]):
     """Chmiel, Fishman, Banner and Soudry, "FP4 All the Way: Fully Quantized Training of LLMs"
     (arXiv 2505.19115, sec. 3-4): NVFP4 (1 x 16 blocks, E4M3 scales, found best in sec. 3) for
     every operand of the three GEMMs; round to nearest in the forward (x, w), stochastic
@@ -919,21 +1045,25 @@ class FP4AllTheWay(FP4Recipe):
 
     name: ClassVar[str] = "fp4_all_the_way"
 
-    def fprop_operand(self, t, kind, key):
+    def fprop_operand(self, t: Array, kind: str, key: Array | None) -> _Quantized:
         if kind == "g":
             return self._q(t, rounding="stochastic", key=key)
         return self._q(t)
 
-    def forward(self, kinds, a, b, state, key):
+    def forward(
+        self, kinds: Kinds, a: Array, b: Array, state: dict | None, key: Array | None
+    ) -> tuple[Array, tuple[Array, Array], None]:
         return self._mm(self._q(a), self._q(b)), (a, b), None
 
-    def backward(self, kinds, res, g, key):
+    def backward(
+        self, kinds: Kinds, res: tuple[Array, Array], g: Array, key: Array | None
+    ) -> tuple[Array, Array]:
         a, b = res
         return self._stochastic_backward(self._q, a, b, g, key)
 
 
 #: name -> (class, preset fields) of the FP4 recipes, merged into :data:`RECIPE_NAMES`.
-FP4_RECIPES: dict[str, tuple[type, dict[str, Any]]] = {
+FP4_RECIPES: dict[str, tuple[type[FP4Recipe[Any]], dict[str, Any]]] = {
     "nvidia_fp4": (NvidiaFP4, {}),
     "tseng_fp4": (TsengFP4, {}),
     "quartet": (Quartet, {}),
@@ -950,14 +1080,14 @@ class OsciResetState(NamedTuple):
     """count: updates applied; prev: the params after the previous update; dist_w, dist_q:
     the summed |change| of the params and of their quantized values over the window."""
 
-    count: jax.Array
+    count: Array  # type: ignore[assignment]  # a field named as tuple.count, optax's habit
     prev: Any
     dist_w: Any
     dist_q: Any
 
 
 def osci_reset(
-    quantize: Callable[[jax.Array], jax.Array],
+    quantize: Callable[[Array], Array],
     *,
     start: int,
     period: int = 200,
@@ -980,13 +1110,13 @@ def osci_reset(
     weight's own layout (:func:`forward_weight_quantizer`).
     """
 
-    def flags(params) -> list[bool]:
+    def flags(params: Any) -> list[bool]:
         m = mask(params) if callable(mask) else mask
         if m is None:
             return [jnp.ndim(p) >= 2 for p in jax.tree.leaves(params)]
-        return [bool(f) for f in jax.tree.structure(params).flatten_up_to(m)]
+        return [bool(f) for f in _leaves_up_to(params, m)]
 
-    def init(params):
+    def init(params: Any) -> OsciResetState:
         f = flags(params)
         leaves, tree = jax.tree.flatten(params)
         z = [jnp.zeros_like(p) if on else jnp.zeros((), p.dtype)
@@ -994,7 +1124,9 @@ def osci_reset(
         z = jax.tree.unflatten(tree, z)
         return OsciResetState(jnp.zeros((), jnp.int32), z, z, z)
 
-    def update(updates, state, params=None):
+    def update(
+        updates: Any, state: OsciResetState, params: Any = None
+    ) -> tuple[Any, OsciResetState]:
         if params is None:
             raise ValueError("osci_reset needs the params (optax passes them to update)")
         count = state.count + 1  # the update being applied is number `count`
@@ -1005,7 +1137,9 @@ def osci_reset(
         tracking = active & (phase >= 1) & (phase <= track)
         reset = active & (phase == track + 1)
 
-        def per_leaf(on, p, u, prev, dw, dq):
+        def per_leaf(
+            on: bool, p: Array, u: Array, prev: Array, dw: Array, dq: Array
+        ) -> tuple[Array, Array, Array, Array]:
             if not on:
                 return u, prev, dw, dq
             w = p + u
@@ -1017,7 +1151,7 @@ def osci_reset(
             return w2 - p, w2, dw, dq
 
         flat_p, tree = jax.tree.flatten(params)
-        rest = [tree.flatten_up_to(t) for t in (updates, state.prev, state.dist_w, state.dist_q)]
+        rest = [_leaves_up_to(params, t) for t in (updates, state.prev, state.dist_w, state.dist_q)]
         out = [per_leaf(on, *leaves) for on, *leaves in zip(flags(params), flat_p, *rest,
                                                              strict=True)]  # fmt: skip
         u2, prev, dw, dq = (jax.tree.unflatten(tree, [o[i] for o in out]) for i in range(4))
@@ -1026,11 +1160,19 @@ def osci_reset(
     return optax.GradientTransformation(init, update)
 
 
-def forward_weight_quantizer(recipe: FP4Recipe, contract_axis: int = 0) -> Callable:
+def _leaves_up_to(tree: Any, other: Any) -> list[Any]:
+    """``other``'s subtrees at the leaves of ``tree``'s structure, in order."""
+    treedef = jax.tree.structure(tree)
+    return treedef.flatten_up_to(other)  # type: ignore[attr-defined]  # PyTreeDef: no stub
+
+
+def forward_weight_quantizer(
+    recipe: FP4Recipe[Any], contract_axis: int = 0
+) -> Callable[[Array], Array]:
     """``w -> Q(w)``: the recipe's forward quantization of a 2-D weight contracted along
     ``contract_axis`` (0 for ``x @ w``), in the weight's own layout (for :func:`osci_reset`)."""
 
-    def q(w):
+    def q(w: Array) -> Array:
         wt = jnp.moveaxis(w.astype(jnp.float32), contract_axis, -1)[None]
         v = _as_operand(recipe.fprop_operand(wt, "w", None))
         vals = v.values if v.factor is None else v.values * v.factor

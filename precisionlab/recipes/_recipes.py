@@ -26,15 +26,16 @@ as DeepSeek-V3 does with N = 128).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
-import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import Array
+from jax.typing import ArrayLike
 
 from precisionlab import hardware as hw
-from precisionlab.formats import FORMATS, FloatFormat
+from precisionlab.formats import FloatFormat
 from precisionlab.hardware import canonical_preset
 from precisionlab.quant._mx import SCALE_RULES
 from precisionlab.recipes import _blockhw
@@ -53,8 +54,8 @@ __all__ = [
     "get_recipe",
 ]
 
-E4M3 = FORMATS["float8_e4m3fn"]
-E5M2 = FORMATS["float8_e5m2"]
+E4M3 = S.E4M3
+E5M2 = S.float_format("float8_e5m2")
 KINDS = ("x", "w", "g")
 FP8_FORMATS = ("HYBRID", "E4M3")
 ACC_ROUNDINGS = ("nearest_even", "toward_zero")
@@ -85,7 +86,7 @@ class Recipe:
     accumulate_rounding: str = "nearest_even"
     promote_every: int | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         acc = self.accumulate
         if acc is not None:
             if acc != "sequential":
@@ -135,7 +136,7 @@ class Recipe:
         return False
 
     # --- numbers: the value fields as arguments of a program --------------------------------
-    def numbers(self) -> dict[str, np.ndarray]:
+    def numbers(self) -> dict[str, ArrayLike]:
         """The float32 arrays the recipe computes with that its :attr:`value_fields` give,
         derived on the host (``{}`` for a recipe without value fields)."""
         return {}
@@ -145,7 +146,7 @@ class Recipe:
         differ only in :meth:`numbers` (the key of a program that takes them as arguments)."""
         return self
 
-    def with_numbers(self, numbers: Mapping[str, Any] | None) -> Recipe:
+    def with_numbers(self, numbers: Mapping[str, ArrayLike] | None) -> Recipe:
         """A copy that computes with ``numbers`` (the arrays of :meth:`numbers`, e.g. traced
         arguments of a jitted function) instead of constants derived from its fields; None:
         the constants."""
@@ -156,11 +157,11 @@ class Recipe:
         return out
 
     @property
-    def given_numbers(self) -> dict[str, Any] | None:
+    def given_numbers(self) -> dict[str, ArrayLike] | None:
         """The numbers :meth:`with_numbers` gave, or None."""
         return getattr(self, "_numbers", None)
 
-    def _number(self, key: str) -> Any:
+    def _number(self, key: str) -> ArrayLike:
         given = self.given_numbers
         return self.numbers()[key] if given is None else given[key]
 
@@ -176,8 +177,11 @@ class Recipe:
     def pad_ok(self) -> bool:
         return bool(getattr(self, "pad", False))
 
-    def quantize(self, t: jax.Array, kind: str, *, scale=None, key=None) -> S.QOperand:
-        """Quantize a float32 (B, R, K) operand of ``kind`` along K."""
+    def quantize(
+        self, t: Array, kind: str, *, scale: Array | None = None, key: Array | None = None
+    ) -> S.QOperand:
+        """Quantize a float32 (B, R, K) operand of ``kind`` along K (``scale``: the per-tensor
+        scale of a stateful recipe's state; ``key``: for stochastic rounding)."""
         raise NotImplementedError
 
 
@@ -190,12 +194,14 @@ class Reference(Recipe):
     name: ClassVar[str] = "reference"
     dtype: str = "bfloat16"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError(f"Reference dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
 
-    def quantize(self, t, kind, *, scale=None, key=None):
+    def quantize(
+        self, t: Array, kind: str, *, scale: Array | None = None, key: Array | None = None
+    ) -> S.QOperand:
         if self.dtype == "float32":
             return S.QOperand(t, None, None)
         return S.QOperand(t.astype(jnp.bfloat16).astype(jnp.float32), None, None)
@@ -222,7 +228,7 @@ class Delayed(Recipe):
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         _fp8_formats(self.fp8_format)
         if self.amax_compute_algo not in ("max", "most_recent"):
@@ -242,17 +248,24 @@ class Delayed(Recipe):
     def fmt(self, kind: str) -> FloatFormat:
         return _fp8_formats(self.fp8_format)[kind]
 
-    def numbers(self) -> dict[str, np.ndarray]:
+    def numbers(self) -> dict[str, ArrayLike]:
         # 2**margin is exact in float32 for every margin allowed (0..127)
         return {"margin_scale": np.float32(2.0**self.margin)}
 
     def structure(self) -> Recipe:
         return dataclasses.replace(self, margin=0)
 
-    def quantize(self, t, kind, *, scale=None, key=None):
+    def quantize(
+        self, t: Array, kind: str, *, scale: Array | None = None, key: Array | None = None
+    ) -> S.QOperand:
+        if scale is None:
+            raise ValueError(
+                "the delayed recipe quantizes with the scale of its state: pass scale= (the "
+                "state's, see init_site_state)"
+            )
         return S.with_scale(t, scale, self.fmt(kind))
 
-    def next_scale(self, history: jax.Array, scale: jax.Array, kind_max: jax.Array):
+    def next_scale(self, history: Array, scale: Array, kind_max: Array) -> Array:
         """New scale from a history (L, ...) whose row 0 is the newest amax."""
         a = jnp.max(history, axis=0) if self.amax_compute_algo == "max" else history[0]
         sf = (kind_max / a) / jnp.asarray(self._number("margin_scale"), jnp.float32)
@@ -276,7 +289,7 @@ class Current(Recipe):
     eps: float = 1e-12
     pow2_scales: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         _fp8_formats(self.fp8_format)
         if not (isinstance(self.eps, (int, float)) and self.eps >= 0):
@@ -285,13 +298,15 @@ class Current(Recipe):
     def fmt(self, kind: str) -> FloatFormat:
         return _fp8_formats(self.fp8_format)[kind]
 
-    def numbers(self) -> dict[str, np.ndarray]:
+    def numbers(self) -> dict[str, ArrayLike]:
         return _eps_numbers(self.eps, self.fmt)
 
     def structure(self) -> Recipe:
         return dataclasses.replace(self, eps=_eps_structure(self.eps))
 
-    def quantize(self, t, kind, *, scale=None, key=None):
+    def quantize(
+        self, t: Array, kind: str, *, scale: Array | None = None, key: Array | None = None
+    ) -> S.QOperand:
         eps = _eps(self, kind)
         return S.tensorwise(t, self.fmt(kind), eps=eps, pow2_scales=self.pow2_scales)[0]
 
@@ -315,32 +330,34 @@ class Rowwise(Recipe):
     def wgrad_hp(self) -> bool:
         return self.gw_high_precision
 
-    def numbers(self) -> dict[str, np.ndarray]:
+    def numbers(self) -> dict[str, ArrayLike]:
         return _eps_numbers(self.eps, lambda kind: E4M3)
 
     def structure(self) -> Recipe:
         return dataclasses.replace(self, eps=_eps_structure(self.eps))
 
-    def quantize(self, t, kind, *, scale=None, key=None):
+    def quantize(
+        self, t: Array, kind: str, *, scale: Array | None = None, key: Array | None = None
+    ) -> S.QOperand:
         return S.per_row(t, E4M3, eps=_eps(self, kind))[0]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class _Blocked(Recipe):
+class Blocked(Recipe):
     """Base of the block recipes: ``block`` elements along the contraction axis share a scale;
     ``pad`` allows sizes that are not multiples of ``block`` (zeros fill the last block)."""
 
     block: int = 32
     pad: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         _check_block(self.block)
         self._check_fields()
         if self.accumulate not in (None, "sequential"):
             self._check_hardware(self.accumulate)
 
-    def block_sizes(self, kind):
+    def block_sizes(self, kind: str) -> tuple[int, ...]:
         return (self.block,)
 
     def _check_fields(self) -> None:
@@ -357,7 +374,7 @@ class _Blocked(Recipe):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Blockwise(_Blocked):
+class Blockwise(Blocked):
     """Block scaling (DeepSeek-V3 section 3.3; TE ``Float8BlockScaling``): E4M3 everywhere;
     1 x ``block`` tiles along the contraction axis for activations and gradients,
     ``block`` x ``block`` tiles for weights; scale per tile
@@ -370,10 +387,12 @@ class Blockwise(_Blocked):
     _deepgemm_ok: ClassVar[bool] = True
     block: int = 128
 
-    def two_d(self, kind) -> bool:
+    def two_d(self, kind: str) -> bool:
         return kind == "w"
 
-    def quantize(self, t, kind, *, scale=None, key=None):
+    def quantize(
+        self, t: Array, kind: str, *, scale: Array | None = None, key: Array | None = None
+    ) -> S.QOperand:
         return S.block_pow2(t, E4M3, self.block, two_d=kind == "w")[0]
 
     def _check_hardware(self, acc: str) -> None:
@@ -410,7 +429,7 @@ _MX_ELEMENTS = {
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MX(_Blocked):
+class MX(Blocked):
     """OCP Microscaling (OCP MX v1.0; TE ``MXFP8BlockScaling``): ``block`` (32) elements
     along the contraction axis share an E8M0 scale ``X = 2**e``, elements ``x / X`` rounded
     to nearest even and saturated. ``element``/``grad_element``: element formats of the
@@ -441,9 +460,11 @@ class MX(_Blocked):
 
     def fmt(self, kind: str) -> FloatFormat:
         name = self.grad_element if (kind == "g" and self.grad_element) else self.element
-        return FORMATS[name]
+        return S.float_format(name)
 
-    def quantize(self, t, kind, *, scale=None, key=None):
+    def quantize(
+        self, t: Array, kind: str, *, scale: Array | None = None, key: Array | None = None
+    ) -> S.QOperand:
         return S.mx_blocks(t, self.fmt(kind), self.block, self.scale_rule)[0]
 
     def hardware_blocks(self, kind: str) -> tuple[str, str]:
@@ -460,7 +481,7 @@ class MX(_Blocked):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class NVFP4(_Blocked):
+class NVFP4(Blocked):
     """NVFP4 (TE ``NVFP4BlockScaling``; NVIDIA, "Pretraining Large Language Models with
     NVFP4", 2025): E2M1 elements, ``block`` (16) elements along the contraction axis share
     an E4M3 scale, plus one float32 scale per tensor (see ``scaling.nvfp4`` for the
@@ -479,22 +500,26 @@ class NVFP4(_Blocked):
     hadamard: bool = True
     hadamard_seed: int = 0
 
-    def two_d(self, kind) -> bool:
+    def two_d(self, kind: str) -> bool:
         return kind == "w"
 
-    def numbers(self) -> dict[str, np.ndarray]:
+    def numbers(self) -> dict[str, ArrayLike]:
         # without the transform the seed is used nowhere
         return {"hadamard": S.hadamard_matrix(self.hadamard_seed, 16)} if self.hadamard else {}
 
     def structure(self) -> Recipe:
         return dataclasses.replace(self, hadamard_seed=0)
 
-    def hadamard_matrix(self) -> np.ndarray:
+    def hadamard_matrix(self) -> np.ndarray | Array:
         """The (16, 16) float32 transform (a traced array when :meth:`Recipe.with_numbers` gave
         it)."""
-        return self._number("hadamard")
+        h = self._number("hadamard")
+        assert isinstance(h, (np.ndarray, Array))  # numbers() made a matrix
+        return h
 
-    def quantize(self, t, kind, *, scale=None, key=None):
+    def quantize(
+        self, t: Array, kind: str, *, scale: Array | None = None, key: Array | None = None
+    ) -> S.QOperand:
         sr = kind == "g" and self.stochastic_gradients
         rounding = "stochastic" if sr else "nearest_even"
         return S.nvfp4(
@@ -513,13 +538,13 @@ class NVFP4(_Blocked):
         _blockhw.check_pairs(self.name, acc, pairs, "float8_e4m3fn", self.block)
 
 
-def _eps_numbers(eps: float, fmt) -> dict[str, np.ndarray]:
+def _eps_numbers(eps: float, fmt: Callable[[str], FloatFormat]) -> dict[str, ArrayLike]:
     """An amax floor eps > 0 as the two float32 numbers its scale rule uses (see
     :class:`precisionlab.recipes._scaling.Floor`), the clamp for each operand kind's format;
     ``{}`` for eps 0 (no floor: a different program)."""
     if eps == 0:
         return {}
-    out = {}
+    out: dict[str, ArrayLike] = {}
     for kind in KINDS:
         floor = S.floor_numbers(float(fmt(kind).max), eps)
         out["eps_lo"], out[f"eps_clamp_{kind}"] = floor.lo, floor.clamp
@@ -538,12 +563,12 @@ def _eps(recipe: Current | Rowwise, kind: str) -> float | S.Floor:
     return S.Floor(given["eps_lo"], given[f"eps_clamp_{kind}"])
 
 
-def _check_block(b) -> None:
+def _check_block(b: object) -> None:
     if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 1 << 16:
         raise ValueError(f"block must be an int in 1..65536, got {b!r}")
 
 
-_PRESETS = {
+_PRESETS: dict[str, tuple[type[Recipe], dict[str, Any]]] = {
     "delayed": (Delayed, {}),
     "current": (Current, {}),
     "rowwise": (Rowwise, {}),
@@ -560,7 +585,7 @@ _PRESETS = {
 RECIPE_NAMES: tuple[str, ...] = tuple(_PRESETS)
 
 
-def get_recipe(name: str | Recipe, **overrides) -> Recipe:
+def get_recipe(name: str | Recipe, **overrides: Any) -> Recipe:
     """The recipe called ``name`` (one of :data:`RECIPE_NAMES`) with its defaults, fields
     overridden by keyword (``get_recipe("mxfp8", scale_rule="floor")``); a Recipe passes
     through."""

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike
 
 from precisionlab.bits import decode, encode
 from precisionlab.formats import FORMATS, FloatFormat
@@ -32,13 +33,14 @@ from precisionlab.quant._pow2 import scale_exponent
 __all__ = ["Floor", "QOperand", "amax", "block_pow2", "mx_blocks", "nvfp4", "per_row", "tensorwise"]
 
 
-def _float_format(name: str) -> FloatFormat:
+def float_format(name: str) -> FloatFormat:
+    """The float format called ``name`` (the element and scale formats of the recipes)."""
     fmt = FORMATS[name]
     assert isinstance(fmt, FloatFormat)  # the element formats are float formats
     return fmt
 
 
-E4M3 = _float_format("float8_e4m3fn")
+E4M3 = float_format("float8_e4m3fn")
 _ABS = np.uint32(0x7FFFFFFF)
 
 
@@ -124,8 +126,8 @@ class Floor(NamedTuple):
     arguments of a program so that floors share it): ``lo``, the smallest float32 >= eps,
     and ``clamp``, ``fmt_max / eps`` computed in float64 and rounded once."""
 
-    lo: jax.Array | np.ndarray | np.floating
-    clamp: jax.Array | np.ndarray | np.floating
+    lo: ArrayLike
+    clamp: ArrayLike
 
 
 def floor_numbers(fmt_max: float, eps: float) -> Floor:
@@ -189,17 +191,11 @@ def scale_from_amax(
     return jnp.where(bad, jnp.float32(jnp.nan), s), None
 
 
-def _apply(
-    x: jax.Array,
-    s: jax.Array,
-    e: jax.Array | None,
-    fmt: FloatFormat,
-    rounding: str,
-    key: jax.Array | None,
-) -> jax.Array:
+def _apply(x: jax.Array, s: jax.Array, e: jax.Array | None, fmt: FloatFormat) -> jax.Array:
+    """``x * s`` (on the bits where ``e`` is s's exponent) rounded to nearest in ``fmt``."""
     y = mul_pow2(x, e) if e is not None else x * s
     y = jnp.where(jnp.isnan(s), jnp.float32(jnp.nan), y)
-    return round_elements(y, fmt, rounding, key)
+    return round_elements(y, fmt)
 
 
 def _inv(s: jax.Array, e: jax.Array | None) -> jax.Array:
@@ -209,41 +205,26 @@ def _inv(s: jax.Array, e: jax.Array | None) -> jax.Array:
 
 
 def tensorwise(
-    x: jax.Array, fmt: FloatFormat, *, eps: float | Floor, pow2_scales: bool,
-    rounding: str = "nearest_even",
-    key: jax.Array | None = None,
-) -> tuple[QOperand, jax.Array]:  # fmt: skip
+    x: jax.Array, fmt: FloatFormat, *, eps: float | Floor, pow2_scales: bool
+) -> tuple[QOperand, jax.Array]:
     """One scale for the whole operand (current scaling). Returns (operand, scale s)."""
     s, e = scale_from_amax(amax(x, None), fmt.max, eps=eps, pow2_scales=pow2_scales)
-    q = _apply(x, s, e, fmt, rounding, key)
+    q = _apply(x, s, e, fmt)
     return QOperand(q, _inv(s, e).reshape(1, 1, 1), None), s
 
 
-def with_scale(
-    x: jax.Array,
-    s: jax.Array,
-    fmt: FloatFormat,
-    rounding: str = "nearest_even",
-    key: jax.Array | None = None,
-) -> QOperand:
+def with_scale(x: jax.Array, s: jax.Array, fmt: FloatFormat) -> QOperand:
     """Quantize with a given per-tensor scale (delayed scaling): saturating cast of x * s.
     TE saturates (NaN stays NaN); the inverse scale is float32 1/s."""
-    q = round_elements(x * s, fmt, rounding, key)
+    q = round_elements(x * s, fmt)
     return QOperand(q, (jnp.float32(1.0) / s).reshape(1, 1, 1), None)
 
 
-def per_row(
-    x: jax.Array,
-    fmt: FloatFormat,
-    *,
-    eps: float | Floor,
-    rounding: str = "nearest_even",
-    key: jax.Array | None = None,
-) -> tuple[QOperand, jax.Array]:
+def per_row(x: jax.Array, fmt: FloatFormat, *, eps: float | Floor) -> tuple[QOperand, jax.Array]:
     """One power-of-two scale per row along the contraction (last) axis: torchao rowwise
     (axiswise scaling, ``round_scales_to_power_of_2=True``). Returns (operand, s (B,R,1))."""
     s, e = scale_from_amax(amax(x, -1), fmt.max, eps=eps, pow2_scales=True)
-    q = _apply(x, s, e, fmt, rounding, key)
+    q = _apply(x, s, e, fmt)
     return QOperand(q, _inv(s, e), None), s
 
 
@@ -269,32 +250,18 @@ def block_amax(x: jax.Array, block: int, two_d: bool) -> jax.Array:
 
 
 def block_pow2(
-    x: jax.Array,
-    fmt: FloatFormat,
-    block: int,
-    *,
-    two_d: bool,
-    rounding: str = "nearest_even",
-    key: jax.Array | None = None,
+    x: jax.Array, fmt: FloatFormat, block: int, *, two_d: bool
 ) -> tuple[QOperand, jax.Array]:
     """DeepSeek-V3 / TE Float8BlockScaling: per 1 x block (or block x block) tile, the scale
     ``s = 2**floor(log2(float32(fmt_max / amax)))``, amax 0 -> 1, inf quotient -> 2**127.
     Returns (operand, per-element s)."""
     a = block_amax(x, block, two_d)
     s, e = scale_from_amax(a, fmt.max, eps=0.0, pow2_scales=True)
-    q = _apply(x, s, e, fmt, rounding, key)
+    q = _apply(x, s, e, fmt)
     return QOperand(q, None, _inv(s, e), -e), s
 
 
-def mx_blocks(
-    x: jax.Array,
-    fmt: FloatFormat,
-    block: int,
-    rule: str,
-    *,
-    rounding: str = "nearest_even",
-    key: jax.Array | None = None,
-) -> tuple[QOperand, jax.Array]:
+def mx_blocks(x: jax.Array, fmt: FloatFormat, block: int, rule: str) -> tuple[QOperand, jax.Array]:
     """OCP MX: E8M0 scale X = 2**e per ``block`` elements along K, e by ``rule`` (see
     :data:`precisionlab.quant.SCALE_RULES`), clamped to [-127, 127]; elements x / X rounded and
     saturated; a block holding inf/NaN gets the NaN scale. Returns (operand, X per element).
@@ -306,7 +273,7 @@ def mx_blocks(
     e = jnp.where(bad, 0, e)
     y = mul_pow2(g, -e)
     y = jnp.where(bad, jnp.float32(jnp.nan), y)
-    q = round_elements(y, fmt, rounding, key).reshape(x.shape)
+    q = round_elements(y, fmt).reshape(x.shape)
     xs = jnp.where(bad, jnp.float32(jnp.nan), pow2.pow2(e))
     xs = jnp.broadcast_to(xs, g.shape).reshape(x.shape)
     e = jnp.broadcast_to(e, g.shape).reshape(x.shape)
@@ -314,7 +281,7 @@ def mx_blocks(
 
 
 # --- NVFP4 -------------------------------------------------------------------------------
-_E2M1 = _float_format("float4_e2m1fn")
+_E2M1 = float_format("float4_e2m1fn")
 _NV_GLOBAL = np.float32(6.0 * 448.0)
 _SIXTH = np.float32(np.float32(1.0) / np.float32(6.0))
 _F32_MAX = np.float32(np.finfo(np.float32).max)
