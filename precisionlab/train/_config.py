@@ -481,7 +481,7 @@ class TrainResult:
         activations, ``w`` weights, ``g`` output gradients) the mean over the histogram steps
         of ``saturated``, ``underflow`` and ``sqnr_db`` and the extremes of
         ``log2_scale_min`` / ``log2_scale_max`` (see :mod:`precisionlab.train._recipe_metrics`);
-        None otherwise.
+        None otherwise, and for the FP4 recipes (a warning says why).
     """
 
     state: Any

@@ -36,7 +36,7 @@ from precisionlab.train._distributed import is_main, restore_checkpoint
 from precisionlab.train._hooks import CheckpointHook, Hook, ProgressHook, StepEnd
 from precisionlab.train._parallel import place_state, shard_batch
 from precisionlab.train._programs import get as shared_programs
-from precisionlab.train._recipe_metrics import make_recipe_metrics_fn
+from precisionlab.train._recipe_metrics import make_recipe_metrics_fn, measures
 from precisionlab.train._record_hooks import (
     EvalHook,
     LrHook,
@@ -502,7 +502,7 @@ def _programs(
         )
         probe = jax.jit(fixed_order(probe_fn) if loop.deterministic else probe_fn)
     recipe_probe = None
-    if loop.hist_interval and options.recipe is not None:
+    if loop.hist_interval and options.recipe is not None and measures(options.recipe.recipe):
         recipe, pol = options.recipe, options.policy
 
         def recipe_probe_fn(state: TrainState, batch: Any) -> Any:

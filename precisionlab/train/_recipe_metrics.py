@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -28,11 +29,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from precisionlab.intercept import Context, intercept
-from precisionlab.recipes import WEIGHT_OPERANDS, Recipe, Reference, canonical_operand, dot_general
+from precisionlab.recipes import (
+    MX,
+    WEIGHT_OPERANDS,
+    Current,
+    Delayed,
+    FP4Recipe,
+    Recipe,
+    Reference,
+    canonical_operand,
+    dot_general,
+)
 from precisionlab.train._probes import Dot, Sums, TapRule, probe_grads, scaled_loss
 from precisionlab.train._recipe import TrainRecipe
 
-__all__ = ["GROUPS", "STATS", "recipe_metrics"]
+__all__ = ["GROUPS", "STATS", "measures", "recipe_metrics"]
 
 #: Tensor groups: activations, weights, output gradients.
 GROUPS: tuple[str, ...] = ("x", "w", "g")
@@ -55,9 +66,11 @@ def _pad(recipe: Recipe, t: jax.Array, kind: str) -> jax.Array:
 
 
 def _elem_max(recipe: Recipe, kind: str) -> float:
-    if hasattr(recipe, "fmt"):
+    """The largest magnitude of the element format ``recipe`` quantizes ``kind`` into."""
+    if isinstance(recipe, Delayed | Current | MX):
         return float(recipe.fmt(kind).max)
-    return _E2M1_MAX if recipe.name == "nvfp4" else _E4M3_MAX
+    # the FP4 recipes' ``fmt`` is a string naming their block layout: E2M1 elements either way
+    return _E2M1_MAX if isinstance(recipe, FP4Recipe) or recipe.name == "nvfp4" else _E4M3_MAX
 
 
 def _stats(
@@ -150,6 +163,23 @@ def _summarize(sums: np.ndarray) -> dict[str, dict[str, float]]:
             "log2_scale_max": mx,
         }
     return out
+
+
+def measures(recipe: Recipe) -> bool:
+    """Whether the recipe metrics describe ``recipe``; False, with a warning, for the FP4
+    recipes: their GEMMs multiply rotated, re-scaled or stateful operands
+    (:meth:`~precisionlab.recipes.FP4Recipe.quantize`), which these statistics, taken against
+    the tensor as the model holds it, would misreport."""
+    if isinstance(recipe, FP4Recipe):
+        warnings.warn(
+            f"recipe_metrics are not measured for the FP4 recipe {recipe.name!r} (its GEMMs "
+            "multiply rotated, re-scaled or stateful operands); its histograms still are. "
+            "`precisionlab verify` and the FP4 tournament's metrics describe FP4 recipes",
+            UserWarning,
+            stacklevel=3,
+        )
+        return False
+    return True
 
 
 def make_recipe_metrics_fn(loss_fn: Callable, recipe: TrainRecipe) -> Callable[..., jax.Array]:
