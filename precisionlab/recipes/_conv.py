@@ -30,8 +30,9 @@ import jax.numpy as jnp
 
 from precisionlab.hardware._conv import conv_gemm
 from precisionlab.intercept import _boundary as boundary
-from precisionlab.recipes._dot import Weight, checked_operands, qdot3_jit
-from precisionlab.recipes._recipes import Delayed, Recipe, get_recipe
+from precisionlab.recipes._dot import Weight, as_recipe, checked_operands, qdot3_jit
+from precisionlab.recipes._fp4 import FP4Recipe
+from precisionlab.recipes._recipes import Recipe
 
 __all__ = ["NOT_COVERED", "conv_general_dilated", "conv_site"]
 
@@ -69,9 +70,12 @@ def conv_general_dilated(
       precision: accepted and ignored (products are exact and accumulate in float32, or as
         the recipe's ``accumulate=`` says).
       preferred_element_type: as there.
-      recipe: a :class:`~precisionlab.recipes.Recipe` or a name.
-      state: the delayed recipe's state for this convolution (lhs = patches, rhs = kernel,
-        output gradient), as for :func:`~precisionlab.recipes.dot_general`.
+      recipe: a :class:`~precisionlab.recipes.Recipe` or a name, as for
+        :func:`~precisionlab.recipes.dot_general` (a named block recipe pads; an FP4 recipe
+        runs its own three GEMMs on the patches and kernel rows).
+      state: a stateful recipe's state for this convolution, as for
+        :func:`~precisionlab.recipes.dot_general` (delayed: lhs = patches, rhs = kernel,
+        output gradient; TetraJet's: shaped as the kernel).
       key: PRNG key for stochastic rounding of gradients (NVFP4).
       weight: which operand is the weight: ``"rhs"`` (the kernel; default), ``"lhs"``,
         ``"none"``, ``"both"`` or a pair of kinds, as for ``dot_general``.
@@ -79,7 +83,7 @@ def conv_general_dilated(
     Returns:
       The convolution, dtype ``preferred_element_type`` or the operands' result dtype.
     """
-    recipe = get_recipe(recipe)
+    recipe = as_recipe(recipe)
     kinds, lhs, rhs = checked_operands(recipe, weight, lhs, rhs, state, "convolution")
     plan = conv_gemm(
         lhs.shape, rhs.shape, window_strides=window_strides, padding=padding,
@@ -92,8 +96,13 @@ def conv_general_dilated(
     # and rounded once to the input's dtype, as a convolution's dgrad accumulates
     a3 = plan.patches(lhs.astype(jnp.float32))
     b3 = plan.kernel_rows(rhs.astype(jnp.float32))
-    if not isinstance(recipe, Delayed):
+    if not recipe.stateful:
         state = None
+    if isinstance(recipe, FP4Recipe):  # a recipe owning its three GEMMs (recipes._fp4)
+        # its state is weight-shaped: put in the GEMM's layout as the weight operand is
+        layout = plan.kernel_rows if kinds[1] == "w" else plan.patches
+        y = recipe.dot3(kinds, a3, b3, state, key, canon=lambda t: layout(t.astype(jnp.float32)))
+        return plan.output(y).astype(out_dtype)
     nums = recipe.given_numbers
     y = qdot3_jit(recipe.with_numbers(None), kinds, a3, b3, state, key, nums)
     return plan.output(y).astype(out_dtype)
