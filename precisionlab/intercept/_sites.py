@@ -143,7 +143,7 @@ class Site:
         out = ", ".join(str(list(s)) for s in self.out_shapes)
         status = f"skipped: {self.skipped}" if self.skipped else (
             "replaced" if self.selected else "kept")  # fmt: skip
-        first = [f"{self.name:<16}{status:<8}", self.scope or "-"]
+        first = [f"{self.name:<14}", f"{status:<8}", self.scope or "-"]
         if self.loops:
             first.append(f"in {'/'.join(self.loops)}")
         first.append(f"{shapes} -> {out} {self.dtype}")
