@@ -529,6 +529,51 @@ def recipe_figures(config: str, setting: str) -> Callable[[Context], str]:
     return make
 
 
+#: The published gates the fp8 recipes table marks (|gap to bf16| and |relative gap|).
+FP8_GATES = (0.01, 0.0025)
+
+
+def fp8_recipes_table(ctx: Context) -> str:
+    """The training-with-recipes guide's results table: every variant of the clean and the
+    outlier-channel runs, its final loss and gap to the ``bf16`` variant of its setting, the
+    gates, and the recipe metrics (saturated and underflowed fractions per group, the output
+    gradients' SQNR: ``summary.json``'s ``recipe_metrics``)."""
+    absolute, relative = FP8_GATES
+    head = (
+        "| setting | variant | final loss | gap to bf16 | relative gap | gap < 0.01 "
+        "| rel. < 0.25% | diverged at | saturated x / w / g | underflow x / w / g | SQNR g (dB) |\n"
+        "|---|---|---:|---:|---:|:-:|:-:|---:|---:|---:|---:|"
+    )
+    lines = [head]
+    for config in ("experiments/fp8_recipes.toml", "experiments/fp8_recipes_outliers.toml"):
+        summary = json.loads((run_dir(ctx, config) / "summary.json").read_text())
+        variants = summary["variants"]
+        control = {v["setting"]: v["final_loss"] for v in variants if v["name"].endswith("/bf16")}
+        for v in variants:
+            setting, name = v["name"].split("/", 1)
+            loss, base = v["final_loss"], control[setting]
+            if loss is None or base is None:  # a run with no finite loss: nothing to compare
+                raise ValueError(f"{config}: {v['name']} or its bf16 control has no final loss")
+            gap, rel = loss - base, (loss - base) / base
+            gates = ["", ""] if name == "bf16" else [
+                "pass" if abs(gap) < absolute else "fail",
+                "pass" if abs(rel) < relative else "fail",
+            ]  # fmt: skip
+            metrics = v.get("recipe_metrics")
+            if metrics:
+                groups = [metrics[g] for g in ("x", "w", "g")]
+                sat = " / ".join(f"{100 * m['saturated']:.2f}%" for m in groups)
+                under = " / ".join(f"{100 * m['underflow']:.2f}%" for m in groups)
+                sqnr = f"{metrics['g']['sqnr_db']:.1f}"
+            else:
+                sat = under = sqnr = "-"
+            step = v.get("divergence_step")
+            cells = [setting, name, f"{loss:.4f}", f"{gap:+.4f}", f"{100 * rel:+.2f}%", *gates,
+                     "-" if step is None else str(step), sat, under, sqnr]  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def bench_table(*args: str) -> Callable[[Context], str]:
     """The Markdown table a ``bench ... --markdown`` prints (its header lines dropped: the
     machine line says the same)."""
@@ -735,6 +780,14 @@ REGIONS: dict[str, Region] = {
         "exact",
         700,
         recipe_figures("experiments/fp8_recipes.toml", "clean setting"),
+    ),
+    "fp8-recipes-table": Region(
+        "docs/guides/training-with-recipes.md",
+        "precisionlab run experiments/fp8_recipes.toml; "
+        "precisionlab run experiments/fp8_recipes_outliers.toml",
+        "exact",
+        1020,
+        fp8_recipes_table,
     ),
     "fp8-outliers-figures": Region(
         "docs/guides/training-with-recipes.md",

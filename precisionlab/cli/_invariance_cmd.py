@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 
 from precisionlab.cli._common import UsageError, shorten, split_list
 
@@ -141,22 +142,31 @@ def run(args: argparse.Namespace) -> int:
     if predicted:
         print(("\n" if measured else "") + "Predicted for named GPUs (the hardware models; "
               "16-bit inputs)")  # fmt: skip
-        rows = []
+        # two tables (the schedule, then what is at stake), each within 100 columns
+        rows, stakes = [], []
         for p in predicted:
+            key = [p.preset, p.dtype, p.n, p.k]
+            rows.append([*key, p.verdict, p.schedule or "-", p.with_one_kernel or "-"])
             worst = max(p.at_stake, key=lambda s: p.at_stake[s]) if p.at_stake else None
-            stake = "-" if worst is None else (
-                f"{_pct(p.at_stake[worst])} f32 / {_pct(p.at_stake_out[worst])} {p.dtype} "
-                f"({worst})"
-            )  # fmt: skip
-            rows.append([p.preset, p.dtype, p.n, p.k, p.verdict, p.schedule or "-",
-                         p.with_one_kernel or "-", stake])  # fmt: skip
+            if worst is None:
+                stakes.append([*key, "-", "-", "-"])
+            else:
+                stakes.append([*key, _pct(p.at_stake[worst]), _pct(p.at_stake_out[worst]),
+                               worst])  # fmt: skip
         print(table(rows, ["preset", "dtype", "N", "K", "verdict", "schedule at K",
-                           "one kernel for all M", "at stake if it changes"]))  # fmt: skip
+                           "one kernel for all M"]))  # fmt: skip
+        print(
+            "\nAt stake if the schedule changes: the share of outputs that differ, in float32 "
+            "and in\nthe output dtype, from the other schedule that changes the most"
+        )
+        print(table(stakes, ["preset", "dtype", "N", "K", "f32 changed", "output changed",
+                             "other schedule"]))  # fmt: skip
         seen: dict[tuple[str, str], list[str]] = {}
         for p in predicted:
             names = seen.setdefault((p.verdict, p.why), [])
             if p.preset not in names:
                 names.append(p.preset)
         for (verdict, why), names in seen.items():
-            print(f"{', '.join(names)}: {verdict}: {why}")
+            print(textwrap.fill(f"{', '.join(names)}: {verdict}: {why}", width=100,
+                                subsequent_indent="  ", break_on_hyphens=False))  # fmt: skip
     return 0

@@ -129,7 +129,7 @@ def _describe(model: Any, setup: Any) -> list[str]:
     return [
         f"{model.name}: {model.n_params:,} params, {model.n_layers} layers, d_model "
         f"{model.d_model}, {model.n_heads} heads x {model.d_head}, vocab {model.vocab}",
-        f"policy {setup.policy}, {setup.optimizer}, batch {setup.batch} x seq {seq}, {ckpt}, "
+        f"policy {setup.policy}, {setup.optimizer}, batch {setup.batch} x seq {seq}, {ckpt}",
         f"{setup.microbatches} micro-batch(es), dp {setup.dp}, ZeRO stage {setup.zero_stage}",
     ]
 
@@ -265,8 +265,8 @@ def _fit_lines(result: Any, budget_text: str) -> list[str]:
         return [f"{head}: does not fit, and no change searched makes it fit"]
     return [
         f"{head}: does not fit",
-        f"smallest change that fits: {'; '.join(result.changes)} -> total "
-        f"{result.changed.total / 2**30:.2f} GiB ({result.changed.total / 1e9:.2f} GB)",
+        f"smallest change that fits: {'; '.join(result.changes)}",
+        f"  -> total {result.changed.total / 2**30:.2f} GiB ({result.changed.total / 1e9:.2f} GB)",
     ]
 
 
@@ -332,7 +332,7 @@ def _measure(args: argparse.Namespace) -> int:
         print(json.dumps([{"unit": name, **rep} for name, rep in reports], indent=2))
         return 0
     for name, rep in reports:
-        print(f"{name}: {rep['description']}")
+        print(_wrap(f"{name}: {rep['description']}"))
         if zero:
             print(_zero_lines(rep))
             continue
@@ -345,6 +345,21 @@ def _measure(args: argparse.Namespace) -> int:
             print(*_measured_recipe_lines(rep["recipe"]), sep="\n")
         print(f"  backend {rep['backend']}, {rep['flops']:.3g} FLOPs per step")
     return 0
+
+
+def _wrap(text: str, width: int = 100) -> str:
+    """``text`` broken after ", " into lines of at most ``width`` columns (where its parts
+    allow), the continuation lines indented: a report's heading fits the site's code blocks."""
+    lines: list[str] = []
+    for part in text.split(", "):
+        if lines and len(lines[-1]) + 2 + len(part) < width:  # room for a final ","
+            lines[-1] += ", " + part
+        elif lines:
+            lines[-1] += ","
+            lines.append("  " + part)
+        else:
+            lines.append(part)
+    return "\n".join(lines)
 
 
 def _zero_lines(rep: dict[str, Any]) -> str:

@@ -137,22 +137,25 @@ class Site:
         return base if iteration is None or not self.loops else f"{base}@{iteration}"
 
     def describe(self) -> str:
-        """One line: name, scope, shapes, loops, source, and whether it is replaced."""
+        """Two lines: the name, whether it is replaced, scope, loops and shapes; then,
+        indented, the operands' roles and the source (two, so that a report fits 100 columns)."""
         shapes = " x ".join(str(list(s)) for s in self.in_shapes)
         out = ", ".join(str(list(s)) for s in self.out_shapes)
-        parts = [f"{self.name:<16}", f"{self.scope or '-':<24}", f"{shapes} -> {out} {self.dtype}"]
-        if self.roles:
-            ops = ", ".join(o or "activation" for o in self.operands)
-            parts.append(f"({ops})")
+        status = f"skipped: {self.skipped}" if self.skipped else (
+            "replaced" if self.selected else "kept")  # fmt: skip
+        first = [f"{self.name:<14}", f"{status:<8}", self.scope or "-"]
         if self.loops:
-            parts.append(f"in {'/'.join(self.loops)}")
+            first.append(f"in {'/'.join(self.loops)}")
+        first.append(f"{shapes} -> {out} {self.dtype}")
+        second = []
+        if self.roles:
+            second.append(f"({', '.join(o or 'activation' for o in self.operands)})")
         if self.where:
-            parts.append(f"at {self.where}")
-        if self.skipped:
-            parts.append(f"skipped: {self.skipped}")
-        else:
-            parts.append("replaced" if self.selected else "kept")
-        return "  ".join(parts)
+            second.append(f"at {self.where}")
+        lines = ["  ".join(first)]
+        if second:
+            lines.append("    " + "  ".join(second))
+        return "\n".join(lines)
 
 
 def _is_regex(item: Any) -> bool:

@@ -103,7 +103,9 @@ def test_invariance_command(capsys):
     out = capsys.readouterr().out
     assert "Measured on cpu" in out and "M=2" in out
     assert "Predicted for named GPUs" in out and "h100-xla: unknown: XLA picks" in out
-    assert out.count("\nh100-xla ") == 2  # two K, bfloat16 only (float32 is not predicted)
+    # two K, bfloat16 only (float32 is not predicted), in each of the two tables
+    assert out.count("\nh100-xla ") == 4 and "\nAt stake if the schedule changes" in out
+    assert max(len(line) for line in out.splitlines()) <= 100  # the site's code blocks
     assert main(["invariance", "--m", "1,2", "--n", "4", "--k", "8", "--dtype", "float16",
                  "--json"]) == 0  # fmt: skip
     rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]

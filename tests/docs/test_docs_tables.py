@@ -5,6 +5,7 @@ what the current code prints (``-m slow``: reruns the main job and the other exa
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -100,6 +101,41 @@ def test_skeleton_keeps_structure_not_numbers():
     assert tables.skeleton(a) == tables.skeleton(b)
     assert tables.skeleton("| bf16 | 1 |") != tables.skeleton("| fp16 | 1 |")
     assert tables.skeleton("| a | 1 |") != tables.skeleton("| a | 1 | 2 |")
+
+
+def test_fp8_recipes_table_gaps_and_gates_from_hand_made_summaries(tmp_path):
+    """The recipe guide's table from two small summaries: gaps to the setting's bf16, the
+    published gates on the unrounded values, '-' where a variant has no recipe metrics."""
+
+    def variant(name, loss, metrics=None, step=None):
+        return {"name": name, "setting": name.split("/")[0], "final_loss": loss,
+                "recipe_metrics": metrics, "divergence_step": step}  # fmt: skip
+
+    m = {g: {"saturated": 0.0079, "underflow": 0.2070, "sqnr_db": 26.86} for g in "xwg"}
+    runs = {
+        "experiments/fp8_recipes.toml": [variant("clean/bf16", 2.0), variant("clean/a", 2.009, m)],
+        "experiments/fp8_recipes_outliers.toml": [
+            variant("outliers/bf16", 4.0),
+            variant("outliers/b", 4.00996),  # relative gap 0.249%: passes both gates
+            variant("outliers/c", 3.98, m, step=7),
+        ],
+    }
+    ctx = tables.Context()
+    for config, variants in runs.items():
+        out = tmp_path / Path(config).stem
+        out.mkdir()
+        (out / "summary.json").write_text(json.dumps({"variants": variants}))
+        ctx.run_dirs[config] = out
+        ctx.figures_copied.add(config)  # nothing to copy
+    lines = tables.fp8_recipes_table(ctx).splitlines()
+    assert len(lines) == 2 + 5
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    assert cells[0] == ["clean", "bf16", "2.0000", "+0.0000", "+0.00%", "", "", "-", "-", "-", "-"]
+    # +0.009 passes the absolute gate, +0.45% fails the relative one
+    assert cells[1][2:8] == ["2.0090", "+0.0090", "+0.45%", "pass", "fail", "-"]
+    assert cells[1][8:] == ["0.79% / 0.79% / 0.79%", "20.70% / 20.70% / 20.70%", "26.9"]
+    assert cells[3][4:7] == ["+0.25%", "pass", "pass"]
+    assert cells[4][3:8] == ["-0.0200", "-0.50%", "fail", "fail", "7"]
 
 
 def test_update_rewrites_only_the_region(tmp_path, monkeypatch):

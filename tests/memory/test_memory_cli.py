@@ -70,6 +70,7 @@ def test_budget_fits_and_does_not_fit(capsys):
     assert code == 0 and "fits (" in out
     code, out, _ = run_cli(capsys, "--preset", "gpt3-175b", "--budget", "80GiB")
     assert code == 0 and "does not fit" in out and "ZeRO stage 3 over dp=" in out
+    assert max(len(line) for line in out.splitlines()) <= 100  # the site's code blocks
     code, out, _ = run_cli(capsys, "--preset", "gpt3-175b", "--budget", "80GiB", "--json")
     assert json.loads(out)["budget"]["fits"] is False
 
@@ -125,6 +126,7 @@ def test_measure_a_train_config(capsys, tmp_path):
     code, out, err = run_cli(capsys, "--measure", str(path))
     assert code == 0, err
     assert out.count("arguments") == 2 and "XLA/est" in out
+    assert max(len(line) for line in out.splitlines()) <= 100  # the heading wraps
     for line in out.splitlines():
         if line.strip().startswith(("arguments", "outputs")):
             assert line.split()[-1] == "1.000"
@@ -137,3 +139,15 @@ def test_measure_rejects_other_kinds_and_missing_files(capsys, tmp_path):
     path.write_text('kind = "memory"\n[memory]\nmeasure = false\nplots = false\n')
     code, _, err = run_cli(capsys, "--measure", str(path))
     assert code == 2 and "kind 'train'" in err
+
+
+def test_wrap_breaks_a_heading_after_commas_within_the_width():
+    from precisionlab.cli._memory_cmd import _wrap
+
+    text = "fp32: transformer (107,776 params), batch 32, p=f32,c=f32,o=f32, adam, loss scale none"
+    assert _wrap(text, width=200) == text
+    lines = _wrap(text, width=40).splitlines()
+    assert all(len(line) <= 40 for line in lines), lines
+    # nothing lost or reordered: the parts joined back give the text
+    assert " ".join(line.strip() for line in lines) == text
+    assert lines[1].startswith("  ") and lines[0].endswith(",")

@@ -88,6 +88,7 @@ def test_cli_table_json_plot_and_input(tmp_path, capsys):
                "--scale", "mse", "--plot", str(tmp_path / "p.png")])  # fmt: skip
     out = capsys.readouterr().out
     assert rc == 0 and "int4" in out and "SQNR dB" in out and (tmp_path / "p.png").exists()
+    assert max(len(line) for line in out.splitlines()) <= 100  # the site's code blocks
 
 
 def test_cli_config(tmp_path, capsys):
