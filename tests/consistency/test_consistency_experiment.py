@@ -4,6 +4,7 @@ runner and the experiment file; bad tables are one error line naming the key."""
 
 import copy
 import json
+import shutil
 
 import pytest
 
@@ -84,8 +85,10 @@ def test_plots_are_written(finished):
         assert (out / f).stat().st_size > 10_000, f
 
 
-def test_a_rerun_reads_back_instead_of_recomputing(finished, monkeypatch):
-    out, summary = finished
+def test_a_rerun_reads_back_instead_of_recomputing(finished, monkeypatch, tmp_path):
+    # it damages pairs.jsonl and runs again: on its own copy of the shared run
+    out = shutil.copytree(finished[0], tmp_path / "mismatch")
+    summary = finished[1]
     calls = []
     real = Runner.run
 
