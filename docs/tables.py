@@ -446,7 +446,8 @@ def main_job_timings(warm: bool) -> Callable[[Context], str]:
         key = "timings-cold"
         if key not in ctx.run_dirs:  # the cold run fills the cache the warm one reads
             ctx.run_dirs[key] = _timings_run(ctx, cache, "cold")
-        text = _timings_run(ctx, cache, "warm") if warm else ctx.run_dirs.pop(key)
+        # kept (not popped): the warm region, after it, must not run the cold one again
+        text = _timings_run(ctx, cache, "warm") if warm else ctx.run_dirs[key]
         return fenced(text)
 
     return make
