@@ -37,19 +37,13 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("README.md", "import jax.numpy as jnp"): _CODE,
     ("docs/benchmarks/codecs.md", "$ precisionlab bench codecs --whole-array"): _CMD,
     ("docs/benchmarks/hardware.md", "$ precisionlab bench hardware"): _TODO
-    + "the bench's heading line (113); rerun at a load average of 23 on 2026-11-29, "
-    "the bench took 5-18x its quiet times, so the page keeps its 2026-11-27 run for now",
+    + "the bench's heading line (113; the page's run regenerated at load 2 on 2026-11-29)",
     (
         "docs/benchmarks/performance.md",
         "unit                           compiles  compile s",
     ): "`run --timings` tables printed as one 134-column table by earlier code (two tables "
-    "of at most 88 columns now): the warm rerun of 2026-11-27 is "
-    + _RECORD
-    + "; "
-    + _TODO
-    + "regenerate performance-cold and -warm on a quiet machine together with "
-    "the prose that quotes them (at the load average of 18-23 on 2026-11-29 they would "
-    "measure the neighbours)",
+    "of at most 88 columns now, regenerated at the top of the page): the runs of "
+    "2026-11-26 and 2026-11-27 are " + _RECORD,
     (
         "docs/benchmarks/quant.md",
         "fake_quant vs astype round trip on a 1024x4096 float32 input (",
