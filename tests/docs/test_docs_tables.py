@@ -49,10 +49,7 @@ def test_every_marker_pair_is_well_formed_and_registered():
 
 #: Timing regions that still hold the run recorded by hand on the date their page gives (a
 #: regenerated one starts with the machine line; drop it from here when regenerating it).
-PENDING = {
-    "bench-codecs-whole-array", "bench-codecs-chunked", "bench-hardware",
-    "hardware-accumulation", "performance-cold", "performance-warm",
-}  # fmt: skip
+PENDING = {"bench-codecs-whole-array", "bench-codecs-chunked", "hardware-accumulation"}
 
 
 def test_every_timing_region_states_machine_load_date_and_versions():
