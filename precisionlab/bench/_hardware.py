@@ -65,7 +65,7 @@ def render(res: list[dict], args: argparse.Namespace) -> str:
     """:func:`measure`'s rows as a table under a heading naming the sizes and the machine."""
     heading = (
         f"hardware GEMM models, {args.m}x{args.k} @ {args.k}x{args.n} ({device_and_cpu()}, "
-        f"jax {jax.__version__}, best of {args.repeats}, alternating with a float32 matmul)"
+        f"jax {jax.__version__}),\nbest of {args.repeats}, alternating with a float32 matmul"
     )
     head = f"{'case':<31} {'model ms':>9} {'f32 ms':>8} {'M products/s':>13} {'f32 / model':>11}"
     lines = [

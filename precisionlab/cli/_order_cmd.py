@@ -156,8 +156,9 @@ def run(args: argparse.Namespace) -> int:
                           "compare": args.compare, "comparison": diff}))  # fmt: skip
         return 0
     shape = "" if args.op == "sum" else f" (M={args.m}, N={args.n}, output [0, 0])"
-    print(f"{args.op} of K={args.k} {args.dtype} inputs{shape} by {what}: "
-          f"{tree.probes} probes (all pairs: {args.k * (args.k - 1) // 2})")  # fmt: skip
+    # two lines: a model's name and the shape make one line over 100 columns
+    print(f"{args.op} of K={args.k} {args.dtype} inputs{shape}")
+    print(f"by {what}: {tree.probes} probes (all pairs: {args.k * (args.k - 1) // 2})")
     print(tree.text(args.width))
     if args.compare:
         print(f"{args.compare} at K={args.k}: {diff}")
