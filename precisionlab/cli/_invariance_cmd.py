@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     rest = ms[1:]
     if measured:
         print(
-            f"Measured on {invariance.backend_name()}, jax {jax.__version__}: the rows of "
+            f"Measured on {invariance.backend_name()}, jax {jax.__version__}:\nthe rows of "
             f"M = {ref} against the same rows of A[:M] @ B, bit for bit (outputs that differ)"
         )
         rows = [[r.dtype, r.n, r.k, *r.differ[1:], r.verdict] for r in measured]
