@@ -31,7 +31,7 @@ import re
 import stat
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
@@ -292,16 +292,3 @@ def locked_run(run_dir: Path) -> Iterator[str | None]:
     # followed by a write or read through precisionlab._io
     with _io.confined(run_dir), run_lock(run_dir) as previous:
         yield previous
-
-
-def holding_run_lock(func: Callable[P, T]) -> Callable[P, T]:
-    """Decorator: run ``func(experiment, run_dir, ...)`` inside :func:`locked_run`."""
-
-    @functools.wraps(func)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
-        given: Any = kwargs["run_dir"] if "run_dir" in kwargs else args[1]
-        run_dir = Path(given)
-        with locked_run(run_dir):
-            return func(*args, **kwargs)
-
-    return wrapper

@@ -9,21 +9,10 @@ from __future__ import annotations
 import os
 
 import pytest
+from _tiny_runs import ONE
 
-TINY = """
-kind = "train"
-name = "tiny"
-[train]
-model = "mlp"
-steps = 2
-batch_size = 8
-model_kwargs = { width = 8, depth = 2 }
-[[variant]]
-name = "a"
-[[variant]]
-name = "b"
-policy = "p=f32,c=f16"
-"""
+# the tiny experiment with a second, float16 variant
+TINY = ONE + '[[variant]]\nname = "b"\npolicy = "p=f32,c=f16"\n'
 DIST = ["--num-processes", "2", "--process-id", "0"]
 BIG = "9" * 5000  # past Python's 4300-digit limit for str -> int
 
