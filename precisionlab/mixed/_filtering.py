@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from precisionlab.intercept import _boundary as boundary
+
 __all__ = ["filter_jit", "filter_value_and_grad", "is_inexact_array"]
 
 
@@ -82,6 +84,10 @@ def filter_value_and_grad(
     return f
 
 
+def _is_array(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | np.generic)
+
+
 def filter_jit(fn: Callable) -> Callable[..., Any]:
     """``jax.jit(fn)`` where the arguments may hold any leaves: the array leaves are traced,
     the others (an Equinox module's functions, Python numbers) are closed over as constants,
@@ -89,17 +95,7 @@ def filter_jit(fn: Callable) -> Callable[..., Any]:
     diagnosis, not for a training loop). Keyword arguments are closed over too."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        arrays = (jax.Array, np.ndarray, np.generic)
-        dyn = [i for i, x in enumerate(leaves) if isinstance(x, arrays)]
-
-        def inner(*values: Any) -> Any:
-            full = list(leaves)
-            for i, v in zip(dyn, values, strict=True):
-                full[i] = v
-            a, k = jax.tree_util.tree_unflatten(treedef, full)
-            return fn(*a, **k)
-
-        return jax.jit(inner)(*[leaves[i] for i in dyn])
+        flat, values = boundary.split_leaves(fn, args, kwargs, _is_array)
+        return jax.jit(flat)(*values)
 
     return run

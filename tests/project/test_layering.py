@@ -3,8 +3,9 @@
 Read from the source (every ``import`` statement, also those inside functions), so a lazy import
 cannot hide an edge. Layers, lowest first; a module may import its own layer and those below:
 
-    _schema, _io, _text, _clock, _alloc (neutral helpers) -> formats -> bits -> quant -> metrics
-    -> survey -> mixed -> intercept, recipes, emulate -> compute_audit -> (precisionlab facade)
+    _schema, _io, _text, _clock, _alloc (neutral helpers) -> intercept (the one JAX boundary)
+    -> formats -> bits -> quant -> metrics -> survey -> mixed -> recipes, emulate
+    -> compute_audit -> (precisionlab facade)
     -> telemetry -> train -> memory -> bench -> consistency -> experiments, verify -> diagnose
     -> conformance -> cli -> __main__
 """
@@ -20,13 +21,14 @@ ROOT = pathlib.Path(precisionlab.__file__).parent
 
 LAYERS = [
     ("_schema", "_io", "_text", "_clock", "_alloc"),
+    ("intercept",),  # the one module reading JAX's internals; imports nothing else of ours
     ("formats",),
     ("bits",),
     ("quant",),
     ("metrics", "hardware"),
     ("survey",),
     ("mixed",),
-    ("intercept", "recipes", "emulate"),
+    ("recipes", "emulate"),
     ("compute_audit",),
     ("",),  # precisionlab/__init__.py: re-exports formats, bits, quant and compute_audit.audit
     ("telemetry",),
