@@ -51,7 +51,7 @@ from precisionlab.train._compose import program_key
 from precisionlab.train._timing import LoopTimings, Stopwatch
 from precisionlab.verify import RecordHook
 
-__all__ = ["DONE", "config_hash", "follow", "resume", "run_experiment", "run_file"]
+__all__ = ["DONE", "config_hash", "follow", "resume", "run_file", "run_locked"]
 
 #: Unit statuses that resume does not redo.
 DONE = ("finished", "failed")
@@ -99,7 +99,7 @@ def run_file(
     with store.locked_run(run_dir) as previous:
         _refuse_old_files(run_dir)
         _write_config(run_dir, experiment, overrides)
-        return _run_locked(
+        return run_locked(
             experiment, run_dir, quiet=quiet, timings=timings, previous=previous,
             record_steps=record_steps,
         )  # fmt: skip
@@ -196,41 +196,24 @@ def resume(run_dir: str | Path, *, quiet: bool = False, timings: bool = False) -
                 f"{config_path}: its document no longer resolves to the recorded configuration "
                 "(edited, or another precisionlab version's defaults); start a new run"
             )
-        return _run_locked(
+        return run_locked(
             experiment, run_dir, quiet=quiet, resuming=True, timings=timings, previous=previous
         )
 
 
-def run_experiment(
+def run_locked(
     experiment: Experiment,
     run_dir: Path,
     *,
+    previous: str | None,
     quiet: bool = False,
     resuming: bool = False,
     timings: bool = False,
     record_steps: Sequence[int] | None = None,
 ) -> Path:
-    """Run (or continue) ``experiment`` in ``run_dir``; returns ``run_dir``. The run's lock
-    is held throughout (:func:`precisionlab.experiments._store.locked_run`)."""
-    with store.locked_run(run_dir) as previous:
-        return _run_locked(
-            experiment, run_dir, quiet=quiet, resuming=resuming, timings=timings,
-            previous=previous, record_steps=record_steps,
-        )  # fmt: skip
-
-
-def _run_locked(
-    experiment: Experiment,
-    run_dir: Path,
-    *,
-    quiet: bool = False,
-    resuming: bool = False,
-    timings: bool = False,
-    previous: str | None = None,
-    record_steps: Sequence[int] | None = None,
-) -> Path:
-    """:func:`run_experiment` with the lock held; ``previous``: the pid the lock file named
-    before (a process that ended while the run said ``running``)."""
+    """Run (or continue) ``experiment`` in ``run_dir``, whose lock the caller holds
+    (``with store.locked_run(run_dir) as previous``); returns ``run_dir``. ``previous``: the
+    pid the lock file named before (a process that ended while the run said ``running``)."""
     say = _printer(quiet)
     run_dir = Path(run_dir)
     if not (run_dir / "config.json").exists():

@@ -409,16 +409,16 @@ def monkeypatch_runner(monkeypatch):
     from precisionlab.experiments import _runner as runner
     from precisionlab.experiments import _store as store
 
-    real = runner._run_locked  # called with the run's lock held (run_file, resume)
+    real = runner.run_locked  # called with the run's lock held (run_file, resume)
 
     def fake(experiment, run_dir, *, quiet=False, resuming=False, **_):
         if experiment.kind == "survey":
-            return real(experiment, run_dir, quiet=quiet, resuming=resuming)
+            return real(experiment, run_dir, previous=None, quiet=quiet, resuming=resuming)
         store.write_json(Path(run_dir) / "summary.json", {"kind": "other", "status": "finished"})
         print("validated")
         return Path(run_dir)
 
-    monkeypatch.setattr(runner, "_run_locked", fake)
+    monkeypatch.setattr(runner, "run_locked", fake)
 
 
 # The default suite's sample is kept to about 10 CPU seconds (the suite's budget); the slow

@@ -47,7 +47,8 @@ def outcomes(tmp_path_factory) -> dict[str, dict]:
         v["settings"] = [s for s, keep in KEEP.items() if v["name"] in keep]
     experiment = experiment_from_document(doc, str(path))
     run_dir = tmp_path_factory.mktemp("outcomes")
-    runner.run_experiment(experiment, run_dir, quiet=True)
+    with store.locked_run(run_dir) as previous:
+        runner.run_locked(experiment, run_dir, previous=previous, quiet=True)
     summary = store.read_json(run_dir / "summary.json")
     out = {u["name"]: u for u in summary["variants"]}
     assert len(out) == sum(len(k) for k in KEEP.values())

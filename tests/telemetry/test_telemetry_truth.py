@@ -46,7 +46,8 @@ def run_dir(tmp_path_factory):  # about 25 s of CPU: the tests using it are slow
     doc = _main_job(variants, steps=2)
     experiment = experiment_from_document(doc, str(MAIN))
     out = tmp_path_factory.mktemp("main") / "run"
-    runner.run_experiment(experiment, out, quiet=True)
+    with store.locked_run(out) as previous:
+        runner.run_locked(experiment, out, previous=previous, quiet=True)
     report.write_report(out)
     return out
 

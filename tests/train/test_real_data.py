@@ -336,7 +336,8 @@ def test_real_data_digits_mlp_outcomes(tmp_path):
         ["train.hist_interval=0", "train.shadow=false", "train.checkpoint_interval=0"],
         keep={"digits-mlp": names},
     )
-    runner.run_experiment(exp, tmp_path, quiet=True)
+    with store.locked_run(tmp_path) as previous:
+        runner.run_locked(exp, tmp_path, previous=previous, quiet=True)
     out = {u["name"]: u for u in store.read_json(tmp_path / "summary.json")["variants"]}
     fp32, noscale, dynamic = (out[f"digits-mlp/{n}"] for n in names[:3])
     nearest, stochastic = (
