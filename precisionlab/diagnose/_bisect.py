@@ -69,11 +69,19 @@ class BisectRun:
     passed: bool
 
 
+@dataclasses.dataclass(kw_only=True)
 class SearchRuns:
-    """What a bisection's result (over a run's layers or a function's operations) counts: its
-    ``runs`` labelled ``"search"``, the references left out."""
+    """What every bisection's result (over a run's layers or a function's operations) holds:
+    the candidates, every run (references first), the answer (None: no set of the candidates
+    passes) and the run ``budget`` (:func:`run_budget` of the candidates)."""
 
+    candidates: tuple[str, ...]
     runs: list[BisectRun]
+    answer: tuple[str, ...] | None
+    budget: int = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.budget = run_budget(len(self.candidates))
 
     @property
     def search_runs(self) -> int:
@@ -83,18 +91,14 @@ class SearchRuns:
 
 @dataclasses.dataclass
 class BisectResult(SearchRuns):
-    """The search: variants, reference and fail losses, the pass threshold, the candidate
-    layers, every run (references first), the answer (None: no set of candidates passes) and
-    ``budget`` = ceil(log2 L) + 1."""
+    """The search over a run's layers: the variants, the reference loss and the pass
+    threshold, with :class:`SearchRuns`' fields (candidate layers; ``budget`` =
+    ceil(log2 L) + 1)."""
 
     fail: str
     passing: str
     reference_loss: float
     threshold: float
-    candidates: tuple[str, ...]
-    runs: list[BisectRun]
-    answer: tuple[str, ...] | None
-    budget: int
 
 
 def run_budget(n_layers: int) -> int:
@@ -160,20 +164,16 @@ def bisect(
 
     base = runner(cfg_fail, options.tail)
     record("reference", fail, (), base, passes(base))
-    result = BisectResult(
-        fail.name, passing.name, ref, threshold, cands, runs, None, run_budget(len(cands))
-    )
-    if passes(base):
-        result.answer = ()
-        return result
 
     def test(layers: Sequence[str]) -> bool:
         loss = runner(with_layers_high(cfg_fail, layers), options.tail)
         record("search", fail, layers, loss, passes(loss))
         return passes(loss)
 
-    result.answer = search(cands, test)
-    return result
+    answer = () if passes(base) else search(cands, test)
+    return BisectResult(
+        fail.name, passing.name, ref, threshold, candidates=cands, runs=runs, answer=answer
+    )
 
 
 def search(cands: Sequence[str], test: Callable[[Sequence[str]], bool]) -> tuple[str, ...] | None:

@@ -35,7 +35,7 @@ import numpy as np
 from precisionlab import recipes
 from precisionlab.diagnose._autoswitch import STAT_NAMES, AutoSwitchRecipe, SwitchResult
 from precisionlab.diagnose._autoswitch import autoswitch as _autoswitch_unit
-from precisionlab.diagnose._bisect import BisectRun, SearchRuns, run_budget, search
+from precisionlab.diagnose._bisect import BisectRun, SearchRuns, search
 from precisionlab.diagnose._bisect import bisect as _bisect_units
 from precisionlab.diagnose._compare import compare as _compare_units
 from precisionlab.diagnose._compare import relative_difference
@@ -246,10 +246,6 @@ class FunctionBisect(SearchRuns):
     candidate: str
     base: float
     tolerance: float
-    candidates: tuple[str, ...]
-    runs: list[BisectRun]
-    answer: tuple[str, ...] | None
-    budget: int
 
     def text(self) -> str:
         """The runs and the answer."""
@@ -345,12 +341,6 @@ def bisect_function(
     base = measure(())
     runs.append(BisectRun("reference", b.label, (), base, passes(base)))
     say(f"{b.label} as it is: output differs by {_num(base)}")
-    result = FunctionBisect(
-        _fn_name(fn), a.label, b.label, base, tol, names, runs, None, run_budget(len(names))
-    )
-    if passes(base):
-        result.answer = ()
-        return result
 
     def test(kept: Sequence[str]) -> bool:
         rel = measure(kept)
@@ -358,8 +348,10 @@ def bisect_function(
         say(f"{len(kept)} operation(s) in high precision -> {_num(rel)}")
         return passes(rel)
 
-    result.answer = search(names, test)
-    return result
+    answer = () if passes(base) else search(names, test)
+    return FunctionBisect(
+        _fn_name(fn), a.label, b.label, base, tol, candidates=names, runs=runs, answer=answer
+    )
 
 
 def autoswitch_function(
@@ -434,6 +426,12 @@ def autoswitch_function(
             }
         )
     return SwitchResult(
-        variant=_fn_name(fn), recipe=rec.name, underflow=underflow, mse=mse, steps_done=1,
-        final_loss=float(value), sites=rows, losses=[float(value)],
-    )  # fmt: skip
+        variant=_fn_name(fn),
+        recipe=rec.name,
+        underflow=underflow,
+        mse=mse,
+        steps_done=1,
+        final_loss=float(value),
+        sites=rows,
+        losses=[float(value)],
+    )
