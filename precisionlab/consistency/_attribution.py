@@ -63,8 +63,8 @@ class Attribution:
             for i, r in enumerate(self.ranked())
         ]
         head = (
-            f"{self.a.label} vs {self.b.label}: RMS gap {self.base.rms_nats:.3g} nats; "
-            "patching each layer's output from the first stack"
+            f"{self.a.label} vs {self.b.label}: RMS gap {self.base.rms_nats:.3g} nats\n"
+            "patching each layer's output from the first stack:"
         )
         cols = ["rank", "layer", "injected", "removed when patched", "RMS after (nats)"]
         return head + "\n" + table(rows, cols)

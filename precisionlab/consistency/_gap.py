@@ -127,14 +127,15 @@ class Gap:
         }
 
     def text(self) -> str:
-        """One line: the stacks and the summaries."""
+        """Two lines (under 100 columns for the stacks' usual labels): the stacks and the
+        log-probability gap, then the ratio, KL and greedy-flip summaries."""
         s = self.summary()
         tail = f", {s['nonfinite']} non-finite" if s["nonfinite"] else ""
         return (
-            f"{s['a']} vs {s['b']}: mean {s['mean_nats']:.3g}, rms {s['rms_nats']:.3g}, max "
-            f"{s['max_nats']:.3g} nats; ratio outside [{self.clip[0]}, {self.clip[1]}] "
-            f"{s['clip_share']:.2%}; KL {s['kl']:.3g}; greedy flips {s['flip_rate']:.2%} "
-            f"({s['tokens']} tokens{tail})"
+            f"{s['a']} vs {s['b']}: mean {s['mean_nats']:.3g}, rms {s['rms_nats']:.3g}, "
+            f"max {s['max_nats']:.3g} nats\n"
+            f"  ratio outside [{self.clip[0]}, {self.clip[1]}] {s['clip_share']:.2%}; "
+            f"KL {s['kl']:.3g}; greedy flips {s['flip_rate']:.2%} ({s['tokens']} tokens{tail})"
         )
 
 
