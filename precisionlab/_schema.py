@@ -13,6 +13,7 @@ import builtins
 import dataclasses
 import difflib
 import math
+import numbers
 import os
 import stat
 import tomllib
@@ -30,6 +31,8 @@ __all__ = [
     "Field",
     "check_data",
     "check_depth",
+    "check_float",
+    "check_int",
     "coerce",
     "describe_type",
     "did_you_mean",
@@ -114,6 +117,32 @@ class Field:
 
     def allowed(self) -> Sequence[Any] | None:
         return self.choices() if callable(self.choices) else self.choices
+
+
+def check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
+    """``value`` as an int, ValueError naming ``name`` unless it is an int (not a bool) in
+    [``low``, ``high``] (no upper bound for None): an option of a built-in model or dataset."""
+    # numbers.Integral: numpy's integers too
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if high is not None and int(value) > high:
+        raise ValueError(f"{name} must be an int <= {high}, got {value!r}")
+    return int(value)
+
+
+def check_float(name: str, value: Any, low: float, high: float | None = None) -> float:
+    """``value`` as a float, ValueError naming ``name`` unless it is a finite number in
+    [``low``, ``high``] (no upper bound for None; nan and inf are refused)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)  # nan passed both comparisons; inf scaled data to inf
+        or value < low
+        or (high is not None and value > high)
+    ):
+        rng = f"finite and >= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be a number {rng}, got {value!r}")
+    return float(value)
 
 
 def did_you_mean(given: str, known: Sequence[str]) -> str:

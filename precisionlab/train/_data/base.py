@@ -7,13 +7,12 @@ data order is reproducible and resumable from the step count alone.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-__all__ = ["SPLITS", "Dataset", "check_float", "check_int", "split_rng"]
+__all__ = ["SPLITS", "Dataset", "split_rng"]
 
 SPLITS: dict[str, int] = {"train": 0, "eval": 1}
 
@@ -65,25 +64,6 @@ class Dataset:
         raise NotImplementedError
 
 
-def check_int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return int(value)
-
-
 #: Largest ``input_scale`` of the generated data sets: |x| reaches a few units times it, and
 #: the data is float32 (max 3.4e38): past this it would be inf, not data.
 MAX_INPUT_SCALE = 1e30
-
-
-def check_float(name: str, value: Any, low: float, high: float | None = None) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)  # nan passed both comparisons; inf scaled data to inf
-        or value < low
-        or (high is not None and value > high)
-    ):
-        rng = f"finite and >= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be a number {rng}, got {value!r}")
-    return float(value)

@@ -23,13 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from precisionlab.train._data.base import (
-    MAX_INPUT_SCALE,
-    Dataset,
-    check_float,
-    check_int,
-    split_rng,
-)
+from precisionlab._schema import check_float, check_int
+from precisionlab.train._data.base import MAX_INPUT_SCALE, Dataset, split_rng
 
 __all__ = ["DigitsData", "MissingExtraError", "load_digits_arrays"]
 

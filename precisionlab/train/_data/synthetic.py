@@ -9,9 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from precisionlab._schema import check_float, check_int
 from precisionlab.train._data.base import MAX_INPUT_SCALE, Dataset
-from precisionlab.train._data.base import check_float as _check_float
-from precisionlab.train._data.base import check_int as _check_int
 from precisionlab.train._data.base import split_rng as _rng
 
 __all__ = ["MarkovData", "TeacherData"]
@@ -32,12 +31,12 @@ class TeacherData(Dataset):
     kind = "classification"
 
     def __post_init__(self) -> None:
-        _check_int("in_dim", self.in_dim, 1)
-        _check_int("num_classes", self.num_classes, 2)
-        _check_int("teacher_width", self.teacher_width, 1)
-        _check_float("input_scale", self.input_scale, 1e-30, MAX_INPUT_SCALE)
-        _check_float("label_noise", self.label_noise, 0.0, 1.0)
-        _check_int("task_seed", self.task_seed, 0)
+        check_int("in_dim", self.in_dim, 1)
+        check_int("num_classes", self.num_classes, 2)
+        check_int("teacher_width", self.teacher_width, 1)
+        check_float("input_scale", self.input_scale, 1e-30, MAX_INPUT_SCALE)
+        check_float("label_noise", self.label_noise, 0.0, 1.0)
+        check_int("task_seed", self.task_seed, 0)
         _ = self._teacher  # drawn now, as the options are checked
 
     @functools.cached_property
@@ -85,13 +84,13 @@ class MarkovData(Dataset):
     kind = "lm"
 
     def __post_init__(self) -> None:
-        _check_int("vocab_size", self.vocab_size, 2)
-        _check_int("seq_len", self.seq_len, 2)
-        _check_int("branching", self.branching, 1)
+        check_int("vocab_size", self.vocab_size, 2)
+        check_int("seq_len", self.seq_len, 2)
+        check_int("branching", self.branching, 1)
         if self.branching > self.vocab_size:
             raise ValueError(f"branching {self.branching} > vocab_size {self.vocab_size}")
-        _check_float("concentration", self.concentration, 1e-6)
-        _check_int("task_seed", self.task_seed, 0)
+        check_float("concentration", self.concentration, 1e-6)
+        check_int("task_seed", self.task_seed, 0)
         _ = self._table  # drawn now, as the options are checked
 
     @functools.cached_property

@@ -35,7 +35,8 @@ from typing import Any
 import numpy as np
 
 from precisionlab import _io
-from precisionlab.train._data.base import Dataset, check_float, check_int, split_rng
+from precisionlab._schema import check_float, check_int
+from precisionlab.train._data.base import Dataset, split_rng
 
 __all__ = ["MAX_BYTES_LIMIT", "TextData", "stdlib_dir"]
 

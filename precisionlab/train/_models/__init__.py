@@ -42,8 +42,9 @@ import dataclasses
 import fnmatch
 from typing import Any
 
+from precisionlab._schema import check_int
 from precisionlab.train import _registry as registry
-from precisionlab.train._models.base import MAX_DEPTH, MODELS, Model, check_int
+from precisionlab.train._models.base import MAX_DEPTH, MODELS, Model
 from precisionlab.train._models.conv import ConvNet
 from precisionlab.train._models.mlp import MLP
 from precisionlab.train._models.transformer import Transformer

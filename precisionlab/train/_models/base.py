@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from precisionlab._schema import check_int
 from precisionlab.mixed import ops
 from precisionlab.mixed._policy import Policy, get_policy
 from precisionlab.train._layers import (
@@ -29,13 +30,6 @@ MODELS: tuple[str, ...] = ("mlp", "transformer", "conv")
 #: Most layers a built-in model has (as ``precisionlab.memory``'s presets): beyond it the layer
 #: names alone would take seconds to list, and the model could not be a lab experiment.
 MAX_DEPTH = 2**16
-
-
-def check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    if high is not None and value > high:
-        raise ValueError(f"{name} must be an int <= {high}, got {value!r}")
 
 
 def _check_pos(name: str, value: Any) -> None:

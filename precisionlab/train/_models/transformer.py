@@ -22,11 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from precisionlab._schema import check_int
 from precisionlab.mixed import ops
 from precisionlab.mixed._policy import Policy
 from precisionlab.quant import MX_FORMATS, fake_quant, get_mx_format
 from precisionlab.train._layers import scan_layers, unstack_layers
-from precisionlab.train._models.base import Gen, Model, check_int, stack_init
+from precisionlab.train._models.base import Gen, Model, stack_init
 
 __all__ = ["Transformer"]
 
