@@ -95,3 +95,28 @@ def test_tests_live_by_subject():
             problems.append(f"{rel}: the same file name as {seen[path.name]}")
         seen[path.name] = rel
     assert not problems, "\n".join(problems)
+
+
+def test_tests_past_the_deadline_are_skipped_and_counted():
+    """PRECISIONLAB_TEST_DEADLINE (CI's slow phase): a test that would start after it is
+    skipped with its reason, the run ends normally (exit 0) and says how many were cut."""
+    here = "tests/project/test_suite_hygiene.py"
+    ids = [
+        f"{here}::test_tests_live_by_subject",
+        f"{here}::test_every_test_listed_slow_by_cost_exists",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-n", "1", "-q", "-p", "no:cacheprovider", "-rs", *ids],
+        cwd=TESTS.parent,
+        env={**os.environ, "PRECISIONLAB_TEST_DEADLINE": "1"},  # 1970: long past
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "2 skipped" in out, out
+    assert "past PRECISIONLAB_TEST_DEADLINE" in out, out
+    assert (
+        f"2 tests not started: past the time budget (PRECISIONLAB_TEST_DEADLINE); the first: {here}::"
+        in out
+    ), out
