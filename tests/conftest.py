@@ -1,5 +1,6 @@
 """Test configuration: every test runs on CPU with float32 defaults unless it says otherwise."""
 
+import gc
 import os
 import pathlib
 import shutil
@@ -75,6 +76,39 @@ if _DEADLINE:
                 f"{len(cut)} tests not started: past the time budget "
                 f"(PRECISIONLAB_TEST_DEADLINE); the first: {cut[0].nodeid}"
             )
+
+
+#: A test process keeps every program it compiled (JAX's caches hold the executables) and each
+#: XLA:CPU executable maps three memory regions; past the kernel's vm.max_map_count (65,530 by
+#: default) the next compilation dies inside XLA with a segmentation fault (an xdist worker of
+#: the slow phase, at about 500 tests: tests/recipes/test_recipes_apply.py, twice). Above this
+#: many mappings JAX's caches are cleared between tests; the programs are then loaded from the
+#: process's persistent compilation cache when needed again.
+MAX_MAPPINGS = 20_000
+_last_maps_check = [0.0]
+
+
+def memory_mappings() -> int:
+    """The mappings of this process (lines of /proc/self/maps; 0 where there is none)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    # reading the maps costs milliseconds at tens of thousands: at most every 2 s
+    now = time.monotonic()
+    if now - _last_maps_check[0] < 2.0:
+        return
+    _last_maps_check[0] = now
+    if memory_mappings() > MAX_MAPPINGS:
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
 
 
 SLOW_BY_COST = pathlib.Path(__file__).with_name("slow_by_cost.txt")

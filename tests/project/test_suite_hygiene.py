@@ -8,6 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).parents[1]
 
 # A worker slow to tear down after it has sent its results (a loaded machine, a heap of compiled
@@ -116,7 +118,28 @@ def test_tests_past_the_deadline_are_skipped_and_counted():
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "2 skipped" in out, out
     assert "past PRECISIONLAB_TEST_DEADLINE" in out, out
-    assert (
-        f"2 tests not started: past the time budget (PRECISIONLAB_TEST_DEADLINE); the first: {here}::"
-        in out
-    ), out
+    summary = "2 tests not started: past the time budget (PRECISIONLAB_TEST_DEADLINE)"
+    assert f"{summary}; the first: {here}::" in out, out
+
+
+def test_compiled_programs_are_released_when_the_mappings_pile_up(monkeypatch):
+    """Past MAX_MAPPINGS memory mappings the suite clears JAX's caches between tests (a worker
+    that reached vm.max_map_count died inside XLA's compiler): the executables' mappings go."""
+    import conftest
+    import jax
+    import jax.numpy as jnp
+
+    if not conftest.memory_mappings():
+        pytest.skip("no /proc/self/maps here")
+    kept = [jax.jit(lambda x, i=i: x * i + 1) for i in range(100)]  # 100 programs held alive
+    for f in kept:
+        f(jnp.ones(3)).block_until_ready()
+    before = conftest.memory_mappings()
+    monkeypatch.setattr(conftest, "_last_maps_check", [0.0])
+    monkeypatch.setattr(conftest, "MAX_MAPPINGS", 10**9)
+    conftest.pytest_runtest_teardown(None, None)  # below the limit: nothing is cleared
+    assert conftest.memory_mappings() >= before - 10
+    monkeypatch.setattr(conftest, "_last_maps_check", [0.0])
+    monkeypatch.setattr(conftest, "MAX_MAPPINGS", 0)
+    conftest.pytest_runtest_teardown(None, None)
+    assert conftest.memory_mappings() <= before - 200  # about three a program
