@@ -80,8 +80,8 @@ if _DEADLINE:
 
 #: A test process keeps every program it compiled (JAX's caches hold the executables) and each
 #: XLA:CPU executable maps three memory regions; past the kernel's vm.max_map_count (65,530 by
-#: default) the next compilation dies inside XLA with a segmentation fault (an xdist worker of
-#: the slow phase, at about 500 tests: tests/recipes/test_recipes_apply.py, twice). Above this
+#: default) the next compilation dies inside XLA (segmentation fault or abort: xdist workers of
+#: the slow phase after about 500 tests, in test_recipes_apply.py and a docs example). Above this
 #: many mappings JAX's caches are cleared between tests; the programs are then loaded from the
 #: process's persistent compilation cache when needed again.
 MAX_MAPPINGS = 20_000

@@ -30,7 +30,6 @@ _MSG = "a one-line error, warning or finding: the CLI and the library print one 
 _CODE = "source code with its comment, as a reader copies it"
 _REPR = "a Python value printed as Python prints it (one repr line)"
 _RECORD = "a dated measurement of earlier code, kept as recorded (cannot be regenerated)"
-_TODO = "to narrow at its source (issue 38, item 5, not done yet): "
 
 #: (page, the start of the block's first line) -> why its long lines stay.
 ALLOWED: dict[tuple[str, str], str] = {
@@ -46,11 +45,7 @@ ALLOWED: dict[tuple[str, str], str] = {
         "docs/benchmarks/quant.md",
         "fake_quant vs astype round trip on a 1024x4096 float32 input (",
     ): _RECORD + " (two runs of earlier code; the heading line is two lines now)",
-    ("docs/benchmarks/recipes.md", "$ precisionlab bench recipes --recipes"): _CMD
-    + "; and "
-    + _TODO
-    + "the `bench time:` line (regenerating the region costs "
-    "about 30 CPU minutes)",
+    ("docs/benchmarks/recipes.md", "$ precisionlab bench recipes --recipes"): _CMD,
     ("docs/contributing.md", "python tests/docs/test_notebooks.py --update"): _CMD,
     ("docs/contributing.md", "PRECISIONLAB_TEST_CPU_PROFILE=/tmp/cpu.txt"): _CMD,
     ("docs/explanations/conformance.md", "$ precisionlab conformance --libs"): _CMD,
