@@ -56,7 +56,14 @@ def pytest_configure(config):
 #: run. CI's slow phase has a time budget; cut short this way, pytest still ends normally and
 #: reports what ran (a failure among it fails CI), where a killed pytest reports nothing.
 _DEADLINE = os.environ.get("PRECISIONLAB_TEST_DEADLINE")
-_PAST_DEADLINE = "not started: past PRECISIONLAB_TEST_DEADLINE (the time budget)"
+if _DEADLINE and not _DEADLINE.strip().isdigit():
+    raise ValueError(
+        f"PRECISIONLAB_TEST_DEADLINE must be whole seconds since the epoch, got {_DEADLINE!r}"
+    )
+_PAST_DEADLINE = (
+    "not started: past PRECISIONLAB_TEST_DEADLINE (CI's time budget for the slow phase ran "
+    "out first); run it alone with `pytest -m slow` and its id"
+)
 
 if _DEADLINE:
 

@@ -34,7 +34,7 @@ import time
 from collections.abc import Iterable, Iterator
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 from precisionlab import _io
 from precisionlab.experiments import _runfiles as runfiles
@@ -64,8 +64,6 @@ read_json = runfiles.read_json
 read_jsonl = runfiles.read_jsonl
 to_jsonable = _io.to_jsonable
 from_json_float = _io.from_json_float
-P = ParamSpec("P")
-T = TypeVar("T")
 JsonlWriter = _io.JsonlWriter
 makedirs = _io.makedirs
 confined = _io.confined
