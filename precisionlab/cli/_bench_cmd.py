@@ -6,30 +6,14 @@ import argparse
 import pathlib
 
 from precisionlab import _io
-from precisionlab.bench import (
-    _codecs as codecs,
-)
-from precisionlab.bench import (
-    _hardware as hardware,
-)
-from precisionlab.bench import (
-    _overhead as overhead,
-)
-from precisionlab.bench import (
-    _predictors as predictors,
-)
-from precisionlab.bench import (
-    _quant as quant,
-)
-from precisionlab.bench import (
-    _recipes as recipes,
-)
-from precisionlab.bench import (
-    _telemetry as telemetry,
-)
-from precisionlab.bench import (
-    _train as train,
-)
+from precisionlab.bench import _codecs as codecs
+from precisionlab.bench import _hardware as hardware
+from precisionlab.bench import _overhead as overhead
+from precisionlab.bench import _predictors as predictors
+from precisionlab.bench import _quant as quant
+from precisionlab.bench import _recipes as recipes
+from precisionlab.bench import _telemetry as telemetry
+from precisionlab.bench import _train as train
 from precisionlab.cli._common import UsageError, check_path_shape
 
 HELP = "benchmarks against peers (ml_dtypes, gfloat, jmp), printed as ratios"

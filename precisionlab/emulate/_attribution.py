@@ -41,17 +41,8 @@ import numpy as np
 
 from precisionlab import recipes
 from precisionlab.emulate._emulate import Emulated, collect, emulate
-from precisionlab.intercept import (
-    Context,
-    Emit,
-    Intercepted,
-    PerIteration,
-    Site,
-    intercept,
-)
-from precisionlab.intercept import (
-    _boundary as boundary,
-)
+from precisionlab.intercept import Context, Emit, Intercepted, PerIteration, Site, intercept
+from precisionlab.intercept import _boundary as boundary
 from precisionlab.mixed import filter_jit
 from precisionlab.mixed._policy import get_policy
 

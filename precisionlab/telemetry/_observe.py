@@ -45,9 +45,7 @@ from precisionlab.intercept import (
     numbered,
     select,
 )
-from precisionlab.intercept import (
-    _boundary as boundary,
-)
+from precisionlab.intercept import _boundary as boundary
 from precisionlab.mixed import filter_value_and_grad
 from precisionlab.telemetry._stats import TensorStats, stacked_stats, tensor_stats
 from precisionlab.telemetry._targets import Target, parse_targets

@@ -15,9 +15,7 @@ from precisionlab.train import (
     parse_step_options,
     train,
 )
-from precisionlab.train import (
-    _models as models,
-)
+from precisionlab.train import _models as models
 from precisionlab.train._config import TRAIN_FIELDS
 
 SMALL = {"model_kwargs": {"width": 16}, "batch_size": 32, "eval_batches": 1}
