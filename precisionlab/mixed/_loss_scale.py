@@ -180,6 +180,50 @@ class StaticLossScale(LossScale):
         return f"StaticLossScale({self.loss_scale!r})"
 
 
+def _checked_dynamic(
+    growth_factor: Any,
+    backoff_factor: Any,
+    growth_interval: Any,
+    min_scale: Any,
+    max_scale: Any,
+    dtype: np.dtype,
+) -> float | None:
+    """ValueError unless the dynamic scale's options are valid; returns ``min_scale`` as a
+    number or None (``"normal"``: the smallest normal number of ``dtype``, never 0)."""
+    if isinstance(min_scale, str):
+        if min_scale != "normal":
+            raise ValueError(f"min_scale must be a number, 'normal' or None, got {min_scale!r}")
+        min_scale = float(jnp.finfo(dtype).tiny)
+    if not float(growth_factor) > 1.0:
+        raise ValueError(f"growth_factor must be > 1, got {growth_factor!r}")
+    if not 0.0 < float(backoff_factor) < 1.0:
+        raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
+    if (
+        isinstance(growth_interval, bool)
+        or not isinstance(growth_interval, int | np.integer)
+        or int(growth_interval) < 1
+    ):
+        raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
+    for name, value in (("min_scale", min_scale), ("max_scale", max_scale)):
+        if value is not None and not (math.isfinite(float(value)) and float(value) > 0):
+            raise ValueError(f"{name} must be finite and > 0 or None, got {value!r}")
+    if min_scale is not None and max_scale is not None and float(min_scale) > float(max_scale):
+        raise ValueError(f"min_scale {min_scale!r} > max_scale {max_scale!r}")
+    return min_scale
+
+
+def _initial_scale(init_scale: Any, dtype: np.dtype) -> jax.Array:
+    """``init_scale`` as a scalar of ``dtype``; ValueError unless finite and > 0 there."""
+    with np.errstate(over="ignore"):
+        init = float(np.asarray(init_scale, dtype))
+    if not (math.isfinite(init) and init > 0):
+        raise ValueError(
+            f"init_scale must be finite and > 0 in {dtype.name}, got {init_scale!r}"
+            + (" (float16 holds at most 65504)" if dtype == np.float16 else "")
+        )
+    return jnp.asarray(init_scale, dtype)
+
+
 @_registered("loss_scale", "counter")
 @dataclasses.dataclass(frozen=True, eq=False, init=False)
 class DynamicLossScale(LossScale):
@@ -222,48 +266,18 @@ class DynamicLossScale(LossScale):
         counter: Any = None,
         _trusted: bool = False,
     ):
-        config = dict(
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            min_scale=min_scale,
-            max_scale=max_scale,
-        )
-        if _trusted:  # JAX rebuilding the pytree (or dataclasses.replace): as they are
-            _set(self, loss_scale=loss_scale, counter=counter, _trusted=True, **config)
-            return
-        dtype = _scale_dtype(dtype)
-        if isinstance(min_scale, str):
-            if min_scale != "normal":
-                raise ValueError(f"min_scale must be a number, 'normal' or None, got {min_scale!r}")
-            min_scale = float(jnp.finfo(dtype).tiny)  # the smallest normal: never 0
-            config["min_scale"] = min_scale
-        if not float(growth_factor) > 1.0:
-            raise ValueError(f"growth_factor must be > 1, got {growth_factor!r}")
-        if not 0.0 < float(backoff_factor) < 1.0:
-            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
-        if (
-            isinstance(growth_interval, bool)
-            or not isinstance(growth_interval, int | np.integer)
-            or int(growth_interval) < 1
-        ):
-            raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
-        for name, value in (("min_scale", min_scale), ("max_scale", max_scale)):
-            if value is not None and not (math.isfinite(float(value)) and float(value) > 0):
-                raise ValueError(f"{name} must be finite and > 0 or None, got {value!r}")
-        if min_scale is not None and max_scale is not None and float(min_scale) > float(max_scale):
-            raise ValueError(f"min_scale {min_scale!r} > max_scale {max_scale!r}")
-        with np.errstate(over="ignore"):
-            init = float(np.asarray(init_scale, dtype))
-        if not (math.isfinite(init) and init > 0):
-            raise ValueError(
-                f"init_scale must be finite and > 0 in {dtype.name}, got {init_scale!r}"
-                + (" (float16 holds at most 65504)" if dtype == np.float16 else "")
-            )
+        # JAX rebuilding the pytree (or dataclasses.replace) passes the fields as they are:
+        # only a user's call is checked and starts from init_scale.
+        if not _trusted:
+            dtype = _scale_dtype(dtype)
+            min_scale = _checked_dynamic(growth_factor, backoff_factor, growth_interval,
+                                         min_scale, max_scale, dtype)  # fmt: skip
+            loss_scale = _initial_scale(init_scale, dtype)
+            counter = jnp.zeros((), jnp.int32)
         _set(
             self,
-            loss_scale=jnp.asarray(init_scale, dtype),
-            counter=jnp.zeros((), jnp.int32),
+            loss_scale=loss_scale,
+            counter=counter,
             growth_factor=float(growth_factor),
             backoff_factor=float(backoff_factor),
             growth_interval=int(growth_interval),
@@ -271,7 +285,7 @@ class DynamicLossScale(LossScale):
             max_scale=None if max_scale is None else float(max_scale),
             _trusted=True,
         )
-        if self.min_scale is not None or self.max_scale is not None:
+        if not _trusted and (self.min_scale is not None or self.max_scale is not None):
             _set(self, loss_scale=self._clamp(self.loss_scale))
 
     def _clamp(self, s: jax.Array) -> jax.Array:
