@@ -5,7 +5,6 @@
 - :func:`transformer_spec`: the :class:`ModelSpec` of a built-in transformer, for
   :func:`~precisionlab.memory._estimate.estimate`.
 - :func:`activation_bytes`: what the model keeps for its backward pass, from its sizes.
-- :func:`plain_step`: a plain JAX + optax train step around the model's ``loss_fn``.
 - :func:`measure_train_table`: estimate vs XLA for the train step of a ``[train]`` table, built
   exactly as ``precisionlab.train`` builds it (``make_train_step``).
 """
@@ -27,7 +26,6 @@ from precisionlab.memory._estimate import (
 )
 from precisionlab.memory._measure import Measured, measure
 from precisionlab.memory._recipe import builtin_gemms, recipe_memory
-from precisionlab.memory._steps import BuiltStep
 from precisionlab.mixed import Policy, get_policy
 from precisionlab.train import Model, StepOptions, TrainConfig, TrainState, build, build_step
 from precisionlab.train._recipe import TrainRecipe
@@ -37,7 +35,6 @@ __all__ = [
     "example_batch",
     "measure_train_table",
     "param_count",
-    "plain_step",
     "transformer_spec",
 ]
 
@@ -131,33 +128,6 @@ def example_batch(model: Any, batch: int) -> dict[str, jax.Array]:
     """A batch of zeros (memory does not depend on the values)."""
     shapes = model.example_batch(batch)
     return {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
-
-
-def plain_step(
-    model: Any,
-    *,
-    batch: int,
-    policy: Policy | str = "f32",
-    optimizer: str = "adam",
-    microbatches: int = 1,
-    seed: int = 0,
-) -> BuiltStep:
-    """A plain JAX + optax step around ``model.loss_fn(policy)`` (see ``steps.BuiltStep``)."""
-    policy = get_policy(policy)
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
-    if batch % microbatches:
-        raise ValueError(f"batch {batch} is not divisible into {microbatches} micro-batches")
-    loss_and_aux = model.loss_fn(policy)
-
-    def loss_fn(params: Any, b: Any) -> jax.Array:
-        return loss_and_aux(params, b)[0]
-
-    params = policy.cast_to_param(model.init(jax.random.PRNGKey(seed)))
-    saved = activation_bytes(model, batch // microbatches, policy)
-    what = f"built-in {model.name}, batch {batch}, {policy}, {optimizer}"
-    x = example_batch(model, batch)
-    return BuiltStep.of(loss_fn, params, x, policy, optimizer, microbatches, saved, what)
 
 
 def scalar_bytes(tree: Any) -> int:

@@ -1,12 +1,11 @@
-"""Small train steps in plain JAX + optax whose memory the estimator can predict.
+"""A small train step in plain JAX + optax whose memory the estimator can predict: the one
+the ``[memory]`` experiment measures.
 
-- :func:`stack_step`: a stack of ``n_layers`` residual blocks ``x + tanh(x W1) W2`` on a
-  ``batch x d_model`` activation, its layers run by ``lax.scan``; optional activation
-  checkpointing every K blocks (``jax.checkpoint`` around a scan over K blocks) and gradient
-  accumulation over micro-batches.
-- :func:`mlp_step`: a tanh MLP regressor.
-
-Both follow a mixed-precision policy: params stored in ``param_dtype``, cast to
+:func:`stack_step`: a stack of ``n_layers`` residual blocks ``x + tanh(x W1) W2`` on a
+``batch x d_model`` activation, its layers run by ``lax.scan``; optional activation
+checkpointing every K blocks (``jax.checkpoint`` around a scan over K blocks) and gradient
+accumulation over micro-batches. :class:`BuiltStep` holds it (the tests build more steps with
+it). It follows a mixed-precision policy: params stored in ``param_dtype``, cast to
 ``compute_dtype`` for the forward and backward pass, loss in float32. The step is
 ``step(params, opt_state, batch) -> (params, opt_state, loss)`` with params and optimizer state
 donated.
@@ -30,7 +29,7 @@ import optax
 
 from precisionlab.mixed import Policy, get_policy
 
-__all__ = ["BuiltStep", "make_optimizer", "mlp_step", "stack_step"]
+__all__ = ["BuiltStep", "make_optimizer", "stack_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,53 +212,4 @@ def stack_step(
         f"residual tanh stack: {n_layers} layers, d_model {d_model}, batch {batch}, {policy}, "
         f"{optimizer}{ckpt}{acc}"
     )
-    return BuiltStep.of(loss_fn, params, x, policy, optimizer, microbatches, activations, what)
-
-
-def mlp_step(
-    *,
-    sizes: tuple[int, ...] = (256, 512, 512, 10),
-    batch: int = 256,
-    policy: Policy | str = "f32",
-    optimizer: str = "adam",
-    microbatches: int = 1,
-    seed: int = 0,
-) -> BuiltStep:
-    """A tanh MLP regressing zeros with mean squared error.
-
-    Saved per hidden layer: tanh output and 1 - tanh^2 (``micro x width`` in the compute dtype);
-    plus the float32 residual of the loss (``micro x sizes[-1]``).
-    """
-    policy = get_policy(policy)
-    if len(sizes) < 2:
-        raise ValueError(f"sizes needs at least an input and an output width, got {sizes!r}")
-    for i, width in enumerate(sizes):
-        _check(width, f"sizes[{i}]")
-    _check(batch, "batch")
-    _check(microbatches, "microbatches")
-    if batch % microbatches:
-        raise ValueError(f"batch {batch} is not divisible into {microbatches} micro-batches")
-    keys = jax.random.split(jax.random.key(seed), len(sizes))
-    params = [
-        {
-            "w": (jax.random.normal(k, (a, b)) / np.sqrt(a)).astype(policy.param_dtype),
-            "b": jnp.zeros((b,), policy.param_dtype),
-        }
-        for k, a, b in zip(keys[1:], sizes[:-1], sizes[1:], strict=True)
-    ]
-    x = jax.random.normal(keys[0], (batch, sizes[0]), jnp.float32)
-    dtype = policy.compute_dtype
-
-    def loss_fn(p: list[dict[str, jax.Array]], xb: jax.Array) -> jax.Array:
-        h = xb.astype(dtype)
-        for i, layer in enumerate(p):
-            h = h @ layer["w"] + layer["b"]
-            if i < len(p) - 1:
-                h = jnp.tanh(h)
-        return jnp.mean(jnp.square(h.astype(jnp.float32)))
-
-    micro = batch // microbatches
-    e = np.dtype(dtype).itemsize
-    activations = sum(2 * micro * w * e for w in sizes[1:-1]) + micro * sizes[-1] * 4
-    what = f"tanh MLP {list(sizes)}, batch {batch}, {policy}, {optimizer}"
     return BuiltStep.of(loss_fn, params, x, policy, optimizer, microbatches, activations, what)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from _memory_steps import plain_step
 
 from precisionlab.memory._builtin import (
     activation_bytes,
     measure_train_table,
     param_count,
-    plain_step,
     transformer_spec,
 )
 from precisionlab.memory._estimate import estimate_step

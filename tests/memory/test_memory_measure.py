@@ -11,10 +11,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from _memory_steps import mlp_step
 
 from precisionlab.memory._estimate import estimate_step, tree_bytes
 from precisionlab.memory._measure import compare_rows, measure, time_step
-from precisionlab.memory._steps import mlp_step, stack_step
+from precisionlab.memory._steps import stack_step
 from precisionlab.mixed import get_policy
 
 CASES = [
