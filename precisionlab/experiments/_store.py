@@ -24,7 +24,6 @@ directory that holds one), and the process writing a run directory holds an advi
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import platform
 import re
@@ -162,14 +161,6 @@ def cpu_description() -> dict[str, Any]:
     except (AttributeError, OSError):
         usable = os.cpu_count()
     return {"model": model, "machine": platform.machine(), "isa": flags, "cores_usable": usable}
-
-
-@functools.cache
-def file_mode() -> int:
-    """0o666 less the process umask: the mode ``open()`` gives new files (read once)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return 0o666 & ~mask
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.+=^-]+")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from precisionlab.hardware._profiles import DEVICE_ALIASES, Profile, devices, get_profile
+from precisionlab.hardware._profiles import DEVICE_ALIASES, Profile, get_profile
 from precisionlab.hardware._schedule import Schedule
 from precisionlab.hardware._step import Step
 
@@ -168,7 +168,3 @@ def preset(name: object) -> dict:
     """``gemm`` keyword arguments of a named preset or alias (:func:`canonical_preset`)."""
     dev, lib, fast = PRESETS[canonical_preset(name)]
     return {"device": dev, "library": lib, "fast_accumulation": fast}
-
-
-def known_devices() -> tuple[str, ...]:
-    return devices()

@@ -246,7 +246,3 @@ def bf16_gemm(a32: np.ndarray, b32: np.ndarray, model: str) -> np.ndarray:
     if model.startswith("float32"):
         return hp_gemm(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
     return model_gemm(a, b, _BDIMS, model, pet="float32")
-
-
-def any_to_f32(x: Any) -> np.ndarray:
-    return np.asarray(x).astype(np.float32)
