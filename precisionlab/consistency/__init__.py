@@ -5,7 +5,9 @@
 - :func:`logprob_gap`: per-token log-probability gaps of two stacks, with the summaries an RL
   run cares about (:class:`Gap`);
 - :func:`attribute`: which layer injects the gap, by activation patching;
-- :class:`TransformerLM`: the built-in transformer with a KV cache, patchable layers;
+- :class:`TransformerLM`: the built-in transformer with a KV cache, patchable layers; a model
+  of one's own is an :class:`LM` subclass whose ``forward`` hands each layer output to its
+  :class:`Taps`;
 - batch invariance (:mod:`~precisionlab.consistency._invariance`): :func:`measure_gemm` and
   :func:`measure_model` on the running backend, :func:`predict` for a named GPU;
 - order discovery (:mod:`~precisionlab.consistency._order`): :func:`reveal` the summation
@@ -27,7 +29,7 @@ from precisionlab.consistency._invariance import (
     measure_model,
     predict,
 )
-from precisionlab.consistency._lm import LM, FunctionLM, TransformerLM, as_lm
+from precisionlab.consistency._lm import LM, FunctionLM, Taps, TransformerLM, as_lm
 from precisionlab.consistency._order import (
     Tree,
     blocked_tree,
@@ -56,6 +58,7 @@ __all__ = [
     "Result",
     "Runner",
     "Stack",
+    "Taps",
     "TransformerLM",
     "Tree",
     "as_lm",

@@ -1,7 +1,9 @@
 """Language models the consistency lab runs both ways: a full-sequence call (the trainer) and
 token-by-token decoding with a KV cache (the sampler).
 
-:class:`LM` is the interface (duck-typed: any object with these methods works);
+:class:`LM` is the interface: a subclass computes one pass in ``forward`` (and one decoding
+step in ``decode_step``), handing each named layer output to the pass's :class:`Taps`;
+``LM.logits`` and ``LM.decode`` check the options against the layers the model names.
 :class:`TransformerLM` implements it for the built-in transformer
 (:class:`precisionlab.train._models.Transformer`), computing exactly what its ``apply``
 computes in ``"full"`` mode (tested bit for bit), with layer outputs that can be captured and
@@ -33,6 +35,24 @@ __all__ = ["LM", "FunctionLM", "TransformerLM", "as_lm"]
 Patch = dict[str, tuple[jax.Array, jax.Array]]
 
 
+@dataclasses.dataclass
+class Taps:
+    """The options and named layer outputs of one pass: ``taps(name, x)`` returns ``x``
+    patched by ``patch`` (where it names ``name``) and, with ``capture``, keeps it in
+    ``acts``; ``lm_head_fp32``: the unembedding in float32 (float32 logits)."""
+
+    lm_head_fp32: bool = False
+    patch: Patch | None = None
+    capture: bool = False
+    acts: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
+
+    def __call__(self, name: str, x: jax.Array) -> jax.Array:
+        x = _apply_patch(name, x, self.patch)
+        if self.capture:
+            self.acts[name] = x
+        return x
+
+
 class LM:
     """The interface of a language model for the consistency lab.
 
@@ -53,19 +73,62 @@ class LM:
                lm_head_fp32: bool = False, patch: Patch | None = None,
                capture: bool = False) -> Any:  # fmt: skip
         """Logits [B, T, V] of int32 ``tokens`` [B, T] (with ``capture``: and a dict layer ->
-        output [B, T, ...])."""
-        raise NotImplementedError
-
-    def init_cache(self, params: Any, batch: int, length: int, policy: Policy) -> Any:
-        """An empty KV cache for ``batch`` rows of up to ``length`` tokens (a pytree)."""
-        raise NotImplementedError
+        output [B, T, ...]); ``lm_head_fp32``: the unembedding in float32, float32 logits;
+        ``patch``: see the module docstring."""
+        taps = self.taps(lm_head_fp32=lm_head_fp32, patch=patch, capture=capture)
+        logits = self.forward(params, tokens, policy, taps)
+        return (logits, taps.acts) if capture else logits
 
     def decode(self, params: Any, cache: Any, token: jax.Array, pos: jax.Array,
                policy: Policy, *, kv_block: int | None = None, lm_head_fp32: bool = False,
                patch: Patch | None = None, capture: bool = False) -> Any:  # fmt: skip
         """One decoding step: ``token`` int32 [B] at position ``pos`` (an int32 scalar,
         traced) -> (logits [B, V], the updated cache, a dict layer -> output [B, ...] (empty
-        without ``capture``))."""
+        without ``capture``)); ``kv_block``: keys attended in blocks of this many."""
+        if not self.decodes:
+            raise ValueError(
+                f"{type(self).__name__} has no KV-cache decoding; a model that decodes token "
+                "by token is an LM such as TransformerLM"
+            )
+        taps = self.taps(lm_head_fp32=lm_head_fp32, patch=patch, capture=capture)
+        logits, cache = self.decode_step(params, cache, token, pos, policy, taps, kv_block)
+        return logits, cache, taps.acts
+
+    def taps(
+        self, *, lm_head_fp32: bool = False, patch: Patch | None = None, capture: bool = False
+    ) -> Taps:
+        """The :class:`Taps` of one pass with these options; ValueError where they name a
+        layer this model does not (a float32 LM head needs ``"lm_head"`` among its layers)."""
+        name = type(self).__name__
+        if lm_head_fp32 and "lm_head" not in self.layers:
+            raise ValueError(
+                "lm_head_fp32 needs a model that names its LM head (an LM such as "
+                f"TransformerLM); {name} has no 'lm_head' layer to keep in float32"
+            )
+        if (patch or capture) and not self.layers:
+            raise ValueError(
+                f"{name} has no layers to capture or patch; wrap the model as an LM that names "
+                "them (see TransformerLM)"
+            )
+        unknown = [k for k in patch or () if k not in self.layers]
+        if unknown:
+            raise ValueError(
+                f"cannot patch {unknown[0]!r}: {name}'s layers are {', '.join(self.layers)}"
+            )
+        return Taps(lm_head_fp32, patch, capture)
+
+    def forward(self, params: Any, tokens: jax.Array, policy: Policy, taps: Taps) -> jax.Array:
+        """The logits [B, T, V] of one full-sequence pass, each named layer output ``x``
+        passed on as ``taps(name, x)``."""
+        raise NotImplementedError
+
+    def decode_step(self, params: Any, cache: Any, token: jax.Array, pos: jax.Array,
+                    policy: Policy, taps: Taps, kv_block: int | None) -> Any:  # fmt: skip
+        """(logits [B, V], the updated cache) of one decoding step (see :meth:`decode`)."""
+        raise NotImplementedError
+
+    def init_cache(self, params: Any, batch: int, length: int, policy: Policy) -> Any:
+        """An empty KV cache for ``batch`` rows of up to ``length`` tokens (a pytree)."""
         raise NotImplementedError
 
 
@@ -77,24 +140,7 @@ class FunctionLM(LM):
     fn: Callable[[Any, jax.Array], jax.Array]
     takes_policy = False
 
-    def logits(
-        self,
-        params: Any,
-        tokens: jax.Array,
-        policy: Policy,
-        *,
-        lm_head_fp32: bool = False,
-        patch: Patch | None = None,
-        capture: bool = False,
-    ) -> Any:
-        if lm_head_fp32:
-            raise ValueError(
-                "lm_head_fp32 needs a model that names its LM head (an LM such as "
-                "TransformerLM); a plain logits_fn has no layer to keep in float32"
-            )
-        if patch or capture:
-            raise ValueError("a plain logits_fn has no layers to capture or patch; wrap the "
-                             "model as an LM (see TransformerLM)")  # fmt: skip
+    def forward(self, params: Any, tokens: jax.Array, policy: Policy, taps: Taps) -> jax.Array:
         return self.fn(params, tokens)
 
 
@@ -119,21 +165,6 @@ def _apply_patch(name: str, x: jax.Array, patch: Patch | None) -> jax.Array:
         return x
     flag, value = patch[name]
     return jnp.where(flag, jnp.asarray(value).astype(x.dtype), x)
-
-
-class _Taps:
-    """The named layer outputs of one pass: ``taps(name, x)`` returns ``x`` patched by
-    ``patch`` (where it names ``name``) and, with ``capture``, keeps it in ``acts``."""
-
-    def __init__(self, patch: Patch | None, capture: bool) -> None:
-        self.patch, self.capture = patch, capture
-        self.acts: dict[str, jax.Array] = {}
-
-    def __call__(self, name: str, x: jax.Array) -> jax.Array:
-        x = _apply_patch(name, x, self.patch)
-        if self.capture:
-            self.acts[name] = x
-        return x
 
 
 def _fp32(pol: Policy) -> Policy:
@@ -192,7 +223,7 @@ class TransformerLM(LM):
         u = ops.gelu(u, policy=pol)
         return ops.boundary(x + ops.dense(u, blk["fc2"], blk["fc2_b"], policy=pol), pol)
 
-    def _head(self, params: Any, x: jax.Array, pol: Policy, lm_head_fp32: bool) -> jax.Array:
+    def _head(self, params: Any, x: jax.Array, pol: Policy) -> jax.Array:
         if self.model.use_layernorm:
             x = ops.layer_norm(x, params["ln_f_scale"], params["ln_f_bias"], policy=pol)
         return x
@@ -202,37 +233,24 @@ class TransformerLM(LM):
         logits = ops.matmul(x, params["unembed"], policy=hp)
         return logits if lm_head_fp32 else pol.cast_to_output(logits)
 
-    def _top(
-        self, params: Any, x: jax.Array, pol: Policy, lm_head_fp32: bool, out: _Taps
-    ) -> jax.Array:
+    def _top(self, params: Any, x: jax.Array, pol: Policy, taps: Taps) -> jax.Array:
         """The final norm and the unembedding of the residual stream ``x``: the logits."""
-        x = out("final_norm", self._head(params, x, pol, lm_head_fp32))
-        return out("lm_head", self._unembed(params, x, pol, lm_head_fp32))
+        x = taps("final_norm", self._head(params, x, pol))
+        return taps("lm_head", self._unembed(params, x, pol, taps.lm_head_fp32))
 
     def _blocks(self, params: Any) -> list:
         return list(self.model.unstack_params(params)["blocks"])
 
     # --- full sequence ----------------------------------------------------------------
-    def logits(
-        self,
-        params: Any,
-        tokens: jax.Array,
-        policy: Policy,
-        *,
-        lm_head_fp32: bool = False,
-        patch: Patch | None = None,
-        capture: bool = False,
-    ) -> Any:
+    def forward(self, params: Any, tokens: jax.Array, policy: Policy, taps: Taps) -> jax.Array:
         m, pol = self.model, policy
         b, t = tokens.shape
         d, nh = m.d_model, m.heads
         dh = d // nh
-        out = _Taps(patch, capture)
-
         cd = pol.compute_dtype
         emb = jnp.asarray(params["embed"]).astype(cd)
         x = emb[tokens] + jnp.asarray(params["pos"]).astype(cd)[:t]
-        x = out("embed", ops.boundary(x, pol))
+        x = taps("embed", ops.boundary(x, pol))
         causal = jnp.tril(jnp.ones((t, t), bool))
         for i, blk in enumerate(self._blocks(params)):
             bp = self._pol(f"block{i}", pol)
@@ -253,10 +271,9 @@ class TransformerLM(LM):
                 jnp.einsum("bhqk,bkhd->bqhd", probs, v, preferred_element_type=acc), bp
             ).reshape(b, t, d)
             x = ops.boundary(x + ops.matmul(att, blk["proj"], policy=bp), bp)
-            x = out(f"block{i}.attn", x)
-            x = out(f"block{i}.mlp", self._mlp(blk, x, bp))
-        logits = self._top(params, x, pol, lm_head_fp32, out)
-        return (logits, out.acts) if capture else logits
+            x = taps(f"block{i}.attn", x)
+            x = taps(f"block{i}.mlp", self._mlp(blk, x, bp))
+        return self._top(params, x, pol, taps)
 
     # --- token-by-token decoding -------------------------------------------------------
     def init_cache(self, params: Any, batch: int, length: int, policy: Policy) -> Any:
@@ -272,30 +289,25 @@ class TransformerLM(LM):
             caches.append({"k": jnp.zeros(shape, cd), "v": jnp.zeros(shape, cd)})
         return caches
 
-    def decode(
+    def decode_step(
         self,
         params: Any,
         cache: Any,
         token: jax.Array,
         pos: jax.Array,
         policy: Policy,
-        *,
-        kv_block: int | None = None,
-        lm_head_fp32: bool = False,
-        patch: Patch | None = None,
-        capture: bool = False,
-    ) -> Any:
+        taps: Taps,
+        kv_block: int | None,
+    ) -> tuple[jax.Array, Any]:
         m, pol = self.model, policy
         b = token.shape[0]
         d, nh = m.d_model, m.heads
         dh = d // nh
-        out = _Taps(patch, capture)
-
         cd = pol.compute_dtype
         emb = jnp.asarray(params["embed"]).astype(cd)
         posv = jax.lax.dynamic_index_in_dim(jnp.asarray(params["pos"]).astype(cd), pos, 0,
                                             keepdims=False)  # fmt: skip
-        x = out("embed", ops.boundary(emb[token] + posv, pol))  # [B, D]
+        x = taps("embed", ops.boundary(emb[token] + posv, pol))  # [B, D]
         new_cache = []
         for i, blk in enumerate(self._blocks(params)):
             bp = self._pol(f"block{i}", pol)
@@ -310,10 +322,9 @@ class TransformerLM(LM):
             new_cache.append({"k": kc, "v": vc})
             att = _attend(q, kc, vc, pos, bp, m.act_scale / math.sqrt(dh), kv_block)
             x = ops.boundary(x + ops.matmul(att.reshape(b, d), blk["proj"], policy=bp), bp)
-            x = out(f"block{i}.attn", x)
-            x = out(f"block{i}.mlp", self._mlp(blk, x, bp))
-        logits = self._top(params, x, pol, lm_head_fp32, out)
-        return logits, new_cache, out.acts
+            x = taps(f"block{i}.attn", x)
+            x = taps(f"block{i}.mlp", self._mlp(blk, x, bp))
+        return self._top(params, x, pol, taps), new_cache
 
 
 def _attend(

@@ -87,9 +87,7 @@ class Runner:
                     return lm.logits(params, tokens, pol, lm_head_fp32=stack.lm_head_fp32,
                                      patch=patch, capture=bool(lm.layers))  # fmt: skip
             else:
-                if stack.lm_head_fp32:
-                    # called for its error only: it raises, saying why
-                    lm.logits(None, None, pol, lm_head_fp32=True)  # type: ignore[arg-type]
+                lm.taps(lm_head_fp32=stack.lm_head_fp32)  # a model with no float32 head: raises
 
                 def fn(params: Any, tokens: jax.Array, patch: Any) -> Any:
                     return lm.logits(params, tokens, pol), {}

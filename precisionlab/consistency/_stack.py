@@ -101,7 +101,9 @@ class Stack:
 
     @property
     def label(self) -> str:
-        """``name``, or a description such as ``"bf16 h100-xla decode/8 kv16"``."""
+        """``name``, or a description such as ``"bf16 h100-xla decode/8 kv16"`` (the policy
+        written out, ``"p=f32,c=f32,o=bf16 native full"``, when it is not the format's usual
+        one)."""
         if self.name:
             return self.name
         mode = self.mode
@@ -110,7 +112,10 @@ class Stack:
         if self.mode == "decode":
             mode += f" kv{self.kv_block}" if self.kv_block else " kv-all"
         head = " head-fp32" if self.lm_head_fp32 else ""
-        return f"{self.format} {self.hardware} {mode}{head}"
+        # the format alone names the usual policy (params float32, compute and logits in the
+        # format); any other is written out, so two stacks never share a label
+        fmt = self.format if self.policy == _policy(self.format) else str(self.policy)
+        return f"{fmt} {self.hardware} {mode}{head}"
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as plain values (the policy as its string); :func:`parse_stack` reads

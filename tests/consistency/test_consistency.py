@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 
 from precisionlab.consistency import (
+    LM,
     FunctionLM,
     Runner,
     Stack,
+    Taps,
     TransformerLM,
     attribute,
     gap_from_logits,
@@ -135,6 +137,8 @@ def test_stack_parsing_and_errors():
     assert parse_stack({"policy": "c=f16", "mode": "decode", "kv_block": None}).label == (
         "fp16 native decode kv-all"
     )
+    # a policy other than the format's usual one is written out: two stacks, two labels
+    assert Stack(policy="p=f32,c=f32,o=bf16").label == "p=f32,c=f32,o=bf16 native full"
     with pytest.raises(ValueError, match="ambiguous"):
         Stack(hardware="h100")
     with pytest.raises(ValueError, match=r"Stack\.hardware must be one of native"):
@@ -168,6 +172,45 @@ def test_plain_functions_refuse_what_they_cannot_do(tiny):
     # under a GPU model the policy rounds every operation, so it runs (and differs)
     g = logprob_gap(upcasting, params, tokens, "fp32", Stack(policy="bf16", hardware="float32"))
     assert g.rms_nats > 0.05
+
+
+class _TwoLayers(LM):
+    """A model of one's own as an LM: an embedding and a head, both named layers."""
+
+    layers = ("embed", "head")
+
+    def forward(self, params, tokens, policy, taps: Taps):
+        cd = policy.compute_dtype
+        x = taps("embed", jnp.asarray(params["emb"]).astype(cd)[tokens])
+        return taps("head", policy.cast_to_output(x @ jnp.asarray(params["out"]).astype(cd)))
+
+
+def test_an_lm_of_ones_own_gets_the_options_checked_and_patched(tiny):
+    params, tokens, _ = tiny
+    lm = _TwoLayers()
+    p = {"emb": params["emb"], "out": params["emb"].T}
+    pol = get_policy("bf16")
+    base, acts = lm.logits(p, tokens, pol, capture=True)
+    assert set(acts) == {"embed", "head"} and np.array_equal(_bits(acts["head"]), _bits(base))
+    # a patch whose flag is off changes no bit; on, the layer's output is replaced
+    zero = jnp.zeros_like(acts["embed"])
+    off = lm.logits(p, tokens, pol, patch={"embed": (jnp.bool_(False), zero)})
+    on = lm.logits(p, tokens, pol, patch={"embed": (jnp.bool_(True), zero)})
+    assert np.array_equal(_bits(off), _bits(base))
+    assert not np.any(np.asarray(on, np.float32)) and np.any(np.asarray(base, np.float32))
+    with pytest.raises(
+        ValueError, match="cannot patch 'embd': _TwoLayers's layers are embed, head"
+    ):
+        lm.logits(p, tokens, pol, patch={"embd": (jnp.bool_(True), zero)})
+    with pytest.raises(ValueError, match="_TwoLayers has no 'lm_head' layer"):
+        lm.logits(p, tokens, pol, lm_head_fp32=True)
+    with pytest.raises(ValueError, match="_TwoLayers has no KV-cache decoding"):
+        lm.decode(p, None, tokens[:, 0], jnp.int32(0), pol)
+    # the lab runs it: attribution patches each named layer; the head (bfloat16 in both
+    # stacks, so a patch holds a's logits exactly) removes all of the gap
+    att = attribute(lm, p, tokens, Stack(policy="p=f32,c=f32,o=bf16"), "bf16")
+    assert [s.layer for s in att.layers] == ["embed", "head"]
+    assert att.base.rms_nats > 0.05 and att.layers[-1].rms_nats == 0.0
 
 
 # --- the built-in transformer ---------------------------------------------------------------
