@@ -132,6 +132,11 @@ def _options(args: argparse.Namespace, mode: str, defaults: dict) -> object:
     if mode == "bisect":
         if "layers" in given:
             given["layers"] = tuple(p.strip() for p in given["layers"].split(",") if p.strip())
+            if not given["layers"]:  # an empty value (an unset shell variable) is not "all"
+                raise UsageError(
+                    "--layers names no layer; give layer names or globs (e.g. 'layer*'), or "
+                    "leave the flag out for every layer"
+                )
         return d.BisectOptions(**given)
     return d.SwitchOptions(**given)
 

@@ -64,6 +64,21 @@ def test_memory_huge_batch_is_refused_with_the_bound(batch, capsys):
     assert "batch must be at most 1,099,511,627,776 (2^40)" in _one_error_line(err, "memory")
 
 
+def test_a_model_no_machine_holds_is_refused_before_the_run(tmp_path, capsys):
+    """width 10^12: 10^24 float32 parameters. It once failed in every variant's init
+    (numpy could not allocate 116 TiB; exit 1, three error.log tracebacks)."""
+    path = tmp_path / "w.toml"
+    path.write_text('kind = "train"\n[train]\nmodel = "mlp"\nsteps = 1\n[[variant]]\nname = "a"\n')
+    argv = ["run", str(path), "--out", str(tmp_path / "run"), "--quiet", "--set",
+            "train.model_kwargs.width=1000000000000"]  # fmt: skip
+    status, _, err = _run(argv, capsys)
+    assert status == 2
+    assert "model 'mlp' has 1e+24 parameters, 3.725e+15 GiB in float32, more than the" in (
+        _one_error_line(err, "run")
+    )
+    assert not (tmp_path / "run").exists()
+
+
 def test_memory_fit_with_a_large_batch_is_fast(capsys):
     start = time.perf_counter()
     argv = ["memory", "--preset", "gpt3-175b", "--batch", "1000000000", "--budget", "80GiB"]

@@ -217,6 +217,7 @@ def test_autoswitch_statistics_match_an_ml_dtypes_recount():
     [
         (["--compare", "fp32", "fp8"], "unknown variant 'fp8'"),
         (["--bisect", "fp16", "fp32", "--layers", "block*"], "'block*' matches no layer"),
+        (["--bisect", "fp16", "fp32", "--layers", " , "], "--layers names no layer"),
         (["--autoswitch", "fp16"], "has no recipe"),
         (
             ["--compare", "fp32", "fp16", "--set", "variant.fp16.batch_size=32"],

@@ -1,5 +1,7 @@
 """Built-in models and datasets: shapes, dtype flow, causality, determinism, errors."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -117,3 +119,43 @@ def test_remat_same_gradients():
 def test_errors(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize(
+    ("name", "kw"),
+    [
+        ("mlp", {"width": 3000, "depth": 3}),
+        ("mlp", {"width": 3000, "depth": 3, "scan_layers": True, "use_layernorm": True}),
+        ("transformer", {"d_model": 1024, "depth": 2, "heads": 4, "mlp": "swiglu"}),
+        ("conv", {"width": 256, "depth": 3}),
+    ],
+)
+def test_a_model_whose_params_exceed_the_machine_is_refused_when_made(name, kw, monkeypatch):
+    """Oracle: the parameter count of the arrays ``init`` draws (float32, 4 bytes each)."""
+    from precisionlab.train._models import base
+
+    small = make_model(name, **{**kw, **({"width": 8} if "width" in kw else {"d_model": 16})})
+    n_small = sum(a.size for a in jax.tree.leaves(small.init(jax.random.PRNGKey(0))))
+    assert n_small == sum(int(np.prod(s.shape)) for s in jax.tree.leaves(small.param_shapes()))
+    # the full size: counted from its shapes (nothing allocated), then refused on a machine
+    # 1 byte short of holding them, accepted on one that just holds them
+    n = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(make_model(name, **kw).param_shapes()))
+    monkeypatch.setattr(base, "host_memory", lambda: 4 * n - 1)
+    want = re.escape(f"model '{name}' has {n:,.4g} parameters, {4 * n / 2**30:,.4g} GiB in float32")
+    with pytest.raises(
+        ValueError, match=want + ", more than the .* GiB of memory this machine has"
+    ):
+        make_model(name, **kw)
+    monkeypatch.setattr(base, "host_memory", lambda: 4 * n)
+    make_model(name, **kw)
+
+
+def test_param_shapes_allocate_nothing(monkeypatch):
+    """A width of 10^12 is described (10^24 parameters), not allocated; the machine check
+    (off here) is what refuses it."""
+    from precisionlab.train._models import base
+
+    monkeypatch.setattr(base, "host_memory", lambda: None)
+    shapes = make_model("mlp", width=10**12, depth=2).param_shapes()
+    assert shapes["hidden"][1]["w"].shape == (10**12, 10**12)
+    assert shapes["hidden"][1]["b"].shape == (10**12,)

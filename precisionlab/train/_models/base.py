@@ -4,6 +4,8 @@ checks, the host-side initialiser (no compilation), stacking of identical layers
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -30,6 +32,30 @@ MODELS: tuple[str, ...] = ("mlp", "transformer", "conv")
 #: Most layers a built-in model has (as ``precisionlab.memory``'s presets): beyond it the layer
 #: names alone would take seconds to list, and the model could not be a lab experiment.
 MAX_DEPTH = 2**16
+
+
+def host_memory() -> int | None:
+    """Bytes of physical memory of this machine (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _check_fits(model: Model) -> None:
+    """ValueError when the model's float32 params alone, which ``init`` draws on the host,
+    exceed this machine's memory: sizes no run could hold are bad input, refused when the
+    model is made rather than found by an allocation failing in each run."""
+    limit = host_memory()
+    if limit is None:
+        return
+    shapes = model._init(Gen(np.random.SeedSequence(0), shapes_only=True))
+    n = sum(math.prod(s.shape) for s in jax.tree.leaves(shapes))
+    if 4 * n > limit:
+        raise ValueError(
+            f"model {model.name!r} has {n:,.4g} parameters, {4 * n / 2**30:,.4g} GiB in float32, "
+            f"more than the {limit / 2**30:,.4g} GiB of memory this machine has; make it smaller"
+        )
 
 
 def _check_pos(name: str, value: Any) -> None:
@@ -109,6 +135,23 @@ class Gen:
         draw = np.random.default_rng(self.seq).standard_normal(shape, dtype=np.float32)
         return jnp.asarray(draw * np.float32(std), jnp.float32)
 
+    def zeros(self, shape: tuple[int, ...]) -> Any:
+        """float32 zeros (a ShapeDtypeStruct when ``shapes_only``: nothing allocated); draws
+        nothing, so the generator's random stream is unchanged."""
+        return (
+            jax.ShapeDtypeStruct(shape, jnp.float32)
+            if self.shapes_only
+            else jnp.zeros(shape, jnp.float32)
+        )
+
+    def ones(self, shape: tuple[int, ...]) -> Any:
+        """float32 ones, as :meth:`zeros`."""
+        return (
+            jax.ShapeDtypeStruct(shape, jnp.float32)
+            if self.shapes_only
+            else jnp.ones(shape, jnp.float32)
+        )
+
 
 class Model:
     """Interface of the built-in models.
@@ -134,7 +177,8 @@ class Model:
         return self._init(Gen.from_key(key))
 
     def param_shapes(self) -> Any:
-        """The params pytree as ``jax.ShapeDtypeStruct`` leaves (no random draws)."""
+        """The params pytree as ``jax.ShapeDtypeStruct`` leaves (no random draws, nothing
+        allocated: any size the options pass is cheap to describe)."""
         params = self._init(Gen(np.random.SeedSequence(0), shapes_only=True))
         return jax.tree_util.tree_map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
 
@@ -164,12 +208,13 @@ class Model:
             _check_pos(n, getattr(self, n))
 
     def _check_layout(self, n_stacked: int | None) -> None:
-        """``high_precision`` (normalized to a tuple of layer names) and, unless ``n_stacked``
-        is None (a model without ``scan_layers``), the scan options over ``n_stacked``
-        layers."""
+        """``high_precision`` (normalized to a tuple of layer names), unless ``n_stacked`` is
+        None (a model without ``scan_layers``) the scan options over ``n_stacked`` layers, and
+        last the size of the params against this machine's memory."""
         object.__setattr__(self, "high_precision", _check_layers(self, self.high_precision))
         if n_stacked is not None:
             _check_scan(self, n_stacked)
+        _check_fits(self)
 
     def _layer_policy(self, name: str, pol: Policy) -> Policy:
         return fp32_compute(pol) if name in self.high_precision else pol

@@ -62,13 +62,13 @@ def init_params(cfg: Any, keys: list[Any]) -> dict[str, Any]:
     convs = [
         {
             "w": keys[i].normal((3, 3, ci, co), cfg.init_scale * gain / math.sqrt(9 * ci)),
-            "b": jnp.zeros((co,), jnp.float32),
+            "b": keys[i].zeros((co,)),
         }
         for i, (ci, co, _) in enumerate(blocks)
     ]
     out = {
         "w": keys[-1].normal((flat, cfg.num_classes), cfg.init_scale / math.sqrt(flat)),
-        "b": jnp.zeros((cfg.num_classes,), jnp.float32),
+        "b": keys[-1].zeros((cfg.num_classes,)),
     }
     return {"convs": convs, "out": out}
 

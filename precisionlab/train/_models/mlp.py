@@ -83,16 +83,16 @@ class MLP(Classifier):
                 "w": keys[i].normal(
                     (fan_in, self.width), self.init_scale * gain / math.sqrt(fan_in)
                 ),
-                "b": jnp.zeros((self.width,), jnp.float32),
+                "b": keys[i].zeros((self.width,)),
             }
             if self.use_layernorm:
-                layer["ln_scale"] = jnp.ones((self.width,), jnp.float32)
-                layer["ln_bias"] = jnp.zeros((self.width,), jnp.float32)
+                layer["ln_scale"] = keys[i].ones((self.width,))
+                layer["ln_bias"] = keys[i].zeros((self.width,))
             hidden.append(layer)
             fan_in = self.width
         out = {
             "w": keys[-1].normal((fan_in, self.num_classes), self.init_scale / math.sqrt(fan_in)),
-            "b": jnp.zeros((self.num_classes,), jnp.float32),
+            "b": keys[-1].zeros((self.num_classes,)),
         }
         params = {"hidden": hidden, "out": out}
         return self.stack_params(params) if self.scan_layers else params

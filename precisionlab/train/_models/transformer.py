@@ -107,9 +107,9 @@ class Transformer(Model):
                 "qkv": k[0].normal((d, 3 * d), s / math.sqrt(d)),
                 "proj": k[1].normal((d, d), out_std),
                 "fc1": k[2].normal((d, f), s / math.sqrt(d)),
-                "fc1_b": jnp.zeros((f,), jnp.float32),
+                "fc1_b": k[2].zeros((f,)),
                 "fc2": k[3].normal((f, d), s / math.sqrt(f) / math.sqrt(2 * self.depth)),
-                "fc2_b": jnp.zeros((d,), jnp.float32),
+                "fc2_b": k[3].zeros((d,)),
             }
             if self.mlp == "swiglu":  # fc1's draw becomes the gate; the up projection's own
                 gate, up = k[2].split(2)
@@ -118,8 +118,8 @@ class Transformer(Model):
                 blk["w_up"] = up.normal((d, f), s / math.sqrt(d))
             if self.use_layernorm:
                 for n in ("ln1", "ln2"):
-                    blk[f"{n}_scale"] = jnp.ones((d,), jnp.float32)
-                    blk[f"{n}_bias"] = jnp.zeros((d,), jnp.float32)
+                    blk[f"{n}_scale"] = k[0].ones((d,))
+                    blk[f"{n}_bias"] = k[0].zeros((d,))
             blocks.append(blk)
         params = {
             "embed": keys[0].normal((self.vocab_size, d), s * 0.5),
@@ -128,8 +128,8 @@ class Transformer(Model):
             "unembed": keys[2].normal((d, self.vocab_size), s / math.sqrt(d)),
         }
         if self.use_layernorm:
-            params["ln_f_scale"] = jnp.ones((d,), jnp.float32)
-            params["ln_f_bias"] = jnp.zeros((d,), jnp.float32)
+            params["ln_f_scale"] = keys[0].ones((d,))
+            params["ln_f_bias"] = keys[0].zeros((d,))
         return params
 
     def stack_params(self, params: dict[str, Any]) -> dict[str, Any]:
