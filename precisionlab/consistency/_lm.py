@@ -30,7 +30,7 @@ from precisionlab.mixed import ops
 from precisionlab.mixed._policy import Policy
 from precisionlab.train._models import Transformer
 
-__all__ = ["LM", "FunctionLM", "TransformerLM", "as_lm"]
+__all__ = ["LM", "FunctionLM", "Taps", "TransformerLM", "as_lm"]
 
 Patch = dict[str, tuple[jax.Array, jax.Array]]
 
@@ -62,7 +62,8 @@ class LM:
       takes_policy: True when the model computes under the policy it is given (it casts its
         params and rounds its results); False for a plain function, which the lab runs on
         params cast to the compute dtype (native) or under ``emulate`` with the policy.
-      decodes: True when :meth:`LM.init_cache` and :meth:`LM.decode` exist.
+      decodes: True when the model implements :meth:`LM.init_cache` and
+        :meth:`LM.decode_step` (:meth:`LM.decode` refuses a model that does not).
     """
 
     layers: tuple[str, ...] = ()
