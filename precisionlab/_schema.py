@@ -31,11 +31,13 @@ __all__ = [
     "Field",
     "check_data",
     "check_depth",
+    "check_fits",
     "check_float",
     "check_int",
     "coerce",
     "describe_type",
     "did_you_mean",
+    "host_memory",
     "loads_toml",
     "read_toml",
     "validate_enabled_table",
@@ -119,14 +121,16 @@ class Field:
         return self.choices() if callable(self.choices) else self.choices
 
 
-def check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
+def check_int(name: str, value: Any, low: int, high: int | None = None, why: str = "") -> int:
     """``value`` as an int, ValueError naming ``name`` unless it is an int (not a bool) in
-    [``low``, ``high``] (no upper bound for None): an option of a built-in model or dataset."""
+    [``low``, ``high``] (no upper bound for None; ``why``: the reason for it, in the message):
+    an option of a built-in model or dataset."""
     # numbers.Integral: numpy's integers too
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     if high is not None and int(value) > high:
-        raise ValueError(f"{name} must be an int <= {high}, got {value!r}")
+        reason = f" ({why})" if why else ""
+        raise ValueError(f"{name} must be an int <= {high}{reason}, got {value!r}")
     return int(value)
 
 
@@ -143,6 +147,27 @@ def check_float(name: str, value: Any, low: float, high: float | None = None) ->
         rng = f"finite and >= {low}" if high is None else f"in [{low}, {high}]"
         raise ValueError(f"{name} must be a number {rng}, got {value!r}")
     return float(value)
+
+
+def host_memory() -> int | None:
+    """Bytes of physical memory of this machine (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_fits(what: str, nbytes: int, unit: str = "") -> None:
+    """ValueError unless ``nbytes`` fit in this machine's memory (:func:`host_memory`; no
+    check where it is unknown): sizes no run could hold are bad input, refused when they are
+    given rather than found by an allocation failing later. ``what`` names the thing, ``unit``
+    says how ``nbytes`` were counted (e.g. "in float32")."""
+    limit = host_memory()
+    if limit is not None and nbytes > limit:
+        raise ValueError(
+            f"{what} needs {nbytes / 2**30:,.4g} GiB{' ' + unit if unit else ''}, more than the "
+            f"{limit / 2**30:,.4g} GiB of memory this machine has; make it smaller"
+        )
 
 
 def did_you_mean(given: str, known: Sequence[str]) -> str:

@@ -278,6 +278,7 @@ def cases() -> dict[str, list[str]]:
         "variant.a.policy=bogus", "x" * 100_000 + "=1", "train.steps=" + "9" * 5000,
         "train.model_kwargs.width=1000000000000", "train.model_kwargs.depth=100000000",
         "train.batch_size=16777216", "train.eval_batches=65536",
+        "train.data_kwargs.in_dim=1000000000000", "train.data_kwargs.teacher_width=" + BIG,
     ):  # fmt: skip
         c[f"run_set_{v[:48]}"] = [*RUN, "--set", v]
     # experiment files with a hostile value
@@ -320,6 +321,9 @@ def cases() -> dict[str, list[str]]:
     c["run_set_deterministic"] = [*RUN, "--set", "train.deterministic=maybe"]
     c["memory_run_seq0"] = ["run", "memory_seq0.toml", "--quiet", "--no-report"]
     c["emulate_check_raises"] = ["emulate-check", "raises.py"]
+    c["run_set_markov_vocab_huge"] = [*RUN, "--set", "train.data=markov", "--set",
+                                      "train.model=transformer", "--set",
+                                      "train.data_kwargs.vocab_size=10000000"]  # fmt: skip
     return c
 
 

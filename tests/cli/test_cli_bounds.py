@@ -73,9 +73,8 @@ def test_a_model_no_machine_holds_is_refused_before_the_run(tmp_path, capsys):
             "train.model_kwargs.width=1000000000000"]  # fmt: skip
     status, _, err = _run(argv, capsys)
     assert status == 2
-    assert "model 'mlp' has 1e+24 parameters, 3.725e+15 GiB in float32, more than the" in (
-        _one_error_line(err, "run")
-    )
+    line = _one_error_line(err, "run")
+    assert "model 'mlp' (1e+24 parameters) needs 3.725e+15 GiB in float32, more than the" in line
     assert not (tmp_path / "run").exists()
 
 

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from precisionlab import _schema
 from precisionlab.mixed import get_policy
 from precisionlab.train import DATASETS, MODELS, make_data, make_model
 
@@ -132,30 +133,45 @@ def test_errors(call, match):
 )
 def test_a_model_whose_params_exceed_the_machine_is_refused_when_made(name, kw, monkeypatch):
     """Oracle: the parameter count of the arrays ``init`` draws (float32, 4 bytes each)."""
-    from precisionlab.train._models import base
-
     small = make_model(name, **{**kw, **({"width": 8} if "width" in kw else {"d_model": 16})})
     n_small = sum(a.size for a in jax.tree.leaves(small.init(jax.random.PRNGKey(0))))
     assert n_small == sum(int(np.prod(s.shape)) for s in jax.tree.leaves(small.param_shapes()))
     # the full size: counted from its shapes (nothing allocated), then refused on a machine
     # 1 byte short of holding them, accepted on one that just holds them
     n = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(make_model(name, **kw).param_shapes()))
-    monkeypatch.setattr(base, "host_memory", lambda: 4 * n - 1)
-    want = re.escape(f"model '{name}' has {n:,.4g} parameters, {4 * n / 2**30:,.4g} GiB in float32")
+    monkeypatch.setattr(_schema, "host_memory", lambda: 4 * n - 1)
+    want = re.escape(
+        f"model '{name}' ({n:,.4g} parameters) needs {4 * n / 2**30:,.4g} GiB in float32"
+    )
     with pytest.raises(
         ValueError, match=want + ", more than the .* GiB of memory this machine has"
     ):
         make_model(name, **kw)
-    monkeypatch.setattr(base, "host_memory", lambda: 4 * n)
+    monkeypatch.setattr(_schema, "host_memory", lambda: 4 * n)
     make_model(name, **kw)
 
 
 def test_param_shapes_allocate_nothing(monkeypatch):
     """A width of 10^12 is described (10^24 parameters), not allocated; the machine check
     (off here) is what refuses it."""
-    from precisionlab.train._models import base
-
-    monkeypatch.setattr(base, "host_memory", lambda: None)
+    monkeypatch.setattr(_schema, "host_memory", lambda: None)
     shapes = make_model("mlp", width=10**12, depth=2).param_shapes()
     assert shapes["hidden"][1]["w"].shape == (10**12, 10**12)
     assert shapes["hidden"][1]["b"].shape == (10**12,)
+
+
+def test_data_sizes_no_machine_holds_or_no_run_waits_for_are_refused(monkeypatch):
+    """The teacher's weights and probe (float64) against the machine's memory; the Markov
+    table (one row per pair of tokens, drawn one by one) bounded by its vocabulary."""
+    from precisionlab.train._data.synthetic import MAX_MARKOV_VOCAB, PROBE
+
+    d, w, c = 100, 64, 10
+    need = 8 * (d * w + w * c + PROBE * (d + w + c))
+    monkeypatch.setattr(_schema, "host_memory", lambda: need - 1)
+    with pytest.raises(ValueError, match=r"teacher data \(in_dim 100, teacher_width 64\) needs"):
+        make_data("teacher", in_dim=d, teacher_width=w, num_classes=c)
+    monkeypatch.setattr(_schema, "host_memory", lambda: need)
+    make_data("teacher", in_dim=d, teacher_width=w, num_classes=c)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=f"vocab_size must be an int <= {MAX_MARKOV_VOCAB}"):
+        make_data("markov", vocab_size=MAX_MARKOV_VOCAB + 1)

@@ -9,11 +9,17 @@ from typing import Any
 
 import numpy as np
 
-from precisionlab._schema import check_float, check_int
+from precisionlab._schema import check_fits, check_float, check_int
 from precisionlab.train._data.base import MAX_INPUT_SCALE, Dataset
 from precisionlab.train._data.base import split_rng as _rng
 
-__all__ = ["MarkovData", "TeacherData"]
+__all__ = ["MAX_MARKOV_VOCAB", "MarkovData", "TeacherData"]
+
+#: Inputs in the sample that centres the teacher's logits.
+PROBE = 4096
+#: Largest Markov vocabulary: the order-2 table holds one row per pair of tokens, each drawn on
+#: its own (1,024^2 rows take about 7 s on one core, 4,096^2 about 2 minutes).
+MAX_MARKOV_VOCAB = 1024
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -37,6 +43,10 @@ class TeacherData(Dataset):
         check_float("input_scale", self.input_scale, 1e-30, MAX_INPUT_SCALE)
         check_float("label_noise", self.label_noise, 0.0, 1.0)
         check_int("task_seed", self.task_seed, 0)
+        # the teacher's weights and its probe sample, in float64 (what _teacher holds at once)
+        d, w, c = self.in_dim, self.teacher_width, self.num_classes
+        need = 8 * (d * w + w * c + PROBE * (d + w + c))
+        check_fits(f"teacher data (in_dim {d}, teacher_width {w})", need, "in float64")
         _ = self._teacher  # drawn now, as the options are checked
 
     @functools.cached_property
@@ -46,7 +56,7 @@ class TeacherData(Dataset):
         w1 = g.normal(size=(self.in_dim, self.teacher_width)) / np.sqrt(self.in_dim)
         w2 = g.normal(size=(self.teacher_width, self.num_classes)) / np.sqrt(self.teacher_width)
         # Balance the classes: centre the logits over a large probe sample.
-        probe = g.normal(size=(4096, self.in_dim))
+        probe = g.normal(size=(PROBE, self.in_dim))
         centre = (np.tanh(probe @ w1 * 2.0) @ w2).mean(axis=0)
         return w1, w2, centre
 
@@ -84,7 +94,8 @@ class MarkovData(Dataset):
     kind = "lm"
 
     def __post_init__(self) -> None:
-        check_int("vocab_size", self.vocab_size, 2)
+        why = "the order-2 table has a row for each pair of tokens, drawn one by one"
+        check_int("vocab_size", self.vocab_size, 2, MAX_MARKOV_VOCAB, why)
         check_int("seq_len", self.seq_len, 2)
         check_int("branching", self.branching, 1)
         if self.branching > self.vocab_size:

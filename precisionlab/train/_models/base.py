@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -13,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from precisionlab._schema import check_int
+from precisionlab._schema import check_fits, check_int
 from precisionlab.mixed import ops
 from precisionlab.mixed._policy import Policy, get_policy
 from precisionlab.train._layers import (
@@ -34,28 +33,12 @@ MODELS: tuple[str, ...] = ("mlp", "transformer", "conv")
 MAX_DEPTH = 2**16
 
 
-def host_memory() -> int | None:
-    """Bytes of physical memory of this machine (None where the system does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
 def _check_fits(model: Model) -> None:
     """ValueError when the model's float32 params alone, which ``init`` draws on the host,
-    exceed this machine's memory: sizes no run could hold are bad input, refused when the
-    model is made rather than found by an allocation failing in each run."""
-    limit = host_memory()
-    if limit is None:
-        return
+    exceed this machine's memory (:func:`~precisionlab._schema.check_fits`)."""
     shapes = model._init(Gen(np.random.SeedSequence(0), shapes_only=True))
     n = sum(math.prod(s.shape) for s in jax.tree.leaves(shapes))
-    if 4 * n > limit:
-        raise ValueError(
-            f"model {model.name!r} has {n:,.4g} parameters, {4 * n / 2**30:,.4g} GiB in float32, "
-            f"more than the {limit / 2**30:,.4g} GiB of memory this machine has; make it smaller"
-        )
+    check_fits(f"model {model.name!r} ({n:,.4g} parameters)", 4 * n, "in float32")
 
 
 def _check_pos(name: str, value: Any) -> None:
