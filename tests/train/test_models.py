@@ -1,6 +1,7 @@
 """Built-in models and datasets: shapes, dtype flow, causality, determinism, errors."""
 
 import re
+import tracemalloc
 
 import jax
 import jax.numpy as jnp
@@ -158,6 +159,14 @@ def test_param_shapes_allocate_nothing(monkeypatch):
     shapes = make_model("mlp", width=10**12, depth=2).param_shapes()
     assert shapes["hidden"][1]["w"].shape == (10**12, 10**12)
     assert shapes["hidden"][1]["b"].shape == (10**12,)
+    models = [
+        ("mlp", {"scan_layers": True, "depth": 3, "use_layernorm": True}),
+        ("transformer", {"scan_layers": True, "mlp": "swiglu"}),
+        ("conv", {}),
+    ]
+    for name, kw in models:
+        leaves = jax.tree.leaves(make_model(name, **kw).param_shapes())
+        assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves), name
 
 
 def test_data_sizes_no_machine_holds_or_no_run_waits_for_are_refused(monkeypatch):
@@ -173,5 +182,14 @@ def test_data_sizes_no_machine_holds_or_no_run_waits_for_are_refused(monkeypatch
     monkeypatch.setattr(_schema, "host_memory", lambda: need)
     make_data("teacher", in_dim=d, teacher_width=w, num_classes=c)
     monkeypatch.undo()
-    with pytest.raises(ValueError, match=f"vocab_size must be an int <= {MAX_MARKOV_VOCAB}"):
+    # the bound never exceeds what making the data really holds at its peak (numpy's
+    # allocations, traced), so no machine that could make it is told it cannot
+    for d, w, c in [(100, 64, 10), (2000, 512, 10), (32, 2048, 100)]:
+        tracemalloc.start()
+        make_data("teacher", in_dim=d, teacher_width=w, num_classes=c)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert 8 * (d * w + w * c + PROBE * (d + w + c)) <= peak, (d, w, c)
+    why = r"\(the order-2 table has a row for each pair of tokens, drawn one by one\)"
+    with pytest.raises(ValueError, match=f"vocab_size must be an int <= {MAX_MARKOV_VOCAB} {why}"):
         make_data("markov", vocab_size=MAX_MARKOV_VOCAB + 1)

@@ -44,7 +44,8 @@ class TeacherData(Dataset):
         check_float("input_scale", self.input_scale, 1e-30, MAX_INPUT_SCALE)
         check_float("label_noise", self.label_noise, 0.0, 1.0)
         check_int("task_seed", self.task_seed, 0)
-        # the teacher's weights and its probe sample, in float64 (what _teacher holds at once)
+        # the teacher's weights and its probe sample in float64: a lower bound of what drawing
+        # them holds at once (the probe's products add more), so data that fits is never refused
         d, w, c = self.in_dim, self.teacher_width, self.num_classes
         need = 8 * (d * w + w * c + PROBE * (d + w + c))
         check_fits(f"teacher data (in_dim {d}, teacher_width {w})", need, "in float64")

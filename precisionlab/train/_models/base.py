@@ -36,8 +36,7 @@ MAX_DEPTH = 2**16
 def _check_fits(model: Model) -> None:
     """ValueError when the model's float32 params alone, which ``init`` draws on the host,
     exceed this machine's memory (:func:`~precisionlab._schema.check_fits`)."""
-    shapes = model._init(Gen(np.random.SeedSequence(0), shapes_only=True))
-    n = sum(math.prod(s.shape) for s in jax.tree.leaves(shapes))
+    n = sum(math.prod(s.shape) for s in jax.tree.leaves(model.param_shapes()))
     check_fits(f"model {model.name!r} ({n:,.4g} parameters)", 4 * n, "in float32")
 
 
@@ -162,8 +161,7 @@ class Model:
     def param_shapes(self) -> Any:
         """The params pytree as ``jax.ShapeDtypeStruct`` leaves (no random draws, nothing
         allocated: any size the options pass is cheap to describe)."""
-        params = self._init(Gen(np.random.SeedSequence(0), shapes_only=True))
-        return jax.tree_util.tree_map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
+        return self._init(Gen(np.random.SeedSequence(0), shapes_only=True))
 
     def _init(self, gen: Gen) -> Any:
         raise NotImplementedError
