@@ -144,7 +144,7 @@ def _options(args: argparse.Namespace, mode: str, defaults: dict) -> object:
 def _forecast(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from precisionlab.diagnose import forecast_command
+    from precisionlab.diagnose import ForecastOptions, forecast_command
 
     if args.config:
         raise UsageError("--forecast takes the run directory (or experiment file) itself")
@@ -163,10 +163,12 @@ def _forecast(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(msg, file=sys.stderr, flush=True)
 
+    options = ForecastOptions(
+        quick=args.quick, fit=args.fit, model=args.model, bisect=not args.no_bisect
+    )
     path, _result, text = forecast_command(
-        target, out=args.out, overrides=args.overrides, quick=args.quick, fit=args.fit,
-        model_path=args.model, bisect=not args.no_bisect, quiet=args.quiet, say=say,
-    )  # fmt: skip
+        target, options, out=args.out, overrides=args.overrides, quiet=args.quiet, say=say
+    )
     print(text)
     print(f"\nreport: {path}")
     return 0

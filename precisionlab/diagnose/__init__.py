@@ -13,7 +13,7 @@ On experiment variants (``precisionlab diagnose``) and on any JAX function
 - :func:`run_forecast`: the divergence forecaster over a run directory's recorded predictors
   (alarms per unit; on a suite, precision, recall and lead against kurtosis alone and TE's
   thresholds), :func:`fit_forecaster` its rules' thresholds, :func:`write_forecast` the
-  report, :func:`forecast_command` all of ``diagnose --forecast``.
+  report, :func:`forecast_command` all of ``diagnose --forecast`` (its :class:`ForecastOptions`).
 
 :func:`load_units` picks the variants from an experiment file and checks they share model and
 data; the ``write_*`` functions put a report into a run directory.
@@ -30,7 +30,7 @@ from precisionlab.diagnose._compare import (
 )
 from precisionlab.diagnose._forecast import fit as fit_forecaster
 from precisionlab.diagnose._forecast import run_forecast
-from precisionlab.diagnose._forecast_run import forecast_command, write_forecast
+from precisionlab.diagnose._forecast_run import ForecastOptions, forecast_command, write_forecast
 from precisionlab.diagnose._function import (
     FunctionBisect,
     FunctionComparison,
@@ -49,6 +49,7 @@ __all__ = [
     "CompareOptions",
     "CompareResult",
     "Crossing",
+    "ForecastOptions",
     "FunctionBisect",
     "FunctionComparison",
     "SwitchOptions",

@@ -17,7 +17,7 @@ from precisionlab.experiments._config import experiment_from_document, load_expe
 from precisionlab.experiments._report import markdown_table, text_table
 from precisionlab.train._forecast import load_model
 
-__all__ = ["bisect_layers", "forecast_command", "scores_table", "write_forecast"]
+__all__ = ["ForecastOptions", "bisect_layers", "forecast_command", "scores_table", "write_forecast"]
 
 
 def _run_suite(path: Path, out: Path | None, overrides: Sequence[str], quiet: bool) -> Path:
@@ -167,42 +167,65 @@ def write_forecast(out_dir: Path, result: Mapping[str, Any]) -> tuple[Path, str]
     return path, "\n".join(text)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ForecastOptions:
+    """The options of ``diagnose --forecast``. quick: an experiment file runs its
+    ``[diagnose] forecast_quick`` subset, without the bisect runs. fit: refit the rules'
+    thresholds on the suite's fitting settings first (``forecast_model.json`` is written
+    beside the report). model: a forecaster model's JSON file (None: the frozen one).
+    bisect: check the alarms' layers with ``diagnose --bisect`` runs."""
+
+    quick: bool = False
+    fit: bool = False
+    model: str | Path | None = None
+    bisect: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("quick", "fit", "bisect"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.model is not None and not isinstance(self.model, str | Path):
+            raise TypeError(f"model must be a path or None, got {type(self.model).__name__}")
+
+
 def forecast_command(
     target: str | Path,
+    options: ForecastOptions = ForecastOptions(),
     *,
     out: str | Path | None = None,
     overrides: Sequence[str] = (),
-    quick: bool = False,
-    fit: bool = False,
-    model_path: str | Path | None = None,
-    bisect: bool = True,
     quiet: bool = False,
     say: Callable[[str], None] = lambda _m: None,
 ) -> tuple[Path, dict[str, Any], str]:
-    """Run ``diagnose --forecast TARGET``: a run directory is analysed; an experiment file is
-    run first (``quick``: with its ``[diagnose] forecast_quick`` overrides; no bisect).
-    Returns (the directory written to, the result, the text to print)."""
+    """Run ``diagnose --forecast TARGET`` with ``options``: a run directory is analysed; an
+    experiment file is run first, with the ``--set`` ``overrides`` (``quiet``: without the
+    runner's progress). ``out``: the directory to run the file into, or to write a run
+    directory's report to (default: the run directory). Returns (the directory written to,
+    the result, the text to print)."""
     target = Path(target)
+    bisect = options.bisect
     if target.is_dir():
+        if options.quick or overrides:
+            raise ValueError("quick and overrides apply to an experiment file, not a run directory")
         run_dir = target
     else:
         sets = list(overrides)
-        if quick:
+        if options.quick:
             exp = load_experiment(target, overrides)
             sets += list(exp.resolved.get("diagnose", {}).get("forecast_quick", []))
             bisect = False
         run_dir = _run_suite(target, None if out is None else Path(out), sets, quiet)
-    model = None if model_path is None else load_model(model_path)
+    model = None if options.model is None else load_model(options.model)
     result = run_forecast(
         run_dir,
         model=model,
-        refit=fit,
+        refit=options.fit,
         bisect_layers=bisect_layers(run_dir, say=say) if bisect else None,
         say=say,
     )
     dest = Path(out) if (out is not None and target.is_dir()) else run_dir
     dest.mkdir(parents=True, exist_ok=True)
-    if fit:
+    if options.fit:
         store.write_json(dest / "forecast_model.json", result["model"])
     path, text = write_forecast(dest, result)
     return path, result, text

@@ -232,6 +232,37 @@ def test_cli_forecast_writes_json_and_report(tmp_path, capsys):
     assert rule["threshold"] is not None and 0.4 < rule["threshold"] < 60
 
 
+def test_forecast_command_takes_typed_options(tmp_path):
+    """The library call behind ``diagnose --forecast``: its options are a typed object (a bad
+    value or an unknown name raises); a given model replaces the frozen one, and ``fit`` writes
+    the refitted model beside the report."""
+    from precisionlab.diagnose import ForecastOptions, forecast_command
+
+    run = _write_run(tmp_path / "run")
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps(_model()))
+    path, result, text = forecast_command(run, ForecastOptions(model=model, bisect=False))
+    assert path == run / "forecast.md" and result == json.loads((run / "forecast.json").read_text())
+    assert "fp16-overflow-m/fp16 s2: step 41: likely to diverge within about" in text
+    assert not (run / "forecast_model.json").exists()
+    # the frozen model raises no alarm on this short synthetic run: the option has effect
+    _, frozen, _ = forecast_command(run, ForecastOptions(bisect=False))
+    assert [u["alarm"] is None for u in result["units"]] == [True, False, True, False]
+    assert all(u["alarm"] is None for u in frozen["units"])
+    forecast_command(run, ForecastOptions(fit=True, bisect=False))
+    assert (run / "forecast_model.json").exists()
+    with pytest.raises(ValueError, match="quick and overrides apply to an experiment file"):
+        forecast_command(run, ForecastOptions(quick=True))
+    with pytest.raises(ValueError, match="quick and overrides apply to an experiment file"):
+        forecast_command(run, overrides=["train.steps=3"])
+    with pytest.raises(TypeError, match="fit must be True or False, got 'yes'"):
+        ForecastOptions(fit="yes")
+    with pytest.raises(TypeError, match="model must be a path or None, got int"):
+        ForecastOptions(model=3)
+    with pytest.raises(TypeError, match="model_path"):
+        ForecastOptions(model_path="m.json")
+
+
 def test_cli_forecast_bad_input_is_one_line(tmp_path, capsys):
     assert main(["diagnose", "--forecast", str(tmp_path / "nope")]) == 2
     assert "no such run directory" in capsys.readouterr().err
