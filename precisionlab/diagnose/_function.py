@@ -42,6 +42,7 @@ from precisionlab.diagnose._compare import relative_difference
 from precisionlab.emulate import Attribution, OpAttribution, Side, attribute
 from precisionlab.experiments._config import Unit
 from precisionlab.mixed import filter_jit
+from precisionlab.recipes._dot import as_recipe
 
 __all__ = [
     "FunctionBisect",
@@ -366,19 +367,20 @@ def autoswitch_function(
     kwargs: Mapping | None = None,
     weight: str = "rhs",
 ) -> SwitchResult:
-    """Which matmuls of ``recipe`` applied to ``fn`` (a scalar loss of its first argument)
-    switch to high precision on these arguments under :class:`AutoSwitchRecipe`'s rule: an
-    operand (``x``, ``w``) or the output cotangent (``g``) whose quantization underflows in
-    more than ``underflow`` of its nonzero elements, or whose MSE exceeds ``mse``. One
-    forward and backward pass (``weight``: which operand is the weight, ``"lhs"`` for
-    Equinox's ``w @ x``); the result's ``sites`` give every matmul's statistics and
-    :attr:`SwitchResult.switched_sites` the names to pass to ``recipes.apply(...,
-    exclude=...)``."""
+    """Which matmuls and convolutions of ``recipe`` (a name pads as ``recipes.apply`` does)
+    applied to ``fn`` (a scalar loss of its first argument) switch to high precision on these
+    arguments under :class:`AutoSwitchRecipe`'s rule: an operand (``x``, ``w``) or the output
+    cotangent (``g``) whose quantization underflows in more than ``underflow`` of its nonzero
+    elements, or whose MSE exceeds ``mse``. One forward and backward pass (``weight``: which
+    operand is the weight, ``"lhs"`` for Equinox's ``w @ x``); the result's ``sites`` give every
+    matmul's statistics and :attr:`SwitchResult.switched_sites` the names to pass to
+    ``recipes.apply(..., exclude=...)``."""
     underflow = _positive("underflow", underflow, strict=False)
     mse = _positive("mse", mse, strict=False)
     if underflow > 1:
         raise ValueError(f"underflow must be a fraction in [0, 1], got {underflow!r}")
-    rec = recipes.get_recipe(recipe) if isinstance(recipe, str) else recipe
+    # a name pads a block recipe's contractions, as recipes.apply does
+    rec = as_recipe(recipe) if isinstance(recipe, str) else recipe
     if not isinstance(rec, recipes.Recipe):
         raise TypeError(f"recipe must be a recipe name or a Recipe, got {type(recipe).__name__}")
     if weight not in recipes.WEIGHT_OPERANDS:

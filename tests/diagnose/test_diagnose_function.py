@@ -180,6 +180,24 @@ def test_flax_nnx_model_bisect_finds_the_one_culprit():
     assert b.search_runs <= b.budget
 
 
+def test_autoswitch_pads_a_named_block_recipe_as_recipes_apply_does():
+    """A 10-class head contracts over 10 in its data gradient, 27 features in its forward: a
+    block recipe named by the user pads them (as ``recipes.apply`` does); a Recipe object
+    given with ``pad=False`` is taken as it is and refuses them."""
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((27, 10)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((8, 27)), jnp.float32)
+
+    def loss(w, x):
+        return jnp.mean((x @ w) ** 2)
+
+    sw = diagnose.autoswitch(loss, (w, x), recipe="mxfp8", underflow=1.0, mse=1e30)
+    assert [r["site"] for r in sw.sites] == ["dot_general[0]"] and not sw.switched_sites
+    assert 0 < sw.sites[0]["stats"]["x_mse"] < 1e-2  # measured, not zero
+    with pytest.raises(ValueError, match="not a multiple of the block size 32"):
+        diagnose.autoswitch(loss, (w, x), recipe=recipes.get_recipe("mxfp8"))
+
+
 def test_equinox_model_compare_and_autoswitch():
     mlp = eqx.nn.MLP(8, 3, 16, depth=1, key=jax.random.key(0))
     params, static = eqx.partition(mlp, eqx.is_array)
