@@ -467,7 +467,7 @@ def check_emulate(s: Subject) -> None:
 # --- diagnose --------------------------------------------------------------------------------
 def check_autoswitch(s: Subject) -> None:
     """diagnose's autoswitch recipe on the model: a threshold every quantization exceeds
-    switches every matmul after the step; one none exceeds switches none."""
+    switches every matmul and convolution after the step; one none exceeds switches none."""
     current = recipes.get_recipe("current")
     for thresholds, switched in (((0.0, 0.0), 1.0), ((1.0, 1e30), 0.0)):
         spec = AutoSwitchRecipe(current, underflow=thresholds[0], mse=thresholds[1])
@@ -481,17 +481,17 @@ def check_autoswitch(s: Subject) -> None:
 
         new = s.jit(vg)(state, s.params, s.x, s.y)
         assert {float(v["switched"]) for v in new.values()} == {switched}, thresholds
-    # the same on the user's function, by diagnose.autoswitch: every matmul the recipe
-    # replaces by default is measured (attention's products are not), and switched
+    # the same on the user's function, by diagnose.autoswitch: every matmul and convolution
+    # the recipe replaces by default is measured (attention's products are not), and switched
     from precisionlab import diagnose
 
     result = diagnose.autoswitch(
         s.loss, (s.params, s.x, s.y), recipe="current", underflow=0.0, mse=0.0, weight=s.weight
     )
     sites = recipes.apply(s.loss, "current", weight=s.weight).sites(s.params, s.x, s.y)
-    want = [t.name for t in sites if t.primitive == "dot_general" and t.selected and not t.loops]
+    want = [t.name for t in sites if t.selected and not t.loops]
     assert [r["site"] for r in result.sites] == want and all(r["switched"] for r in result.sites)
-    # what it leaves in high precision is listed, with why: the convolutions, a scan's matmul
+    # what it leaves in high precision is listed, with why: a scan's matmul
     left = {t.name for t in f.skipped(s.params, s.x, s.y)}
     assert left == {t.name for t in sites if t.selected and t.name not in want}, left
 

@@ -13,9 +13,12 @@ diagnostic's price), and measures with the recipe's own quantizers, on the fly:
 - ``mse``: the mean squared error of the dequantized copy (absolute, as TE's),
 
 for the forward operands (``x``, ``w``) and the output cotangent (``g``, through a zero probe
-added to the output). After the step (``update_state``) a matmul whose any statistic exceeds
-its threshold is switched for every later step; a skipped step changes no flag. Statistics of
-micro-batches combine by max.
+added to the output). A convolution counts as a matmul: it is measured on the GEMM the recipe
+runs for it (the patches, the kernel rows, and the output gradient with each group's output
+channels along the contraction; ``precisionlab.hardware.ConvGemm``), its ``g`` statistics
+computed in its backward pass. After the step (``update_state``) a matmul whose any
+statistic exceeds its threshold is switched for every later step; a skipped step changes no
+flag. Statistics of micro-batches combine by max.
 """
 
 from __future__ import annotations
@@ -31,11 +34,14 @@ import numpy as np
 
 from precisionlab.diagnose._options import check_counts
 from precisionlab.experiments._config import Unit
+from precisionlab.hardware._conv import ConvGemm
+from precisionlab.hardware._conv import from_params as conv_plan
 from precisionlab.intercept import Context, Intercepted, Site, intercept
 from precisionlab.intercept import _boundary as boundary
 from precisionlab.mixed import filter_value_and_grad
 from precisionlab.recipes import WEIGHT_OPERANDS, AppliedRecipe, Recipe
 from precisionlab.recipes import dot_general as recipe_dot
+from precisionlab.recipes._conv import conv_site
 from precisionlab.train import build, train
 from precisionlab.train._recipe import TrainRecipe
 
@@ -100,10 +106,10 @@ def _rows(x: jax.Array, contract: Sequence[int], batch: Sequence[int]) -> jax.Ar
 
 
 class _SwitchRule:
-    primitives = (boundary.DOT_GENERAL,)
-    # what it could act on but does not (a convolution stays in high precision): listed by
-    # the report and warned about once, never silently skipped
-    candidates = (boundary.CONV, *boundary.RAGGED_PRODUCTS)
+    primitives = boundary.PRODUCTS
+    # what it could act on but does not (a grouped matmul has no scaling rule): listed by the
+    # report and warned about once, never silently skipped
+    candidates = boundary.RAGGED_PRODUCTS
     label = "autoswitch"
 
     def __init__(self, recipe: Recipe, weight: str, sink: dict) -> None:
@@ -114,30 +120,56 @@ class _SwitchRule:
         not keep: it stays in high precision, listed and warned about (never silently)."""
         return f"inside {site.loops[0]} (no per-iteration switch state)" if site.loops else None
 
-    def apply(
-        self, ctx: Context, lhs: jax.Array, rhs: jax.Array, *, dimension_numbers: Any, **params: Any
-    ) -> list:
+    def apply(self, ctx: Context, lhs: jax.Array, rhs: jax.Array, **params: Any) -> list:
         st = ctx.state
         if st is None or str(lhs.dtype) not in _FLOATS or str(rhs.dtype) not in _FLOATS:
             return ctx.original(lhs, rhs)
         key = jax.random.PRNGKey(ctx.site.index)
-        pet = params.get("preferred_element_type")
         hp = ctx.original(lhs, rhs)[0]
-        q = recipe_dot(
-            lhs, rhs, dimension_numbers, preferred_element_type=pet, recipe=self.recipe,
-            key=key, weight=self.weight,
-        ).astype(hp.dtype)  # fmt: skip
-        out = jnp.where(st["switched"] > 0, hp, q) + st["probe"].astype(hp.dtype)
-        (lc, rc), (lb, rb) = dimension_numbers
-        kl, kr = WEIGHT_OPERANDS[self.weight]
-        pair = [
-            _qstats(self.recipe, _rows(lhs, lc, lb), kl, key),
-            _qstats(self.recipe, _rows(rhs, rc, rb), kr, key),
-        ]
+        plan = None
+        if ctx.site.primitive == boundary.CONV:
+            # the GEMM over the patches, as the recipe computes it; distinct from the key of
+            # the matmul of the same index (indices count per primitive)
+            key = jax.random.fold_in(key, 1)
+            plan = conv_plan(lhs.shape, rhs.shape, params)
+            q = conv_site(lhs, rhs, params, self.recipe, self.weight, None, key)
+            operands = (plan.patches(lhs), plan.kernel_rows(rhs))
+        else:
+            dn = params["dimension_numbers"]
+            q = recipe_dot(
+                lhs, rhs, dn, preferred_element_type=params.get("preferred_element_type"),
+                recipe=self.recipe, key=key, weight=self.weight,
+            )  # fmt: skip
+            (lc, rc), (lb, rb) = dn
+            operands = (_rows(lhs, lc, lb), _rows(rhs, rc, rb))
+        out = jnp.where(st["switched"] > 0, hp, q.astype(hp.dtype))
+        kinds = WEIGHT_OPERANDS[self.weight]
+        pair = [_qstats(self.recipe, t, k, key) for t, k in zip(operands, kinds, strict=True)]
         if self.weight == "lhs":  # STAT_NAMES: the activation ("x") first, the weight ("w")
             pair.reverse()
         self.sink[ctx.site.name] = jnp.concatenate(pair)
-        return [out]
+        if plan is None:
+            return [out + st["probe"].astype(hp.dtype)]
+        return [_g_tap(self.recipe, plan, out, st["g_stats"])]
+
+
+def _g_tap(recipe: Recipe, plan: ConvGemm, y: jax.Array, probe: jax.Array) -> jax.Array:
+    """``y`` unchanged; the cotangent of ``probe`` (float32 (2,)) is the (underflow, mse) of
+    ``y``'s cotangent (a convolution's output gradient) quantized as the recipe's ``g``, laid
+    out as the convolution's GEMM reads it: (G, M, O_g)."""
+
+    @jax.custom_vjp
+    def tap(y: jax.Array, probe: jax.Array) -> jax.Array:
+        return y
+
+    def fwd(y: jax.Array, probe: jax.Array) -> tuple[jax.Array, None]:
+        return y, None
+
+    def bwd(_: None, ct: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return ct, _qstats(recipe, plan.gemm_output(ct), "g", jax.random.PRNGKey(0))
+
+    tap.defvjp(fwd, bwd)
+    return tap(y, probe)
 
 
 class _Switched:
@@ -158,19 +190,27 @@ class _Switched:
         return self._intercepted({}).sites(*args, **kwargs)
 
     def skipped(self, *args: Any, **kwargs: Any) -> list[Site]:
-        """What it leaves in high precision although a recipe acts on it (a convolution, a
-        matmul inside a loop), each with ``Site.skipped`` saying why."""
+        """What it leaves in high precision although a recipe acts on it (a matmul inside a
+        loop, a grouped matmul), each with ``Site.skipped`` saying why."""
         return self._intercepted({}).skipped(*args, **kwargs)
 
     def init_state(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         state = {}
         for s in self.sites(*args, **kwargs):
             if s.selected and not s.loops and s.dtype in _FLOATS:
+                # the output gradient's statistics: a matmul's from the cotangent of a zero
+                # probe added to its output; a convolution's straight from its backward pass
+                # (its GEMM reads the gradient in another layout), through a (2,) probe
+                probe = (
+                    {"g_stats": jnp.zeros((2,), jnp.float32)}
+                    if s.primitive == boundary.CONV
+                    else {"probe": jnp.zeros(s.out_shapes[0], jnp.float32)}
+                )
                 state[s.name] = {
                     "switched": jnp.zeros((), jnp.float32),
                     "switch_step": jnp.full((), -1.0, jnp.float32),
                     "t": jnp.zeros((), jnp.float32),
-                    "probe": jnp.zeros(s.out_shapes[0], jnp.float32),
+                    **probe,
                     "last": jnp.zeros((len(STAT_NAMES),), jnp.float32),
                     "trip": jnp.zeros((len(STAT_NAMES),), jnp.float32),
                 }
@@ -198,9 +238,12 @@ class _Switched:
             (value, (aux, sink)), (gst, gp) = vg(state, *args)
             observed = {}
             for name in state:
-                ct = gst[name]["probe"]
-                g = ct.reshape(1, -1, ct.shape[-1]) if ct.ndim else ct.reshape(1, 1, 1)
-                gs = _qstats(self.spec.recipe, g, "g", jax.random.PRNGKey(0))
+                if "g_stats" in gst[name]:
+                    gs = gst[name]["g_stats"]
+                else:
+                    ct = gst[name]["probe"]
+                    g = ct.reshape(1, -1, ct.shape[-1]) if ct.ndim else ct.reshape(1, 1, 1)
+                    gs = _qstats(self.spec.recipe, g, "g", jax.random.PRNGKey(0))
                 observed[name] = jnp.concatenate([sink[name], gs])
             return ((value, aux) if has_aux else value), gp, observed
 

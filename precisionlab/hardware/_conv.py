@@ -145,6 +145,14 @@ class ConvGemm:
             perm[dim] = 1 + i
         return jnp.transpose(y, perm)
 
+    def gemm_output(self, out: jax.Array) -> jax.Array:
+        """The convolution's output (or its gradient) in the GEMM's (G, M, O_g) layout: the
+        inverse of :meth:`output`."""
+        sp = self.out_spec
+        y = jnp.transpose(out, (sp[0], *sp[2:], sp[1]))  # (N', *out, G * O_g)
+        y = y.reshape(*y.shape[:-1], self.groups, self.n)
+        return jnp.moveaxis(y, -2, 0).reshape(self.groups, self.m, self.n)
+
     def output_shape(self) -> tuple[int, ...]:
         """The convolution's output shape (as ``lax.conv_general_dilated`` gives it)."""
         shape = [0] * (2 + len(self.kernel))

@@ -104,7 +104,7 @@ class _DotRule:
         if weight == "auto":  # each operand's role from the dataflow (K and V: activations)
             weight = ctx.site.roles or "rhs"
         if ctx.site.primitive == boundary.CONV:
-            return [conv_site(ctx, lhs, rhs, params, self.recipe, weight)]
+            return [conv_site(lhs, rhs, params, self.recipe, weight, ctx.state, ctx.site_key())]
         dimension_numbers = params["dimension_numbers"]
         pet = params.get("preferred_element_type")
         if str(lhs.dtype) not in _FLOATS or str(rhs.dtype) not in _FLOATS:

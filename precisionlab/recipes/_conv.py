@@ -109,14 +109,15 @@ def conv_general_dilated(
 
 
 def conv_site(
-    ctx: Any, lhs: jax.Array, rhs: jax.Array, params: dict, recipe: Recipe,
-    weight: Weight,
+    lhs: jax.Array, rhs: jax.Array, params: dict, recipe: Recipe, weight: Weight,
+    state: dict | None, key: jax.Array | None,
 ) -> jax.Array:  # fmt: skip
-    """A matched ``conv_general_dilated`` equation (its parameters ``params``) quantized."""
+    """A matched ``conv_general_dilated`` equation (its parameters ``params``) quantized, with
+    the site's ``state`` and ``key`` as :func:`conv_general_dilated` takes them."""
     return conv_general_dilated(
         lhs, rhs, params["window_strides"], params["padding"], params.get("lhs_dilation"),
         params.get("rhs_dilation"), params["dimension_numbers"],
         params.get("feature_group_count", 1), params.get("batch_group_count", 1),
         preferred_element_type=params.get("preferred_element_type"), recipe=recipe,
-        state=ctx.state, key=ctx.site_key(), weight=weight,
+        state=state, key=key, weight=weight,
     )  # fmt: skip

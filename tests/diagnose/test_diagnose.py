@@ -211,6 +211,83 @@ def test_autoswitch_statistics_match_an_ml_dtypes_recount():
     np.testing.assert_allclose(got[1], np.mean((x - q) ** 2), rtol=1e-5)
 
 
+def _rowwise_stats(rows: np.ndarray) -> tuple[float, float]:
+    """(underflow, mse) of float32 rows (..., K) under the rowwise recipe, recounted with
+    ml_dtypes: per row a power-of-two scale 2**floor(log2(448 / max(amax, 1e-12))), E4M3
+    elements cast saturating; mse over every element, padding zeros included."""
+    rows = rows.astype(np.float64)
+    amax = np.maximum(np.abs(rows).max(axis=-1, keepdims=True), 1e-12)
+    scale = 2.0 ** np.floor(np.log2(448.0 / amax))
+    elems = np.clip(rows * scale, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    nz = rows != 0
+    return np.sum(nz & (elems == 0)) / np.sum(nz), np.mean((rows - elems / scale) ** 2)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_autoswitch_measures_a_convolution_as_its_gemm(grouped):
+    """A convolution is measured on the GEMM the recipe runs: the patches (output positions x
+    window taps and channels), the kernel rows and the output gradient with each group's
+    output channels along the contraction, each recounted here from a numpy im2col; it
+    switches like a matmul (the quantized output before, the convolution as written after)."""
+    from precisionlab.diagnose import AutoSwitchRecipe
+    from precisionlab.recipes import apply, get_recipe
+
+    rng = np.random.default_rng(3)
+    n, c, h, w, o, g = 2, 4, 7, 6, 6, (2 if grouped else 1)
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    x[:, 1] *= np.float32(2.0**-20)  # a faint channel: underflows in each patch row
+    k = rng.standard_normal((o, c // g, 3, 2)).astype(np.float32)
+    strides, pads = (2, 1), ((1, 1), (0, 1))
+    conv = dict(window_strides=strides, padding=pads, feature_group_count=g)
+    ho, wo = (h + 2 - 3) // 2 + 1, (w + 1 - 2) + 1
+    cot = rng.standard_normal((n, o, ho, wo)).astype(np.float32)  # the output's cotangent
+    cot[:, 2] *= np.float32(2.0**-20)  # a faint output channel: underflows in each GEMM row
+
+    def loss(p, x):  # d loss / d output = cot, whatever the forward computes
+        return jnp.sum(jax.lax.conv_general_dilated(x, p, **conv) * cot)
+
+    spec = AutoSwitchRecipe(get_recipe("rowwise"), underflow=1.0, mse=1e30)
+    f = spec.apply(loss)
+    state = f.init_state(k, x)
+    assert list(state) == ["conv_general_dilated[0]"]
+    observed = jax.jit(lambda st, p, x: f.value_and_grad()(st, p, x)[2])(state, k, x)
+    got = np.asarray(observed["conv_general_dilated[0]"])
+
+    # the oracle: patches (G, M, K) by hand, K = (kernel taps, channels of the group)
+    xp = np.pad(x, ((0, 0), (0, 0), pads[0], pads[1]))
+    cg = c // g
+    patches = np.stack([
+        np.stack([
+            np.concatenate([xp[b, gi * cg:(gi + 1) * cg, i * strides[0] + di, j * strides[1] + dj]
+                            for di in range(3) for dj in range(2)])
+            for b in range(n) for i in range(ho) for j in range(wo)
+        ]) for gi in range(g)
+    ])  # fmt: skip
+    og = o // g
+    kernel_rows = np.stack([
+        np.stack([np.concatenate([k[gi * og + r, :, di, dj] for di in range(3) for dj in range(2)])
+                  for r in range(og)]) for gi in range(g)
+    ])  # fmt: skip
+    grad = cot.transpose(0, 2, 3, 1).reshape(n * ho * wo, g, og).transpose(1, 0, 2)
+    want = [*_rowwise_stats(patches), *_rowwise_stats(kernel_rows), *_rowwise_stats(grad)]
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=0)
+    assert 0.1 < got[0] < 0.3 and 0.1 < got[4] < 0.2  # the faint channels underflow
+    # a layout that is not the GEMM's (the gradient's last axis, width, as the contraction)
+    # gives other statistics: the check can tell (the faint channel's rows do not underflow)
+    assert _rowwise_stats(cot)[0] == 0
+
+    # the forward: the recipe's convolution before the switch, the convolution as written
+    # after (to float32 summation order: each loss is its own program)
+    quantized = float(jax.jit(apply(loss, get_recipe("rowwise")))(k, x))
+    written = float(jax.jit(loss)(k, x))
+    assert abs(quantized - written) > 1e-3 * abs(written)
+    fwd = jax.jit(lambda st, p, x: f.value_and_grad()(st, p, x)[0])
+    assert float(fwd(state, k, x)) == pytest.approx(quantized, rel=1e-6)
+    switched = f.update_state(state, jax.tree.map(lambda v: v + 1e31, observed))
+    assert float(switched["conv_general_dilated[0]"]["switched"]) == 1.0
+    assert float(fwd(switched, k, x)) == pytest.approx(written, rel=1e-6)
+
+
 # --- bad input --------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("argv", "message"),

@@ -198,6 +198,11 @@ def test_implicit_gemm_plan_equals_lax_on_every_layout():
             jnp.einsum("gmk,gnk->gmn", plan.patches(x), plan.kernel_rows(w))))(x, w)  # fmt: skip
         assert plan.output_shape() == want.shape
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        # gemm_output is output's inverse: the GEMM layout back, bit for bit
+        gemm = np.arange(plan.groups * plan.m * plan.n, dtype=F32).reshape(
+            plan.groups, plan.m, plan.n
+        )
+        np.testing.assert_array_equal(np.asarray(plan.gemm_output(plan.output(gemm))), gemm)
 
 
 def test_hardware_conv_is_the_gemm_over_numpy_patches():
