@@ -4,15 +4,18 @@ XLA on the CPU picks how to sum a matmul's products and a reduction's terms by t
 its matmul kernels block K by the vector width, and a large reduction is split over the
 threads, so the result of ``jnp.sum`` changes with the number of cores the process may use
 (measured: a sum of 8,192 float32 values on one core and on two differs). :func:`fixed_order`
-rewrites a function's floating ``dot_general`` and ``reduce_sum`` into elementwise products
-and a pairwise sum whose order is fixed by the shapes alone:
+rewrites a function's floating ``dot_general``, ``conv_general_dilated`` (as the GEMM over its
+patches, K = kernel taps then input channels, as :class:`precisionlab.hardware.ConvGemm` lays
+it out) and ``reduce_sum`` into elementwise products and a pairwise sum whose order is fixed
+by the shapes alone:
 
 - the terms along the summed axis are zero-padded to a power of two, then halved
   ``log2(K)`` times: ``s[i] = t[i] + t[i + K/2]`` (every addition an elementwise IEEE add,
   whatever the vectorization);
-- a matmul's products are computed in float32 (the inputs widened exactly) and stored before
-  they are summed (an optimization barrier), so that no machine fuses a multiply into an
-  add (FMA) where another does not; the result is rounded once to the output dtype;
+- a matmul's products are computed in float32 (the inputs widened exactly) and each rounded
+  before it is summed (a select between product and sum: XLA fuses a multiply into its
+  consumer and LLVM would contract the pair into an FMA on a CPU with one and not on
+  another); the result is rounded once to the output dtype;
 - a reduction typed in a 16-bit format adds in that format, each partial sum rounded (as XLA
   does), in the same fixed order.
 
@@ -33,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from precisionlab.hardware._conv import from_params as conv_plan
 from precisionlab.intercept import Context, intercept
 from precisionlab.intercept import _boundary as boundary
 
@@ -70,8 +74,14 @@ def pairwise_sum(x: jax.Array, axes: Sequence[int]) -> jax.Array:
 
 
 def _products_sum(a: jax.Array, b: jax.Array) -> jax.Array:
-    """(B, M, N) float32 sums of a (B, M, K) x b (B, K, N), products stored, then halved."""
-    prods = lax.optimization_barrier(a[:, :, :, None] * b[:, None, :, :])  # (B, M, K, N)
+    """(B, M, N) float32 sums of a (B, M, K) x b (B, K, N), products rounded, then halved."""
+    prods = a[:, :, :, None] * b[:, None, :, :]  # (B, M, K, N)
+    # XLA's CPU compiler drops an optimization barrier and fuses the multiply into the adds
+    # that consume it, where LLVM contracts the two into an FMA wherever the CPU has one
+    # (measured, jax 0.6.2 and 0.10.2 on an AVX-512 CPU: the first halving computed
+    # fma(a, b, p), the documented order only under --xla_cpu_max_isa=AVX). No add contracts
+    # through a select, and this one changes no bit but a NaN's payload.
+    prods = jnp.where(jnp.isnan(prods), jnp.float32(jnp.nan), prods)
     return _halve(jnp.moveaxis(prods, 2, -1))
 
 
@@ -108,11 +118,16 @@ def _floating(x: Any) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating)
 
 
+#: The batched GEMM of a convolution's patches (G, M, K) and kernel rows (G, O_g, K).
+_CONV_GEMM = (((2,), (2,)), ((0,), (0,)))
+
+
 @dataclasses.dataclass(frozen=True)
 class _FixedOrder:
-    """The interception rule: floating ``dot_general`` and ``reduce_sum`` in fixed order."""
+    """The interception rule: floating ``dot_general``, ``conv_general_dilated`` (the GEMM over
+    its patches, :class:`precisionlab.hardware.ConvGemm`) and ``reduce_sum`` in fixed order."""
 
-    primitives: tuple[str, ...] = (boundary.DOT_GENERAL, boundary.REDUCE_SUM)
+    primitives: tuple[str, ...] = (*boundary.PRODUCTS, boundary.REDUCE_SUM)
     emits = False
 
     def apply(self, ctx: Context, *operands: jax.Array, **params: Any) -> list[jax.Array]:
@@ -122,11 +137,17 @@ class _FixedOrder:
         if ctx.site.primitive == boundary.DOT_GENERAL:
             dn = params["dimension_numbers"]
             return [pairwise_dot(operands[0], operands[1], dn, out_dtype)]
+        if ctx.site.primitive == boundary.CONV:
+            lhs, rhs = operands
+            plan = conv_plan(lhs.shape, rhs.shape, params)
+            y = pairwise_dot(plan.patches(lhs), plan.kernel_rows(rhs), _CONV_GEMM, out_dtype)
+            return [plan.output(y)]
         return [pairwise_sum(operands[0], params["axes"]).astype(out_dtype)]
 
 
 def fixed_order(fn: Callable) -> Callable:
-    """``fn`` with every floating ``dot_general`` and ``reduce_sum`` (its own, those of
-    the functions it calls and of its gradient, when ``fn`` computes one) in the fixed order
+    """``fn`` with every floating ``dot_general``, ``conv_general_dilated`` and ``reduce_sum``
+    (its own, those of the functions it calls and of its gradient, when ``fn`` computes one)
+    in the fixed order
     of :mod:`precisionlab.train._deterministic`; composes with ``jax.jit``."""
     return intercept(fn, _FixedOrder())

@@ -66,14 +66,23 @@ def _pairwise(t: np.ndarray) -> np.ndarray:
     return t[..., 0]
 
 
-def test_the_fixed_order_is_the_documented_one():
+@pytest.mark.parametrize("jit", [False, True])
+def test_the_fixed_order_is_the_documented_one(jit):
     """pairwise_dot and pairwise_sum against a numpy float32 reimplementation of the order
-    (bit for bit), with a batch axis, an odd K and a bfloat16 matmul rounded once."""
+    (bit for bit), with a batch axis, an odd K and a bfloat16 matmul rounded once; op by op
+    and compiled (XLA fuses a product into its sum, where LLVM would contract an FMA: the
+    compiled order was fma(a, b, p) at the first halving before the products were kept
+    apart)."""
+    import jax
     import jax.numpy as jnp
     import ml_dtypes
 
-    from precisionlab.train._deterministic import pairwise_dot, pairwise_sum
+    from precisionlab.train import _deterministic
 
+    pairwise_dot, pairwise_sum = _deterministic.pairwise_dot, _deterministic.pairwise_sum
+    if jit:
+        pairwise_dot = jax.jit(pairwise_dot, static_argnums=(2, 3))
+        pairwise_sum = jax.jit(pairwise_sum, static_argnums=1)
     rng = np.random.default_rng(3)
     a = rng.standard_normal((2, 5, 37)).astype(np.float32)
     b = rng.standard_normal((2, 37, 3)).astype(np.float32)
@@ -91,6 +100,53 @@ def test_the_fixed_order_is_the_documented_one():
     wide = a16.astype(np.float32)[:, :, None] * b16.astype(np.float32)[None, :, :]
     want16 = _pairwise(np.moveaxis(wide, 1, -1)).astype(ml_dtypes.bfloat16)
     np.testing.assert_array_equal(np.asarray(got16).view(np.uint16), want16.view(np.uint16))
+
+
+def test_a_convolution_and_its_gradient_run_in_the_fixed_order():
+    """A convolution is the GEMM over its patches in the fixed order: bit for bit the numpy
+    reimplementation on a hand-made im2col (strided, padded, two feature groups, K = kernel
+    taps then channels); and in a function computing its gradient, no convolution, matmul or
+    sum is left in XLA's order (the gradient's transposed convolutions included)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from precisionlab.train._deterministic import fixed_order
+
+    rng = np.random.default_rng(5)
+    n, c, h, w, o, g = 2, 4, 7, 6, 6, 2
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    k = rng.standard_normal((o, c // g, 3, 2)).astype(np.float32)
+    strides, pads = (2, 1), ((1, 1), (0, 1))
+
+    def conv(x, k):
+        return lax.conv_general_dilated(x, k, strides, pads, feature_group_count=g)
+
+    got = np.asarray(jax.jit(fixed_order(conv))(x, k))
+    ho, wo = (h + 2 - 3) // 2 + 1, w + 1 - 2 + 1
+    xp = np.pad(x, ((0, 0), (0, 0), pads[0], pads[1]))
+    cg, og = c // g, o // g
+    want = np.zeros((n, o, ho, wo), np.float32)
+    for gi in range(g):
+        rows = k[gi * og : (gi + 1) * og].transpose(0, 2, 3, 1).reshape(og, -1)  # (O_g, K)
+        for b in range(n):
+            for i in range(ho):
+                for j in range(wo):
+                    win = xp[b, gi * cg : (gi + 1) * cg, 2 * i : 2 * i + 3, j : j + 2]
+                    patch = win.transpose(1, 2, 0).reshape(-1)  # taps, then channels
+                    want[b, gi * og : (gi + 1) * og, i, j] = _pairwise(patch[None, :] * rows)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(got, np.asarray(conv(x, k)), rtol=1e-5, atol=1e-5)
+
+    def loss(x, k):
+        return jnp.sum(conv(x, k) ** 2)
+
+    step = fixed_order(jax.value_and_grad(loss, argnums=(0, 1)))
+    program = str(jax.make_jaxpr(step)(x, k))
+    assert not [p for p in ("conv_general_dilated", "dot_general", "reduce_sum") if p in program]
+    (_, grads), (_, plain) = jax.jit(step)(x, k), jax.jit(jax.value_and_grad(loss, (0, 1)))(x, k)
+    for a, b in zip(grads, plain, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
 
 
 def test_a_deterministic_run_records_the_cpu_and_trains(work, cli):
