@@ -12,6 +12,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from precisionlab.hardware import ConvGemm
+from precisionlab.hardware._conv import from_params as conv_plan
 from precisionlab.intercept import Context
 from precisionlab.intercept import _boundary as boundary
 from precisionlab.recipes import Recipe
@@ -19,7 +21,7 @@ from precisionlab.train._step import normalize_loss_fn
 
 __all__ = ["Dot", "Sums", "TapRule", "probe_grads", "scaled_loss"]
 
-#: A matmul of the tapped site's operands: ``(lhs, rhs) -> out``.
+#: A matmul (or convolution) of the tapped site's operands: ``(lhs, rhs) -> out``.
 Dot = Callable[[jax.Array, jax.Array], jax.Array]
 #: What a tap sums into its probe: ``(lhs, rhs, out_grad) -> float32 [3, width]``.
 Sums = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -55,26 +57,27 @@ def probe_grads(
 
 @dataclasses.dataclass(frozen=True)
 class TapRule:
-    """An interception rule on float matmuls: each runs as :meth:`tap`'s ``dot`` (the recipe's,
-    as the step runs it), and the backward pass returns ``sums(lhs, rhs, out_grad)`` as the
-    cotangent of the site's ``probe`` state (read with :func:`probe_grads`). Other matmuls run
-    as written."""
+    """An interception rule on float matmuls and convolutions: each runs as :meth:`tap`'s
+    ``dot`` (the recipe's, as the step runs it), and the backward pass returns
+    ``sums(lhs, rhs, out_grad)`` as the cotangent of the site's ``probe`` state (read with
+    :func:`probe_grads`). Other products run as written."""
 
     recipe: Recipe
-    primitives: tuple[str, ...] = (boundary.DOT_GENERAL,)
+    primitives: tuple[str, ...] = boundary.PRODUCTS
 
-    def tap(self, ctx: Context, dimension_numbers: Any, pet: Any) -> tuple[Dot, Sums]:
-        """The site's ``(dot, sums)``; ``pet``: the matmul's ``preferred_element_type``."""
+    def tap(self, ctx: Context, params: dict, plan: ConvGemm | None) -> tuple[Dot, Sums]:
+        """The site's ``(dot, sums)``: ``params`` are the primitive's (``dimension_numbers``,
+        ``preferred_element_type``, a convolution's window); ``plan``, a convolution's GEMM
+        over its patches (None for a matmul)."""
         raise NotImplementedError
 
-    def apply(
-        self, ctx: Context, lhs: jax.Array, rhs: jax.Array, *, dimension_numbers: Any, **params: Any
-    ) -> list:
+    def apply(self, ctx: Context, lhs: jax.Array, rhs: jax.Array, **params: Any) -> list:
         if not (
             jnp.issubdtype(lhs.dtype, jnp.floating) and jnp.issubdtype(rhs.dtype, jnp.floating)
         ):
             return ctx.original(lhs, rhs)
-        dot, sums = self.tap(ctx, dimension_numbers, params.get("preferred_element_type"))
+        conv = ctx.site.primitive == boundary.CONV
+        dot, sums = self.tap(ctx, params, conv_plan(lhs.shape, rhs.shape, params) if conv else None)
 
         @jax.custom_vjp
         def tapped(a: jax.Array, b: jax.Array, probe: jax.Array) -> jax.Array:

@@ -11,9 +11,12 @@ Per tensor group, pooled over the replaced matmuls: ``x`` (activations: the fpro
   (per tensor, row or block: what multiplies the element codes).
 
 Measured by an interception rule beside the recipe's: each matmul runs through the recipe as
-in training, and a custom VJP returns the statistics of its three operands as the cotangent of
-a per-matmul probe leaf (no side channel). The gradients' statistics are those of the loss's
-backward pass on this batch (scaled by the loss scale, as the recipe sees them).
+in training, and a custom VJP returns the statistics of its three operands as the cotangent
+of a per-matmul probe leaf (no side channel). A convolution counts as the GEMM over its
+patches the recipe runs: its operands are the patches, the kernel rows and the output
+gradient with the output channels along the contraction. The gradients' statistics are
+those of the loss's backward pass on this batch (scaled by the loss scale, as the recipe
+sees them).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from precisionlab.hardware import ConvGemm
 from precisionlab.intercept import Context, intercept
 from precisionlab.recipes import (
     MX,
@@ -40,6 +44,7 @@ from precisionlab.recipes import (
     canonical_operand,
     dot_general,
 )
+from precisionlab.recipes._conv import conv_site
 from precisionlab.train._probes import Dot, Sums, TapRule, probe_grads, scaled_loss
 from precisionlab.train._recipe import TrainRecipe
 
@@ -114,35 +119,47 @@ def _merge(rows: list) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class _MetricsRule(TapRule):
-    def tap(self, ctx: Context, dimension_numbers: Any, pet: Any) -> tuple[Dot, Sums]:
-        recipe, dn = self.recipe, dimension_numbers
-        (lc, rc), (lb, rb) = dn
+    def tap(self, ctx: Context, params: dict, plan: ConvGemm | None) -> tuple[Dot, Sums]:
+        recipe = self.recipe
         rstate = ctx.state.get("recipe")
         key = ctx.site_key()
         kx, kw = ctx.site.roles or WEIGHT_OPERANDS["rhs"]  # the recipe's roles
         scales = (
             (None, None, None) if rstate is None else tuple(rstate["scale"][i] for i in range(3))
         )
+        if plan is None:
+            dn = params["dimension_numbers"]
+            (lc, rc), (lb, rb) = dn
+            pet = params.get("preferred_element_type")
 
-        def qdot(a: jax.Array, b: jax.Array) -> jax.Array:
-            return dot_general(a, b, dn, preferred_element_type=pet, recipe=recipe,
-                               state=rstate, key=key, weight=(kx, kw))  # fmt: skip
+            def qdot(a: jax.Array, b: jax.Array) -> jax.Array:
+                return dot_general(a, b, dn, preferred_element_type=pet, recipe=recipe,
+                                   state=rstate, key=key, weight=(kx, kw))  # fmt: skip
+
+            def operands(a: jax.Array, b: jax.Array, g: jax.Array) -> tuple[jax.Array, ...]:
+                # g is (batch, lhs free, rhs free): dgrad contracts the rhs free axes
+                g_contract = tuple(range(a.ndim - len(lc), g.ndim))
+                return (canonical_operand(a, lc, lb)[0], canonical_operand(b, rc, rb)[0],
+                        canonical_operand(g, g_contract, tuple(range(len(lb))))[0])  # fmt: skip
+
+        else:  # a convolution: its GEMM's operands, the patches, kernel rows and (G, M, O_g)
+
+            def qdot(a: jax.Array, b: jax.Array) -> jax.Array:
+                return conv_site(a, b, params, recipe, (kx, kw), rstate, key)
+
+            def operands(a: jax.Array, b: jax.Array, g: jax.Array) -> tuple[jax.Array, ...]:
+                return plan.patches(a), plan.kernel_rows(b), plan.gemm_output(g)
 
         def sums(a: jax.Array, b: jax.Array, g: jax.Array) -> jax.Array:
             if isinstance(recipe, Reference):
                 return jnp.zeros((3, _N), jnp.float32)
-            # g is (batch, lhs free, rhs free): dgrad contracts the rhs free axes
-            nb = len(lb)
-            n_lfree = a.ndim - len(lc) - nb
-            g_contract = tuple(range(nb + n_lfree, g.ndim))
+            ta, tb, tg = operands(a, b, g)
             gkey = None if key is None else jax.random.fold_in(key, 2)
             # each operand counts in the group of its role (K and V of attention: "x")
             rows: dict[str, list] = {"x": [], "w": []}
-            rows[kx].append(_stats(recipe, canonical_operand(a, lc, lb)[0], kx, scales[0], None))
-            rows[kw].append(_stats(recipe, canonical_operand(b, rc, rb)[0], kw, scales[1], None))
-            gs = _stats(
-                recipe, canonical_operand(g, g_contract, tuple(range(nb)))[0], "g", scales[2], gkey
-            )
+            rows[kx].append(_stats(recipe, ta, kx, scales[0], None))
+            rows[kw].append(_stats(recipe, tb, kw, scales[1], None))
+            gs = _stats(recipe, tg, "g", scales[2], gkey)
             return jnp.stack([_merge(rows["x"]), _merge(rows["w"]), gs])
 
         return qdot, sums
@@ -185,8 +202,10 @@ def make_recipe_metrics_fn(loss_fn: Callable, recipe: TrainRecipe) -> Callable[.
     """``fn(params_compute, batch, loss_scale, recipe_state, key) -> sums`` (float32
     ``[3, 8]`` summed over the replaced matmuls; jit it), and turn the sums into the
     per-group dict with :func:`recipe_metrics`."""
+    # the recipe's site names: its state is keyed by them
     tapped = intercept(scaled_loss(loss_fn), _MetricsRule(recipe.recipe), include=recipe.include,
-                       exclude=recipe.exclude, default=recipe.selects)  # fmt: skip
+                       exclude=recipe.exclude, default=recipe.selects,
+                       numbering="primitive")  # fmt: skip
 
     def fn(pc: Any, batch: Any, ls: Any, recipe_state: Any, key: jax.Array | None) -> jax.Array:
         sites = [s.name for s in tapped.sites(pc, batch, ls) if s.selected]

@@ -1,11 +1,12 @@
 """Gradient statistics per GEMM: how each matmul's three quantized products deviate from the
 high-precision ones, measured inside ``jit`` every N steps and recorded by a training hook.
 
-For every matmul a recipe replaces, and each of its three GEMMs (``fprop`` the output,
-``dgrad`` the input gradient, ``wgrad`` the weight gradient), one batch gives the product in
-high precision ``H`` (the same operands, float32, HIGHEST) and twice quantized, ``Q1`` and
-``Q2``, with independent rounding keys (a second pass: the recipe's stochastic rounding and
-random rotations drawn afresh). Per GEMM (sums over the product's elements):
+For every matmul (and convolution, as the GEMM over its patches) a recipe replaces, and each
+of its three GEMMs (``fprop`` the output, ``dgrad`` the input gradient, ``wgrad`` the weight
+gradient), one batch gives the product in high precision ``H`` (the same operands, float32,
+HIGHEST) and twice quantized, ``Q1`` and ``Q2``, with independent rounding keys (a second
+pass: the recipe's stochastic rounding and random rotations drawn afresh). Per GEMM (sums
+over the product's elements):
 
 - ``rel_bias``: the bias of the quantized product relative to ``||H||``, signed:
   ``b2 = ||(Q1+Q2)/2 - H||^2 - ||Q1-Q2||^2 / 4`` estimates ``||E[Q] - H||^2`` without bias
@@ -40,9 +41,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from precisionlab.hardware import ConvGemm
 from precisionlab.intercept import Context, intercept
 from precisionlab.mixed._policy import Policy, cast_floating
 from precisionlab.recipes import dot_general
+from precisionlab.recipes._conv import conv_site
 from precisionlab.train._hooks import StepEnd
 from precisionlab.train._probes import Dot, Sums, TapRule, probe_grads, scaled_loss
 from precisionlab.train._recipe import TrainRecipe
@@ -80,22 +83,33 @@ def _sums(h: jax.Array, q1: jax.Array, q2: jax.Array) -> jax.Array:
     )
 
 
+#: The batched GEMM of a convolution's patches (G, M, K) and kernel rows (G, O_g, K).
+_CONV_GEMM = (((2,), (2,)), ((0,), (0,)))
+
+
 @dataclasses.dataclass(frozen=True)
 class _StatsRule(TapRule):
-    def tap(self, ctx: Context, dimension_numbers: Any, pet: Any) -> tuple[Dot, Sums]:
-        recipe, dn = self.recipe, dimension_numbers
+    def tap(self, ctx: Context, params: dict, plan: ConvGemm | None) -> tuple[Dot, Sums]:
+        recipe, pet = self.recipe, params.get("preferred_element_type")
+        # the high-precision product's GEMM: a convolution's over its patches
+        dn = _CONV_GEMM if plan is not None else params["dimension_numbers"]
         rstate = ctx.state.get("recipe")
         key = ctx.site_key()
 
         def qdot(a: jax.Array, b: jax.Array, k: jax.Array | None) -> jax.Array:
+            if plan is not None:
+                return conv_site(a, b, params, recipe, "rhs", rstate, k)
             return dot_general(a, b, dn, preferred_element_type=pet, recipe=recipe,
                                state=rstate, key=k, weight="rhs")  # fmt: skip
 
         def hdot(a: jax.Array, b: jax.Array) -> jax.Array:
-            return jax.lax.dot_general(
-                a.astype(jnp.float32), b.astype(jnp.float32), dn,
-                precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
-            )  # fmt: skip
+            a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+            if plan is not None:  # a convolution: its GEMM over the patches
+                a, b = plan.patches(a), plan.kernel_rows(b)
+            y = jax.lax.dot_general(
+                a, b, dn, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+            )
+            return y if plan is None else plan.output(y)
 
         def sums(a: jax.Array, b: jax.Array, g: jax.Array) -> jax.Array:
             k1 = None if key is None else jax.random.fold_in(key, 1)
@@ -118,8 +132,9 @@ def make_gemm_stats_fn(
     (float32 ``[n_matmuls, 3, 6]``, jit it) and ``names(params_compute, batch, loss_scale)``,
     the replaced matmuls' names in the same order; :func:`gemm_rows` turns the sums into rows.
     ``loss_fn(params, batch) -> (loss, aux)`` as the step differentiates it."""
+    # the recipe's site names: its state is keyed by them
     tapped = intercept(scaled_loss(loss_fn), _StatsRule(recipe.recipe), include=recipe.include,
-                       exclude=recipe.exclude)  # fmt: skip
+                       exclude=recipe.exclude, numbering="primitive")  # fmt: skip
 
     def names(pc: Any, batch: Any, ls: Any) -> list[str]:
         return [s.name for s in tapped.sites(pc, batch, ls) if s.selected]

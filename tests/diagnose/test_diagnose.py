@@ -15,6 +15,7 @@ import math
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
+import _im2col as im2col
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -239,7 +240,7 @@ def test_autoswitch_measures_a_convolution_as_its_gemm(grouped):
     k = rng.standard_normal((o, c // g, 3, 2)).astype(np.float32)
     strides, pads = (2, 1), ((1, 1), (0, 1))
     conv = dict(window_strides=strides, padding=pads, feature_group_count=g)
-    ho, wo = (h + 2 - 3) // 2 + 1, (w + 1 - 2) + 1
+    ho, wo = im2col.out_size(h, 3, 2, pads[0]), im2col.out_size(w, 2, 1, pads[1])
     cot = rng.standard_normal((n, o, ho, wo)).astype(np.float32)  # the output's cotangent
     cot[:, 2] *= np.float32(2.0**-20)  # a faint output channel: underflows in each GEMM row
 
@@ -253,22 +254,10 @@ def test_autoswitch_measures_a_convolution_as_its_gemm(grouped):
     observed = jax.jit(lambda st, p, x: f.value_and_grad()(st, p, x)[2])(state, k, x)
     got = np.asarray(observed["conv_general_dilated[0]"])
 
-    # the oracle: patches (G, M, K) by hand, K = (kernel taps, channels of the group)
-    xp = np.pad(x, ((0, 0), (0, 0), pads[0], pads[1]))
-    cg = c // g
-    patches = np.stack([
-        np.stack([
-            np.concatenate([xp[b, gi * cg:(gi + 1) * cg, i * strides[0] + di, j * strides[1] + dj]
-                            for di in range(3) for dj in range(2)])
-            for b in range(n) for i in range(ho) for j in range(wo)
-        ]) for gi in range(g)
-    ])  # fmt: skip
-    og = o // g
-    kernel_rows = np.stack([
-        np.stack([np.concatenate([k[gi * og + r, :, di, dj] for di in range(3) for dj in range(2)])
-                  for r in range(og)]) for gi in range(g)
-    ])  # fmt: skip
-    grad = cot.transpose(0, 2, 3, 1).reshape(n * ho * wo, g, og).transpose(1, 0, 2)
+    # the oracle: the GEMM's operands made by hand (tests/_im2col.py)
+    patches = im2col.patches(x, (3, 2), strides, pads, g)
+    kernel_rows = im2col.kernel_rows(k, g)
+    grad = im2col.gemm_output(cot, g)
     want = [*_rowwise_stats(patches), *_rowwise_stats(kernel_rows), *_rowwise_stats(grad)]
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=0)
     assert 0.1 < got[0] < 0.3 and 0.1 < got[4] < 0.2  # the faint channels underflow

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import _im2col as im2col
 import numpy as np
 import pytest
 from _tiny_runs import TWO, two_variants
@@ -123,18 +124,11 @@ def test_a_convolution_and_its_gradient_run_in_the_fixed_order():
         return lax.conv_general_dilated(x, k, strides, pads, feature_group_count=g)
 
     got = np.asarray(jax.jit(fixed_order(conv))(x, k))
-    ho, wo = (h + 2 - 3) // 2 + 1, w + 1 - 2 + 1
-    xp = np.pad(x, ((0, 0), (0, 0), pads[0], pads[1]))
-    cg, og = c // g, o // g
-    want = np.zeros((n, o, ho, wo), np.float32)
-    for gi in range(g):
-        rows = k[gi * og : (gi + 1) * og].transpose(0, 2, 3, 1).reshape(og, -1)  # (O_g, K)
-        for b in range(n):
-            for i in range(ho):
-                for j in range(wo):
-                    win = xp[b, gi * cg : (gi + 1) * cg, 2 * i : 2 * i + 3, j : j + 2]
-                    patch = win.transpose(1, 2, 0).reshape(-1)  # taps, then channels
-                    want[b, gi * og : (gi + 1) * og, i, j] = _pairwise(patch[None, :] * rows)
+    # the GEMM's operands made by hand (tests/_im2col.py), products summed in the fixed order
+    a, b = im2col.patches(x, (3, 2), strides, pads, g), im2col.kernel_rows(k, g)
+    gemm = _pairwise(a[:, :, None, :] * b[:, None, :, :])  # (G, M, O_g)
+    ho, wo = im2col.out_size(h, 3, 2, pads[0]), im2col.out_size(w, 2, 1, pads[1])
+    want = gemm.transpose(1, 0, 2).reshape(n, ho, wo, o).transpose(0, 3, 1, 2)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_allclose(got, np.asarray(conv(x, k)), rtol=1e-5, atol=1e-5)
 

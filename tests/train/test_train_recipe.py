@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import tomllib
 
 import jax
@@ -162,6 +163,77 @@ def test_recipe_metrics_match_a_float64_oracle():
         assert rceil[group]["saturated"] == 0 and rceil[group]["underflow"] == 0
         assert rceil[group]["sqnr_db"] == float("inf")
     assert _metrics("bf16", x, w) == {}  # the reference recipes quantize nothing
+
+
+def _rowwise_metrics(t: np.ndarray) -> dict[str, float]:
+    """The recipe metrics of float32 rows (..., K) under the rowwise recipe, recounted with
+    ml_dtypes: per row a scale 2**floor(log2(448 / max(amax, 1e-12))), E4M3 elements cast
+    saturating, the dequantization factor 1 / scale."""
+    import ml_dtypes
+
+    t = t.astype(np.float64)
+    amax = np.maximum(np.abs(t).max(axis=-1, keepdims=True), 1e-12)
+    scale = 2.0 ** np.floor(np.log2(448.0 / amax))
+    elems = np.clip(t * scale, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    dq, nz = elems / scale, t != 0
+    return {
+        "saturated": float(np.mean((np.abs(elems) >= 448) & (np.abs(t) > np.abs(dq)))),
+        "underflow": float(np.sum(nz & (dq == 0)) / np.sum(nz)),
+        "sqnr_db": float(10 * np.log10(np.sum(t**2) / np.sum((t - dq) ** 2))),
+        "log2_scale_min": float(-np.log2(scale).max()),
+        "log2_scale_max": float(-np.log2(scale).min()),
+    }
+
+
+def test_recipe_metrics_measure_a_convolution_on_its_gemm():
+    """A convolution's recipe metrics are those of the GEMM the recipe runs for it: the
+    patches, the kernel rows and the output gradient with the output channels along the
+    contraction, recounted from a hand-made im2col (tests/_im2col.py). Convolutions used to
+    be left out of the metrics, silently."""
+    import _im2col as im2col
+
+    from precisionlab.mixed._loss_scale import NoLossScale
+    from precisionlab.train._recipe_metrics import make_recipe_metrics_fn, recipe_metrics
+
+    rng = np.random.default_rng(4)
+    n, c, h, w, o = 2, 4, 7, 6, 6
+    strides, pads = (2, 1), ((1, 1), (0, 1))
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    x[:, 1] *= np.float32(2.0**-20)  # a faint channel: underflows in each patch row
+    k = rng.standard_normal((o, c, 3, 2)).astype(np.float32)
+    ho, wo = im2col.out_size(h, 3, 2, pads[0]), im2col.out_size(w, 2, 1, pads[1])
+    cot = rng.standard_normal((n, o, ho, wo)).astype(np.float32)  # d loss / d output
+    cot[:, 2] *= np.float32(2.0**-20)
+
+    def loss(p, b):
+        return jnp.sum(jax.lax.conv_general_dilated(b["x"], p["k"], strides, pads) * cot)
+
+    fn = make_recipe_metrics_fn(loss, parse_recipe("rowwise"))
+    got = recipe_metrics(jax.jit(fn)({"k": k}, {"x": x}, NoLossScale(), None, None))
+    operands = {
+        "x": im2col.patches(x, (3, 2), strides, pads, 1),
+        "w": im2col.kernel_rows(k, 1),
+        "g": im2col.gemm_output(cot, 1),
+    }
+    for group, t in operands.items():
+        want = _rowwise_metrics(t)
+        assert got[group] == pytest.approx(want, rel=1e-5), group
+    assert got["x"]["underflow"] > 0.1 and got["g"]["underflow"] > 0.1
+
+
+def test_a_cnn_trains_with_a_delayed_recipe_and_its_metrics_count_the_convolutions():
+    """The built-in CNN under delayed scaling with recipe metrics: the metrics' sites are the
+    recipe's own names (its per-site state is keyed by them; the convolutions included), and
+    the convolutions count: the metrics of the whole model differ from those of its dense
+    head alone."""
+    cfg = dict(model="conv", data="digits", model_kwargs={"width": 8, "depth": 2}, steps=2,
+               batch_size=32, eval_batches=1, hist_interval=1, progress=False)  # fmt: skip
+    every = train(TrainConfig(**cfg, recipe={"name": "delayed"}), quiet=True)
+    head = train(TrainConfig(**cfg, recipe={"name": "delayed", "include": ["dot_general*"]}),
+                 quiet=True)  # fmt: skip
+    rm, rm_head = every.summary()["recipe_metrics"], head.summary()["recipe_metrics"]
+    assert set(rm) == {"x", "w", "g"} and all(math.isfinite(v["sqnr_db"]) for v in rm.values())
+    assert rm["x"] != rm_head["x"] and rm["w"] != rm_head["w"]
 
 
 def test_recipe_metrics_reach_the_result_and_records():
