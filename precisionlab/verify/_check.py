@@ -117,6 +117,7 @@ def check(path: str | os.PathLike, *, diagnose: bool = True) -> Report:
             key = t.name[len(t.gemm) + 1 :] if t.name.startswith(t.gemm + "/") else t.name
             by_gemm.setdefault(t.gemm, {})[key] = t
     _note_platform(ctx, env, recipe, m["kind"])
+    _note_not_recorded(ctx, m.get("skipped_sites"))
     state_ts = [t for t in dump.tensors if t.role in ("state", "state_after")]
     if state_ts and not isinstance(recipe, recipes.Delayed):
         raise DumpError(f"{where}: state tensors without a delayed-scaling recipe")
@@ -159,6 +160,16 @@ def _note_platform(ctx: CheckContext, env: dict, recipe: recipes.Recipe | None, 
                 f"recorded on {there}, checked on {here}: {' and '.join(bound)} are exact only "
                 "on the recording platform; their differences are expected"
             )
+
+
+def _note_not_recorded(ctx: CheckContext, skipped: Any) -> None:
+    """Say which operations the dump has no records of (a convolution, a matmul inside a
+    while_loop): nothing of theirs was checked."""
+    if not isinstance(skipped, list) or not skipped:
+        return
+    items = [f"{s.get('site')} ({s.get('why')})" for s in skipped[:3] if isinstance(s, dict)]
+    more = f" and {len(skipped) - 3} more" if len(skipped) > 3 else ""
+    ctx.notes.append(f"not recorded, so not checked: {'; '.join(items)}{more}")
 
 
 def _gemm_entries(raw: Any, where: Path) -> dict[str, dict[str, Any]]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import platform
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -30,7 +31,14 @@ import ml_dtypes
 import numpy as np
 
 from precisionlab import __version__, recipes
-from precisionlab.intercept import Intercepted, PerIteration, Site, intercept, select
+from precisionlab.intercept import (
+    Intercepted,
+    PerIteration,
+    Site,
+    SkippedOperationWarning,
+    intercept,
+    select,
+)
 from precisionlab.verify._format import DumpWriter, storage_dtype
 from precisionlab.verify._models import check_hardware
 from precisionlab.verify._steps import StepsRule, step_pass
@@ -200,6 +208,7 @@ def _plan(
         value_shapes, aux_shapes = jax.eval_shape(lambda *a: inter.call_with_aux(None, *a), *args)
         skipped = [{"site": s.name, "why": "inside a while_loop"} for s in found
                    if s.selected and any(n is None for n in s.lengths)]  # fmt: skip
+        skipped += _not_recorded(probe, args)
         return _Plan(found, chosen, skipped, {}, aux_shapes, {}, value_shapes, plain)
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     Rule = StepsRule if isinstance(recipe, recipes.FP4Recipe) else RecipeRule
@@ -209,6 +218,7 @@ def _plan(
     chosen = [s for s in _chosen(found, sites) if all(n is not None for n in s.lengths)]
     skipped = [{"site": s.name, "why": "inside a while_loop (no per-iteration records)"}
                for s in found if s.selected and any(n is None for n in s.lengths)]  # fmt: skip
+    skipped += _not_recorded(probe, args)
     if recipe.stateful:
         missing = [s.name for s in found if s.selected and s.name not in (state or {})]
         if missing:
@@ -230,6 +240,15 @@ def _plan(
     tapes = {s.name: shapes[s.name] for s in chosen}
     states = _entries(found, chosen, recipe, state, tapes=tapes)
     return _Plan(found, chosen, skipped, states, aux_shapes, tapes, value_shapes, rule)
+
+
+def _not_recorded(probe: Intercepted, args: tuple) -> list[dict[str, str]]:
+    """The products the recorder has no records for (a convolution, a grouped matmul): they
+    run as the program has them, not through the recipe (warned about once by the probe)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SkippedOperationWarning)  # the probe warned already
+        skipped = probe.skipped(*args)
+    return [{"site": s.name, "why": f"{s.skipped}: run as written, not recorded"} for s in skipped]
 
 
 def _chosen(found: list[Site], sites: Any) -> list[Site]:

@@ -286,6 +286,10 @@ class RecipeRule:
     gemm: Callable | None
     shapes: dict[str, Any] | None = None  # filled by a discovery pass: backward records
     primitives: tuple[str, ...] = (boundary.DOT_GENERAL,)
+    # what a recipe quantizes in training but the recorder has no GEMM records for: they run
+    # as written, listed in the dump (skipped_sites) and warned about, never silently
+    candidates: tuple[str, ...] = (boundary.CONV, *boundary.RAGGED_PRODUCTS)
+    label: str = "verify.record"
 
     def apply(
         self, ctx: Context, lhs: jax.Array, rhs: jax.Array, *, dimension_numbers: Any, **params: Any
@@ -335,6 +339,8 @@ class PlainRule:
     recorded: frozenset[str]
     params: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     primitives: tuple[str, ...] = (boundary.DOT_GENERAL,)
+    candidates: tuple[str, ...] = (boundary.CONV, *boundary.RAGGED_PRODUCTS)
+    label: str = "verify.record"
 
     def apply(
         self, ctx: Context, lhs: jax.Array, rhs: jax.Array, **params: Any
