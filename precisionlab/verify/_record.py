@@ -5,11 +5,16 @@ Two modes:
 
 - with a recipe: every matched ``dot_general`` runs the recipe's own GEMM steps
   (:func:`precisionlab.recipes.fprop_gemm` and :func:`~precisionlab.recipes.vjp_gemms`, the
-  functions :func:`precisionlab.recipes.dot_general` runs) with a ``tap`` that collects what
-  each GEMM computed, passed out of the program as :mod:`precisionlab.verify._tape` says
+  functions :func:`precisionlab.recipes.dot_general` runs), and every convolution the same
+  steps on the GEMM over its patches (as :func:`precisionlab.recipes.conv_general_dilated`;
+  an FP4 recipe's convolution is not recorded), with a ``tap`` that collects what each GEMM
+  computed, passed out of the program as :mod:`precisionlab.verify._tape` says
   (inside a ``scan``: one record per iteration);
 - without one (plain dtypes, a policy): the function and its gradient are traced together
-  and every ``dot_general`` of both (forward and backward) records its operands and output.
+  and every ``dot_general`` of both (forward and backward) records its operands and output
+  (a convolution runs as written, not recorded).
+
+What is not recorded is named in the dump (``skipped_sites``) and warned about.
 
 Everything runs in one ``jit`` program on the default backend; the host receives the
 arrays once, at the end.
@@ -212,8 +217,9 @@ def _plan(
         return _Plan(found, chosen, skipped, {}, aux_shapes, {}, value_shapes, plain)
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     Rule = StepsRule if isinstance(recipe, recipes.FP4Recipe) else RecipeRule
-    probe = intercept(fn, Rule(recipe, weight, frozenset(), gemm_fn),
-                      include=include, exclude=exclude, default=default)  # fmt: skip
+    # names per primitive, as recipes.apply gives them (a delayed state is keyed by them)
+    probe = intercept(fn, Rule(recipe, weight, frozenset(), gemm_fn), include=include,
+                      exclude=exclude, default=default, numbering="primitive")  # fmt: skip
     found = probe.sites(*args)
     chosen = [s for s in _chosen(found, sites) if all(n is not None for n in s.lengths)]
     skipped = [{"site": s.name, "why": "inside a while_loop (no per-iteration records)"}
@@ -229,7 +235,8 @@ def _plan(
     entries = _entries(found, chosen, recipe, state, tapes=None)
     shapes: dict[str, Any] = {}
     rule = Rule(recipe, weight, frozenset(s.name for s in chosen), gemm_fn, shapes)
-    inter = intercept(fn, rule, include=include, exclude=exclude, default=default)
+    inter = intercept(fn, rule, include=include, exclude=exclude, default=default,
+                      numbering="primitive")  # fmt: skip
     out_shapes, aux_shapes = jax.eval_shape(
         lambda st, *a: inter.call_with_aux(st, *a, key=key), entries, *args
     )
@@ -455,7 +462,7 @@ def record(
         with ``has_aux``), differentiated w.r.t. ``argnums`` like ``jax.value_and_grad``.
       out: the dump directory (new or empty).
       recipe: a :class:`~precisionlab.recipes.Recipe` or name: every matched ``dot_general``
-        runs through it (as :func:`precisionlab.recipes.apply`, with ``include``,
+        and convolution runs through it (as :func:`precisionlab.recipes.apply`, with ``include``,
         ``exclude``, ``weight``, ``state`` for delayed scaling and ``key`` for stochastic
         rounding). None: the function as it is (plain low-precision dtypes, a policy's
         casts), every ``dot_general`` of it and of its gradient recorded.
@@ -504,7 +511,7 @@ def record(
         state_grads = None
     else:
         inter = intercept(fn, plan.rule, include=include, exclude=exclude,
-                          default=opts["default"])  # fmt: skip
+                          default=opts["default"], numbering="primitive")  # fmt: skip
         run = _runner(inter, grad, nums, isinstance(argnums, int), has_aux, key)
         value, aux, state_grads = jax.jit(run)(plan.states, *args)
     value, aux, state_grads = jax.device_get((value, aux, state_grads))

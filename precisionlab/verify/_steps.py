@@ -21,6 +21,7 @@ from jax import lax
 
 from precisionlab import recipes
 from precisionlab.intercept import Context, Emit
+from precisionlab.intercept import _boundary as boundary
 from precisionlab.verify._tape import FLOATS, RecipeRule, TapedVJP, key_data
 
 __all__ = ["PASSES", "StepsMeta", "StepsRule", "apply_dot3", "pack_steps", "step_pass"]
@@ -136,14 +137,18 @@ class StepsRule(RecipeRule):
 
     #: per recorded site: what its steps are
     steps: dict[str, StepsMeta] = dataclasses.field(default_factory=dict)
+    # an FP4 recipe's convolution has no step records here: it runs as written, listed in
+    # the dump (skipped_sites) and warned about
+    primitives: tuple[str, ...] = (boundary.DOT_GENERAL,)
+    candidates: tuple[str, ...] = (boundary.CONV, *boundary.RAGGED_PRODUCTS)
 
     def apply(
-        self, ctx: Context, lhs: jax.Array, rhs: jax.Array, *, dimension_numbers: Any, **params: Any
+        self, ctx: Context, lhs: jax.Array, rhs: jax.Array, **params: Any
     ) -> list[jax.Array] | Emit:
         entry = ctx.state or {}
         rstate = entry.get("recipe") if isinstance(entry, dict) else None
         pet = params.get("preferred_element_type")
-        return apply_dot3(self, ctx, lhs, rhs, dimension_numbers, pet, rstate)
+        return apply_dot3(self, ctx, lhs, rhs, params["dimension_numbers"], pet, rstate)
 
 
 def apply_dot3(

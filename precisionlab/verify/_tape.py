@@ -21,9 +21,11 @@ import numpy as np
 from jax import lax
 
 from precisionlab import recipes
+from precisionlab.hardware._conv import from_params as conv_plan
 from precisionlab.intercept import Context, Emit
 from precisionlab.intercept import _boundary as boundary
 from precisionlab.recipes import _scaling as S
+from precisionlab.recipes._conv import conv_site
 from precisionlab.verify._format import storage_dtype
 
 __all__ = [
@@ -278,38 +280,57 @@ def native_gemm(
 # --- the interception rules --------------------------------------------------------------
 @dataclasses.dataclass
 class RecipeRule:
-    """The recipe's dot_general, recording the sites in ``recorded``."""
+    """The recipe's dot_general and convolution (the GEMM over its patches, as
+    :func:`precisionlab.recipes.conv_general_dilated` computes it), recording the sites in
+    ``recorded``."""
 
     recipe: recipes.Recipe
     weight: str
     recorded: frozenset[str]
     gemm: Callable | None
     shapes: dict[str, Any] | None = None  # filled by a discovery pass: backward records
-    primitives: tuple[str, ...] = (boundary.DOT_GENERAL,)
-    # what a recipe quantizes in training but the recorder has no GEMM records for: they run
-    # as written, listed in the dump (skipped_sites) and warned about, never silently
-    candidates: tuple[str, ...] = (boundary.CONV, *boundary.RAGGED_PRODUCTS)
+    primitives: tuple[str, ...] = boundary.PRODUCTS
+    # what a recipe could quantize but the recorder has no rule for: it runs as written,
+    # listed in the dump (skipped_sites) and warned about, never silently
+    candidates: tuple[str, ...] = boundary.RAGGED_PRODUCTS
     label: str = "verify.record"
 
     def apply(
-        self, ctx: Context, lhs: jax.Array, rhs: jax.Array, *, dimension_numbers: Any, **params: Any
+        self, ctx: Context, lhs: jax.Array, rhs: jax.Array, **params: Any
     ) -> list[jax.Array] | Emit:
         pet = params.get("preferred_element_type")
         if str(lhs.dtype) not in FLOATS or str(rhs.dtype) not in FLOATS:
-            return [lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=pet)]
+            return ctx.original(lhs, rhs)
         entry = ctx.state or {}
         rstate = entry.get("recipe") if isinstance(entry, dict) else None
+        conv = ctx.site.primitive == boundary.CONV
         if ctx.site.name not in self.recorded:
+            if conv:
+                key = ctx.site_key()
+                return [conv_site(lhs, rhs, params, self.recipe, self.weight, rstate, key)]
             out = recipes.dot_general(
-                lhs, rhs, dimension_numbers, preferred_element_type=pet, recipe=self.recipe,
-                state=rstate, key=ctx.site_key(), weight=self.weight,
+                lhs, rhs, params["dimension_numbers"], preferred_element_type=pet,
+                recipe=self.recipe, state=rstate, key=ctx.site_key(), weight=self.weight,
             )  # fmt: skip
             return [out]
         recipe = self.recipe
-        (lc, rc), (lb, rb) = dimension_numbers
-        lc, rc, lb, rb = (tuple(int(d) for d in t) for t in (lc, rc, lb, rb))
-        a3, lfree = recipes.canonical_operand(lhs, lc, lb)
-        b3, rfree = recipes.canonical_operand(rhs, rc, rb)
+        if conv:  # the GEMM over the patches, float32 as recipes.conv_general_dilated has it
+            plan = conv_plan(lhs.shape, rhs.shape, params)
+            a3, b3 = (
+                plan.patches(lhs.astype(jnp.float32)),
+                plan.kernel_rows(rhs.astype(jnp.float32)),
+            )
+            restore: Callable[[jax.Array], jax.Array] = plan.output
+        else:
+            (lc, rc), (lb, rb) = params["dimension_numbers"]
+            lc, rc, lb, rb = (tuple(int(d) for d in t) for t in (lc, rc, lb, rb))
+            a3, lfree = recipes.canonical_operand(lhs, lc, lb)
+            b3, rfree = recipes.canonical_operand(rhs, rc, rb)
+            bshape = tuple(lhs.shape[d] for d in lb)
+
+            def restore(o: jax.Array) -> jax.Array:
+                return o.reshape(*bshape, *lfree, *rfree)
+
         out_dtype = pet or jnp.result_type(lhs.dtype, rhs.dtype)
         kinds = recipes.WEIGHT_OPERANDS[self.weight]
         state = rstate if isinstance(recipe, recipes.Delayed) else None
@@ -327,9 +348,7 @@ class RecipeRule:
             out3, fwd = _tdot_fwd(static, kinds, self.gemm, a3, b3, state, key, nums, None)[0]
         else:
             out3, fwd = _tdot(static, kinds, self.gemm, a3, b3, state, key, nums, tape)
-        bshape = tuple(lhs.shape[d] for d in lb)
-        out = out3.reshape(*bshape, *lfree, *rfree).astype(out_dtype)
-        return Emit([out], fwd)
+        return Emit([restore(out3).astype(out_dtype)], fwd)
 
 
 @dataclasses.dataclass

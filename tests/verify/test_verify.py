@@ -684,3 +684,65 @@ def test_gpu_script_cpu_path_every_case(tmp_path):
     spec.loader.exec_module(tool)
     argv = ["--out", str(tmp_path / "gpu"), "--cpu", "--width", "32", "--batch", "16"]
     assert tool.main(argv) == 0
+
+
+# --- a CNN: its convolutions are recorded as the GEMMs over their patches ---------------------
+CNN_PARAMS = {
+    "k": jnp.asarray(_RNG.normal(size=(6, 2, 3, 2)) * 0.3, jnp.float32),
+    "w": jnp.asarray(_RNG.normal(size=(6 * 4 * 6, 5)) * 0.1, jnp.float32),
+}
+CNN_X = jnp.asarray(_RNG.normal(size=(3, 4, 7, 6)), jnp.float32)
+
+
+def cnn_loss(p, x):
+    """A strided, padded convolution of two feature groups (NCHW), then a dense head."""
+    h = jax.lax.conv_general_dilated(x, p["k"], (2, 1), ((1, 1), (0, 1)), feature_group_count=2)
+    return jnp.mean((jax.nn.relu(h).reshape(x.shape[0], -1) @ p["w"]) ** 2)
+
+
+@pytest.mark.parametrize("name", ["delayed", "mxfp8"])
+def test_a_cnn_step_records_and_verifies_its_convolution(tmp_path, name):
+    """A convolution is recorded as the GEMM over its patches the recipe runs (fprop, dgrad,
+    wgrad: codes, scales and outputs checked bit for bit), and the recorded step's gradients
+    are recipes.apply's, bit for bit. The convolution used to run unquantized in the recording,
+    unlisted, while every checked tensor matched."""
+    rec = (
+        recipes.Delayed(amax_history_len=4)
+        if name == "delayed"
+        else recipes.get_recipe("mxfp8", pad=True)
+    )
+    applied = recipes.apply(cnn_loss, rec)
+    state = applied.init_state(CNN_PARAMS, CNN_X) if name == "delayed" else None
+    r = verify.record(cnn_loss, CNN_PARAMS, CNN_X, out=tmp_path / name, recipe=rec, state=state)
+    rep = verify.check(r.path)
+    assert rep.ok and rep.share() == 1.0 and not rep.notes, rep.text()
+    manifest = json.loads((r.path / "manifest.json").read_text())
+    assert manifest["skipped_sites"] == []
+    assert {(g["site"], g["pass"]) for g in manifest["gemms"]} == {
+        (s, p) for s in ("conv_general_dilated[0]", "dot_general[0]")
+        for p in ("fprop", "dgrad", "wgrad")
+    }  # fmt: skip
+    conv = [t for t in rep.checked if t.name.startswith("conv_general_dilated[0]/")]
+    assert {t.role for t in conv} >= {"codes", "output"}
+    value, grads = applied.value_and_grad(0)(state, CNN_PARAMS, CNN_X)[:2]
+    # (the loss's mean is summed in another order op by op than in the recording's program)
+    assert float(value) == pytest.approx(float(r.value[0]), rel=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(r.value[1]), strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_what_the_recorder_has_no_records_for_is_listed_and_warned(tmp_path, monkeypatch):
+    """A plain recording (no recipe) has records for matmuls only: the convolutions of the
+    function and of its gradient run as written, named in the dump and in verify's report,
+    and warned about."""
+    from precisionlab.intercept import SkippedOperationWarning, _interpret
+
+    monkeypatch.setattr(_interpret, "_WARNED", set())
+    with pytest.warns(SkippedOperationWarning, match="verify.record leaves .* conv_general"):
+        r = verify.record(cnn_loss, CNN_PARAMS, CNN_X, out=tmp_path / "plain")
+    skipped = json.loads((r.path / "manifest.json").read_text())["skipped_sites"]
+    assert skipped and all(s["site"].startswith("conv_general_dilated[") for s in skipped)
+    assert "no rule for conv_general_dilated" in skipped[0]["why"]
+    rep = verify.check(r.path)
+    assert rep.ok and any(n.startswith("not recorded, so not checked: conv_general") for n in
+                          rep.notes)  # fmt: skip
