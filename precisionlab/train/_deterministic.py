@@ -148,6 +148,6 @@ class _FixedOrder:
 def fixed_order(fn: Callable) -> Callable:
     """``fn`` with every floating ``dot_general``, ``conv_general_dilated`` and ``reduce_sum``
     (its own, those of the functions it calls and of its gradient, when ``fn`` computes one)
-    in the fixed order
-    of :mod:`precisionlab.train._deterministic`; composes with ``jax.jit``."""
+    in the fixed order of :mod:`precisionlab.train._deterministic`; composes with
+    ``jax.jit``."""
     return intercept(fn, _FixedOrder())
