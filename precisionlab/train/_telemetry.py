@@ -345,7 +345,8 @@ def telemetry_rows(
 
         {"step", "kind": "matmul" | "op" | "param" | "grad" | "opt_state", "layer": the
          model layer (matmuls and ops: "layer3", see Site.layer) or leaf path, "site": the
-         interception site ("dot_general[1]", "integer_pow[0]"; matmuls and ops only),
+         interception site ("dot_general[1]", "conv_general_dilated[0]": kind "matmul";
+         "integer_pow[0]"; matmuls and ops only),
          "where": the source line that emitted it (matmuls and ops, where known),
          "tensor": "lhs" | "rhs" | "out" | "grad" (matmuls; ops: "out" | "grad"; "" otherwise),
          "n", "n_nan", "n_inf", "n_zero", "n_nonzero", "amax", "amin_nonzero",
@@ -369,7 +370,8 @@ def telemetry_rows(
                 continue  # an untaken cond branch or an unused while slot: no row
             if group == "matmul":
                 site, tensor, layer = key
-                kind = "matmul" if site.startswith(f"{boundary.DOT_GENERAL}[") else "op"
+                # a convolution is a product too: its operands are rows as a matmul's are
+                kind = "matmul" if site.split("[")[0] in boundary.PRODUCTS else "op"
                 row: dict[str, Any] = {"step": step, "kind": kind, "layer": layer}
                 row.update(site=site, tensor=tensor)
                 if where.get(site):

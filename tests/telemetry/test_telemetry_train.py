@@ -327,3 +327,23 @@ def test_outlier_features_flag_tensorwise_scaling_not_blockwise():
         assert lost(t["mxfp8"]) < lost(t["e4m3:tensor"]) / 3
         assert lost(t["e4m3:block32"]) < lost(t["e4m3:row"]) < lost(t["e4m3:tensor"])
     json.dumps(rows)  # the rows are JSON as written
+
+
+def test_a_convolution_s_rows_are_a_product_s():
+    """The built-in CNN's telemetry: a convolution's rows are kind "matmul" (its operands and
+    output, as a matmul's), never "op", whose tensors are only "out" and "grad"."""
+    cfg = TrainConfig(model="conv", data="digits", model_kwargs={"width": 4, "depth": 1},
+                      batch_size=8, steps=1, telemetry={"interval": 1})  # fmt: skip
+    setup = build(cfg)
+    tel = setup.options.telemetry
+    fn = make_telemetry_fn(normalize_loss_fn(setup.loss_fn), setup.policy, tel)
+    batch = next(iter(setup.data.batches(cfg.batch_size, seed=cfg.seed, start=0)))
+    params = jax.tree.map(lambda p: p.astype(jnp.float32), setup.params)
+    g32 = jax.tree.map(jnp.zeros_like, params)
+    opt_state, ls = setup.optimizer.init(params), setup.options.loss_scale
+    out = jax.device_get(jax.jit(fn)(params, opt_state, ls, g32, batch, jnp.int32(0)))
+    rows = telemetry_rows(out, fn.names, 1, tel.targets)
+    conv = [r for r in rows if r.get("site", "").startswith("conv_general_dilated[")]
+    assert conv and {r["kind"] for r in conv} == {"matmul"}
+    assert {r["tensor"] for r in conv} >= {"lhs", "rhs", "out"}
+    assert all(r["tensor"] in ("out", "grad") for r in rows if r["kind"] == "op")
