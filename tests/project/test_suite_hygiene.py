@@ -122,9 +122,32 @@ def test_tests_past_the_deadline_are_skipped_and_counted():
     assert f"{summary}; the first: {here}::" in out, out
 
 
+def test_the_mappings_hook_clears_caches_only_past_the_limit(monkeypatch):
+    """The hook's decision, on any system (the mapping count given): JAX's caches are cleared
+    past MAX_MAPPINGS and not below it, and the maps are read at most every 2 s. The effect
+    on a real process's mappings is the Linux-only test below."""
+    import conftest
+    import jax
+
+    cleared = []
+    monkeypatch.setattr(jax, "clear_caches", lambda: cleared.append(True))
+    monkeypatch.setattr(conftest, "memory_mappings", lambda: 500)
+    monkeypatch.setattr(conftest, "MAX_MAPPINGS", 1000)
+    monkeypatch.setattr(conftest, "_last_maps_check", [0.0])
+    conftest.pytest_runtest_teardown(None, None)
+    assert cleared == []
+    monkeypatch.setattr(conftest, "MAX_MAPPINGS", 100)
+    conftest.pytest_runtest_teardown(None, None)  # within 2 s of the last read: not read
+    assert cleared == []
+    monkeypatch.setattr(conftest, "_last_maps_check", [0.0])
+    conftest.pytest_runtest_teardown(None, None)
+    assert cleared == [True]
+
+
 @pytest.mark.skipif(
     not os.path.exists("/proc/self/maps"),
-    reason="Linux only: the hook counts the lines of /proc/self/maps, which this system lacks",
+    reason="Linux only: it measures the lines of /proc/self/maps, which this system lacks (the "
+    "hook's decision is tested on every system above)",
 )
 def test_compiled_programs_are_released_when_the_mappings_pile_up(monkeypatch):
     """Past MAX_MAPPINGS memory mappings the suite clears JAX's caches between tests (a worker
