@@ -38,6 +38,7 @@ from jax import lax
 
 from precisionlab import hardware
 from precisionlab.hardware._conv import from_params
+from precisionlab.hardware._gemm import BATCHED_GEMM_DIMS
 
 __all__ = [
     "DEFAULT",
@@ -78,8 +79,11 @@ def implicit_gemm(
     computed by ``model``: (G, M, K) patches times (G, O_g, K) kernel rows, batched over the
     groups; the result in the convolution's layout and ``out_dtype``."""
     plan = from_params(lhs.shape, rhs.shape, params)
-    dn = (((2,), (2,)), ((0,), (0,)))
-    gemm_params = {"dimension_numbers": dn, "precision": None, "preferred_element_type": None}
+    gemm_params = {
+        "dimension_numbers": BATCHED_GEMM_DIMS,
+        "precision": None,
+        "preferred_element_type": None,
+    }
     y = model(plan.patches(lhs), plan.kernel_rows(rhs), gemm_params, out_dtype)
     return plan.output(y)
 

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from precisionlab.hardware._gemm import dot_general
+from precisionlab.hardware._gemm import BATCHED_GEMM_DIMS, dot_general
 
 __all__ = ["ConvGemm", "conv_gemm", "conv_general_dilated"]
 
@@ -256,7 +256,7 @@ def conv_general_dilated(
         dimension_numbers=dimension_numbers, feature_group_count=feature_group_count,
         batch_group_count=batch_group_count,
     )  # fmt: skip
-    dn = (((2,), (2,)), ((0,), (0,)))
+    dn = BATCHED_GEMM_DIMS
     y = dot_general(
         plan.patches(lhs), plan.kernel_rows(rhs), dn, preset=preset, out_dtype=out_dtype,
         **gemm_kwargs,

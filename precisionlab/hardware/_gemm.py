@@ -24,7 +24,12 @@ from precisionlab.hardware._profiles import check_inputs
 from precisionlab.hardware._schedule import Schedule
 from precisionlab.hardware._step import Step
 
-__all__ = ["MEMORY_BUDGET", "check_gemm_size", "dot_general", "gemm"]
+__all__ = ["BATCHED_GEMM_DIMS", "MEMORY_BUDGET", "check_gemm_size", "dot_general", "gemm"]
+
+#: ``dot_general`` dimension numbers of a batched GEMM of (B, M, K) by (B, N, K) operands, both
+#: contracting their last axis: the layout of a recipe's canonical operands and of a
+#: convolution's patches and kernel rows (:class:`~precisionlab.hardware.ConvGemm`).
+BATCHED_GEMM_DIMS = (((2,), (2,)), ((0,), (0,)))
 
 EIGHT = ("float8_e4m3fn", "float8_e5m2")
 _SIXTEEN = ("float16", "bfloat16")

@@ -27,6 +27,7 @@ from jax import lax
 from jax.typing import ArrayLike
 
 from precisionlab import hardware
+from precisionlab.hardware._gemm import BATCHED_GEMM_DIMS
 from precisionlab.intercept import _boundary as boundary
 from precisionlab.recipes import _scaling as S
 from precisionlab.recipes._accumulate import batched_gemm
@@ -151,8 +152,7 @@ def _hardware_gemm(
     if jnp.dtype(da).itemsize != jnp.dtype(db).itemsize:
         raise ValueError(f"hardware GEMM of {jnp.dtype(da).name} x {jnp.dtype(db).name}")
     kw = hardware.preset(preset)
-    dn = (((2,), (2,)), ((0,), (0,)))
-    return hardware.dot_general(a, b, dn, **kw)
+    return hardware.dot_general(a, b, BATCHED_GEMM_DIMS, **kw)
 
 
 def _gemm(

@@ -37,6 +37,7 @@ import numpy as np
 from jax import lax
 
 from precisionlab.hardware._conv import from_params as conv_plan
+from precisionlab.hardware._gemm import BATCHED_GEMM_DIMS
 from precisionlab.intercept import Context, intercept
 from precisionlab.intercept import _boundary as boundary
 
@@ -118,10 +119,6 @@ def _floating(x: Any) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating)
 
 
-#: The batched GEMM of a convolution's patches (G, M, K) and kernel rows (G, O_g, K).
-_CONV_GEMM = (((2,), (2,)), ((0,), (0,)))
-
-
 @dataclasses.dataclass(frozen=True)
 class _FixedOrder:
     """The interception rule: floating ``dot_general``, ``conv_general_dilated`` (the GEMM over
@@ -140,7 +137,7 @@ class _FixedOrder:
         if ctx.site.primitive == boundary.CONV:
             lhs, rhs = operands
             plan = conv_plan(lhs.shape, rhs.shape, params)
-            y = pairwise_dot(plan.patches(lhs), plan.kernel_rows(rhs), _CONV_GEMM, out_dtype)
+            y = pairwise_dot(plan.patches(lhs), plan.kernel_rows(rhs), BATCHED_GEMM_DIMS, out_dtype)
             return [plan.output(y)]
         return [pairwise_sum(operands[0], params["axes"]).astype(out_dtype)]
 

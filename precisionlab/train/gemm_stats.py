@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from precisionlab.hardware import ConvGemm
+from precisionlab.hardware._gemm import BATCHED_GEMM_DIMS
 from precisionlab.intercept import Context, intercept
 from precisionlab.mixed._policy import Policy, cast_floating
 from precisionlab.recipes import dot_general
@@ -83,16 +84,12 @@ def _sums(h: jax.Array, q1: jax.Array, q2: jax.Array) -> jax.Array:
     )
 
 
-#: The batched GEMM of a convolution's patches (G, M, K) and kernel rows (G, O_g, K).
-_CONV_GEMM = (((2,), (2,)), ((0,), (0,)))
-
-
 @dataclasses.dataclass(frozen=True)
 class _StatsRule(TapRule):
     def tap(self, ctx: Context, params: dict, plan: ConvGemm | None) -> tuple[Dot, Sums]:
         recipe, pet = self.recipe, params.get("preferred_element_type")
         # the high-precision product's GEMM: a convolution's over its patches
-        dn = _CONV_GEMM if plan is not None else params["dimension_numbers"]
+        dn = BATCHED_GEMM_DIMS if plan is not None else params["dimension_numbers"]
         rstate = ctx.state.get("recipe")
         key = ctx.site_key()
 

@@ -29,6 +29,7 @@ from jax import lax
 from jax.typing import ArrayLike
 
 from precisionlab import hardware, recipes
+from precisionlab.hardware._gemm import BATCHED_GEMM_DIMS
 from precisionlab.recipes import _scaling as S
 from precisionlab.verify._tape import compact
 
@@ -46,7 +47,6 @@ __all__ = [
 
 #: Names a dump's ``hardware`` may take: every preset and alias, and ``"xla-cpu"``.
 HARDWARE_MODELS: tuple[str, ...] = ("xla-cpu", *hardware.PRESETS, *hardware.PRESET_ALIASES)
-_BDIMS = (((2,), (2,)), ((0,), (0,)))
 
 
 class NotModelled(Exception):
@@ -207,7 +207,7 @@ def native_gemm(
 ) -> np.ndarray:
     """(B, M, K) x (B, N, K) typed elements by ``model`` (float32 out), times the row
     factors (float32, as the recorded run multiplied them)."""
-    acc = model_gemm(a, b, _BDIMS, model, pet="float32")
+    acc = model_gemm(a, b, BATCHED_GEMM_DIMS, model, pet="float32")
     return acc if factor is None else np.asarray(jnp.asarray(acc) * jnp.asarray(factor))
 
 
@@ -245,4 +245,4 @@ def bf16_gemm(a32: np.ndarray, b32: np.ndarray, model: str) -> np.ndarray:
     b = jnp.asarray(b32, jnp.float32).astype(jnp.bfloat16)
     if model.startswith("float32"):
         return hp_gemm(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
-    return model_gemm(a, b, _BDIMS, model, pet="float32")
+    return model_gemm(a, b, BATCHED_GEMM_DIMS, model, pet="float32")

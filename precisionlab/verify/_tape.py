@@ -22,6 +22,7 @@ from jax import lax
 
 from precisionlab import recipes
 from precisionlab.hardware._conv import from_params as conv_plan
+from precisionlab.hardware._gemm import BATCHED_GEMM_DIMS
 from precisionlab.intercept import Context, Emit
 from precisionlab.intercept import _boundary as boundary
 from precisionlab.recipes import _scaling as S
@@ -272,7 +273,7 @@ def native_gemm(
     db = element_format(recipe, kinds[1])
     a = qa.elems.astype(jnp.dtype(da))
     b = qb.elems.astype(jnp.dtype(db))
-    acc = lax.dot_general(a, b, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32)
+    acc = lax.dot_general(a, b, BATCHED_GEMM_DIMS, preferred_element_type=jnp.float32)
     factor = qa.output_factor(qb)
     return acc if factor is None else acc * factor
 
