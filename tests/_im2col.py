@@ -1,6 +1,7 @@
 """A 2-D convolution's GEMM operands made by hand, for oracles that must not use the code under
 test (:class:`precisionlab.hardware.ConvGemm`): NCHW input, OIHW kernel, NCHW output, feature
-groups; K = (kernel taps, then the group's input channels fastest)."""
+groups; K = (kernel taps, then the group's input channels fastest). Beside them, the rowwise
+recipe's E4M3 quantization recounted with ml_dtypes, which the oracles measure them with."""
 
 from __future__ import annotations
 
@@ -40,3 +41,17 @@ def gemm_output(y: np.ndarray, groups: int) -> np.ndarray:
     """(G, M, O_g): an NCHW output (or its gradient) with each group's channels as columns."""
     n, o, ho, wo = y.shape
     return y.transpose(0, 2, 3, 1).reshape(n * ho * wo, groups, o // groups).transpose(1, 0, 2)
+
+
+def rowwise_e4m3(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rowwise recipe's quantization of float32 rows (..., K), recounted with ml_dtypes:
+    per row a power-of-two scale 2**floor(log2(448 / max(amax, 1e-12))), E4M3 elements cast
+    saturating. Returns float64 (rows, element values, scales (..., 1)); dequantized:
+    elements / scales."""
+    import ml_dtypes
+
+    rows = rows.astype(np.float64)
+    amax = np.maximum(np.abs(rows).max(axis=-1, keepdims=True), 1e-12)
+    scale = 2.0 ** np.floor(np.log2(448.0 / amax))
+    elems = np.clip(rows * scale, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return rows, elems, scale

@@ -213,13 +213,9 @@ def test_autoswitch_statistics_match_an_ml_dtypes_recount():
 
 
 def _rowwise_stats(rows: np.ndarray) -> tuple[float, float]:
-    """(underflow, mse) of float32 rows (..., K) under the rowwise recipe, recounted with
-    ml_dtypes: per row a power-of-two scale 2**floor(log2(448 / max(amax, 1e-12))), E4M3
-    elements cast saturating; mse over every element, padding zeros included."""
-    rows = rows.astype(np.float64)
-    amax = np.maximum(np.abs(rows).max(axis=-1, keepdims=True), 1e-12)
-    scale = 2.0 ** np.floor(np.log2(448.0 / amax))
-    elems = np.clip(rows * scale, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    """(underflow, mse) of float32 rows under the rowwise recipe (tests/_im2col.py's recount);
+    mse over every element, padding zeros included."""
+    rows, elems, scale = im2col.rowwise_e4m3(rows)
     nz = rows != 0
     return np.sum(nz & (elems == 0)) / np.sum(nz), np.mean((rows - elems / scale) ** 2)
 
